@@ -1,0 +1,24 @@
+"""pipeswift_lab: a Jupyter-native lab for pipeline-parallel training that optimizes job completion time.
+
+``%load_ext pipeswift_lab`` registers the IPython magics. Heavy optional libraries
+(IPython, ipywidgets, matplotlib, seaborn) are imported only by the functions that use them.
+"""
+from __future__ import annotations
+
+from . import models
+from ._checks import SCHEDULES
+from .analytic import activation_memory_bytes, bubble_overhead, bubble_ratio, inflight_microbatches, step_ms
+from .jct import JCT
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "SCHEDULES",
+    "JCT",
+    "activation_memory_bytes",
+    "bubble_overhead",
+    "bubble_ratio",
+    "inflight_microbatches",
+    "models",
+    "step_ms",
+]

@@ -1,0 +1,84 @@
+"""Argument validation shared by every module, and the schedule vocabulary of
+``torch.distributed.pipelining``.
+
+Every check raises ``ValueError``/``TypeError`` whose message names the argument,
+the bad value and what is valid (DESIGN.md, "Conventions"). Nothing is clamped.
+"""
+from __future__ import annotations
+
+import math
+import numbers
+
+#: Schedule names, spelled as ``torch.distributed.pipelining`` spells them.
+SCHEDULES = (
+    "GPipe",
+    "1F1B",
+    "Interleaved1F1B",
+    "LoopedBFS",
+    "InterleavedZeroBubble",
+    "ZBVZeroBubble",
+    "DualPipeV",
+)
+#: Schedules that place several stages ("chunks", ``v``) on every rank.
+MULTI_CHUNK_SCHEDULES = ("Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
+#: Schedules whose chunks go to ranks in a V shape and need exactly two per rank.
+V_SHAPE_SCHEDULES = ("ZBVZeroBubble", "DualPipeV")
+#: Schedules that split the backward into input-grad (I) and weight-grad (W).
+ZERO_BUBBLE_SCHEDULES = ("InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
+
+_BY_LOWER = {name.lower(): name for name in SCHEDULES}
+
+
+def canonical_schedule(schedule: str) -> str:
+    """Return the canonical spelling of ``schedule`` (case-insensitive match)."""
+    if not isinstance(schedule, str):
+        raise TypeError(f"schedule must be a str, one of {list(SCHEDULES)}; got {type(schedule).__name__} {schedule!r}")
+    key = schedule.lower().replace("_", "").replace("-", "")
+    if key == "schedule1f1b":
+        key = "1f1b"
+    for prefix in ("schedule",):
+        if key.startswith(prefix) and key[len(prefix):] in _BY_LOWER:
+            key = key[len(prefix):]
+    if key not in _BY_LOWER:
+        raise ValueError(f"schedule={schedule!r} is not known; valid schedules are {list(SCHEDULES)} (case-insensitive)")
+    return _BY_LOWER[key]
+
+
+def check_schedule_v(schedule: str, v: int) -> tuple[str, int]:
+    """Validate the chunks-per-rank ``v`` a schedule allows; return ``(schedule, v)``.
+
+    Single-stage schedules need ``v=1``, V-shape schedules exactly ``v=2``, and the
+    other multi-chunk schedules any ``v >= 1`` (torch accepts one chunk per rank too).
+    """
+    schedule = canonical_schedule(schedule)
+    v = check_int("v", v, minimum=1)
+    if schedule in ("GPipe", "1F1B") and v != 1:
+        raise ValueError(f"v={v} is not allowed for schedule={schedule!r}, which runs one stage per rank; use v=1")
+    if schedule in V_SHAPE_SCHEDULES and v != 2:
+        raise ValueError(f"v={v} is not allowed for schedule={schedule!r}, which places exactly 2 stages per rank in a V; use v=2")
+    return schedule, v
+
+
+def check_int(name: str, value, minimum: int | None = None, maximum: int | None = None) -> int:
+    """Return ``value`` as an int, refusing bools, floats and values out of range."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name} must be an integer; got {type(value).__name__} {value!r}")
+    value = int(value)
+    if minimum is not None and value < minimum:
+        raise ValueError(f"{name}={value} is invalid; it must be >= {minimum}")
+    if maximum is not None and value > maximum:
+        raise ValueError(f"{name}={value} is invalid; it must be <= {maximum}")
+    return value
+
+
+def check_time(name: str, value, allow_zero: bool = True) -> float:
+    """Return ``value`` as a finite float that is ``>= 0`` (``> 0`` if not ``allow_zero``)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a real number; got {type(value).__name__} {value!r}")
+    value = float(value)
+    if math.isnan(value) or math.isinf(value):
+        raise ValueError(f"{name}={value} is invalid; it must be a finite number")
+    if value < 0 or (value == 0 and not allow_zero):
+        bound = ">= 0" if allow_zero else "> 0"
+        raise ValueError(f"{name}={value} is invalid; it must be {bound}")
+    return value

@@ -1,0 +1,36 @@
+"""Rich notebook display shared by every result type: a short summary over a table."""
+from __future__ import annotations
+
+import html
+
+import pandas as pd
+
+
+def format_value(value) -> str:
+    """Human-readable form of a summary value (floats to 4 significant digits)."""
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    return str(value)
+
+
+def html_card(title: str, summary: dict, df: pd.DataFrame | None = None, max_rows: int = 20) -> str:
+    """Return HTML with ``title``, the ``summary`` key/value pairs and the first ``max_rows`` rows of ``df``."""
+    items = "".join(
+        f"<tr><th style='text-align:left'>{html.escape(str(k))}</th><td style='text-align:left'>{html.escape(format_value(v))}</td></tr>"
+        for k, v in summary.items()
+    )
+    out = [f"<div class='pipeswift'><strong>{html.escape(title)}</strong>", f"<table>{items}</table>"]
+    if df is not None:
+        shown = df.head(max_rows)
+        out.append(shown.to_html(index=False, float_format=lambda x: f"{x:.4g}", border=0))
+        if len(df) > max_rows:
+            out.append(f"<em>… {len(df) - max_rows} more rows; see <code>.df</code></em>")
+    out.append("</div>")
+    return "\n".join(out)
+
+
+def text_card(title: str, summary: dict) -> str:
+    """Plain-text form of :func:`html_card`'s summary, for ``__repr__`` and the CLI."""
+    width = max((len(str(k)) for k in summary), default=0)
+    lines = [title] + [f"  {str(k).ljust(width)}  {format_value(v)}" for k, v in summary.items()]
+    return "\n".join(lines)

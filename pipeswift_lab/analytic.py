@@ -1,0 +1,164 @@
+"""Closed forms of pipeline bubbles and in-flight activation memory.
+
+Two conventions of "bubble" exist and both are quoted in the literature; this module
+names them apart so nobody mixes them:
+
+* :func:`bubble_ratio` — the share of a training step that a stage sits idle,
+  ``(P-1)/(m+P-1)`` for GPipe (Huang et al., *GPipe*, NeurIPS 2019).
+* :func:`bubble_overhead` — bubble time over ideal compute time, ``(P-1)/m`` for 1F1B
+  and ``(P-1)/(v*m)`` for the interleaved schedule with ``v`` chunks per rank
+  (Narayanan et al., *Efficient Large-Scale Language Model Training on GPU Clusters
+  Using Megatron-LM*, SC 2021).
+
+The two are tied by ``ratio = overhead / (1 + overhead)``.
+
+Zero-bubble schedules split the backward into an input-gradient part ``I`` and a
+weight-gradient part ``W`` whose deferral fills the bubble (Qi et al., *Zero Bubble
+Pipeline Parallelism*, ICLR 2024; Qi et al., *Pipeline Parallelism with Controllable
+Memory*, NeurIPS 2024; DeepSeek-AI, *DeepSeek-V3 Technical Report*, 2024, for
+DualPipe). Their closed forms below are the papers' bubble terms for equal stages;
+:func:`pipeswift_lab.simulate` replays torch's exact action order with real durations
+and is the reference for anything else.
+
+Times are per rank and per micro-batch: ``fwd_ms`` is a rank's whole forward of one
+micro-batch (all its chunks together), ``bwd_ms`` its whole backward, split as
+``igrad_ms + wgrad_ms`` for zero-bubble schedules.
+"""
+from __future__ import annotations
+
+from ._checks import (
+    ZERO_BUBBLE_SCHEDULES,
+    check_int,
+    check_schedule_v,
+    check_time,
+)
+
+#: Share of the backward that is the weight gradient when nothing better is known.
+#: For a linear layer ``y = x W`` the input gradient and the weight gradient are one
+#: matmul each of the same size, so an even split is the natural default.
+DEFAULT_WGRAD_FRACTION = 0.5
+
+_ZB_WGRAD_MULTIPLIER = {"InterleavedZeroBubble": 1.0, "ZBVZeroBubble": 2.0, "DualPipeV": 2.0}
+
+
+def _check_pm(P, m):
+    return check_int("P", P, minimum=1), check_int("m", m, minimum=1)
+
+
+def _bubble_time_over_unit(P, m, schedule, v, fwd_ms, bwd_ms, wgrad_ms):
+    """Return ``(bubble_ms, compute_ms)`` of one step on the busiest rank."""
+    P, m = _check_pm(P, m)
+    schedule, v = check_schedule_v(schedule, v)
+    fwd_ms = check_time("fwd_ms", fwd_ms)
+    bwd_ms = check_time("bwd_ms", bwd_ms)
+    if wgrad_ms is None:
+        wgrad_ms = DEFAULT_WGRAD_FRACTION * bwd_ms
+    wgrad_ms = check_time("wgrad_ms", wgrad_ms)
+    if wgrad_ms > bwd_ms:
+        raise ValueError(f"wgrad_ms={wgrad_ms} is invalid; it is the weight-grad part of bwd_ms={bwd_ms} and must be <= it")
+    if fwd_ms + bwd_ms == 0:
+        raise ValueError("fwd_ms + bwd_ms must be > 0; a step with no compute has no bubble ratio")
+    compute_ms = m * (fwd_ms + bwd_ms)
+    if schedule in ("GPipe", "1F1B"):
+        bubble_ms = (P - 1) * (fwd_ms + bwd_ms)
+    elif schedule in ("Interleaved1F1B", "LoopedBFS"):
+        bubble_ms = (P - 1) * (fwd_ms + bwd_ms) / v
+    else:  # zero-bubble family: W deferred into the bubble
+        igrad_ms = bwd_ms - wgrad_ms
+        k = _ZB_WGRAD_MULTIPLIER[schedule]
+        bubble_ms = (P - 1) * max(0.0, fwd_ms + igrad_ms - k * wgrad_ms) / v
+    return bubble_ms, compute_ms
+
+
+def bubble_overhead(P, m, schedule="1F1B", v=1, fwd_ms=1.0, bwd_ms=2.0, wgrad_ms=None) -> float:
+    """Bubble time over ideal compute time of one step (Megatron-LM's convention).
+
+    Returns ``(P-1)/m`` for GPipe and 1F1B, ``(P-1)/(v*m)`` for Interleaved1F1B and
+    LoopedBFS, and for the zero-bubble schedules ``(P-1)*max(0, F+I-k*W)/(v*m*(F+I+W))``
+    with ``k=1`` for InterleavedZeroBubble (ZB-H1) and ``k=2`` for ZBVZeroBubble and
+    DualPipeV (ZB-V / ZB1P). ``fwd_ms``, ``bwd_ms`` and ``wgrad_ms`` only matter for the
+    zero-bubble family; ``wgrad_ms`` defaults to ``DEFAULT_WGRAD_FRACTION * bwd_ms``.
+    """
+    bubble_ms, compute_ms = _bubble_time_over_unit(P, m, schedule, v, fwd_ms, bwd_ms, wgrad_ms)
+    return bubble_ms / compute_ms
+
+
+def bubble_ratio(P, m, schedule="GPipe", v=1, fwd_ms=1.0, bwd_ms=2.0, wgrad_ms=None) -> float:
+    """Share of one step that a stage sits idle (GPipe's convention).
+
+    Returns ``(P-1)/(m+P-1)`` for GPipe and 1F1B, ``(P-1)/(v*m+P-1)`` for the
+    interleaved schedules, and ``overhead/(1+overhead)`` in general, where
+    ``overhead`` is :func:`bubble_overhead` of the same arguments.
+
+    >>> round(bubble_ratio(8, 16), 3), round(bubble_ratio(4, 16), 3)
+    (0.304, 0.158)
+    """
+    bubble_ms, compute_ms = _bubble_time_over_unit(P, m, schedule, v, fwd_ms, bwd_ms, wgrad_ms)
+    return bubble_ms / (bubble_ms + compute_ms)
+
+
+def step_ms(P, m, schedule="1F1B", v=1, fwd_ms=1.0, bwd_ms=2.0, wgrad_ms=None) -> float:
+    """Closed-form step time with equal stages and free communication: compute plus bubble.
+
+    ``fwd_ms`` and ``bwd_ms`` are one rank's forward and backward of one micro-batch.
+    """
+    bubble_ms, compute_ms = _bubble_time_over_unit(P, m, schedule, v, fwd_ms, bwd_ms, wgrad_ms)
+    return bubble_ms + compute_ms
+
+
+def inflight_microbatches(P, m, schedule="1F1B", v=1) -> list[float]:
+    """Peak number of micro-batches whose activations a rank holds, one entry per rank.
+
+    Counted in whole-rank micro-batches: with ``v`` chunks per rank a chunk's
+    activations count ``1/v``. GPipe and LoopedBFS hold all ``m`` everywhere;
+    1F1B holds ``min(m, P-r)`` on rank ``r``; Interleaved1F1B and InterleavedZeroBubble
+    hold torch's warm-up count plus one, ``(v-1)*m_round + 2*(P-1-r) + 1`` chunks
+    (``m_round = m / max(1, m // P)`` micro-batches per round, as in torch's
+    ``ScheduleInterleaved1F1B``); ZBVZeroBubble holds ``min(m, P)`` and DualPipeV
+    ``min(m, P+1)`` on every rank, the V shape evening memory out (Qi et al. 2024;
+    DeepSeek-V3 report, Table 2).
+    """
+    P, m = _check_pm(P, m)
+    schedule, v = check_schedule_v(schedule, v)
+    if schedule == "GPipe" or schedule == "LoopedBFS":
+        return [float(m)] * P
+    if schedule == "1F1B":
+        return [float(min(m, P - r)) for r in range(P)]
+    if schedule in ("Interleaved1F1B", "InterleavedZeroBubble"):
+        rounds = max(1, m // P)
+        per_round = m // rounds
+        out = []
+        for r in range(P):
+            chunks = min(m * v, (v - 1) * per_round + 2 * (P - 1 - r) + 1)
+            out.append(chunks / v)
+        return out
+    if schedule == "ZBVZeroBubble":
+        return [float(min(m, P))] * P
+    return [float(min(m, P + 1))] * P  # DualPipeV
+
+
+def activation_memory_bytes(P, m, activation_bytes, schedule="1F1B", v=1) -> list[float]:
+    """Peak activation memory of each rank: in-flight micro-batches times bytes per micro-batch.
+
+    ``activation_bytes`` is what one rank saves for backward per micro-batch (a
+    number for equal stages, or one number per rank). Returns one value per rank.
+    """
+    counts = inflight_microbatches(P, m, schedule, v)
+    if isinstance(activation_bytes, (list, tuple)):
+        if len(activation_bytes) != len(counts):
+            raise ValueError(f"activation_bytes has {len(activation_bytes)} entries; it needs one per rank, P={len(counts)}")
+        per_rank = [check_time(f"activation_bytes[{r}]", a) for r, a in enumerate(activation_bytes)]
+    else:
+        per_rank = [check_time("activation_bytes", activation_bytes)] * len(counts)
+    return [c * a for c, a in zip(counts, per_rank)]
+
+
+__all__ = [
+    "DEFAULT_WGRAD_FRACTION",
+    "ZERO_BUBBLE_SCHEDULES",
+    "bubble_ratio",
+    "bubble_overhead",
+    "step_ms",
+    "inflight_microbatches",
+    "activation_memory_bytes",
+]
