@@ -1,0 +1,113 @@
+"""Interactive explorers for notebooks, built on ipywidgets.
+
+Each explorer keeps its state readable (``.P``, ``.m``, ``.schedule``, ``.result``) so a
+test drives it headlessly by setting slider values, exactly as a user drags them.
+ipywidgets and matplotlib are imported when an explorer is built, not at package import.
+"""
+from __future__ import annotations
+
+from . import analytic
+from ._checks import SCHEDULES, V_SHAPE_SCHEDULES, check_schedule_v
+
+
+class BubbleExplorer:
+    """Sliders for P and m, a schedule dropdown and a v slider, redrawing the bubble curve.
+
+    ``.result`` holds the numbers for the current setting: both bubble conventions and
+    the in-flight micro-batches of the first rank (the activation-memory multiplier).
+    """
+
+    def __init__(self, P=4, m=8, schedule="1F1B", v=1, max_P=32, max_m=128):
+        import ipywidgets as w
+
+        schedule, v = check_schedule_v(schedule, v)
+        self._P = w.IntSlider(value=P, min=1, max=max_P, description="P (stages)", continuous_update=False)
+        self._m = w.IntSlider(value=m, min=1, max=max_m, description="m (micro-batches)", continuous_update=False, style={"description_width": "initial"})
+        self._schedule = w.Dropdown(options=list(SCHEDULES), value=schedule, description="schedule")
+        self._v = w.IntSlider(value=v, min=1, max=8, description="v (chunks/rank)", continuous_update=False, style={"description_width": "initial"})
+        self._numbers = w.HTML()
+        self._figure = w.Output()
+        for control in (self._P, self._m, self._schedule, self._v):
+            control.observe(self._on_change, names="value")
+        self.widget = w.VBox([w.HBox([self._P, self._m]), w.HBox([self._schedule, self._v]), self._numbers, self._figure])
+        self.result: dict = {}
+        self._sync_v()
+        self._update()
+
+    # Readable state: what the sliders say now.
+    P = property(lambda self: self._P.value, lambda self, value: setattr(self._P, "value", value))
+    m = property(lambda self: self._m.value, lambda self, value: setattr(self._m, "value", value))
+    schedule = property(lambda self: self._schedule.value, lambda self, value: setattr(self._schedule, "value", value))
+    v = property(lambda self: self._v.value, lambda self, value: setattr(self._v, "value", value))
+
+    def _sync_v(self):
+        """Pin ``v`` where the schedule fixes it: 1 for single-stage schedules, 2 for V shapes."""
+        if self.schedule in ("GPipe", "1F1B"):
+            self._v.value, self._v.disabled = 1, True
+        elif self.schedule in V_SHAPE_SCHEDULES:
+            self._v.value, self._v.disabled = 2, True
+        else:
+            self._v.disabled = False
+
+    def _on_change(self, change):
+        if change["owner"] is self._schedule:
+            self._sync_v()
+        self._update()
+
+    def _update(self):
+        P, m, schedule, v = self.P, self.m, self.schedule, self.v
+        self.result = {
+            "P": P,
+            "m": m,
+            "schedule": schedule,
+            "v": v,
+            "bubble_ratio": analytic.bubble_ratio(P, m, schedule, v),
+            "bubble_overhead": analytic.bubble_overhead(P, m, schedule, v),
+            "inflight_rank0": analytic.inflight_microbatches(P, m, schedule, v)[0],
+        }
+        r = self.result
+        self._numbers.value = (
+            f"<b>{schedule}</b>, P={P}, m={m}, v={v}: idle share of the step (bubble_ratio) "
+            f"<b>{r['bubble_ratio']:.3f}</b>; bubble over compute (bubble_overhead) <b>{r['bubble_overhead']:.3f}</b>; "
+            f"rank 0 holds <b>{r['inflight_rank0']:g}</b> micro-batches of activations."
+        )
+        self._draw()
+
+    def _draw(self):
+        import matplotlib.pyplot as plt
+
+        self._figure.clear_output(wait=True)
+        with self._figure:
+            ax = plot_bubble_curve([self.P], schedule=self.schedule, v=self.v, m_max=max(64, 2 * self.m))
+            ax.scatter([self.m], [self.result["bubble_ratio"]], color="black", zorder=5, label=f"m={self.m}")
+            ax.legend(fontsize="small")
+            plt.show()
+
+    def _ipython_display_(self):
+        from IPython.display import display
+
+        display(self.widget)
+
+
+def plot_bubble_curve(Ps=(2, 4, 8, 16), schedule="1F1B", v=1, m_max=64, convention="ratio", ax=None):
+    """Bubble against m (1 … ``m_max``) for each P in ``Ps``; ``convention`` is "ratio" or "overhead". Returns the Axes."""
+    from .plot import get_ax
+
+    if convention not in ("ratio", "overhead"):
+        raise ValueError(f"convention={convention!r} is not valid; use 'ratio' (idle share of the step) or 'overhead' (bubble over compute)")
+    formula = analytic.bubble_ratio if convention == "ratio" else analytic.bubble_overhead
+    ax = get_ax(ax)
+    ms = list(range(1, m_max + 1))
+    for P in Ps:
+        ax.plot(ms, [formula(P, m, schedule, v) for m in ms], label=f"P={P}")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("micro-batches m")
+    ax.set_ylabel("bubble_ratio (idle share)" if convention == "ratio" else "bubble_overhead (bubble / compute)")
+    ax.set_title(f"{schedule}" + (f", v={v}" if v > 1 else ""))
+    ax.legend(fontsize="small")
+    return ax
+
+
+def bubble_explorer(P=4, m=8, schedule="1F1B", v=1) -> BubbleExplorer:
+    """Return a :class:`BubbleExplorer`; display it in a notebook cell to use the sliders."""
+    return BubbleExplorer(P=P, m=m, schedule=schedule, v=v)
