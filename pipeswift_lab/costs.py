@@ -1,0 +1,209 @@
+"""Cost models of the JCT terms outside the training steps: queue, assembly, cleanup, preemption.
+
+The planner (:mod:`pipeswift_lab.planner`) adds these to the simulated training term.
+Every default is stated here and every model can be calibrated or replaced:
+
+* :class:`Availability` — free GPUs over time, a step function; the queue term is the
+  wait until a configuration's GPUs are free.
+* :class:`AssemblyModel` — start-up cost from launch to the first step, by stages and
+  replicas; :meth:`AssemblyModel.calibrate` fits it to the runner's measured ``jct.assembly_s``.
+* :class:`CheckpointModel` — checkpoint write and restore times; the final save is cleanup.
+* :func:`young_daly_interval_s` and :func:`preemption_loss_s` — the checkpoint interval
+  τ ≈ √(2·C·MTBF) (Young, *A first order approximation to the optimum checkpoint
+  interval*, CACM 1974; Daly, *A higher order estimate of the optimum checkpoint
+  interval for restart dumps*, FGCS 2006) and the expected time lost to preemptions.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from ._checks import check_int, check_time
+
+
+@dataclass(frozen=True)
+class Availability:
+    """Free GPUs over time: ``points`` are ``(seconds_from_now, free_gpus)`` pairs, a step function.
+
+    ``Availability([(0, 16), (7200, 32)])`` means 16 GPUs are free now and 32 from two
+    hours on. After the last point the last count holds.
+    """
+
+    points: tuple
+
+    def __init__(self, points):
+        if isinstance(points, Availability):
+            points = points.points
+        try:
+            pairs = [tuple(p) for p in points]
+        except TypeError:
+            raise TypeError(f"availability must be (seconds_from_now, free_gpus) pairs, e.g. [(0, 16), (7200, 32)]; got {points!r}") from None
+        if not pairs:
+            raise ValueError("availability is empty; give at least one (seconds_from_now, free_gpus) pair, e.g. [(0, 16)]")
+        checked = []
+        for i, pair in enumerate(pairs):
+            if len(pair) != 2:
+                raise ValueError(f"availability[{i}]={pair!r} is not a (seconds_from_now, free_gpus) pair")
+            t = check_time(f"availability[{i}] seconds_from_now", pair[0])
+            n = check_int(f"availability[{i}] free_gpus", pair[1], minimum=0)
+            checked.append((t, n))
+        times = [t for t, _ in checked]
+        if times != sorted(times) or len(set(times)) != len(times):
+            raise ValueError(f"availability times must be strictly increasing; got {times}")
+        if times[0] != 0:
+            raise ValueError(f"availability must start at seconds_from_now=0 (what is free now); it starts at {times[0]}")
+        object.__setattr__(self, "points", tuple(checked))
+
+    @classmethod
+    def now(cls, gpus: int) -> "Availability":
+        """``gpus`` free now and forever."""
+        return cls([(0, gpus)])
+
+    @property
+    def max_gpus(self) -> int:
+        """The most GPUs that are ever free."""
+        return max(n for _, n in self.points)
+
+    def wait_s(self, gpus: int) -> float:
+        """Seconds until ``gpus`` are free (``inf`` if never)."""
+        for t, n in self.points:
+            if n >= gpus:
+                return t
+        return math.inf
+
+    def free_at(self, seconds: float) -> int:
+        """Free GPUs at ``seconds`` from now."""
+        free = 0
+        for t, n in self.points:
+            if t <= seconds:
+                free = n
+        return free
+
+
+@dataclass(frozen=True)
+class AssemblyModel:
+    """Seconds from launch to the first training step: ``base_s + per_stage_s*P + per_gpu_s*P*D``.
+
+    Defaults describe a cluster start: 60 s for scheduling, container and process start
+    and rendezvous; 2 s per stage for building it, loading its shard and shape inference;
+    0.25 s per GPU for communicator set-up, which grows with the world size.
+    """
+
+    base_s: float = 60.0
+    per_stage_s: float = 2.0
+    per_gpu_s: float = 0.25
+
+    def __post_init__(self):
+        for name in ("base_s", "per_stage_s", "per_gpu_s"):
+            object.__setattr__(self, name, check_time(name, getattr(self, name)))
+
+    def seconds(self, P: int, D: int = 1) -> float:
+        """Predicted assembly time of ``P`` stages times ``D`` replicas."""
+        return self.base_s + self.per_stage_s * P + self.per_gpu_s * P * D
+
+    @classmethod
+    def calibrate(cls, measurements) -> "AssemblyModel":
+        """Fit ``base_s`` and ``per_stage_s`` to measured ``(P, assembly_s)`` pairs (or RunResults).
+
+        A RunResult counts as ``(its P, its jct.assembly_s)``. One measurement sets
+        ``base_s`` alone (keeping the default per-stage cost); several fit both by least
+        squares, clamped at zero slope. ``per_gpu_s`` is kept at 0: one machine cannot see it.
+        """
+        pairs = []
+        for item in measurements:
+            if hasattr(item, "jct") and hasattr(item, "partition"):
+                pairs.append((item.partition.P, item.jct.assembly_s))
+            else:
+                P, seconds = item
+                pairs.append((check_int("P", P, minimum=1), check_time("assembly_s", seconds)))
+        if not pairs:
+            raise ValueError("AssemblyModel.calibrate needs at least one (P, assembly_s) measurement")
+        default = cls()
+        Ps = [p for p, _ in pairs]
+        if len(set(Ps)) == 1:
+            mean_s = sum(s for _, s in pairs) / len(pairs)
+            per_stage = min(default.per_stage_s, mean_s / Ps[0])
+            return cls(base_s=mean_s - per_stage * Ps[0], per_stage_s=per_stage, per_gpu_s=0.0)
+        mean_P = sum(Ps) / len(Ps)
+        mean_s = sum(s for _, s in pairs) / len(pairs)
+        slope = sum((p - mean_P) * (s - mean_s) for p, s in pairs) / sum((p - mean_P) ** 2 for p in Ps)
+        slope = max(0.0, slope)
+        return cls(base_s=max(0.0, mean_s - slope * mean_P), per_stage_s=slope, per_gpu_s=0.0)
+
+
+@dataclass(frozen=True)
+class CheckpointModel:
+    """Checkpoint costs: every stage writes and reads its own shard in parallel.
+
+    ``write_GBps``/``read_GBps`` are per-stage storage bandwidths (defaults 1 and 2 GB/s,
+    a shared file system); ``teardown_s`` is process and communicator teardown (10 s).
+    """
+
+    write_GBps: float = 1.0
+    read_GBps: float = 2.0
+    teardown_s: float = 10.0
+
+    def __post_init__(self):
+        object.__setattr__(self, "write_GBps", check_time("write_GBps", self.write_GBps, allow_zero=False))
+        object.__setattr__(self, "read_GBps", check_time("read_GBps", self.read_GBps, allow_zero=False))
+        object.__setattr__(self, "teardown_s", check_time("teardown_s", self.teardown_s))
+
+    def save_s(self, largest_stage_bytes: float) -> float:
+        """Seconds to write a checkpoint whose largest stage shard has ``largest_stage_bytes``."""
+        return check_time("largest_stage_bytes", largest_stage_bytes) / (self.write_GBps * 1e9)
+
+    def restore_s(self, largest_stage_bytes: float) -> float:
+        """Seconds to read it back."""
+        return check_time("largest_stage_bytes", largest_stage_bytes) / (self.read_GBps * 1e9)
+
+    def cleanup_s(self, largest_stage_bytes: float) -> float:
+        """The final save plus teardown."""
+        return self.save_s(largest_stage_bytes) + self.teardown_s
+
+
+def young_daly_interval_s(checkpoint_s: float, mtbf_s: float) -> float:
+    """Young's optimal checkpoint interval √(2·C·MTBF) in seconds (Young 1974; Daly 2006)."""
+    checkpoint_s = check_time("checkpoint_s", checkpoint_s)
+    mtbf_s = check_time("mtbf_s", mtbf_s, allow_zero=False)
+    return math.sqrt(2.0 * checkpoint_s * mtbf_s)
+
+
+def preemption_loss_s(training_s: float, checkpoint_s: float, restart_s: float, mtbf_s: float, interval_s: float | None = None) -> float:
+    """Expected seconds lost to preemptions over ``training_s`` of work.
+
+    With checkpoints every ``interval_s`` (Young/Daly's τ by default) the loss is the
+    checkpoint overhead ``(training_s/τ)·C`` plus, for each of the expected
+    ``wall/MTBF`` preemptions, half an interval of redone work and ``restart_s``
+    (re-assembly and restore). ``wall`` is solved as the fixed point
+    ``wall = training_s + overhead + (wall/MTBF)·(τ/2 + restart_s)``; if a
+    preemption costs more than the MTBF, the job never finishes and ``inf`` is returned.
+    """
+    training_s = check_time("training_s", training_s)
+    checkpoint_s = check_time("checkpoint_s", checkpoint_s)
+    restart_s = check_time("restart_s", restart_s)
+    mtbf_s = check_time("mtbf_s", mtbf_s, allow_zero=False)
+    tau = young_daly_interval_s(checkpoint_s, mtbf_s) if interval_s is None else check_time("interval_s", interval_s, allow_zero=False)
+    if tau == 0:  # free checkpoints: checkpoint continuously, lose only restarts
+        overhead, redo = 0.0, 0.0
+    else:
+        overhead, redo = (training_s / tau) * checkpoint_s, tau / 2.0
+    per_failure = redo + restart_s
+    if per_failure >= mtbf_s:
+        return math.inf
+    wall = (training_s + overhead) / (1.0 - per_failure / mtbf_s)
+    return wall - training_s
+
+
+def allreduce_ms(nbytes: float, D: int, bandwidth_GBps: float, latency_ms: float = 0.0) -> float:
+    """Ring all-reduce time of ``nbytes`` over ``D`` replicas: ``2(D-1)/D·bytes/bw + 2(D-1)·latency``.
+
+    (Patarasuk and Yuan, *Bandwidth optimal all-reduce algorithms for clusters of
+    workstations*, JPDC 2009.) Zero for ``D = 1``.
+    """
+    nbytes = check_time("nbytes", nbytes)
+    D = check_int("D", D, minimum=1)
+    bandwidth_GBps = check_time("bandwidth_GBps", bandwidth_GBps, allow_zero=False)
+    latency_ms = check_time("latency_ms", latency_ms)
+    if D == 1:
+        return 0.0
+    return 2 * (D - 1) / D * nbytes / (bandwidth_GBps * 1e9) * 1e3 + 2 * (D - 1) * latency_ms
