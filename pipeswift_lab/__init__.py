@@ -9,16 +9,22 @@ from . import models
 from ._checks import SCHEDULES
 from .analytic import activation_memory_bytes, bubble_overhead, bubble_ratio, inflight_microbatches, step_ms
 from .jct import JCT
+from .magics import load_ipython_extension
+from .profile import Profile, profile, profile_step
 
 __version__ = "0.1.0"
 
 __all__ = [
     "SCHEDULES",
     "JCT",
+    "Profile",
     "activation_memory_bytes",
     "bubble_overhead",
     "bubble_ratio",
     "inflight_microbatches",
+    "load_ipython_extension",
     "models",
+    "profile",
+    "profile_step",
     "step_ms",
 ]

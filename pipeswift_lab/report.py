@@ -115,8 +115,44 @@ def section_jct_example(ctx: ReportContext) -> Section:
     return Section("Job completion time, not bubble", intro, [fig], {"jct_example": table, "jct_compare": JCT.compare(*jcts)}, summary)
 
 
+def reference_setup(ctx: ReportContext):
+    """The report's default job: the reference GPT on the CPU, micro-batch of 8 sequences."""
+    from . import models
+
+    return ctx.get("setup", lambda: models.reference("gpt", batch_size=4 if ctx.quick else 8))
+
+
+def reference_profile(ctx: ReportContext):
+    """The default job's measured per-layer profile (computed once per report)."""
+    from .profile import profile
+
+    def build():
+        setup = reference_setup(ctx)
+        repeats, warmup = (3, 1) if ctx.quick else (10, 3)
+        return profile(setup.model, setup.inputs, target=setup.targets, loss_fn=setup.loss_fn, warmup=warmup, repeats=repeats, progress=False)
+
+    return ctx.get("profile", build)
+
+
+def section_profile(ctx: ReportContext) -> Section:
+    """The reference GPT measured layer by layer on this machine."""
+    prof = reference_profile(ctx)
+    ax = prof.plot()
+    df = prof.df
+    heaviest = df.loc[df["total_ms"].idxmax(), "name"]
+    intro = (
+        f"<p>The reference GPT ({prof.n_layers} layers, batch shape {prof.meta.get('batch_shape')}) profiled in place "
+        f"on {prof.meta.get('device')}: each layer's forward and backward timed during a real training step, "
+        f"{prof.meta.get('repeats')} repeats. The layers cover {prof.coverage:.0%} of the measured step (the rest is the "
+        f"loss and glue between layers); the step varies by {prof.cv:.1%} run to run. "
+        f"The heaviest layer is <code>{heaviest}</code>.</p>"
+    )
+    summary = [f"profile: {prof.n_layers} layers, step {prof.step_ms:.1f} ms, coverage {prof.coverage:.0%}, cv {prof.cv:.1%}, heaviest {heaviest}"]
+    return Section("Per-layer profile", intro, [ax.figure], {"profile": df}, summary)
+
+
 #: Sections in report order. Later capabilities append theirs.
-SECTIONS = [section_bubbles, section_jct_example]
+SECTIONS = [section_bubbles, section_jct_example, section_profile]
 
 
 @dataclass(frozen=True)

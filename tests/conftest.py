@@ -1,0 +1,13 @@
+"""Fixtures shared by the unit tests."""
+import pytest
+import torch
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """One intra-op thread for timing tests: on a shared 2-core machine OpenMP barriers wait for a
+    descheduled second thread and make even a tiny matmul take ~15 ms, noise far above the sleeps."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
