@@ -9,22 +9,38 @@ from . import models
 from ._checks import SCHEDULES
 from .analytic import activation_memory_bytes, bubble_overhead, bubble_ratio, inflight_microbatches, step_ms
 from .jct import JCT
+from .link import Link
 from .magics import load_ipython_extension
+from .partition import Partition, partition
 from .profile import Profile, profile, profile_step
+from .schedules import compute_orders
+from .simulate import ScheduleDeadlock, simulate
+from .sweep import explore, plot_sweep, sweep
+from .timeline import Timeline
 
 __version__ = "0.1.0"
 
 __all__ = [
     "SCHEDULES",
     "JCT",
+    "Link",
+    "Partition",
     "Profile",
+    "ScheduleDeadlock",
+    "Timeline",
     "activation_memory_bytes",
     "bubble_overhead",
     "bubble_ratio",
+    "compute_orders",
+    "explore",
     "inflight_microbatches",
     "load_ipython_extension",
     "models",
+    "partition",
+    "plot_sweep",
     "profile",
     "profile_step",
+    "simulate",
     "step_ms",
+    "sweep",
 ]

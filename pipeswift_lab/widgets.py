@@ -6,6 +6,8 @@ ipywidgets and matplotlib are imported when an explorer is built, not at package
 """
 from __future__ import annotations
 
+import html
+
 from . import analytic
 from ._checks import SCHEDULES, V_SHAPE_SCHEDULES, check_schedule_v
 
@@ -111,3 +113,97 @@ def plot_bubble_curve(Ps=(2, 4, 8, 16), schedule="1F1B", v=1, m_max=64, conventi
 def bubble_explorer(P=4, m=8, schedule="1F1B", v=1) -> BubbleExplorer:
     """Return a :class:`BubbleExplorer`; display it in a notebook cell to use the sliders."""
     return BubbleExplorer(P=P, m=m, schedule=schedule, v=v)
+
+
+class PipelineExplorer:
+    """P and m sliders, schedule and partition dropdowns over a profile; shows the Gantt chart and metrics.
+
+    Every change re-partitions and re-simulates (:func:`pipeswift_lab.sweep.explore`);
+    ``.partition``, ``.timeline`` and ``.result`` hold what is shown, and ``.error``
+    the message when torch refuses the combination (e.g. 1F1B with m < P).
+    """
+
+    def __init__(self, profile=None, P=2, m=4, schedule="1F1B", method="balanced"):
+        import ipywidgets as w
+
+        from .partition import METHODS
+
+        if profile is None:
+            from . import models
+            from .profile import profile as measure
+
+            setup = models.reference("gpt", batch_size=4)
+            profile = measure(setup.model, setup.inputs, target=setup.targets, loss_fn=setup.loss_fn, warmup=1, repeats=3, progress=False)
+        self.profile = profile
+        n_layers = len(profile.df)
+        from ._checks import canonical_schedule
+
+        schedule = canonical_schedule(schedule)
+        self._P = w.IntSlider(value=P, min=1, max=n_layers, description="P (ranks)", continuous_update=False)
+        self._m = w.IntSlider(value=m, min=1, max=64, description="m (micro-batches)", continuous_update=False, style={"description_width": "initial"})
+        self._schedule = w.Dropdown(options=list(SCHEDULES), value=schedule, description="schedule")
+        self._method = w.Dropdown(options=list(METHODS), value=method, description="partition")
+        self._numbers = w.HTML()
+        self._figure = w.Output()
+        for control in (self._P, self._m, self._schedule, self._method):
+            control.observe(lambda change: self._update(), names="value")
+        self.widget = w.VBox([w.HBox([self._P, self._m]), w.HBox([self._schedule, self._method]), self._numbers, self._figure])
+        self.partition = self.timeline = None
+        self.result: dict = {}
+        self.error: str | None = None
+        self._update()
+
+    P = property(lambda self: self._P.value, lambda self, value: setattr(self._P, "value", value))
+    m = property(lambda self: self._m.value, lambda self, value: setattr(self._m, "value", value))
+    schedule = property(lambda self: self._schedule.value, lambda self, value: setattr(self._schedule, "value", value))
+    method = property(lambda self: self._method.value, lambda self, value: setattr(self._method, "value", value))
+
+    def _update(self):
+        from .sweep import explore
+
+        try:
+            self.partition, self.timeline = explore(self.profile, self.P, self.m, self.schedule, self.method)
+        except ValueError as error:
+            self.partition = self.timeline = None
+            self.error, self.result = str(error), {}
+            self._numbers.value = f"<span style='color:#b00'>{html.escape(self.error)}</span>"
+            self._figure.clear_output()
+            return
+        self.error = None
+        tl, part = self.timeline, self.partition
+        self.result = {
+            "P": self.P,
+            "m": self.m,
+            "schedule": self.schedule,
+            "v": part.v,
+            "method": self.method,
+            "step_ms": tl.step_ms,
+            "bubble_ratio": tl.bubble_ratio,
+            "bottleneck_ms": part.bottleneck_ms,
+            "imbalance": part.imbalance,
+        }
+        r = self.result
+        self._numbers.value = (
+            f"<b>{r['schedule']}</b> (v={r['v']}), {r['method']} split of P={r['P']}, m={r['m']}: simulated step "
+            f"<b>{r['step_ms']:.4g} ms</b>, bubble_ratio <b>{r['bubble_ratio']:.3f}</b>, slowest stage "
+            f"{r['bottleneck_ms']:.4g} ms, imbalance {r['imbalance']:.2f}"
+        )
+        self._draw()
+
+    def _draw(self):
+        import matplotlib.pyplot as plt
+
+        self._figure.clear_output(wait=True)
+        with self._figure:
+            self.timeline.plot()
+            plt.show()
+
+    def _ipython_display_(self):
+        from IPython.display import display
+
+        display(self.widget)
+
+
+def pipeline_explorer(profile=None, P=2, m=4, schedule="1F1B", method="balanced") -> PipelineExplorer:
+    """Return a :class:`PipelineExplorer` over ``profile`` (default: the reference GPT measured here)."""
+    return PipelineExplorer(profile, P=P, m=m, schedule=schedule, method=method)

@@ -42,3 +42,27 @@ def test_bubble_curve_plot():
     assert ys[0] == pytest.approx(7.0) and ys[-1] == pytest.approx(7 / 16)
     with pytest.raises(ValueError, match="convention='idle'"):
         plot_bubble_curve(convention="idle")
+
+
+def test_pipeline_explorer_resimulates_on_every_change():
+    from pipeswift_lab import Profile
+    from pipeswift_lab.widgets import pipeline_explorer
+
+    prof = Profile.synthetic(fwd_ms=[1, 2, 3, 4, 1, 1], bwd_ms=[2, 4, 6, 8, 2, 2])
+    explorer = pipeline_explorer(prof, P=2, m=4)
+    # balanced halves: layers 0-2 (18 ms) and 3-5 (18 ms); 1F1B step (m + P - 1) * 18
+    assert explorer.partition.bounds == ((0, 3), (3, 6))
+    assert explorer.result["step_ms"] == pytest.approx(5 * 18)
+    assert explorer.result["bubble_ratio"] == pytest.approx(1 / 5)
+    explorer.P = 3
+    explorer.m = 2
+    assert explorer.error is not None and "needs m >= P" in explorer.error and explorer.timeline is None
+    assert "needs m &gt;= P" in explorer._numbers.value
+    explorer.m = 6
+    assert explorer.error is None and explorer.result["P"] == 3
+    assert len(explorer.timeline.df) == 2 * 3 * 6
+    explorer.method = "uniform"
+    assert explorer.partition.bounds == ((0, 2), (2, 4), (4, 6))
+    assert explorer.result["bottleneck_ms"] == pytest.approx(3 * (3 + 4))
+    explorer.schedule = "Interleaved1F1B"
+    assert explorer.result["v"] == 2 and len(explorer.partition.bounds) == 6

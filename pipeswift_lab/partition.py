@@ -1,0 +1,639 @@
+"""Stage splits of a profiled model: uniform, by parameters, or time-balanced; memory per stage.
+
+A pipeline cuts a model's ``L`` layers into ``K = P * v`` contiguous stages, ``v`` per rank.
+:func:`partition` offers three methods:
+
+* ``"uniform"`` — equal layer counts, the remainder spread over the first stages;
+* ``"params"`` — the contiguous split minimizing the largest stage's parameter count;
+* ``"balanced"`` — the contiguous split minimizing the slowest stage's forward+backward time,
+  plus, with a :class:`~pipeswift_lab.link.Link`, the transfers the stage sends (its output
+  activation forward, the gradient of its input backward). This is the linear-partition
+  (bottleneck) problem (Bokhari, *Partitioning problems in parallel, pipelined and
+  distributed computing*, IEEE Trans. Computers 1988); torchgpipe's ``balance_by_time``
+  (Kim et al., *torchgpipe*, 2020) solves it for additive costs. Here it is solved
+  **exactly** also with boundary transfers and memory caps: a bisection over the
+  bottleneck ``T`` whose feasibility test is a reachability DP over prefixes (stage ``k``
+  can end at layer ``b`` if some valid start ``a`` is reachable with ``k - 1`` stages and
+  ``cost(a, b) <= T``); a stage cost is ``U[b] - D[a]`` so the test is a prefix maximum,
+  ``O(K * L)`` numpy work. The bisection stops when the float just below the best
+  bottleneck found is infeasible, which certifies optimality. Among optimal splits, the
+  one returned keeps every stage close to the average of what precedes it.
+
+With ``v > 1`` the stages go to ranks round-robin (``s % P``), or in a V for
+``ZBVZeroBubble``/``DualPipeV`` (rank ``r`` holds stages ``r`` and ``2P-1-r``).
+
+Memory of a stage (bytes): ``param_bytes * (2 + k)`` — weights, gradients and ``k`` copies
+of optimizer state (:data:`OPTIMIZER_STATE_FACTOR`: Adam/AdamW keep two moments, ``k = 2``;
+plain SGD ``k = 0``; SGD with momentum ``k = 1``) — plus ``activation_bytes`` times the
+micro-batches its rank holds in flight under the schedule
+(:func:`pipeswift_lab.analytic.inflight_microbatches`, which needs ``m``).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import pandas as pd
+
+from ._checks import check_int, check_schedule_v, check_time
+from ._display import html_card, text_card
+from .analytic import inflight_microbatches
+from .link import Link, check_link
+from .schedules import stage_to_rank as _stage_to_rank
+from .schedules import validate as _validate_schedule
+
+#: Split methods of :func:`partition`.
+METHODS = ("uniform", "params", "balanced")
+
+#: Optimizer state per parameter byte: Adam/AdamW keep ``exp_avg`` and ``exp_avg_sq``
+#: (2x), SGD with momentum one buffer (1x), plain SGD nothing.
+OPTIMIZER_STATE_FACTOR = {"adam": 2.0, "adamw": 2.0, "sgd_momentum": 1.0, "sgd": 0.0}
+
+#: Relative tolerance of memory comparisons (prefix sums and direct sums round differently).
+_MEM_RTOL = 1e-9
+
+_OPTIONAL = ("wgrad_ms", "params", "param_bytes", "activation_bytes", "output_bytes")
+
+
+# --------------------------------------------------------------------------- layers
+class _Layers:
+    """The per-layer columns of a profile as numpy arrays (None where a column is absent)."""
+
+    def __init__(self, profile):
+        if isinstance(profile, pd.DataFrame):
+            df = profile
+        elif hasattr(profile, "df") and isinstance(profile.df, pd.DataFrame):
+            df = profile.df
+        else:
+            raise TypeError(
+                f"profile must be a pipeswift_lab.Profile or a pandas DataFrame with one row per layer; got {type(profile).__name__}"
+            )
+        missing = [c for c in ("fwd_ms", "bwd_ms") if c not in df.columns]
+        if missing:
+            raise ValueError(f"profile has no column(s) {missing}; a per-layer table needs fwd_ms and bwd_ms (columns: {list(df.columns)})")
+        if len(df) == 0:
+            raise ValueError("profile has no layers (0 rows)")
+        if "layer" in df.columns:
+            order = pd.to_numeric(df["layer"], errors="coerce")
+            if order.isna().any() or sorted(order.astype(int)) != list(range(len(df))):
+                raise ValueError(f"profile column 'layer' must number the layers 0..{len(df) - 1}; got {list(df['layer'])}")
+            df = df.iloc[np.argsort(order.to_numpy(), kind="stable")]
+        self.df = df
+        self.n = len(df)
+        self.names = tuple(str(x) for x in df["name"]) if "name" in df.columns else tuple(f"layer_{i}" for i in range(self.n))
+        self.fwd = self._column(df, "fwd_ms")
+        self.bwd = self._column(df, "bwd_ms")
+        for col in _OPTIONAL:
+            setattr(self, col.removesuffix("_ms") if col == "wgrad_ms" else col, self._column(df, col) if col in df.columns else None)
+        if self.wgrad is not None and np.any(self.wgrad > self.bwd * (1 + 1e-12)):
+            bad = int(np.argmax(self.wgrad > self.bwd))
+            raise ValueError(f"profile layer {bad} ({self.names[bad]!r}): wgrad_ms={self.wgrad[bad]} exceeds bwd_ms={self.bwd[bad]}; it is a part of it")
+
+    def _column(self, df, col):
+        values = pd.to_numeric(df[col], errors="coerce").to_numpy(dtype=float)
+        bad = np.flatnonzero(~np.isfinite(values) | (values < 0))
+        if len(bad):
+            i = int(bad[0])
+            raise ValueError(f"profile column {col!r}: layer {i} ({self.names[i] if hasattr(self, 'names') else i!r}) has {values[i]}; values must be finite and >= 0")
+        return values
+
+
+def _resolve_placement(P, v, schedule):
+    """Return ``(schedule or None, v, schedule used for the memory estimate)``."""
+    if schedule is None:
+        v = check_int("v", v, minimum=1)
+        return None, v, ("1F1B" if v == 1 else "Interleaved1F1B")
+    schedule, v = check_schedule_v(schedule, v)
+    return schedule, v, schedule
+
+
+def _check_optimizer(optimizer):
+    if optimizer not in OPTIMIZER_STATE_FACTOR:
+        raise ValueError(f"optimizer={optimizer!r} is not known; valid optimizers are {list(OPTIMIZER_STATE_FACTOR)}")
+    return optimizer
+
+
+# --------------------------------------------------------------------------- Partition
+@dataclass(frozen=True)
+class Partition:
+    """Contiguous stages of a profiled model and what each costs.
+
+    ``bounds`` are half-open ``(start, end)`` layer ranges, one per stage in stage order
+    (``P * v`` stages); ``stage_to_rank`` the rank of each stage. Per-stage tuples:
+    ``stage_fwd_ms``, ``stage_bwd_ms`` (whole backward), ``stage_wgrad_ms`` (its
+    weight-grad part, None when the profile has no split), ``stage_comm_ms`` (transfers the
+    stage sends per micro-batch over ``link``; zeros without one), ``stage_params``,
+    ``stage_param_bytes``, ``stage_activation_bytes`` (saved per micro-batch),
+    ``stage_output_bytes`` (the activation leaving the stage, 0 for the last),
+    ``stage_inflight`` (micro-batches its rank holds, the memory multiplier) and
+    ``stage_mem_bytes`` (NaN where the profile lacks memory columns).
+    """
+
+    bounds: tuple
+    P: int
+    v: int
+    schedule: str | None
+    stage_to_rank: tuple
+    layer_names: tuple
+    stage_fwd_ms: tuple
+    stage_bwd_ms: tuple
+    stage_wgrad_ms: tuple | None
+    stage_comm_ms: tuple
+    stage_params: tuple
+    stage_param_bytes: tuple
+    stage_activation_bytes: tuple
+    stage_output_bytes: tuple
+    stage_inflight: tuple
+    stage_mem_bytes: tuple
+    method: str = "manual"
+    m: int | None = None
+    optimizer: str = "adam"
+    link: Link | None = None
+    mem_limit_bytes: float | None = None
+
+    # ---- construction
+    @classmethod
+    def from_bounds(cls, profile, bounds, v=1, schedule=None, link=None, m=None, optimizer="adam", mem_limit_bytes=None, method="manual") -> "Partition":
+        """Build a Partition from explicit ``bounds``: ``[(start, end), ...]``, one per stage.
+
+        Bounds must be contiguous half-open ranges covering layers ``0..L-1`` with no empty
+        stage, and their number must be a multiple of ``v`` (``P = len(bounds) // v``).
+        ``m`` (default ``P``) and ``schedule`` set the in-flight micro-batches of the memory
+        estimate; with ``mem_limit_bytes`` every rank must fit or a ``ValueError`` names the
+        stage that does not. Returns the Partition.
+        """
+        layers = profile if isinstance(profile, _Layers) else _Layers(profile)
+        bounds = _check_bounds(bounds, layers.n)
+        v = check_int("v", v, minimum=1)
+        if len(bounds) % v:
+            raise ValueError(f"bounds has {len(bounds)} stages, not a multiple of v={v}; a pipeline of P ranks with v stages each needs P*v stages")
+        P = len(bounds) // v
+        schedule, v, mem_schedule = _resolve_placement(P, v, schedule)
+        m = _resolve_m(P, m, schedule, v)
+        optimizer = _check_optimizer(optimizer)
+        link = check_link(link)
+        if mem_limit_bytes is not None:
+            mem_limit_bytes = check_time("mem_limit_bytes", mem_limit_bytes, allow_zero=False)
+        placement = _stage_to_rank(P, v, schedule)
+        inflight_by_rank = inflight_microbatches(P, m, mem_schedule, v)
+        inflight = tuple(inflight_by_rank[r] for r in placement)
+
+        def sums(values, as_int=False):
+            if values is None:
+                return tuple(math.nan for _ in bounds)
+            out = tuple(float(values[a:b].sum()) for a, b in bounds)
+            return tuple(int(round(x)) for x in out) if as_int else out
+
+        out_bytes = tuple(float(layers.output_bytes[b - 1]) if (layers.output_bytes is not None and b < layers.n) else 0.0 for _, b in bounds)
+        if link is not None and layers.output_bytes is None and len(bounds) > 1:
+            raise ValueError("link is given but the profile has no 'output_bytes' column; the transfer of a stage boundary needs the bytes crossing it")
+        comm = _stage_comm_ms(bounds, layers, link)
+        stage_param_bytes = sums(layers.param_bytes)
+        stage_act = sums(layers.activation_bytes)
+        factor = 2.0 + OPTIMIZER_STATE_FACTOR[optimizer]
+        mem = tuple(pb * factor + ab * f for pb, ab, f in zip(stage_param_bytes, stage_act, inflight))
+        part = cls(
+            bounds=bounds,
+            P=P,
+            v=v,
+            schedule=schedule,
+            stage_to_rank=placement,
+            layer_names=tuple(layers.names[a:b] for a, b in bounds),
+            stage_fwd_ms=sums(layers.fwd),
+            stage_bwd_ms=sums(layers.bwd),
+            stage_wgrad_ms=sums(layers.wgrad) if layers.wgrad is not None else None,
+            stage_comm_ms=comm,
+            stage_params=sums(layers.params, as_int=True) if layers.params is not None else tuple(math.nan for _ in bounds),
+            stage_param_bytes=stage_param_bytes,
+            stage_activation_bytes=stage_act,
+            stage_output_bytes=out_bytes,
+            stage_inflight=inflight,
+            stage_mem_bytes=mem,
+            method=method,
+            m=m,
+            optimizer=optimizer,
+            link=link,
+            mem_limit_bytes=mem_limit_bytes,
+        )
+        if mem_limit_bytes is not None:
+            part._check_fits(mem_limit_bytes)
+        return part
+
+    def _check_fits(self, limit):
+        if any(math.isnan(x) for x in self.stage_mem_bytes):
+            raise ValueError("mem_limit_bytes is given but the profile lacks 'param_bytes' or 'activation_bytes'; memory per stage is unknown")
+        ranks = self.rank_mem_bytes
+        for r, need in enumerate(ranks):
+            if need > limit * (1 + _MEM_RTOL):
+                stages = [s for s, rr in enumerate(self.stage_to_rank) if rr == r]
+                worst = max(stages, key=lambda s: self.stage_mem_bytes[s])
+                raise _DoesNotFit(
+                    f"mem_limit_bytes={limit:.6g}: rank {r} needs {need:.6g} bytes; {self.describe_stage(worst)}"
+                )
+
+    # ---- derived values
+    @property
+    def n_stages(self) -> int:
+        """Number of stages, ``P * v``."""
+        return len(self.bounds)
+
+    @property
+    def n_layers(self) -> int:
+        """Number of layers covered."""
+        return self.bounds[-1][1]
+
+    @property
+    def stage_ms(self) -> tuple:
+        """Forward plus backward compute time of each stage for one micro-batch (ms)."""
+        return tuple(f + b for f, b in zip(self.stage_fwd_ms, self.stage_bwd_ms))
+
+    @property
+    def stage_cost_ms(self) -> tuple:
+        """What ``"balanced"`` minimizes the maximum of: ``stage_ms`` plus ``stage_comm_ms``."""
+        return tuple(t + c for t, c in zip(self.stage_ms, self.stage_comm_ms))
+
+    @property
+    def bottleneck_ms(self) -> float:
+        """The slowest stage's ``stage_cost_ms``."""
+        return max(self.stage_cost_ms)
+
+    @property
+    def imbalance(self) -> float:
+        """Slowest stage over the mean stage (``stage_ms``); 1.0 is perfect balance."""
+        times = self.stage_ms
+        mean = sum(times) / len(times)
+        return max(times) / mean if mean > 0 else 1.0
+
+    @property
+    def rank_mem_bytes(self) -> tuple:
+        """Memory of each rank: the sum of its stages' ``stage_mem_bytes``."""
+        out = [0.0] * self.P
+        for s, r in enumerate(self.stage_to_rank):
+            out[r] += self.stage_mem_bytes[s]
+        return tuple(out)
+
+    def describe_stage(self, s: int) -> str:
+        """One sentence on stage ``s``: its layers and its memory, for error messages."""
+        a, b = self.bounds[s]
+        names = self.layer_names[s]
+        span = names[0] if len(names) == 1 else f"{names[0]}..{names[-1]}"
+        static = self.stage_param_bytes[s] * (2.0 + OPTIMIZER_STATE_FACTOR[self.optimizer])
+        act = self.stage_activation_bytes[s]
+        return (
+            f"stage {s} (layers {a}..{b - 1}: {span}, rank {self.stage_to_rank[s]}) needs {self.stage_mem_bytes[s]:.6g} bytes = "
+            f"{static:.6g} parameters+gradients+{self.optimizer} state + {act:.6g} activation bytes x {self.stage_inflight[s]:g} micro-batches in flight"
+        )
+
+    @property
+    def df(self) -> pd.DataFrame:
+        """One row per stage: bounds, rank, layer names, times, parameters, memory."""
+        rows = []
+        for s, (a, b) in enumerate(self.bounds):
+            rows.append(
+                {
+                    "stage": s,
+                    "rank": self.stage_to_rank[s],
+                    "start": a,
+                    "end": b,
+                    "n_layers": b - a,
+                    "first_layer": self.layer_names[s][0],
+                    "last_layer": self.layer_names[s][-1],
+                    "fwd_ms": self.stage_fwd_ms[s],
+                    "bwd_ms": self.stage_bwd_ms[s],
+                    "wgrad_ms": self.stage_wgrad_ms[s] if self.stage_wgrad_ms is not None else math.nan,
+                    "stage_ms": self.stage_ms[s],
+                    "comm_ms": self.stage_comm_ms[s],
+                    "params": self.stage_params[s],
+                    "param_bytes": self.stage_param_bytes[s],
+                    "activation_bytes": self.stage_activation_bytes[s],
+                    "output_bytes": self.stage_output_bytes[s],
+                    "inflight": self.stage_inflight[s],
+                    "mem_bytes": self.stage_mem_bytes[s],
+                }
+            )
+        return pd.DataFrame(rows)
+
+    def stage_table(self) -> pd.DataFrame:
+        """The per-stage input of :func:`pipeswift_lab.simulate`: ``fwd_ms``, ``bwd_ms`` (+ ``wgrad_ms``), bytes."""
+        cols = ["fwd_ms", "bwd_ms", "output_bytes", "activation_bytes"] + (["wgrad_ms"] if self.stage_wgrad_ms is not None else [])
+        return self.df[cols]
+
+    # ---- display
+    def plot(self, ax=None):
+        """Stacked bars of each stage's forward, backward (and transfer) time, with the mean. Returns the Axes."""
+        from .plot import KIND_COLORS, get_ax
+
+        ax = get_ax(ax, figsize=(max(4.0, 0.5 * self.n_stages + 2.5), 3.2))
+        x = np.arange(self.n_stages)
+        fwd, bwd, comm = np.array(self.stage_fwd_ms), np.array(self.stage_bwd_ms), np.array(self.stage_comm_ms)
+        ax.bar(x, fwd, color=KIND_COLORS["F"], label="forward")
+        ax.bar(x, bwd, bottom=fwd, color=KIND_COLORS["B"], label="backward")
+        if comm.any():
+            ax.bar(x, comm, bottom=fwd + bwd, color=KIND_COLORS["SEND_F"], label="transfer")
+        mean = float(np.mean(fwd + bwd + comm))
+        ax.axhline(mean, color="0.3", ls="--", lw=1, label=f"mean {mean:.3g} ms")
+        ax.set_xticks(x, [f"s{s}\nr{r}" for s, r in enumerate(self.stage_to_rank)], fontsize="small")
+        ax.set_ylabel("time per micro-batch (ms)")
+        ax.set_title(f"{self.method} split, P={self.P}" + (f", v={self.v}" if self.v > 1 else "") + f": imbalance {self.imbalance:.2f}")
+        ax.legend(fontsize="small", loc="best")
+        return ax
+
+    def _summary(self) -> dict:
+        out = {
+            "method": self.method,
+            "P": self.P,
+            "v": self.v,
+            "schedule": self.schedule or "-",
+            "layers": self.n_layers,
+            "bottleneck_ms": self.bottleneck_ms,
+            "imbalance": self.imbalance,
+        }
+        if not any(math.isnan(x) for x in self.stage_mem_bytes):
+            out["max_rank_mem_bytes"] = max(self.rank_mem_bytes)
+        return out
+
+    def _repr_html_(self) -> str:
+        df = self.df[["stage", "rank", "start", "end", "first_layer", "last_layer", "fwd_ms", "bwd_ms", "comm_ms", "params", "mem_bytes"]]
+        return html_card(f"Partition: {self.n_stages} stages of {self.n_layers} layers", self._summary(), df)
+
+    def __repr__(self) -> str:
+        return text_card(f"Partition {list(self.bounds)}", self._summary())
+
+    __str__ = __repr__
+
+
+def _resolve_m(P, m, schedule, v):
+    if m is None:
+        return P
+    m = check_int("m", m, minimum=1)
+    if schedule is not None:
+        _validate_schedule(P, m, schedule, v)
+    return m
+
+
+def _check_bounds(bounds, n_layers):
+    if isinstance(bounds, (str, bytes)) or not hasattr(bounds, "__iter__"):
+        raise TypeError(f"bounds must be a sequence of (start, end) pairs; got {type(bounds).__name__} {bounds!r}")
+    out = []
+    for s, pair in enumerate(bounds):
+        try:
+            a, b = pair
+        except (TypeError, ValueError):
+            raise TypeError(f"bounds[{s}]={pair!r} is not a (start, end) pair") from None
+        a = check_int(f"bounds[{s}] start", a, minimum=0)
+        b = check_int(f"bounds[{s}] end", b, minimum=0)
+        if b <= a:
+            raise ValueError(f"bounds[{s}]=({a}, {b}) is empty or reversed; every stage needs at least one layer (start < end)")
+        expected = out[-1][1] if out else 0
+        if a != expected:
+            raise ValueError(f"bounds[{s}] starts at layer {a} but must start at {expected}; stages are contiguous from layer 0")
+        out.append((a, b))
+    if not out:
+        raise ValueError("bounds is empty; give at least one (start, end) stage")
+    if out[-1][1] != n_layers:
+        raise ValueError(f"bounds end at layer {out[-1][1]} but the profile has {n_layers} layers; the last stage must end at {n_layers}")
+    return tuple(out)
+
+
+def _transfer_ms_array(layers: _Layers, link: Link | None):
+    """Transfer time of the activation leaving each layer (``c[i]`` for a cut after layer ``i``)."""
+    if link is None or layers.output_bytes is None:
+        return np.zeros(layers.n)
+    return link.latency_ms + layers.output_bytes / (link.bandwidth_GBps * 1e6)
+
+
+def _stage_comm_ms(bounds, layers, link):
+    c = _transfer_ms_array(layers, link)
+    n = layers.n
+    return tuple(float((c[b - 1] if b < n else 0.0) + (c[a - 1] if a > 0 else 0.0)) for a, b in bounds)
+
+
+# --------------------------------------------------------------------------- splitting
+def _uniform_bounds(n, K):
+    base, extra = divmod(n, K)
+    out, a = [], 0
+    for k in range(K):
+        b = a + base + (1 if k < extra else 0)
+        out.append((a, b))
+        a = b
+    return tuple(out)
+
+
+class _DoesNotFit(ValueError):
+    """A rank of a given split exceeds the memory cap."""
+
+
+class _Infeasible(Exception):
+    """No split meets the memory cap."""
+
+
+class _MinMax:
+    """Exact contiguous min-max split of costs ``cost(a, b) = U[b] - D[a]`` into ``K`` stages.
+
+    ``lo_by_k`` (optional) gives, per stage index, the smallest start ``a`` allowed for each
+    end ``b`` (memory caps: a stage's memory grows as its start moves left).
+    """
+
+    def __init__(self, U, D, K, lo_by_k=None):
+        self.U, self.D, self.K = U, D, K
+        self.lo_by_k = lo_by_k
+        self.n1 = len(U)
+        self.idx = np.arange(self.n1)
+
+    def _best_prev(self, reach_prev, k):
+        """For every end b: the largest ``D[a]`` over reachable starts a < b allowed for stage k."""
+        Dm = np.where(reach_prev, self.D, -np.inf)
+        if self.lo_by_k is None:
+            out = np.empty(self.n1)
+            out[0] = -np.inf
+            np.maximum.accumulate(Dm[:-1], out=out[1:])
+            return out
+        return _window_max(Dm, self.lo_by_k[k], self.idx)
+
+    def reach(self, T):
+        """Reachability table ``reach[k][b]``: layers ``[0, b)`` split into k stages of cost <= T; None if infeasible."""
+        reach = np.zeros((self.K + 1, self.n1), dtype=bool)
+        reach[0, 0] = True
+        for k in range(1, self.K + 1):
+            best = self._best_prev(reach[k - 1], k - 1)
+            reach[k] = (self.U - best) <= T
+            reach[k, 0] = False
+        return reach if reach[self.K, self.n1 - 1] else None
+
+    def backtrack(self, reach, T):
+        """Bounds of a split with cost <= T, each stage as close as possible to the mean of what precedes it."""
+        b = self.n1 - 1
+        bounds = []
+        for k in range(self.K, 0, -1):
+            cand = reach[k - 1].copy()
+            cand[b:] = False
+            if self.lo_by_k is not None:
+                cand[: self.lo_by_k[k - 1][b]] = False
+            cost = self.U[b] - self.D
+            cand &= cost <= T
+            target = (self.U[b] - self.D[0]) / k
+            score = np.where(cand, np.abs(cost - target), np.inf)
+            a = int(np.argmin(score))
+            if not cand[a]:  # pragma: no cover - reach guarantees a candidate
+                raise RuntimeError("internal error: backtracking found no stage start")
+            bounds.append((a, b))
+            b = a
+        bounds.reverse()
+        return tuple(bounds)
+
+    def max_cost(self, bounds):
+        return max(float(self.U[b] - self.D[a]) for a, b in bounds)
+
+    def solve(self):
+        """Return ``(bounds, bottleneck)`` of an optimal split; raise :class:`_Infeasible` if none exists."""
+        hi_T = float(np.max(self.U) - np.min(self.D))
+        reach = self.reach(hi_T)
+        if reach is None:
+            raise _Infeasible
+        best = self.backtrack(reach, hi_T)
+        hi = self.max_cost(best)
+        lo = -1.0  # costs are >= 0, so a bottleneck of -1 is infeasible
+        while True:
+            below = float(np.nextafter(hi, -np.inf))
+            if below <= lo:
+                return best, hi  # nothing strictly between an infeasible lo and hi: hi is optimal
+            mid = lo + (hi - lo) / 2
+            if not (lo < mid < hi):
+                mid = below
+            reach = self.reach(mid)
+            if reach is None:
+                lo = mid
+            else:
+                best = self.backtrack(reach, mid)
+                hi = self.max_cost(best)
+
+
+def _window_max(x, lo, hi):
+    """``max(x[lo[b]:hi[b]])`` for every b (``-inf`` for empty windows), with a sparse table."""
+    n = len(x)
+    levels = [x]
+    width = 1
+    while 2 * width <= n:
+        prev = levels[-1]
+        nxt = np.full(n, -np.inf)
+        nxt[: n - width] = np.maximum(prev[: n - width], prev[width:])
+        levels.append(nxt)
+        width *= 2
+    table = np.stack(levels)
+    length = hi - lo
+    ok = length > 0
+    j = np.zeros(n, dtype=np.int64)
+    j[ok] = np.floor(np.log2(length[ok])).astype(np.int64)
+    span = np.left_shift(1, j)
+    left = np.where(ok, lo, 0)
+    right = np.where(ok, hi - span, 0)
+    out = np.maximum(table[j, left], table[j, right])
+    out[~ok] = -np.inf
+    return out
+
+
+def _memory_windows(layers: _Layers, P, v, schedule, mem_schedule, m, optimizer, limit):
+    """Per stage index: the smallest start allowed for each end under the memory cap (None if no cap)."""
+    if limit is None:
+        return None
+    if layers.param_bytes is None or layers.activation_bytes is None:
+        raise ValueError("mem_limit_bytes is given but the profile lacks 'param_bytes' or 'activation_bytes'; memory per stage is unknown")
+    placement = _stage_to_rank(P, v, schedule)
+    inflight = inflight_microbatches(P, m, mem_schedule, v)
+    static = np.concatenate([[0.0], np.cumsum(layers.param_bytes)]) * (2.0 + OPTIMIZER_STATE_FACTOR[optimizer])
+    act = np.concatenate([[0.0], np.cumsum(layers.activation_bytes)])
+    budget = limit / v  # a rank's v stages share its memory; each stage gets an equal share
+    out = []
+    for k in range(P * v):
+        mem = static + act * inflight[placement[k]]
+        out.append(np.searchsorted(mem, mem - budget * (1 + _MEM_RTOL), side="left"))
+    return out
+
+
+def _split(layers: _Layers, P, v, schedule, mem_schedule, method, link, m, optimizer, limit):
+    K = P * v
+    if method == "uniform":
+        return _uniform_bounds(layers.n, K)
+    if method == "params":
+        if layers.params is None:
+            raise ValueError("method='params' needs a 'params' column in the profile")
+        cost = np.concatenate([[0.0], np.cumsum(layers.params)])
+        U, D = cost, cost
+    else:  # balanced
+        c = _transfer_ms_array(layers, link)
+        S = np.concatenate([[0.0], np.cumsum(layers.fwd + layers.bwd)])
+        out = np.concatenate([[0.0], c[:-1], [0.0]])  # out[b]: activation leaving a stage that ends at b < L
+        gin = np.concatenate([[0.0], c[:-1], [0.0]])  # gin[a]: gradient a stage starting at a > 0 sends back
+        U, D = S + out, S - gin
+    windows = _memory_windows(layers, P, v, schedule, mem_schedule, m, optimizer, limit)
+    bounds, _ = _MinMax(U, D, K, windows).solve()
+    return bounds
+
+
+def partition(profile, P, method="balanced", v=1, schedule=None, link=None, mem_limit_bytes=None, optimizer="adam", m=None) -> Partition:
+    """Split a profiled model into ``P * v`` contiguous stages; return a :class:`Partition`.
+
+    ``profile`` is a :class:`pipeswift_lab.Profile` or a DataFrame with one row per layer
+    (``fwd_ms``, ``bwd_ms``; optional ``wgrad_ms``, ``params``, ``param_bytes``,
+    ``activation_bytes``, ``output_bytes``, ``name``, ``layer``). ``method`` is
+    ``"uniform"``, ``"params"`` or ``"balanced"`` (exact bottleneck minimization, see the
+    module docstring). ``schedule`` fixes the rank placement (V shape for ZBV/DualPipeV)
+    and, with ``m`` (default ``P``), the in-flight micro-batches of the memory estimate
+    (``None``: 1F1B for ``v == 1``, Interleaved1F1B otherwise). ``link`` adds boundary
+    transfers to the balanced objective. With ``mem_limit_bytes`` (per rank; with ``v > 1``
+    each stage gets ``mem_limit_bytes / v``), ``"balanced"`` returns the best split that
+    fits, and every method raises ``ValueError`` naming the stage that cannot fit and the
+    smallest P that would. ``optimizer`` is one of :data:`OPTIMIZER_STATE_FACTOR`.
+    """
+    layers = _Layers(profile)
+    P = check_int("P", P, minimum=1)
+    if method not in METHODS:
+        raise ValueError(f"method={method!r} is not known; valid methods are {list(METHODS)}")
+    schedule, v, mem_schedule = _resolve_placement(P, v, schedule)
+    if P * v > layers.n:
+        what = f"P={P}" if v == 1 else f"P*v={P}*{v}={P * v} stages"
+        raise ValueError(f"{what} exceeds the {layers.n} profiled layers; every stage needs at least one layer")
+    m = _resolve_m(P, m, schedule, v)
+    optimizer = _check_optimizer(optimizer)
+    link = check_link(link)
+    if mem_limit_bytes is not None:
+        mem_limit_bytes = check_time("mem_limit_bytes", mem_limit_bytes, allow_zero=False)
+    try:
+        bounds = _split(layers, P, v, schedule, mem_schedule, method, link, m, optimizer, mem_limit_bytes)
+        return Partition.from_bounds(layers, bounds, v, schedule, link, m, optimizer, mem_limit_bytes, method=method)
+    except (_Infeasible, _DoesNotFit):
+        pass
+    # no balanced split fits: name the worst stage of the unconstrained split and the smallest P that fits
+    free = Partition.from_bounds(layers, _split(layers, P, v, schedule, mem_schedule, method, link, m, optimizer, None), v, schedule, link, m, optimizer, None, method)
+    raise ValueError(_memory_error(layers, free, mem_limit_bytes, method, link))
+
+
+def _memory_error(layers, part: Partition, limit, method, link) -> str:
+    worst = max(range(part.n_stages), key=lambda s: part.stage_mem_bytes[s] - limit / part.v)
+    _, _, mem_schedule = _resolve_placement(part.P, part.v, part.schedule)
+    smallest = None
+    for P2 in range(part.P + 1, layers.n // part.v + 1):
+        try:
+            if method == "balanced":
+                windows = _memory_windows(layers, P2, part.v, part.schedule, mem_schedule, part.m, part.optimizer, limit)
+                zeros = np.zeros(layers.n + 1)
+                if _MinMax(zeros, zeros, P2 * part.v, windows).reach(0.0) is None:
+                    raise _Infeasible
+            else:
+                bounds = _split(layers, P2, part.v, part.schedule, mem_schedule, method, link, part.m, part.optimizer, None)
+                Partition.from_bounds(layers, bounds, part.v, part.schedule, None, part.m, part.optimizer, limit, method)
+            smallest = P2
+            break
+        except (_Infeasible, ValueError):
+            continue
+    where = f"with m={part.m}" + (f", schedule={part.schedule!r}" if part.schedule else "")
+    hint = f"the smallest P that fits ({where}) is {smallest}" if smallest else f"no P up to {layers.n // part.v} fits ({where}); some layer alone exceeds the cap"
+    share = "" if part.v == 1 else f" (each of a rank's {part.v} stages gets mem_limit_bytes / v = {limit / part.v:.6g})"
+    return (
+        f"mem_limit_bytes={limit:.6g}: no {method} split into P={part.P} ranks fits{share}; in the unconstrained split, "
+        f"{part.describe_stage(worst)}. {hint[0].upper() + hint[1:]}."
+    )
+
+
+__all__ = ["METHODS", "OPTIMIZER_STATE_FACTOR", "Partition", "partition"]

@@ -1,0 +1,497 @@
+"""The Timeline: one row per executed action, simulated or measured, and its metrics.
+
+One schema serves :func:`pipeswift_lab.simulate` and the real runner, so predicted and
+measured runs compare with plain pandas. Columns (exactly): ``step``, ``rank``, ``stage``,
+``microbatch``, ``kind`` (``F``, ``B``, ``I``, ``W``, ``SEND_F``, ``RECV_F``, ``SEND_B``,
+``RECV_B``), ``start_ms``, ``end_ms``.
+
+Metric definitions (every metric works on one or many steps):
+
+* a step's *span* runs from its earliest row start to its latest row end;
+  :attr:`Timeline.step_ms` is the median span over steps;
+* a rank is *busy* while it computes (``F``, ``B``, ``I``, ``W`` rows, overlaps merged) and
+  *idle* for the rest of the span; :attr:`Timeline.bubble_ratio` is the idle share of the
+  span averaged over ranks and steps — GPipe's convention, ``(P-1)/(m+P-1)`` for GPipe
+  with equal stages (Huang et al., NeurIPS 2019);
+* a micro-batch's activations on a stage are *in flight* from the start of its ``F`` to the
+  end of its last backward piece: ``B``, or ``W`` when the backward is split (torch's
+  ``backward_input`` keeps the autograd graph alive for ``backward_weight``).
+  :attr:`Timeline.peak_inflight` is a rank's peak of in-flight micro-batches, each stage's
+  counted ``1/v`` (the convention of :func:`pipeswift_lab.analytic.inflight_microbatches`);
+  :attr:`Timeline.peak_activation_bytes` weighs them by the stage's activation bytes
+  (``meta["stage_activation_bytes"]``).
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from functools import cached_property
+
+import numpy as np
+import pandas as pd
+
+from ._display import html_card, text_card
+
+#: Columns of ``Timeline.df``, in order.
+COLUMNS = ("step", "rank", "stage", "microbatch", "kind", "start_ms", "end_ms")
+#: Action kinds a Timeline may hold.
+KINDS = ("F", "B", "I", "W", "SEND_F", "RECV_F", "SEND_B", "RECV_B")
+#: Kinds that are computation (the rest are transfers).
+COMPUTE_KINDS = ("F", "B", "I", "W")
+#: ``source`` values.
+SOURCES = ("simulated", "measured")
+
+_CSV_HEADER = "# pipeswift_lab Timeline "
+
+
+@dataclass(frozen=True, eq=False)
+class Timeline:
+    """Executed pipeline actions, one row per action, with metrics and exports.
+
+    ``df`` columns: ``step``, ``rank``, ``stage``, ``microbatch``, ``kind``, ``start_ms``,
+    ``end_ms`` (rows are kept sorted by step, rank, start). ``source`` is ``"simulated"`` or
+    ``"measured"``; ``meta`` a dict (schedule, P, m, v, ``stage_activation_bytes`` ...).
+    """
+
+    df: pd.DataFrame
+    source: str = "simulated"
+    meta: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        if self.source not in SOURCES:
+            raise ValueError(f"source={self.source!r} is not valid; use one of {list(SOURCES)}")
+        meta = {} if self.meta is None else self.meta
+        if not isinstance(meta, dict):
+            raise TypeError(f"meta must be a dict or None; got {type(meta).__name__}")
+        object.__setattr__(self, "meta", dict(meta))
+        object.__setattr__(self, "df", _normalize(self.df))
+
+    # ------------------------------------------------------------------ basics
+    @property
+    def steps(self) -> list[int]:
+        """Step numbers present, sorted."""
+        return sorted(int(s) for s in self.df["step"].unique())
+
+    @property
+    def ranks(self) -> list[int]:
+        """Ranks ``0..P-1`` when ``meta["P"]`` is known, else the ranks present."""
+        if "P" in self.meta:
+            return list(range(int(self.meta["P"])))
+        return sorted(int(r) for r in self.df["rank"].unique())
+
+    @cached_property
+    def _arrays(self):
+        df = self.df
+        return {
+            "step": df["step"].to_numpy(np.int64),
+            "rank": df["rank"].to_numpy(np.int64),
+            "stage": df["stage"].to_numpy(np.int64),
+            "mb": df["microbatch"].to_numpy(np.int64),
+            "kind": df["kind"].to_numpy(object),
+            "start": df["start_ms"].to_numpy(float),
+            "end": df["end_ms"].to_numpy(float),
+            "compute": df["kind"].isin(COMPUTE_KINDS).to_numpy(),
+        }
+
+    @cached_property
+    def step_spans(self) -> pd.DataFrame:
+        """One row per step: ``step``, ``start_ms``, ``end_ms``, ``span_ms``."""
+        a = self._arrays
+        steps, inverse = np.unique(a["step"], return_inverse=True)
+        start = np.full(len(steps), np.inf)
+        end = np.full(len(steps), -np.inf)
+        np.minimum.at(start, inverse, a["start"])
+        np.maximum.at(end, inverse, a["end"])
+        return pd.DataFrame({"step": steps, "start_ms": start, "end_ms": end, "span_ms": end - start})
+
+    @property
+    def step_ms(self) -> float:
+        """Median over steps of each step's span (ms); a simulated timeline has one step."""
+        return float(np.median(self.step_spans["span_ms"].to_numpy()))
+
+    # ------------------------------------------------------------------ idle / bubble
+    @cached_property
+    def _busy(self) -> pd.DataFrame:
+        """Busy ms per (step, rank), overlapping compute rows merged."""
+        a = self._arrays
+        c = a["compute"]
+        step, rank, start, end = a["step"][c], a["rank"][c], a["start"][c], a["end"][c]
+        order = np.lexsort((start, rank, step))
+        step, rank, start, end = step[order], rank[order], start[order], end[order]
+        spans = self.step_spans
+        step_ids = spans["step"].to_numpy()
+        ranks = np.asarray(self.ranks, dtype=np.int64)
+        busy = np.zeros((len(step_ids), len(ranks)))
+        if len(step):
+            step_pos = np.searchsorted(step_ids, step)
+            rank_pos = np.searchsorted(ranks, rank)
+            if (rank_pos >= len(ranks)).any() or (ranks[np.minimum(rank_pos, len(ranks) - 1)] != rank).any():
+                raise ValueError(f"Timeline rows hold ranks {sorted(set(rank.tolist()))} outside meta P={self.meta.get('P')}")
+            group = step_pos * len(ranks) + rank_pos
+            new_group = np.r_[True, group[1:] != group[:-1]]
+            # a row overlaps an earlier one of its (step, rank) if it starts before their latest end
+            if np.any(~new_group & (start < _group_running_max(end, new_group))):
+                merged = _merged_lengths(group, start, end, busy.size)
+            else:
+                merged = np.bincount(group, weights=end - start, minlength=busy.size)
+            busy = merged.reshape(busy.shape)
+        span = spans["span_ms"].to_numpy()[:, None]
+        idle = span - busy
+        ratio = np.divide(idle, span, out=np.zeros_like(idle), where=span > 0)
+        return pd.DataFrame(
+            {
+                "step": np.repeat(step_ids, len(ranks)),
+                "rank": np.tile(ranks, len(step_ids)),
+                "busy_ms": busy.ravel(),
+                "idle_ms": idle.ravel(),
+                "idle_ratio": ratio.ravel(),
+            }
+        )
+
+    @property
+    def idle_by_rank(self) -> pd.DataFrame:
+        """One row per rank: ``busy_ms``, ``idle_ms`` and ``idle_ratio`` (idle share of the step), means over steps."""
+        return self._busy.groupby("rank", as_index=False)[["busy_ms", "idle_ms", "idle_ratio"]].mean()
+
+    @property
+    def bubble_ratio(self) -> float:
+        """Idle share of the step, averaged over ranks and steps (GPipe's convention)."""
+        return float(self._busy["idle_ratio"].mean())
+
+    # ------------------------------------------------------------------ in flight
+    @cached_property
+    def _held(self):
+        """Per held micro-batch chunk, numpy arrays ``step, rank, stage, acquire, release``."""
+        a = self._arrays
+        c = a["compute"]
+        step, rank, stage, mb = a["step"][c], a["rank"][c], a["stage"][c], a["mb"][c]
+        start, end, kind = a["start"][c], a["end"][c], a["kind"][c]
+        if not len(step):  # transfers only: nothing is held
+            empty = np.zeros(0)
+            return {"step": empty.astype(np.int64), "rank": empty.astype(np.int64), "stage": empty.astype(np.int64), "acquire": empty, "release": empty}
+        n_stages, n_mb = int(stage.max()) + 1, int(mb.max()) + 1
+        keys = (step * n_stages + stage) * n_mb + mb
+        is_f = kind == "F"
+        fkeys = keys[is_f]
+        uniq, first, inverse = np.unique(fkeys, return_index=True, return_inverse=True)
+        acquire = np.full(len(uniq), np.inf)
+        np.minimum.at(acquire, inverse, start[is_f])
+        release = np.full(len(uniq), -np.inf)
+        bkeys = keys[~is_f]
+        pos = np.searchsorted(uniq, bkeys)
+        ok = pos < len(uniq)
+        ok[ok] = uniq[pos[ok]] == bkeys[ok]
+        np.maximum.at(release, pos[ok], end[~is_f][ok])
+        held_step = step[is_f][first]
+        missing = ~np.isfinite(release)
+        if missing.any():  # a forward with no backward holds until its step ends
+            ends = self.step_spans.set_index("step")["end_ms"]
+            release[missing] = ends.reindex(held_step[missing]).to_numpy(float)
+        return {"step": held_step, "rank": rank[is_f][first], "stage": stage[is_f][first], "acquire": acquire, "release": release}
+
+    def _peak(self, stage_weight) -> pd.Series:
+        """Per rank, the peak over time (and steps) of the summed weights of held chunks.
+
+        ``stage_weight`` is an array indexed by stage. Releases sort before acquisitions at
+        equal times, so a chunk freed as another starts is not counted twice.
+        """
+        h = self._held
+        w = np.asarray(stage_weight, dtype=float)[h["stage"].astype(np.int64)]
+        rank = np.concatenate([h["rank"], h["rank"]]).astype(np.int64)
+        step = np.concatenate([h["step"], h["step"]]).astype(np.int64)
+        time = np.concatenate([h["acquire"], h["release"]]).astype(float)
+        delta = np.concatenate([w, -w])
+        order = np.lexsort((delta, time, step, rank))
+        rank, step, delta = rank[order], step[order], delta[order]
+        peaks = {r: 0.0 for r in self.ranks}
+        if len(delta):
+            level = np.cumsum(delta)
+            new = np.r_[True, (rank[1:] != rank[:-1]) | (step[1:] != step[:-1])]
+            starts = np.flatnonzero(new)
+            lengths = np.diff(np.r_[starts, len(delta)])
+            level = level - np.repeat(level[starts] - delta[starts], lengths)
+            group_peak = np.maximum.reduceat(level, starts)
+            for r, pk in zip(rank[starts].tolist(), group_peak.tolist()):
+                peaks[r] = max(peaks.get(r, 0.0), pk)
+        return pd.Series(peaks, dtype=float).rename_axis("rank")
+
+    def _chunks_per_rank(self) -> dict[int, int]:
+        if self.meta.get("v") is not None:
+            return {r: int(self.meta["v"]) for r in self.ranks}
+        a = self._arrays
+        c = a["compute"]
+        pairs = pd.DataFrame({"rank": a["rank"][c], "stage": a["stage"][c]}).drop_duplicates()
+        counts = pairs.groupby("rank")["stage"].nunique()
+        return {r: int(counts.get(r, 1)) for r in self.ranks}
+
+    @cached_property
+    def peak_inflight(self) -> pd.Series:
+        """Per rank (Series indexed by rank): the peak number of micro-batches in flight, each stage's counted 1/v."""
+        counts = self._peak(np.ones(int(self.df["stage"].max()) + 1))  # whole chunks: exact integers
+        v = self._chunks_per_rank()
+        return pd.Series({r: counts[r] / v[r] for r in counts.index}, dtype=float, name="peak_inflight").rename_axis("rank")
+
+    @cached_property
+    def peak_activation_bytes(self) -> pd.Series:
+        """Per rank (Series indexed by rank): peak bytes of activations held, from ``meta["stage_activation_bytes"]``."""
+        stage_bytes = self.meta.get("stage_activation_bytes")
+        n_stages = int(self.df["stage"].max()) + 1
+        if stage_bytes is None or len(stage_bytes) < n_stages or any(x is None or (isinstance(x, float) and math.isnan(x)) for x in stage_bytes):
+            raise ValueError(
+                "this Timeline's meta has no 'stage_activation_bytes' (one number per stage); simulate a Partition "
+                "whose profile has activation_bytes, or pass meta={'stage_activation_bytes': [...]}"
+            )
+        return self._peak(np.asarray(stage_bytes, dtype=float)).rename("peak_activation_bytes")
+
+    # ------------------------------------------------------------------ display
+    def plot(self, ax=None, step=None, labels=True, comms=True):
+        """Gantt chart: one row per rank, compute bars colored by kind, idle time left empty.
+
+        ``step`` picks one step of a multi-step timeline (times then start at that step's
+        start); None draws all steps. Micro-batch numbers label bars wide enough to hold them;
+        with several stages per rank, later chunks are drawn lighter. Transfers (``SEND_*``)
+        show as thin bars under the rank's row when ``comms``. Returns the Axes.
+        """
+        from .plot import KIND_COLORS, get_ax
+
+        df = self.df
+        offset = 0.0
+        if step is not None:
+            if step not in self.steps:
+                raise ValueError(f"step={step!r} is not in this timeline; steps are {self.steps}")
+            df = df[df["step"] == step]
+            offset = float(df["start_ms"].min())
+        ranks = self.ranks
+        ax = get_ax(ax, figsize=(9.0, 0.45 * len(ranks) + 1.4))
+        start = df["start_ms"].to_numpy(float) - offset
+        end = df["end_ms"].to_numpy(float) - offset
+        kind = df["kind"].to_numpy(object)
+        rank = df["rank"].to_numpy(np.int64)
+        stage = df["stage"].to_numpy(np.int64)
+        mb = df["microbatch"].to_numpy(np.int64)
+        lo, hi = (float(start.min()), float(end.max())) if len(df) else (0.0, 1.0)
+        span = hi - lo if hi > lo else 1.0
+        chunk = self._chunk_index()
+        n_compute = int(np.isin(kind, COMPUTE_KINDS).sum())
+        for k in COMPUTE_KINDS:
+            sel = kind == k
+            if not sel.any():
+                continue
+            alpha = np.where([chunk.get(int(s), 0) == 0 for s in stage[sel]], 1.0, 0.6)
+            bars = ax.barh(rank[sel], end[sel] - start[sel], left=start[sel], height=0.8, color=KIND_COLORS[k], edgecolor="white", linewidth=0.4, label=k)
+            for bar, al in zip(bars, alpha):
+                bar.set_alpha(al)
+        if comms:
+            for k in ("SEND_F", "SEND_B"):
+                sel = kind == k
+                if sel.any():
+                    ax.barh(rank[sel] + 0.47, end[sel] - start[sel], left=start[sel], height=0.12, color=KIND_COLORS[k], label=k)
+        if labels and 0 < n_compute <= 800:
+            fig_width_px = ax.get_figure().get_size_inches()[0] * ax.get_figure().dpi * 0.8
+            for i in np.flatnonzero(np.isin(kind, COMPUTE_KINDS)):
+                text = str(mb[i])
+                width_px = (end[i] - start[i]) / span * fig_width_px
+                if width_px >= 7 * len(text) + 4:
+                    ax.text((start[i] + end[i]) / 2, rank[i], text, ha="center", va="center", fontsize=7, color="white")
+        ax.set_yticks(ranks, [f"rank {r}" for r in ranks])
+        ax.set_ylim(max(ranks) + 0.8 if ranks else 1, -0.6)
+        ax.set_xlim(lo, lo + span * 1.01)
+        ax.set_xlabel("time since step start (ms)" if step is not None else "time (ms)")
+        title = self.meta.get("schedule", "")
+        details = ", ".join(f"{k}={self.meta[k]}" for k in ("P", "m", "v") if k in self.meta)
+        ax.set_title(f"{self.source} {title} ({details}): step {self.step_ms:.4g} ms, bubble {self.bubble_ratio:.1%}".replace("  ", " "))
+        ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize="small", frameon=False)
+        ax.grid(axis="y", visible=False)
+        return ax
+
+    def _chunk_index(self) -> dict[int, int]:
+        """Position of each stage among its rank's stages (0 for the first chunk)."""
+        a = self._arrays
+        pairs = sorted(set(zip(a["rank"].tolist(), a["stage"].tolist())))
+        out, seen = {}, {}
+        for r, s in pairs:
+            out[s] = seen.get(r, 0)
+            seen[r] = seen.get(r, 0) + 1
+        return out
+
+    def _summary(self) -> dict:
+        out = {"source": self.source}
+        for k in ("schedule", "P", "m", "v"):
+            if k in self.meta:
+                out[k] = self.meta[k]
+        out.update({"steps": len(self.steps), "actions": len(self.df), "step_ms": self.step_ms, "bubble_ratio": self.bubble_ratio})
+        return out
+
+    def _repr_html_(self) -> str:
+        table = self.idle_by_rank.merge(self.peak_inflight.reset_index(), on="rank")
+        return html_card(f"Timeline ({self.source}): step {self.step_ms:.4g} ms", self._summary(), table)
+
+    def __repr__(self) -> str:
+        return text_card("Timeline", self._summary())
+
+    # ------------------------------------------------------------------ export
+    def to_chrome_trace(self, path) -> str:
+        """Write Chrome trace JSON (Perfetto, chrome://tracing) to ``path``; return the path.
+
+        One process per rank (``pid`` = rank) with a compute thread (``tid`` 0) and a
+        transfer thread (``tid`` 1); every action is an ``"X"`` event (``ts``/``dur`` in µs).
+        Flow events (``"s"`` → ``"f"``) join each ``SEND_*`` to its ``RECV_*``; without
+        transfer rows they join each cross-rank dependency (``F`` to the next stage's ``F``,
+        the backward to the previous stage's backward).
+        """
+        events = []
+        for r in self.ranks:
+            events.append({"ph": "M", "name": "process_name", "pid": r, "args": {"name": f"rank {r}"}})
+            events.append({"ph": "M", "name": "thread_name", "pid": r, "tid": 0, "args": {"name": "compute"}})
+            events.append({"ph": "M", "name": "thread_name", "pid": r, "tid": 1, "args": {"name": "transfer"}})
+        a = self._arrays
+        for i in range(len(self.df)):
+            kind = a["kind"][i]
+            tid = 0 if kind in COMPUTE_KINDS else 1
+            events.append(
+                {
+                    "ph": "X",
+                    "name": f"{kind}{a['mb'][i]} s{a['stage'][i]}",
+                    "cat": kind,
+                    "pid": int(a["rank"][i]),
+                    "tid": tid,
+                    "ts": float(a["start"][i]) * 1e3,
+                    "dur": float(a["end"][i] - a["start"][i]) * 1e3,
+                    "args": {"step": int(a["step"][i]), "stage": int(a["stage"][i]), "microbatch": int(a["mb"][i])},
+                }
+            )
+        for flow_id, (src, dst) in enumerate(self._flows()):
+            events.append({"ph": "s", "id": flow_id, "name": "transfer", "cat": "flow", "pid": src[0], "tid": src[1], "ts": src[2]})
+            events.append({"ph": "f", "bp": "e", "id": flow_id, "name": "transfer", "cat": "flow", "pid": dst[0], "tid": dst[1], "ts": dst[2]})
+        with open(path, "w") as fh:
+            json.dump({"traceEvents": events, "displayTimeUnit": "ms", "otherData": {"source": self.source, **_jsonable(self.meta)}}, fh)
+        return str(path)
+
+    def _flows(self):
+        """Pairs ``((pid, tid, ts_us), (pid, tid, ts_us))`` for the flow arrows."""
+        a = self._arrays
+        df = pd.DataFrame({"step": a["step"], "rank": a["rank"], "stage": a["stage"], "mb": a["mb"], "kind": a["kind"], "start": a["start"], "end": a["end"]})
+        out = []
+        sends = df[df["kind"].isin(["SEND_F", "SEND_B"])]
+        if len(sends):
+            recvs = df[df["kind"].isin(["RECV_F", "RECV_B"])].set_index(["step", "kind", "stage", "mb"])
+            for row in sends.itertuples(index=False):
+                target = ("RECV_F", row.stage + 1) if row.kind == "SEND_F" else ("RECV_B", row.stage - 1)
+                key = (row.step, target[0], target[1], row.mb)
+                if key in recvs.index:
+                    rec = recvs.loc[[key]].iloc[0]
+                    out.append(((int(row.rank), 1, row.start * 1e3), (int(rec["rank"]), 1, float(rec["end"]) * 1e3)))
+            return out
+        comp = df[df["kind"].isin(COMPUTE_KINDS)]
+        done = {}
+        for row in comp.itertuples(index=False):
+            done[(row.step, "F" if row.kind == "F" else "G", row.stage, row.mb)] = row
+        for row in comp.itertuples(index=False):
+            if row.kind == "F":
+                src = done.get((row.step, "F", row.stage - 1, row.mb))
+            elif row.kind in ("B", "I"):
+                src = done.get((row.step, "G", row.stage + 1, row.mb))
+            else:
+                src = None
+            if src is not None and src.rank != row.rank:
+                out.append(((int(src.rank), 0, src.end * 1e3), (int(row.rank), 0, row.start * 1e3)))
+        return out
+
+    def to_csv(self, path) -> str:
+        """Write the rows as CSV, with ``source`` and ``meta`` in a first comment line; return the path."""
+        with open(path, "w", newline="") as fh:
+            fh.write(_CSV_HEADER + json.dumps({"source": self.source, "meta": _jsonable(self.meta)}) + "\n")
+            self.df.to_csv(fh, index=False)
+        return str(path)
+
+    @classmethod
+    def read_csv(cls, path) -> "Timeline":
+        """Read a Timeline written by :meth:`to_csv` (a plain CSV with the columns works too, as simulated)."""
+        with open(path) as fh:
+            first = fh.readline()
+        source, meta, skip = "simulated", {}, 0
+        if first.startswith(_CSV_HEADER):
+            header = json.loads(first[len(_CSV_HEADER):])
+            source, meta, skip = header.get("source", "simulated"), header.get("meta", {}), 1
+        df = pd.read_csv(path, skiprows=skip)
+        return cls(df, source=source, meta=meta)
+
+
+def _group_running_max(end, new_group):
+    """For each row, the largest ``end`` of the earlier rows of its group (-inf for a group's first row)."""
+    out = np.empty_like(end)
+    starts = np.flatnonzero(new_group)
+    bounds = np.r_[starts, len(end)]
+    for a, b in zip(bounds[:-1], bounds[1:]):
+        out[a] = -np.inf
+        if b - a > 1:
+            out[a + 1 : b] = np.maximum.accumulate(end[a : b - 1])
+    return out
+
+
+def _merged_lengths(group, start, end, size):
+    """Total length of the union of intervals per group (rows sorted by group, then start)."""
+    total = np.zeros(size)
+    i, n = 0, len(group)
+    while i < n:
+        g, cur_s, cur_e = group[i], start[i], end[i]
+        j = i + 1
+        while j < n and group[j] == g:
+            if start[j] < cur_e:
+                cur_e = max(cur_e, end[j])
+            else:
+                total[g] += cur_e - cur_s
+                cur_s, cur_e = start[j], end[j]
+            j += 1
+        total[g] += cur_e - cur_s
+        i = j
+    return total
+
+
+def _jsonable(meta: dict) -> dict:
+    return json.loads(json.dumps(meta, default=lambda x: x.tolist() if hasattr(x, "tolist") else str(x)))
+
+
+def _normalize(df) -> pd.DataFrame:
+    if not isinstance(df, pd.DataFrame):
+        raise TypeError(f"df must be a pandas DataFrame with columns {list(COLUMNS)}; got {type(df).__name__}")
+    missing = [c for c in COLUMNS if c not in df.columns]
+    extra = [c for c in df.columns if c not in COLUMNS]
+    if missing or extra:
+        raise ValueError(f"Timeline df must have exactly the columns {list(COLUMNS)}; missing {missing}, unexpected {extra}")
+    if len(df) == 0:
+        raise ValueError("Timeline df has no rows")
+    cols = {}
+    for c in ("step", "rank", "stage", "microbatch"):
+        values = df[c].to_numpy()
+        if values.dtype.kind not in "iu":
+            numeric = pd.to_numeric(df[c], errors="coerce").to_numpy(dtype=float)
+            bad = ~np.isfinite(numeric) | (numeric % 1 != 0)
+            if bad.any():
+                raise ValueError(f"Timeline column {c!r} must hold integers >= 0; got {df[c].to_numpy()[bad][0]!r}")
+            values = numeric
+        values = values.astype(np.int64)
+        if (values < 0).any():
+            raise ValueError(f"Timeline column {c!r} must hold integers >= 0; got {int(values[values < 0][0])}")
+        cols[c] = values
+    kind = df["kind"].to_numpy(dtype=object)
+    bad_kinds = sorted(set(pd.unique(kind).tolist()) - set(KINDS), key=str)
+    if bad_kinds:
+        raise ValueError(f"Timeline column 'kind' holds {bad_kinds}; valid kinds are {list(KINDS)}")
+    cols["kind"] = kind
+    for c in ("start_ms", "end_ms"):
+        values = pd.to_numeric(df[c], errors="coerce").to_numpy(dtype=float)
+        if not np.isfinite(values).all():
+            raise ValueError(f"Timeline column {c!r} must hold finite numbers; got {values[~np.isfinite(values)][0]!r}")
+        cols[c] = values
+    if (cols["end_ms"] < cols["start_ms"]).any():
+        i = int(np.flatnonzero(cols["end_ms"] < cols["start_ms"])[0])
+        raise ValueError(f"Timeline row {i} ({ {c: cols[c][i] for c in COLUMNS} }) ends before it starts (end_ms < start_ms)")
+    order = np.lexsort((cols["end_ms"], cols["start_ms"], cols["rank"], cols["step"]))
+    if not np.array_equal(order, np.arange(len(order))):
+        cols = {c: v[order] for c, v in cols.items()}
+    return pd.DataFrame({c: cols[c] for c in COLUMNS})
+
+
+__all__ = ["COLUMNS", "COMPUTE_KINDS", "KINDS", "SOURCES", "Timeline"]
