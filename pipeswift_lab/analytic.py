@@ -20,6 +20,13 @@ DualPipe). Their closed forms below are the papers' bubble terms for equal stage
 :func:`pipeswift_lab.simulate` replays torch's exact action order with real durations
 and is the reference for anything else.
 
+How the closed forms compare with torch's orders replayed with equal stages and free
+communication (the tests check the exact cases): GPipe and 1F1B match for every ``P``
+and ``m``; Interleaved1F1B and LoopedBFS for every ``m >= P`` (with ``m < P`` torch's
+order is slower); InterleavedZeroBubble matches when ``F = I = W``; torch's
+ZBVZeroBubble order runs about ``(P-1)`` chunk forwards, and DualPipeV about ``(P-1)``
+chunk forward+backward pairs, longer than the papers' forms.
+
 Times are per rank and per micro-batch: ``fwd_ms`` is a rank's whole forward of one
 micro-batch (all its chunks together), ``bwd_ms`` its whole backward, split as
 ``igrad_ms + wgrad_ms`` for zero-bubble schedules.
@@ -109,32 +116,36 @@ def step_ms(P, m, schedule="1F1B", v=1, fwd_ms=1.0, bwd_ms=2.0, wgrad_ms=None) -
 def inflight_microbatches(P, m, schedule="1F1B", v=1) -> list[float]:
     """Peak number of micro-batches whose activations a rank holds, one entry per rank.
 
-    Counted in whole-rank micro-batches: with ``v`` chunks per rank a chunk's
-    activations count ``1/v``. GPipe and LoopedBFS hold all ``m`` everywhere;
-    1F1B holds ``min(m, P-r)`` on rank ``r``; Interleaved1F1B and InterleavedZeroBubble
-    hold torch's warm-up count plus one, ``(v-1)*m_round + 2*(P-1-r) + 1`` chunks
-    (``m_round = m / max(1, m // P)`` micro-batches per round, as in torch's
-    ``ScheduleInterleaved1F1B``); ZBVZeroBubble holds ``min(m, P)`` and DualPipeV
-    ``min(m, P+1)`` on every rank, the V shape evening memory out (Qi et al. 2024;
-    DeepSeek-V3 report, Table 2).
+    Counted in whole-rank micro-batches: with ``v`` chunks per rank a chunk's activations
+    count ``1/v``. A micro-batch is held from its forward until its backward ends (until
+    its weight-grad ``W`` for the zero-bubble schedules, whose input-grad keeps the graph
+    alive). The counts are those of the orders torch executes (checked against
+    :func:`pipeswift_lab.simulate` in the tests), with ``m_round = m / max(1, m // P)``
+    micro-batches per round as in torch's interleaved schedules:
+
+    * GPipe and LoopedBFS: all ``m`` on every rank;
+    * 1F1B: ``min(m, P - r)`` on rank ``r`` (PipeDream-Flush);
+    * Interleaved1F1B: ``min(v*m, (v-1)*m_round + 2*(P-1-r) + 1)`` chunks — its warm-up plus one;
+    * InterleavedZeroBubble: ``min(v*m, (v-1)*m_round + P)`` chunks on every rank;
+    * ZBVZeroBubble: ``min(2P, 2m, m+1+r)`` chunks — ``P`` micro-batches once warm (Qi et al. 2024);
+    * DualPipeV: ``2P+1`` chunks, ``P + 1/2`` micro-batches, on every rank (DeepSeek-V3 report).
     """
     P, m = _check_pm(P, m)
     schedule, v = check_schedule_v(schedule, v)
-    if schedule == "GPipe" or schedule == "LoopedBFS":
-        return [float(m)] * P
-    if schedule == "1F1B":
-        return [float(min(m, P - r)) for r in range(P)]
-    if schedule in ("Interleaved1F1B", "InterleavedZeroBubble"):
-        rounds = max(1, m // P)
-        per_round = m // rounds
-        out = []
-        for r in range(P):
-            chunks = min(m * v, (v - 1) * per_round + 2 * (P - 1 - r) + 1)
-            out.append(chunks / v)
-        return out
-    if schedule == "ZBVZeroBubble":
-        return [float(min(m, P))] * P
-    return [float(min(m, P + 1))] * P  # DualPipeV
+    per_round = m // max(1, m // P)
+    if schedule in ("GPipe", "LoopedBFS"):
+        chunks = [m * v] * P
+    elif schedule == "1F1B":
+        chunks = [min(m, P - r) for r in range(P)]
+    elif schedule == "Interleaved1F1B":
+        chunks = [min(m * v, (v - 1) * per_round + 2 * (P - 1 - r) + 1) for r in range(P)]
+    elif schedule == "InterleavedZeroBubble":
+        chunks = [min(m * v, (v - 1) * per_round + P)] * P
+    elif schedule == "ZBVZeroBubble":
+        chunks = [min(2 * P, 2 * m, m + 1 + r) for r in range(P)]
+    else:  # DualPipeV
+        chunks = [2 * P + 1] * P
+    return [c / v for c in chunks]
 
 
 def activation_memory_bytes(P, m, activation_bytes, schedule="1F1B", v=1) -> list[float]:

@@ -128,20 +128,8 @@ def _from_table(df: pd.DataFrame, schedule, v):
     return _Stages(fwd, bwd, wgrad, out_bytes, act, P, v, schedule, None)
 
 
-def simulate(partition, m, schedule=None, v=None, link=None, wgrad_fraction=None) -> Timeline:
-    """Simulate one training step of ``m`` micro-batches; return the predicted :class:`Timeline`.
-
-    ``partition`` is a :class:`~pipeswift_lab.partition.Partition`, or a DataFrame with one
-    row per stage in stage order (``P * v`` rows) and columns ``fwd_ms``, ``bwd_ms`` (whole
-    backward), optional ``wgrad_ms`` (its weight-grad part), ``output_bytes`` (activation
-    leaving the stage; needed with a ``link``) and ``activation_bytes`` (for memory).
-    ``schedule`` defaults to the partition's (else ``"1F1B"``); ``v`` to the partition's
-    (a stage table needs it for the interleaved schedules). ``link`` (a
-    :class:`~pipeswift_lab.link.Link`) adds transfers. Zero-bubble schedules split a
-    backward into ``I = bwd - wgrad`` and ``W = wgrad``, with ``wgrad = wgrad_fraction *
-    bwd`` when ``wgrad_fraction`` is given, else the profile's ``wgrad_ms``, else
-    :data:`~pipeswift_lab.analytic.DEFAULT_WGRAD_FRACTION` of ``bwd``.
-    """
+def _prepare(partition, m, schedule, v, link, wgrad_fraction):
+    """Validate :func:`simulate`'s arguments; return the stage table and per-kind durations."""
     if isinstance(partition, Partition):
         st = _from_partition(partition, schedule, v)
     elif isinstance(partition, pd.DataFrame):
@@ -175,6 +163,34 @@ def simulate(partition, m, schedule=None, v=None, link=None, wgrad_fraction=None
     durations = (st.fwd, st.bwd, [max(0.0, b - w) for b, w in zip(st.bwd, wgrad)], wgrad)
     if tuple(placement) != stage_to_rank(st.P, v, schedule):  # pragma: no cover - guarded in _from_partition
         raise ValueError(f"stage placement {list(placement)} is not the one schedule={schedule!r} runs")
+    return st, m, schedule, v, placement, link, durations, transfer, split_source
+
+
+def simulate_step_ms(partition, m, schedule=None, v=None, link=None, wgrad_fraction=None) -> float:
+    """The simulated step time (ms) alone: :func:`simulate`'s ``step_ms`` without building the Timeline.
+
+    For searches over many configurations (the planner); takes the same arguments.
+    """
+    st, m, schedule, v, placement, link, durations, transfer, _ = _prepare(partition, m, schedule, v, link, wgrad_fraction)
+    rows = _run(_lowered(st.P, m, schedule, v), st.P, m, st.S, durations, transfer, False)
+    return max(row[5] for row in rows)
+
+
+def simulate(partition, m, schedule=None, v=None, link=None, wgrad_fraction=None) -> Timeline:
+    """Simulate one training step of ``m`` micro-batches; return the predicted :class:`Timeline`.
+
+    ``partition`` is a :class:`~pipeswift_lab.partition.Partition`, or a DataFrame with one
+    row per stage in stage order (``P * v`` rows) and columns ``fwd_ms``, ``bwd_ms`` (whole
+    backward), optional ``wgrad_ms`` (its weight-grad part), ``output_bytes`` (activation
+    leaving the stage; needed with a ``link``) and ``activation_bytes`` (for memory).
+    ``schedule`` defaults to the partition's (else ``"1F1B"``); ``v`` to the partition's
+    (a stage table needs it for the interleaved schedules). ``link`` (a
+    :class:`~pipeswift_lab.link.Link`) adds transfers. Zero-bubble schedules split a
+    backward into ``I = bwd - wgrad`` and ``W = wgrad``, with ``wgrad = wgrad_fraction *
+    bwd`` when ``wgrad_fraction`` is given, else the profile's ``wgrad_ms``, else
+    :data:`~pipeswift_lab.analytic.DEFAULT_WGRAD_FRACTION` of ``bwd``.
+    """
+    st, m, schedule, v, placement, link, durations, transfer, split_source = _prepare(partition, m, schedule, v, link, wgrad_fraction)
     ops = _lowered(st.P, m, schedule, v)
     rows = _run(ops, st.P, m, st.S, durations, transfer, link is not None)
     df = _rows_frame(rows)

@@ -69,7 +69,33 @@ def test_inflight_microbatches_per_schedule():
     # torch's interleaved warm-up: (v-1)*m_round + 2*(P-1-r) forwards, plus the one in progress.
     assert analytic.inflight_microbatches(4, 8, "Interleaved1F1B", v=2) == [11 / 2, 9 / 2, 7 / 2, 5 / 2]
     assert analytic.inflight_microbatches(4, 8, "ZBVZeroBubble", v=2) == [4] * 4
-    assert analytic.inflight_microbatches(4, 8, "DualPipeV", v=2) == [5] * 4
+    assert analytic.inflight_microbatches(4, 3, "ZBVZeroBubble", v=2) == [2, 2.5, 3, 3]
+    assert analytic.inflight_microbatches(4, 8, "DualPipeV", v=2) == [4.5] * 4
+    assert analytic.inflight_microbatches(4, 8, "InterleavedZeroBubble", v=2) == [4] * 4
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_inflight_counts_match_torchs_orders_replayed(schedule):
+    """The closed forms against the simulator's replay of the order torch executes."""
+    import pandas as pd
+
+    from pipeswift_lab.schedules import validate
+    from pipeswift_lab.simulate import simulate
+
+    vs = {"GPipe": [1], "1F1B": [1], "ZBVZeroBubble": [2], "DualPipeV": [2]}.get(schedule, [1, 2, 3])
+    checked = 0
+    for P in range(1, 6):
+        for v in vs:
+            for m in range(1, 14):
+                try:
+                    validate(P, m, schedule, v)
+                except ValueError:
+                    continue
+                stages = pd.DataFrame({"fwd_ms": [1.0] * (P * v), "bwd_ms": [2.0] * (P * v)})
+                simulated = simulate(stages, m, schedule, v=v).peak_inflight.tolist()
+                assert analytic.inflight_microbatches(P, m, schedule, v) == pytest.approx(simulated), (P, m, v)
+                checked += 1
+    assert checked >= 10
 
 
 def test_activation_memory_follows_inflight_counts():

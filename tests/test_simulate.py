@@ -268,3 +268,16 @@ def test_partition_and_schedule_must_agree_on_placement():
         simulate(interleaved, 4, v=3)
     assert simulate(interleaved, 4, "LoopedBFS").meta["schedule"] == "LoopedBFS"  # same round-robin placement
     assert simulate(interleaved, 4).meta["schedule"] == "Interleaved1F1B"
+
+
+def test_simulate_step_ms_equals_the_timelines_step():
+    import random
+
+    from pipeswift_lab.simulate import simulate_step_ms
+
+    rng = random.Random(3)
+    for schedule, v in (("GPipe", 1), ("1F1B", 1), ("Interleaved1F1B", 2), ("ZBVZeroBubble", 2), ("DualPipeV", 2)):
+        P, m = 3, 6
+        stages = pd.DataFrame({"fwd_ms": [rng.uniform(1, 3) for _ in range(P * v)], "bwd_ms": [rng.uniform(2, 6) for _ in range(P * v)], "output_bytes": [1e6] * (P * v)})
+        link = Link(0.1, 1.0)
+        assert simulate_step_ms(stages, m, schedule, v=v, link=link) == simulate(stages, m, schedule, v=v, link=link).step_ms
