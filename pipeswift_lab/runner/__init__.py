@@ -1,0 +1,16 @@
+"""Real pipeline runs on ``torch.distributed.pipelining``, from a notebook cell or ``torchrun``.
+
+* :func:`run` — launch a partitioned model on one process per rank and measure it;
+* :class:`RunResult` — the measured timeline, step times, losses, JCT and final parameters;
+* :func:`compare` — a predicted (simulated) Timeline against a measured one;
+* :class:`RunSpec`, :func:`load_spec`, :func:`load_result` — the same run under ``torchrun``;
+* :class:`RunError` — why a run failed, naming the rank.
+"""
+from .compare import Comparison, compare
+from .errors import RunError
+from .launch import run
+from .result import RunResult, load_result
+from .spec import DEFAULT_LR, RunSpec, default_optimizer, load_spec, make_spec
+
+__all__ = ["run", "RunResult", "compare", "Comparison", "RunError", "RunSpec", "load_spec", "load_result", "make_spec",
+           "default_optimizer", "DEFAULT_LR"]

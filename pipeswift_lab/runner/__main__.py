@@ -1,0 +1,45 @@
+"""``torchrun --nproc-per-node P -m pipeswift_lab.runner SPEC [--out DIR]``: run a saved spec on every rank.
+
+``SPEC`` is a file written by ``run(..., save_spec=SPEC)``. Every rank trains its stages;
+rank 0 gathers what all ranks measured into ``DIR/result.pt`` (default: ``SPEC`` with the
+suffix ``.out``), copies the spec to ``DIR/spec.pkl`` and prints a summary. Read the result
+back with ``pipeswift_lab.runner.load_result(DIR)``. ``pipeswift_lab.run`` starts this same
+command through torch's elastic agent (with ``--from-run``).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+from pathlib import Path
+
+
+def main(argv=None) -> int:
+    """Parse the command line and run this process's rank; returns the exit status."""
+    parser = argparse.ArgumentParser(prog="python -m pipeswift_lab.runner", description=__doc__.splitlines()[0])
+    parser.add_argument("spec", help="spec file written by pipeswift_lab.run(..., save_spec=PATH)")
+    parser.add_argument("--out", default=None, help="directory for the per-rank files and result.pt (default: SPEC.out)")
+    parser.add_argument("--progress", action="store_true", help="write the steps done to OUT/progress")
+    parser.add_argument("--from-run", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    spec_path = Path(args.spec)
+    out = Path(args.out) if args.out else spec_path.with_suffix(".out")
+
+    from torch.distributed.elastic.multiprocessing.errors import record
+
+    from . import worker
+
+    record(worker.main)(spec_path, out, progress=args.progress)
+    if not args.from_run and int(os.environ.get("RANK", "0")) == 0:
+        from .result import load_result
+
+        if spec_path.resolve() != (out / "spec.pkl").resolve():
+            shutil.copyfile(spec_path, out / "spec.pkl")
+        result = load_result(out)
+        print(result)
+        print(f"result: {out / 'result.pt'}; read it with pipeswift_lab.runner.load_result({str(out)!r})")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,183 @@
+"""Why a run failed, read from what the workers left behind, naming the rank at fault.
+
+A worker that raises writes its traceback (``rank{r}.error``); one that dies leaves only an
+exit code (from torch's elastic agent) and its stderr; one that hangs is asked for its stack
+(``SIGUSR1`` → ``rank{r}.stacks`` via ``faulthandler``) before it is killed. When one rank
+fails its peers usually fail next with communication errors (a closed gloo connection), so
+the diagnosis prefers a rank that died or raised something else over one that lost its peer.
+"""
+from __future__ import annotations
+
+import glob
+import os
+import re
+import signal
+from pathlib import Path
+
+#: Substrings of a traceback's last line that mark a rank failing *because a peer failed*.
+_PEER_ERRORS = ("Connection closed by peer", "Connection reset by peer", "DistNetworkError", "DistBackendError",
+                "Broken pipe", "Socket Timeout", "Timed out waiting", "ECONNRESET", "EPIPE", "gloo")
+#: Function names at the top of a rank's stack that mean "waiting for a peer".
+_WAITING = re.compile(r"in (_wait_batch_p2p|wait|barrier|recv|irecv|send|gather_object|all_gather\w*|broadcast\w*|_recv_meta|"
+                      r"recv_object_list|send_object_list|_store_based_barrier|init_process_group|rendezvous\w*|_warmup_\w+)\b")
+
+
+class RunError(RuntimeError):
+    """A real pipeline run failed.
+
+    ``reason``: ``"raised"`` (a rank raised; ``traceback`` is its traceback), ``"died"`` (a rank
+    exited without a Python traceback: ``os._exit``, a signal, a crash), ``"hung"`` (the run
+    passed ``timeout_s``; ``stacks`` holds where each rank was), or ``"launch"`` (the launch
+    itself failed). ``rank`` is the rank at fault when one can be named; ``pids`` the worker
+    processes, all gone when the error is raised.
+    """
+
+    def __init__(self, message, reason, rank=None, traceback="", stacks=None, exitcodes=None, pids=()):
+        super().__init__(message)
+        self.reason = reason
+        self.rank = rank
+        self.traceback = traceback
+        self.stacks = dict(stacks or {})
+        self.exitcodes = dict(exitcodes or {})
+        self.pids = tuple(pids)
+
+
+def _read(path: Path) -> str:
+    try:
+        return path.read_text(errors="replace")
+    except OSError:
+        return ""
+
+
+def _last_line(text: str) -> str:
+    lines = [line for line in text.strip().splitlines() if line.strip()]
+    return lines[-1].strip() if lines else ""
+
+
+_CHAIN = re.compile(r"\n\s*(?:The above exception was the direct cause of the following exception:|"
+                    r"During handling of the above exception, another exception occurred:)\s*\n")
+
+
+def _exception_line(segment: str) -> str:
+    """The ``Type: message`` line of one traceback (its first line when the message spans several)."""
+    lines = segment.strip("\n").splitlines()
+    in_frames = False
+    for i, line in enumerate(lines):
+        if line.startswith("Traceback (most recent call last):"):
+            in_frames = True
+            continue
+        if in_frames and (line.startswith(" ") or not line.strip()):
+            continue
+        if in_frames:
+            head = line.strip()
+            if head.endswith(":"):  # the message starts on the next line
+                rest = next((x.strip() for x in lines[i + 1 :] if x.strip()), "")
+                head = f"{head} {rest}".strip()
+            return head
+    return _last_line(segment)
+
+
+def exception_summary(tb: str) -> str:
+    """``"Root: msg"`` of a formatted traceback, naming the exception it surfaced as when chained."""
+    segments = _CHAIN.split(tb.strip())
+    root, final = _exception_line(segments[0]), _exception_line(segments[-1])
+    return root if root == final else f"{root} (surfacing as {final})"
+
+
+def stderr_tail(run_dir: Path, rank: int, lines: int = 15) -> str:
+    """The last ``lines`` lines of a local rank's stderr, from the elastic agent's log directory."""
+    paths = sorted(glob.glob(str(run_dir / "logs" / "*" / "attempt_*" / str(rank) / "stderr.log")))
+    if not paths:
+        return ""
+    return "\n".join(_read(Path(paths[-1])).rstrip().splitlines()[-lines:])
+
+
+def _waiting(stack: str) -> bool:
+    """Whether a faulthandler dump shows the main thread waiting on communication (its innermost frame)."""
+    current = stack.split("\n\n")
+    for block in current:
+        if "most recent call first" in block and ("Current thread" in block or "Thread" in block):
+            frames = [line for line in block.splitlines() if line.strip().startswith("File ")]
+            if frames:
+                return bool(_WAITING.search(frames[0])) or "distributed_c10d.py" in frames[0]
+    return False
+
+
+def _raised(r, errors, exitcodes, pids) -> RunError:
+    others = sorted(set(errors) - {r})
+    note = f"\n(ranks {others} failed after it)" if others else ""
+    return RunError(f"rank {r} raised {exception_summary(errors[r])}{note}\n\nTraceback of rank {r}:\n{errors[r]}",
+                    reason="raised", rank=r, traceback=errors[r], exitcodes=exitcodes, pids=pids)
+
+
+def diagnose(run_dir: Path, P: int, timeout_s: float, timed_out: bool, agent_error, pids) -> RunError:
+    """Build the :class:`RunError` that explains a failed run from the files in ``run_dir``."""
+    run_dir = Path(run_dir)
+    errors = {r: _read(run_dir / f"rank{r}.error") for r in range(P) if (run_dir / f"rank{r}.error").exists()}
+    started = {r for r in range(P) if (run_dir / f"rank{r}.pid").exists()}
+    exitcodes = {}
+    failures = getattr(agent_error, "failures", None) or {}
+    for rank, failure in failures.items():
+        exitcodes[int(rank)] = getattr(failure, "exitcode", None)
+
+    killed_by_launcher = {-signal.SIGTERM, -signal.SIGKILL, -signal.SIGINT}
+
+    def peer(r):
+        return any(marker in exception_summary(errors[r]) for marker in _PEER_ERRORS)
+
+    def mtime(r):
+        return os.path.getmtime(run_dir / f"rank{r}.error")
+
+    own_errors = sorted((r for r in errors if not peer(r)), key=mtime)
+    if own_errors and not timed_out:
+        return _raised(own_errors[0], errors, exitcodes, pids)
+
+    # a rank that ended without a traceback, and not because the launcher stopped it: it died
+    silent = [r for r in sorted(started) if r not in errors and not (run_dir / f"rank{r}.done").exists()
+              and exitcodes.get(r) not in killed_by_launcher and exitcodes.get(r) != 0]
+    died = [r for r in silent if exitcodes.get(r) is not None] + [r for r in silent if exitcodes.get(r) is None]
+    if died and not timed_out and (errors or exitcodes):
+        r = died[0]
+        code = exitcodes.get(r)
+        if code is None:
+            how = "ended (its exit code was not reported: a peer's failure was seen first)"
+        elif code < 0 and -code in signal.Signals._value2member_map_:
+            how = f"was killed by signal {signal.Signals(-code).name}"
+        else:
+            how = f"exited with code {code}"
+        tail = stderr_tail(run_dir, r)
+        peers = sorted(errors)
+        note = f"\n(ranks {peers} then failed because they lost their peer)" if peers else ""
+        return RunError(
+            f"rank {r} died: it {how} without a Python traceback (os._exit, a signal or a crash in native code).{note}"
+            + (f"\nLast lines of its stderr:\n{tail}" if tail else ""),
+            reason="died", rank=r, traceback=tail, exitcodes=exitcodes, pids=pids)
+
+    if errors and not timed_out:
+        return _raised(sorted(errors, key=mtime)[0], errors, exitcodes, pids)
+
+    if timed_out:
+        stacks = {r: _read(run_dir / f"rank{r}.stacks") for r in sorted(started)}
+        not_started = sorted(set(range(P)) - started)
+        busy = [r for r, s in stacks.items() if s.strip() and not _waiting(s)]
+        lines = [f"the run did not finish within timeout_s={timeout_s:g} s; its workers were stopped."]
+        if not_started:
+            lines.append(f"ranks {not_started} had not started the runner yet (start-up is slower than the timeout?)")
+        rank = busy[0] if len(busy) == 1 else None
+        if busy:
+            lines.append(f"rank{'s' if len(busy) > 1 else ''} {', '.join(map(str, busy))} hung in "
+                         f"{'their' if len(busy) > 1 else 'its'} own work; the others were waiting for a peer.")
+        for r, s in stacks.items():
+            lines.append(f"\nStack of rank {r}{' (waiting for a peer)' if r not in busy and s.strip() else ''}:\n{s.strip() or '(no stack dump)'}")
+        return RunError("\n".join(lines), reason="hung", rank=rank, traceback=stacks.get(rank, "") if rank is not None else "",
+                        stacks=stacks, exitcodes=exitcodes, pids=pids)
+
+    tails = "\n".join(f"\nstderr of rank {r}:\n{stderr_tail(run_dir, r)}" for r in range(P) if stderr_tail(run_dir, r))
+    detail = f"{type(agent_error).__name__}: {agent_error}" if agent_error is not None else "no result was written"
+    never = sorted(set(range(P)) - started)
+    hint = ""
+    if never:
+        hint = (f"\nranks {never} never reached the runner: their processes failed while starting (forked workers first "
+                "re-import the __main__ module of a script, as multiprocessing's spawn does: guard scripts with "
+                "`if __name__ == \"__main__\":`; the error is on this process's stderr).")
+    return RunError(f"the launch failed: {detail}{hint}{tails}", reason="launch", exitcodes=exitcodes, pids=pids)

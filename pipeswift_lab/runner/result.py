@@ -1,0 +1,204 @@
+"""What a real run measured: :class:`RunResult` (timeline, step times, losses, JCT, final parameters)."""
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pandas as pd
+import torch
+
+from .._display import html_card, text_card
+from ..jct import JCT
+from .instrument import KINDS
+from .worker import RESULT_FILE
+
+#: Timeline columns, in the simulator's order.
+TIMELINE_COLUMNS = ("step", "rank", "stage", "microbatch", "kind", "start_ms", "end_ms")
+
+
+@dataclass(frozen=True, repr=False)
+class RunResult:
+    """One real pipeline run, measured.
+
+    * ``timeline`` — a ``Timeline`` with ``source="measured"``: one row per executed compute
+      action (``F``, ``B``, ``I``, ``W``) of every rank and step, in ms since the first step
+      started (None when the run was not instrumented);
+    * ``step_ms`` — every step, from the first rank starting it to the last rank finishing it
+      (optimizer step included);
+    * ``losses`` — per step, the mean of the micro-batch losses on the last stage;
+    * ``jct`` — measured ``JCT``: ``assembly_s`` from launch to the first step (processes,
+      imports, rendezvous, process groups, stage build), ``training_s`` the steps,
+      ``cleanup_s`` gathering the final state and teardown until the result is back;
+      ``queue_s`` is 0 (nothing waited for machines);
+    * :meth:`state_dict` — the trained parameters gathered from every rank, with the keys of
+      ``model.state_dict()``.
+    """
+
+    timeline: object
+    step_ms: tuple[float, ...]
+    losses: tuple[float, ...]
+    jct: JCT
+    schedule: str
+    P: int
+    v: int
+    m: int
+    steps: int
+    backend: str
+    device_type: str
+    instrumented: bool
+    ranks: pd.DataFrame = field(compare=False, repr=False)
+    meta: dict = field(default_factory=dict, compare=False, repr=False)
+    _state: dict = field(default_factory=dict, compare=False, repr=False)
+
+    def state_dict(self) -> "OrderedDict[str, torch.Tensor]":
+        """The final parameters and buffers from every rank, keyed and ordered like ``model.state_dict()`` (CPU tensors)."""
+        return OrderedDict((k, self._state[k]) for k in self.meta["state_keys"])
+
+    def load_into(self, model: torch.nn.Module) -> torch.nn.Module:
+        """Copy the final state into ``model`` (``load_state_dict``, strict) and return it."""
+        model.load_state_dict(self.state_dict())
+        return model
+
+    @property
+    def steady_step_ms(self) -> float:
+        """Median step time without the first step (which warms up allocators and communicators); the only step if there is one."""
+        times = self.step_ms[1:] if len(self.step_ms) > 1 else self.step_ms
+        return float(pd.Series(times).median())
+
+    @property
+    def df(self) -> pd.DataFrame:
+        """One row per step: ``step``, ``step_ms``, ``loss``."""
+        return pd.DataFrame({"step": range(self.steps), "step_ms": list(self.step_ms), "loss": list(self.losses)})
+
+    @property
+    def assembly_phases(self) -> pd.DataFrame:
+        """The measured assembly, phase by phase (``phase``, ``seconds``): the milestones of the slowest rank."""
+        return pd.DataFrame(self.meta["assembly_phases"], columns=["phase", "seconds"])
+
+    def plot(self, ax=None, step=None):
+        """Gantt chart of the measured timeline (one step, by default the median-time one after the first). Returns the Axes."""
+        if not self.instrumented:
+            raise ValueError("this run was not instrumented (instrument=False): there is no timeline to plot")
+        from .compare import pick_step
+
+        step = pick_step(self, step)
+        return self.timeline.plot(ax=ax, step=step)
+
+    def _summary(self) -> dict:
+        return {
+            "schedule": self.schedule, "P": self.P, "v": self.v, "m": self.m, "steps": self.steps,
+            "device": f"{self.device_type} ({self.backend})", "steady_step_ms": self.steady_step_ms,
+            "final_loss": self.losses[-1] if self.losses else float("nan"), "jct_total_s": self.jct.total_s,
+            "assembly_s": self.jct.assembly_s, "training_s": self.jct.training_s, "cleanup_s": self.jct.cleanup_s,
+        }
+
+    def _repr_html_(self) -> str:
+        return html_card(f"RunResult: {self.schedule}, P={self.P}, m={self.m}, {self.steps} steps", self._summary(), self.df)
+
+    def __str__(self) -> str:
+        return text_card(f"RunResult {self.schedule} P={self.P} m={self.m}", self._summary())
+
+    __repr__ = __str__
+
+
+def _timeline_frame(ranks: list[dict], t0_ns: int) -> pd.DataFrame:
+    frames = []
+    for payload in ranks:
+        rows = payload["records"]
+        if len(rows) == 0:
+            continue
+        rows = rows.to(torch.int64)
+        frames.append(pd.DataFrame({
+            "step": rows[:, 0].numpy(), "rank": payload["rank"], "stage": rows[:, 2].numpy(),
+            "microbatch": rows[:, 3].numpy(), "kind": [KINDS[k] for k in rows[:, 1].tolist()],
+            "start_ms": (rows[:, 4] - t0_ns).numpy() / 1e6, "end_ms": (rows[:, 5] - t0_ns).numpy() / 1e6,
+        }))
+    if not frames:
+        df = pd.DataFrame({c: pd.Series(dtype="int64") for c in TIMELINE_COLUMNS[:4]})
+        df["kind"] = pd.Series(dtype=object)
+        df["start_ms"] = pd.Series(dtype="float64")
+        df["end_ms"] = pd.Series(dtype="float64")
+        return df
+    df = pd.concat(frames, ignore_index=True)
+    for col in ("step", "rank", "stage", "microbatch"):
+        df[col] = df[col].astype("int64")
+    df["kind"] = df["kind"].astype(object)
+    return df.sort_values(["step", "rank", "start_ms"], kind="stable").reset_index(drop=True)[list(TIMELINE_COLUMNS)]
+
+
+def build_result(spec, gathered: dict, launch_ns: int, end_ns: int, launched_by: str = "run") -> RunResult:
+    """Assemble a :class:`RunResult` from what rank 0 gathered (``result.pt``).
+
+    ``launch_ns`` is the wall-clock launch (``run`` entry; under torchrun the earliest rank's
+    process start) and ``end_ns`` when the result was complete (``run`` return; under
+    torchrun rank 0 after the gather).
+    """
+    from ..timeline import Timeline
+
+    ranks = sorted(gathered["ranks"], key=lambda p: p["rank"])
+    steps = spec.steps
+    starts = [min(p["step_start_ns"][k] for p in ranks) for k in range(steps)]
+    ends = [max(p["step_end_ns"][k] for p in ranks) for k in range(steps)]
+    t0, t_end = starts[0], ends[-1]
+    last = next(p for p in ranks if p["rank"] == spec.plan.last_rank)
+    state = {}
+    for p in ranks:
+        state.update(p["state"])
+    missing = [k for k in spec.state_keys if k not in state]
+    if missing:
+        raise RuntimeError(f"the gathered state lacks {len(missing)} keys of the model, e.g. {missing[:3]}")
+
+    def latest(key):
+        values = [p[key] for p in ranks if p.get(key) is not None]
+        return max(values) if values else None
+
+    milestones = [("launch", launch_ns), ("processes started", latest("process_start_ns")),
+                  ("runner entered (python + torch imported)", latest("entered_ns")),
+                  ("process groups and stages ready", latest("ready_ns")), ("first step started", t0)]
+    milestones = [(name, ns) for name, ns in milestones if ns is not None]
+    phases = [(f"{a} -> {b}", (nb - na) / 1e9) for (a, na), (b, nb) in zip(milestones, milestones[1:])]
+    jct = JCT(queue_s=0.0, assembly_s=(t0 - launch_ns) / 1e9, training_s=(t_end - t0) / 1e9, cleanup_s=(end_ns - t_end) / 1e9,
+              label=f"measured {spec.plan.schedule} P={spec.P} m={spec.m}")
+    ranks_df = pd.DataFrame([{
+        "rank": p["rank"], "pid": p["pid"], "host": p["host"], "device": p["device"], "stages": tuple(p["stages"]),
+        "threads": p["threads"], "ready_ms": (p["ready_ns"] - t0) / 1e6,
+    } for p in ranks])
+    df = _timeline_frame(ranks, t0) if spec.instrument else None
+    meta = {"run": "measured", "launched_by": launched_by, "state_keys": tuple(spec.state_keys), "bounds": spec.plan.bounds,
+            "stage_to_rank": spec.plan.stage_to_rank, "clock": "wall clock (time.time_ns) via a per-rank perf_counter offset",
+            "step_start_ms": tuple((s - t0) / 1e6 for s in starts), "assembly_phases": phases, **spec.meta}
+    timeline = None
+    if df is not None:
+        timeline = Timeline(df, source="measured", meta={"schedule": spec.plan.schedule, "P": spec.P, "v": spec.plan.v, "m": spec.m,
+                                                          "stage_to_rank": list(spec.plan.stage_to_rank),
+                                                          "step_start_ms": list(meta["step_start_ms"])})
+    return RunResult(timeline=timeline, step_ms=tuple((e - s) / 1e6 for s, e in zip(starts, ends)),
+                     losses=tuple(last["losses"]), jct=jct, schedule=spec.plan.schedule, P=spec.P, v=spec.plan.v, m=spec.m,
+                     steps=steps, backend=spec.backend, device_type=spec.device_type, instrumented=spec.instrument,
+                     ranks=ranks_df, meta=meta, _state=state)
+
+
+def read_gathered(out_dir) -> dict:
+    """Load ``result.pt`` written by rank 0 into ``out_dir``."""
+    path = Path(out_dir) / RESULT_FILE
+    gathered = torch.load(path, weights_only=True)
+    if not isinstance(gathered, dict) or gathered.get("format") != "pipeswift_lab.run":
+        raise ValueError(f"{str(path)!r} is not a pipeswift_lab run result")
+    return gathered
+
+
+def load_result(out_dir, spec=None) -> RunResult:
+    """The :class:`RunResult` of a ``torchrun ... -m pipeswift_lab.runner SPEC --out DIR`` run, from ``DIR``.
+
+    ``spec`` defaults to the copy of the spec the runner left in ``DIR``. Under torchrun the
+    launch is taken as the earliest rank's process start (torchrun's own start-up is not seen)
+    and the end as rank 0 finishing the gather.
+    """
+    from .spec import load_spec
+
+    out_dir = Path(out_dir)
+    spec = load_spec(out_dir / "spec.pkl") if spec is None else spec
+    gathered = read_gathered(out_dir)
+    starts = [p["process_start_ns"] or p["entered_ns"] for p in gathered["ranks"]]
+    return build_result(spec, gathered, launch_ns=min(starts), end_ns=gathered["gathered_ns"], launched_by="torchrun")

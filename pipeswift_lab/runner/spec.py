@@ -1,0 +1,320 @@
+"""A run as data: :class:`RunSpec`, checked before launch and saved by value with cloudpickle.
+
+Everything a worker needs (model, loss, data, optimizer factory, stage plan, boundary shapes,
+devices) travels in one file, so a run started from a notebook cell and the same run under
+``torchrun ... -m pipeswift_lab.runner SPEC`` execute the same code on the same inputs.
+
+Objects defined in a notebook (``__main__``), in a test, in a dynamically created module or
+in any module that is not an installed package are pickled *by value*
+(``cloudpickle.register_pickle_by_value``), so workers never need to import the caller's code;
+torch, pipeswift_lab and other installed packages are pickled by reference.
+"""
+from __future__ import annotations
+
+import functools
+import itertools
+import os
+import sys
+import sysconfig
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from .._checks import check_int, check_time
+from .stages import StagePlan, TensorSpec, boundary_specs, check_shared_parameters, plan_stages
+
+#: Learning rate of the default optimizer factory (plain SGD, no momentum).
+DEFAULT_LR = 0.01
+#: CPU ranks allowed per available core: gloo ranks block (not spin) while they wait, so
+#: 2x oversubscription still runs; beyond that time-slicing makes measured timelines meaningless.
+CPU_RANKS_PER_CORE = 2
+_FORMAT = "pipeswift_lab.RunSpec"
+_VERSION = 1
+
+
+def default_optimizer(params) -> torch.optim.Optimizer:
+    """The optimizer ``run`` uses when given none: ``torch.optim.SGD(params, lr=DEFAULT_LR)``."""
+    return torch.optim.SGD(params, lr=DEFAULT_LR)
+
+
+def available_cores() -> int:
+    """CPU cores this process may use (its affinity mask where the OS has one)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover - macOS/Windows
+        return os.cpu_count() or 1
+
+
+@dataclass(frozen=True)
+class DataSource:
+    """Where each step's ``(inputs, targets)`` come from.
+
+    ``kind`` is ``"batch"`` (the same batch every step), ``"callable"`` (``value(step)``) or
+    ``"batches"`` (a list materialized from an iterable, one per step). A callable is called
+    on every rank that needs the batch with torch's RNG seeded to ``seed + step``, so batches
+    drawn with ``torch.randn`` agree across ranks.
+    """
+
+    kind: str
+    value: Any
+    seed: int = 0
+
+    def batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(inputs, targets)`` of ``step``."""
+        if self.kind == "batch":
+            return self.value
+        if self.kind == "batches":
+            return self.value[step]
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(self.seed + step)
+            return _check_batch(self.value(step), f"data({step})")
+
+
+def _check_batch(batch, where: str) -> tuple[torch.Tensor, torch.Tensor]:
+    if not isinstance(batch, (tuple, list)) or len(batch) != 2:
+        raise TypeError(f"{where} must be an (inputs, targets) pair of tensors; got {type(batch).__name__}")
+    inputs, targets = batch
+    for name, t in (("inputs", inputs), ("targets", targets)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{where}: {name} must be a torch.Tensor; got {type(t).__name__}")
+        if t.dim() == 0:
+            raise ValueError(f"{where}: {name} is a 0-d tensor; it needs a batch dimension to split into micro-batches")
+    if inputs.shape[0] != targets.shape[0]:
+        raise ValueError(f"{where}: inputs have batch size {inputs.shape[0]} but targets {targets.shape[0]}; they must match")
+    return inputs, targets
+
+
+def make_data_source(data, steps: int, seed: int) -> DataSource:
+    """Normalize ``data`` (a batch, a ``callable(step)`` or an iterable of batches) into a :class:`DataSource`."""
+    if isinstance(data, (tuple, list)) and len(data) == 2 and all(isinstance(t, torch.Tensor) for t in data):
+        return DataSource("batch", _check_batch(tuple(data), "data"), seed)
+    if callable(data):
+        return DataSource("callable", data, seed)
+    if isinstance(data, torch.Tensor) or not hasattr(data, "__iter__"):
+        raise TypeError(
+            f"data must be an (inputs, targets) batch, a callable(step) -> (inputs, targets) or an iterable of batches; got {type(data).__name__}"
+        )
+    batches = list(itertools.islice(iter(data), steps))
+    if len(batches) < steps:
+        raise ValueError(f"data yielded {len(batches)} batches but steps={steps} need {steps}")
+    return DataSource("batches", [_check_batch(b, f"data batch {i}") for i, b in enumerate(batches)], seed)
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """One pipeline run, complete: what each worker loads. Build it with :func:`make_spec`."""
+
+    model: nn.Sequential  # the full model; each rank keeps its own stages
+    loss_fn: Callable  # loss_fn(last_stage_output, targets) -> scalar, mean over the micro-batch
+    data: DataSource
+    optimizer: Callable  # factory: optimizer(params) -> torch.optim.Optimizer, called per rank on its stages
+    plan: StagePlan  # bounds, P, v, schedule, stage_to_rank
+    m: int  # micro-batches per step
+    steps: int  # training steps
+    backend: str  # "gloo" (CPU) or "nccl" (CUDA)
+    device_type: str  # "cpu" or "cuda"
+    devices: tuple[int, ...] | None  # CUDA device index per local rank; None on CPU
+    threads_per_rank: int | None  # torch.set_num_threads per CPU rank; None on CUDA
+    boundaries: tuple[tuple[TensorSpec, TensorSpec], ...]  # (input, output) of every stage, one micro-batch
+    state_keys: tuple[str, ...]  # model.state_dict() keys, in order
+    instrument: bool = True  # record every F/B/I/W action; False for the overhead baseline
+    seed: int = 0  # torch.manual_seed on every rank before the first step; data callables get seed + step
+    timeout_s: float = 300.0  # the whole run, and every collective's timeout in the workers
+    meta: dict = field(default_factory=dict, compare=False)
+
+    @property
+    def P(self) -> int:
+        """Ranks."""
+        return self.plan.P
+
+    def save(self, path) -> Path:
+        """Write the spec to ``path`` (cloudpickle, by value for code that is not an installed package); return the path."""
+        import cloudpickle
+
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with _pickled_by_value(self._code_objects()):
+            payload = cloudpickle.dumps({"format": _FORMAT, "version": _VERSION, "spec": self})
+        path.write_bytes(payload)
+        return path
+
+    def _code_objects(self) -> list:
+        objs = [self.model, self.loss_fn, self.optimizer]
+        objs += list(self.model.modules())
+        if self.data.kind == "callable":
+            objs.append(self.data.value)
+        return objs
+
+
+def load_spec(path) -> RunSpec:
+    """Read a spec written by :meth:`RunSpec.save` (``run(..., save_spec=path)``)."""
+    import cloudpickle  # noqa: F401 - the payload needs cloudpickle's reducers importable
+    import pickle
+
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"spec file {str(path)!r} does not exist")
+    with open(path, "rb") as f:
+        payload = pickle.load(f)
+    if not isinstance(payload, dict) or payload.get("format") != _FORMAT:
+        raise ValueError(f"{str(path)!r} is not a pipeswift_lab run spec (written by run(..., save_spec=path))")
+    if payload.get("version") != _VERSION:
+        raise ValueError(f"{str(path)!r} is a run spec of version {payload.get('version')}; this pipeswift_lab reads version {_VERSION}")
+    return payload["spec"]
+
+
+def _is_installed(module) -> bool:
+    name = getattr(module, "__name__", "") or ""
+    if name.split(".")[0] in ("pipeswift_lab", "torch", "builtins"):
+        return True
+    file = getattr(module, "__file__", None)
+    if not file:
+        return name in sys.builtin_module_names
+    file = os.path.realpath(file)
+    paths = sysconfig.get_paths()
+    roots = {os.path.realpath(paths[k]) for k in ("stdlib", "platstdlib", "purelib", "platlib") if k in paths}
+    return any(file.startswith(root + os.sep) for root in roots)
+
+
+def _modules_of(obj) -> set[str]:
+    names = set()
+    while isinstance(obj, functools.partial):
+        obj = obj.func
+    for candidate in (obj, type(obj)):
+        name = getattr(candidate, "__module__", None)
+        if isinstance(name, str):
+            names.add(name)
+    return names
+
+
+@contextmanager
+def _pickled_by_value(objs):
+    """Register the modules of ``objs`` that are not installed packages for by-value pickling, then unregister."""
+    import cloudpickle
+
+    registered = []
+    names = set().union(*(_modules_of(o) for o in objs)) if objs else set()
+    for name in sorted(names):
+        if name == "__main__":
+            continue  # cloudpickle pickles __main__ by value already
+        module = sys.modules.get(name)
+        if module is None or _is_installed(module):
+            continue
+        try:
+            cloudpickle.register_pickle_by_value(module)
+        except ValueError:  # already registered by the caller
+            continue
+        registered.append(module)
+    try:
+        yield
+    finally:
+        for module in registered:
+            cloudpickle.unregister_pickle_by_value(module)
+
+
+def resolve_devices(P: int, backend, devices) -> tuple[str, str, tuple[int, ...] | None]:
+    """Pick ``(backend, device_type, cuda_device_per_rank)`` and refuse what this machine cannot run.
+
+    ``devices``: ``None`` (one GPU per rank when there are GPUs, CPU processes otherwise),
+    ``"cpu"``, ``"cuda"`` (GPUs ``0..P-1``) or a list of ``P`` CUDA device indices.
+    ``backend``: ``None`` (``nccl`` on CUDA, ``gloo`` on CPU), ``"gloo"`` or ``"nccl"``.
+    """
+    n_gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if backend is not None and backend not in ("gloo", "nccl"):
+        raise ValueError(f"backend={backend!r} is not supported; use None, 'gloo' (CPU) or 'nccl' (CUDA)")
+    if devices is None:
+        device_type = "cuda" if n_gpus and backend != "gloo" else "cpu"
+        indices = tuple(range(P)) if device_type == "cuda" else None
+    elif isinstance(devices, str) and devices in ("cpu", "cuda"):
+        device_type = devices
+        indices = tuple(range(P)) if devices == "cuda" else None
+    elif isinstance(devices, (list, tuple)):
+        indices = []
+        for d in devices:
+            dev = torch.device(d) if not isinstance(d, int) else torch.device("cuda", d)
+            if dev.type != "cuda" or dev.index is None:
+                raise ValueError(f"devices={list(devices)!r}: every entry must be a CUDA device index or 'cuda:i'; got {d!r}")
+            indices.append(dev.index)
+        if len(indices) != P:
+            raise ValueError(f"devices={list(devices)!r} lists {len(indices)} devices but the partition has P={P} ranks")
+        if len(set(indices)) != len(indices):
+            raise ValueError(f"devices={list(devices)!r} repeats a GPU; each rank needs its own")
+        device_type, indices = "cuda", tuple(indices)
+    else:
+        raise TypeError(f"devices must be None, 'cpu', 'cuda' or a list of CUDA device indices; got {devices!r}")
+
+    if device_type == "cuda":
+        if n_gpus == 0:
+            raise ValueError(f"devices={devices!r} asks for CUDA but torch sees no GPU here; use devices='cpu'")
+        if max(indices) >= n_gpus:
+            raise ValueError(f"P={P} ranks need GPUs {list(indices)} but this machine has {n_gpus} (cuda device_count); "
+                             "use fewer ranks or devices='cpu'")
+        backend = backend or "nccl"
+        if backend != "nccl":
+            raise ValueError(f"backend={backend!r} cannot send CUDA tensors between stages; use backend='nccl' with GPUs")
+        return backend, "cuda", indices
+    backend = backend or "gloo"
+    if backend != "gloo":
+        raise ValueError(f"backend={backend!r} needs GPUs; CPU ranks use backend='gloo'")
+    cores = available_cores()
+    if P > CPU_RANKS_PER_CORE * cores:
+        raise ValueError(
+            f"P={P} CPU ranks is more than this machine can run: it has {cores} cores and the runner allows "
+            f"{CPU_RANKS_PER_CORE} ranks per core ({CPU_RANKS_PER_CORE * cores})"
+        )
+    return backend, "cpu", None
+
+
+def make_spec(model, data, loss_fn, partition, m, schedule=None, steps=10, optimizer=None, nprocs=None, backend=None,
+              devices=None, timeout_s=300.0, instrument=True, seed=0) -> RunSpec:
+    """Check every argument of :func:`pipeswift_lab.run` and build the :class:`RunSpec` (no process is started).
+
+    Raises ``TypeError``/``ValueError`` for anything that would fail in the workers and can be
+    known here: schedule rules, ``m`` not dividing the batch, too many ranks for the machine,
+    stages whose shapes do not chain, a loss that does not take the last stage's output.
+    """
+    from .. import schedules as _schedules
+
+    plan = plan_stages(model, partition, schedule)
+    m = check_int("m", m, minimum=1)
+    steps = check_int("steps", steps, minimum=1)
+    seed = check_int("seed", seed)
+    timeout_s = check_time("timeout_s", timeout_s, allow_zero=False)
+    if not isinstance(instrument, bool):
+        raise TypeError(f"instrument must be a bool; got {type(instrument).__name__} {instrument!r}")
+    if nprocs is not None:
+        nprocs = check_int("nprocs", nprocs, minimum=1)
+        if nprocs != plan.P:
+            raise ValueError(f"nprocs={nprocs} differs from the partition's P={plan.P}; one process runs each rank, so nprocs must be {plan.P} (or None)")
+    _schedules.validate(plan.P, m, plan.schedule, plan.v)
+    if not callable(loss_fn):
+        raise TypeError(f"loss_fn must be callable as loss_fn(outputs, targets); got {type(loss_fn).__name__}")
+    optimizer = default_optimizer if optimizer is None else optimizer
+    if not callable(optimizer):
+        raise TypeError(f"optimizer must be a factory such as `lambda params: torch.optim.SGD(params, lr=0.1)`; got {type(optimizer).__name__}")
+    probe = optimizer([p for p in model.parameters()])
+    if not isinstance(probe, torch.optim.Optimizer):
+        raise TypeError(f"optimizer(params) must return a torch.optim.Optimizer; it returned {type(probe).__name__}")
+    del probe
+    check_shared_parameters(model, plan)
+    backend, device_type, indices = resolve_devices(plan.P, backend, devices)
+
+    source = make_data_source(data, steps, seed)
+    inputs, targets = source.batch(0)
+    batch_size = inputs.shape[0]
+    if batch_size % m:
+        divisors = [d for d in range(1, batch_size + 1) if batch_size % d == 0]
+        raise ValueError(f"m={m} does not divide the batch size {batch_size} of data; use an m in {divisors}")
+    inputs_mb, targets_mb = inputs[: batch_size // m], targets[: batch_size // m]
+    boundaries = boundary_specs(model, plan, inputs_mb, targets_mb, loss_fn)
+    threads = max(1, available_cores() // plan.P) if device_type == "cpu" else None
+    meta = {"torch_version": torch.__version__, "batch_size": int(batch_size), "microbatch_size": int(batch_size // m),
+            "n_layers": len(model), "cores": available_cores()}
+    return RunSpec(model=model, loss_fn=loss_fn, data=source, optimizer=optimizer, plan=plan, m=m, steps=steps,
+                   backend=backend, device_type=device_type, devices=indices, threads_per_rank=threads,
+                   boundaries=boundaries, state_keys=tuple(model.state_dict().keys()), instrument=instrument,
+                   seed=seed, timeout_s=timeout_s, meta=meta)
