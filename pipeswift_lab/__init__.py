@@ -12,7 +12,9 @@ from .jct import JCT
 from .link import Link
 from .magics import load_ipython_extension
 from .partition import Partition, partition
+from .planner import Plan, plan
 from .profile import Profile, profile, profile_step
+from .runner import RunError, RunResult, compare, run
 from .schedules import compute_orders
 from .simulate import ScheduleDeadlock, simulate
 from .sweep import explore, plot_sweep, sweep
@@ -25,21 +27,27 @@ __all__ = [
     "JCT",
     "Link",
     "Partition",
+    "Plan",
     "Profile",
+    "RunError",
+    "RunResult",
     "ScheduleDeadlock",
     "Timeline",
     "activation_memory_bytes",
     "bubble_overhead",
     "bubble_ratio",
+    "compare",
     "compute_orders",
     "explore",
     "inflight_microbatches",
     "load_ipython_extension",
     "models",
     "partition",
+    "plan",
     "plot_sweep",
     "profile",
     "profile_step",
+    "run",
     "simulate",
     "step_ms",
     "sweep",

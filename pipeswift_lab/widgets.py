@@ -207,3 +207,94 @@ class PipelineExplorer:
 def pipeline_explorer(profile=None, P=2, m=4, schedule="1F1B", method="balanced") -> PipelineExplorer:
     """Return a :class:`PipelineExplorer` over ``profile`` (default: the reference GPT measured here)."""
     return PipelineExplorer(profile, P=P, m=m, schedule=schedule, method=method)
+
+
+def parse_availability(text: str) -> list[tuple[float, int]]:
+    """Parse ``"0:16, 7200:32"`` into ``[(0.0, 16), (7200.0, 32)]`` (seconds from now : free GPUs)."""
+    pairs = []
+    for item in text.replace(";", ",").split(","):
+        item = item.strip()
+        if not item:
+            continue
+        if ":" not in item:
+            raise ValueError(f"availability item {item!r} is not 'seconds:gpus' (e.g. '0:16, 7200:32')")
+        t, n = item.split(":", 1)
+        try:
+            pairs.append((float(t), int(n)))
+        except ValueError:
+            raise ValueError(f"availability item {item!r} is not 'seconds:gpus' with numbers (e.g. '0:16, 7200:32')") from None
+    return pairs
+
+
+class PlannerExplorer:
+    """GPUs, global batch, steps and availability as controls; re-ranks the JCT plan on every change.
+
+    ``.plan`` is the current :class:`~pipeswift_lab.planner.Plan` (``None`` with ``.error``
+    set when no configuration is feasible); other :func:`~pipeswift_lab.planner.plan`
+    arguments are fixed at construction through ``plan_kwargs``.
+    """
+
+    def __init__(self, profile, gpus=16, global_batch=64, steps=10_000, availability=None, **plan_kwargs):
+        import ipywidgets as w
+
+        self.profile, self.plan_kwargs = profile, {"progress": False, **plan_kwargs}
+        text = ", ".join(f"{t:g}:{n}" for t, n in (availability or [(0, gpus)]))
+        self._gpus = w.BoundedIntText(value=gpus, min=1, max=1_000_000, description="GPUs")
+        self._batch = w.BoundedIntText(value=global_batch, min=1, max=10_000_000, description="global batch")
+        self._steps = w.BoundedIntText(value=steps, min=1, max=10**9, description="steps")
+        self._availability = w.Text(value=text, description="free GPUs", placeholder="seconds:gpus, e.g. 0:16, 7200:32", continuous_update=False)
+        self._summary = w.HTML()
+        self._output = w.Output()
+        for control in (self._gpus, self._batch, self._steps, self._availability):
+            control.observe(lambda change: self._update(), names="value")
+        self.widget = w.VBox([w.HBox([self._gpus, self._batch, self._steps]), self._availability, self._summary, self._output])
+        self.plan = None
+        self.error: str | None = None
+        self._update()
+
+    gpus = property(lambda self: self._gpus.value, lambda self, value: setattr(self._gpus, "value", value))
+    global_batch = property(lambda self: self._batch.value, lambda self, value: setattr(self._batch, "value", value))
+    steps = property(lambda self: self._steps.value, lambda self, value: setattr(self._steps, "value", value))
+
+    @property
+    def availability(self) -> list[tuple[float, int]]:
+        """The availability the plan uses, parsed from the text box."""
+        return parse_availability(self._availability.value)
+
+    @availability.setter
+    def availability(self, pairs):
+        self._availability.value = ", ".join(f"{t:g}:{n}" for t, n in pairs)
+
+    def _update(self):
+        from .planner import plan
+
+        try:
+            self.plan = plan(self.profile, self.gpus, self.global_batch, self.steps, availability=self.availability, **self.plan_kwargs)
+            self.error = None
+        except (ValueError, TypeError) as error:
+            self.plan, self.error = None, str(error)
+            self._summary.value = f"<pre style='color:#b00'>{html.escape(self.error)}</pre>"
+            self._output.clear_output()
+            return
+        self._summary.value = f"<p>{html.escape(self.plan.explain())}</p>"
+        self._draw()
+
+    def _draw(self):
+        import matplotlib.pyplot as plt
+        from IPython.display import display
+
+        self._output.clear_output(wait=True)
+        with self._output:
+            display(self.plan.top(5)[["strategy", "P", "D", "m", "microbatch_size", "schedule", "v", "total_s", "queue_s", "training_s", "step_ms", "bubble_ratio"]])
+            self.plan.plot()
+            plt.show()
+
+    def _ipython_display_(self):
+        from IPython.display import display
+
+        display(self.widget)
+
+
+def planner_explorer(profile, gpus=16, global_batch=64, steps=10_000, availability=None, **plan_kwargs) -> PlannerExplorer:
+    """Return a :class:`PlannerExplorer`: the JCT plan of ``profile``, re-ranked live as GPUs, batch, steps or availability change."""
+    return PlannerExplorer(profile, gpus=gpus, global_batch=global_batch, steps=steps, availability=availability, **plan_kwargs)

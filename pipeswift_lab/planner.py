@@ -1,0 +1,625 @@
+"""The JCT planner: the pipeline configuration that finishes the job first, queue included.
+
+:func:`plan` searches stages ``P`` × data-parallel replicas ``D`` within the GPUs, every
+micro-batch size and count ``m`` that make up the global batch, every schedule (and ``v``)
+with a balanced partition that fits memory, and ranks them by predicted job completion
+time::
+
+    JCT = queue + assembly + steps * step + cleanup + preemption loss
+    step = simulated pipeline step + gradient all-reduce over D replicas + optimizer step
+
+It also weighs *starting small and growing*: run on the GPUs free now, then, when more
+free up, checkpoint, re-assemble on more and finish there.
+
+The profile is taken at one micro-batch size ``b0`` (``profile.meta["batch_size"]``);
+layer times and activation bytes are scaled linearly to other micro-batch sizes, which
+overstates small micro-batches' speed (fixed per-kernel costs do not shrink) — profile at
+the micro-batch size you mean to run to remove that error. Without a pipeline ``link``,
+a simulated step scales exactly with the durations, so each ``(P, m, schedule, v)`` is
+simulated once and rescaled.
+"""
+from __future__ import annotations
+
+import math
+import numbers
+from dataclasses import dataclass, field
+
+import pandas as pd
+
+from ._checks import MULTI_CHUNK_SCHEDULES, SCHEDULES, V_SHAPE_SCHEDULES, canonical_schedule, check_int, check_time
+from ._display import html_card, text_card
+from .costs import AssemblyModel, Availability, CheckpointModel, allreduce_ms, preemption_loss_s
+from .jct import JCT, TERMS
+from .link import Link, check_link
+from .partition import OPTIMIZER_STATE_FACTOR, Partition, partition
+from .schedules import validate
+from .simulate import simulate_step_ms
+
+#: Data-parallel link when none is given: a 200 Gb/s network (25 GB/s) with 10 µs latency.
+DEFAULT_DP_LINK = Link(latency_ms=0.01, bandwidth_GBps=25.0)
+#: Memory bandwidth (GB/s) the optimizer step streams at, by profiled device type.
+OPTIMIZER_MEMORY_GBps = {"cuda": 1500.0, "cpu": 20.0}
+#: Bytes the Adam step reads and writes per byte of parameters: parameter, gradient and two
+#: moments read, parameter and two moments written.
+OPTIMIZER_TRAFFIC_FACTOR = 7.0
+
+_TABLE_COLUMNS = (
+    "rank", "strategy", "P", "D", "gpus", "m", "microbatch_size", "schedule", "v", "feasible", "reason",
+    *TERMS, "total_s", "step_ms", "pipeline_ms", "allreduce_ms", "optimizer_ms", "bubble_ratio",
+    "peak_mem_bytes", "samples_per_s",
+)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class PlannedConfig:
+    """One configuration and its predicted JCT terms (seconds) and step."""
+
+    P: int
+    D: int
+    m: int
+    microbatch_size: int
+    schedule: str
+    v: int
+    queue_s: float
+    assembly_s: float
+    training_s: float
+    cleanup_s: float
+    preemption_loss_s: float
+    step_ms: float
+    bubble_ratio: float
+    peak_mem_bytes: float
+    strategy: str = "start"
+
+    @property
+    def total_s(self) -> float:
+        """The predicted JCT."""
+        return self.queue_s + self.assembly_s + self.training_s + self.cleanup_s + self.preemption_loss_s
+
+    @property
+    def gpus(self) -> int:
+        """GPUs used: ``P * D``."""
+        return self.P * self.D
+
+    @property
+    def label(self) -> str:
+        """A short name: ``P4×D2 m16 1F1B``."""
+        v = f" v{self.v}" if self.v > 1 else ""
+        prefix = "" if self.strategy == "start" else f"{self.strategy}: "
+        return f"{prefix}P{self.P}×D{self.D} m{self.m} b{self.microbatch_size} {self.schedule}{v}"
+
+    @property
+    def jct(self) -> JCT:
+        """The predicted :class:`~pipeswift_lab.JCT`."""
+        return JCT(self.queue_s, self.assembly_s, self.training_s, self.cleanup_s, self.preemption_loss_s, label=self.label)
+
+
+def _from_row(row) -> PlannedConfig:
+    return PlannedConfig(
+        P=int(row["P"]), D=int(row["D"]), m=int(row["m"]), microbatch_size=int(row["microbatch_size"]),
+        schedule=row["schedule"], v=int(row["v"]), queue_s=row["queue_s"], assembly_s=row["assembly_s"],
+        training_s=row["training_s"], cleanup_s=row["cleanup_s"], preemption_loss_s=row["preemption_loss_s"],
+        step_ms=row["step_ms"], bubble_ratio=row["bubble_ratio"], peak_mem_bytes=row["peak_mem_bytes"],
+        strategy=row["strategy"],
+    )  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Every configuration the planner weighed, ranked by predicted JCT.
+
+    * ``table`` — one row per configuration (feasible ones ranked first by ``total_s``,
+      then the rejected ones with their ``reason``), with the JCT terms in the columns
+      ``queue_s``, ``assembly_s``, ``training_s``, ``cleanup_s``, ``preemption_loss_s``,
+      ``total_s``, and ``step_ms``, ``bubble_ratio``, ``peak_mem_bytes``;
+    * ``best`` — the shortest JCT, a :class:`PlannedConfig`;
+    * ``throughput_best`` — the shortest training term; ``bubble_best`` — the smallest bubble.
+    """
+
+    table: pd.DataFrame
+    inputs: dict
+    costs: object = field(default=None, repr=False, compare=False)  # the _MicrobatchCosts the plan used
+
+    @property
+    def feasible(self) -> pd.DataFrame:
+        """The feasible rows, ranked."""
+        return self.table[self.table["feasible"]]
+
+    @property
+    def best(self) -> PlannedConfig:
+        """The configuration with the shortest predicted JCT."""
+        return _from_row(self.feasible.iloc[0])
+
+    @property
+    def throughput_best(self) -> PlannedConfig:
+        """The start-now-or-wait configuration with the shortest training term (the highest throughput)."""
+        rows = self.feasible[self.feasible["strategy"] == "start"]
+        return _from_row(rows.loc[rows["training_s"].idxmin()])
+
+    @property
+    def bubble_best(self) -> PlannedConfig:
+        """The configuration with the smallest bubble ratio (ties: shorter JCT), among those that pipeline (P > 1)."""
+        rows = self.feasible[(self.feasible["strategy"] == "start") & (self.feasible["P"] > 1)]
+        if rows.empty:
+            rows = self.feasible[self.feasible["strategy"] == "start"]
+        return _from_row(rows.sort_values(["bubble_ratio", "total_s"], kind="stable").iloc[0])
+
+    def partition_of(self, config) -> Partition:
+        """The balanced :class:`~pipeswift_lab.Partition` of a configuration (a :class:`PlannedConfig` or a table row), ready for :func:`pipeswift_lab.run`."""
+        if isinstance(config, pd.Series):
+            config = _from_row(config)
+        if not isinstance(config, PlannedConfig):
+            raise TypeError(f"config must be a PlannedConfig or a row of Plan.table; got {type(config).__name__}")
+        return partition(
+            self.costs.table(config.microbatch_size), config.P, "balanced", v=config.v, schedule=config.schedule, m=config.m,
+            optimizer=self.inputs["optimizer"], link=self.inputs["link"], mem_limit_bytes=self.inputs["mem_per_gpu_bytes"],
+        )  # fmt: skip
+
+    def top(self, n=5) -> pd.DataFrame:
+        """The ``n`` best feasible rows."""
+        return self.feasible.head(n)
+
+    def explain(self) -> str:
+        """A few sentences on why the best configuration beats the bubble-best and the throughput-best."""
+        best, bubble, fast = self.best, self.bubble_best, self.throughput_best
+        out = [
+            f"Best: {best.label} on {best.gpus} GPUs finishes in {_hours(best.total_s)} "
+            f"(queue {_hours(best.queue_s)}, training {_hours(best.training_s)}, step {best.step_ms:.4g} ms, "
+            f"bubble {best.bubble_ratio:.1%})."
+        ]
+        for name, other in (("bubble-best", bubble), ("throughput-best", fast)):
+            if other.label == best.label:
+                out.append(f"It is also the {name} configuration.")
+                continue
+            diffs = {t: getattr(other, t) - getattr(best, t) for t in TERMS}
+            worst = max(diffs, key=diffs.get)
+            gain = [f"{t.removesuffix('_s')} {_signed_hours(-d)}" for t, d in diffs.items() if d < -0.005 * best.total_s]
+            out.append(
+                f"The {name} {other.label} (bubble {other.bubble_ratio:.1%}, step {other.step_ms:.4g} ms) takes "
+                f"{_hours(other.total_s)}, {_hours(other.total_s - best.total_s)} longer: its {worst.removesuffix('_s')} "
+                f"term is {_hours(diffs[worst])} longer"
+                + (f", which its gains ({', '.join(gain)}) do not make up." if gain else ".")
+            )
+        return " ".join(out)
+
+    def plot(self, ax=None, n=5, unit="h"):
+        """Stacked JCT bars of the ``n`` best configurations, the throughput-best and the bubble-best. Returns the Axes."""
+        rows = [_from_row(r) for _, r in self.top(n).iterrows()]
+        labels = {c.label for c in rows}
+        extras = []
+        for name, extra in (("throughput-best", self.throughput_best), ("bubble-best", self.bubble_best)):
+            if extra.label not in labels:
+                labels.add(extra.label)
+                extras.append(JCT(*[getattr(extra, t) for t in TERMS], label=f"{name}: {extra.label}"))
+        jcts = [c.jct for c in rows] + extras
+        ax = JCT.plot_many(jcts, ax=ax, unit=unit)
+        ax.set_title("predicted JCT: best configurations vs throughput-best and bubble-best")
+        return ax
+
+    def _summary(self) -> dict:
+        best = self.best
+        return {
+            "best": best.label,
+            "JCT": _hours(best.total_s),
+            "step_ms": best.step_ms,
+            "bubble_ratio": best.bubble_ratio,
+            "configurations": f"{int(self.table['feasible'].sum())} feasible of {len(self.table)}",
+        }
+
+    def _repr_html_(self) -> str:
+        return html_card("Plan", self._summary(), self.top(10)) + f"<p>{self.explain()}</p>"
+
+    def __str__(self) -> str:
+        return text_card("Plan", self._summary())
+
+
+def _hours(seconds: float) -> str:
+    if seconds == math.inf:
+        return "never"
+    if abs(seconds) >= 3600:
+        return f"{seconds / 3600:.2f} h"
+    if abs(seconds) >= 60:
+        return f"{seconds / 60:.1f} min"
+    return f"{seconds:.3g} s"
+
+
+def _signed_hours(seconds: float) -> str:
+    return ("+" if seconds >= 0 else "−") + _hours(abs(seconds))
+
+
+# --------------------------------------------------------------------------- inputs
+
+
+class _MicrobatchCosts:
+    """Per-layer costs at any micro-batch size, from one or more profiles.
+
+    With one profile taken at micro-batch size ``b0``, times and bytes scale in proportion
+    to ``b / b0``. With profiles at several sizes, each layer's times are interpolated
+    piecewise-linearly in ``b`` (and extrapolated along the end segments, never below
+    zero), which captures the fixed per-micro-batch cost that makes small micro-batches
+    slow; bytes stay proportional to ``b`` from the nearest profile.
+    """
+
+    def __init__(self, profile):
+        profiles = list(profile) if isinstance(profile, (list, tuple)) else [profile]
+        if not profiles:
+            raise ValueError("profile is empty; give a Profile or a list of Profiles at different micro-batch sizes")
+        by_size = {}
+        for i, prof in enumerate(profiles):
+            df = prof.df if hasattr(prof, "df") else prof
+            if not isinstance(df, pd.DataFrame):
+                raise TypeError(f"profile must be a pipeswift_lab.Profile, a per-layer DataFrame or a list of Profiles; got {type(prof).__name__}")
+            meta = getattr(prof, "meta", {}) or {}
+            size = int(meta.get("batch_size") or 1)
+            if size in by_size:
+                raise ValueError(f"two profiles have micro-batch size {size}; give one profile per size")
+            by_size[size] = (df.reset_index(drop=True), str(meta.get("device", "cuda")).split(":")[0])
+        self.sizes = sorted(by_size)
+        self.tables = {b: by_size[b][0] for b in self.sizes}
+        self.device = by_size[self.sizes[0]][1]
+        lengths = {len(t) for t in self.tables.values()}
+        if len(lengths) != 1:
+            raise ValueError(f"profiles have different layer counts {sorted(lengths)}; profile the same model at each size")
+        self.n_layers = lengths.pop()
+        self.proportional = len(self.sizes) == 1
+        self._cache = {}
+
+    @property
+    def b0(self) -> int:
+        """The smallest profiled micro-batch size."""
+        return self.sizes[0]
+
+    def table(self, b: int) -> pd.DataFrame:
+        """Per-layer DataFrame at micro-batch size ``b``."""
+        if b not in self._cache:
+            nearest = min(self.sizes, key=lambda size: (abs(size - b), size))
+            df = self.tables[nearest].copy()
+            for col in ("activation_bytes", "output_bytes"):
+                if col in df.columns:
+                    df[col] = df[col] * (b / nearest)
+            for col in ("fwd_ms", "bwd_ms", "wgrad_ms"):
+                if col in df.columns:
+                    df[col] = self._time(col, b)
+            self._cache[b] = df
+        return self._cache[b]
+
+    def _time(self, col, b):
+        if self.proportional:
+            return self.tables[self.b0][col] * (b / self.b0)
+        sizes = self.sizes
+        hi = next((i for i, size in enumerate(sizes) if size >= b), len(sizes) - 1)
+        hi = max(hi, 1)
+        b1, b2 = sizes[hi - 1], sizes[hi]
+        t1, t2 = self.tables[b1][col], self.tables[b2][col]
+        return (t1 + (t2 - t1) * (b - b1) / (b2 - b1)).clip(lower=0.0)
+
+
+def _candidates(name, values, default, minimum=1):
+    if values is None:
+        return list(default)
+    if isinstance(values, numbers.Integral):
+        values = [values]
+    out = sorted({check_int(f"{name}[{i}]", x, minimum=minimum) for i, x in enumerate(values)})
+    if not out:
+        raise ValueError(f"{name} is empty; give at least one value")
+    return out
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _stage_choices(schedules) -> list[tuple[str, int]]:
+    out = []
+    for s in schedules:
+        s = canonical_schedule(s)
+        if s in V_SHAPE_SCHEDULES:
+            out.append((s, 2))
+        elif s in MULTI_CHUNK_SCHEDULES:
+            out += [(s, 2), (s, 4)]
+        else:
+            out.append((s, 1))
+    return out
+
+
+# --------------------------------------------------------------------------- search
+
+
+class _Evaluator:
+    """Partitions and simulates configurations, sharing work across replicas and micro-batch sizes.
+
+    When costs scale in proportion to the micro-batch size and there is no link, the
+    balanced bounds do not depend on ``b`` and the simulated step scales with it, so
+    each ``(P, m, schedule, v)`` is partitioned and simulated once.
+    """
+
+    def __init__(self, costs: _MicrobatchCosts, link, mem_limit, optimizer):
+        self.costs, self.link, self.mem_limit, self.optimizer = costs, link, mem_limit, optimizer
+        self.shared = costs.proportional and link is None
+        self.state_factor = 2.0 + OPTIMIZER_STATE_FACTOR[optimizer]
+        self._bounds, self._sims = {}, {}
+
+    def split(self, P, m, b, schedule, v) -> "_Split":
+        """The balanced split of ``P`` ranks at micro-batch size ``b`` (the fastest that fits memory), unsimulated.
+
+        Raises ``ValueError`` when no split fits ``mem_per_gpu_bytes``.
+        """
+        base = self.costs.b0 if self.shared else b
+        table = self.costs.table(base)
+        key = (P, v, schedule, base)
+        if key not in self._bounds:
+            self._bounds[key] = partition(table, P, "balanced", v=v, schedule=schedule, m=m, optimizer=self.optimizer, link=self.link).bounds
+        part = Partition.from_bounds(table, self._bounds[key], v=v, schedule=schedule, m=m, optimizer=self.optimizer, link=self.link)
+        scale = b / base
+        mem = self._rank_memory(part, scale)
+        if self.mem_limit is not None and max(mem) > self.mem_limit:
+            # the time-balanced split does not fit at this micro-batch size: take the fastest split that does
+            part = partition(self.costs.table(b), P, "balanced", v=v, schedule=schedule, m=m, optimizer=self.optimizer, mem_limit_bytes=self.mem_limit, link=self.link)
+            base, scale, mem = b, 1.0, self._rank_memory(part, 1.0)
+        busiest = max(sum(part.stage_ms[s] for s, r in enumerate(part.stage_to_rank) if r == rank) for rank in range(P))
+        return _Split(part, m, schedule, v, base, scale, max(mem), _rank_params(part), m * busiest * scale)
+
+    def simulate(self, split: "_Split") -> tuple[float, float]:
+        """``(pipeline_ms, bubble_ratio)`` of a split; the bubble is ``1 - m * sum(stage fwd+bwd) / (P * step)``."""
+        key = (split.part.P, split.m, split.schedule, split.v, split.part.bounds, split.base)
+        if key not in self._sims:
+            self._sims[key] = self._timed(split.part, split.m, split.schedule, split.v, 1.0)
+        step, bubble = self._sims[key]
+        return step * split.scale, bubble
+
+    def _timed(self, part, m, schedule, v, scale):
+        step = simulate_step_ms(part, m, schedule, v, link=self.link) * scale
+        busy = m * sum(part.stage_ms) * scale
+        return step, (1.0 - busy / (part.P * step) if step > 0 else 0.0)
+
+    def _rank_memory(self, part, scale):
+        mem = [0.0] * part.P
+        for s, r in enumerate(part.stage_to_rank):
+            mem[r] += part.stage_param_bytes[s] * self.state_factor + part.stage_activation_bytes[s] * part.stage_inflight[s] * scale
+        return mem
+
+
+@dataclass(frozen=True)
+class _Split:
+    """A partition at one micro-batch size, with what the planner needs before simulating it."""
+
+    part: Partition
+    m: int
+    schedule: str
+    v: int
+    base: int  # micro-batch size the partition's times are for
+    scale: float  # b / base: the step scales by it
+    peak_mem_bytes: float
+    rank_param_bytes: float
+    lower_bound_ms: float  # m times the busiest rank's compute: no pipeline step is shorter
+
+
+def _rank_params(part) -> float:
+    per_rank = [0.0] * part.P
+    for s, r in enumerate(part.stage_to_rank):
+        per_rank[r] += part.stage_param_bytes[s]
+    return max(per_rank)
+
+
+def plan(
+    profile,
+    gpus,
+    global_batch,
+    steps,
+    link=None,
+    dp_link=None,
+    mem_per_gpu_bytes=None,
+    schedules=None,
+    microbatch_sizes=None,
+    availability=None,
+    assembly=None,
+    checkpoint=None,
+    mtbf_s=None,
+    P=None,
+    optimizer="adam",
+    exhaustive=False,
+    progress=True,
+) -> Plan:
+    """Rank every feasible pipeline configuration by predicted job completion time; return a :class:`Plan`.
+
+    * ``profile`` — a :class:`~pipeswift_lab.Profile` (or per-layer DataFrame) taken at
+      micro-batch size ``profile.meta["batch_size"]``, or a list of Profiles of the same
+      model at several sizes (times are then interpolated between them, see
+      :class:`_MicrobatchCosts`);
+    * ``gpus`` — the most GPUs the job may use; ``global_batch`` — samples per step;
+      ``steps`` — training steps;
+    * ``link`` — pipeline point-to-point :class:`~pipeswift_lab.Link` (None: free);
+      ``dp_link`` — the data-parallel all-reduce link (default :data:`DEFAULT_DP_LINK`);
+    * ``mem_per_gpu_bytes`` — memory cap per GPU; ``schedules`` — names to consider (default
+      all); ``microbatch_sizes`` — candidates (default: the smallest profiled size times
+      powers of two, up to the global batch); ``P`` — stage counts to consider (default: every divisor of the layer count
+      and every power of two up to it);
+    * ``availability`` — free GPUs over time, ``[(seconds_from_now, free_gpus), ...]``
+      (default: ``gpus`` free now); ``assembly`` — an :class:`~pipeswift_lab.costs.AssemblyModel`
+      (or RunResults / ``(P, assembly_s)`` pairs to calibrate one); ``checkpoint`` — a
+      :class:`~pipeswift_lab.costs.CheckpointModel`;
+    * ``mtbf_s`` — mean time between preemptions of *one GPU*; a job on ``N`` GPUs is
+      preempted every ``mtbf_s / N`` on average and checkpoints at the Young/Daly interval.
+
+    The search is a branch and bound: configurations are simulated in order of a JCT lower
+    bound (the busiest rank's compute with no bubble), and those whose bound exceeds the
+    best JCT found are listed as not simulated (``exhaustive=True`` simulates them all).
+    ``throughput_best`` and ``bubble_best`` are taken among the simulated ones.
+
+    Raises ``ValueError`` when no configuration is feasible, listing the closest misses.
+    """
+    from tqdm.auto import tqdm
+
+    costs = _MicrobatchCosts(profile)
+    n_layers, b0 = costs.n_layers, costs.b0
+    gpus = check_int("gpus", gpus, minimum=1)
+    global_batch = check_int("global_batch", global_batch, minimum=1)
+    steps = check_int("steps", steps, minimum=1)
+    link = check_link(link)
+    dp_link = DEFAULT_DP_LINK if dp_link is None else check_link(dp_link)
+    if mem_per_gpu_bytes is not None:
+        mem_per_gpu_bytes = check_time("mem_per_gpu_bytes", mem_per_gpu_bytes, allow_zero=False)
+    if mtbf_s is not None:
+        mtbf_s = check_time("mtbf_s", mtbf_s, allow_zero=False)
+    stage_choices = _stage_choices(SCHEDULES if schedules is None else ([schedules] if isinstance(schedules, str) else schedules))
+    default_P = sorted({d for d in _divisors(n_layers)} | {2**k for k in range(12) if 2**k <= n_layers})
+    Ps = [p for p in _candidates("P", P, default_P) if p <= min(n_layers, gpus)]
+    if not Ps:
+        raise ValueError(f"P={P} leaves no stage count <= min(layers={n_layers}, gpus={gpus})")
+    # by default never below the smallest profiled size, where proportional scaling would be optimistic
+    mb_sizes = _candidates("microbatch_sizes", microbatch_sizes, [b0 * 2**k for k in range(20) if b0 * 2**k <= global_batch])
+    availability = Availability.now(gpus) if availability is None else Availability(availability)
+    if isinstance(assembly, AssemblyModel) or assembly is None:
+        assembly = assembly or AssemblyModel()
+    else:
+        assembly = AssemblyModel.calibrate(assembly)
+    checkpoint = checkpoint or CheckpointModel()
+    if not isinstance(checkpoint, CheckpointModel):
+        raise TypeError(f"checkpoint must be a pipeswift_lab.costs.CheckpointModel or None; got {type(checkpoint).__name__}")
+    mem_GBps = OPTIMIZER_MEMORY_GBps.get(costs.device, OPTIMIZER_MEMORY_GBps["cuda"])
+    evaluator = _Evaluator(costs, link, mem_per_gpu_bytes, optimizer)
+
+    single_stage = [c for c in stage_choices if c[1] == 1 and c[0] in ("GPipe", "1F1B")][:1] or [("GPipe", 1)]
+    combos = []
+    for p in Ps:
+        for d in _divisors(global_batch):
+            if p * d > gpus:
+                break
+            for b in mb_sizes:
+                if (global_batch // d) % b == 0:
+                    # one stage is plain data parallelism: every schedule runs it alike, so weigh it once
+                    for schedule, v in stage_choices if p > 1 else single_stage:
+                        combos.append((p, d, (global_batch // d) // b, b, schedule, v))
+    rows, candidates = [], []
+    for p, d, m, b, schedule, v in combos:
+        row = {"strategy": "start", "P": p, "D": d, "gpus": p * d, "m": m, "microbatch_size": b, "schedule": schedule, "v": v}
+        try:
+            if p * v > n_layers:
+                raise ValueError(f"P*v={p * v} stages exceed the {n_layers} layers")
+            validate(p, m, schedule, v)
+            split = evaluator.split(p, m, b, schedule, v)
+        except ValueError as error:
+            rows.append({**row, "feasible": False, "reason": str(error).split("; ")[0]})
+            continue
+        queue = availability.wait_s(p * d)
+        if queue == math.inf:
+            rows.append({**row, "feasible": False, "reason": f"{p * d} GPUs are never free (at most {availability.max_gpus})"})
+            continue
+        rank_param_bytes = split.rank_param_bytes
+        ar_ms = allreduce_ms(rank_param_bytes, d, dp_link.bandwidth_GBps, dp_link.latency_ms)
+        opt_ms = OPTIMIZER_TRAFFIC_FACTOR * rank_param_bytes / (mem_GBps * 1e6)
+        shard_bytes = rank_param_bytes * (1.0 + OPTIMIZER_STATE_FACTOR[optimizer])
+        row.update(queue_s=queue, assembly_s=assembly.seconds(p, d), cleanup_s=checkpoint.cleanup_s(shard_bytes),
+                   allreduce_ms=ar_ms, optimizer_ms=opt_ms, peak_mem_bytes=split.peak_mem_bytes, _shard_bytes=shard_bytes)  # fmt: skip
+
+        def terms(pipeline_ms, row=row):
+            """Training and preemption terms for a pipeline step of ``pipeline_ms``."""
+            training_s = steps * (pipeline_ms + row["allreduce_ms"] + row["optimizer_ms"]) / 1000.0
+            loss = 0.0
+            if mtbf_s is not None:
+                restart = row["assembly_s"] + checkpoint.restore_s(row["_shard_bytes"])
+                loss = preemption_loss_s(training_s, checkpoint.save_s(row["_shard_bytes"]), restart, mtbf_s / row["gpus"])
+            return training_s, loss
+
+        lower_training, lower_loss = terms(split.lower_bound_ms)
+        lower = row["queue_s"] + row["assembly_s"] + row["cleanup_s"] + lower_training + lower_loss
+        candidates.append((lower, row, split, terms))
+    # Branch and bound: simulate in order of the JCT lower bound (busiest rank's compute, no bubble);
+    # once the bound passes the best JCT found at the same queue wait, no later configuration can
+    # win there. Bounding per wait keeps the best start-now configuration for the grow strategy.
+    candidates.sort(key=lambda c: c[0])
+    best_by_wait: dict[float, float] = {}
+    for lower, row, split, terms in tqdm(candidates, desc="plan", disable=not progress):
+        best_total = best_by_wait.get(row["queue_s"], math.inf)
+        if not exhaustive and lower >= best_total:
+            rows.append({**row, "feasible": False, "reason": f"not simulated: its JCT lower bound {_hours(lower)} exceeds the best {_hours(best_total)} at its wait"})
+            continue
+        pipeline_ms, bubble = evaluator.simulate(split)
+        training_s, loss = terms(pipeline_ms)
+        step = pipeline_ms + row["allreduce_ms"] + row["optimizer_ms"]
+        total = row["queue_s"] + row["assembly_s"] + row["cleanup_s"] + training_s + loss
+        if loss != math.inf:
+            best_by_wait[row["queue_s"]] = min(best_total, total)
+        rows.append({
+            **row, "feasible": loss != math.inf, "reason": "" if loss != math.inf else "preempted more often than it can checkpoint",
+            "training_s": training_s, "preemption_loss_s": loss, "step_ms": step, "pipeline_ms": pipeline_ms,
+            "bubble_ratio": bubble, "samples_per_s": global_batch / step * 1000.0,
+        })  # fmt: skip
+    table = pd.DataFrame(rows)
+    for col in _TABLE_COLUMNS:
+        if col not in table.columns:
+            table[col] = math.nan
+    feasible = table[table["feasible"] == True]  # noqa: E712 - NaN-safe on object columns
+    if feasible.empty:
+        raise ValueError(_no_fit_message(table, gpus, global_batch, mem_per_gpu_bytes))
+    feasible = feasible.assign(total_s=feasible[list(TERMS)].sum(axis=1))
+    grow = _grow_rows(feasible, availability, assembly, checkpoint, steps, mtbf_s)
+    ranked = pd.concat([feasible, grow], ignore_index=True).sort_values(["total_s", "gpus", "step_ms"], kind="stable")
+    rejected = table[table["feasible"] != True].assign(total_s=math.nan)  # noqa: E712
+    out = pd.concat([ranked, rejected], ignore_index=True).drop(columns=["_shard_bytes"], errors="ignore")
+    out["feasible"] = out["feasible"].astype(bool)
+    out["reason"] = out["reason"].fillna("")
+    out["rank"] = range(1, len(out) + 1)
+    out.loc[~out["feasible"], "rank"] = pd.NA
+    out = out[list(_TABLE_COLUMNS)].reset_index(drop=True)
+    inputs = {
+        "gpus": gpus, "global_batch": global_batch, "steps": steps, "availability": availability.points,
+        "profiled_batch_sizes": costs.sizes, "optimizer": optimizer, "link": link, "mem_per_gpu_bytes": mem_per_gpu_bytes,
+    }  # fmt: skip
+    return Plan(out, inputs, costs)
+
+
+def _grow_rows(feasible, availability, assembly, checkpoint, steps, mtbf_s) -> pd.DataFrame:
+    """Start on the best configuration free now; when more GPUs free up, move to the best one there.
+
+    The move costs a checkpoint save, a new assembly and a restore; the steps done before
+    it are kept. Without preemption the best pair per later availability level is added.
+    """
+    now = feasible[(feasible["queue_s"] == 0) & (feasible["strategy"] == "start")]
+    if now.empty or len(availability.points) < 2 or mtbf_s is not None:
+        return feasible.iloc[0:0]
+    small = now.loc[now["total_s"].idxmin()]
+    rows = []
+    for t, free in availability.points[1:]:
+        later = feasible[(feasible["gpus"] <= free) & (feasible["gpus"] > small["gpus"])]
+        if later.empty:
+            continue
+        big = later.loc[later["training_s"].idxmin()]
+        first_steps = (t - small["assembly_s"]) / (small["step_ms"] / 1000.0)
+        if first_steps <= 0 or first_steps >= steps:
+            continue
+        done = math.floor(first_steps)
+        move_s = checkpoint.save_s(small["_shard_bytes"]) + assembly.seconds(int(big["P"]), int(big["D"])) + checkpoint.restore_s(big["_shard_bytes"])
+        training = done * small["step_ms"] / 1000.0 + (steps - done) * big["step_ms"] / 1000.0
+        # the time of the partial step cut short by the move is lost
+        lost = t - small["assembly_s"] - done * small["step_ms"] / 1000.0
+        row = big.to_dict()
+        row.update(
+            strategy=f"grow at {_hours(t)} from P{int(small['P'])}×D{int(small['D'])} m{int(small['m'])}",
+            queue_s=0.0,
+            assembly_s=small["assembly_s"] + move_s + lost,
+            training_s=training,
+            preemption_loss_s=0.0,
+        )
+        row["total_s"] = sum(row[term] for term in TERMS)
+        rows.append(row)
+    return pd.DataFrame(rows, columns=feasible.columns)
+
+
+def _no_fit_message(table, gpus, global_batch, mem) -> str:
+    lines = [f"no feasible configuration for gpus={gpus}, global_batch={global_batch}" + (f", mem_per_gpu_bytes={mem:.4g}" if mem else "")]
+    if table.empty:
+        lines.append("no (P, D, micro-batch size) divides the global batch; pick microbatch_sizes that divide it")
+        return "\n".join(lines)
+    with_mem = table.dropna(subset=["peak_mem_bytes"]) if "peak_mem_bytes" in table else table.iloc[0:0]
+    if not with_mem.empty and mem:
+        closest = with_mem.sort_values("peak_mem_bytes").head(3)
+        lines.append("closest misses (smallest memory):")
+        for _, r in closest.iterrows():
+            lines.append(
+                f"  P={r.P} D={r.D} m={r.m} b={r.microbatch_size} {r.schedule}: needs {r.peak_mem_bytes / 2**30:.3g} GiB per GPU; "
+                f"fits with mem_per_gpu_bytes >= {r.peak_mem_bytes:.4g}, a smaller micro-batch, or more stages"
+            )
+    else:
+        reasons = table["reason"].value_counts().head(3)
+        lines.append("most common reasons: " + "; ".join(f"{k} ({v}x)" for k, v in reasons.items()))
+    return "\n".join(lines)
