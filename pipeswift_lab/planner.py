@@ -28,6 +28,7 @@ import pandas as pd
 
 from ._checks import MULTI_CHUNK_SCHEDULES, SCHEDULES, V_SHAPE_SCHEDULES, canonical_schedule, check_int, check_time
 from ._display import html_card, text_card
+from .analytic import bubble_ratio
 from .costs import AssemblyModel, Availability, CheckpointModel, allreduce_ms, preemption_loss_s
 from .jct import JCT, TERMS
 from .link import Link, check_link
@@ -137,7 +138,11 @@ class Plan:
 
     @property
     def bubble_best(self) -> PlannedConfig:
-        """The configuration with the smallest bubble ratio (ties: shorter JCT), among those that pipeline (P > 1)."""
+        """The configuration with the smallest simulated bubble ratio (ties: shorter JCT), among the simulated ones that pipeline (P > 1).
+
+        The search always simulates the configuration with the smallest closed-form bubble,
+        the one a bubble-minded choice would make, so this is never missing when P > 1 is possible.
+        """
         rows = self.feasible[(self.feasible["strategy"] == "start") & (self.feasible["P"] > 1)]
         if rows.empty:
             rows = self.feasible[self.feasible["strategy"] == "start"]
@@ -443,7 +448,8 @@ def plan(
     The search is a branch and bound: configurations are simulated in order of a JCT lower
     bound (the busiest rank's compute with no bubble), and those whose bound exceeds the
     best JCT found are listed as not simulated (``exhaustive=True`` simulates them all).
-    ``throughput_best`` and ``bubble_best`` are taken among the simulated ones.
+    ``throughput_best`` and ``bubble_best`` are taken among the simulated ones; the
+    configuration with the smallest closed-form bubble is always simulated.
 
     Raises ``ValueError`` when no configuration is feasible, listing the closest misses.
     """
@@ -527,23 +533,38 @@ def plan(
     # once the bound passes the best JCT found at the same queue wait, no later configuration can
     # win there. Bounding per wait keeps the best start-now configuration for the grow strategy.
     candidates.sort(key=lambda c: c[0])
-    best_by_wait: dict[float, float] = {}
-    for lower, row, split, terms in tqdm(candidates, desc="plan", disable=not progress):
-        best_total = best_by_wait.get(row["queue_s"], math.inf)
-        if not exhaustive and lower >= best_total:
-            rows.append({**row, "feasible": False, "reason": f"not simulated: its JCT lower bound {_hours(lower)} exceeds the best {_hours(best_total)} at its wait"})
-            continue
+
+    def evaluate(row, split, terms) -> dict:
         pipeline_ms, bubble = evaluator.simulate(split)
         training_s, loss = terms(pipeline_ms)
         step = pipeline_ms + row["allreduce_ms"] + row["optimizer_ms"]
-        total = row["queue_s"] + row["assembly_s"] + row["cleanup_s"] + training_s + loss
-        if loss != math.inf:
-            best_by_wait[row["queue_s"]] = min(best_total, total)
-        rows.append({
+        return {
             **row, "feasible": loss != math.inf, "reason": "" if loss != math.inf else "preempted more often than it can checkpoint",
             "training_s": training_s, "preemption_loss_s": loss, "step_ms": step, "pipeline_ms": pipeline_ms,
             "bubble_ratio": bubble, "samples_per_s": global_batch / step * 1000.0,
-        })  # fmt: skip
+        }  # fmt: skip
+
+    best_by_wait: dict[float, float] = {}
+    pruned = {}
+    for lower, row, split, terms in tqdm(candidates, desc="plan", disable=not progress):
+        best_total = best_by_wait.get(row["queue_s"], math.inf)
+        if not exhaustive and lower >= best_total:
+            pruned[len(rows)] = (row, split, terms)
+            rows.append({**row, "feasible": False, "reason": f"not simulated: its JCT lower bound {_hours(lower)} exceeds the best {_hours(best_total)} at its wait"})
+            continue
+        rows.append(evaluate(row, split, terms))
+        if rows[-1]["feasible"]:
+            total = sum(rows[-1][t] for t in TERMS)
+            best_by_wait[row["queue_s"]] = min(best_total, total)
+    # The configuration a bubble-minded engineer picks (smallest closed-form bubble) is always
+    # simulated, so that the plan can show what choosing by the bubble costs.
+    pipelined = [(i, c) for i, c in pruned.items() if c[0]["P"] > 1]
+    if pipelined:
+        i, (row, split, terms) = min(pipelined, key=lambda ic: (bubble_ratio(ic[1][0]["P"], ic[1][0]["m"], ic[1][0]["schedule"], ic[1][0]["v"]), ic[0]))
+        already = [r for r in rows if r.get("P", 0) > 1 and "bubble_ratio" in r and r["feasible"]]
+        closed_form = bubble_ratio(row["P"], row["m"], row["schedule"], row["v"])
+        if not already or closed_form < min(bubble_ratio(r["P"], r["m"], r["schedule"], r["v"]) for r in already):
+            rows[i] = evaluate(row, split, terms)
     table = pd.DataFrame(rows)
     for col in _TABLE_COLUMNS:
         if col not in table.columns:

@@ -220,7 +220,7 @@ def section_run(ctx: ReportContext) -> Section:
     setup, prof = reference_setup(ctx), reference_profile(ctx)
     P, m = 2, 2
     part = partition(prof.df.assign(fwd_ms=prof.df["fwd_ms"] / m, bwd_ms=prof.df["bwd_ms"] / m), P)
-    result = run(setup.model, (setup.inputs, setup.targets), setup.loss_fn, part, m, steps=3 if ctx.quick else 8, progress=False)
+    result = ctx.get("run", lambda: run(setup.model, (setup.inputs, setup.targets), setup.loss_fn, part, m, steps=3 if ctx.quick else 8, progress=False))
     comparison = compare(simulate(part, m), result)
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(11, 6), gridspec_kw={"height_ratios": [3, 1.2]})
     comparison.plot(ax=top)
@@ -239,8 +239,29 @@ def section_run(ctx: ReportContext) -> Section:
     return Section("A real pipeline run, measured", intro, [fig], {"run_steps": result.df, "run_vs_simulation": comparison.df, "run_jct": JCT.table(jct)}, summary)
 
 
+def section_plan(ctx: ReportContext) -> Section:
+    """The JCT planner on the measured reference GPT: 8 devices like this one, half of them busy for 30 minutes."""
+    from .planner import plan
+
+    prof = reference_profile(ctx)
+    calibration = [(2, ctx.cache["run"].jct.assembly_s)] if "run" in ctx.cache else None
+    gpus, global_batch, steps, availability = 8, 64, 20_000, [(0, 4), (1800, 8)]
+    result = plan(prof, gpus, global_batch, steps, availability=availability, assembly=calibration, progress=False)
+    ax = result.plot(n=4)
+    best = result.best
+    intro = (
+        f"<p>The planner weighs every configuration of the profiled GPT on {gpus} devices like this machine's CPU "
+        f"(4 free now, 8 in 30 minutes), {steps:,} steps of {global_batch} sequences: P stages × D replicas, micro-batch "
+        f"size and count, schedule, with queue, assembly"
+        + (" (calibrated on the measured run above)" if calibration else "")
+        + f", training, cleanup and the option to start small and grow. {result.explain()}</p>"
+    )
+    summary = [f"plan: best {best.label}, JCT {best.total_s / 3600:.2f} h; bubble-best {result.bubble_best.label} {result.bubble_best.total_s / 3600:.2f} h"]
+    return Section("The JCT planner", intro, [ax.figure], {"plan_top": result.top(15)}, summary)
+
+
 #: Sections in report order. Later capabilities append theirs.
-SECTIONS = [section_bubbles, section_jct_example, section_profile, section_partition, section_timeline, section_run]
+SECTIONS = [section_bubbles, section_jct_example, section_profile, section_partition, section_timeline, section_run, section_plan]
 
 
 @dataclass(frozen=True)

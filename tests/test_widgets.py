@@ -66,3 +66,24 @@ def test_pipeline_explorer_resimulates_on_every_change():
     assert explorer.result["bottleneck_ms"] == pytest.approx(3 * (3 + 4))
     explorer.schedule = "Interleaved1F1B"
     assert explorer.result["v"] == 2 and len(explorer.partition.bounds) == 6
+
+
+def test_planner_explorer_replans_on_every_change():
+    from pipeswift_lab import Profile
+    from pipeswift_lab.widgets import parse_availability, planner_explorer
+
+    prof = Profile.synthetic(fwd_ms=[1.0] * 8, bwd_ms=[2.0] * 8, param_bytes=[1e8] * 8, meta={"batch_size": 1})
+    explorer = planner_explorer(prof, gpus=8, global_batch=16, steps=1000, schedules=["1F1B"])
+    first = explorer.plan.best
+    assert first.gpus <= 8 and explorer.error is None
+    explorer.availability = [(0, 2), (3600, 8)]
+    assert explorer.availability == [(0.0, 2), (3600.0, 8)]
+    assert explorer.plan.inputs["availability"] == ((0.0, 2), (3600.0, 8))
+    assert explorer.plan.best.total_s > first.total_s  # fewer GPUs now or a wait: the job ends later
+    explorer.steps = 10
+    assert explorer.plan.best.gpus <= 2  # a tiny job does not wait an hour
+    explorer.global_batch = 7
+    assert explorer.plan.best.m * explorer.plan.best.microbatch_size * explorer.plan.best.D == 7
+    explorer._availability.value = "0:8, soon:16"
+    assert explorer.plan is None and "'soon:16' is not 'seconds:gpus'" in explorer.error
+    assert parse_availability("0:16; 7200:32") == [(0.0, 16), (7200.0, 32)]
