@@ -36,6 +36,7 @@ from dataclasses import dataclass
 import numpy as np
 import pandas as pd
 
+from ._bottleneck import Infeasible, MinMaxSplit, window_max
 from ._checks import check_int, check_schedule_v, check_time
 from ._display import html_card, text_card
 from .analytic import inflight_microbatches
@@ -424,115 +425,6 @@ class _DoesNotFit(ValueError):
     """A rank of a given split exceeds the memory cap."""
 
 
-class _Infeasible(Exception):
-    """No split meets the memory cap."""
-
-
-class _MinMax:
-    """Exact contiguous min-max split of costs ``cost(a, b) = U[b] - D[a]`` into ``K`` stages.
-
-    ``lo_by_k`` (optional) gives, per stage index, the smallest start ``a`` allowed for each
-    end ``b`` (memory caps: a stage's memory grows as its start moves left).
-    """
-
-    def __init__(self, U, D, K, lo_by_k=None):
-        self.U, self.D, self.K = U, D, K
-        self.lo_by_k = lo_by_k
-        self.n1 = len(U)
-        self.idx = np.arange(self.n1)
-
-    def _best_prev(self, reach_prev, k):
-        """For every end b: the largest ``D[a]`` over reachable starts a < b allowed for stage k."""
-        Dm = np.where(reach_prev, self.D, -np.inf)
-        if self.lo_by_k is None:
-            out = np.empty(self.n1)
-            out[0] = -np.inf
-            np.maximum.accumulate(Dm[:-1], out=out[1:])
-            return out
-        return _window_max(Dm, self.lo_by_k[k], self.idx)
-
-    def reach(self, T):
-        """Reachability table ``reach[k][b]``: layers ``[0, b)`` split into k stages of cost <= T; None if infeasible."""
-        reach = np.zeros((self.K + 1, self.n1), dtype=bool)
-        reach[0, 0] = True
-        for k in range(1, self.K + 1):
-            best = self._best_prev(reach[k - 1], k - 1)
-            reach[k] = (self.U - best) <= T
-            reach[k, 0] = False
-        return reach if reach[self.K, self.n1 - 1] else None
-
-    def backtrack(self, reach, T):
-        """Bounds of a split with cost <= T, each stage as close as possible to the mean of what precedes it."""
-        b = self.n1 - 1
-        bounds = []
-        for k in range(self.K, 0, -1):
-            cand = reach[k - 1].copy()
-            cand[b:] = False
-            if self.lo_by_k is not None:
-                cand[: self.lo_by_k[k - 1][b]] = False
-            cost = self.U[b] - self.D
-            cand &= cost <= T
-            target = (self.U[b] - self.D[0]) / k
-            score = np.where(cand, np.abs(cost - target), np.inf)
-            a = int(np.argmin(score))
-            if not cand[a]:  # pragma: no cover - reach guarantees a candidate
-                raise RuntimeError("internal error: backtracking found no stage start")
-            bounds.append((a, b))
-            b = a
-        bounds.reverse()
-        return tuple(bounds)
-
-    def max_cost(self, bounds):
-        return max(float(self.U[b] - self.D[a]) for a, b in bounds)
-
-    def solve(self):
-        """Return ``(bounds, bottleneck)`` of an optimal split; raise :class:`_Infeasible` if none exists."""
-        hi_T = float(np.max(self.U) - np.min(self.D))
-        reach = self.reach(hi_T)
-        if reach is None:
-            raise _Infeasible
-        best = self.backtrack(reach, hi_T)
-        hi = self.max_cost(best)
-        lo = -1.0  # costs are >= 0, so a bottleneck of -1 is infeasible
-        while True:
-            below = float(np.nextafter(hi, -np.inf))
-            if below <= lo:
-                return best, hi  # nothing strictly between an infeasible lo and hi: hi is optimal
-            mid = lo + (hi - lo) / 2
-            if not (lo < mid < hi):
-                mid = below
-            reach = self.reach(mid)
-            if reach is None:
-                lo = mid
-            else:
-                best = self.backtrack(reach, mid)
-                hi = self.max_cost(best)
-
-
-def _window_max(x, lo, hi):
-    """``max(x[lo[b]:hi[b]])`` for every b (``-inf`` for empty windows), with a sparse table."""
-    n = len(x)
-    levels = [x]
-    width = 1
-    while 2 * width <= n:
-        prev = levels[-1]
-        nxt = np.full(n, -np.inf)
-        nxt[: n - width] = np.maximum(prev[: n - width], prev[width:])
-        levels.append(nxt)
-        width *= 2
-    table = np.stack(levels)
-    length = hi - lo
-    ok = length > 0
-    j = np.zeros(n, dtype=np.int64)
-    j[ok] = np.floor(np.log2(length[ok])).astype(np.int64)
-    span = np.left_shift(1, j)
-    left = np.where(ok, lo, 0)
-    right = np.where(ok, hi - span, 0)
-    out = np.maximum(table[j, left], table[j, right])
-    out[~ok] = -np.inf
-    return out
-
-
 def _memory_windows(layers: _Layers, P, v, schedule, mem_schedule, m, optimizer, limit):
     """Per stage index: the smallest start allowed for each end under the memory cap (None if no cap)."""
     if limit is None:
@@ -567,7 +459,7 @@ def _split(layers: _Layers, P, v, schedule, mem_schedule, method, link, m, optim
         gin = np.concatenate([[0.0], c[:-1], [0.0]])  # gin[a]: gradient a stage starting at a > 0 sends back
         U, D = S + out, S - gin
     windows = _memory_windows(layers, P, v, schedule, mem_schedule, m, optimizer, limit)
-    bounds, _ = _MinMax(U, D, K, windows).solve()
+    bounds, _ = MinMaxSplit(U, D, K, windows).solve()
     return bounds
 
 
@@ -602,7 +494,7 @@ def partition(profile, P, method="balanced", v=1, schedule=None, link=None, mem_
     try:
         bounds = _split(layers, P, v, schedule, mem_schedule, method, link, m, optimizer, mem_limit_bytes)
         return Partition.from_bounds(layers, bounds, v, schedule, link, m, optimizer, mem_limit_bytes, method=method)
-    except (_Infeasible, _DoesNotFit):
+    except (Infeasible, _DoesNotFit):
         pass
     # no balanced split fits: name the worst stage of the unconstrained split and the smallest P that fits
     free = Partition.from_bounds(layers, _split(layers, P, v, schedule, mem_schedule, method, link, m, optimizer, None), v, schedule, link, m, optimizer, None, method)
@@ -618,14 +510,14 @@ def _memory_error(layers, part: Partition, limit, method, link) -> str:
             if method == "balanced":
                 windows = _memory_windows(layers, P2, part.v, part.schedule, mem_schedule, part.m, part.optimizer, limit)
                 zeros = np.zeros(layers.n + 1)
-                if _MinMax(zeros, zeros, P2 * part.v, windows).reach(0.0) is None:
-                    raise _Infeasible
+                if MinMaxSplit(zeros, zeros, P2 * part.v, windows).reach(0.0) is None:
+                    raise Infeasible
             else:
                 bounds = _split(layers, P2, part.v, part.schedule, mem_schedule, method, link, part.m, part.optimizer, None)
                 Partition.from_bounds(layers, bounds, part.v, part.schedule, None, part.m, part.optimizer, limit, method)
             smallest = P2
             break
-        except (_Infeasible, ValueError):
+        except (Infeasible, ValueError):
             continue
     where = f"with m={part.m}" + (f", schedule={part.schedule!r}" if part.schedule else "")
     hint = f"the smallest P that fits ({where}) is {smallest}" if smallest else f"no P up to {layers.n // part.v} fits ({where}); some layer alone exceeds the cap"
