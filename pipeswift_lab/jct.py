@@ -124,7 +124,7 @@ class JCT:
             left = [a + b for a, b in zip(left, widths)]
         ax.invert_yaxis()
         ax.set_xlabel(f"job completion time ({unit})")
-        ax.legend(loc="lower right", fontsize="small", ncols=len(TERMS) if len(jcts) > 1 else 1)
+        ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize="small", frameon=False)
         return ax
 
     def plot(self, *others: "JCT", ax=None, unit="h"):

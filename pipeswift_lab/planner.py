@@ -29,7 +29,7 @@ import pandas as pd
 from ._checks import MULTI_CHUNK_SCHEDULES, SCHEDULES, V_SHAPE_SCHEDULES, canonical_schedule, check_int, check_time
 from ._display import html_card, text_card
 from .analytic import bubble_ratio
-from .costs import AssemblyModel, Availability, CheckpointModel, allreduce_ms, preemption_loss_s
+from .costs import AssemblyModel, Availability, CheckpointModel, allreduce_ms, preemption_loss_s, young_daly_interval_s
 from .jct import JCT, TERMS
 from .link import Link, check_link
 from .partition import OPTIMIZER_STATE_FACTOR, Partition, partition
@@ -45,8 +45,8 @@ OPTIMIZER_MEMORY_GBps = {"cuda": 1500.0, "cpu": 20.0}
 OPTIMIZER_TRAFFIC_FACTOR = 7.0
 
 _TABLE_COLUMNS = (
-    "rank", "strategy", "P", "D", "gpus", "m", "microbatch_size", "schedule", "v", "feasible", "reason",
-    *TERMS, "total_s", "step_ms", "pipeline_ms", "allreduce_ms", "optimizer_ms", "bubble_ratio",
+    "rank", "strategy", "P", "D", "gpus", "m", "microbatch_size", "schedule", "v", "feasible", "simulated", "reason",
+    *TERMS, "total_s", "jct_lower_bound_s", "checkpoint_interval_s", "step_ms", "pipeline_ms", "allreduce_ms", "optimizer_ms", "bubble_ratio",
     "peak_mem_bytes", "samples_per_s",
 )  # fmt: skip
 
@@ -108,22 +108,31 @@ def _from_row(row) -> PlannedConfig:
 class Plan:
     """Every configuration the planner weighed, ranked by predicted JCT.
 
-    * ``table`` — one row per configuration (feasible ones ranked first by ``total_s``,
-      then the rejected ones with their ``reason``), with the JCT terms in the columns
+    * ``table`` — one row per configuration: the simulated feasible ones ranked by
+      ``total_s``, then the feasible ones the branch and bound did not simulate (``simulated``
+      False, with ``jct_lower_bound_s``), then the rejected ones with their ``reason``; the JCT terms in the columns
       ``queue_s``, ``assembly_s``, ``training_s``, ``cleanup_s``, ``preemption_loss_s``,
       ``total_s``, and ``step_ms``, ``bubble_ratio``, ``peak_mem_bytes``;
     * ``best`` — the shortest JCT, a :class:`PlannedConfig`;
     * ``throughput_best`` — the shortest training term; ``bubble_best`` — the smallest bubble.
     """
 
-    table: pd.DataFrame
-    inputs: dict
+    table: pd.DataFrame = field(repr=False)
+    inputs: dict = field(repr=False)
     costs: object = field(default=None, repr=False, compare=False)  # the _MicrobatchCosts the plan used
 
     @property
     def feasible(self) -> pd.DataFrame:
-        """The feasible rows, ranked."""
-        return self.table[self.table["feasible"]]
+        """The feasible, simulated rows, ranked by predicted JCT."""
+        return self.table[self.table["feasible"] & self.table["simulated"]]
+
+    def config(self, row) -> "PlannedConfig":
+        """The :class:`PlannedConfig` of a row of :attr:`table` (a Series or a row label)."""
+        if not isinstance(row, pd.Series):
+            row = self.table.loc[row]
+        if not (row["feasible"] and row["simulated"]):
+            raise ValueError(f"row {row.name} has no predicted JCT ({row['reason'] or 'not simulated'})")
+        return _from_row(row)
 
     @property
     def best(self) -> PlannedConfig:
@@ -138,14 +147,18 @@ class Plan:
 
     @property
     def bubble_best(self) -> PlannedConfig:
-        """The configuration with the smallest simulated bubble ratio (ties: shorter JCT), among the simulated ones that pipeline (P > 1).
+        """The smallest simulated bubble (ties: shorter JCT) on as many GPUs as the best, among configurations that pipeline (P > 1).
 
-        The search always simulates the configuration with the smallest closed-form bubble,
-        the one a bubble-minded choice would make, so this is never missing when P > 1 is possible.
+        The search always simulates, on the best's GPU count, the configuration with the
+        smallest closed-form bubble (ties: the most micro-batch chunks), the one a
+        bubble-minded choice would make, so that what choosing by the bubble costs is shown.
         """
-        rows = self.feasible[(self.feasible["strategy"] == "start") & (self.feasible["P"] > 1)]
+        start = self.feasible[self.feasible["strategy"] == "start"]
+        rows = start[(start["P"] > 1) & (start["gpus"] == self.best.gpus)]
         if rows.empty:
-            rows = self.feasible[self.feasible["strategy"] == "start"]
+            rows = start[start["P"] > 1]
+        if rows.empty:
+            rows = start
         return _from_row(rows.sort_values(["bubble_ratio", "total_s"], kind="stable").iloc[0])
 
     def partition_of(self, config) -> Partition:
@@ -207,7 +220,7 @@ class Plan:
             "JCT": _hours(best.total_s),
             "step_ms": best.step_ms,
             "bubble_ratio": best.bubble_ratio,
-            "configurations": f"{int(self.table['feasible'].sum())} feasible of {len(self.table)}",
+            "configurations": f"{len(self.feasible)} simulated, {int(self.table['feasible'].sum())} feasible, {len(self.table)} weighed",
         }
 
     def _repr_html_(self) -> str:
@@ -215,6 +228,9 @@ class Plan:
 
     def __str__(self) -> str:
         return text_card("Plan", self._summary())
+
+    def __repr__(self) -> str:
+        return f"Plan(best={self.best.label!r}, total_s={self.best.total_s:.6g}, configurations={len(self.table)})"
 
 
 def _hours(seconds: float) -> str:
@@ -357,6 +373,11 @@ class _Evaluator:
         scale = b / base
         mem = self._rank_memory(part, scale)
         if self.mem_limit is not None and max(mem) > self.mem_limit:
+            # no split can beat the average rank: static state plus the fewest in-flight activations
+            static = sum(part.stage_param_bytes) * self.state_factor
+            activations = min(part.stage_inflight) * sum(part.stage_activation_bytes) * scale
+            if (static + activations) / P > self.mem_limit:
+                raise ValueError(f"needs at least {(static + activations) / P / 2**30:.3g} GiB per GPU on average > mem_per_gpu_bytes={self.mem_limit:.4g}")
             # the time-balanced split does not fit at this micro-batch size: take the fastest split that does
             part = partition(self.costs.table(b), P, "balanced", v=v, schedule=schedule, m=m, optimizer=self.optimizer, mem_limit_bytes=self.mem_limit, link=self.link)
             base, scale, mem = b, 1.0, self._rank_memory(part, 1.0)
@@ -449,7 +470,8 @@ def plan(
     bound (the busiest rank's compute with no bubble), and those whose bound exceeds the
     best JCT found are listed as not simulated (``exhaustive=True`` simulates them all).
     ``throughput_best`` and ``bubble_best`` are taken among the simulated ones; the
-    configuration with the smallest closed-form bubble is always simulated.
+    configuration with the smallest closed-form bubble on the best's GPU count is always
+    simulated. Starting small and growing is not weighed when ``mtbf_s`` is given.
 
     Raises ``ValueError`` when no configuration is feasible, listing the closest misses.
     """
@@ -528,6 +550,9 @@ def plan(
 
         lower_training, lower_loss = terms(split.lower_bound_ms)
         lower = row["queue_s"] + row["assembly_s"] + row["cleanup_s"] + lower_training + lower_loss
+        row["jct_lower_bound_s"] = lower
+        if mtbf_s is not None:
+            row["checkpoint_interval_s"] = young_daly_interval_s(checkpoint.save_s(shard_bytes), mtbf_s / (p * d))
         candidates.append((lower, row, split, terms))
     # Branch and bound: simulate in order of the JCT lower bound (busiest rank's compute, no bubble);
     # once the bound passes the best JCT found at the same queue wait, no later configuration can
@@ -539,7 +564,8 @@ def plan(
         training_s, loss = terms(pipeline_ms)
         step = pipeline_ms + row["allreduce_ms"] + row["optimizer_ms"]
         return {
-            **row, "feasible": loss != math.inf, "reason": "" if loss != math.inf else "preempted more often than it can checkpoint",
+            **row, "feasible": loss != math.inf, "simulated": True,
+            "reason": "" if loss != math.inf else "preempted more often than it can checkpoint",
             "training_s": training_s, "preemption_loss_s": loss, "step_ms": step, "pipeline_ms": pipeline_ms,
             "bubble_ratio": bubble, "samples_per_s": global_batch / step * 1000.0,
         }  # fmt: skip
@@ -550,37 +576,45 @@ def plan(
         best_total = best_by_wait.get(row["queue_s"], math.inf)
         if not exhaustive and lower >= best_total:
             pruned[len(rows)] = (row, split, terms)
-            rows.append({**row, "feasible": False, "reason": f"not simulated: its JCT lower bound {_hours(lower)} exceeds the best {_hours(best_total)} at its wait"})
+            rows.append({**row, "feasible": True, "simulated": False, "reason": f"not simulated: its JCT lower bound {_hours(lower)} exceeds the best {_hours(best_total)} at its wait"})
             continue
         rows.append(evaluate(row, split, terms))
         if rows[-1]["feasible"]:
             total = sum(rows[-1][t] for t in TERMS)
             best_by_wait[row["queue_s"]] = min(best_total, total)
-    # The configuration a bubble-minded engineer picks (smallest closed-form bubble) is always
-    # simulated, so that the plan can show what choosing by the bubble costs.
-    pipelined = [(i, c) for i, c in pruned.items() if c[0]["P"] > 1]
-    if pipelined:
-        i, (row, split, terms) = min(pipelined, key=lambda ic: (bubble_ratio(ic[1][0]["P"], ic[1][0]["m"], ic[1][0]["schedule"], ic[1][0]["v"]), ic[0]))
-        already = [r for r in rows if r.get("P", 0) > 1 and "bubble_ratio" in r and r["feasible"]]
-        closed_form = bubble_ratio(row["P"], row["m"], row["schedule"], row["v"])
-        if not already or closed_form < min(bubble_ratio(r["P"], r["m"], r["schedule"], r["v"]) for r in already):
-            rows[i] = evaluate(row, split, terms)
+    # The configuration a bubble-minded engineer picks (smallest closed-form bubble, then the most
+    # micro-batch chunks) on the best's GPU count is always simulated, so that the plan can show
+    # what choosing by the bubble costs.
+    done = [r for r in rows if r.get("simulated") and r["feasible"] and r["strategy"] == "start"]
+    if done and pruned:
+        gpus_best = min(done, key=lambda r: sum(r[t] for t in TERMS))["gpus"]
+
+        def by_bubble(r):
+            return (bubble_ratio(r["P"], r["m"], r["schedule"], r["v"]), -r["m"] * r["v"])
+
+        pool = [(i, c) for i, c in pruned.items() if c[0]["P"] > 1 and c[0]["gpus"] == gpus_best]
+        if pool:
+            i, (row, split, terms) = min(pool, key=lambda ic: by_bubble(ic[1][0]))
+            rivals = [r for r in done if r["P"] > 1 and r["gpus"] == gpus_best]
+            if not rivals or by_bubble(row) < min(by_bubble(r) for r in rivals):
+                rows[i] = evaluate(row, split, terms)
     table = pd.DataFrame(rows)
     for col in _TABLE_COLUMNS:
         if col not in table.columns:
             table[col] = math.nan
-    feasible = table[table["feasible"] == True]  # noqa: E712 - NaN-safe on object columns
+    feasible = table[(table["feasible"] == True) & (table["simulated"] == True)]  # noqa: E712 - NaN-safe on object columns
     if feasible.empty:
         raise ValueError(_no_fit_message(table, gpus, global_batch, mem_per_gpu_bytes))
     feasible = feasible.assign(total_s=feasible[list(TERMS)].sum(axis=1))
     grow = _grow_rows(feasible, availability, assembly, checkpoint, steps, mtbf_s)
     ranked = pd.concat([feasible, grow], ignore_index=True).sort_values(["total_s", "gpus", "step_ms"], kind="stable")
+    unsimulated = table[(table["feasible"] == True) & (table["simulated"] != True)].sort_values("jct_lower_bound_s", kind="stable")  # noqa: E712
     rejected = table[table["feasible"] != True].assign(total_s=math.nan)  # noqa: E712
-    out = pd.concat([ranked, rejected], ignore_index=True).drop(columns=["_shard_bytes"], errors="ignore")
+    out = pd.concat([ranked, unsimulated, rejected], ignore_index=True).drop(columns=["_shard_bytes"], errors="ignore")
     out["feasible"] = out["feasible"].astype(bool)
+    out["simulated"] = out["simulated"].fillna(False).astype(bool)
     out["reason"] = out["reason"].fillna("")
-    out["rank"] = range(1, len(out) + 1)
-    out.loc[~out["feasible"], "rank"] = pd.NA
+    out["rank"] = pd.array([i + 1 if i < len(ranked) else pd.NA for i in range(len(out))], dtype="Int64")
     out = out[list(_TABLE_COLUMNS)].reset_index(drop=True)
     inputs = {
         "gpus": gpus, "global_batch": global_batch, "steps": steps, "availability": availability.points,
@@ -593,7 +627,8 @@ def _grow_rows(feasible, availability, assembly, checkpoint, steps, mtbf_s) -> p
     """Start on the best configuration free now; when more GPUs free up, move to the best one there.
 
     The move costs a checkpoint save, a new assembly and a restore; the steps done before
-    it are kept. Without preemption the best pair per later availability level is added.
+    it are kept. One row per later availability level. Not weighed with ``mtbf_s`` (the
+    preemption term of a job that changes shape mid-way is not modelled).
     """
     now = feasible[(feasible["queue_s"] == 0) & (feasible["strategy"] == "start")]
     if now.empty or len(availability.points) < 2 or mtbf_s is not None:
@@ -615,7 +650,7 @@ def _grow_rows(feasible, availability, assembly, checkpoint, steps, mtbf_s) -> p
         lost = t - small["assembly_s"] - done * small["step_ms"] / 1000.0
         row = big.to_dict()
         row.update(
-            strategy=f"grow at {_hours(t)} from P{int(small['P'])}×D{int(small['D'])} m{int(small['m'])}",
+            strategy=f"grow at {_hours(t)} from P{int(small['P'])}×D{int(small['D'])} m{int(small['m'])} b{int(small['microbatch_size'])} {small['schedule']}",
             queue_s=0.0,
             assembly_s=small["assembly_s"] + move_s + lost,
             training_s=training,

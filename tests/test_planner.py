@@ -112,7 +112,8 @@ def test_memory_cap_forces_more_stages_and_names_misses():
     prof = model_profile(param_bytes=4 * GB)  # 4 GB of weights a layer: weights+grads+Adam = 16 GB a layer
     result = plan(prof, gpus=8, global_batch=8, steps=100, mem_per_gpu_bytes=40 * GB, schedules=["1F1B"], progress=False)
     assert result.best.P >= 4 and result.best.peak_mem_bytes <= 40 * GB
-    assert result.table[result.table["P"] == 1]["reason"].str.contains("cannot fit|fit", regex=True).all()
+    # one stage holds 8 layers x 16 GB of weights and state: 128 GB, ~119 GiB, whatever the split
+    assert result.table[result.table["P"] == 1]["reason"].str.startswith("needs at least 119 GiB per GPU on average > mem_per_gpu_bytes=4e+10").all()
     with pytest.raises(ValueError, match="no feasible configuration") as info:
         plan(prof, gpus=2, global_batch=8, steps=100, mem_per_gpu_bytes=40 * GB, schedules=["1F1B"], progress=False)
     assert "gpus=2" in str(info.value)
@@ -215,7 +216,7 @@ def test_planner_pick_is_within_ten_percent_of_the_best_measured(one_torch_threa
     measured = []
     for _, row in grid.iterrows():
         part = result.partition_of(row)
-        runs = run(model, batch, loss_fn, part, int(row["m"]), steps=4, progress=False, timeout_s=120)
+        runs = run(model, batch, loss_fn, part, int(row["m"]), steps=6, progress=False, timeout_s=120)
         measured.append(float(pd.Series(runs.step_ms[1:]).median()))
     grid = grid.assign(measured_ms=measured)
     best_measured = grid["measured_ms"].min()
