@@ -245,8 +245,11 @@ class PlannerExplorer:
         self._availability = w.Text(value=text, description="free GPUs", placeholder="seconds:gpus, e.g. 0:16, 7200:32", continuous_update=False)
         self._summary = w.HTML()
         self._output = w.Output()
-        for control in (self._gpus, self._batch, self._steps, self._availability):
-            control.observe(lambda change: self._update(), names="value")
+        # with no availability given, "all GPUs free now" follows the GPUs control until the user edits it
+        self._availability_follows_gpus = availability is None
+        self._gpus.observe(self._on_gpus, names="value")
+        for control in (self._batch, self._steps, self._availability):
+            control.observe(self._on_change, names="value")
         self.widget = w.VBox([w.HBox([self._gpus, self._batch, self._steps]), self._availability, self._summary, self._output])
         self.plan = None
         self.error: str | None = None
@@ -264,6 +267,20 @@ class PlannerExplorer:
     @availability.setter
     def availability(self, pairs):
         self._availability.value = ", ".join(f"{t:g}:{n}" for t, n in pairs)
+
+    def _on_gpus(self, change):
+        if self._availability_follows_gpus:
+            self._following = True
+            self._availability.value = f"0:{change['new']}"  # triggers the update
+            self._following = False
+            if self.plan is not None and self.plan.inputs["gpus"] == change["new"]:
+                return
+        self._update()
+
+    def _on_change(self, change):
+        if change["owner"] is self._availability and not getattr(self, "_following", False):
+            self._availability_follows_gpus = False
+        self._update()
 
     def _update(self):
         from .planner import plan

@@ -76,6 +76,9 @@ def test_planner_explorer_replans_on_every_change():
     explorer = planner_explorer(prof, gpus=8, global_batch=16, steps=1000, schedules=["1F1B"])
     first = explorer.plan.best
     assert first.gpus <= 8 and explorer.error is None
+    explorer.gpus = 4  # with no availability given, all GPUs are free now
+    assert explorer.availability == [(0.0, 4)] and explorer.plan.inputs["gpus"] == 4 and explorer.plan.best.gpus <= 4
+    explorer.gpus = 8
     explorer.availability = [(0, 2), (3600, 8)]
     assert explorer.availability == [(0.0, 2), (3600.0, 8)]
     assert explorer.plan.inputs["availability"] == ((0.0, 2), (3600.0, 8))
