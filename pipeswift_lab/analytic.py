@@ -128,7 +128,7 @@ def inflight_microbatches(P, m, schedule="1F1B", v=1) -> list[float]:
     * Interleaved1F1B: ``min(v*m, (v-1)*m_round + 2*(P-1-r) + 1)`` chunks — its warm-up plus one;
     * InterleavedZeroBubble: ``min(v*m, (v-1)*m_round + P)`` chunks on every rank;
     * ZBVZeroBubble: ``min(2P, 2m, m+1+r)`` chunks — ``P`` micro-batches once warm (Qi et al. 2024);
-    * DualPipeV: ``2P+1`` chunks, ``P + 1/2`` micro-batches, on every rank (DeepSeek-V3 report).
+    * DualPipeV: ``min(2m, 2P+1)`` chunks, ``P + 1/2`` micro-batches once warm, on every rank (DeepSeek-V3 report).
     """
     P, m = _check_pm(P, m)
     schedule, v = check_schedule_v(schedule, v)
@@ -144,7 +144,7 @@ def inflight_microbatches(P, m, schedule="1F1B", v=1) -> list[float]:
     elif schedule == "ZBVZeroBubble":
         chunks = [min(2 * P, 2 * m, m + 1 + r) for r in range(P)]
     else:  # DualPipeV
-        chunks = [2 * P + 1] * P
+        chunks = [min(2 * m, 2 * P + 1)] * P
     return [c / v for c in chunks]
 
 

@@ -365,8 +365,8 @@ class Partition:
 
 
 def _resolve_m(P, m, schedule, v):
-    if m is None:
-        return P
+    if m is None:  # the memory estimate's default: as many micro-batches as ranks, or what the schedule needs
+        return 2 * P if schedule == "DualPipeV" else P
     m = check_int("m", m, minimum=1)
     if schedule is not None:
         _validate_schedule(P, m, schedule, v)

@@ -95,12 +95,11 @@ class PlannedConfig:
 
 
 def _from_row(row) -> PlannedConfig:
+    ints = ("P", "D", "m", "microbatch_size", "v")
+    floats = ("queue_s", "assembly_s", "training_s", "cleanup_s", "preemption_loss_s", "step_ms", "bubble_ratio", "peak_mem_bytes")
     return PlannedConfig(
-        P=int(row["P"]), D=int(row["D"]), m=int(row["m"]), microbatch_size=int(row["microbatch_size"]),
-        schedule=row["schedule"], v=int(row["v"]), queue_s=row["queue_s"], assembly_s=row["assembly_s"],
-        training_s=row["training_s"], cleanup_s=row["cleanup_s"], preemption_loss_s=row["preemption_loss_s"],
-        step_ms=row["step_ms"], bubble_ratio=row["bubble_ratio"], peak_mem_bytes=row["peak_mem_bytes"],
-        strategy=row["strategy"],
+        **{k: int(row[k]) for k in ints}, **{k: float(row[k]) for k in floats},
+        schedule=str(row["schedule"]), strategy=str(row["strategy"]),
     )  # fmt: skip
 
 
@@ -186,7 +185,7 @@ class Plan:
         ]
         for name, other in (("bubble-best", bubble), ("throughput-best", fast)):
             if other.label == best.label:
-                out.append(f"It is also the {name} configuration.")
+                out.append(f"The best is also the {name} configuration.")
                 continue
             diffs = {t: getattr(other, t) - getattr(best, t) for t in TERMS}
             worst = max(diffs, key=diffs.get)
@@ -604,7 +603,7 @@ def plan(
             table[col] = math.nan
     feasible = table[(table["feasible"] == True) & (table["simulated"] == True)]  # noqa: E712 - NaN-safe on object columns
     if feasible.empty:
-        raise ValueError(_no_fit_message(table, gpus, global_batch, mem_per_gpu_bytes))
+        raise ValueError(_no_fit_message(table, gpus, global_batch, mem_per_gpu_bytes, mb_sizes))
     feasible = feasible.assign(total_s=feasible[list(TERMS)].sum(axis=1))
     grow = _grow_rows(feasible, availability, assembly, checkpoint, steps, mtbf_s)
     ranked = pd.concat([feasible, grow], ignore_index=True).sort_values(["total_s", "gpus", "step_ms"], kind="stable")
@@ -661,21 +660,22 @@ def _grow_rows(feasible, availability, assembly, checkpoint, steps, mtbf_s) -> p
     return pd.DataFrame(rows, columns=feasible.columns)
 
 
-def _no_fit_message(table, gpus, global_batch, mem) -> str:
+def _no_fit_message(table, gpus, global_batch, mem, mb_sizes) -> str:
     lines = [f"no feasible configuration for gpus={gpus}, global_batch={global_batch}" + (f", mem_per_gpu_bytes={mem:.4g}" if mem else "")]
     if table.empty:
-        lines.append("no (P, D, micro-batch size) divides the global batch; pick microbatch_sizes that divide it")
+        lines.append(
+            f"no micro-batch size among {mb_sizes} divides global_batch / D for any D; pass microbatch_sizes= that "
+            f"divide it (the default is the profiled size times powers of two)"
+        )
         return "\n".join(lines)
-    with_mem = table.dropna(subset=["peak_mem_bytes"]) if "peak_mem_bytes" in table else table.iloc[0:0]
-    if not with_mem.empty and mem:
-        closest = with_mem.sort_values("peak_mem_bytes").head(3)
-        lines.append("closest misses (smallest memory):")
-        for _, r in closest.iterrows():
-            lines.append(
-                f"  P={r.P} D={r.D} m={r.m} b={r.microbatch_size} {r.schedule}: needs {r.peak_mem_bytes / 2**30:.3g} GiB per GPU; "
-                f"fits with mem_per_gpu_bytes >= {r.peak_mem_bytes:.4g}, a smaller micro-batch, or more stages"
-            )
-    else:
-        reasons = table["reason"].value_counts().head(3)
-        lines.append("most common reasons: " + "; ".join(f"{k} ({v}x)" for k, v in reasons.items()))
+    memory = table[table["reason"].str.contains("mem_limit_bytes|GiB per GPU", regex=True, na=False)]
+    if mem and not memory.empty:
+        lines.append(f"{len(memory)} of {len(table)} configurations do not fit mem_per_gpu_bytes={mem:.4g}; the ones with the most stages:")
+        for _, r in memory.sort_values(["P", "microbatch_size"], ascending=[False, True]).head(3).iterrows():
+            lines.append(f"  P={r.P} D={r.D} m={r.m} b={r.microbatch_size} {r.schedule} v={r.v}: {r.reason}")
+        lines.append("  they fit with more GPUs (more stages), smaller micro-batches, or a larger mem_per_gpu_bytes")
+    others = table.drop(memory.index)
+    if not others.empty:
+        reasons = others["reason"].value_counts().head(3)
+        lines.append("other reasons: " + "; ".join(f"{k} ({v}x)" for k, v in reasons.items()))
     return "\n".join(lines)

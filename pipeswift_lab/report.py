@@ -115,6 +115,16 @@ def section_jct_example(ctx: ReportContext) -> Section:
     return Section("Job completion time, not bubble", intro, [fig], {"jct_example": table, "jct_compare": JCT.compare(*jcts)}, summary)
 
 
+def _noise_warning(cv: float) -> str:
+    """A warning paragraph when the profiled step varied by more than 10% run to run."""
+    if cv <= 0.10:
+        return ""
+    return (
+        f"<p><strong>Noisy machine:</strong> the profiled step varied by {cv:.0%} run to run, so the predictions "
+        f"built on it (and their errors against measured runs) are that uncertain. Rerun on a quiet machine.</p>"
+    )
+
+
 def reference_setup(ctx: ReportContext):
     """The report's default job: the reference GPT on the CPU, micro-batch of 8 sequences."""
     from . import models
@@ -140,12 +150,18 @@ def section_profile(ctx: ReportContext) -> Section:
     ax = prof.plot()
     df = prof.df
     heaviest = df.loc[df["total_ms"].idxmax(), "name"]
+    outside = (
+        "the rest is the loss and the glue between layers"
+        if prof.coverage <= 1
+        else "over 100% means the layers' medians were taken in slower repeats than the step's median: the machine is busy"
+    )
     intro = (
         f"<p>The reference GPT ({prof.n_layers} layers, batch shape {prof.meta.get('batch_shape')}) profiled in place "
         f"on {prof.meta.get('device')}: each layer's forward and backward timed during a real training step, "
-        f"{prof.meta.get('repeats')} repeats. The layers cover {prof.coverage:.0%} of the measured step (the rest is the "
-        f"loss and glue between layers); the step varies by {prof.cv:.1%} run to run. "
-        f"The heaviest layer is <code>{heaviest}</code>.</p>"
+        f"{prof.meta.get('repeats')} repeats. The layers cover {prof.coverage:.0%} of the measured step ({outside}); "
+        f"the step varies by {prof.cv:.1%} run to run. The slowest layer is <code>{heaviest}</code>; the embedding and "
+        f"the LM head hold the most parameters.</p>"
+        + _noise_warning(prof.cv)
     )
     summary = [f"profile: {prof.n_layers} layers, step {prof.step_ms:.1f} ms, coverage {prof.coverage:.0%}, cv {prof.cv:.1%}, heaviest {heaviest}"]
     return Section("Per-layer profile", intro, [ax.figure], {"profile": df}, summary)
@@ -164,15 +180,20 @@ def section_partition(ctx: ReportContext) -> Section:
     uniform.plot(ax=axes[0]).set_title(f"uniform: slowest stage {uniform.bottleneck_ms:.3g} ms")
     balanced.plot(ax=axes[1]).set_title(f"balanced: slowest stage {balanced.bottleneck_ms:.3g} ms")
     fig.tight_layout()
+    if balanced.bottleneck_ms < uniform.bottleneck_ms * (1 - 1e-9):
+        verdict = (
+            f"cuts the slowest stage from {uniform.bottleneck_ms:.4g} ms to {balanced.bottleneck_ms:.4g} ms "
+            f"(imbalance {uniform.imbalance:.2f} → {balanced.imbalance:.2f})"
+        )
+    else:
+        verdict = f"finds the equal-count split already optimal here (slowest stage {balanced.bottleneck_ms:.4g} ms)"
     intro = (
         f"<p>P={P} stages of the profiled GPT. Equal layer counts ignore how long each layer takes; the balanced "
-        f"split (exactly minimizing the slowest stage's forward+backward) cuts the slowest stage from "
-        f"{uniform.bottleneck_ms:.3g} ms to {balanced.bottleneck_ms:.3g} ms (imbalance {uniform.imbalance:.2f} → "
-        f"{balanced.imbalance:.2f}). Memory per stage counts parameters, gradients, Adam state and activations of the "
-        f"micro-batches in flight.</p>"
+        f"split (exactly minimizing the slowest stage's forward+backward) {verdict}. Memory per stage counts "
+        f"parameters, gradients, Adam state and activations of the micro-batches in flight.</p>"
     )
     table = pd.concat([uniform.df.assign(method="uniform"), balanced.df.assign(method="balanced")], ignore_index=True)
-    summary = [f"partition P={P}: slowest stage uniform {uniform.bottleneck_ms:.3g} ms, balanced {balanced.bottleneck_ms:.3g} ms"]
+    summary = [f"partition P={P}: slowest stage uniform {uniform.bottleneck_ms:.4g} ms, balanced {balanced.bottleneck_ms:.4g} ms"]
     return Section("Stages: uniform vs balanced", intro, [fig], {"partition": table}, summary)
 
 
@@ -201,8 +222,9 @@ def section_timeline(ctx: ReportContext) -> Section:
     intro = (
         f"<p>The simulator replays the action order torch executes for each schedule with the measured stage times "
         f"(P={P}, m={m}, one micro-batch = the profiled batch). The sweep below gives each configuration's simulated "
-        f"step and <code>training_s = steps × step_ms</code> for 1,000 steps: the bubble shrinks with m while the step "
-        f"(and the job) grows.</p>"
+        f"step and <code>training_s = steps × step_ms</code> for 1,000 steps. Here every micro-batch is the profiled "
+        f"batch, so a larger m is a larger global batch: the bubble shrinks while each step does more work. "
+        f"At a fixed global batch the planner section weighs m properly.</p>"
     )
     best = min(rows, key=lambda r: r["step_ms"])
     summary = [f"simulated P={P}, m={m}: fastest schedule {best['schedule']} at {best['step_ms']:.3g} ms per step"]
@@ -222,6 +244,7 @@ def section_run(ctx: ReportContext) -> Section:
     part = partition(prof.df.assign(fwd_ms=prof.df["fwd_ms"] / m, bwd_ms=prof.df["bwd_ms"] / m), P)
     result = ctx.get("run", lambda: run(setup.model, (setup.inputs, setup.targets), setup.loss_fn, part, m, steps=3 if ctx.quick else 8, progress=False))
     comparison = compare(simulate(part, m), result)
+    predicted_ms, measured_ms = comparison.step_ms
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(11, 6), gridspec_kw={"height_ratios": [3, 1.2]})
     comparison.plot(ax=top)
     result.jct.plot(ax=bottom, unit="s")
@@ -230,12 +253,12 @@ def section_run(ctx: ReportContext) -> Section:
     intro = (
         f"<p>The reference GPT cut in P={P} balanced stages, run for real with torch.distributed.pipelining's "
         f"1F1B on {P} CPU processes (gloo), m={m} micro-batches of {setup.inputs.shape[0] // m} sequences. The profile "
-        f"(taken on the whole batch) is scaled to one micro-batch for the prediction. Measured median step "
-        f"{result.timeline.step_ms:.4g} ms against {comparison.predicted.step_ms:.4g} ms predicted. The run's JCT phases: "
-        f"assembly {jct.assembly_s:.3g} s (processes, rendezvous, stages), training {jct.training_s:.3g} s, cleanup "
-        f"{jct.cleanup_s:.3g} s. Timings on a shared CPU machine are noisy; compare ratios measured in one run.</p>"
+        f"(taken on the whole batch) is scaled to one micro-batch for the prediction. The median step after the first "
+        f"took {measured_ms:.4g} ms against {predicted_ms:.4g} ms predicted ({comparison.step_rel_error:+.0%}). The run's "
+        f"JCT phases: assembly {jct.assembly_s:.3g} s (processes, rendezvous, stages), training {jct.training_s:.3g} s, "
+        f"cleanup {jct.cleanup_s:.3g} s.</p>" + _noise_warning(prof.cv)
     )
-    summary = [f"measured run P={P} m={m}: step {result.timeline.step_ms:.4g} ms measured vs {comparison.predicted.step_ms:.4g} ms predicted; assembly {jct.assembly_s:.3g} s"]
+    summary = [f"measured run P={P} m={m}: step {measured_ms:.4g} ms measured vs {predicted_ms:.4g} ms predicted; assembly {jct.assembly_s:.3g} s"]
     return Section("A real pipeline run, measured", intro, [fig], {"run_steps": result.df, "run_vs_simulation": comparison.df, "run_jct": JCT.table(jct)}, summary)
 
 
@@ -250,7 +273,8 @@ def section_plan(ctx: ReportContext) -> Section:
     ax = result.plot(n=4)
     best = result.best
     intro = (
-        f"<p>The planner weighs every configuration of the profiled GPT on {gpus} devices like this machine's CPU "
+        f"<p>The planner weighs every configuration of the profiled GPT on {gpus} devices like this machine's CPU (a "
+        f"what-if: the devices are hypothetical, the layer times measured) "
         f"(4 free now, 8 in 30 minutes), {steps:,} steps of {global_batch} sequences: P stages × D replicas, micro-batch "
         f"size and count, schedule, with queue, assembly"
         + (" (calibrated on the measured run above)" if calibration else "")

@@ -82,9 +82,17 @@ def _from_partition(part: Partition, schedule, v):
         schedule = part.schedule or ("1F1B" if part.v == 1 else "Interleaved1F1B")
     schedule = canonical_schedule(schedule)
     if v is not None and check_int("v", v, minimum=1) != part.v:
-        raise ValueError(f"v={v} does not match the partition's v={part.v}; leave v=None to use the partition's")
+        raise ValueError(
+            f"v={v} does not match the partition's v={part.v}; the stages per rank are fixed when partitioning: "
+            f"re-partition with partition(profile, {part.P}, v={v}, schedule={schedule!r}), or leave v=None"
+        )
     if schedule in ("GPipe", "1F1B") and part.v != 1:
-        raise ValueError(f"schedule={schedule!r} runs one stage per rank but the partition has v={part.v}; partition with v=1")
+        raise ValueError(f"schedule={schedule!r} runs one stage per rank but the partition has v={part.v}; re-partition with partition(profile, {part.P}, v=1)")
+    if schedule in V_SHAPE_SCHEDULES and part.v != 2:
+        raise ValueError(
+            f"schedule={schedule!r} places 2 stages per rank in a V but the partition has v={part.v}; "
+            f"re-partition with partition(profile, {part.P}, v=2, schedule={schedule!r})"
+        )
     expected = stage_to_rank(part.P, part.v, schedule)
     if tuple(part.stage_to_rank) != expected:
         raise ValueError(
