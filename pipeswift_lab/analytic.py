@@ -104,6 +104,22 @@ def bubble_ratio(P, m, schedule="GPipe", v=1, fwd_ms=1.0, bwd_ms=2.0, wgrad_ms=N
     return bubble_ms / (bubble_ms + compute_ms)
 
 
+def bubble_summary(P, m, schedule="1F1B", v=1) -> dict:
+    """Both bubble conventions and rank 0's in-flight micro-batches for one setting, as a flat dict.
+
+    Keys: ``P``, ``m``, ``schedule``, ``v``, ``bubble_ratio``, ``bubble_overhead``, ``inflight_rank0``.
+    """
+    return {
+        "P": P,
+        "m": m,
+        "schedule": schedule,
+        "v": v,
+        "bubble_ratio": bubble_ratio(P, m, schedule, v),
+        "bubble_overhead": bubble_overhead(P, m, schedule, v),
+        "inflight_rank0": inflight_microbatches(P, m, schedule, v)[0],
+    }
+
+
 def step_ms(P, m, schedule="1F1B", v=1, fwd_ms=1.0, bwd_ms=2.0, wgrad_ms=None) -> float:
     """Closed-form step time with equal stages and free communication: compute plus bubble.
 
@@ -169,6 +185,7 @@ __all__ = [
     "ZERO_BUBBLE_SCHEDULES",
     "bubble_ratio",
     "bubble_overhead",
+    "bubble_summary",
     "step_ms",
     "inflight_microbatches",
     "activation_memory_bytes",

@@ -58,17 +58,7 @@ def section_bubbles(ctx: ReportContext) -> Section:
     rows = []
     for P, m in ((4, 16), (8, 16), (8, 64), (4, 8)):
         for schedule, v in (("GPipe", 1), ("1F1B", 1), ("Interleaved1F1B", 2)):
-            rows.append(
-                {
-                    "P": P,
-                    "m": m,
-                    "schedule": schedule,
-                    "v": v,
-                    "bubble_ratio": analytic.bubble_ratio(P, m, schedule, v),
-                    "bubble_overhead": analytic.bubble_overhead(P, m, schedule, v),
-                    "inflight_rank0": analytic.inflight_microbatches(P, m, schedule, v)[0],
-                }
-            )
+            rows.append(analytic.bubble_summary(P, m, schedule, v))
     table = pd.DataFrame(rows)
     intro = (
         "<p>Two conventions of the pipeline bubble are in use. <code>bubble_ratio</code> is the share of a step a "

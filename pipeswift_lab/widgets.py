@@ -58,15 +58,7 @@ class BubbleExplorer:
 
     def _update(self):
         P, m, schedule, v = self.P, self.m, self.schedule, self.v
-        self.result = {
-            "P": P,
-            "m": m,
-            "schedule": schedule,
-            "v": v,
-            "bubble_ratio": analytic.bubble_ratio(P, m, schedule, v),
-            "bubble_overhead": analytic.bubble_overhead(P, m, schedule, v),
-            "inflight_rank0": analytic.inflight_microbatches(P, m, schedule, v)[0],
-        }
+        self.result = analytic.bubble_summary(P, m, schedule, v)
         r = self.result
         self._numbers.value = (
             f"<b>{schedule}</b>, P={P}, m={m}, v={v}: idle share of the step (bubble_ratio) "

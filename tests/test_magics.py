@@ -12,36 +12,11 @@ from torch import nn
 import pipeswift_lab.magics
 from pipeswift_lab.profile import Profile
 
+from sleep_layers import Sleep  # noqa: E402
+
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 SLACK_MS = 25.0  # scheduler noise allowed above a sleep (shared machine)
-
-
-class SleepBackward(torch.autograd.Function):
-    """Identity whose backward sleeps ``seconds``."""
-
-    @staticmethod
-    def forward(ctx, x, seconds):
-        ctx.seconds = seconds
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        time.sleep(ctx.seconds)
-        return grad, None
-
-
-class Sleep(nn.Module):
-    """A Linear layer whose forward sleeps ``fwd_s`` and backward sleeps ``bwd_s``."""
-
-    def __init__(self, fwd_s, bwd_s, width=8):
-        super().__init__()
-        self.fwd_s, self.bwd_s = fwd_s, bwd_s
-        self.lin = nn.Linear(width, width)
-
-    def forward(self, x):
-        time.sleep(self.fwd_s)
-        return SleepBackward.apply(self.lin(x), self.bwd_s)
 
 
 class Tower(nn.Module):

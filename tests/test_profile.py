@@ -17,36 +17,11 @@ from torch import nn
 
 from pipeswift_lab.profile import COLUMNS, Profile, profile, profile_step, select_units
 
+from sleep_layers import Sleep, SleepBackward  # noqa: E402
+
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 SLACK_MS = 25.0  # scheduler noise allowed above a sleep (this machine is shared; sleeps wake up late)
-
-
-class SleepBackward(torch.autograd.Function):
-    """Identity whose backward sleeps ``seconds``."""
-
-    @staticmethod
-    def forward(ctx, x, seconds):
-        ctx.seconds = seconds
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        time.sleep(ctx.seconds)
-        return grad, None
-
-
-class Sleep(nn.Module):
-    """A Linear layer whose forward sleeps ``fwd_s`` and backward sleeps ``bwd_s``."""
-
-    def __init__(self, fwd_s, bwd_s, width=8):
-        super().__init__()
-        self.fwd_s, self.bwd_s = fwd_s, bwd_s
-        self.lin = nn.Linear(width, width)
-
-    def forward(self, x):
-        time.sleep(self.fwd_s)
-        return SleepBackward.apply(self.lin(x), self.bwd_s)
 
 
 class Residual(nn.Module):

@@ -1,0 +1,32 @@
+"""Layers that sleep a known time in forward and backward: deterministic timing for the profiler tests."""
+import time
+
+import torch
+from torch import nn
+
+
+class SleepBackward(torch.autograd.Function):
+    """Identity whose backward sleeps ``seconds``."""
+
+    @staticmethod
+    def forward(ctx, x, seconds):
+        ctx.seconds = seconds
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        time.sleep(ctx.seconds)
+        return grad, None
+
+
+class Sleep(nn.Module):
+    """A Linear layer whose forward sleeps ``fwd_s`` and backward sleeps ``bwd_s``."""
+
+    def __init__(self, fwd_s, bwd_s, width=8):
+        super().__init__()
+        self.fwd_s, self.bwd_s = fwd_s, bwd_s
+        self.lin = nn.Linear(width, width)
+
+    def forward(self, x):
+        time.sleep(self.fwd_s)
+        return SleepBackward.apply(self.lin(x), self.bwd_s)
