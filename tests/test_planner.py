@@ -199,7 +199,10 @@ class SleepLayer(nn.Module):
 
 
 def test_planner_pick_is_within_ten_percent_of_the_best_measured(one_torch_thread):
-    """The planner's choice among configurations the runner can execute here is (nearly) the fastest measured."""
+    """The planner's choice among configurations the runner can execute here is (nearly) the fastest measured.
+
+    Layers sleep a known time, so the measured pipeline steps are deterministic up to scheduler noise.
+    """
     from pipeswift_lab import profile, run
 
     model = nn.Sequential(*[SleepLayer(fixed_ms, 1.0, seed=i) for i, fixed_ms in enumerate([6.0, 3.0, 3.0, 9.0])])
@@ -217,8 +220,10 @@ def test_planner_pick_is_within_ten_percent_of_the_best_measured(one_torch_threa
     for _, row in grid.iterrows():
         part = result.partition_of(row)
         runs = run(model, batch, loss_fn, part, int(row["m"]), steps=6, progress=False, timeout_s=120)
-        measured.append(float(pd.Series(runs.step_ms[1:]).median()))
+        # the pipeline's measured step: first action to last, what the planner's pipeline term predicts
+        # (torch's GPipe/1F1B runtimes add ~40 ms a step outside the actions on gloo here; see benchmarks)
+        measured.append(runs.timeline.step_ms)
     grid = grid.assign(measured_ms=measured)
     best_measured = grid["measured_ms"].min()
     picked = grid.iloc[0]
-    assert picked["measured_ms"] <= 1.10 * best_measured, grid[["m", "schedule", "v", "step_ms", "measured_ms"]]
+    assert picked["measured_ms"] <= 1.10 * best_measured, grid[["m", "schedule", "v", "step_ms", "measured_ms"]].to_string()
