@@ -32,9 +32,9 @@ from .analytic import bubble_ratio
 from .costs import AssemblyModel, Availability, CheckpointModel, allreduce_ms, preemption_loss_s, young_daly_interval_s
 from .jct import JCT, TERMS
 from .link import Link, check_link
+from ._plan_search import Evaluator, MicrobatchCosts
 from .partition import OPTIMIZER_STATE_FACTOR, Partition, partition
 from .schedules import validate
-from .simulate import simulate_step_ms
 
 #: Data-parallel link when none is given: a 200 Gb/s network (25 GB/s) with 10 µs latency.
 DEFAULT_DP_LINK = Link(latency_ms=0.01, bandwidth_GBps=25.0)
@@ -118,7 +118,7 @@ class Plan:
 
     table: pd.DataFrame = field(repr=False)
     inputs: dict = field(repr=False)
-    costs: object = field(default=None, repr=False, compare=False)  # the _MicrobatchCosts the plan used
+    costs: object = field(default=None, repr=False, compare=False)  # the MicrobatchCosts the plan used
 
     @property
     def feasible(self) -> pd.DataFrame:
@@ -249,70 +249,6 @@ def _signed_hours(seconds: float) -> str:
 # --------------------------------------------------------------------------- inputs
 
 
-class _MicrobatchCosts:
-    """Per-layer costs at any micro-batch size, from one or more profiles.
-
-    With one profile taken at micro-batch size ``b0``, times and bytes scale in proportion
-    to ``b / b0``. With profiles at several sizes, each layer's times are interpolated
-    piecewise-linearly in ``b`` (and extrapolated along the end segments, never below
-    zero), which captures the fixed per-micro-batch cost that makes small micro-batches
-    slow; bytes stay proportional to ``b`` from the nearest profile.
-    """
-
-    def __init__(self, profile):
-        profiles = list(profile) if isinstance(profile, (list, tuple)) else [profile]
-        if not profiles:
-            raise ValueError("profile is empty; give a Profile or a list of Profiles at different micro-batch sizes")
-        by_size = {}
-        for i, prof in enumerate(profiles):
-            df = prof.df if hasattr(prof, "df") else prof
-            if not isinstance(df, pd.DataFrame):
-                raise TypeError(f"profile must be a pipeswift_lab.Profile, a per-layer DataFrame or a list of Profiles; got {type(prof).__name__}")
-            meta = getattr(prof, "meta", {}) or {}
-            size = int(meta.get("batch_size") or 1)
-            if size in by_size:
-                raise ValueError(f"two profiles have micro-batch size {size}; give one profile per size")
-            by_size[size] = (df.reset_index(drop=True), str(meta.get("device", "cuda")).split(":")[0])
-        self.sizes = sorted(by_size)
-        self.tables = {b: by_size[b][0] for b in self.sizes}
-        self.device = by_size[self.sizes[0]][1]
-        lengths = {len(t) for t in self.tables.values()}
-        if len(lengths) != 1:
-            raise ValueError(f"profiles have different layer counts {sorted(lengths)}; profile the same model at each size")
-        self.n_layers = lengths.pop()
-        self.proportional = len(self.sizes) == 1
-        self._cache = {}
-
-    @property
-    def b0(self) -> int:
-        """The smallest profiled micro-batch size."""
-        return self.sizes[0]
-
-    def table(self, b: int) -> pd.DataFrame:
-        """Per-layer DataFrame at micro-batch size ``b``."""
-        if b not in self._cache:
-            nearest = min(self.sizes, key=lambda size: (abs(size - b), size))
-            df = self.tables[nearest].copy()
-            for col in ("activation_bytes", "output_bytes"):
-                if col in df.columns:
-                    df[col] = df[col] * (b / nearest)
-            for col in ("fwd_ms", "bwd_ms", "wgrad_ms"):
-                if col in df.columns:
-                    df[col] = self._time(col, b)
-            self._cache[b] = df
-        return self._cache[b]
-
-    def _time(self, col, b):
-        if self.proportional:
-            return self.tables[self.b0][col] * (b / self.b0)
-        sizes = self.sizes
-        hi = next((i for i, size in enumerate(sizes) if size >= b), len(sizes) - 1)
-        hi = max(hi, 1)
-        b1, b2 = sizes[hi - 1], sizes[hi]
-        t1, t2 = self.tables[b1][col], self.tables[b2][col]
-        return (t1 + (t2 - t1) * (b - b1) / (b2 - b1)).clip(lower=0.0)
-
-
 def _candidates(name, values, default, minimum=1):
     if values is None:
         return list(default)
@@ -344,87 +280,6 @@ def _stage_choices(schedules) -> list[tuple[str, int]]:
 # --------------------------------------------------------------------------- search
 
 
-class _Evaluator:
-    """Partitions and simulates configurations, sharing work across replicas and micro-batch sizes.
-
-    When costs scale in proportion to the micro-batch size and there is no link, the
-    balanced bounds do not depend on ``b`` and the simulated step scales with it, so
-    each ``(P, m, schedule, v)`` is partitioned and simulated once.
-    """
-
-    def __init__(self, costs: _MicrobatchCosts, link, mem_limit, optimizer):
-        self.costs, self.link, self.mem_limit, self.optimizer = costs, link, mem_limit, optimizer
-        self.shared = costs.proportional and link is None
-        self.state_factor = 2.0 + OPTIMIZER_STATE_FACTOR[optimizer]
-        self._bounds, self._sims = {}, {}
-
-    def split(self, P, m, b, schedule, v) -> "_Split":
-        """The balanced split of ``P`` ranks at micro-batch size ``b`` (the fastest that fits memory), unsimulated.
-
-        Raises ``ValueError`` when no split fits ``mem_per_gpu_bytes``.
-        """
-        base = self.costs.b0 if self.shared else b
-        table = self.costs.table(base)
-        key = (P, v, schedule, base)
-        if key not in self._bounds:
-            self._bounds[key] = partition(table, P, "balanced", v=v, schedule=schedule, m=m, optimizer=self.optimizer, link=self.link).bounds
-        part = Partition.from_bounds(table, self._bounds[key], v=v, schedule=schedule, m=m, optimizer=self.optimizer, link=self.link)
-        scale = b / base
-        mem = self._rank_memory(part, scale)
-        if self.mem_limit is not None and max(mem) > self.mem_limit:
-            # no split can beat the average rank: static state plus the fewest in-flight activations
-            static = sum(part.stage_param_bytes) * self.state_factor
-            activations = min(part.stage_inflight) * sum(part.stage_activation_bytes) * scale
-            if (static + activations) / P > self.mem_limit:
-                raise ValueError(f"needs at least {(static + activations) / P / 2**30:.3g} GiB per GPU on average > mem_per_gpu_bytes={self.mem_limit:.4g}")
-            # the time-balanced split does not fit at this micro-batch size: take the fastest split that does
-            part = partition(self.costs.table(b), P, "balanced", v=v, schedule=schedule, m=m, optimizer=self.optimizer, mem_limit_bytes=self.mem_limit, link=self.link)
-            base, scale, mem = b, 1.0, self._rank_memory(part, 1.0)
-        busiest = max(sum(part.stage_ms[s] for s, r in enumerate(part.stage_to_rank) if r == rank) for rank in range(P))
-        return _Split(part, m, schedule, v, base, scale, max(mem), _rank_params(part), m * busiest * scale)
-
-    def simulate(self, split: "_Split") -> tuple[float, float]:
-        """``(pipeline_ms, bubble_ratio)`` of a split; the bubble is ``1 - m * sum(stage fwd+bwd) / (P * step)``."""
-        key = (split.part.P, split.m, split.schedule, split.v, split.part.bounds, split.base)
-        if key not in self._sims:
-            self._sims[key] = self._timed(split.part, split.m, split.schedule, split.v, 1.0)
-        step, bubble = self._sims[key]
-        return step * split.scale, bubble
-
-    def _timed(self, part, m, schedule, v, scale):
-        step = simulate_step_ms(part, m, schedule, v, link=self.link) * scale
-        busy = m * sum(part.stage_ms) * scale
-        return step, (1.0 - busy / (part.P * step) if step > 0 else 0.0)
-
-    def _rank_memory(self, part, scale):
-        mem = [0.0] * part.P
-        for s, r in enumerate(part.stage_to_rank):
-            mem[r] += part.stage_param_bytes[s] * self.state_factor + part.stage_activation_bytes[s] * part.stage_inflight[s] * scale
-        return mem
-
-
-@dataclass(frozen=True)
-class _Split:
-    """A partition at one micro-batch size, with what the planner needs before simulating it."""
-
-    part: Partition
-    m: int
-    schedule: str
-    v: int
-    base: int  # micro-batch size the partition's times are for
-    scale: float  # b / base: the step scales by it
-    peak_mem_bytes: float
-    rank_param_bytes: float
-    lower_bound_ms: float  # m times the busiest rank's compute: no pipeline step is shorter
-
-
-def _rank_params(part) -> float:
-    per_rank = [0.0] * part.P
-    for s, r in enumerate(part.stage_to_rank):
-        per_rank[r] += part.stage_param_bytes[s]
-    return max(per_rank)
-
-
 def plan(
     profile,
     gpus,
@@ -449,7 +304,7 @@ def plan(
     * ``profile`` — a :class:`~pipeswift_lab.Profile` (or per-layer DataFrame) taken at
       micro-batch size ``profile.meta["batch_size"]``, or a list of Profiles of the same
       model at several sizes (times are then interpolated between them, see
-      :class:`_MicrobatchCosts`);
+      :class:`~pipeswift_lab._plan_search.MicrobatchCosts`);
     * ``gpus`` — the most GPUs the job may use; ``global_batch`` — samples per step;
       ``steps`` — training steps;
     * ``link`` — pipeline point-to-point :class:`~pipeswift_lab.Link` (None: free);
@@ -476,7 +331,7 @@ def plan(
     """
     from tqdm.auto import tqdm
 
-    costs = _MicrobatchCosts(profile)
+    costs = MicrobatchCosts(profile)
     n_layers, b0 = costs.n_layers, costs.b0
     gpus = check_int("gpus", gpus, minimum=1)
     global_batch = check_int("global_batch", global_batch, minimum=1)
@@ -503,7 +358,7 @@ def plan(
     if not isinstance(checkpoint, CheckpointModel):
         raise TypeError(f"checkpoint must be a pipeswift_lab.costs.CheckpointModel or None; got {type(checkpoint).__name__}")
     mem_GBps = OPTIMIZER_MEMORY_GBps.get(costs.device, OPTIMIZER_MEMORY_GBps["cuda"])
-    evaluator = _Evaluator(costs, link, mem_per_gpu_bytes, optimizer)
+    evaluator = Evaluator(costs, link, mem_per_gpu_bytes, optimizer)
 
     single_stage = [c for c in stage_choices if c[1] == 1 and c[0] in ("GPipe", "1F1B")][:1] or [("GPipe", 1)]
     combos = []

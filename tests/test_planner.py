@@ -9,7 +9,8 @@ from torch import nn
 
 from pipeswift_lab import JCT, Link, Profile
 from pipeswift_lab.costs import AssemblyModel, CheckpointModel, allreduce_ms, preemption_loss_s
-from pipeswift_lab.planner import _MicrobatchCosts, plan
+from pipeswift_lab._plan_search import MicrobatchCosts
+from pipeswift_lab.planner import plan
 
 matplotlib.use("Agg")
 
@@ -99,13 +100,13 @@ def test_fixed_per_microbatch_cost_bounds_m():
 
 
 def test_interpolates_between_profiled_microbatch_sizes():
-    costs = _MicrobatchCosts([model_profile(batch_size=2, fixed_ms=1.0), model_profile(batch_size=8, fixed_ms=1.0)])
+    costs = MicrobatchCosts([model_profile(batch_size=2, fixed_ms=1.0), model_profile(batch_size=8, fixed_ms=1.0)])
     table = costs.table(4)
     assert table["fwd_ms"].iloc[0] == pytest.approx(1.0 + 4.0)
     assert table["activation_bytes"].iloc[0] == pytest.approx(4e6)
     assert costs.table(16)["fwd_ms"].iloc[0] == pytest.approx(1.0 + 16.0)  # extrapolated along the last segment
     with pytest.raises(ValueError, match="two profiles have micro-batch size 2"):
-        _MicrobatchCosts([model_profile(batch_size=2), model_profile(batch_size=2)])
+        MicrobatchCosts([model_profile(batch_size=2), model_profile(batch_size=2)])
 
 
 def test_memory_cap_forces_more_stages_and_names_misses():
