@@ -229,9 +229,23 @@ def section_run(ctx: ReportContext) -> Section:
     from .runner import compare, run
     from .simulate import simulate
 
-    setup, prof = reference_setup(ctx), reference_profile(ctx)
+    import torch
+
+    from .profile import profile
+    from .runner.spec import available_cores
+
+    setup = reference_setup(ctx)
     P, m = 2, 2
-    part = partition(prof.df.assign(fwd_ms=prof.df["fwd_ms"] / m, bwd_ms=prof.df["bwd_ms"] / m), P)
+    # profile one micro-batch with the threads each rank will have, so the prediction sees what a rank sees
+    microbatch = setup.inputs.shape[0] // m
+    threads = torch.get_num_threads()
+    torch.set_num_threads(max(1, available_cores() // P))
+    try:
+        repeats, warmup = (3, 1) if ctx.quick else (10, 3)
+        prof = profile(setup.model, setup.inputs[:microbatch], target=setup.targets[:microbatch], loss_fn=setup.loss_fn, warmup=warmup, repeats=repeats, progress=False)
+    finally:
+        torch.set_num_threads(threads)
+    part = partition(prof, P)
     result = ctx.get("run", lambda: run(setup.model, (setup.inputs, setup.targets), setup.loss_fn, part, m, steps=3 if ctx.quick else 8, progress=False))
     comparison = compare(simulate(part, m), result)
     predicted_ms, measured_ms = comparison.step_ms
@@ -242,8 +256,8 @@ def section_run(ctx: ReportContext) -> Section:
     jct = result.jct
     intro = (
         f"<p>The reference GPT cut in P={P} balanced stages, run for real with torch.distributed.pipelining's "
-        f"1F1B on {P} CPU processes (gloo), m={m} micro-batches of {setup.inputs.shape[0] // m} sequences. The profile "
-        f"(taken on the whole batch) is scaled to one micro-batch for the prediction. The median step after the first "
+        f"1F1B on {P} CPU processes (gloo), m={m} micro-batches of {microbatch} sequences, predicted from a profile of one "
+        f"micro-batch taken with the threads each rank gets. The median step after the first "
         f"took {measured_ms:.4g} ms against {predicted_ms:.4g} ms predicted ({comparison.step_rel_error:+.0%}). The run's "
         f"JCT phases: assembly {jct.assembly_s:.3g} s (processes, rendezvous, stages), training {jct.training_s:.3g} s, "
         f"cleanup {jct.cleanup_s:.3g} s.</p>" + _noise_warning(prof.cv)
