@@ -199,15 +199,17 @@ class Plan:
         return " ".join(out)
 
     def plot(self, ax=None, n=5, unit="h"):
-        """Stacked JCT bars of the ``n`` best configurations, the throughput-best and the bubble-best. Returns the Axes."""
-        rows = [_from_row(r) for _, r in self.top(n).iterrows()]
-        labels = {c.label for c in rows}
-        extras = []
+        """Stacked JCT bars of the ``n`` best configurations, the throughput-best and the bubble-best (marked). Returns the Axes."""
+        configs = [_from_row(r) for _, r in self.top(n).iterrows()]
+        marks = {}
         for name, extra in (("throughput-best", self.throughput_best), ("bubble-best", self.bubble_best)):
-            if extra.label not in labels:
-                labels.add(extra.label)
-                extras.append(JCT(*[getattr(extra, t) for t in TERMS], label=f"{name}: {extra.label}"))
-        jcts = [c.jct for c in rows] + extras
+            if extra.label not in {c.label for c in configs}:
+                configs.append(extra)
+            marks.setdefault(extra.label, []).append(name)
+        jcts = [
+            JCT(*[getattr(c, t) for t in TERMS], label=c.label + (f"  [{', '.join(marks[c.label])}]" if c.label in marks else ""))
+            for c in configs
+        ]
         ax = JCT.plot_many(jcts, ax=ax, unit=unit)
         ax.set_title("predicted JCT: best configurations vs throughput-best and bubble-best")
         return ax

@@ -138,7 +138,10 @@ def test_calibrated_assembly_model():
 def test_plot_and_html():
     result = plan(model_profile(), gpus=8, global_batch=32, steps=1000, progress=False)
     ax = result.plot(n=3)
-    assert len(ax.get_yticklabels()) >= 3
+    labels = [t.get_text() for t in ax.get_yticklabels()]
+    assert len(labels) >= 3
+    assert any(label.startswith(result.bubble_best.label) and "bubble-best" in label for label in labels)
+    assert any(label.startswith(result.throughput_best.label) and "throughput-best" in label for label in labels)
     assert "Plan" in result._repr_html_() and result.best.label in result._repr_html_()
 
 
