@@ -12,7 +12,26 @@ from . import analytic
 from ._checks import SCHEDULES, V_SHAPE_SCHEDULES, check_schedule_v
 
 
-class BubbleExplorer:
+class _Explorer:
+    """What every explorer shares: it displays as its ``widget`` and redraws into an Output area."""
+
+    @staticmethod
+    def _redraw(output, draw):
+        """Clear ``output`` and show what ``draw()`` plots (and displays) there."""
+        import matplotlib.pyplot as plt
+
+        output.clear_output(wait=True)
+        with output:
+            draw()
+            plt.show()
+
+    def _ipython_display_(self):
+        from IPython.display import display
+
+        display(self.widget)
+
+
+class BubbleExplorer(_Explorer):
     """Sliders for P and m, a schedule dropdown and a v slider, redrawing the bubble curve.
 
     ``.result`` holds the numbers for the current setting: both bubble conventions and
@@ -68,19 +87,13 @@ class BubbleExplorer:
         self._draw()
 
     def _draw(self):
-        import matplotlib.pyplot as plt
-
-        self._figure.clear_output(wait=True)
-        with self._figure:
+        def draw():
             ax = plot_bubble_curve([self.P], schedule=self.schedule, v=self.v, m_max=max(64, 2 * self.m))
             ax.scatter([self.m], [self.result["bubble_ratio"]], color="black", zorder=5, label=f"m={self.m}")
             ax.legend(fontsize="small")
-            plt.show()
 
-    def _ipython_display_(self):
-        from IPython.display import display
+        self._redraw(self._figure, draw)
 
-        display(self.widget)
 
 
 def plot_bubble_curve(Ps=(2, 4, 8, 16), schedule="1F1B", v=1, m_max=64, convention="ratio", ax=None):
@@ -107,7 +120,7 @@ def bubble_explorer(P=4, m=8, schedule="1F1B", v=1) -> BubbleExplorer:
     return BubbleExplorer(P=P, m=m, schedule=schedule, v=v)
 
 
-class PipelineExplorer:
+class PipelineExplorer(_Explorer):
     """P and m sliders, schedule and partition dropdowns over a profile; shows the Gantt chart and metrics.
 
     Every change re-partitions and re-simulates (:func:`pipeswift_lab.sweep.explore`);
@@ -183,17 +196,8 @@ class PipelineExplorer:
         self._draw()
 
     def _draw(self):
-        import matplotlib.pyplot as plt
+        self._redraw(self._figure, self.timeline.plot)
 
-        self._figure.clear_output(wait=True)
-        with self._figure:
-            self.timeline.plot()
-            plt.show()
-
-    def _ipython_display_(self):
-        from IPython.display import display
-
-        display(self.widget)
 
 
 def pipeline_explorer(profile=None, P=2, m=4, schedule="1F1B", method="balanced") -> PipelineExplorer:
@@ -218,7 +222,7 @@ def parse_availability(text: str) -> list[tuple[float, int]]:
     return pairs
 
 
-class PlannerExplorer:
+class PlannerExplorer(_Explorer):
     """GPUs, global batch, steps and availability as controls; re-ranks the JCT plan on every change.
 
     ``.plan`` is the current :class:`~pipeswift_lab.planner.Plan` (``None`` with ``.error``
@@ -289,19 +293,16 @@ class PlannerExplorer:
         self._draw()
 
     def _draw(self):
-        import matplotlib.pyplot as plt
         from IPython.display import display
 
-        self._output.clear_output(wait=True)
-        with self._output:
-            display(self.plan.top(5)[["strategy", "P", "D", "m", "microbatch_size", "schedule", "v", "total_s", "queue_s", "training_s", "step_ms", "bubble_ratio"]])
+        columns = ["strategy", "P", "D", "m", "microbatch_size", "schedule", "v", "total_s", "queue_s", "training_s", "step_ms", "bubble_ratio"]
+
+        def draw():
+            display(self.plan.top(5)[columns])
             self.plan.plot()
-            plt.show()
 
-    def _ipython_display_(self):
-        from IPython.display import display
+        self._redraw(self._output, draw)
 
-        display(self.widget)
 
 
 def planner_explorer(profile, gpus=16, global_batch=64, steps=10_000, availability=None, **plan_kwargs) -> PlannerExplorer:
