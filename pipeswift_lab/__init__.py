@@ -14,7 +14,7 @@ from .magics import load_ipython_extension
 from .partition import Partition, partition
 from .planner import Plan, plan
 from .profile import Profile, profile, profile_step
-from .runner import RunError, RunResult, compare, run
+from .runner import Checkpoint, RunError, RunResult, compare, latest_checkpoint, load_checkpoint, run
 from .schedules import compute_orders
 from .simulate import ScheduleDeadlock, simulate
 from .sweep import explore, plot_sweep, sweep
@@ -24,6 +24,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "SCHEDULES",
+    "Checkpoint",
     "JCT",
     "Link",
     "Partition",
@@ -40,6 +41,8 @@ __all__ = [
     "compute_orders",
     "explore",
     "inflight_microbatches",
+    "latest_checkpoint",
+    "load_checkpoint",
     "load_ipython_extension",
     "models",
     "partition",

@@ -160,6 +160,52 @@ class CheckpointModel:
         """The final save plus teardown."""
         return self.save_s(largest_stage_bytes) + self.teardown_s
 
+    @classmethod
+    def calibrate(cls, runs) -> "CheckpointModel":
+        """Fit the model to what real runs measured (``RunResult``s of ``run(..., checkpoint_dir=...)``).
+
+        * ``write_GBps`` — the median over every committed checkpoint of the largest rank's
+          bytes over the save time (``RunResult.checkpoints``: ``largest_rank_bytes / save_ms``);
+        * ``read_GBps`` — the median over runs that resumed of the bytes the largest rank loaded
+          over ``restore_s`` (the default is kept, and said in a warning, when no run resumed);
+        * ``teardown_s`` — the median of ``jct.cleanup_s`` minus the final save's stall.
+
+        Raises ``ValueError`` when no run saved a checkpoint.
+        """
+        import warnings
+
+        runs = list(runs) if isinstance(runs, (list, tuple)) else [runs]
+        for i, run in enumerate(runs):
+            if not hasattr(run, "checkpoints") or not hasattr(run, "jct"):
+                raise TypeError(f"runs[{i}] must be a RunResult; got {type(run).__name__}")
+        write, read, teardown = [], [], []
+        for run in runs:
+            table = run.checkpoints
+            for _, row in table.iterrows():
+                if row["save_ms"] > 0:
+                    write.append(row["largest_rank_bytes"] / (row["save_ms"] / 1e3) / 1e9)
+            final = table[table["kind"].isin(["final", "preempt"])]
+            if len(final):
+                teardown.append(max(0.0, run.jct.cleanup_s - float(final["blocking_ms"].iloc[-1]) / 1e3))
+            restored_bytes = run.meta.get("restore_bytes", 0)
+            if run.restore_s > 0 and restored_bytes:
+                read.append(restored_bytes / run.restore_s / 1e9)
+        if not write:
+            raise ValueError("CheckpointModel.calibrate needs runs that saved checkpoints (run(..., checkpoint_dir=...)); "
+                             "none of the runs given did")
+        default = cls()
+        if not read:
+            warnings.warn(f"no run resumed from a checkpoint, so read_GBps keeps its default {default.read_GBps} GB/s; "
+                          "calibrate with a run(..., resume_from=...) to measure it", UserWarning, stacklevel=2)
+
+        def median(values):
+            values = sorted(values)
+            mid = len(values) // 2
+            return values[mid] if len(values) % 2 else (values[mid - 1] + values[mid]) / 2
+
+        return cls(write_GBps=median(write), read_GBps=median(read) if read else default.read_GBps,
+                   teardown_s=median(teardown) if teardown else default.teardown_s)
+
 
 def young_daly_interval_s(checkpoint_s: float, mtbf_s: float) -> float:
     """Young's optimal checkpoint interval √(2·C·MTBF) in seconds (Young 1974; Daly 2006)."""

@@ -4,13 +4,15 @@
 * :class:`RunResult` — the measured timeline, step times, losses, JCT and final parameters;
 * :func:`compare` — a predicted (simulated) Timeline against a measured one;
 * :class:`RunSpec`, :func:`load_spec`, :func:`load_result` — the same run under ``torchrun``;
-* :class:`RunError` — why a run failed, naming the rank.
+* :class:`RunError` — why a run failed, naming the rank;
+* :func:`load_checkpoint`, :func:`latest_checkpoint`, :class:`Checkpoint` — the run's DCP checkpoints.
 """
+from .checkpoint import Checkpoint, CheckpointError, latest_checkpoint, load_checkpoint
 from .compare import Comparison, compare
 from .errors import RunError
-from .launch import run
+from .job import run
 from .result import RunResult, load_result
 from .spec import DEFAULT_LR, RunSpec, default_optimizer, load_spec, make_spec
 
 __all__ = ["run", "RunResult", "compare", "Comparison", "RunError", "RunSpec", "load_spec", "load_result", "make_spec",
-           "default_optimizer", "DEFAULT_LR"]
+           "default_optimizer", "DEFAULT_LR", "Checkpoint", "CheckpointError", "load_checkpoint", "latest_checkpoint"]

@@ -21,6 +21,7 @@ def main(argv=None) -> int:
     parser.add_argument("--out", default=None, help="directory for the per-rank files and result.pt (default: SPEC.out)")
     parser.add_argument("--progress", action="store_true", help="write the steps done to OUT/progress")
     parser.add_argument("--from-run", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--caller-pid", type=int, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     spec_path = Path(args.spec)
     out = Path(args.out) if args.out else spec_path.with_suffix(".out")
@@ -29,7 +30,7 @@ def main(argv=None) -> int:
 
     from . import worker
 
-    record(worker.main)(spec_path, out, progress=args.progress)
+    record(worker.main)(spec_path, out, progress=args.progress, caller_pid=args.caller_pid)
     if not args.from_run and int(os.environ.get("RANK", "0")) == 0:
         from .result import load_result
 

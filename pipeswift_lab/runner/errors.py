@@ -120,7 +120,10 @@ def diagnose(run_dir: Path, P: int, timeout_s: float, timed_out: bool, agent_err
     for rank, failure in failures.items():
         exitcodes[int(rank)] = getattr(failure, "exitcode", None)
 
-    killed_by_launcher = {-signal.SIGTERM, -signal.SIGKILL, -signal.SIGINT}
+    # The agent stops the survivors of a failure with SIGTERM (then SIGKILL): a worker notes every
+    # SIGTERM in rank{r}.sigterm, so a rank that ended by a signal *without* that note was killed from
+    # outside (the OOM killer, kill -9) or crashed: it failed first, whatever its peers raised after.
+    told_to_stop = {r for r in range(P) if (run_dir / f"rank{r}.sigterm").exists()}
 
     def peer(r):
         return any(marker in exception_summary(errors[r]) for marker in _PEER_ERRORS)
@@ -128,14 +131,17 @@ def diagnose(run_dir: Path, P: int, timeout_s: float, timed_out: bool, agent_err
     def mtime(r):
         return os.path.getmtime(run_dir / f"rank{r}.error")
 
-    own_errors = sorted((r for r in errors if not peer(r)), key=mtime)
-    if own_errors and not timed_out:
-        return _raised(own_errors[0], errors, exitcodes, pids)
-
     # a rank that ended without a traceback, and not because the launcher stopped it: it died
     silent = [r for r in sorted(started) if r not in errors and not (run_dir / f"rank{r}.done").exists()
-              and exitcodes.get(r) not in killed_by_launcher and exitcodes.get(r) != 0]
+              and r not in told_to_stop and exitcodes.get(r) != 0]
     died = [r for r in silent if exitcodes.get(r) is not None] + [r for r in silent if exitcodes.get(r) is None]
+    killed = [r for r in died if (exitcodes.get(r) or 0) < 0]
+
+    own_errors = sorted((r for r in errors if not peer(r)), key=mtime)
+    if own_errors and not timed_out and not killed:
+        return _raised(own_errors[0], errors, exitcodes, pids)
+    if killed and not timed_out:
+        died = killed + [r for r in died if r not in killed]
     if died and not timed_out and (errors or exitcodes):
         r = died[0]
         code = exitcodes.get(r)

@@ -1,4 +1,4 @@
-"""``run()``: start a real pipeline run from a notebook cell and watch it until it ends.
+"""Launch one segment of a run: start the worker processes and watch them until they end.
 
 The launch uses torch's elastic API (``LaunchConfig`` + ``elastic_launch``) with a standalone
 c10d rendezvous on ``localhost`` (port chosen by the OS, as ``torchrun --standalone`` does).
@@ -23,7 +23,6 @@ import logging
 import os
 import signal
 import sys
-import tempfile
 import threading
 import time
 import uuid
@@ -31,9 +30,9 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from .errors import RunError, diagnose
-from .result import RunResult, build_result, read_gathered
-from .spec import make_spec
-from .worker import PROGRESS_FILE, RESULT_FILE
+from .result import read_gathered
+from .train_loop import PREEMPT_FILE, PROGRESS_FILE
+from .worker import RESULT_FILE
 
 #: Seconds the elastic agent waits after SIGTERM before it SIGKILLs the other workers of a failed run.
 SHUTDOWN_TIMEOUT_S = 3
@@ -44,60 +43,6 @@ START_METHODS = ("forkserver", "subprocess")
 #: pipeswift_lab itself is imported afresh by every worker (~0.15 s), so edits to it are never stale.
 FORKSERVER_PRELOAD = ("numpy", "pandas", "torch", "torch.distributed.pipelining", "torch.distributed.elastic.multiprocessing.errors",
                       "cloudpickle")
-
-
-def run(model, data, loss_fn, partition, m, schedule=None, steps=10, optimizer=None, nprocs=None, backend=None, devices=None,
-        timeout_s=300, progress=True, save_spec=None, instrument=True, seed=0, start_method="forkserver") -> RunResult:
-    """Train ``model`` for ``steps`` steps as a real pipeline on ``torch.distributed.pipelining`` and measure it.
-
-    * ``model`` — an ``nn.Sequential``; stage ``s`` is its children ``partition.bounds[s]``.
-    * ``data`` — an ``(inputs, targets)`` batch used every step, a ``callable(step) -> (inputs,
-      targets)`` (called with torch's RNG seeded to ``seed + step``, so ranks agree), or an
-      iterable of batches (the first ``steps`` are taken). Only the rank holding the first
-      stage reads inputs and only the one holding the last stage reads targets.
-    * ``loss_fn(outputs, targets)`` — a mean over the micro-batch; torch scales gradients by
-      ``1/m`` (``scale_grads=True``), so a step equals single-process training on the mean of
-      the ``m`` micro-batch losses.
-    * ``partition`` — a ``Partition`` (``bounds``, ``P``, ``v``, ``schedule``, ``stage_to_rank``).
-    * ``m`` — micro-batches per step; it must divide the batch size.
-    * ``schedule`` — a name from ``SCHEDULES``; ``None`` takes the partition's, or when it has
-      none ``"1F1B"`` (``v == 1``) / ``"Interleaved1F1B"`` (``v > 1``).
-    * ``optimizer`` — a factory ``lambda params: torch.optim.X(params, ...)`` called on every rank
-      with its stages' parameters; ``None`` is SGD with ``lr=0.01`` (``spec.DEFAULT_LR``).
-    * ``nprocs`` — worker processes; one per rank, so ``None`` or ``partition.P``.
-    * ``backend``/``devices`` — ``None``: NCCL and one GPU per rank when there are GPUs, gloo and
-      one CPU process per rank (``torch.set_num_threads`` = cores // P) otherwise; see
-      :func:`~pipeswift_lab.runner.spec.resolve_devices`.
-    * ``timeout_s`` — the call raises :class:`RunError` within this many seconds if a rank
-      raises, dies or hangs, naming the rank and its traceback; no worker is left running.
-    * ``save_spec`` — also write the run's spec there, for
-      ``torchrun --nproc-per-node P -m pipeswift_lab.runner SPEC``.
-    * ``instrument`` — record every compute action (False: step times only, the overhead baseline).
-    * ``seed`` — ``torch.manual_seed`` on every rank before the first step.
-    * ``start_method`` — ``"forkserver"`` (warm workers) or ``"subprocess"`` (cold interpreters,
-      as under torchrun); see the module docstring.
-
-    Objects defined in a notebook cell or a test are serialized by value (cloudpickle).
-    Returns a :class:`RunResult`. Raises ``TypeError``/``ValueError`` before any process starts
-    for what can be checked in advance (see :func:`~pipeswift_lab.runner.spec.make_spec`).
-    """
-    launch_ns = time.time_ns()
-    if start_method not in START_METHODS:
-        raise ValueError(f"start_method={start_method!r} is not valid; use one of {list(START_METHODS)}")
-    if not isinstance(progress, bool):
-        raise TypeError(f"progress must be True or False; got {progress!r}")
-    deadline = time.monotonic() + float(timeout_s) if isinstance(timeout_s, (int, float)) and not isinstance(timeout_s, bool) else None
-    spec = make_spec(model, data, loss_fn, partition, m, schedule=schedule, steps=steps, optimizer=optimizer, nprocs=nprocs,
-                     backend=backend, devices=devices, timeout_s=timeout_s, instrument=instrument, seed=seed)
-    if save_spec is not None:
-        spec.save(save_spec)
-    with tempfile.TemporaryDirectory(prefix="pipeswift_run_") as tmp:
-        run_dir = Path(tmp)
-        spec_path = spec.save(run_dir / "spec.pkl")
-        desc = f"{spec.plan.schedule} P={spec.P} m={spec.m}"
-        gathered = launch(spec_path, run_dir, spec.P, deadline, spec.timeout_s, spec.steps, progress, desc, start_method)
-        end_ns = time.time_ns()
-    return build_result(spec, gathered, launch_ns, end_ns)
 
 
 @contextmanager
@@ -224,13 +169,34 @@ def _preload_forkserver() -> None:
         multiprocessing.get_context("forkserver").set_forkserver_preload(list(FORKSERVER_PRELOAD))
 
 
+class Preemption:
+    """A preemption notice for a running launch, set by SIGTERM to the process that called ``run()``.
+
+    ``grace_s`` is how long the workers get, once notified, to finish their step and save;
+    after that they are killed and the previous checkpoint stands.
+    """
+
+    def __init__(self, grace_s: float):
+        self.grace_s = grace_s
+        self.requested_at = None
+
+    def request(self) -> None:
+        """Note a preemption notice now (idempotent; safe from a signal handler)."""
+        if self.requested_at is None:
+            self.requested_at = time.monotonic()
+
+
 def launch(spec_path, run_dir, P: int, deadline, timeout_s: float, steps: int, progress: bool, desc: str,
-           start_method: str = "forkserver") -> dict:
+           start_method: str = "forkserver", max_restarts: int = 0, preemption: Preemption | None = None) -> dict:
     """Start ``P`` workers on ``spec_path`` with torch's elastic agent; return what rank 0 gathered.
 
     ``deadline`` is a ``time.monotonic()`` value; a grace of ``min(2 s, 10%)`` is kept before it
-    to collect the stacks of hung ranks and stop them. Raises :class:`RunError` on any failure,
-    after every worker process is gone.
+    to collect the stacks of hung ranks and stop them. ``max_restarts`` lets the agent restart
+    every worker after a failure (they resume from the newest checkpoint). ``preemption``, when
+    notified, is passed on to the workers (the run directory's ``preempt`` file), which stop
+    after their current step and save; past its grace they are killed and
+    ``RunError(reason="preempted")`` is raised. Raises :class:`RunError` on any failure, after
+    every worker process is gone.
     """
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
@@ -242,17 +208,18 @@ def launch(spec_path, run_dir, P: int, deadline, timeout_s: float, steps: int, p
     config = LaunchConfig(
         min_nodes=1, max_nodes=1, nproc_per_node=P, run_id=f"pipeswift-{uuid.uuid4().hex[:12]}",
         rdzv_backend="c10d", rdzv_endpoint="localhost:0", rdzv_configs={"timeout": max(1, int(timeout_s))},
-        max_restarts=0, monitor_interval=0.05, start_method="forkserver" if start_method == "forkserver" else "spawn",
+        max_restarts=max_restarts, monitor_interval=0.05, start_method="forkserver" if start_method == "forkserver" else "spawn",
         logs_specs=DefaultLogsSpecs(log_dir=str(run_dir / "logs"), redirects=Std.ALL), shutdown_timeout=SHUTDOWN_TIMEOUT_S,
     )
     if start_method == "forkserver":
         from .worker import entry
 
         _preload_forkserver()
-        entrypoint, args = entry, (str(spec_path), str(run_dir), bool(progress))
+        entrypoint, args = entry, (str(spec_path), str(run_dir), bool(progress), os.getpid())
     else:
         entrypoint = sys.executable
-        args = ("-m", "pipeswift_lab.runner", str(spec_path), "--out", str(run_dir), "--from-run") + (("--progress",) if progress else ())
+        args = ("-m", "pipeswift_lab.runner", str(spec_path), "--out", str(run_dir), "--from-run", "--caller-pid", str(os.getpid())) + (
+            ("--progress",) if progress else ())
     outcome: dict = {}
 
     def agent():
@@ -261,7 +228,7 @@ def launch(spec_path, run_dir, P: int, deadline, timeout_s: float, steps: int, p
         except BaseException as exc:  # noqa: BLE001 - reported by the calling thread
             outcome["error"] = exc
 
-    timed_out, seen_pids = False, set()
+    timed_out, preempt_killed, seen_pids = False, False, set()
     bar = tqdm(total=steps, desc=f"{desc}: starting {P} workers", unit="step", disable=not progress, leave=False)
     with _quiet_elastic(), _worker_environment():
         thread = threading.Thread(target=agent, name="pipeswift-elastic-agent", daemon=True)
@@ -276,6 +243,13 @@ def launch(spec_path, run_dir, P: int, deadline, timeout_s: float, steps: int, p
                         if bar.n == 0:
                             bar.set_description(desc, refresh=False)
                         bar.update(done - bar.n)
+                if preemption is not None and preemption.requested_at is not None:
+                    if not (run_dir / PREEMPT_FILE).exists():
+                        (run_dir / PREEMPT_FILE).touch()
+                    if time.monotonic() - preemption.requested_at > preemption.grace_s and thread.is_alive():
+                        preempt_killed = True
+                        seen_pids.update(_stop_workers(run_dir, P, dump_stacks=False))
+                        break
                 if time.monotonic() >= trigger and thread.is_alive():
                     timed_out = True
                     seen_pids.update(_stop_workers(run_dir, P, dump_stacks=True))
@@ -290,6 +264,9 @@ def launch(spec_path, run_dir, P: int, deadline, timeout_s: float, steps: int, p
         leftovers = _stop_workers(run_dir, None, dump_stacks=False)  # none unless the agent itself misbehaved
         seen_pids.update(leftovers)
         _wait_gone(seen_pids, 5.0)
+    if preempt_killed:
+        raise RunError(f"preempted: the workers did not finish a clean save within preempt_grace_s={preemption.grace_s:g} s "
+                       "and were killed; the previous checkpoint stands", reason="preempted", pids=sorted(seen_pids))
     if timed_out or "error" in outcome or not (run_dir / RESULT_FILE).exists():
         raise diagnose(run_dir, P, timeout_s, timed_out, outcome.get("error"), sorted(seen_pids))
     return read_gathered(run_dir)

@@ -13,6 +13,8 @@ from ..jct import JCT
 from .instrument import KINDS
 from .worker import RESULT_FILE
 
+#: Columns of ``RunResult.checkpoints``: one row per committed checkpoint.
+CHECKPOINT_COLUMNS = ("step", "path", "bytes", "largest_rank_bytes", "save_ms", "blocking_ms", "kind", "attempt", "interval_steps")
 #: Timeline columns, in the simulator's order.
 TIMELINE_COLUMNS = ("step", "rank", "stage", "microbatch", "kind", "start_ms", "end_ms")
 
@@ -32,7 +34,25 @@ class RunResult:
       ``cleanup_s`` gathering the final state and teardown until the result is back;
       ``queue_s`` is 0 (nothing waited for machines);
     * :meth:`state_dict` — the trained parameters gathered from every rank, with the keys of
-      ``model.state_dict()``.
+      ``model.state_dict()``;
+    * ``status`` — ``"completed"``, ``"preempted"`` (stopped by SIGTERM after a clean save at
+      the same step on every rank) or ``"nonfinite"`` (carried by the ``RunError``);
+    * ``first_step`` — the step the measured steps start from: 0, or the step the run (or its
+      last restart) resumed from; ``step_ms``, ``losses`` and the timeline cover steps
+      ``first_step`` .. the last step done;
+    * ``checkpoints`` — one row per checkpoint committed (``step``, ``path``, ``bytes``,
+      ``largest_rank_bytes``, ``save_ms`` the slowest rank's DCP write, ``blocking_ms`` the
+      stall of the step loop, ``kind`` periodic/auto/preempt/final, ``attempt``);
+      ``checkpoint`` — the newest complete one (None without ``checkpoint_dir``);
+    * ``restarts`` — workers restarted after a crash; ``steps_redone`` — steps trained again
+      because they came after the checkpoint a restart resumed from; ``recovery_s`` — from the
+      last step before each crash to the first step after it; ``restore_s`` — loading the
+      checkpoint a ``resume_from`` run started from; ``skipped_steps`` — updates dropped at
+      non-finite losses (``on_nonfinite="skip"``).
+
+    With checkpoints, ``jct.cleanup_s`` is the final save plus teardown and
+    ``jct.preemption_loss_s`` the periodic save stalls, the restore, the steps redone and the
+    recovery; ``jct.total_s`` is the wall time from ``run()`` to its return.
     """
 
     timeline: object
@@ -50,6 +70,15 @@ class RunResult:
     ranks: pd.DataFrame = field(compare=False, repr=False)
     meta: dict = field(default_factory=dict, compare=False, repr=False)
     _state: dict = field(default_factory=dict, compare=False, repr=False)
+    status: str = "completed"
+    first_step: int = 0
+    checkpoints: pd.DataFrame = field(default_factory=lambda: pd.DataFrame(columns=list(CHECKPOINT_COLUMNS)), compare=False, repr=False)
+    checkpoint: str | None = None
+    restarts: int = 0
+    steps_redone: int = 0
+    recovery_s: float = 0.0
+    restore_s: float = 0.0
+    skipped_steps: tuple[int, ...] = ()
 
     def state_dict(self) -> "OrderedDict[str, torch.Tensor]":
         """The final parameters and buffers from every rank, keyed and ordered like ``model.state_dict()`` (CPU tensors)."""
@@ -67,9 +96,14 @@ class RunResult:
         return float(pd.Series(times).median())
 
     @property
+    def measured_steps(self) -> range:
+        """The step numbers ``step_ms`` and ``losses`` describe: ``first_step`` onwards."""
+        return range(self.first_step, self.first_step + len(self.step_ms))
+
+    @property
     def df(self) -> pd.DataFrame:
-        """One row per step: ``step``, ``step_ms``, ``loss``."""
-        return pd.DataFrame({"step": range(self.steps), "step_ms": list(self.step_ms), "loss": list(self.losses)})
+        """One row per measured step: ``step``, ``step_ms``, ``loss``."""
+        return pd.DataFrame({"step": list(self.measured_steps), "step_ms": list(self.step_ms), "loss": list(self.losses)})
 
     @property
     def assembly_phases(self) -> pd.DataFrame:
@@ -86,15 +120,23 @@ class RunResult:
         return self.timeline.plot(ax=ax, step=step)
 
     def _summary(self) -> dict:
-        return {
-            "schedule": self.schedule, "P": self.P, "v": self.v, "m": self.m, "steps": self.steps,
-            "device": f"{self.device_type} ({self.backend})", "steady_step_ms": self.steady_step_ms,
-            "final_loss": self.losses[-1] if self.losses else float("nan"), "jct_total_s": self.jct.total_s,
-            "assembly_s": self.jct.assembly_s, "training_s": self.jct.training_s, "cleanup_s": self.jct.cleanup_s,
-        }
+        out = {"schedule": self.schedule, "P": self.P, "v": self.v, "m": self.m, "steps": self.steps}
+        if self.status != "completed" or self.first_step:
+            out.update(status=self.status, first_step=self.first_step)
+        out.update({"device": f"{self.device_type} ({self.backend})", "steady_step_ms": self.steady_step_ms,
+                    "final_loss": self.losses[-1] if self.losses else float("nan"), "jct_total_s": self.jct.total_s,
+                    "assembly_s": self.jct.assembly_s, "training_s": self.jct.training_s, "cleanup_s": self.jct.cleanup_s})
+        if self.checkpoint is not None or self.jct.preemption_loss_s:
+            out.update(preemption_loss_s=self.jct.preemption_loss_s, checkpoints=len(self.checkpoints), checkpoint=self.checkpoint)
+        if self.restarts:
+            out.update(restarts=self.restarts, steps_redone=self.steps_redone, recovery_s=self.recovery_s)
+        if self.skipped_steps:
+            out.update(skipped_steps=len(self.skipped_steps))
+        return out
 
     def _repr_html_(self) -> str:
-        return html_card(f"RunResult: {self.schedule}, P={self.P}, m={self.m}, {self.steps} steps", self._summary(), self.df)
+        status = "" if self.status == "completed" else f" ({self.status} at step {self.first_step + len(self.step_ms)})"
+        return html_card(f"RunResult: {self.schedule}, P={self.P}, m={self.m}, {self.steps} steps{status}", self._summary(), self.df)
 
     def __str__(self) -> str:
         return text_card(f"RunResult {self.schedule} P={self.P} m={self.m}", self._summary())
@@ -127,20 +169,54 @@ def _timeline_frame(ranks: list[dict], t0_ns: int) -> pd.DataFrame:
     return df.sort_values(["step", "rank", "start_ms"], kind="stable").reset_index(drop=True)[list(TIMELINE_COLUMNS)]
 
 
-def build_result(spec, gathered: dict, launch_ns: int, end_ns: int, launched_by: str = "run") -> RunResult:
-    """Assemble a :class:`RunResult` from what rank 0 gathered (``result.pt``).
+def _history_terms(history: dict) -> dict:
+    """Restarts, steps redone, their time and the recovery time, from what every attempt logged.
+
+    ``history["steps"]`` holds ``(attempt, step, start_ns, end_ns)`` of every step the last
+    rank finished, across attempts; ``history["attempts"]`` the step each attempt resumed
+    from. Attempt ``a``'s execution of step ``s`` was lost when attempt ``a + 1`` resumed at a
+    step ``<= s``; a restart's recovery is the gap from the last step before it to the first
+    step after it (detection, teardown, re-assembly, restore).
+    """
+    attempts = history.get("attempts", {})
+    by_attempt: dict[int, list] = {}
+    for attempt, step, start, end in history.get("steps", []):
+        by_attempt.setdefault(attempt, []).append((step, start, end))
+    restarts = max(attempts) if attempts else 0
+    redone, redone_s, recovery_s, last_end = 0, 0.0, 0.0, None
+    for n in range(restarts + 1):
+        rows = sorted(by_attempt.get(n, []), key=lambda r: r[1])
+        if n < restarts:
+            resumed_at = int(attempts.get(n + 1, {}).get("first_step", 0))
+            lost = [(start, end) for step, start, end in rows if step >= resumed_at]
+            redone += len(lost)
+            redone_s += sum((end - start) / 1e9 for start, end in lost)
+        if rows:
+            if n > 0 and last_end is not None:
+                recovery_s += (rows[0][1] - last_end) / 1e9
+            last_end = rows[-1][2]
+    return {"restarts": restarts, "steps_redone": redone, "redone_s": redone_s, "recovery_s": recovery_s}
+
+
+def build_result(spec, gathered: dict, launch_ns: int, end_ns: int, launched_by: str = "run", history: dict | None = None) -> RunResult:
+    """Assemble a :class:`RunResult` from what rank 0 gathered (``result.pt``) and what every attempt logged.
 
     ``launch_ns`` is the wall-clock launch (``run`` entry; under torchrun the earliest rank's
     process start) and ``end_ns`` when the result was complete (``run`` return; under
-    torchrun rank 0 after the gather).
+    torchrun rank 0 after the gather). ``history`` is :func:`~pipeswift_lab.runner.job.read_history`.
     """
     from ..timeline import Timeline
 
+    history = history or {}
     ranks = sorted(gathered["ranks"], key=lambda p: p["rank"])
-    steps = spec.steps
-    starts = [min(p["step_start_ns"][k] for p in ranks) for k in range(steps)]
-    ends = [max(p["step_end_ns"][k] for p in ranks) for k in range(steps)]
-    t0, t_end = starts[0], ends[-1]
+    first = ranks[0]
+    first_step = int(first.get("first_step", 0))
+    n = min(len(p["step_start_ns"]) for p in ranks)
+    starts = [min(p["step_start_ns"][k] for p in ranks) for k in range(n)]
+    ends = [max(p["step_end_ns"][k] for p in ranks) for k in range(n)]
+    ready_ns = max(p["ready_ns"] for p in ranks)
+    t0 = starts[0] if starts else ready_ns
+    t_end = ends[-1] if ends else t0
     last = next(p for p in ranks if p["rank"] == spec.plan.last_rank)
     state = {}
     for p in ranks:
@@ -153,30 +229,60 @@ def build_result(spec, gathered: dict, launch_ns: int, end_ns: int, launched_by:
         values = [p[key] for p in ranks if p.get(key) is not None]
         return max(values) if values else None
 
+    attempts = history.get("attempts", {})
+    terms = _history_terms(history)
+    restored = [p.get("restored") for p in ranks if p.get("restored")]
+    attempt0 = attempts.get(0, {})
+    restore0_s = attempt0.get("restore_ms", 0.0) / 1e3 if attempts else (max(r["restore_ms"] for r in restored) / 1e3 if restored else 0.0)
+    first_start = min([t0] + [start for _, _, start, _ in history.get("steps", [])])
+    checkpoints = pd.DataFrame(history.get("checkpoints", []), columns=list(CHECKPOINT_COLUMNS))
+    final_kinds = checkpoints["kind"].isin(["final", "preempt"]) if len(checkpoints) else pd.Series(dtype=bool)
+    periodic_stall_s = float(checkpoints.loc[~final_kinds, "blocking_ms"].sum() / 1e3) if len(checkpoints) else 0.0
+
     milestones = [("launch", launch_ns), ("processes started", latest("process_start_ns")),
                   ("runner entered (python + torch imported)", latest("entered_ns")),
                   ("process groups and stages ready", latest("ready_ns")), ("first step started", t0)]
     milestones = [(name, ns) for name, ns in milestones if ns is not None]
     phases = [(f"{a} -> {b}", (nb - na) / 1e9) for (a, na), (b, nb) in zip(milestones, milestones[1:])]
-    jct = JCT(queue_s=0.0, assembly_s=(t0 - launch_ns) / 1e9, training_s=(t_end - t0) / 1e9, cleanup_s=(end_ns - t_end) / 1e9,
+    wall_s = (end_ns - launch_ns) / 1e9
+    assembly_s = max(0.0, (first_start - launch_ns) / 1e9 - restore0_s)
+    cleanup_s = (end_ns - t_end) / 1e9
+    preemption_s = restore0_s + periodic_stall_s + terms["redone_s"] + terms["recovery_s"]
+    training_s = max(0.0, wall_s - assembly_s - cleanup_s - preemption_s)
+    jct = JCT(queue_s=0.0, assembly_s=assembly_s, training_s=training_s, cleanup_s=cleanup_s, preemption_loss_s=preemption_s,
               label=f"measured {spec.plan.schedule} P={spec.P} m={spec.m}")
     ranks_df = pd.DataFrame([{
         "rank": p["rank"], "pid": p["pid"], "host": p["host"], "device": p["device"], "stages": tuple(p["stages"]),
         "threads": p["threads"], "ready_ms": (p["ready_ns"] - t0) / 1e6,
     } for p in ranks])
     df = _timeline_frame(ranks, t0) if spec.instrument else None
+    if df is not None:
+        df = df[df["step"] < first_step + n].reset_index(drop=True)
+    status = next((p["status"] for p in ranks if p.get("status", "completed") != "completed"), "completed")
+    standing = next((p.get("checkpoint") for p in ranks if p.get("checkpoint")), None)
+    if standing is None and len(checkpoints):
+        standing = str(checkpoints["path"].iloc[-1])
+    if standing is None and restored:
+        standing = restored[0]["path"]
     meta = {"run": "measured", "launched_by": launched_by, "state_keys": tuple(spec.state_keys), "bounds": spec.plan.bounds,
             "stage_to_rank": spec.plan.stage_to_rank, "clock": "wall clock (time.time_ns) via a per-rank perf_counter offset",
-            "step_start_ms": tuple((s - t0) / 1e6 for s in starts), "assembly_phases": phases, **spec.meta}
+            "step_start_ms": tuple((x - t0) / 1e6 for x in starts), "assembly_phases": phases,
+            "nonfinite": last.get("nonfinite"),
+            "resumed_from": restored[0]["path"] if restored else None, "rng_restored": bool(restored and restored[0]["rng_restored"]),
+            "restore_bytes": max((r["bytes"] for r in restored), default=0), "redone_s": terms["redone_s"],
+            "checkpoint_interval_steps": next((p.get("interval_steps") for p in ranks if p.get("interval_steps")), None),
+            "job": spec.job, **spec.meta}
     timeline = None
     if df is not None:
         timeline = Timeline(df, source="measured", meta={"schedule": spec.plan.schedule, "P": spec.P, "v": spec.plan.v, "m": spec.m,
                                                           "stage_to_rank": list(spec.plan.stage_to_rank),
                                                           "step_start_ms": list(meta["step_start_ms"])})
-    return RunResult(timeline=timeline, step_ms=tuple((e - s) / 1e6 for s, e in zip(starts, ends)),
-                     losses=tuple(last["losses"]), jct=jct, schedule=spec.plan.schedule, P=spec.P, v=spec.plan.v, m=spec.m,
-                     steps=steps, backend=spec.backend, device_type=spec.device_type, instrumented=spec.instrument,
-                     ranks=ranks_df, meta=meta, _state=state)
+    return RunResult(timeline=timeline, step_ms=tuple((e - b) / 1e6 for b, e in zip(starts, ends)),
+                     losses=tuple(last["losses"][:n]), jct=jct, schedule=spec.plan.schedule, P=spec.P, v=spec.plan.v, m=spec.m,
+                     steps=spec.steps, backend=spec.backend, device_type=spec.device_type, instrumented=spec.instrument,
+                     ranks=ranks_df, meta=meta, _state=state, status=status, first_step=first_step, checkpoints=checkpoints,
+                     checkpoint=standing, restarts=terms["restarts"], steps_redone=terms["steps_redone"],
+                     recovery_s=terms["recovery_s"], restore_s=restore0_s, skipped_steps=tuple(first.get("skipped_steps", ())))
 
 
 def read_gathered(out_dir) -> dict:

@@ -104,6 +104,26 @@ def make_data_source(data, steps: int, seed: int) -> DataSource:
     return DataSource("batches", [_check_batch(b, f"data batch {i}") for i, b in enumerate(batches)], seed)
 
 
+#: What ``run(..., on_nonfinite=...)`` may do at a NaN/inf loss.
+ON_NONFINITE = ("raise", "skip", "ignore")
+
+
+@dataclass(frozen=True)
+class JobOptions:
+    """How a run lives through a shared cluster: checkpoints, resume, preemption, non-finite losses.
+
+    Checked and resolved by :func:`pipeswift_lab.runner.job.job_options` before launch.
+    """
+
+    checkpoint_dir: str | None = None  # checkpoint root; None: no checkpoints
+    checkpoint_every: int | str | None = None  # N steps, "auto" (Young/Daly from measured save time and mtbf_s) or None
+    keep: int = 2  # newest complete checkpoints kept
+    resume_from: str | None = None  # one step-* directory (resolved from a root before launch)
+    mtbf_s: float | None = None  # mean time between failures of the job, for "auto"
+    on_nonfinite: str = "raise"  # "raise", "skip" or "ignore" (see ON_NONFINITE)
+    preempt_grace_s: float = 30.0  # after SIGTERM, seconds to finish the step and save before being killed
+
+
 @dataclass(frozen=True)
 class RunSpec:
     """One pipeline run, complete: what each worker loads. Build it with :func:`make_spec`."""
@@ -124,6 +144,7 @@ class RunSpec:
     instrument: bool = True  # record every F/B/I/W action; False for the overhead baseline
     seed: int = 0  # torch.manual_seed on every rank before the first step; data callables get seed + step
     timeout_s: float = 300.0  # the whole run, and every collective's timeout in the workers
+    job: JobOptions = JobOptions()  # checkpoints, resume, non-finite losses
     meta: dict = field(default_factory=dict, compare=False)
 
     @property
@@ -270,7 +291,7 @@ def resolve_devices(P: int, backend, devices) -> tuple[str, str, tuple[int, ...]
 
 
 def make_spec(model, data, loss_fn, partition, m, schedule=None, steps=10, optimizer=None, nprocs=None, backend=None,
-              devices=None, timeout_s=300.0, instrument=True, seed=0) -> RunSpec:
+              devices=None, timeout_s=300.0, instrument=True, seed=0, job: JobOptions | None = None) -> RunSpec:
     """Check every argument of :func:`pipeswift_lab.run` and build the :class:`RunSpec` (no process is started).
 
     Raises ``TypeError``/``ValueError`` for anything that would fail in the workers and can be
@@ -313,8 +334,8 @@ def make_spec(model, data, loss_fn, partition, m, schedule=None, steps=10, optim
     boundaries = boundary_specs(model, plan, inputs_mb, targets_mb, loss_fn)
     threads = max(1, available_cores() // plan.P) if device_type == "cpu" else None
     meta = {"torch_version": torch.__version__, "batch_size": int(batch_size), "microbatch_size": int(batch_size // m),
-            "n_layers": len(model), "cores": available_cores()}
+            "n_layers": len(model), "cores": available_cores(), "layer_names": [name for name, _ in model.named_children()]}
     return RunSpec(model=model, loss_fn=loss_fn, data=source, optimizer=optimizer, plan=plan, m=m, steps=steps,
                    backend=backend, device_type=device_type, devices=indices, threads_per_rank=threads,
                    boundaries=boundaries, state_keys=tuple(model.state_dict().keys()), instrument=instrument,
-                   seed=seed, timeout_s=timeout_s, meta=meta)
+                   seed=seed, timeout_s=timeout_s, job=job if job is not None else JobOptions(), meta=meta)

@@ -24,10 +24,11 @@ from pathlib import Path
 
 import torch
 
-from .instrument import ActionRecorder
+from .train_loop import PROGRESS_FILE, train  # noqa: F401 - PROGRESS_FILE re-exported
 
 RESULT_FILE = "result.pt"
-PROGRESS_FILE = "progress"
+#: Seconds between two checks that the caller is still alive.
+WATCHDOG_PERIOD_S = 0.5
 
 
 def process_start_ns() -> int | None:
@@ -52,15 +53,21 @@ def _env_int(name: str) -> int:
     return int(os.environ[name])
 
 
-def main(spec_path, out_dir, progress: bool = False) -> None:
+def main(spec_path, out_dir, progress: bool = False, caller_pid: int | None = None) -> None:
     """Run this process's rank of the spec at ``spec_path``; write its files into ``out_dir``.
+
+    ``caller_pid`` is the process that called ``run()``: the worker exits when it dies.
 
     Writes ``rank{r}.error`` with the traceback before re-raising anything the rank raises.
     """
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     rank = _env_int("RANK")
+    for stale in ("error", "done", "sigterm"):  # left by an earlier attempt of this run (elastic restarts)
+        (out_dir / f"rank{rank}.{stale}").unlink(missing_ok=True)
     (out_dir / f"rank{rank}.pid").write_text(str(os.getpid()))
+    if caller_pid is not None:
+        start_caller_watchdog(int(caller_pid))
     stacks = open(out_dir / f"rank{rank}.stacks", "w")  # noqa: SIM115 - kept open for faulthandler
     faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
     try:
@@ -73,11 +80,40 @@ def main(spec_path, out_dir, progress: bool = False) -> None:
         raise
 
 
-def entry(spec_path, out_dir, progress: bool = False) -> None:
+def _caller_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # pragma: no cover - the pid was reused by another user's process
+        return False
+    return True
+
+
+def start_caller_watchdog(caller_pid: int) -> None:
+    """Exit this worker when the process that called ``run()`` dies (a notebook kernel restarted or killed).
+
+    Without it, workers forked from the fork server outlive their caller: they finish training
+    and then block forever in the gather, holding CPUs or GPUs. A daemon thread checks the
+    caller's pid (handed over by ``run()``; not used under torchrun, whose agent watches its
+    own workers) every ``WATCHDOG_PERIOD_S`` and SIGKILLs this process when it is gone.
+    """
+    import threading
+
+    def watch():
+        while True:
+            time.sleep(WATCHDOG_PERIOD_S)
+            if not _caller_alive(caller_pid):
+                os.kill(os.getpid(), signal.SIGKILL)
+
+    threading.Thread(target=watch, name="pipeswift-caller-watchdog", daemon=True).start()
+
+
+def entry(spec_path, out_dir, progress: bool = False, caller_pid: int | None = None) -> None:
     """:func:`main` under torch elastic's ``@record`` (error file for the agent); the callable ``run()`` launches."""
     from torch.distributed.elastic.multiprocessing.errors import record
 
-    record(main)(spec_path, out_dir, progress)
+    record(main)(spec_path, out_dir, progress, caller_pid)
 
 
 def _device(spec, local_rank: int) -> torch.device:
@@ -137,55 +173,13 @@ def run_rank(spec, out_dir: Path, progress: bool = False) -> None:
         dist.init_process_group("gloo", timeout=timeout)
         gather_group = None
     try:
-        _train(spec, rank, world, device, out_dir, progress, gather_group, proc_start, entered)
+        gathered = train(spec, rank, world, device, out_dir, progress, gather_group, proc_start, entered, _build_stages, _schedule)
+        if rank == 0:
+            result = {"format": "pipeswift_lab.run", "ranks": gathered, "gathered_ns": time.time_ns()}
+            tmp = out_dir / (RESULT_FILE + ".tmp")
+            torch.save(result, tmp)
+            os.replace(tmp, out_dir / RESULT_FILE)
     finally:
         dist.destroy_process_group()
 
 
-def _train(spec, rank, world, device, out_dir, progress, gather_group, proc_start, entered):
-    import torch.distributed as dist
-
-    plan = spec.plan
-    stages = _build_stages(spec, rank, device)
-    params = [p for stage in stages for p in stage.submod.parameters()]
-    optimizer = spec.optimizer(params)
-    schedule = _schedule(spec, stages)
-    recorder = ActionRecorder(stages, schedule, device, enabled=spec.instrument)
-    holds_first, holds_last = rank == plan.first_rank, rank == plan.last_rank
-    torch.manual_seed(spec.seed)
-    progress_path = out_dir / PROGRESS_FILE if progress and holds_last else None
-    ready = recorder.now_ns()
-    dist.barrier()
-
-    step_start, step_end, losses = [], [], []
-    for step in range(spec.steps):
-        if holds_first or holds_last:
-            inputs, targets = spec.data.batch(step)
-        args = (inputs.to(device),) if holds_first else ()
-        kwargs = {"target": targets.to(device), "losses": []} if holds_last else {}
-        step_start.append(recorder.start_step(step))
-        schedule.step(*args, return_outputs=False, **kwargs)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        step_end.append(recorder.end_step())
-        if holds_last:
-            losses.append(float(torch.stack([loss.detach() for loss in kwargs["losses"]]).float().mean()))
-        if progress_path is not None:
-            progress_path.write_text(str(step + 1))
-
-    state = {}
-    for stage in stages:
-        state.update({k: t.detach().to("cpu", copy=True) for k, t in stage.submod.state_dict().items()})
-    payload = {
-        "rank": rank, "pid": os.getpid(), "host": os.uname().nodename, "device": str(device), "stages": plan.stages_of(rank),
-        "records": recorder.rows(), "step_start_ns": step_start, "step_end_ns": step_end, "losses": losses,
-        "state": state, "process_start_ns": proc_start, "entered_ns": entered, "ready_ns": ready,
-        "threads": torch.get_num_threads(),
-    }
-    gathered = [None] * world if rank == 0 else None
-    dist.gather_object(payload, gathered, dst=0, group=gather_group)
-    if rank == 0:
-        result = {"format": "pipeswift_lab.run", "ranks": gathered, "gathered_ns": time.time_ns()}
-        tmp = out_dir / (RESULT_FILE + ".tmp")
-        torch.save(result, tmp)
-        os.replace(tmp, out_dir / RESULT_FILE)

@@ -1,0 +1,394 @@
+"""Checkpoints of a pipeline run on ``torch.distributed.checkpoint`` (DCP), committed atomically.
+
+Layout under a checkpoint root (``run(..., checkpoint_dir=ROOT)``)::
+
+    ROOT/step-00000012/          one directory per checkpoint, named by the steps done
+        __0_0.distcp, __1_0.distcp   DCP's file per rank (that rank's parameters, optimizer state, RNG)
+        .metadata                    DCP's index of every tensor: name, shape, dtype, file, offset
+        manifest.json                written last: the run's shape (P, v, m, schedule, stage bounds,
+                                     layer names, ...) and a SHA-256 per file
+
+State is keyed by the *full model's* names (``get_state_dict`` with
+``flatten_optimizer_state_dict=True``, as torchtitan does for pipeline stages), so a
+checkpoint written by P ranks loads into any other partition: each rank asks DCP for the keys
+of its own layers.
+
+DCP does not commit atomically, so every save goes into a hidden sibling ``ROOT/.tmp-step-...``;
+DCP fsyncs its files, the manifest with every file's checksum is written and fsynced last,
+and only then is the directory renamed to ``step-...`` (and the root fsynced). A save killed
+part-way leaves a ``.tmp-`` directory that is never loaded and is removed by the next save. On
+load, a checkpoint whose files do not match their checksums is skipped with a warning naming
+the file, and the previous complete one is used.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import time
+import uuid
+import warnings
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pandas as pd
+
+from .._display import html_card, text_card
+
+MANIFEST = "manifest.json"
+FORMAT = "pipeswift_lab.checkpoint"
+VERSION = 1
+_STEP_DIR = re.compile(r"^step-(\d{8})$")
+_TMP_PREFIX = ".tmp-step-"
+#: Prefixes of the three parts of the saved state dict (DCP flattens nested dicts into ``part.key``).
+MODEL, OPTIM, RNG = "model", "optim", "rng"
+
+
+def step_dir_name(step: int) -> str:
+    """``step-00000012``: the directory name of the checkpoint taken after ``step`` steps."""
+    return f"step-{int(step):08d}"
+
+
+def sha256_of(path: Path, chunk: int = 1 << 22) -> str:
+    """The hex SHA-256 of a file's bytes."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:  # pragma: no cover - platforms without directory fds
+        return
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be used: missing, unreadable, incomplete, corrupt or of another model."""
+
+
+@dataclass(frozen=True, repr=False)
+class Checkpoint:
+    """One complete checkpoint directory: its manifest, its files and the state they hold.
+
+    * ``path`` — the ``step-*`` directory; ``step`` — the training steps done when it was taken;
+    * ``manifest`` — the parsed ``manifest.json`` (run shape, optimizer class, files and checksums);
+    * :meth:`state_dict` — the full model's parameters and buffers (keys and order of
+      ``model.state_dict()``), read without any process group;
+    * :meth:`load_into` — copy that state into a model (strict);
+    * ``df`` — one row per file: ``name``, ``bytes``, ``sha_ok``.
+    """
+
+    path: Path
+    manifest: dict = field(compare=False)
+
+    @property
+    def step(self) -> int:
+        """Training steps done when the checkpoint was taken."""
+        return int(self.manifest["step"])
+
+    @property
+    def df(self) -> pd.DataFrame:
+        """One row per file the manifest lists: ``name``, ``bytes``, ``sha_ok`` (the SHA-256 recomputed now)."""
+        rows = []
+        for name, info in sorted(self.manifest["files"].items()):
+            path = self.path / name
+            ok = path.is_file() and path.stat().st_size == info["bytes"] and sha256_of(path) == info["sha256"]
+            rows.append({"name": name, "bytes": int(info["bytes"]), "sha_ok": bool(ok)})
+        return pd.DataFrame(rows, columns=["name", "bytes", "sha_ok"])
+
+    @property
+    def bytes(self) -> int:
+        """Total bytes of the checkpoint's files."""
+        return int(sum(info["bytes"] for info in self.manifest["files"].values()))
+
+    def tensor_shapes(self) -> dict[str, tuple[int, ...]]:
+        """``{model key: shape}`` of every model tensor in the checkpoint, from DCP's metadata."""
+        from torch.distributed.checkpoint import FileSystemReader, TensorStorageMetadata
+
+        metadata = FileSystemReader(str(self.path)).read_metadata()
+        prefix = MODEL + "."
+        return {k[len(prefix):]: tuple(m.size) for k, m in metadata.state_dict_metadata.items()
+                if k.startswith(prefix) and isinstance(m, TensorStorageMetadata)}
+
+    def state_dict(self) -> "OrderedDict[str, object]":
+        """The full model's state (CPU tensors), keyed and ordered like the saved model's ``state_dict()``."""
+        import torch
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint import FileSystemReader, TensorStorageMetadata
+
+        metadata = FileSystemReader(str(self.path)).read_metadata()
+        prefix = MODEL + "."
+        model = {}
+        for key, meta in metadata.state_dict_metadata.items():
+            if key.startswith(prefix) and isinstance(meta, TensorStorageMetadata):
+                model[key[len(prefix):]] = torch.empty(tuple(meta.size), dtype=meta.properties.dtype)
+        with warnings.catch_warnings():  # DCP notes that it loads in one process: that is the intent here
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.load({MODEL: model}, checkpoint_id=str(self.path), no_dist=True)
+        order = self.manifest.get("state_keys") or list(model)
+        return OrderedDict((k, model[k]) for k in order if k in model)
+
+    def load_into(self, model):
+        """Copy the checkpoint's model state into ``model`` (strict) and return it.
+
+        Raises :class:`CheckpointError` listing the names and shapes that differ when ``model``
+        is not the model the checkpoint was taken of.
+        """
+        check_same_model(self, model)
+        model.load_state_dict(self.state_dict())
+        return model
+
+    def _summary(self) -> dict:
+        m = self.manifest
+        return {"step": self.step, "of_steps": m.get("steps"), "P": m.get("P"), "v": m.get("v"), "m": m.get("m"),
+                "schedule": m.get("schedule"), "optimizer": m.get("optimizer"), "files": len(m["files"]), "bytes": self.bytes,
+                "kind": m.get("kind"), "path": str(self.path)}
+
+    def _repr_html_(self) -> str:
+        return html_card(f"Checkpoint at step {self.step}", self._summary(), self.df)
+
+    def __str__(self) -> str:
+        return text_card(f"Checkpoint step {self.step}", self._summary())
+
+    __repr__ = __str__
+
+
+def _read_manifest(path: Path) -> dict:
+    manifest_path = path / MANIFEST
+    if not manifest_path.is_file():
+        raise CheckpointError(f"{str(path)!r} has no {MANIFEST}: it is not a complete pipeswift_lab checkpoint")
+    try:
+        manifest = json.loads(manifest_path.read_text())
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"the manifest {str(manifest_path)!r} cannot be read: {exc}") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        raise CheckpointError(f"{str(manifest_path)!r} is not a pipeswift_lab checkpoint manifest")
+    if manifest.get("version") != VERSION:
+        raise CheckpointError(f"{str(manifest_path)!r} is a checkpoint of format version {manifest.get('version')}; "
+                              f"this pipeswift_lab reads version {VERSION}")
+    for key in ("step", "files"):
+        if key not in manifest:
+            raise CheckpointError(f"the manifest {str(manifest_path)!r} lacks {key!r}")
+    return manifest
+
+
+def verify(path) -> Checkpoint:
+    """Read ``path``'s manifest and check every file against its size and SHA-256.
+
+    Returns the :class:`Checkpoint`; raises :class:`CheckpointError` naming the first file
+    that is missing or does not match.
+    """
+    path = Path(path)
+    manifest = _read_manifest(path)
+    for name, info in sorted(manifest["files"].items()):
+        file = path / name
+        if not file.is_file():
+            raise CheckpointError(f"checkpoint {str(path)!r}: file {name} listed in the manifest is missing")
+        if file.stat().st_size != info["bytes"] or sha256_of(file) != info["sha256"]:
+            raise CheckpointError(f"checkpoint {str(path)!r}: file {name} does not match its SHA-256 in the manifest (corrupt or changed)")
+    return Checkpoint(path, manifest)
+
+
+def _step_dirs(root: Path) -> list[Path]:
+    """``step-*`` directories under ``root``, newest (most steps) first."""
+    if not root.is_dir():
+        return []
+    found = [(int(mt.group(1)), p) for p in root.iterdir() if p.is_dir() and (mt := _STEP_DIR.match(p.name))]
+    return [p for _, p in sorted(found, reverse=True)]
+
+
+def latest_checkpoint(root) -> Checkpoint | None:
+    """The newest complete, intact checkpoint under ``root`` (a checkpoint root), or ``None``.
+
+    Directories without a manifest (never committed) are passed over; one whose files do not
+    match their checksums is skipped with a ``UserWarning`` naming the file, and the previous
+    complete one is returned.
+    """
+    root = Path(root)
+    if root.exists() and not root.is_dir():
+        raise CheckpointError(f"checkpoint root {str(root)!r} is not a directory")
+    for path in _step_dirs(root):
+        if not (path / MANIFEST).is_file():
+            continue
+        try:
+            return verify(path)
+        except CheckpointError as exc:
+            warnings.warn(f"skipping {exc}; using the previous complete checkpoint", UserWarning, stacklevel=2)
+    return None
+
+
+def load_checkpoint(path) -> Checkpoint:
+    """The checkpoint at ``path``: a ``step-*`` directory, or a checkpoint root (its newest complete checkpoint).
+
+    Raises :class:`CheckpointError` (a ``ValueError``) when ``path`` does not exist, holds no
+    complete checkpoint, or its manifest is missing, unreadable or does not match the files.
+    """
+    if not isinstance(path, (str, os.PathLike)):
+        raise TypeError(f"path must be a str or os.PathLike; got {type(path).__name__}")
+    path = Path(path)
+    if not path.exists():
+        raise CheckpointError(f"checkpoint path {str(path)!r} does not exist")
+    if not path.is_dir():
+        raise CheckpointError(f"checkpoint path {str(path)!r} is not a directory")
+    if _STEP_DIR.match(path.name) or (path / MANIFEST).exists():
+        return verify(path)
+    found = latest_checkpoint(path)
+    if found is None:
+        names = sorted(p.name for p in path.iterdir())[:5]
+        raise CheckpointError(f"{str(path)!r} holds no complete checkpoint (no step-*/{MANIFEST}); it contains {names or 'nothing'}")
+    return found
+
+
+def check_same_model(checkpoint: Checkpoint, model) -> None:
+    """Raise :class:`CheckpointError` listing the state names and shapes in which ``model`` and ``checkpoint`` differ."""
+    saved = checkpoint.tensor_shapes()
+    own = {k: tuple(t.shape) for k, t in model.state_dict().items() if hasattr(t, "shape")}
+    missing = sorted(set(own) - set(saved))
+    extra = sorted(set(saved) - set(own))
+    shapes = sorted(k for k in set(own) & set(saved) if own[k] != saved[k])
+    if not (missing or extra or shapes):
+        return
+    parts = []
+    if missing:
+        parts.append(f"not in the checkpoint: {missing[:8]}{' ...' if len(missing) > 8 else ''}")
+    if extra:
+        parts.append(f"only in the checkpoint: {extra[:8]}{' ...' if len(extra) > 8 else ''}")
+    if shapes:
+        parts.append("shapes differ: " + ", ".join(f"{k} {list(saved[k])} in the checkpoint vs {list(own[k])} in the model" for k in shapes[:8]))
+    raise CheckpointError(f"checkpoint {str(checkpoint.path)!r} is of another model; " + "; ".join(parts))
+
+
+# --- the worker side: every rank saves and loads its own layers -------------------------------------------------
+
+
+def _state_options():
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    return StateDictOptions(flatten_optimizer_state_dict=True)
+
+
+def rng_states(device) -> dict:
+    """This rank's RNG states as tensors: the CPU generator, and the CUDA one on a GPU rank."""
+    import torch
+
+    states = {"cpu": torch.get_rng_state()}
+    if getattr(device, "type", "cpu") == "cuda":  # pragma: no cover - needs GPUs
+        states["cuda"] = torch.cuda.get_rng_state(device)
+    return states
+
+
+def save_rank_state(tmp_dir: Path, rank: int, module, optimizer, device, group) -> dict:
+    """Write this rank's layers, optimizer state and RNG states into ``tmp_dir`` with DCP (a collective).
+
+    Returns ``{"files": {name: {"bytes", "sha256"}}, "save_ms"}`` for this rank's own files,
+    hashed right after DCP wrote (and fsynced) them.
+    """
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    t0 = time.perf_counter()
+    model_sd, optim_sd = get_state_dict(module, optimizer, options=_state_options())
+    state = {MODEL: model_sd, OPTIM: optim_sd, RNG: {f"rank{rank}": rng_states(device)}}
+    dcp.save(state, storage_writer=dcp.FileSystemWriter(str(tmp_dir), sync_files=True), process_group=group)
+    save_ms = (time.perf_counter() - t0) * 1e3
+    files = {}
+    for path in sorted(tmp_dir.glob(f"__{rank}_*.distcp")):
+        files[path.name] = {"bytes": path.stat().st_size, "sha256": sha256_of(path)}
+    return {"files": files, "save_ms": save_ms}
+
+
+def restore_rank_state(path: Path, rank: int, module, optimizer, device, group, restore_rng: bool) -> dict:
+    """Load this rank's layers and optimizer state (by name) from the checkpoint at ``path`` (a collective).
+
+    With ``restore_rng`` (same partition as the saver) the rank's RNG states are restored too.
+    Returns ``{"restore_ms", "bytes"}``: the wall time and the bytes of state this rank loaded.
+    """
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    t0 = time.perf_counter()
+    model_sd, optim_sd = get_state_dict(module, optimizer, options=_state_options())
+    state = {MODEL: model_sd, OPTIM: optim_sd}
+    if restore_rng:
+        state[RNG] = {f"rank{rank}": {k: torch.empty_like(v) for k, v in rng_states(device).items()}}
+    dcp.load(state, storage_reader=dcp.FileSystemReader(str(path)), process_group=group)
+    set_state_dict(module, optimizer, model_state_dict=state[MODEL], optim_state_dict=state[OPTIM], options=_state_options())
+    if restore_rng:
+        saved = state[RNG][f"rank{rank}"]
+        torch.set_rng_state(saved["cpu"])
+        if "cuda" in saved:  # pragma: no cover - needs GPUs
+            torch.cuda.set_rng_state(saved["cuda"], device)
+
+    def nbytes(obj):
+        if isinstance(obj, torch.Tensor):
+            return obj.numel() * obj.element_size()
+        if isinstance(obj, dict):
+            return sum(nbytes(v) for v in obj.values())
+        return 0
+
+    return {"restore_ms": (time.perf_counter() - t0) * 1e3, "bytes": nbytes(state)}
+
+
+def new_tmp_dir(root: Path, step: int) -> Path:
+    """A fresh hidden sibling ``ROOT/.tmp-step-00000012-<id>`` to save into (not created)."""
+    return Path(root) / f"{_TMP_PREFIX}{int(step):08d}-{uuid.uuid4().hex[:8]}"
+
+
+def commit(tmp_dir: Path, manifest: dict, rank_files: list[dict], keep: int) -> Path:
+    """Make the save in ``tmp_dir`` a checkpoint: manifest last, fsync, rename, retention.
+
+    ``rank_files`` are every rank's :func:`save_rank_state` results. Writes ``manifest.json``
+    with each file's size and SHA-256 (DCP's ``.metadata`` hashed here), fsyncs it and the
+    directory, renames ``tmp_dir`` to ``step-NNNNNNNN`` (replacing an older save of the same
+    step), fsyncs the root, then removes all but the ``keep`` newest checkpoints and any
+    ``.tmp-`` directory a killed save left behind. Returns the checkpoint's path.
+    """
+    tmp_dir, root = Path(tmp_dir), Path(tmp_dir).parent
+    files = {}
+    for part in rank_files:
+        files.update(part["files"])
+    meta = tmp_dir / ".metadata"
+    files[meta.name] = {"bytes": meta.stat().st_size, "sha256": sha256_of(meta)}
+    on_disk = {p.name for p in tmp_dir.iterdir() if p.is_file()}
+    unlisted = sorted(on_disk - set(files))
+    if unlisted:
+        raise RuntimeError(f"checkpoint save left files no rank reported: {unlisted}")
+    manifest = {**manifest, "format": FORMAT, "version": VERSION, "files": files, "created_unix": time.time()}
+    manifest_tmp = tmp_dir / (MANIFEST + ".tmp")
+    with open(manifest_tmp, "w") as f:
+        json.dump(manifest, f, indent=1, sort_keys=True)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(manifest_tmp, tmp_dir / MANIFEST)
+    _fsync_dir(tmp_dir)
+    final = root / step_dir_name(manifest["step"])
+    if final.exists():
+        aside = root / f"{_TMP_PREFIX}replaced-{final.name}-{uuid.uuid4().hex[:8]}"
+        os.replace(final, aside)
+        os.replace(tmp_dir, final)
+        shutil.rmtree(aside, ignore_errors=True)
+    else:
+        os.replace(tmp_dir, final)
+    _fsync_dir(root)
+    _retain(root, keep, current=final)
+    return final
+
+
+def _retain(root: Path, keep: int, current: Path) -> None:
+    complete = [p for p in _step_dirs(root) if (p / MANIFEST).is_file()]
+    for old in complete[keep:]:
+        if old != current:
+            shutil.rmtree(old, ignore_errors=True)
+    for stale in root.glob(_TMP_PREFIX + "*"):
+        shutil.rmtree(stale, ignore_errors=True)

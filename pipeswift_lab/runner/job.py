@@ -1,0 +1,247 @@
+"""``run()``: a training job on real pipeline workers, from a notebook cell, surviving what a cluster does to it.
+
+The job loop above :func:`~pipeswift_lab.runner.launch.launch`: it checks every argument
+(checkpoint options and the checkpoint to resume from included) before any process starts,
+launches the workers (torch's elastic agent restarts them after a crash when
+``max_restarts >= 1``; they resume from the newest complete checkpoint), turns SIGTERM to the
+calling process into a clean stop-and-save, and reads back from the run directory what every
+attempt did (steps, checkpoints, restores) to measure the JCT terms a cluster adds: cleanup
+(the final save and teardown) and preemption loss (periodic save stalls, steps redone,
+recovery and restore time).
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import tempfile
+import threading
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+from .._checks import check_int, check_time
+from . import checkpoint as ckpt
+from .errors import RunError
+from .launch import Preemption, launch
+from .result import RunResult, build_result
+from .spec import ON_NONFINITE, JobOptions, make_spec
+from .train_loop import CHECKPOINTS_LOG, STEPS_LOG
+
+_RUN_DIR_PREFIX = "pipeswift_run_"
+_OWNER_FILE = "owner.pid"
+
+
+def job_options(model, steps, checkpoint_dir=None, checkpoint_every=None, keep=2, resume_from=None, max_restarts=0,
+                mtbf_s=None, preempt_grace_s=30, on_nonfinite="raise"):
+    """Check the job arguments of :func:`run`; return ``(JobOptions, resume Checkpoint or None, max_restarts)``.
+
+    Everything that can be known before launch raises ``TypeError``/``ValueError`` (a
+    :class:`~pipeswift_lab.runner.checkpoint.CheckpointError` for a checkpoint that cannot be
+    used) here, and nothing in ``checkpoint_dir`` is written or removed by a failed call.
+    """
+    if checkpoint_dir is not None:
+        if not isinstance(checkpoint_dir, (str, os.PathLike)):
+            raise TypeError(f"checkpoint_dir must be a path (str or os.PathLike) or None; got {type(checkpoint_dir).__name__}")
+        if Path(checkpoint_dir).exists() and not Path(checkpoint_dir).is_dir():
+            raise ValueError(f"checkpoint_dir={str(checkpoint_dir)!r} exists and is not a directory")
+        checkpoint_dir = str(Path(checkpoint_dir).resolve())
+    if checkpoint_every is not None:
+        if checkpoint_every == "auto":
+            if mtbf_s is None:
+                raise ValueError("checkpoint_every='auto' takes the Young/Daly interval sqrt(2*save_s*mtbf_s) and needs mtbf_s "
+                                 "(the job's mean time between failures, in seconds)")
+        elif isinstance(checkpoint_every, str):
+            raise ValueError(f"checkpoint_every={checkpoint_every!r} is not valid; use an int (every N steps), 'auto' or None")
+        else:
+            checkpoint_every = check_int("checkpoint_every", checkpoint_every, minimum=1)
+        if checkpoint_dir is None:
+            raise ValueError(f"checkpoint_every={checkpoint_every!r} needs checkpoint_dir: where should the checkpoints go?")
+    keep = check_int("keep", keep, minimum=1)
+    max_restarts = check_int("max_restarts", max_restarts, minimum=0)
+    if max_restarts and checkpoint_dir is None:
+        raise ValueError(f"max_restarts={max_restarts} restarts the workers from the newest checkpoint and needs checkpoint_dir")
+    if mtbf_s is not None:
+        mtbf_s = check_time("mtbf_s", mtbf_s, allow_zero=False)
+    preempt_grace_s = check_time("preempt_grace_s", preempt_grace_s, allow_zero=False)
+    if preempt_grace_s > 1e6:
+        raise ValueError(f"preempt_grace_s={preempt_grace_s:g} is invalid; it must be at most 1e6 seconds")
+    if on_nonfinite not in ON_NONFINITE:
+        raise ValueError(f"on_nonfinite={on_nonfinite!r} is not valid; use one of {list(ON_NONFINITE)}")
+    resume = None
+    if resume_from is not None:
+        resume = ckpt.load_checkpoint(resume_from)
+        ckpt.check_same_model(resume, model)
+        if steps <= resume.step:
+            raise ValueError(f"steps={steps} is the job's total, but the checkpoint {str(resume.path)!r} is already at step "
+                             f"{resume.step}: give steps > {resume.step} to train on")
+    options = JobOptions(checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every, keep=keep,
+                         resume_from=str(resume.path) if resume else None, mtbf_s=mtbf_s, on_nonfinite=on_nonfinite,
+                         preempt_grace_s=preempt_grace_s)
+    return options, resume, max_restarts
+
+
+def _check_optimizer(spec, resume) -> None:
+    saved = resume.manifest.get("optimizer")
+    probe = spec.optimizer([p for p in spec.model.parameters()])
+    own = type(probe).__module__ + "." + type(probe).__qualname__
+    if saved and saved != own:
+        raise ValueError(f"the checkpoint {str(resume.path)!r} holds the state of a {saved} optimizer, but optimizer makes a {own}; "
+                         "resume with the same optimizer class")
+
+
+def clean_stale_run_dirs() -> list[str]:
+    """Remove the temporary run directories of callers that died (their ``owner.pid`` is gone); return them."""
+    removed = []
+    for path in Path(tempfile.gettempdir()).glob(_RUN_DIR_PREFIX + "*"):
+        try:
+            owner = int((path / _OWNER_FILE).read_text())
+        except (OSError, ValueError):
+            continue
+        if owner != os.getpid() and not _alive(owner):
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(str(path))
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+@contextmanager
+def _sigterm_to(preemption: Preemption):
+    """While the run lasts, SIGTERM to this process is a preemption notice, not death (main thread only)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: preemption.request())
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def read_history(run_dir: Path) -> dict:
+    """What every attempt left in ``run_dir``: ``steps`` (attempt, step, start_ns, end_ns), ``checkpoints``, ``attempts``."""
+    steps = []
+    if (run_dir / STEPS_LOG).exists():
+        for line in (run_dir / STEPS_LOG).read_text().splitlines():
+            parts = line.split()
+            if len(parts) == 4:
+                steps.append(tuple(int(x) for x in parts))
+    checkpoints = []
+    if (run_dir / CHECKPOINTS_LOG).exists():
+        checkpoints = [json.loads(line) for line in (run_dir / CHECKPOINTS_LOG).read_text().splitlines() if line.strip()]
+    attempts = {}
+    for path in run_dir.glob("attempt*.json"):
+        info = json.loads(path.read_text())
+        attempts[int(info["attempt"])] = info
+    return {"steps": steps, "checkpoints": checkpoints, "attempts": attempts}
+
+
+def run(model, data, loss_fn, partition, m, schedule=None, steps=10, optimizer=None, nprocs=None, backend=None, devices=None,
+        timeout_s=300, progress=True, save_spec=None, instrument=True, seed=0, start_method="forkserver", checkpoint_dir=None,
+        checkpoint_every=None, keep=2, resume_from=None, max_restarts=0, mtbf_s=None, preempt_grace_s=30,
+        on_nonfinite="raise") -> RunResult:
+    """Train ``model`` for ``steps`` steps as a real pipeline on ``torch.distributed.pipelining`` and measure it.
+
+    * ``model`` — an ``nn.Sequential``; stage ``s`` is its children ``partition.bounds[s]``.
+    * ``data`` — an ``(inputs, targets)`` batch used every step, a ``callable(step) -> (inputs,
+      targets)`` (called with torch's RNG seeded to ``seed + step``, so ranks agree), or an
+      iterable of batches (the first ``steps`` are taken). Only the rank holding the first
+      stage reads inputs and only the one holding the last stage reads targets.
+    * ``loss_fn(outputs, targets)`` — a mean over the micro-batch; torch scales gradients by
+      ``1/m`` (``scale_grads=True``), so a step equals single-process training on the mean of
+      the ``m`` micro-batch losses.
+    * ``partition`` — a ``Partition`` (``bounds``, ``P``, ``v``, ``schedule``, ``stage_to_rank``).
+    * ``m`` — micro-batches per step; it must divide the batch size.
+    * ``schedule`` — a name from ``SCHEDULES``; ``None`` takes the partition's, or when it has
+      none ``"1F1B"`` (``v == 1``) / ``"Interleaved1F1B"`` (``v > 1``).
+    * ``steps`` — the job's total; a resumed job continues from the checkpoint's step to ``steps``.
+    * ``optimizer`` — a factory ``lambda params: torch.optim.X(params, ...)`` called on every rank
+      with its stages' parameters; ``None`` is SGD with ``lr=0.01`` (``spec.DEFAULT_LR``).
+    * ``nprocs`` — worker processes; one per rank, so ``None`` or ``partition.P``.
+    * ``backend``/``devices`` — ``None``: NCCL and one GPU per rank when there are GPUs, gloo and
+      one CPU process per rank (``torch.set_num_threads`` = cores // P) otherwise; see
+      :func:`~pipeswift_lab.runner.spec.resolve_devices`.
+    * ``timeout_s`` — the call raises :class:`RunError` within this many seconds if a rank
+      raises, dies or hangs, naming the rank and its traceback; no worker is left running.
+    * ``save_spec`` — also write the run's spec there, for
+      ``torchrun --nproc-per-node P -m pipeswift_lab.runner SPEC``.
+    * ``instrument`` — record every compute action (False: step times only, the overhead baseline).
+    * ``seed`` — ``torch.manual_seed`` on every rank before the first step.
+    * ``start_method`` — ``"forkserver"`` (warm workers) or ``"subprocess"`` (cold interpreters,
+      as under torchrun); see :mod:`~pipeswift_lab.runner.launch`.
+
+    Surviving a shared cluster (see :mod:`~pipeswift_lab.runner.checkpoint` for the files):
+
+    * ``checkpoint_dir`` — a checkpoint root; with it the job saves a final checkpoint (its
+      cleanup) and a preemption saves too. ``checkpoint_every`` — an int (every N steps),
+      ``"auto"`` (Young/Daly's √(2·C·MTBF) from the measured save time C and ``mtbf_s``) or
+      ``None``. ``keep`` — newest complete checkpoints kept.
+    * ``resume_from`` — a checkpoint root (its newest complete checkpoint) or one ``step-*``
+      directory: training continues at its step, on this or another partition and P
+      (parameters and optimizer state are regrouped by name; RNG states are restored when
+      the partition is the same).
+    * ``max_restarts`` — after a worker dies or raises, torch's elastic agent restarts all
+      workers up to this many times; they resume from the newest checkpoint in ``checkpoint_dir``.
+    * SIGTERM to this process or to any worker is a preemption notice: every rank finishes its
+      step, all save at that step, and the result has ``status="preempted"``. After
+      ``preempt_grace_s`` without a clean save the workers are killed, the previous checkpoint
+      stands and :class:`RunError` (``reason="preempted"``) is raised.
+    * ``on_nonfinite`` — at a NaN/inf loss: ``"raise"`` (stop before the update; ``RunError``
+      with ``reason="nonfinite"`` naming the step and rank; the last good checkpoint stands),
+      ``"skip"`` (drop that step's update and count it in ``skipped_steps``) or ``"ignore"``.
+
+    Objects defined in a notebook cell or a test are serialized by value (cloudpickle). Workers
+    exit when this process dies. Returns a :class:`RunResult`. Raises ``TypeError``/``ValueError``
+    before any process starts for what can be checked in advance.
+    """
+    from .launch import START_METHODS
+
+    launch_ns = time.time_ns()
+    if start_method not in START_METHODS:
+        raise ValueError(f"start_method={start_method!r} is not valid; use one of {list(START_METHODS)}")
+    if not isinstance(progress, bool):
+        raise TypeError(f"progress must be True or False; got {progress!r}")
+    steps_checked = check_int("steps", steps, minimum=1)
+    job, resume, max_restarts = job_options(model, steps_checked, checkpoint_dir, checkpoint_every, keep, resume_from,
+                                            max_restarts, mtbf_s, preempt_grace_s, on_nonfinite)
+    spec = make_spec(model, data, loss_fn, partition, m, schedule=schedule, steps=steps, optimizer=optimizer, nprocs=nprocs,
+                     backend=backend, devices=devices, timeout_s=timeout_s, instrument=instrument, seed=seed, job=job)
+    if resume is not None:
+        _check_optimizer(spec, resume)
+    deadline = time.monotonic() + spec.timeout_s
+    if save_spec is not None:
+        spec.save(save_spec)
+    clean_stale_run_dirs()
+    preemption = Preemption(job.preempt_grace_s)
+    with tempfile.TemporaryDirectory(prefix=_RUN_DIR_PREFIX) as tmp:
+        run_dir = Path(tmp)
+        (run_dir / _OWNER_FILE).write_text(str(os.getpid()))
+        spec_path = spec.save(run_dir / "spec.pkl")
+        desc = f"{spec.plan.schedule} P={spec.P} m={spec.m}"
+        with _sigterm_to(preemption):
+            gathered = launch(spec_path, run_dir, spec.P, deadline, spec.timeout_s, spec.steps, progress, desc, start_method,
+                              max_restarts=max_restarts, preemption=preemption)
+        history = read_history(run_dir)
+        end_ns = time.time_ns()
+    result = build_result(spec, gathered, launch_ns, end_ns, history=history)
+    if result.status == "nonfinite":
+        info = result.meta["nonfinite"]
+        standing = result.checkpoint or "none was saved"
+        err = RunError(f"step {info['step']}: the loss on rank {info['rank']} (the last stage's) is {info['loss']}, not finite; "
+                       f"training stopped before that step's update (on_nonfinite='raise'). Last good checkpoint: {standing}. "
+                       "Use on_nonfinite='skip' to drop such steps, or lower the learning rate.",
+                       reason="nonfinite", rank=info["rank"])
+        err.result = result
+        err.step = info["step"]
+        raise err
+    return result
