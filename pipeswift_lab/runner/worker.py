@@ -152,6 +152,21 @@ def _schedule(spec, stages):
     return schedule
 
 
+def _attempt_store(rank: int, world: int, timeout):
+    """The launcher's c10d store (``env://``, as ``init_process_group`` would open it) under a per-attempt prefix.
+
+    After an elastic restart the workers meet in the same store as the attempt before; without
+    the prefix a new rank can read a dead rank's gloo address and fail to connect.
+    """
+    import torch.distributed as dist
+
+    from .train_loop import attempt_number
+
+    store, _, _ = next(dist.rendezvous("env://", rank, world, timeout=timeout))
+    store.set_timeout(timeout)
+    return dist.PrefixStore(f"pipeswift/attempt{attempt_number()}", store)
+
+
 def run_rank(spec, out_dir: Path, progress: bool = False) -> None:
     """Train ``spec.steps`` steps on this rank, then gather every rank's measurements to rank 0."""
     import numpy  # noqa: F401 - gloo pipelining needs numpy at run time (recv_object_list)
@@ -166,11 +181,12 @@ def run_rank(spec, out_dir: Path, progress: bool = False) -> None:
         torch.set_num_threads(spec.threads_per_rank)
     device = _device(spec, local_rank)
     timeout = datetime.timedelta(seconds=spec.timeout_s)
+    store = _attempt_store(rank, world, timeout)
     if spec.backend == "nccl":  # pragma: no cover - needs GPUs
-        dist.init_process_group("nccl", timeout=timeout, device_id=device)
+        dist.init_process_group("nccl", store=store, rank=rank, world_size=world, timeout=timeout, device_id=device)
         gather_group = dist.new_group(backend="gloo", timeout=timeout)
     else:
-        dist.init_process_group("gloo", timeout=timeout)
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timeout)
         gather_group = None
     try:
         gathered = train(spec, rank, world, device, out_dir, progress, gather_group, proc_start, entered, _build_stages, _schedule)
