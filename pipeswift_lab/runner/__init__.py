@@ -5,14 +5,16 @@
 * :func:`compare` — a predicted (simulated) Timeline against a measured one;
 * :class:`RunSpec`, :func:`load_spec`, :func:`load_result` — the same run under ``torchrun``;
 * :class:`RunError` — why a run failed, naming the rank;
-* :func:`load_checkpoint`, :func:`latest_checkpoint`, :class:`Checkpoint` — the run's DCP checkpoints.
+* :func:`load_checkpoint`, :func:`latest_checkpoint`, :class:`Checkpoint` — the run's DCP checkpoints;
+* :func:`signal_at` — rehearse a preemption or a crash: a real signal to a worker at a chosen step.
 """
 from .checkpoint import Checkpoint, CheckpointError, latest_checkpoint, load_checkpoint
 from .compare import Comparison, compare
 from .errors import RunError
+from .faults import signal_at
 from .job import run
 from .result import RunResult, load_result
 from .spec import DEFAULT_LR, RunSpec, default_optimizer, load_spec, make_spec
 
 __all__ = ["run", "RunResult", "compare", "Comparison", "RunError", "RunSpec", "load_spec", "load_result", "make_spec",
-           "default_optimizer", "DEFAULT_LR", "Checkpoint", "CheckpointError", "load_checkpoint", "latest_checkpoint"]
+           "default_optimizer", "DEFAULT_LR", "Checkpoint", "CheckpointError", "load_checkpoint", "latest_checkpoint", "signal_at"]

@@ -42,6 +42,11 @@ class RunError(RuntimeError):
         self.pids = tuple(pids)
 
 
+def is_peer_error(summary: str) -> bool:
+    """Whether an exception summary is a rank failing *because a peer failed* (a closed connection, a timeout)."""
+    return any(marker in summary for marker in _PEER_ERRORS)
+
+
 def _read(path: Path) -> str:
     try:
         return path.read_text(errors="replace")
@@ -94,12 +99,13 @@ def stderr_tail(run_dir: Path, rank: int, lines: int = 15) -> str:
 
 def _waiting(stack: str) -> bool:
     """Whether a faulthandler dump shows the main thread waiting on communication (its innermost frame)."""
-    current = stack.split("\n\n")
-    for block in current:
-        if "most recent call first" in block and ("Current thread" in block or "Thread" in block):
-            frames = [line for line in block.splitlines() if line.strip().startswith("File ")]
-            if frames:
-                return bool(_WAITING.search(frames[0])) or "distributed_c10d.py" in frames[0]
+    blocks = [b for b in stack.split("\n\n") if "most recent call first" in b]
+    # the main thread received the signal ("Current thread"); helper threads (the caller watchdog) sleep elsewhere
+    main = [b for b in blocks if "Current thread" in b] or [b for b in blocks if "Thread" in b]
+    for block in main:
+        frames = [line for line in block.splitlines() if line.strip().startswith("File ")]
+        if frames:
+            return bool(_WAITING.search(frames[0])) or "distributed_c10d.py" in frames[0]
     return False
 
 
@@ -126,7 +132,7 @@ def diagnose(run_dir: Path, P: int, timeout_s: float, timed_out: bool, agent_err
     told_to_stop = {r for r in range(P) if (run_dir / f"rank{r}.sigterm").exists()}
 
     def peer(r):
-        return any(marker in exception_summary(errors[r]) for marker in _PEER_ERRORS)
+        return is_peer_error(exception_summary(errors[r]))
 
     def mtime(r):
         return os.path.getmtime(run_dir / f"rank{r}.error")

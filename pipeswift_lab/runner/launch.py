@@ -42,7 +42,7 @@ START_METHODS = ("forkserver", "subprocess")
 #: Modules the fork server imports once, so forked workers start with them loaded. Third-party only:
 #: pipeswift_lab itself is imported afresh by every worker (~0.15 s), so edits to it are never stale.
 FORKSERVER_PRELOAD = ("numpy", "pandas", "torch", "torch.distributed.pipelining", "torch.distributed.elastic.multiprocessing.errors",
-                      "cloudpickle")
+                      "torch.distributed.checkpoint", "torch.distributed.checkpoint.state_dict", "cloudpickle")
 
 
 @contextmanager

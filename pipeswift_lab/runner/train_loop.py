@@ -268,6 +268,7 @@ def train(spec, rank, world, device, out_dir: Path, progress, gather_group, proc
             break
         if saver.periodic_due(done) or vote:
             saver.save(done, "auto" if vote else "periodic")
+    interval = saver.interval_steps()  # the interval the run used, before the final save joins the measurements
     if status == "completed" and saver.enabled and saver.last_saved_step != spec.steps:
         saver.save(spec.steps, "final")
     final_ns = recorder.now_ns()
@@ -281,6 +282,6 @@ def train(spec, rank, world, device, out_dir: Path, progress, gather_group, proc
         "state": state, "process_start_ns": proc_start, "entered_ns": entered, "ready_ns": ready,
         "threads": torch.get_num_threads(), "first_step": first_step, "status": status, "nonfinite": nonfinite,
         "skipped_steps": skipped, "restored": restored, "final_ns": final_ns, "attempt": attempt,
-        "checkpoint": saver.latest, "interval_steps": saver.interval_steps(),
+        "checkpoint": saver.latest, "interval_steps": interval,
     }
     return _gather(payload, rank, world, gather_group)

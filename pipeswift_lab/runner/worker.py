@@ -27,6 +27,8 @@ import torch
 from .train_loop import PROGRESS_FILE, train  # noqa: F401 - PROGRESS_FILE re-exported
 
 RESULT_FILE = "result.pt"
+#: Seconds a rank that failed because a peer died waits before exiting, so the peer's death is reported first.
+PEER_FAILURE_DELAY_S = 1.0
 #: Seconds between two checks that the caller is still alive.
 WATCHDOG_PERIOD_S = 0.5
 
@@ -76,8 +78,19 @@ def main(spec_path, out_dir, progress: bool = False, caller_pid: int | None = No
         run_rank(load_spec(spec_path), out_dir, progress=progress)
         (out_dir / f"rank{rank}.done").write_text("")
     except BaseException:
-        (out_dir / f"rank{rank}.error").write_text(traceback.format_exc())
+        text = traceback.format_exc()
+        (out_dir / f"rank{rank}.error").write_text(text)
+        if _lost_a_peer(text):
+            # Let the elastic agent see the peer that died first, with its exit signal, before this
+            # consequence of it: the agent reports only the first failure it observes.
+            time.sleep(PEER_FAILURE_DELAY_S)
         raise
+
+
+def _lost_a_peer(traceback_text: str) -> bool:
+    from .errors import exception_summary, is_peer_error
+
+    return is_peer_error(exception_summary(traceback_text))
 
 
 def _caller_alive(pid: int) -> bool:

@@ -1,0 +1,58 @@
+"""Rehearse what a cluster does to a job: real signals sent to real workers at a chosen step.
+
+``run(model, signal_at(data, step=7, rank=1, sig="SIGKILL"), ...)`` behaves like ``data`` except
+that the worker holding ``rank`` sends itself ``sig`` when it fetches the batch of ``step``, in
+the first attempt only (a restarted attempt is not hit again). SIGTERM is a preemption notice;
+SIGKILL is the OOM killer or a lost node. Only the ranks that read data (the first and the last
+stage's) can be hit.
+"""
+from __future__ import annotations
+
+import os
+import signal as _signal
+from dataclasses import dataclass
+from typing import Any
+
+from .._checks import check_int
+
+
+@dataclass(frozen=True)
+class SignalAt:
+    """A data source that signals one worker at one step (see :func:`signal_at`)."""
+
+    data: Any
+    step: int
+    rank: int
+    sig: int
+
+    def __call__(self, step: int):
+        if (step == self.step and os.environ.get("RANK") == str(self.rank)
+                and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"):
+            os.kill(os.getpid(), self.sig)
+        if callable(self.data):
+            return self.data(step)
+        import torch
+
+        if len(self.data) == 2 and all(isinstance(t, torch.Tensor) for t in self.data):
+            return tuple(self.data)
+        return self.data[step]
+
+
+def signal_at(data, step: int, rank: int = 0, sig="SIGTERM") -> SignalAt:
+    """``data`` (a batch, a ``callable(step)`` or a list of batches) whose worker ``rank`` gets ``sig`` at ``step``.
+
+    ``sig`` is a name (``"SIGTERM"``, ``"SIGKILL"``) or a ``signal.Signals``. Returns a callable
+    data source for :func:`~pipeswift_lab.runner.run`. ``rank`` must hold the first or the last
+    stage, the ranks that read data.
+    """
+    step = check_int("step", step, minimum=0)
+    rank = check_int("rank", rank, minimum=0)
+    if isinstance(sig, str):
+        if sig not in _signal.Signals.__members__:
+            raise ValueError(f"sig={sig!r} is not a signal name; use e.g. 'SIGTERM' or 'SIGKILL'")
+        sig = _signal.Signals[sig]
+    if not isinstance(sig, int):
+        raise TypeError(f"sig must be a signal name or signal.Signals; got {type(sig).__name__}")
+    if not (callable(data) or isinstance(data, (tuple, list))):
+        raise TypeError(f"data must be an (inputs, targets) batch, a callable(step) or a list of batches; got {type(data).__name__}")
+    return SignalAt(data, step, rank, int(sig))
