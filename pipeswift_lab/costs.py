@@ -165,7 +165,8 @@ class CheckpointModel:
         """Fit the model to what real runs measured (``RunResult``s of ``run(..., checkpoint_dir=...)``).
 
         * ``write_GBps`` — the median over every committed checkpoint of the largest rank's
-          bytes over the save time (``RunResult.checkpoints``: ``largest_rank_bytes / save_ms``);
+          bytes over the stall the save caused (``RunResult.checkpoints``:
+          ``largest_rank_bytes / blocking_ms``), so ``save_s`` is the checkpoint cost C of Young/Daly;
         * ``read_GBps`` — the median over runs that resumed of the bytes the largest rank loaded
           over ``restore_s`` (the default is kept, and said in a warning, when no run resumed);
         * ``teardown_s`` — the median of ``jct.cleanup_s`` minus the final save's stall.
@@ -174,7 +175,7 @@ class CheckpointModel:
         """
         import warnings
 
-        runs = list(runs) if isinstance(runs, (list, tuple)) else [runs]
+        runs = [runs] if hasattr(runs, "checkpoints") else list(runs)
         for i, run in enumerate(runs):
             if not hasattr(run, "checkpoints") or not hasattr(run, "jct"):
                 raise TypeError(f"runs[{i}] must be a RunResult; got {type(run).__name__}")
@@ -182,8 +183,8 @@ class CheckpointModel:
         for run in runs:
             table = run.checkpoints
             for _, row in table.iterrows():
-                if row["save_ms"] > 0:
-                    write.append(row["largest_rank_bytes"] / (row["save_ms"] / 1e3) / 1e9)
+                if row["blocking_ms"] > 0:  # what the job stalls for: DCP write, checksums and commit
+                    write.append(row["largest_rank_bytes"] / (row["blocking_ms"] / 1e3) / 1e9)
             final = table[table["kind"].isin(["final", "preempt"])]
             if len(final):
                 teardown.append(max(0.0, run.jct.cleanup_s - float(final["blocking_ms"].iloc[-1]) / 1e3))
@@ -198,10 +199,7 @@ class CheckpointModel:
             warnings.warn(f"no run resumed from a checkpoint, so read_GBps keeps its default {default.read_GBps} GB/s; "
                           "calibrate with a run(..., resume_from=...) to measure it", UserWarning, stacklevel=2)
 
-        def median(values):
-            values = sorted(values)
-            mid = len(values) // 2
-            return values[mid] if len(values) % 2 else (values[mid - 1] + values[mid]) / 2
+        from statistics import median
 
         return cls(write_GBps=median(write), read_GBps=median(read) if read else default.read_GBps,
                    teardown_s=median(teardown) if teardown else default.teardown_s)

@@ -7,6 +7,7 @@ an uninterrupted one on the same partition, and within 1e-5 on another.
 """
 import os
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -35,6 +36,12 @@ STEPS = 8
 def model():
     torch.manual_seed(0)
     return nn.Sequential(nn.Linear(6, 12), nn.Tanh(), nn.Linear(12, 12), nn.Dropout(0.1), nn.Linear(12, 3))
+
+
+def plain():
+    """The model without dropout: nothing in it draws random numbers."""
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 12), nn.Tanh(), nn.Linear(12, 12), nn.Tanh(), nn.Linear(12, 3))
 
 
 def batch(step):
@@ -123,10 +130,6 @@ def test_crash_restarts_from_the_newest_checkpoint_and_ends_bitwise_equal(tmp_pa
 
 
 def test_resume_on_another_partition_without_randomness_is_within_1e5(tmp_path):
-    def plain():
-        torch.manual_seed(0)
-        return nn.Sequential(nn.Linear(6, 12), nn.Tanh(), nn.Linear(12, 12), nn.Tanh(), nn.Linear(12, 3))
-
     adam = OPTIMIZERS["adam"]
     ref = run(plain(), batch, nn.functional.mse_loss, TWO, 4, steps=STEPS, optimizer=adam, progress=False)
     run(plain(), sigterm_rank0_at_3, nn.functional.mse_loss, TWO, 4, steps=STEPS, optimizer=adam, progress=False,
@@ -191,9 +194,12 @@ def test_nonfinite_loss_raises_naming_step_and_rank_and_keeps_the_last_good_chec
 
 
 def test_nonfinite_skip_drops_the_update_and_ignore_keeps_it():
-    skipped = go(data=nan_at_3, optimizer="sgd_momentum", on_nonfinite="skip")
+    batches = [nan_at_3(step) for step in range(6)]
+    sgd = OPTIMIZERS["sgd_momentum"]
+    skipped = run(plain(), batches, nn.functional.mse_loss, TWO, 4, steps=6, optimizer=sgd, progress=False, on_nonfinite="skip")
     assert skipped.skipped_steps == (3,)
-    assert all(torch.isfinite(t).all() for t in skipped.state_dict().values())
+    without = run(plain(), batches[:3] + batches[4:], nn.functional.mse_loss, TWO, 4, steps=5, optimizer=sgd, progress=False)
+    assert bitwise(skipped.state_dict(), without.state_dict())
     ignored = go(data=nan_at_3, optimizer="sgd_momentum", on_nonfinite="ignore")
     assert any(not torch.isfinite(t).all() for t in ignored.state_dict().values())
 
@@ -207,13 +213,42 @@ def test_auto_interval_uses_the_measured_save_time(tmp_path):
     assert interval is not None and interval >= 1
 
 
+def test_auto_interval_survives_a_crash_and_restart(tmp_path, reference):
+    name, ref = reference
+    result = go(data=sigkill_rank1_at_5, optimizer=name, checkpoint_dir=tmp_path, checkpoint_every="auto", mtbf_s=0.2,
+                max_restarts=1, keep=20)
+    assert result.restarts == 1 and bitwise(result.state_dict(), ref.state_dict())
+    assert (result.checkpoints.groupby("attempt")["step"].min() >= 1).all()  # each attempt measured its own save time
+
+
+def test_history_terms_add_up_on_a_synthetic_history():
+    from pipeswift_lab.runner.result import _history_terms
+
+    ms = 1_000_000
+    steps = [(0, s, s * 10 * ms, s * 10 * ms + 8 * ms) for s in range(5)]  # attempt 0: steps 0-4, 8 ms each
+    steps += [(1, s, 100 * ms + (s - 2) * 10 * ms, 100 * ms + (s - 2) * 10 * ms + 8 * ms) for s in range(2, 6)]
+    history = {"steps": steps, "attempts": {0: {"first_step": 0}, 1: {"first_step": 2}},
+               "checkpoints": [{"attempt": 0, "step": 2, "end_ns": 45 * ms}]}  # a save that ended after step 4
+    terms = _history_terms(history)
+    assert terms["restarts"] == 1 and terms["steps_redone"] == 3  # steps 2, 3, 4 trained again
+    assert terms["redone_s"] == pytest.approx(3 * 8e-3)
+    assert terms["recovery_s"] == pytest.approx((100 - 48) * 1e-3)  # from the end of step 4 (48 ms), later than the save
+    lost_json = {**history, "attempts": {0: {"first_step": 0}}, "checkpoints": []}  # attempt 1 never wrote its json
+    assert _history_terms(lost_json)["restarts"] == 1
+
+
 def test_calibrated_checkpoint_model(tmp_path):
     saved = go(checkpoint_dir=tmp_path, checkpoint_every=2, keep=10)
     resumed = go(steps=STEPS + 2, resume_from=tmp_path)
     model = CheckpointModel.calibrate([saved, resumed])
-    row = saved.checkpoints.iloc[0]
-    assert model.write_GBps > 0 and model.read_GBps > 0
-    assert model.save_s(row["largest_rank_bytes"]) == pytest.approx(saved.checkpoints["save_ms"].median() / 1e3, rel=2.0)
+    rates = [row.largest_rank_bytes / (row.blocking_ms / 1e3) / 1e9 for table in (saved.checkpoints, resumed.checkpoints)
+             for row in table.itertuples()]
+    assert model.write_GBps == pytest.approx(statistics.median(rates), rel=1e-12)
+    assert model.read_GBps == pytest.approx(resumed.meta["restore_bytes"] / resumed.restore_s / 1e9, rel=1e-12)
+    final = saved.checkpoints["blocking_ms"].iloc[-1] / 1e3
+    assert model.teardown_s == pytest.approx(statistics.median([saved.jct.cleanup_s - final,
+                                                                 resumed.jct.cleanup_s - resumed.checkpoints["blocking_ms"].iloc[-1] / 1e3]
+                                                                if len(resumed.checkpoints) else [saved.jct.cleanup_s - final]), rel=1e-12)
     with pytest.warns(UserWarning, match="read_GBps keeps its default"):
         CheckpointModel.calibrate([saved])
     with pytest.raises(ValueError, match="saved checkpoints"):
@@ -227,6 +262,7 @@ def test_calibrated_checkpoint_model(tmp_path):
     ({"checkpoint_every": 0, "checkpoint_dir": "X"}, ValueError, "checkpoint_every=0"),
     ({"keep": 0, "checkpoint_dir": "X"}, ValueError, "keep=0"),
     ({"max_restarts": 1}, ValueError, "needs checkpoint_dir"),
+    ({"mtbf_s": 3600.0}, ValueError, "mtbf_s=3600 is used only"),
     ({"on_nonfinite": "panic"}, ValueError, "on_nonfinite='panic'"),
     ({"preempt_grace_s": 0}, ValueError, "preempt_grace_s"),
     ({"resume_from": "MISSING"}, CheckpointError, "does not exist"),
@@ -253,6 +289,8 @@ def test_bad_resumes_fail_before_launch_and_touch_nothing(tmp_path):
     with pytest.raises(CheckpointError, match="holds no complete checkpoint"):
         go(resume_from=empty)
     empty.rmdir()
+    with pytest.raises(ValueError, match="already holds checkpoints of an earlier run .*pass resume_from"):
+        go(steps=8, checkpoint_dir=tmp_path)
     assert sorted(str(p) for p in tmp_path.rglob("*")) == before
 
 

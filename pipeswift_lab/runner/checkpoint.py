@@ -207,24 +207,37 @@ def _step_dirs(root: Path) -> list[Path]:
     return [p for _, p in sorted(found, reverse=True)]
 
 
-def latest_checkpoint(root) -> Checkpoint | None:
+def _run_id_of(path: Path) -> str | None:
+    try:
+        return json.loads((path / MANIFEST).read_text()).get("run_id")
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+def latest_checkpoint(root, run_id: str | None = None) -> Checkpoint | None:
     """The newest complete, intact checkpoint under ``root`` (a checkpoint root), or ``None``.
 
     Directories without a manifest (never committed) are passed over; one whose files do not
     match their checksums is skipped with a ``UserWarning`` naming the file, and the previous
-    complete one is returned.
+    complete one is returned. ``run_id`` keeps only the checkpoints one ``run()`` call wrote
+    (its manifest's ``run_id``), so a restart never picks up another job's checkpoint.
     """
     root = Path(root)
     if root.exists() and not root.is_dir():
         raise CheckpointError(f"checkpoint root {str(root)!r} is not a directory")
     for path in _step_dirs(root):
-        if not (path / MANIFEST).is_file():
+        if not (path / MANIFEST).is_file() or (run_id is not None and _run_id_of(path) != run_id):
             continue
         try:
             return verify(path)
         except CheckpointError as exc:
             warnings.warn(f"skipping {exc}; using the previous complete checkpoint", UserWarning, stacklevel=2)
     return None
+
+
+def complete_checkpoints(root) -> list[Path]:
+    """The ``step-*`` directories under ``root`` that hold a manifest, newest first (not verified)."""
+    return [p for p in _step_dirs(Path(root)) if (p / MANIFEST).is_file()]
 
 
 def load_checkpoint(path) -> Checkpoint:
@@ -297,9 +310,12 @@ def save_rank_state(tmp_dir: Path, rank: int, module, optimizer, device, group) 
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     t0 = time.perf_counter()
+    untouched = not optimizer.state  # get_state_dict initializes an empty state with a zero-lr step: undo it after
     model_sd, optim_sd = get_state_dict(module, optimizer, options=_state_options())
     state = {MODEL: model_sd, OPTIM: optim_sd, RNG: {f"rank{rank}": rng_states(device)}}
     dcp.save(state, storage_writer=dcp.FileSystemWriter(str(tmp_dir), sync_files=True), process_group=group)
+    if untouched:
+        optimizer.state.clear()
     save_ms = (time.perf_counter() - t0) * 1e3
     files = {}
     for path in sorted(tmp_dir.glob(f"__{rank}_*.distcp")):
@@ -373,22 +389,25 @@ def commit(tmp_dir: Path, manifest: dict, rank_files: list[dict], keep: int) -> 
     os.replace(manifest_tmp, tmp_dir / MANIFEST)
     _fsync_dir(tmp_dir)
     final = root / step_dir_name(manifest["step"])
-    if final.exists():
-        aside = root / f"{_TMP_PREFIX}replaced-{final.name}-{uuid.uuid4().hex[:8]}"
-        os.replace(final, aside)
-        os.replace(tmp_dir, final)
-        shutil.rmtree(aside, ignore_errors=True)
-    else:
-        os.replace(tmp_dir, final)
+    if final.exists():  # a branch re-saving a step another run of this root saved: the new one replaces it
+        _discard(final)
+    os.replace(tmp_dir, final)
     _fsync_dir(root)
-    _retain(root, keep, current=final)
+    _retain(root, keep, manifest.get("run_id"))
     return final
 
 
-def _retain(root: Path, keep: int, current: Path) -> None:
-    complete = [p for p in _step_dirs(root) if (p / MANIFEST).is_file()]
-    for old in complete[keep:]:
-        if old != current:
-            shutil.rmtree(old, ignore_errors=True)
+def _discard(path: Path) -> None:
+    """Remove a checkpoint directory so that no kill part-way leaves a half-deleted ``step-*``: rename, then delete."""
+    trash = path.parent / f"{_TMP_PREFIX}trash-{path.name}-{uuid.uuid4().hex[:8]}"
+    os.replace(path, trash)
+    shutil.rmtree(trash, ignore_errors=True)
+
+
+def _retain(root: Path, keep: int, run_id: str | None) -> None:
+    """Keep the ``keep`` newest checkpoints of this run (``run_id``); remove its older ones and stale ``.tmp-`` directories."""
+    own = [p for p in complete_checkpoints(root) if _run_id_of(p) == run_id]
+    for old in own[keep:]:
+        _discard(old)
     for stale in root.glob(_TMP_PREFIX + "*"):
         shutil.rmtree(stale, ignore_errors=True)

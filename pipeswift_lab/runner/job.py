@@ -18,6 +18,7 @@ import signal
 import tempfile
 import threading
 import time
+import uuid
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -64,6 +65,9 @@ def job_options(model, steps, checkpoint_dir=None, checkpoint_every=None, keep=2
         raise ValueError(f"max_restarts={max_restarts} restarts the workers from the newest checkpoint and needs checkpoint_dir")
     if mtbf_s is not None:
         mtbf_s = check_time("mtbf_s", mtbf_s, allow_zero=False)
+        if checkpoint_every != "auto":
+            raise ValueError(f"mtbf_s={mtbf_s:g} is used only to choose the interval of checkpoint_every='auto'; "
+                             f"checkpoint_every is {checkpoint_every!r}")
     preempt_grace_s = check_time("preempt_grace_s", preempt_grace_s, allow_zero=False)
     if preempt_grace_s > 1e6:
         raise ValueError(f"preempt_grace_s={preempt_grace_s:g} is invalid; it must be at most 1e6 seconds")
@@ -73,12 +77,18 @@ def job_options(model, steps, checkpoint_dir=None, checkpoint_every=None, keep=2
     if resume_from is not None:
         resume = ckpt.load_checkpoint(resume_from)
         ckpt.check_same_model(resume, model)
+        resume = ckpt.Checkpoint(resume.path.resolve(), resume.manifest)  # workers may run in another directory
         if steps <= resume.step:
             raise ValueError(f"steps={steps} is the job's total, but the checkpoint {str(resume.path)!r} is already at step "
                              f"{resume.step}: give steps > {resume.step} to train on")
+    if checkpoint_dir is not None and resume is None and Path(checkpoint_dir).is_dir():
+        earlier = ckpt.complete_checkpoints(checkpoint_dir)
+        if earlier:
+            raise ValueError(f"checkpoint_dir={checkpoint_dir!r} already holds checkpoints of an earlier run (newest "
+                             f"{earlier[0].name}): pass resume_from={checkpoint_dir!r} to continue that job, or use an empty directory")
     options = JobOptions(checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every, keep=keep,
                          resume_from=str(resume.path) if resume else None, mtbf_s=mtbf_s, on_nonfinite=on_nonfinite,
-                         preempt_grace_s=preempt_grace_s)
+                         preempt_grace_s=preempt_grace_s, run_id=uuid.uuid4().hex)
     return options, resume, max_restarts
 
 

@@ -174,27 +174,36 @@ def _history_terms(history: dict) -> dict:
 
     ``history["steps"]`` holds ``(attempt, step, start_ns, end_ns)`` of every step the last
     rank finished, across attempts; ``history["attempts"]`` the step each attempt resumed
-    from. Attempt ``a``'s execution of step ``s`` was lost when attempt ``a + 1`` resumed at a
-    step ``<= s``; a restart's recovery is the gap from the last step before it to the first
-    step after it (detection, teardown, re-assembly, restore).
+    from; ``history["checkpoints"]`` every committed save with its attempt and ``end_ns``.
+    Attempt ``a``'s execution of step ``s`` was lost when the next attempt that started
+    resumed at a step ``<= s``; a restart's recovery is the gap from the end of the last step
+    or save before it to the first step after it (detection, teardown, re-assembly, restore),
+    so a save just before a crash is counted once, as a save stall.
     """
     attempts = history.get("attempts", {})
     by_attempt: dict[int, list] = {}
     for attempt, step, start, end in history.get("steps", []):
         by_attempt.setdefault(attempt, []).append((step, start, end))
-    restarts = max(attempts) if attempts else 0
+    saves_end: dict[int, int] = {}
+    for record in history.get("checkpoints", []):
+        if record.get("end_ns") is not None:
+            saves_end[record["attempt"]] = max(saves_end.get(record["attempt"], 0), int(record["end_ns"]))
+    restarts = max(set(attempts) | set(by_attempt)) if (attempts or by_attempt) else 0
     redone, redone_s, recovery_s, last_end = 0, 0.0, 0.0, None
     for n in range(restarts + 1):
         rows = sorted(by_attempt.get(n, []), key=lambda r: r[1])
-        if n < restarts:
-            resumed_at = int(attempts.get(n + 1, {}).get("first_step", 0))
+        later = [k for k in sorted(attempts) if k > n]
+        if later:
+            resumed_at = int(attempts[later[0]].get("first_step", 0))
             lost = [(start, end) for step, start, end in rows if step >= resumed_at]
             redone += len(lost)
             redone_s += sum((end - start) / 1e9 for start, end in lost)
         if rows:
             if n > 0 and last_end is not None:
-                recovery_s += (rows[0][1] - last_end) / 1e9
+                recovery_s += max(0, rows[0][1] - last_end) / 1e9
             last_end = rows[-1][2]
+        if n in saves_end:
+            last_end = max(last_end or 0, saves_end[n])
     return {"restarts": restarts, "steps_redone": redone, "redone_s": redone_s, "recovery_s": recovery_s}
 
 

@@ -122,6 +122,7 @@ class JobOptions:
     mtbf_s: float | None = None  # mean time between failures of the job, for "auto"
     on_nonfinite: str = "raise"  # "raise", "skip" or "ignore" (see ON_NONFINITE)
     preempt_grace_s: float = 30.0  # after SIGTERM, seconds to finish the step and save before being killed
+    run_id: str | None = None  # written into every manifest: restarts and retention see only this run's checkpoints
 
 
 @dataclass(frozen=True)

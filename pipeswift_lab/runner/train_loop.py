@@ -55,14 +55,13 @@ class StopRequest:
         self.grace_s = grace_s
         self._file = out_dir / PREEMPT_FILE
         self._marker = out_dir / f"rank{rank}.sigterm"
-        self._previous = None
 
     def install(self) -> None:
-        """Take SIGTERM: note it (and tell the launcher) instead of dying mid-step."""
+        """Take SIGTERM: note it (in ``rank{r}.sigterm`` too) instead of dying mid-step."""
         try:
-            self._previous = signal.signal(signal.SIGTERM, self._on_sigterm)
+            signal.signal(signal.SIGTERM, self._on_sigterm)
         except ValueError:  # not the main thread: leave SIGTERM as it is
-            self._previous = None
+            pass
 
     def _on_sigterm(self, signum, frame):
         if not self.flag:
@@ -126,9 +125,11 @@ class Checkpointer:
 
     @property
     def enabled(self) -> bool:
+        """Whether the run has a checkpoint root."""
         return self.root is not None
 
     def periodic_due(self, done: int) -> bool:
+        """Whether ``checkpoint_every=N`` asks for a save after ``done`` steps (the final save is separate)."""
         every = self.job.checkpoint_every
         return self.enabled and isinstance(every, int) and done % every == 0 and done < self.spec.steps
 
@@ -140,10 +141,10 @@ class Checkpointer:
         return max(1, round(tau_s / statistics.median(self.step_s)))
 
     def auto_vote(self, done: int) -> bool:
-        """Rank 0's vote at ``"auto"``: save after the first step (to measure C), then every τ steps."""
+        """Rank 0's vote at ``"auto"``: save after this attempt's first step (to measure C), then every τ steps."""
         if not self.enabled or self.job.checkpoint_every != "auto" or self.rank != 0 or done >= self.spec.steps:
             return False
-        if self.last_saved_step is None:
+        if not self.save_s:
             return True
         return done - self.last_saved_step >= self.interval_steps()
 
@@ -159,9 +160,9 @@ class Checkpointer:
             largest = max(sum(f["bytes"] for f in p["files"].values()) for p in parts)
             record = {"step": step, "path": str(path), "bytes": sum(f["bytes"] for p in parts for f in p["files"].values()),
                       "largest_rank_bytes": largest, "save_ms": max(p["save_ms"] for p in parts), "blocking_ms": blocking_ms,
-                      "kind": kind, "attempt": self.attempt, "interval_steps": self.interval_steps()}
+                      "kind": kind, "attempt": self.attempt, "interval_steps": self.interval_steps(), "end_ns": time.time_ns()}
             _append(self.out_dir / CHECKPOINTS_LOG, json.dumps(record))
-            self.save_s.append(record["save_ms"] / 1e3)
+            self.save_s.append(blocking_ms / 1e3)  # C is what the job stalls for: DCP write, checksums, commit
             self.latest = str(path)
         self.last_saved_step = step
 
@@ -173,7 +174,7 @@ class Checkpointer:
             "bounds": [list(b) for b in plan.bounds], "stage_to_rank": list(plan.stage_to_rank),
             "layer_names": list(spec.meta.get("layer_names", [])), "world_size": self.world, "torch_version": torch.__version__,
             "optimizer": type(self.optimizer).__module__ + "." + type(self.optimizer).__qualname__, "rng_states": True,
-            "state_keys": list(spec.state_keys), "seed": spec.seed, "device_type": spec.device_type,
+            "state_keys": list(spec.state_keys), "seed": spec.seed, "device_type": spec.device_type, "run_id": self.job.run_id,
         }
 
 
@@ -183,7 +184,7 @@ def _restore_source(spec, rank, group, attempt):
     if attempt > 0 and job.checkpoint_dir:
         chosen = None
         if rank == 0:
-            found = ckpt.latest_checkpoint(job.checkpoint_dir)
+            found = ckpt.latest_checkpoint(job.checkpoint_dir, run_id=job.run_id)  # this run's own saves only
             chosen = str(found.path) if found is not None else job.resume_from
         return _broadcast(chosen, group)
     return job.resume_from

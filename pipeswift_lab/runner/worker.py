@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from .train_loop import PROGRESS_FILE, train  # noqa: F401 - PROGRESS_FILE re-exported
+from .train_loop import train
 
 RESULT_FILE = "result.pt"
 #: Seconds a rank that failed because a peer died waits before exiting, so the peer's death is reported first.
