@@ -5,7 +5,7 @@
 """
 from __future__ import annotations
 
-from . import models
+from . import cluster, data, models
 from ._checks import SCHEDULES
 from .analytic import activation_memory_bytes, bubble_overhead, bubble_ratio, inflight_microbatches, step_ms
 from .jct import JCT
@@ -36,8 +36,10 @@ __all__ = [
     "activation_memory_bytes",
     "bubble_overhead",
     "bubble_ratio",
+    "cluster",
     "compare",
     "compute_orders",
+    "data",
     "explore",
     "inflight_microbatches",
     "load_ipython_extension",

@@ -71,6 +71,10 @@ class Job:
         k = max(0, math.ceil(R / interval) - 1) if interval < math.inf and R > 0 else 0
         return m.assembly_s[n] + (m.restore_s[n] if self.has_state else 0.0) + R + k * m.save_s[n] + m.cleanup_s[n]
 
+    def resizable(self, t: float) -> bool:
+        """Whether the job runs at ``t`` and has not reached its cleanup (a resize would not be absurd)."""
+        return self.state == "running" and t < self.seg_end - self.seg_C
+
     def in_training(self, t: float) -> bool:
         """Whether the job is in its training phase at ``t`` (past assembly and restore, before cleanup)."""
         return self.state == "running" and self.seg_start + self.seg_A + self.seg_L <= t < self.seg_end - self.seg_C
@@ -209,8 +213,8 @@ class Cluster:
             job.work = max(0.0, job.work - kept * job.model.speed[job.n] / job.ref_speed)
             if kept > 0:
                 job.has_state = True
-        if voluntary:
-            job.has_state = True
+        if voluntary and elapsed > A:
+            job.has_state = True  # the resize writes a checkpoint of the training so far
         self._release(job, t)
 
     def preempt(self, job: Job, t: float) -> None:
@@ -222,7 +226,7 @@ class Cluster:
 
     def resize(self, job: Job, n: int, t: float) -> None:
         """Checkpoint ``job`` and restart it on ``n`` GPUs at once (paying save, assembly and restore)."""
-        save = job.model.save_s[job.n]
+        save = job.model.save_s[job.n] if job.in_training(t) else 0.0  # nothing new to save before training
         self.stop(job, t, voluntary=True)
         job.resizes += 1
         job.restarts += 1

@@ -89,24 +89,27 @@ class Policy:
         self.rebalance(cluster, t)
 
     def _admit(self, cluster: Cluster, t: float) -> None:
-        if not cluster.queue or cluster.free <= 0:
+        if not cluster.queue:
             return
         shadow, spare, scanned = None, 0, 0
         for _, idx in list(cluster.queue):
             free = cluster.free
-            if free <= 0:
-                break
             job = cluster.jobs[idx]
-            n = self.size(cluster, job, free, t)
             if shadow is None:
+                n = self.size(cluster, job, free, t) if free > 0 else 0
                 if n:
                     cluster.dequeue(job)
                     cluster.start(job, n, t)
                     continue
                 if self.blocked(cluster, job, t):
                     continue
+                if cluster.free <= 0:
+                    break
                 shadow, spare = cluster.when_free(self.reserve(job), t)
                 continue
+            if free <= 0:
+                break
+            n = self.size(cluster, job, free, t)
             scanned += 1
             if self.depth is not None and scanned > self.depth:
                 break
@@ -245,7 +248,7 @@ class Elastic(Policy):
         deficit = head.min_gpus - cluster.free
         if deficit <= 0:
             return
-        grown = [j for j in cluster.running.values() if j.n > j.gpus and j.in_training(t)]
+        grown = [j for j in cluster.running.values() if j.n > j.gpus and j.resizable(t)]
         if sum(j.n - j.gpus for j in grown) < deficit:
             return
         for job in sorted(grown, key=lambda j: (-(j.n - j.gpus), j.idx)):
@@ -263,10 +266,11 @@ class Elastic(Policy):
             if job.state != "running" or job.n >= job.max_gpus:
                 self.growable.discard(idx)
                 continue
-            if not job.in_training(t):
+            if not job.resizable(t):
                 continue
             n = min(job.max_gpus, job.n + cluster.free)
-            left = job.work - (t - job.seg_start - job.seg_A - job.seg_L) * job.model.speed[job.n] / job.ref_speed
+            trained = max(0.0, t - job.seg_start - job.seg_A - job.seg_L)
+            left = job.work - trained * job.model.speed[job.n] / job.ref_speed
             saved = max(0.0, left) * job.ref_speed * (1.0 / job.model.speed[job.n] - 1.0 / job.model.speed[n])
             cost = self._cost(job, n)
             if saved > self.gain_factor * cost:
