@@ -29,7 +29,7 @@ def _numeric(jobs: pd.DataFrame, column: str, integer: bool, minimum: float, all
     finite = np.isfinite(array)
     if not finite.all():
         i = int(np.flatnonzero(~finite)[0])
-        raise ValueError(f"jobs[{column!r}] has a non-finite value {array[i]!r} at row {i}; it must be finite")
+        raise ValueError(f"jobs[{column!r}] has a non-finite value {float(array[i])} at row {i}; it must be finite")
     low = array < minimum if allow_equal else array <= minimum
     if low.any():
         i = int(np.flatnonzero(low)[0])
@@ -101,8 +101,8 @@ def check_capacity(gpus) -> tuple[tuple[float, int], ...]:
     with columns ``time_s`` and ``gpus``. Before the first time the first count holds.
     Counts must be whole and >= 0; times finite and >= 0.
     """
-    if isinstance(gpus, bool):
-        raise TypeError(f"gpus must be an int or (time_s, gpus) pairs; got bool {gpus!r}")
+    if isinstance(gpus, (bool, str, bytes)):
+        raise TypeError(f"gpus must be an int or (time_s, gpus) pairs; got {type(gpus).__name__} {gpus!r}")
     if isinstance(gpus, numbers.Integral):
         if gpus < 1:
             raise ValueError(f"gpus={gpus} is invalid; a fixed capacity must be >= 1")
