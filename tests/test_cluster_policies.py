@@ -67,6 +67,14 @@ def test_elastic_does_not_grow_when_the_move_costs_more_than_it_saves():
     assert r["resizes"].sum() == 0
 
 
+def test_elastic_respects_min_and_max_gpus_columns():
+    t = jobs((0, 2, 1000.0), (0, 4, 1000.0), (0, 1, 1000.0), name=["above", "below", "free"], min_gpus=[3, 1, 1], max_gpus=[3, 2, 1])
+    r = by_name(cluster.simulate(t, 8, policy="elastic", progress=False))
+    assert r.loc["above", "min_gpus_held"] == r.loc["above", "max_gpus_held"] == 3  # never below min_gpus, even above its request
+    assert r.loc["below", "max_gpus_held"] == 2  # never above max_gpus
+    assert r.loc["free", "max_gpus_held"] == 1
+
+
 def test_preemptive_with_priorities_preempts_lower_ones():
     t = jobs((0, 4, 10_000.0), (100, 2, 500.0), priority=[0, 5], name=["low", "high"])
     r = by_name(cluster.simulate(t, 4, policy="preemptive", checkpoint_every_s=60.0, progress=False))

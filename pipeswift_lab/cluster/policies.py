@@ -215,19 +215,25 @@ class Elastic(Policy):
     def smallest(self, job: Job) -> int:
         return job.min_gpus
 
+    @staticmethod
+    def target(job: Job) -> int:
+        """The GPUs a job aims for: its request, within its ``min_gpus``…``max_gpus``."""
+        return min(max(job.gpus, job.min_gpus), job.max_gpus)
+
     def reserve(self, job: Job) -> int:
-        return job.gpus
+        return self.target(job)
 
     def size(self, cluster: Cluster, job: Job, free: int, t: float) -> int:
         if free < job.min_gpus:
             return 0
+        target = self.target(job)
         last = cluster.queue[-1][1] == job.idx
-        n = min(job.max_gpus if last else job.gpus, free)
-        if n >= job.gpus:
+        n = min(job.max_gpus if last else target, free)
+        if n >= target:
             return n
-        wait, _ = cluster.when_free(job.gpus, t)
+        wait, _ = cluster.when_free(target, t)
         interval = cluster.interval
-        return n if t + job.runtime_s(n, interval) < wait + job.runtime_s(job.gpus, interval) else 0
+        return n if t + job.runtime_s(n, interval) < wait + job.runtime_s(target, interval) else 0
 
     def on_start(self, cluster: Cluster, job: Job, t: float) -> None:
         if job.n < job.max_gpus:
@@ -248,13 +254,13 @@ class Elastic(Policy):
         deficit = head.min_gpus - cluster.free
         if deficit <= 0:
             return
-        grown = [j for j in cluster.running.values() if j.n > j.gpus and j.resizable(t)]
-        if sum(j.n - j.gpus for j in grown) < deficit:
+        grown = [j for j in cluster.running.values() if j.n > self.target(j) and j.resizable(t)]
+        if sum(j.n - self.target(j) for j in grown) < deficit:
             return
-        for job in sorted(grown, key=lambda j: (-(j.n - j.gpus), j.idx)):
+        for job in sorted(grown, key=lambda j: (-(j.n - self.target(j)), j.idx)):
             if deficit <= 0:
                 break
-            n = max(job.gpus, job.n - deficit)
+            n = max(self.target(job), job.n - deficit)
             deficit -= job.n - n
             cluster.resize(job, n, t)
         self._admit(cluster, t)
