@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from . import cluster, data, models
 from ._checks import SCHEDULES
+from .cluster import ClusterResult
 from .analytic import activation_memory_bytes, bubble_overhead, bubble_ratio, inflight_microbatches, step_ms
 from .jct import JCT
 from .link import Link
@@ -24,6 +25,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "SCHEDULES",
+    "ClusterResult",
     "JCT",
     "Link",
     "Partition",

@@ -17,7 +17,7 @@ JOB_COLUMNS = (
 )  # fmt: skip
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class ClusterResult:
     """One simulated trace under one policy.
 
@@ -166,7 +166,7 @@ def _scale(unit: str) -> float:
     return scale[unit]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class ClusterComparison:
     """Several :class:`ClusterResult` side by side: ``table`` (one summary row each), CDFs, breakdowns."""
 
