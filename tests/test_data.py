@@ -90,3 +90,16 @@ def test_bad_arguments(kwargs, error, message):
 
 def test_top_level_access():
     assert psl.data.philly_jobs is philly_jobs
+
+
+def test_data_and_cluster_keep_the_package_import_light():
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, pipeswift_lab as psl; psl.data.philly_jobs(window=(0, 86400)); "
+        "heavy = [m for m in ('matplotlib', 'seaborn', 'IPython', 'ipywidgets') if m in sys.modules]; "
+        "assert not heavy, heavy"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
