@@ -5,8 +5,9 @@
 """
 from __future__ import annotations
 
-from . import models
+from . import cluster, data, models
 from ._checks import SCHEDULES
+from .cluster import ClusterResult
 from .analytic import activation_memory_bytes, bubble_overhead, bubble_ratio, inflight_microbatches, step_ms
 from .jct import JCT
 from .link import Link
@@ -25,6 +26,7 @@ __version__ = "0.1.0"
 __all__ = [
     "SCHEDULES",
     "Checkpoint",
+    "ClusterResult",
     "JCT",
     "Link",
     "Partition",
@@ -37,8 +39,10 @@ __all__ = [
     "activation_memory_bytes",
     "bubble_overhead",
     "bubble_ratio",
+    "cluster",
     "compare",
     "compute_orders",
+    "data",
     "explore",
     "inflight_microbatches",
     "latest_checkpoint",
