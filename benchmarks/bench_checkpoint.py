@@ -62,7 +62,7 @@ def _killer(root: Path, nth: int, delay_s: float, done: threading.Event, outcome
         seen.update(p.name for p in root.glob(".tmp-step-*")) if root.exists() else None
         if len(seen) >= nth:
             time.sleep(delay_s)
-            for run_dir in Path(tempfile.gettempdir()).glob("pipeswift_run_*"):
+            for run_dir in Path(tempfile.gettempdir()).glob("pipeswift_run_*/segment*"):
                 try:
                     if (run_dir / "owner.pid").read_text() == me:
                         os.kill(int((run_dir / "rank1.pid").read_text()), signal.SIGKILL)

@@ -105,14 +105,19 @@ class AssemblyModel:
     def calibrate(cls, measurements) -> "AssemblyModel":
         """Fit ``base_s`` and ``per_stage_s`` to measured ``(P, assembly_s)`` pairs (or RunResults).
 
-        A RunResult counts as ``(its P, its jct.assembly_s)``. One measurement sets
+        A RunResult counts once per segment (``RunResult.segments``: each configuration's P and
+        measured assembly, restore included, so resizes teach the model too), or as ``(its P,
+        its jct.assembly_s)`` when it has no segment table. One measurement sets
         ``base_s`` alone (keeping the default per-stage cost); several fit both by least
         squares, clamped at zero slope. ``per_gpu_s`` is kept at 0: one machine cannot see it.
         """
         pairs = []
         for item in measurements:
-            if hasattr(item, "jct") and hasattr(item, "partition"):
-                pairs.append((item.partition.P, item.jct.assembly_s))
+            if hasattr(item, "jct") and hasattr(item, "segments"):
+                if len(item.segments):
+                    pairs += [(int(r.P), float(r.assembly_s + (r.restore_s if r.segment > 0 else 0.0))) for r in item.segments.itertuples()]
+                else:
+                    pairs.append((item.P, item.jct.assembly_s))
             else:
                 P, seconds = item
                 pairs.append((check_int("P", P, minimum=1), check_time("assembly_s", seconds)))
@@ -167,8 +172,9 @@ class CheckpointModel:
         * ``write_GBps`` — the median over every committed checkpoint of the largest rank's
           bytes over the stall the save caused (``RunResult.checkpoints``:
           ``largest_rank_bytes / blocking_ms``), so ``save_s`` is the checkpoint cost C of Young/Daly;
-        * ``read_GBps`` — the median over runs that resumed of the bytes the largest rank loaded
-          over ``restore_s`` (the default is kept, and said in a warning, when no run resumed);
+        * ``read_GBps`` — the median over every restore (a ``resume_from`` run's, or a resize's
+          in ``RunResult.segments``) of the bytes the largest rank loaded over its time (the
+          default is kept, and said in a warning, when nothing was restored);
         * ``teardown_s`` — the median of ``jct.cleanup_s`` minus the final save's stall.
 
         Raises ``ValueError`` when no run saved a checkpoint.
@@ -188,9 +194,10 @@ class CheckpointModel:
             final = table[table["kind"].isin(["final", "preempt"])]
             if len(final):
                 teardown.append(max(0.0, run.jct.cleanup_s - float(final["blocking_ms"].iloc[-1]) / 1e3))
-            restored_bytes = run.meta.get("restore_bytes", 0)
-            if run.restore_s > 0 and restored_bytes:
-                read.append(restored_bytes / run.restore_s / 1e9)
+            segments = getattr(run, "segments", None)
+            restores = ([(r.restore_bytes, r.restore_s) for r in segments.itertuples()] if segments is not None and len(segments)
+                        else [(run.meta.get("restore_bytes", 0), run.restore_s)])
+            read += [nbytes / seconds / 1e9 for nbytes, seconds in restores if seconds > 0 and nbytes]
         if not write:
             raise ValueError("CheckpointModel.calibrate needs runs that saved checkpoints (run(..., checkpoint_dir=...)); "
                              "none of the runs given did")

@@ -35,6 +35,9 @@ from ._display import html_card, text_card
 
 #: Columns of ``Timeline.df``, in order.
 COLUMNS = ("step", "rank", "stage", "microbatch", "kind", "start_ms", "end_ms")
+#: Integer columns a Timeline may carry besides COLUMNS: ``segment`` (a run's configuration since its last
+#: resize or rebalance) and ``replica`` (the data-parallel replica).
+OPTIONAL_COLUMNS = ("segment", "replica")
 #: Action kinds a Timeline may hold.
 KINDS = ("F", "B", "I", "W", "SEND_F", "RECV_F", "SEND_B", "RECV_B")
 #: Kinds that are computation (the rest are transfers).
@@ -457,13 +460,15 @@ def _normalize(df) -> pd.DataFrame:
     if not isinstance(df, pd.DataFrame):
         raise TypeError(f"df must be a pandas DataFrame with columns {list(COLUMNS)}; got {type(df).__name__}")
     missing = [c for c in COLUMNS if c not in df.columns]
-    extra = [c for c in df.columns if c not in COLUMNS]
+    extra = [c for c in df.columns if c not in COLUMNS + OPTIONAL_COLUMNS]
     if missing or extra:
-        raise ValueError(f"Timeline df must have exactly the columns {list(COLUMNS)}; missing {missing}, unexpected {extra}")
+        raise ValueError(f"Timeline df must have the columns {list(COLUMNS)} (and optionally {list(OPTIONAL_COLUMNS)}); "
+                         f"missing {missing}, unexpected {extra}")
+    present = COLUMNS + tuple(c for c in OPTIONAL_COLUMNS if c in df.columns)
     if len(df) == 0:
         raise ValueError("Timeline df has no rows")
     cols = {}
-    for c in ("step", "rank", "stage", "microbatch"):
+    for c in ("step", "rank", "stage", "microbatch") + present[len(COLUMNS):]:
         values = df[c].to_numpy()
         if values.dtype.kind not in "iu":
             numeric = pd.to_numeric(df[c], errors="coerce").to_numpy(dtype=float)
@@ -491,7 +496,7 @@ def _normalize(df) -> pd.DataFrame:
     order = np.lexsort((cols["end_ms"], cols["start_ms"], cols["rank"], cols["step"]))
     if not np.array_equal(order, np.arange(len(order))):
         cols = {c: v[order] for c, v in cols.items()}
-    return pd.DataFrame({c: cols[c] for c in COLUMNS})
+    return pd.DataFrame({c: cols[c] for c in present})
 
 
-__all__ = ["COLUMNS", "COMPUTE_KINDS", "KINDS", "SOURCES", "Timeline"]
+__all__ = ["OPTIONAL_COLUMNS", "COLUMNS", "COMPUTE_KINDS", "KINDS", "SOURCES", "Timeline"]

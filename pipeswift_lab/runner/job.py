@@ -11,6 +11,7 @@ recovery and restore time).
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -21,6 +22,8 @@ import time
 import uuid
 from contextlib import contextmanager
 from pathlib import Path
+
+import pandas as pd
 
 from .._checks import check_int, check_time
 from . import checkpoint as ckpt
@@ -159,7 +162,7 @@ def read_history(run_dir: Path) -> dict:
 def run(model, data, loss_fn, partition, m, schedule=None, steps=10, optimizer=None, nprocs=None, backend=None, devices=None,
         timeout_s=300, progress=True, save_spec=None, instrument=True, seed=0, start_method="forkserver", checkpoint_dir=None,
         checkpoint_every=None, keep=2, resume_from=None, max_restarts=0, mtbf_s=None, preempt_grace_s=30,
-        on_nonfinite="raise") -> RunResult:
+        on_nonfinite="raise", resize_at=None, partitions=None, profile=None, rebalance_every=None) -> RunResult:
     """Train ``model`` for ``steps`` steps as a real pipeline on ``torch.distributed.pipelining`` and measure it.
 
     * ``model`` — an ``nn.Sequential``; stage ``s`` is its children ``partition.bounds[s]``.
@@ -210,11 +213,26 @@ def run(model, data, loss_fn, partition, m, schedule=None, steps=10, optimizer=N
       with ``reason="nonfinite"`` naming the step and rank; the last good checkpoint stands),
       ``"skip"`` (drop that step's update and count it in ``skipped_steps``) or ``"ignore"``.
 
+    Changing the configuration within one job (:mod:`~pipeswift_lab.runner.segments`):
+
+    * ``resize_at={step: P}`` (with ``profile``, the Profile the partition came from) or
+      ``partitions={step: Partition}``: at each step every rank checkpoints, the workers stop,
+      the model is re-partitioned for the new P (balanced, memory caps respected) and new
+      workers restore and train on until ``steps``;
+    * ``rebalance_every=N`` (with ``profile``): every N steps each stage's measured compute is
+      compared with its profile; when the balanced partition of the rescaled profile is
+      predicted to save more over the remaining steps than a reconfiguration costs (measured),
+      the job moves its stage boundaries (same P). Every decision is a row of
+      ``RunResult.rebalances``; every segment one of ``RunResult.segments``.
+
+    Without ``checkpoint_dir`` the changes go through a temporary checkpoint root.
+
     Objects defined in a notebook cell or a test are serialized by value (cloudpickle). Workers
     exit when this process dies. Returns a :class:`RunResult`. Raises ``TypeError``/``ValueError``
     before any process starts for what can be checked in advance.
     """
     from .launch import START_METHODS
+    from .segments import combine, plan_segments
 
     launch_ns = time.time_ns()
     if start_method not in START_METHODS:
@@ -224,26 +242,59 @@ def run(model, data, loss_fn, partition, m, schedule=None, steps=10, optimizer=N
     steps_checked = check_int("steps", steps, minimum=1)
     job, resume, max_restarts = job_options(model, steps_checked, checkpoint_dir, checkpoint_every, keep, resume_from,
                                             max_restarts, mtbf_s, preempt_grace_s, on_nonfinite)
-    spec = make_spec(model, data, loss_fn, partition, m, schedule=schedule, steps=steps, optimizer=optimizer, nprocs=nprocs,
-                     backend=backend, devices=devices, timeout_s=timeout_s, instrument=instrument, seed=seed, job=job)
+    first_step = resume.step if resume is not None else 0
+    planned = plan_segments(model, partition, steps_checked, first_step, resize_at, partitions, profile, m, schedule)
+    rebalance = _rebalance_plan(rebalance_every, profile, partition, m, steps_checked, instrument)
+    common = dict(steps=steps, optimizer=optimizer, nprocs=nprocs, backend=backend, devices=devices, timeout_s=timeout_s,
+                  instrument=instrument, seed=seed)
+    specs = [make_spec(model, data, loss_fn, seg.partition, m, schedule=schedule, job=job, **common) for seg in planned]
     if resume is not None:
-        _check_optimizer(spec, resume)
-    deadline = time.monotonic() + spec.timeout_s
+        _check_optimizer(specs[0], resume)
     if save_spec is not None:
-        spec.save(save_spec)
+        specs[0].save(save_spec)
+    deadline = time.monotonic() + specs[0].timeout_s
     clean_stale_run_dirs()
     preemption = Preemption(job.preempt_grace_s)
+    changes = len(planned) > 1 or rebalance is not None
+    results, reasons = [], []
     with tempfile.TemporaryDirectory(prefix=_RUN_DIR_PREFIX) as tmp:
-        run_dir = Path(tmp)
-        (run_dir / _OWNER_FILE).write_text(str(os.getpid()))
-        spec_path = spec.save(run_dir / "spec.pkl")
-        desc = f"{spec.plan.schedule} P={spec.P} m={spec.m}"
-        with _sigterm_to(preemption):
-            gathered = launch(spec_path, run_dir, spec.P, deadline, spec.timeout_s, spec.steps, progress, desc, start_method,
-                              max_restarts=max_restarts, preemption=preemption)
-        history = read_history(run_dir)
-        end_ns = time.time_ns()
-    result = build_result(spec, gathered, launch_ns, end_ns, history=history)
+        (Path(tmp) / _OWNER_FILE).write_text(str(os.getpid()))  # a later run() removes the directory if this process dies
+        root = job.checkpoint_dir or str(Path(tmp) / "checkpoints")
+        current, start, reason, seg_launch_ns = planned[0].partition, first_step, "start", launch_ns
+        resume_path = job.resume_from
+        while True:
+            end = next((seg.start_step for seg in planned if seg.start_step > start), steps_checked)
+            is_last = end >= steps_checked
+            seg_job = dataclasses.replace(
+                job, checkpoint_dir=root if changes else job.checkpoint_dir, resume_from=resume_path, launch_ns=seg_launch_ns,
+                final_kind=("final" if job.checkpoint_dir else None) if is_last else "resize",
+                rebalance=dataclasses.replace(rebalance, cost_s=_last_switch_cost(results)) if rebalance is not None else None)
+            spec = make_spec(model, data, loss_fn, current, m, schedule=schedule, job=seg_job, **{**common, "steps": end})
+            run_dir = Path(tmp) / f"segment{len(results)}"
+            run_dir.mkdir()
+            (run_dir / _OWNER_FILE).write_text(str(os.getpid()))
+            spec_path = spec.save(run_dir / "spec.pkl")
+            desc = f"{spec.plan.schedule} P={spec.P} m={spec.m}" + (f" (segment {len(results)})" if changes else "")
+            with _sigterm_to(preemption):
+                gathered = launch(spec_path, run_dir, spec.P, deadline, spec.timeout_s, spec.steps, progress, desc, start_method,
+                                  max_restarts=max_restarts, preemption=preemption)
+            history = read_history(run_dir)
+            seg_end_ns = time.time_ns()
+            result = build_result(spec, gathered, seg_launch_ns, seg_end_ns, history=history)
+            results.append(result)
+            reasons.append(reason)
+            if result.status == "rebalance":
+                current = _rebalanced(profile, current, result.meta["new_bounds"], m)
+                reason = "rebalance"
+            elif result.status == "completed" and not is_last:
+                current = next(seg.partition for seg in planned if seg.start_step == end)
+                reason = "resize"
+            else:
+                break
+            start = result.first_step + len(result.step_ms)
+            resume_path = result.checkpoint
+            seg_launch_ns = seg_end_ns
+    result = combine(results, reasons)
     if result.status == "nonfinite":
         info = result.meta["nonfinite"]
         standing = result.checkpoint or "none was saved"
@@ -255,3 +306,39 @@ def run(model, data, loss_fn, partition, m, schedule=None, steps=10, optimizer=N
         err.step = info["step"]
         raise err
     return result
+
+
+def _rebalance_plan(rebalance_every, profile, partition, m, steps, instrument):
+    """The :class:`~pipeswift_lab.runner.rebalance.RebalancePlan` of ``rebalance_every`` (None without), checked."""
+    if rebalance_every is None:
+        return None
+    from .rebalance import RebalancePlan
+
+    every = check_int("rebalance_every", rebalance_every, minimum=1)
+    if profile is None:
+        raise ValueError("rebalance_every needs profile=... (the Profile the partition came from) to compare measured stage times with")
+    if not instrument:
+        raise ValueError("rebalance_every needs the measured stage times: use instrument=True")
+    table = profile.df if hasattr(profile, "df") else profile
+    if not isinstance(table, pd.DataFrame):
+        raise TypeError(f"profile must be a pipeswift_lab.Profile or a per-layer DataFrame; got {type(profile).__name__}")
+    if len(table) != partition.bounds[-1][1]:
+        raise ValueError(f"profile has {len(table)} layers but the partition cuts {partition.bounds[-1][1]}; pass the profile it came from")
+    kwargs = {"schedule": partition.schedule, "v": partition.v, "m": m, "mem_limit_bytes": partition.mem_limit_bytes,
+              "optimizer": partition.optimizer, "link": partition.link}
+    return RebalancePlan(every=every, profile=table.reset_index(drop=True), partition_kwargs=kwargs, job_steps=steps)
+
+
+def _rebalanced(profile, current, bounds, m):
+    from ..partition import Partition
+
+    return Partition.from_bounds(profile, [tuple(b) for b in bounds], v=current.v, schedule=current.schedule, link=current.link, m=m,
+                                 optimizer=current.optimizer, mem_limit_bytes=current.mem_limit_bytes, method="rebalanced")
+
+
+def _last_switch_cost(results) -> float | None:
+    """The measured cost of the last change of configuration: its save, teardown, the next assembly and restore (None before any)."""
+    if len(results) < 2:
+        return None
+    before, after = results[-2], results[-1]
+    return before.jct.cleanup_s + after.jct.assembly_s + after.restore_s  # cleanup: the switch's save and teardown

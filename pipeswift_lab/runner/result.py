@@ -37,6 +37,9 @@ class RunResult:
       ``model.state_dict()``;
     * ``status`` — ``"completed"``, ``"preempted"`` (stopped by SIGTERM after a clean save at
       the same step on every rank) or ``"nonfinite"`` (carried by the ``RunError``);
+    * ``segments`` — one row per configuration the job ran in (``P``, ``bounds``, steps, and the
+      measured ``save_s``, ``teardown_s``, ``assembly_s``, ``restore_s`` of each change; see
+      ``run(resize_at=...)``); ``rebalances`` — every rebalancing decision, taken or not;
     * ``first_step`` — the step the measured steps start from: 0, or the step the run (or its
       last restart) resumed from; ``step_ms``, ``losses`` and the timeline cover steps
       ``first_step`` .. the last step done;
@@ -79,6 +82,8 @@ class RunResult:
     recovery_s: float = 0.0
     restore_s: float = 0.0
     skipped_steps: tuple[int, ...] = ()
+    segments: pd.DataFrame = field(default_factory=lambda: pd.DataFrame(), compare=False, repr=False)
+    rebalances: pd.DataFrame = field(default_factory=lambda: pd.DataFrame(), compare=False, repr=False)
 
     def state_dict(self) -> "OrderedDict[str, torch.Tensor]":
         """The final parameters and buffers from every rank, keyed and ordered like ``model.state_dict()`` (CPU tensors)."""
@@ -275,6 +280,8 @@ def build_result(spec, gathered: dict, launch_ns: int, end_ns: int, launched_by:
         standing = restored[0]["path"]
     meta = {"run": "measured", "launched_by": launched_by, "state_keys": tuple(spec.state_keys), "bounds": spec.plan.bounds,
             "stage_to_rank": spec.plan.stage_to_rank, "clock": "wall clock (time.time_ns) via a per-rank perf_counter offset",
+            "t0_ns": t0, "launch_ns": launch_ns, "end_ns": end_ns, "rebalances": list(first.get("rebalances") or []),
+            "new_bounds": first.get("new_bounds"),
             "step_start_ms": tuple((x - t0) / 1e6 for x in starts), "assembly_phases": phases,
             "nonfinite": last.get("nonfinite"),
             "resumed_from": restored[0]["path"] if restored else None, "rng_restored": bool(restored and restored[0]["rng_restored"]),

@@ -123,6 +123,9 @@ class JobOptions:
     on_nonfinite: str = "raise"  # "raise", "skip" or "ignore" (see ON_NONFINITE)
     preempt_grace_s: float = 30.0  # after SIGTERM, seconds to finish the step and save before being killed
     run_id: str | None = None  # written into every manifest: restarts and retention see only this run's checkpoints
+    final_kind: str | None = "final"  # the save at the last step: "final", "resize" before a reconfiguration, None: none
+    rebalance: Any = None  # a runner.rebalance.RebalancePlan: decide every N steps whether to move stage boundaries
+    launch_ns: int | None = None  # wall clock when this segment's launch began (the measured assembly starts there)
 
 
 @dataclass(frozen=True)

@@ -122,6 +122,7 @@ class Checkpointer:
         self.step_s: list[float] = []
         self.last_saved_step = None
         self.latest = None
+        self.saves = 0  # saves this attempt took, counted on every rank
 
     @property
     def enabled(self) -> bool:
@@ -148,8 +149,8 @@ class Checkpointer:
             return True
         return done - self.last_saved_step >= self.interval_steps()
 
-    def save(self, step: int, kind: str) -> None:
-        """Every rank writes its state for ``step`` steps done; rank 0 commits and logs it."""
+    def save(self, step: int, kind: str) -> float:
+        """Every rank writes its state for ``step`` steps done; rank 0 commits and logs it. Returns this rank's stall in s."""
         t0 = time.perf_counter()
         tmp = _broadcast(str(ckpt.new_tmp_dir(self.root, step)) if self.rank == 0 else None, self.group)
         mine = ckpt.save_rank_state(Path(tmp), self.rank, self.module, self.optimizer, self.device, self.group)
@@ -165,6 +166,8 @@ class Checkpointer:
             self.save_s.append(blocking_ms / 1e3)  # C is what the job stalls for: DCP write, checksums, commit
             self.latest = str(path)
         self.last_saved_step = step
+        self.saves += 1
+        return (time.perf_counter() - t0)
 
     def _manifest(self, step: int, kind: str) -> dict:
         spec, plan = self.spec, self.spec.plan
@@ -188,6 +191,44 @@ def _restore_source(spec, rank, group, attempt):
             chosen = str(found.path) if found is not None else job.resume_from
         return _broadcast(chosen, group)
     return job.resume_from
+
+
+def _rebalance_due(plan, done: int, first_step: int, segment_end: int) -> bool:
+    return done < segment_end and (done - first_step) % plan.every == 0
+
+
+def _rebalance_decision(spec, rank, world, group, recorder, saver, done, first_step, ready_ns, restored, proc_start_ns) -> dict:
+    """Gather every stage's measured compute per step since the last decision; rank 0 decides; all get the decision.
+
+    The reconfiguration cost is measured: the previous switch's (save, teardown, assembly,
+    restore) when there was one; otherwise this worker's start-to-ready (process, rendezvous,
+    process groups, stages, restore; a fork server's one-time start is left out, a new segment
+    does not pay it again), a save taken now if none was yet (a real checkpoint), and a restore
+    estimated as long as that save.
+    """
+    from .rebalance import decide, measured_stage_ms
+
+    plan = spec.job.rebalance
+    if plan.cost_s is None and saver.saves == 0:
+        saver.save(done, "periodic")
+    start = max(done - plan.every, first_step + 1 if done - first_step > 1 else first_step)  # leave out the warm-up step
+    mine = measured_stage_ms(recorder.rows(), spec.plan.stages_of(rank), start, done)
+    parts = _gather(mine, rank, world, group)
+    decision = None
+    if rank == 0:
+        stage_ms = {}
+        for part in parts:
+            stage_ms.update(part)
+        if plan.cost_s is not None:
+            cost_s = plan.cost_s
+        else:
+            started = max(x for x in (proc_start_ns, spec.job.launch_ns, 0) if x is not None)
+            assembly_s = max(0.0, (ready_ns - started) / 1e9) if started else 0.0
+            save_s = saver.save_s[-1] if saver.save_s else 0.0
+            restore_s = restored["restore_ms"] / 1e3 if restored else save_s
+            cost_s = assembly_s + save_s + restore_s
+        decision = decide(plan, spec.plan.bounds, [stage_ms[s] for s in range(spec.plan.n_stages)], done, cost_s)
+    return _broadcast(decision, group)
 
 
 def train(spec, rank, world, device, out_dir: Path, progress, gather_group, proc_start, entered, build_stages, make_schedule):
@@ -227,7 +268,7 @@ def train(spec, rank, world, device, out_dir: Path, progress, gather_group, proc
 
     progress_path = out_dir / PROGRESS_FILE if progress and holds_last else None
     step_start, step_end, losses, skipped = [], [], [], []
-    status, nonfinite = "completed", None
+    status, nonfinite, new_bounds, rebalances = "completed", None, None, []
     flags = torch.zeros(3, dtype=torch.int64)
     for step in range(first_step, spec.steps):
         if holds_first or holds_last:
@@ -269,9 +310,17 @@ def train(spec, rank, world, device, out_dir: Path, progress, gather_group, proc
             break
         if saver.periodic_due(done) or vote:
             saver.save(done, "auto" if vote else "periodic")
+        if job.rebalance is not None and _rebalance_due(job.rebalance, done, first_step, spec.steps):
+            decision = _rebalance_decision(spec, rank, world, gather_group, recorder, saver, done, first_step, ready, restored, proc_start)
+            if rank == 0:
+                rebalances.append(decision)
+            if decision["taken"]:
+                saver.save(done, "rebalance")
+                status, new_bounds = "rebalance", decision["new_bounds"]
+                break
     interval = saver.interval_steps()  # the interval the run used, before the final save joins the measurements
-    if status == "completed" and saver.enabled and saver.last_saved_step != spec.steps:
-        saver.save(spec.steps, "final")
+    if status == "completed" and saver.enabled and job.final_kind and saver.last_saved_step != spec.steps:
+        saver.save(spec.steps, job.final_kind)
     final_ns = recorder.now_ns()
 
     state = {}
@@ -283,6 +332,6 @@ def train(spec, rank, world, device, out_dir: Path, progress, gather_group, proc
         "state": state, "process_start_ns": proc_start, "entered_ns": entered, "ready_ns": ready,
         "threads": torch.get_num_threads(), "first_step": first_step, "status": status, "nonfinite": nonfinite,
         "skipped_steps": skipped, "restored": restored, "final_ns": final_ns, "attempt": attempt,
-        "checkpoint": saver.latest, "interval_steps": interval,
+        "checkpoint": saver.latest, "interval_steps": interval, "rebalances": rebalances, "new_bounds": new_bounds,
     }
     return _gather(payload, rank, world, gather_group)
