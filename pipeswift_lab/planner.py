@@ -9,7 +9,9 @@ time::
     step = simulated pipeline step + gradient all-reduce over D replicas + optimizer step
 
 It also weighs *starting small and growing*: run on the GPUs free now, then, when more
-free up, checkpoint, re-assemble on more and finish there.
+free up, checkpoint, re-assemble on more and finish there; and *shrinking*: when GPUs a
+configuration holds are taken mid-run (availability drops), it is no longer feasible as
+planned, and the plan continues it on what stays free (see :mod:`._plan_strategies`).
 
 The profile is taken at one micro-batch size ``b0`` (``profile.meta["batch_size"]``);
 layer times and activation bytes are scaled linearly to other micro-batch sizes, which
@@ -33,6 +35,7 @@ from .costs import AssemblyModel, Availability, CheckpointModel, allreduce_ms, p
 from .jct import JCT, TERMS
 from .link import Link, check_link
 from ._plan_search import Evaluator, MicrobatchCosts
+from ._plan_strategies import first_drop, grow_rows, shrink_rows, split_by_drops
 from .partition import OPTIMIZER_STATE_FACTOR, Partition, partition
 from .schedules import validate
 
@@ -437,7 +440,8 @@ def plan(
         rows.append(evaluate(row, split, terms))
         if rows[-1]["feasible"]:
             total = sum(rows[-1][t] for t in TERMS)
-            best_by_wait[row["queue_s"]] = min(best_total, total)
+            if first_drop(availability, row["gpus"], row["queue_s"], total) is None:  # one that loses its GPUs bounds nothing
+                best_by_wait[row["queue_s"]] = min(best_total, total)
     # The configuration a bubble-minded engineer picks (smallest closed-form bubble, then the most
     # micro-batch chunks) on the best's GPU count is always simulated, so that the plan can show
     # what choosing by the bubble costs.
@@ -462,10 +466,18 @@ def plan(
     if feasible.empty:
         raise ValueError(_no_fit_message(table, gpus, global_batch, mem_per_gpu_bytes, mb_sizes))
     feasible = feasible.assign(total_s=feasible[list(TERMS)].sum(axis=1))
-    grow = _grow_rows(feasible, availability, assembly, checkpoint, steps, mtbf_s)
-    ranked = pd.concat([feasible, grow], ignore_index=True).sort_values(["total_s", "gpus", "step_ms"], kind="stable")
+    feasible, lost = split_by_drops(feasible, availability)
+    if feasible.empty and lost.empty:
+        raise ValueError(_no_fit_message(table, gpus, global_batch, mem_per_gpu_bytes, mb_sizes))
+    shrink = shrink_rows(lost, feasible, availability, assembly, checkpoint, steps, mtbf_s)
+    grow = grow_rows(feasible, availability, assembly, checkpoint, steps, mtbf_s) if not feasible.empty else feasible
+    parts = [x for x in (feasible, grow, shrink) if not x.empty]
+    if not parts:
+        raise ValueError(_no_fit_message(table, gpus, global_batch, mem_per_gpu_bytes, mb_sizes)
+                         + "\nevery configuration loses GPUs mid-run and none fits the GPUs that stay free")
+    ranked = pd.concat(parts, ignore_index=True).sort_values(["total_s", "gpus", "step_ms"], kind="stable")
     unsimulated = table[(table["feasible"] == True) & (table["simulated"] != True)].sort_values("jct_lower_bound_s", kind="stable")  # noqa: E712
-    rejected = table[table["feasible"] != True].assign(total_s=math.nan)  # noqa: E712
+    rejected = pd.concat([lost, table[table["feasible"] != True].assign(total_s=math.nan)], ignore_index=True)  # noqa: E712
     out = pd.concat([ranked, unsimulated, rejected], ignore_index=True).drop(columns=["_shard_bytes"], errors="ignore")
     out["feasible"] = out["feasible"].astype(bool)
     out["simulated"] = out["simulated"].fillna(False).astype(bool)
@@ -477,44 +489,6 @@ def plan(
         "profiled_batch_sizes": costs.sizes, "optimizer": optimizer, "link": link, "mem_per_gpu_bytes": mem_per_gpu_bytes,
     }  # fmt: skip
     return Plan(out, inputs, costs)
-
-
-def _grow_rows(feasible, availability, assembly, checkpoint, steps, mtbf_s) -> pd.DataFrame:
-    """Start on the best configuration free now; when more GPUs free up, move to the best one there.
-
-    The move costs a checkpoint save, a new assembly and a restore; the steps done before
-    it are kept. One row per later availability level. Not weighed with ``mtbf_s`` (the
-    preemption term of a job that changes shape mid-way is not modelled).
-    """
-    now = feasible[(feasible["queue_s"] == 0) & (feasible["strategy"] == "start")]
-    if now.empty or len(availability.points) < 2 or mtbf_s is not None:
-        return feasible.iloc[0:0]
-    small = now.loc[now["total_s"].idxmin()]
-    rows = []
-    for t, free in availability.points[1:]:
-        later = feasible[(feasible["gpus"] <= free) & (feasible["gpus"] > small["gpus"])]
-        if later.empty:
-            continue
-        big = later.loc[later["training_s"].idxmin()]
-        first_steps = (t - small["assembly_s"]) / (small["step_ms"] / 1000.0)
-        if first_steps <= 0 or first_steps >= steps:
-            continue
-        done = math.floor(first_steps)
-        move_s = checkpoint.save_s(small["_shard_bytes"]) + assembly.seconds(int(big["P"]), int(big["D"])) + checkpoint.restore_s(big["_shard_bytes"])
-        training = done * small["step_ms"] / 1000.0 + (steps - done) * big["step_ms"] / 1000.0
-        # the time of the partial step cut short by the move is lost
-        lost = t - small["assembly_s"] - done * small["step_ms"] / 1000.0
-        row = big.to_dict()
-        row.update(
-            strategy=f"grow at {_hours(t)} from P{int(small['P'])}×D{int(small['D'])} m{int(small['m'])} b{int(small['microbatch_size'])} {small['schedule']}",
-            queue_s=0.0,
-            assembly_s=small["assembly_s"] + move_s + lost,
-            training_s=training,
-            preemption_loss_s=0.0,
-        )
-        row["total_s"] = sum(row[term] for term in TERMS)
-        rows.append(row)
-    return pd.DataFrame(rows, columns=feasible.columns)
 
 
 def _no_fit_message(table, gpus, global_batch, mem, mb_sizes) -> str:
