@@ -140,26 +140,32 @@ class AssemblyModel:
 class CheckpointModel:
     """Checkpoint costs: every stage writes and reads its own shard in parallel.
 
-    ``write_GBps``/``read_GBps`` are per-stage storage bandwidths (defaults 1 and 2 GB/s,
-    a shared file system); ``teardown_s`` is process and communicator teardown (10 s).
+    A save of a shard of ``bytes`` takes ``save_latency_s + bytes / write_GBps``, a restore
+    ``restore_latency_s + bytes / read_GBps``: a fixed part (the checkpoint library's planning
+    collectives, file creation, fsync, commit) and a bandwidth part. Defaults: 1 and 2 GB/s
+    per stage (a shared file system), no fixed part; ``teardown_s`` is process and communicator
+    teardown (10 s). :meth:`calibrate` measures all five on real runs.
     """
 
     write_GBps: float = 1.0
     read_GBps: float = 2.0
     teardown_s: float = 10.0
+    save_latency_s: float = 0.0
+    restore_latency_s: float = 0.0
 
     def __post_init__(self):
-        object.__setattr__(self, "write_GBps", check_time("write_GBps", self.write_GBps, allow_zero=False))
-        object.__setattr__(self, "read_GBps", check_time("read_GBps", self.read_GBps, allow_zero=False))
-        object.__setattr__(self, "teardown_s", check_time("teardown_s", self.teardown_s))
+        for name in ("write_GBps", "read_GBps"):
+            object.__setattr__(self, name, check_time(name, getattr(self, name), allow_zero=False))
+        for name in ("teardown_s", "save_latency_s", "restore_latency_s"):
+            object.__setattr__(self, name, check_time(name, getattr(self, name)))
 
     def save_s(self, largest_stage_bytes: float) -> float:
-        """Seconds to write a checkpoint whose largest stage shard has ``largest_stage_bytes``."""
-        return check_time("largest_stage_bytes", largest_stage_bytes) / (self.write_GBps * 1e9)
+        """Seconds to write a checkpoint whose largest stage shard (parameters + optimizer state) has ``largest_stage_bytes``."""
+        return self.save_latency_s + check_time("largest_stage_bytes", largest_stage_bytes) / (self.write_GBps * 1e9)
 
     def restore_s(self, largest_stage_bytes: float) -> float:
         """Seconds to read it back."""
-        return check_time("largest_stage_bytes", largest_stage_bytes) / (self.read_GBps * 1e9)
+        return self.restore_latency_s + check_time("largest_stage_bytes", largest_stage_bytes) / (self.read_GBps * 1e9)
 
     def cleanup_s(self, largest_stage_bytes: float) -> float:
         """The final save plus teardown."""
@@ -167,49 +173,74 @@ class CheckpointModel:
 
     @classmethod
     def calibrate(cls, runs) -> "CheckpointModel":
-        """Fit the model to what real runs measured (``RunResult``s of ``run(..., checkpoint_dir=...)``).
+        """Fit the model to what real runs measured (``RunResult``s of ``run(..., checkpoint_dir=...)`` or with resizes).
 
-        * ``write_GBps`` — the median over every committed checkpoint of the largest rank's
-          bytes over the stall the save caused (``RunResult.checkpoints``:
-          ``largest_rank_bytes / blocking_ms``), so ``save_s`` is the checkpoint cost C of Young/Daly;
-        * ``read_GBps`` — the median over every restore (a ``resume_from`` run's, or a resize's
-          in ``RunResult.segments``) of the bytes the largest rank loaded over its time (the
-          default is kept, and said in a warning, when nothing was restored);
+        * saves — every committed checkpoint of ``RunResult.checkpoints``: the largest rank's
+          state bytes (``largest_rank_state_bytes``, the tensors, as the planner counts a
+          shard) against the stall the save caused (``blocking_ms``), so ``save_s`` is the
+          checkpoint cost C of Young/Daly;
+        * restores — every restore (a ``resume_from`` run's, or each resize's in
+          ``RunResult.segments``): the bytes the largest rank loaded against its time;
+        * each is fitted as ``latency + bytes / bandwidth`` by least squares when the shards
+          differ in size by at least 10% and the fit is physical, else as latency with the
+          default bandwidth (one size, or small noisy shards, cannot tell them apart); restores
+          keep the defaults, with a warning, when nothing was restored;
         * ``teardown_s`` — the median of ``jct.cleanup_s`` minus the final save's stall.
 
         Raises ``ValueError`` when no run saved a checkpoint.
         """
         import warnings
+        from statistics import median
 
         runs = [runs] if hasattr(runs, "checkpoints") else list(runs)
         for i, run in enumerate(runs):
             if not hasattr(run, "checkpoints") or not hasattr(run, "jct"):
                 raise TypeError(f"runs[{i}] must be a RunResult; got {type(run).__name__}")
-        write, read, teardown = [], [], []
+        saves, restores, teardown = [], [], []
         for run in runs:
             table = run.checkpoints
-            for _, row in table.iterrows():
-                if row["blocking_ms"] > 0:  # what the job stalls for: DCP write, checksums and commit
-                    write.append(row["largest_rank_bytes"] / (row["blocking_ms"] / 1e3) / 1e9)
+            size = "largest_rank_state_bytes" if "largest_rank_state_bytes" in table else "largest_rank_bytes"
+            saves += [(float(r[size]), r["blocking_ms"] / 1e3) for _, r in table.iterrows() if r["blocking_ms"] > 0]
             final = table[table["kind"].isin(["final", "preempt"])]
             if len(final):
                 teardown.append(max(0.0, run.jct.cleanup_s - float(final["blocking_ms"].iloc[-1]) / 1e3))
             segments = getattr(run, "segments", None)
-            restores = ([(r.restore_bytes, r.restore_s) for r in segments.itertuples()] if segments is not None and len(segments)
-                        else [(run.meta.get("restore_bytes", 0), run.restore_s)])
-            read += [nbytes / seconds / 1e9 for nbytes, seconds in restores if seconds > 0 and nbytes]
-        if not write:
+            pairs = ([(r.restore_bytes, r.restore_s) for r in segments.itertuples()] if segments is not None and len(segments)
+                     else [(run.meta.get("restore_bytes", 0), run.restore_s)])
+            restores += [(float(b), float(t)) for b, t in pairs if t > 0 and b]
+        if not saves:
             raise ValueError("CheckpointModel.calibrate needs runs that saved checkpoints (run(..., checkpoint_dir=...)); "
                              "none of the runs given did")
         default = cls()
-        if not read:
-            warnings.warn(f"no run resumed from a checkpoint, so read_GBps keeps its default {default.read_GBps} GB/s; "
-                          "calibrate with a run(..., resume_from=...) to measure it", UserWarning, stacklevel=2)
+        save_latency, write = _latency_bandwidth(saves, default.write_GBps)
+        if restores:
+            restore_latency, read = _latency_bandwidth(restores, default.read_GBps)
+        else:
+            warnings.warn(f"nothing was restored, so read_GBps keeps its default {default.read_GBps} GB/s; calibrate with a "
+                          "run(..., resume_from=...) or a resize to measure it", UserWarning, stacklevel=2)
+            restore_latency, read = default.restore_latency_s, default.read_GBps
+        return cls(write_GBps=write, read_GBps=read, teardown_s=median(teardown) if teardown else default.teardown_s,
+                   save_latency_s=save_latency, restore_latency_s=restore_latency)
 
-        from statistics import median
 
-        return cls(write_GBps=median(write), read_GBps=median(read) if read else default.read_GBps,
-                   teardown_s=median(teardown) if teardown else default.teardown_s)
+def _latency_bandwidth(samples, default_GBps: float) -> tuple[float, float]:
+    """``(latency_s, GBps)`` of ``seconds = latency + bytes / (GBps * 1e9)`` fitted to ``(bytes, seconds)`` samples.
+
+    Least squares when the sizes differ by 10% or more and the fit is physical (positive
+    slope, non-negative intercept); otherwise the median time beyond what ``default_GBps``
+    explains is latency (small shards: the fixed costs dominate and hide the bandwidth).
+    """
+    from statistics import median
+
+    sizes = [b for b, _ in samples]
+    if len(samples) >= 2 and max(sizes) >= 1.1 * min(sizes):
+        mean_b = sum(sizes) / len(sizes)
+        mean_t = sum(t for _, t in samples) / len(samples)
+        slope = sum((b - mean_b) * (t - mean_t) for b, t in samples) / sum((b - mean_b) ** 2 for b in sizes)
+        latency = mean_t - slope * mean_b
+        if slope > 0 and latency >= 0:
+            return latency, 1.0 / (slope * 1e9)
+    return max(0.0, median(t for _, t in samples) - median(sizes) / (default_GBps * 1e9)), default_GBps
 
 
 def young_daly_interval_s(checkpoint_s: float, mtbf_s: float) -> float:

@@ -306,7 +306,7 @@ def section_checkpoints(ctx: ReportContext) -> Section:
     fig.tight_layout()
     model = CheckpointModel.calibrate([preempted, resumed])
     table = pd.concat([preempted.checkpoints.assign(run="preempted"), resumed.checkpoints.assign(run="resumed")], ignore_index=True)
-    table = table[["run", "step", "kind", "bytes", "largest_rank_bytes", "save_ms", "blocking_ms"]]
+    table = table[["run", "step", "kind", "bytes", "largest_rank_state_bytes", "save_ms", "blocking_ms"]]
     done = preempted.first_step + len(preempted.step_ms)
     intro = (
         f"<p>The reference GPT on P={P} CPU ranks, a job of {steps} steps with a checkpoint every {max(1, steps // 4)} steps "
@@ -315,15 +315,15 @@ def section_checkpoints(ctx: ReportContext) -> Section:
         f"at step {done}. Resuming there trained {resumed.steps - resumed.first_step} more steps and ended "
         f"{'bitwise equal to' if same else 'DIFFERENT from'} the job run without interruption. Against restarting from zero, "
         f"the measured JCT of the whole job was {resume_jct.total_s:.3g} s vs {restart_jct.total_s:.3g} s; the work the restart "
-        f"throws away is the preempted run's {lost.training_s:.3g} s of training. Saves took a median "
-        f"{table['save_ms'].median():.3g} ms ({model.write_GBps:.3g} GB/s per rank) and the restore "
-        f"{resumed.restore_s * 1e3:.3g} ms; <code>CheckpointModel.calibrate</code> turns these into the planner's checkpoint "
-        "costs.</p>"
+        f"throws away is the preempted run's {lost.training_s:.3g} s of training. Saves stalled the job a median "
+        f"{table['blocking_ms'].median():.3g} ms and the restore took {resumed.restore_s * 1e3:.3g} ms; "
+        "<code>CheckpointModel.calibrate</code> turns these into the planner's checkpoint costs (a fixed part plus bytes over "
+        "a bandwidth).</p>"
     )
     summary = [f"checkpoints: preempted at step {done}/{steps}, resumed {'bitwise equal' if same else 'NOT EQUAL'}; JCT "
                f"resume {resume_jct.total_s:.3g} s vs restart {restart_jct.total_s:.3g} s"]
-    costs = pd.DataFrame([{"parameter": "write_GBps", "value": model.write_GBps}, {"parameter": "read_GBps", "value": model.read_GBps},
-                          {"parameter": "teardown_s", "value": model.teardown_s}])
+    costs = pd.DataFrame([{"parameter": name, "value": getattr(model, name)}
+                          for name in ("save_latency_s", "write_GBps", "restore_latency_s", "read_GBps", "teardown_s")])
     return Section("Checkpoints, preemption and resume", intro, [fig],
                    {"checkpoints": table, "resume_vs_restart": JCT.table(resume_jct, restart_jct), "checkpoint_model": costs}, summary)
 

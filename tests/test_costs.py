@@ -88,3 +88,17 @@ def test_allreduce():
     assert allreduce_ms(1e9, 4, 10, latency_ms=0.01) == pytest.approx(2 * 3 / 4 * 100 + 6 * 0.01)
     with pytest.raises(ValueError, match="bandwidth_GBps=0.0 is invalid"):
         allreduce_ms(1, 2, 0)
+
+
+def test_checkpoint_model_latency_and_bandwidth_fit():
+    from pipeswift_lab.costs import _latency_bandwidth
+
+    samples = [(b, 0.05 + b / 2e9) for b in (1e8, 2e8, 4e8)]  # 50 ms fixed, 2 GB/s
+    latency, GBps = _latency_bandwidth(samples, 1.0)
+    assert latency == pytest.approx(0.05) and GBps == pytest.approx(2.0)
+    latency, GBps = _latency_bandwidth([(1e6, 0.1), (1e6, 0.3)], 1.0)  # one size: all latency, default bandwidth
+    assert GBps == 1.0 and latency == pytest.approx(0.2 - 1e6 / 1e9)
+    model = CheckpointModel(save_latency_s=0.5, restore_latency_s=0.25)
+    assert model.save_s(1e9) == pytest.approx(1.5) and model.restore_s(2e9) == pytest.approx(1.25)
+    with pytest.raises(ValueError, match="save_latency_s"):
+        CheckpointModel(save_latency_s=-1)

@@ -320,7 +320,7 @@ def save_rank_state(tmp_dir: Path, rank: int, module, optimizer, device, group) 
     files = {}
     for path in sorted(tmp_dir.glob(f"__{rank}_*.distcp")):
         files[path.name] = {"bytes": path.stat().st_size, "sha256": sha256_of(path)}
-    return {"files": files, "save_ms": save_ms}
+    return {"files": files, "save_ms": save_ms, "state_bytes": state_bytes(state)}
 
 
 def restore_rank_state(path: Path, rank: int, module, optimizer, device, group, restore_rng: bool) -> dict:
@@ -346,14 +346,18 @@ def restore_rank_state(path: Path, rank: int, module, optimizer, device, group, 
         if "cuda" in saved:  # pragma: no cover - needs GPUs
             torch.cuda.set_rng_state(saved["cuda"], device)
 
-    def nbytes(obj):
-        if isinstance(obj, torch.Tensor):
-            return obj.numel() * obj.element_size()
-        if isinstance(obj, dict):
-            return sum(nbytes(v) for v in obj.values())
-        return 0
+    return {"restore_ms": (time.perf_counter() - t0) * 1e3, "bytes": state_bytes(state)}
 
-    return {"restore_ms": (time.perf_counter() - t0) * 1e3, "bytes": nbytes(state)}
+
+def state_bytes(obj) -> int:
+    """Bytes of the tensors in a (nested) state dict: what a rank's parameters and optimizer state weigh."""
+    import torch
+
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, dict):
+        return sum(state_bytes(v) for v in obj.values())
+    return 0
 
 
 def new_tmp_dir(root: Path, step: int) -> Path:

@@ -14,7 +14,8 @@ from .instrument import KINDS
 from .worker import RESULT_FILE
 
 #: Columns of ``RunResult.checkpoints``: one row per committed checkpoint.
-CHECKPOINT_COLUMNS = ("step", "path", "bytes", "largest_rank_bytes", "save_ms", "blocking_ms", "kind", "attempt", "interval_steps")
+CHECKPOINT_COLUMNS = ("step", "path", "bytes", "largest_rank_bytes", "largest_rank_state_bytes", "save_ms", "blocking_ms", "kind",
+                      "attempt", "interval_steps")
 #: Timeline columns, in the simulator's order.
 TIMELINE_COLUMNS = ("step", "rank", "stage", "microbatch", "kind", "start_ms", "end_ms")
 
@@ -43,8 +44,9 @@ class RunResult:
     * ``first_step`` — the step the measured steps start from: 0, or the step the run (or its
       last restart) resumed from; ``step_ms``, ``losses`` and the timeline cover steps
       ``first_step`` .. the last step done;
-    * ``checkpoints`` — one row per checkpoint committed (``step``, ``path``, ``bytes``,
-      ``largest_rank_bytes``, ``save_ms`` the slowest rank's DCP write, ``blocking_ms`` the
+    * ``checkpoints`` — one row per checkpoint committed (``step``, ``path``, ``bytes`` of its
+      files, ``largest_rank_bytes`` the largest rank's files, ``largest_rank_state_bytes`` the
+      tensors behind them, ``save_ms`` the slowest rank's DCP write, ``blocking_ms`` the
       stall of the step loop, ``kind`` periodic/auto/preempt/final, ``attempt``);
       ``checkpoint`` — the newest complete one (None without ``checkpoint_dir``);
     * ``restarts`` — workers restarted after a crash; ``steps_redone`` — steps trained again

@@ -119,7 +119,8 @@ def combine(results, reasons):
     timeline = None
     if frames and len(frames) == len(results):
         timeline = Timeline(pd.concat(frames, ignore_index=True), source="measured",
-                            meta={**last.timeline.meta, "segments": len(results), "P": [r.P for r in results]})
+                            meta={**last.timeline.meta, "segments": len(results), "P": max(r.P for r in results),
+                                  "P_by_segment": [r.P for r in results]})
     switch_restore_s = sum(r.restore_s for r in results[1:])  # a change's restore is part of its re-assembly
     jct = JCT(assembly_s=sum(r.jct.assembly_s for r in results) + switch_restore_s, training_s=sum(r.jct.training_s for r in results),
               cleanup_s=sum(r.jct.cleanup_s for r in results),

@@ -160,7 +160,8 @@ class Checkpointer:
             blocking_ms = (time.perf_counter() - t0) * 1e3
             largest = max(sum(f["bytes"] for f in p["files"].values()) for p in parts)
             record = {"step": step, "path": str(path), "bytes": sum(f["bytes"] for p in parts for f in p["files"].values()),
-                      "largest_rank_bytes": largest, "save_ms": max(p["save_ms"] for p in parts), "blocking_ms": blocking_ms,
+                      "largest_rank_bytes": largest, "largest_rank_state_bytes": max(p["state_bytes"] for p in parts),
+                      "save_ms": max(p["save_ms"] for p in parts), "blocking_ms": blocking_ms,
                       "kind": kind, "attempt": self.attempt, "interval_steps": self.interval_steps(), "end_ns": time.time_ns()}
             _append(self.out_dir / CHECKPOINTS_LOG, json.dumps(record))
             self.save_s.append(blocking_ms / 1e3)  # C is what the job stalls for: DCP write, checksums, commit
