@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from . import models
 from ._checks import SCHEDULES
+from .calibrate import Calibration, calibrate
 from .analytic import activation_memory_bytes, bubble_overhead, bubble_ratio, inflight_microbatches, step_ms
 from .jct import JCT
 from .link import Link
@@ -33,9 +34,11 @@ __all__ = [
     "RunResult",
     "ScheduleDeadlock",
     "Timeline",
+    "Calibration",
     "activation_memory_bytes",
     "bubble_overhead",
     "bubble_ratio",
+    "calibrate",
     "compare",
     "compute_orders",
     "explore",

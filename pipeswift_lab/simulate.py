@@ -136,8 +136,12 @@ def _from_table(df: pd.DataFrame, schedule, v):
     return _Stages(fwd, bwd, wgrad, out_bytes, act, P, v, schedule, None)
 
 
-def _prepare(partition, m, schedule, v, link, wgrad_fraction):
-    """Validate :func:`simulate`'s arguments; return the stage table and per-kind durations."""
+def _prepare(partition, m, schedule, v, link, wgrad_fraction, calibration=None):
+    """Validate :func:`simulate`'s arguments; return the stage table and per-kind durations.
+
+    With a ``calibration`` (:class:`~pipeswift_lab.calibrate.Calibration`) the durations are
+    its calibrated ones and, when no ``link`` is given, its fitted transfers are used.
+    """
     if isinstance(partition, Partition):
         st = _from_partition(partition, schedule, v)
     elif isinstance(partition, pd.DataFrame):
@@ -169,22 +173,31 @@ def _prepare(partition, m, schedule, v, link, wgrad_fraction):
     if link is not None:
         transfer = [link.transfer_ms(b) for b in st.out_bytes]
     durations = (st.fwd, st.bwd, [max(0.0, b - w) for b, w in zip(st.bwd, wgrad)], wgrad)
+    if calibration is not None:
+        from .calibrate import check_calibration
+
+        calibration = check_calibration(calibration)
+        durations = calibration.action_durations(durations, st.P)
+        if link is None:
+            transfer = calibration.transfer_ms(st.out_bytes if st.out_bytes is not None else [0.0] * st.S)
     if tuple(placement) != stage_to_rank(st.P, v, schedule):  # pragma: no cover - guarded in _from_partition
         raise ValueError(f"stage placement {list(placement)} is not the one schedule={schedule!r} runs")
     return st, m, schedule, v, placement, link, durations, transfer, split_source
 
 
-def simulate_step_ms(partition, m, schedule=None, v=None, link=None, wgrad_fraction=None) -> float:
+def simulate_step_ms(partition, m, schedule=None, v=None, link=None, wgrad_fraction=None, calibration=None) -> float:
     """The simulated step time (ms) alone: :func:`simulate`'s ``step_ms`` without building the Timeline.
 
-    For searches over many configurations (the planner); takes the same arguments.
+    For searches over many configurations (the planner); takes the same arguments. Like
+    ``Timeline.step_ms`` it is the action span: with a ``calibration``, add
+    ``calibration.step_overhead_ms(schedule)`` for the whole step.
     """
-    st, m, schedule, v, placement, link, durations, transfer, _ = _prepare(partition, m, schedule, v, link, wgrad_fraction)
+    st, m, schedule, v, placement, link, durations, transfer, _ = _prepare(partition, m, schedule, v, link, wgrad_fraction, calibration)
     rows = _run(_lowered(st.P, m, schedule, v), st.P, m, st.S, durations, transfer, False)
     return max(row[5] for row in rows)
 
 
-def simulate(partition, m, schedule=None, v=None, link=None, wgrad_fraction=None) -> Timeline:
+def simulate(partition, m, schedule=None, v=None, link=None, wgrad_fraction=None, calibration=None) -> Timeline:
     """Simulate one training step of ``m`` micro-batches; return the predicted :class:`Timeline`.
 
     ``partition`` is a :class:`~pipeswift_lab.partition.Partition`, or a DataFrame with one
@@ -197,10 +210,18 @@ def simulate(partition, m, schedule=None, v=None, link=None, wgrad_fraction=None
     backward into ``I = bwd - wgrad`` and ``W = wgrad``, with ``wgrad = wgrad_fraction *
     bwd`` when ``wgrad_fraction`` is given, else the profile's ``wgrad_ms``, else
     :data:`~pipeswift_lab.analytic.DEFAULT_WGRAD_FRACTION` of ``bwd``.
+
+    ``calibration`` (a :class:`~pipeswift_lab.calibrate.Calibration` from
+    :func:`~pipeswift_lab.calibrate.calibrate`) turns profiled times into the times a real
+    run takes: each action lasts ``scale(P) * profiled + action_ms + gap_ms``, transfers take
+    the fitted latency (and bandwidth) unless a ``link`` is given, and
+    ``meta["step_overhead_ms"]`` holds the runtime's per-step time outside the actions, so
+    the whole predicted step is ``step_ms + meta["step_overhead_ms"]``
+    (:func:`~pipeswift_lab.calibrate.whole_step_ms`).
     """
-    st, m, schedule, v, placement, link, durations, transfer, split_source = _prepare(partition, m, schedule, v, link, wgrad_fraction)
+    st, m, schedule, v, placement, link, durations, transfer, split_source = _prepare(partition, m, schedule, v, link, wgrad_fraction, calibration)
     ops = _lowered(st.P, m, schedule, v)
-    rows = _run(ops, st.P, m, st.S, durations, transfer, link is not None)
+    rows = _run(ops, st.P, m, st.S, durations, transfer, link is not None or any(transfer))
     df = _rows_frame(rows)
     meta = {
         "schedule": schedule,
@@ -212,7 +233,12 @@ def simulate(partition, m, schedule=None, v=None, link=None, wgrad_fraction=None
         "stage_bwd_ms": list(st.bwd),
         "wgrad_split": split_source,
         "link": link.as_dict() if link is not None else None,
+        "step_overhead_ms": calibration.step_overhead_ms(schedule) if calibration is not None else 0.0,
     }
+    if any(transfer):
+        meta["stage_transfer_ms"] = list(transfer)
+    if calibration is not None:
+        meta["calibration"] = calibration.label
     if st.act_bytes is not None:
         meta["stage_activation_bytes"] = list(st.act_bytes)
     return Timeline(df, source="simulated", meta=meta)
@@ -368,10 +394,11 @@ def _one_f_one_b_ops(rank, P, m, low):
 
 
 # --------------------------------------------------------------------------- engine
-def _run(ops, P, m, S, durations, transfer, with_comm_rows):
+def _run(ops, P, m, S, durations, transfer, with_comm_rows, per_action=None):
     """Execute the per-rank operation lists; return the rows ``(rank, stage, mb, kind, start, end)``.
 
-    ``durations`` is ``(fwd, bwd, igrad, wgrad)``, one list per kind with one entry per stage.
+    ``durations`` is ``(fwd, bwd, igrad, wgrad)``, one list per kind with one entry per stage;
+    ``per_action`` optionally overrides single actions: ``{(kind_code * S + stage, microbatch): ms}``.
     """
     dur = [d for per_kind in durations for d in per_kind]  # flat, indexed kind_code * S + stage
     signal = [None] * (5 * S * m)
@@ -396,7 +423,7 @@ def _run(ops, P, m, S, durations, transfer, with_comm_rows):
                 if value > t:
                     t = value
             elif code == 1:  # _COMPUTE
-                end = t + dur[op[2]]
+                end = t + (dur[op[2]] if per_action is None else per_action.get((op[2], op[4]), dur[op[2]]))
                 append((r, op[3], op[4], op[5], t, end))
                 t = end
                 signal[op[1]] = end
@@ -461,6 +488,40 @@ def _deadlock_message(ops, pc, stuck, S, m):
     return "the pipeline order deadlocks: " + "; ".join(parts) + more
 
 
+def replay(measured, step, transfer_ms=None, step_overhead_ms=0.0) -> Timeline:
+    """Re-simulate one measured step with its own measured action durations; return the replayed Timeline.
+
+    ``measured`` is a measured :class:`~pipeswift_lab.timeline.Timeline` whose ``meta`` names
+    ``schedule``, ``P``, ``m`` and ``v`` (a ``RunResult.timeline``); every ``F``/``B``/``I``/``W``
+    of ``step`` keeps its measured duration and the simulator places it by the schedule's
+    order and dependencies, with ``transfer_ms`` (one value per stage boundary, default 0)
+    for the transfers. The gap between the replayed and the measured step is what the
+    schedule and communication model misses; the gap between a prediction and the replay is
+    what its action durations miss. ``meta["step_overhead_ms"]`` is set to ``step_overhead_ms``.
+    """
+    meta = getattr(measured, "meta", None) or {}
+    missing = [k for k in ("schedule", "P", "m", "v") if k not in meta]
+    if missing:
+        raise ValueError(f"measured timeline meta lacks {missing}; replay needs the schedule, P, m and v a RunResult's timeline records")
+    schedule, P, m, v = canonical_schedule(meta["schedule"]), int(meta["P"]), int(meta["m"]), int(meta["v"])
+    S = P * v
+    df = measured.df
+    df = df[(df["step"] == step) & df["kind"].isin(_KIND_NAMES)]
+    if df.empty:
+        raise ValueError(f"step={step} has no compute actions in the measured timeline")
+    code = {k: i for i, k in enumerate(("F", "B", "I", "W"))}
+    dur = (df["end_ms"] - df["start_ms"]).to_numpy(float)
+    per_action = {(code[k] * S + int(s), int(i)): float(d) for k, s, i, d in zip(df["kind"], df["stage"], df["microbatch"], dur)}
+    zeros = [0.0] * S
+    transfer = list(transfer_ms) if transfer_ms is not None else zeros
+    if len(transfer) != S:
+        raise ValueError(f"transfer_ms has {len(transfer)} values; give one per stage ({S})")
+    rows = _run(_lowered(P, m, schedule, v), P, m, S, (zeros, zeros, zeros, zeros), transfer, any(transfer), per_action)
+    out = dict(meta)
+    out.update({"replayed_step": int(step), "step_overhead_ms": float(step_overhead_ms)})
+    return Timeline(_rows_frame(rows), source="simulated", meta=out)
+
+
 def simulate_order(orders, stage_table, m, link=None, placement=None) -> Timeline:
     """Simulate a hand-written order with the multi-chunk runtime's semantics (async sends).
 
@@ -504,4 +565,4 @@ def simulate_order(orders, stage_table, m, link=None, placement=None) -> Timelin
     return Timeline(df, source="simulated", meta=meta)
 
 
-__all__ = ["ScheduleDeadlock", "simulate", "simulate_order"]
+__all__ = ["ScheduleDeadlock", "replay", "simulate", "simulate_order"]

@@ -61,10 +61,48 @@ class RunResult:
         return model
 
     @property
+    def steady_step(self) -> int:
+        """The step :attr:`steady_step_ms` is taken from: the median step after the first (see :data:`~pipeswift_lab.runner.compare.MEASURED_STEP`)."""
+        from .compare import steady_step_index
+
+        return steady_step_index(self.step_ms)
+
+    @property
     def steady_step_ms(self) -> float:
-        """Median step time without the first step (which warms up allocators and communicators); the only step if there is one."""
-        times = self.step_ms[1:] if len(self.step_ms) > 1 else self.step_ms
-        return float(pd.Series(times).median())
+        """The measured step: :data:`~pipeswift_lab.runner.compare.MEASURED_STEP` (``compare``, ``calibrate`` and the report use it).
+
+        The whole step (first rank starting it to the last rank finishing it, optimizer step
+        included) of the median step after the first, which warms up allocators and
+        communicators; for an even count the lower of the two middle steps, so the number is
+        a step that happened and its Gantt chart can be shown. The only step if there is one.
+        """
+        return float(self.step_ms[self.steady_step])
+
+    def step_stats(self, window=100) -> pd.DataFrame:
+        """Step-time dispersion per window of ``window`` steps and for the whole run, the warm-up step excluded.
+
+        One row per window (``window`` = 0, 1, ...; the last may be shorter) and a last row
+        ``window="all"``: ``first_step``, ``last_step``, ``steps``, ``mean_ms``, ``std_ms``
+        (sample std, NaN for one step), ``cv`` (std / mean), ``p50_ms``, ``p95_ms`` (linear
+        interpolation), ``max_ms``.
+        """
+        from .._checks import check_int
+
+        window = check_int("window", window, minimum=1)
+        first = 1 if len(self.step_ms) > 1 else 0
+        times = pd.Series(list(self.step_ms[first:]), index=range(first, len(self.step_ms)), dtype=float)
+
+        def stats(name, part):
+            std = float(part.std(ddof=1)) if len(part) > 1 else float("nan")
+            return {"window": name, "first_step": int(part.index[0]), "last_step": int(part.index[-1]), "steps": len(part),
+                    "mean_ms": float(part.mean()), "std_ms": std, "cv": std / float(part.mean()), "p50_ms": float(part.median()),
+                    "p95_ms": float(part.quantile(0.95)), "max_ms": float(part.max())}
+
+        rows = [stats(k, times.iloc[i:i + window]) for k, i in enumerate(range(0, len(times), window))]
+        rows.append(stats("all", times))
+        out = pd.DataFrame(rows)
+        out["window"] = out["window"].astype(object)
+        return out
 
     @property
     def df(self) -> pd.DataFrame:

@@ -1,0 +1,528 @@
+"""Fitting the simulator to measured runs, and publishing its error before and after.
+
+A profile times each layer alone; inside a pipeline the same layer runs slower (ranks share
+cores and memory bandwidth), torch's schedule runtime spends time outside the actions, and
+transfers have latency. :func:`calibrate` fits a small model of these effects to the
+measured Timelines of one or more :class:`~pipeswift_lab.runner.RunResult` of one model:
+
+* ``compute_scale[P=k]`` — measured action time over profiled time when ``k`` ranks run
+  at once, and ``action_ms`` — a fixed cost inside every action (kernel launch, hooks,
+  Python): one least-squares fit ``measured = scale[P] * profiled + action_ms`` over the
+  median duration of every (run, stage, kind);
+* ``latency_ms`` and ``bandwidth_GBps`` — a transfer as seen by the runtime, from the gaps
+  between a sender's action end and the receiver's action start, counted only where the
+  receiver was already idle (so the gap is the transfer, not a queue): their median, or a
+  least-squares line ``gap = latency + bytes / bandwidth`` when the boundaries carry
+  different sizes (Hockney's alpha-beta model, as :class:`~pipeswift_lab.link.Link`);
+* ``step_overhead_ms[single-chunk]`` / ``[multi-chunk]`` — the time a step spends outside
+  its first-to-last action span (schedule runtime, optimizer step): the median over steps,
+  per runtime (``ScheduleGPipe``/``Schedule1F1B`` against ``_PipelineScheduleRuntime``);
+* ``gap_ms`` — the runtime's time between consecutive actions of a rank (receive posting,
+  bookkeeping): fitted last, by least squares of the relative error of the simulated
+  against the measured action span over the runs, with everything above fixed;
+* ``step_cv`` — the step-time dispersion, the median over runs of the coefficient of
+  variation of the steps after the warm-up; the planner's p95 uses it.
+
+A calibrated simulation runs each action for ``scale[P] * profiled + action_ms + gap_ms``
+and adds ``step_overhead_ms`` of its runtime to the span. :meth:`Calibration.error` gives
+the error before and after on any runs (held out or not). A parameter the runs cannot
+determine (no multi-chunk run, one boundary size, one profiled duration) is left at a
+stated default with a warning naming it; the rest are fitted.
+
+"The measured step" is everywhere :attr:`RunResult.steady_step_ms`:
+:data:`pipeswift_lab.runner.compare.MEASURED_STEP`.
+"""
+from __future__ import annotations
+
+import json
+import math
+import warnings
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from ._checks import MULTI_CHUNK_SCHEDULES, canonical_schedule
+from ._display import html_card, text_card
+from .analytic import DEFAULT_WGRAD_FRACTION
+
+#: Runtime kinds with a per-step overhead of their own.
+RUNTIMES = ("single-chunk", "multi-chunk")
+_KIND_CODE = ("F", "B", "I", "W")
+_FORMAT = "pipeswift_lab.calibration/1"
+
+
+class CalibrationWarning(UserWarning):
+    """A calibration parameter could not be fitted from the runs given; the warning names it and its default."""
+
+
+def runtime_of(schedule: str) -> str:
+    """``"multi-chunk"`` for schedules torch runs with ``_PipelineScheduleRuntime``, ``"single-chunk"`` for GPipe and 1F1B."""
+    return "multi-chunk" if canonical_schedule(schedule) in MULTI_CHUNK_SCHEDULES else "single-chunk"
+
+
+def whole_step_ms(timeline) -> float:
+    """A simulated Timeline's whole step: its action span plus ``meta["step_overhead_ms"]`` (0 without a calibration)."""
+    return float(timeline.step_ms) + float(timeline.meta.get("step_overhead_ms", 0.0) or 0.0)
+
+
+def check_calibration(calibration):
+    """Return ``calibration`` if it is a :class:`Calibration` or None; raise ``TypeError`` otherwise."""
+    if calibration is not None and not isinstance(calibration, Calibration):
+        raise TypeError(f"calibration must be a pipeswift_lab.calibrate.Calibration (from psl.calibrate(runs, profile)) or None; got {type(calibration).__name__}")
+    return calibration
+
+
+# --------------------------------------------------------------------------- the fitted model
+
+
+@dataclass(frozen=True, repr=False)
+class Calibration:
+    """The fitted parameters (see the module docstring) and the profile they apply to.
+
+    ``df`` lists every parameter: ``parameter``, ``value``, ``unit``, ``how`` (how it was
+    fitted, from how many samples, or why it kept its default).
+    """
+
+    compute_scale: dict  # number of co-running ranks P -> measured / profiled action time
+    action_ms: float  # fixed cost inside every action, ms
+    gap_ms: float  # runtime time between consecutive actions of a rank, ms
+    step_overhead: dict  # runtime kind -> ms a step spends outside its action span
+    latency_ms: float  # per transfer, ms
+    bandwidth_GBps: float  # inf when not fitted (transfers take latency_ms only)
+    step_cv: float  # coefficient of variation of the step after warm-up (nan when not fitted)
+    how: dict = field(default_factory=dict, compare=False)  # parameter -> how it was fitted
+    profile_table: pd.DataFrame = field(default=None, compare=False)  # per-layer profile the runs were predicted from
+    profile_batch_size: int | None = None  # micro-batch size of that profile (None: use it as is)
+    meta: dict = field(default_factory=dict, compare=False)  # runs fitted on (their keys), model fingerprint
+
+    # ------------------------------------------------------------------ applying it
+    def scale(self, P: int) -> float:
+        """The compute scale for ``P`` co-running ranks: the fitted one, else that of the nearest fitted P (ties: the larger)."""
+        if P in self.compute_scale:
+            return float(self.compute_scale[P])
+        nearest = min(self.compute_scale, key=lambda k: (abs(k - P), -k))
+        return float(self.compute_scale[nearest])
+
+    def action_durations(self, durations, P: int):
+        """Per-kind per-stage durations ``(fwd, bwd, igrad, wgrad)`` as a calibrated run of ``P`` ranks takes them."""
+        s, extra = self.scale(P), self.action_ms + self.gap_ms
+        return tuple([s * d + extra for d in kind] for kind in durations)
+
+    def transfer_ms(self, nbytes) -> list[float]:
+        """Calibrated ms of a transfer of each boundary's ``nbytes``: ``latency_ms + bytes / bandwidth``."""
+        bw = self.bandwidth_GBps
+        return [self.latency_ms + (0.0 if not math.isfinite(bw) else float(b) / (bw * 1e6)) for b in nbytes]
+
+    def step_overhead_ms(self, schedule: str) -> float:
+        """Calibrated per-step overhead of ``schedule``'s runtime (0 when that runtime was not fitted)."""
+        value = self.step_overhead.get(runtime_of(schedule), math.nan)
+        return 0.0 if not math.isfinite(value) else float(value)
+
+    @property
+    def label(self) -> str:
+        """``calibrated on N runs``."""
+        return f"calibrated on {len(self.meta.get('runs', ()))} runs"
+
+    # ------------------------------------------------------------------ tables
+    @property
+    def df(self) -> pd.DataFrame:
+        """Every parameter: ``parameter``, ``value``, ``unit``, ``how``."""
+        rows = [(f"compute_scale[P={P}]", v, "x profiled") for P, v in sorted(self.compute_scale.items())]
+        rows += [("action_ms", self.action_ms, "ms per action"), ("gap_ms", self.gap_ms, "ms per action")]
+        rows += [(f"step_overhead_ms[{k}]", self.step_overhead.get(k, math.nan), "ms per step") for k in RUNTIMES]
+        rows += [("latency_ms", self.latency_ms, "ms per transfer"), ("bandwidth_GBps", self.bandwidth_GBps, "GB/s"),
+                 ("step_cv", self.step_cv, "std / mean of the step")]
+        return pd.DataFrame([{"parameter": p, "value": float(v), "unit": u, "how": self.how.get(p, "")} for p, v, u in rows])
+
+    def error(self, runs, progress=False) -> pd.DataFrame:
+        """Per run: the measured step (:attr:`RunResult.steady_step_ms`), the prediction before and after calibration, both relative errors.
+
+        Columns: ``run`` (index in ``runs``), ``schedule``, ``P``, ``v``, ``m``, ``in_fit``
+        (whether the run was one this calibration was fitted on: ``False`` is the held-out
+        check), ``measured_step_ms``, ``predicted_before_ms`` (the uncalibrated simulated
+        step), ``predicted_after_ms`` (calibrated span plus the runtime's step overhead),
+        ``rel_error_before``, ``rel_error_after`` (``(predicted - measured) / measured``).
+        """
+        from .simulate import simulate
+
+        runs = _check_runs(runs, self.meta.get("model"))
+        fitted = set(self.meta.get("runs", ()))
+        rows = []
+        for i, run in enumerate(runs):
+            part = _partition_of(run, self.profile_table, self.profile_batch_size, i)
+            measured = float(run.steady_step_ms)
+            before = simulate(part, run.m, schedule=run.schedule).step_ms
+            after = whole_step_ms(simulate(part, run.m, schedule=run.schedule, calibration=self))
+            rows.append({"run": i, "schedule": run.schedule, "P": run.P, "v": run.v, "m": run.m, "in_fit": _run_key(run) in fitted,
+                         "measured_step_ms": measured, "predicted_before_ms": before, "predicted_after_ms": after,
+                         "rel_error_before": (before - measured) / measured, "rel_error_after": (after - measured) / measured})
+        return pd.DataFrame(rows)
+
+    def plot(self, runs, ax=None):
+        """Predicted against measured step of ``runs``, before (hollow) and after (filled) calibration, with the y = x line. Returns the Axes."""
+        from .plot import get_ax
+
+        table = self.error(runs)
+        ax = get_ax(ax, figsize=(5.0, 4.6))
+        hi = float(np.nanmax(table[["measured_step_ms", "predicted_before_ms", "predicted_after_ms"]].to_numpy())) * 1.08
+        ax.plot([0, hi], [0, hi], color="#888888", linestyle="--", linewidth=1, label="y = x")
+        held = ~table["in_fit"]
+        for mask, marker, name in ((held, "o", "held out"), (~held, "s", "fitted on")):
+            if mask.any():
+                sub = table[mask]
+                ax.scatter(sub["measured_step_ms"], sub["predicted_before_ms"], marker=marker, facecolors="none", edgecolors="#d62728",
+                           label=f"before ({name})")
+                ax.scatter(sub["measured_step_ms"], sub["predicted_after_ms"], marker=marker, color="#1f77b4", label=f"after ({name})")
+        ax.set_xlim(0, hi)
+        ax.set_ylim(0, hi)
+        ax.set_xlabel("measured step (ms, steady_step_ms)")
+        ax.set_ylabel("predicted step (ms)")
+        med_b, med_a = table["rel_error_before"].abs().median(), table["rel_error_after"].abs().median()
+        ax.set_title(f"median |error| {med_b:.0%} before, {med_a:.0%} after")
+        ax.legend(fontsize="small")
+        return ax
+
+    # ------------------------------------------------------------------ files
+    def save(self, path) -> str:
+        """Write the calibration (parameters, how, the profile table) as JSON to ``path``; return the path."""
+        data = {
+            "format": _FORMAT, "compute_scale": {str(k): v for k, v in self.compute_scale.items()}, "action_ms": self.action_ms,
+            "gap_ms": self.gap_ms, "step_overhead": dict(self.step_overhead), "latency_ms": self.latency_ms,
+            "bandwidth_GBps": self.bandwidth_GBps, "step_cv": self.step_cv, "how": dict(self.how),
+            "profile_table": None if self.profile_table is None else self.profile_table.to_dict(orient="list"),
+            "profile_batch_size": self.profile_batch_size, "meta": _jsonable(self.meta),
+        }
+        Path(path).write_text(json.dumps(data, indent=1), encoding="utf-8")
+        return str(path)
+
+    @classmethod
+    def load(cls, path) -> "Calibration":
+        """Read a calibration written by :meth:`save`."""
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
+        if not isinstance(data, dict) or data.get("format") != _FORMAT:
+            raise ValueError(f"{str(path)!r} is not a pipeswift_lab calibration (format {_FORMAT!r})")
+        meta = dict(data["meta"])
+        meta["runs"] = tuple(_tuples(k) for k in meta.get("runs", ()))
+        if "model" in meta:
+            meta["model"] = _tuples(meta["model"])
+        table = None if data["profile_table"] is None else pd.DataFrame(data["profile_table"])
+        return cls({int(k): float(v) for k, v in data["compute_scale"].items()}, float(data["action_ms"]), float(data["gap_ms"]),
+                   {k: float(v) for k, v in data["step_overhead"].items()}, float(data["latency_ms"]), float(data["bandwidth_GBps"]),
+                   float(data["step_cv"]), dict(data["how"]), table, data["profile_batch_size"], meta)
+
+    # ------------------------------------------------------------------ display
+    def _summary(self) -> dict:
+        scales = ", ".join(f"P={P}: {v:.3g}x" for P, v in sorted(self.compute_scale.items()))
+        return {"runs": len(self.meta.get("runs", ())), "compute_scale": scales, "action_ms + gap_ms": self.action_ms + self.gap_ms,
+                "step_overhead_ms": ", ".join(f"{k} {v:.3g}" for k, v in self.step_overhead.items()),
+                "latency_ms": self.latency_ms, "step_cv": self.step_cv}
+
+    def _repr_html_(self) -> str:
+        return html_card(f"Calibration ({self.label})", self._summary(), self.df)
+
+    def __str__(self) -> str:
+        return text_card(f"Calibration ({self.label})", self._summary())
+
+    __repr__ = __str__
+
+
+def _tuples(value):
+    """JSON lists back to (nested) tuples."""
+    return tuple(_tuples(v) for v in value) if isinstance(value, (list, tuple)) else value
+
+
+def _jsonable(value):
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    if isinstance(value, (np.integer,)):
+        return int(value)
+    if isinstance(value, (np.floating,)):
+        return float(value)
+    return value
+
+
+# --------------------------------------------------------------------------- inputs
+
+
+def _run_key(run) -> tuple:
+    """A run's identity: configuration and its measured step times."""
+    return (run.schedule, int(run.P), int(run.v), int(run.m), tuple(round(float(t), 6) for t in run.step_ms))
+
+
+def _model_of(run) -> tuple:
+    meta = getattr(run, "meta", {}) or {}
+    return (meta.get("n_layers"), tuple(meta.get("state_keys", ())))
+
+
+def _check_runs(runs, model=None) -> list:
+    """Validate ``runs``: RunResults of one model, each with a measured Timeline."""
+    if not isinstance(runs, (list, tuple)):
+        runs = [runs]
+    runs = list(runs)
+    if not runs:
+        raise ValueError("runs is empty; give one or more RunResults (psl.run(...)) of the same model")
+    for i, run in enumerate(runs):
+        needed = ("timeline", "step_ms", "schedule", "P", "v", "m", "meta")
+        if not all(hasattr(run, a) for a in needed):
+            raise TypeError(f"runs[{i}] must be a pipeswift_lab.RunResult (from psl.run); got {type(run).__name__}")
+        if run.timeline is None or not getattr(run, "instrumented", True):
+            raise ValueError(f"runs[{i}] ({run.schedule} P={run.P} m={run.m}) has no Timeline: it ran with instrument=False; "
+                             f"calibration needs the measured actions, rerun it with instrument=True (the default)")
+        if "bounds" not in run.meta:
+            raise ValueError(f"runs[{i}] has no stage bounds in its meta; calibrate needs RunResults from psl.run or load_result")
+    first = _model_of(runs[0]) if model is None else (model[0], tuple(model[1]))
+    for i, run in enumerate(runs):
+        other = _model_of(run)
+        if other != first:
+            if other[0] != first[0]:
+                detail = f"{other[0]} layers against {first[0]}"
+            else:
+                diff = sorted(set(other[1]) ^ set(first[1]))
+                detail = f"parameters differ, e.g. {diff[:3]}"
+            whose = "runs[0]" if model is None else "the runs this calibration was fitted on"
+            raise ValueError(f"runs[{i}] ({run.schedule} P={run.P} m={run.m}) is a run of a different model than {whose} ({detail}); "
+                             f"calibrate each model on its own runs")
+    return runs
+
+
+def _profile_table(profile):
+    """``(per-layer DataFrame, micro-batch size or None)`` of a Profile or a per-layer DataFrame."""
+    df = getattr(profile, "df", profile)
+    if not isinstance(df, pd.DataFrame) or not {"fwd_ms", "bwd_ms"} <= set(df.columns):
+        raise TypeError(f"profile must be a pipeswift_lab.Profile or a per-layer DataFrame with fwd_ms and bwd_ms; got {type(profile).__name__}")
+    meta = getattr(profile, "meta", {}) or {}
+    size = meta.get("batch_size")
+    return df.reset_index(drop=True), (int(size) if size else None)
+
+
+def _partition_of(run, table: pd.DataFrame, batch_size, index: int):
+    """The Partition a run executed, with the profile's times (scaled to the run's micro-batch size when both are known)."""
+    from .partition import Partition
+
+    n_run = run.meta.get("n_layers")
+    bounds = [tuple(int(x) for x in b) for b in run.meta["bounds"]]
+    if (n_run is not None and n_run != len(table)) or bounds[-1][1] != len(table):
+        raise ValueError(f"the profile has {len(table)} layers but runs[{index}] ({run.schedule} P={run.P} m={run.m}) partitioned a model of "
+                         f"{n_run if n_run is not None else bounds[-1][1]} layers (stage bounds {bounds}); profile the model the runs trained")
+    mb = run.meta.get("microbatch_size")
+    if batch_size and mb and int(mb) != batch_size:
+        table = table.copy()
+        for col in ("fwd_ms", "bwd_ms", "wgrad_ms", "activation_bytes", "output_bytes"):
+            if col in table.columns:
+                table[col] = table[col] * (int(mb) / batch_size)
+    return Partition.from_bounds(table, bounds, v=run.v, schedule=run.schedule, m=run.m)
+
+
+def _steady(run) -> list[int]:
+    n = len(run.step_ms)
+    return list(range(1, n)) if n > 1 else list(range(n))
+
+
+def _profiled_durations(part) -> dict:
+    """``{(stage, kind): profiled ms}`` as the simulator splits a backward (``I = B - W``)."""
+    out = {}
+    for s in range(len(part.stage_fwd_ms)):
+        b = part.stage_bwd_ms[s]
+        w = part.stage_wgrad_ms[s] if part.stage_wgrad_ms is not None else DEFAULT_WGRAD_FRACTION * b
+        out.update({(s, "F"): part.stage_fwd_ms[s], (s, "B"): b, (s, "I"): max(0.0, b - w), (s, "W"): w})
+    return out
+
+
+def _transfer_gaps(df: pd.DataFrame, part) -> list[tuple[float, float]]:
+    """``(bytes, gap_ms)`` for every cross-rank hand-off whose receiver sat idle before the data was sent."""
+    placement = list(part.stage_to_rank)
+    S = len(placement)
+    out = []
+    for _, step in df.groupby("step"):
+        step = step.sort_values(["rank", "start_ms"], kind="stable")
+        prev_end = step.groupby("rank")["end_ms"].shift(1).fillna(-math.inf).to_numpy()
+        by_key = {(int(s), int(i), k): (st, en) for s, i, k, st, en in zip(step["stage"], step["microbatch"], step["kind"], step["start_ms"], step["end_ms"])}
+        for (s, i, k, start, ready) in zip(step["stage"], step["microbatch"], step["kind"], step["start_ms"], prev_end):
+            s, i = int(s), int(i)
+            if k == "F" and s > 0 and placement[s - 1] != placement[s]:
+                sender, boundary = by_key.get((s - 1, i, "F")), s - 1
+            elif k in ("B", "I") and s < S - 1 and placement[s + 1] != placement[s]:
+                sender = by_key.get((s + 1, i, "B")) or by_key.get((s + 1, i, "I"))
+                boundary = s
+            else:
+                continue
+            if sender is None or ready > sender[1]:
+                continue  # the receiver was still busy when the data was sent: the gap is a queue, not a transfer
+            out.append((float(part.stage_output_bytes[boundary]), float(start - sender[1])))
+    return out
+
+
+# --------------------------------------------------------------------------- fitting
+
+
+def calibrate(runs, profile, progress=False) -> Calibration:
+    """Fit the simulator to measured runs of one model; return a :class:`Calibration`.
+
+    ``runs`` is one or more :class:`~pipeswift_lab.runner.RunResult` of the same model (any
+    P, m, schedule, partition), instrumented (the default of :func:`~pipeswift_lab.run`);
+    ``profile`` the :class:`~pipeswift_lab.Profile` (or per-layer DataFrame) their partitions
+    came from. With ``profile.meta["batch_size"]`` and the runs' micro-batch size both
+    known and different, layer times are scaled in proportion. The parameters, their units
+    and how each was fitted are in ``Calibration.df`` (the module docstring gives the model).
+    A parameter the runs cannot determine keeps a stated default and a
+    :class:`CalibrationWarning` names it.
+    """
+    from .simulate import simulate_step_ms
+
+    runs = _check_runs(runs)
+    table, batch_size = _profile_table(profile)
+    parts = [_partition_of(run, table, batch_size, i) for i, run in enumerate(runs)]
+    how: dict = {}
+    missing: list[str] = []
+
+    # 1. compute scale per P and the fixed cost per action: least squares over (run, stage, kind) medians
+    samples = []  # (P, profiled, measured)
+    spans, overheads, gaps, cvs = [], {k: [] for k in RUNTIMES}, [], []
+    for run, part in zip(runs, parts):
+        steady = _steady(run)
+        df = run.timeline.df
+        df = df[df["step"].isin(steady) & df["kind"].isin(_KIND_CODE)]
+        if df.empty:
+            raise ValueError(f"the run {run.schedule} P={run.P} m={run.m} has no measured actions in steps {steady}")
+        profiled = _profiled_durations(part)
+        med = (df["end_ms"] - df["start_ms"]).groupby([df["stage"], df["kind"]]).median()
+        samples += [(run.P, profiled[(int(s), k)], float(d)) for (s, k), d in med.items()]
+        span = df.groupby("step")["end_ms"].max() - df.groupby("step")["start_ms"].min()
+        spans.append(float(span.median()))
+        overheads[runtime_of(run.schedule)] += [run.step_ms[k] - span[k] for k in steady if k in span.index]
+        gaps += _transfer_gaps(df, part)
+        if len(steady) >= 2:
+            times = np.asarray([run.step_ms[k] for k in steady], float)
+            cvs.append(float(times.std(ddof=1) / times.mean()))
+    scale, action_ms = _fit_compute(samples, how, missing)
+
+    # 2. transfers from the idle receivers' gaps
+    latency_ms, bandwidth = _fit_transfer(gaps, how, missing)
+
+    # 3. per-step overhead per runtime
+    step_overhead = {}
+    for kind in RUNTIMES:
+        values = overheads[kind]
+        name = f"step_overhead_ms[{kind}]"
+        if values:
+            step_overhead[kind] = max(0.0, float(np.median(values)))
+            how[name] = f"median over {len(values)} steps of the step time minus its first-to-last action span"
+        else:
+            step_overhead[kind] = math.nan
+            how[name] = f"not fitted: no run of a {kind} schedule; predicted as 0"
+            missing.append(name)
+
+    # 4. step dispersion
+    if cvs:
+        step_cv = float(np.median(cvs))
+        how["step_cv"] = f"median over {len(cvs)} runs of std/mean of the steps after the first"
+    else:
+        step_cv = math.nan
+        how["step_cv"] = "not fitted: no run has 2 or more steps after the warm-up step"
+        missing.append("step_cv")
+
+    cal = Calibration(scale, action_ms, 0.0, step_overhead, latency_ms, bandwidth, step_cv, how, table, batch_size,
+                      {"runs": tuple(_run_key(r) for r in runs), "model": _model_of(runs[0])})
+
+    # 5. the runtime's gap between actions: least squares of the relative span error, the rest fixed
+    def loss(gap):
+        trial = replace(cal, gap_ms=gap)
+        err = [(simulate_step_ms(part, run.m, run.schedule, calibration=trial) - span) / span for run, part, span in zip(runs, parts, spans)]
+        return float(np.sum(np.square(err)))
+
+    upper = max(spans) / max(2 * run.m * run.v for run in runs)
+    gap = _minimize_scalar(loss, 0.0, upper)
+    how["gap_ms"] = (f"least squares of the relative error of the simulated action span against the measured median span "
+                     f"over {len(runs)} runs (searched in [0, {upper:.3g}] ms), the parameters above fixed")
+    cal = replace(cal, gap_ms=gap, how=how)
+    if missing:
+        warnings.warn(f"calibrate: the runs cannot determine {', '.join(missing)}; see Calibration.df 'how' for the default used. "
+                      f"Add runs that vary what they need (e.g. a run of the other runtime, other stage sizes).",
+                      CalibrationWarning, stacklevel=2)
+    return cal
+
+
+def _fit_compute(samples, how, missing):
+    """``({P: scale}, action_ms)`` by least squares ``measured = scale[P] * profiled + action_ms``."""
+    Ps = sorted({p for p, _, _ in samples})
+    P_arr = np.array([p for p, _, _ in samples])
+    x = np.array([a for _, a, _ in samples], float)
+    y = np.array([b for _, _, b in samples], float)
+    for P in Ps:
+        if not np.any(x[P_arr == P] > 0):
+            raise ValueError(f"the profile gives 0 ms to every action of the runs at P={P}; a scale cannot be fitted from it")
+    cols = [np.where(P_arr == P, x, 0.0) for P in Ps]
+    varies = np.ptp(x) > 0.05 * np.max(x)
+    n = len(samples)
+    if varies:
+        coef, *_ = np.linalg.lstsq(np.column_stack(cols + [np.ones(n)]), y, rcond=None)
+        scales, action = coef[:-1], float(coef[-1])
+        if action < 0:
+            how["action_ms"] = f"least squares gave {action:.3g} ms; a cost cannot be negative, so 0 and the scales refitted"
+            action = 0.0
+            scales, *_ = np.linalg.lstsq(np.column_stack(cols), y, rcond=None)
+        else:
+            how["action_ms"] = f"least squares intercept over {n} (run, stage, kind) median action times"
+    else:
+        scales, *_ = np.linalg.lstsq(np.column_stack(cols), y, rcond=None)
+        action = 0.0
+        how["action_ms"] = "not fitted: every profiled action has the same duration, so a fixed cost and a scale cannot be told apart; 0"
+        missing.append("action_ms")
+    out = {}
+    for P, s in zip(Ps, scales):
+        k = int(np.sum(P_arr == P))
+        out[int(P)] = float(s)
+        how[f"compute_scale[P={P}]"] = f"least squares slope of measured against profiled action time over {k} (run, stage, kind) medians at P={P}"
+    return out, action
+
+
+def _fit_transfer(gaps, how, missing):
+    """``(latency_ms, bandwidth_GBps)`` from ``(bytes, gap_ms)`` hand-offs to idle receivers."""
+    if not gaps:
+        how["latency_ms"] = "not fitted: no hand-off between ranks reached an idle receiver; 0"
+        how["bandwidth_GBps"] = "not fitted (no hand-offs); transfers take latency_ms only"
+        missing += ["latency_ms", "bandwidth_GBps"]
+        return 0.0, math.inf
+    nbytes = np.array([b for b, _ in gaps], float)
+    gap = np.clip(np.array([g for _, g in gaps], float), 0.0, None)
+    if nbytes.max() > 0 and np.ptp(nbytes) > 0.1 * nbytes.max():
+        slope, intercept = np.polyfit(nbytes, gap, 1)
+        if slope > 0 and intercept >= 0:
+            how["latency_ms"] = f"least squares intercept of gap = latency + bytes/bandwidth over {len(gaps)} hand-offs to idle receivers"
+            how["bandwidth_GBps"] = f"inverse least squares slope over the same {len(gaps)} hand-offs ({len(np.unique(nbytes))} sizes)"
+            return float(intercept), float(1.0 / (slope * 1e6))
+    latency = float(np.median(gap))
+    how["latency_ms"] = f"median gap from a sender's end to an idle receiver's start over {len(gaps)} hand-offs"
+    how["bandwidth_GBps"] = ("not fitted: the hand-offs carry one size (or no size trend), so bandwidth cannot be told from latency; "
+                             "transfers take latency_ms only")
+    missing.append("bandwidth_GBps")
+    return latency, math.inf
+
+
+def _minimize_scalar(f, lo, hi, grid=24, iterations=30) -> float:
+    """The minimizer of ``f`` on ``[lo, hi]``: a grid, then golden-section search around its best point."""
+    xs = np.linspace(lo, hi, grid + 1)
+    values = [f(x) for x in xs]
+    k = int(np.argmin(values))
+    a, b = xs[max(0, k - 1)], xs[min(grid, k + 1)]
+    ratio = (math.sqrt(5) - 1) / 2
+    c, d = b - ratio * (b - a), a + ratio * (b - a)
+    fc, fd = f(c), f(d)
+    for _ in range(iterations):
+        if fc <= fd:
+            b, d, fd = d, c, fc
+            c = b - ratio * (b - a)
+            fc = f(c)
+        else:
+            a, c, fc = c, d, fd
+            d = a + ratio * (b - a)
+            fd = f(d)
+    best = (a + b) / 2
+    return float(min([(values[k], xs[k]), (f(best), best)])[1])
+
+
+__all__ = ["Calibration", "CalibrationWarning", "RUNTIMES", "calibrate", "check_calibration", "runtime_of", "whole_step_ms"]
