@@ -6,9 +6,11 @@ transfers have latency. :func:`calibrate` fits a small model of these effects to
 measured Timelines of one or more :class:`~pipeswift_lab.runner.RunResult` of one model:
 
 * ``compute_scale[P=k]`` — measured action time over profiled time when ``k`` ranks run
-  at once, and ``action_ms`` — a fixed cost inside every action (kernel launch, hooks,
-  Python): one least-squares fit ``measured = scale[P] * profiled + action_ms`` over the
-  median duration of every (run, stage, kind);
+  at once; ``action_ms`` — a fixed cost inside every action (kernel launch, hooks,
+  Python); ``loss_fwd_ms`` / ``loss_bwd_ms`` — the extra time of the last stage's forward
+  and backward, the loss and its gradient, which a per-layer profile does not time: one
+  least-squares fit ``measured = scale[P] * profiled + action_ms + loss terms`` over the
+  median duration of every (run, stage, kind), costs kept non-negative;
 * ``latency_ms`` and ``bandwidth_GBps`` — a transfer as seen by the runtime, from the gaps
   between a sender's action end and the receiver's action start, counted only where the
   receiver was already idle (so the gap is the transfer, not a queue): their median, or a
@@ -17,14 +19,16 @@ measured Timelines of one or more :class:`~pipeswift_lab.runner.RunResult` of on
 * ``step_overhead_ms[single-chunk]`` / ``[multi-chunk]`` — the time a step spends outside
   its first-to-last action span (schedule runtime, optimizer step): the median over steps,
   per runtime (``ScheduleGPipe``/``Schedule1F1B`` against ``_PipelineScheduleRuntime``);
-* ``gap_ms`` — the runtime's time between consecutive actions of a rank (receive posting,
-  bookkeeping): fitted last, by least squares of the relative error of the simulated
-  against the measured action span over the runs, with everything above fixed;
+* ``gap_ms[single-chunk]`` / ``[multi-chunk]`` — the runtime's time between consecutive
+  actions of a rank (posting and waiting on transfers, bookkeeping, descheduling): fitted
+  last, per runtime, by least squares of the relative error of the simulated against the
+  measured action span over that runtime's runs, with everything above fixed;
 * ``step_cv`` — the step-time dispersion, the median over runs of the coefficient of
   variation of the steps after the warm-up; the planner's p95 uses it.
 
 A calibrated simulation runs each action for ``scale[P] * profiled + action_ms + gap_ms``
-and adds ``step_overhead_ms`` of its runtime to the span. :meth:`Calibration.error` gives
+(plus the loss terms on the last stage) and adds ``step_overhead_ms`` of its runtime to the
+span. :meth:`Calibration.error` gives
 the error before and after on any runs (held out or not). A parameter the runs cannot
 determine (no multi-chunk run, one boundary size, one profiled duration) is left at a
 stated default with a warning naming it; the rest are fitted.
@@ -87,7 +91,8 @@ class Calibration:
 
     compute_scale: dict  # number of co-running ranks P -> measured / profiled action time
     action_ms: float  # fixed cost inside every action, ms
-    gap_ms: float  # runtime time between consecutive actions of a rank, ms
+    loss_ms: tuple  # (forward, backward) extra ms of the last stage: the loss, which the profile does not time
+    gap: dict  # runtime kind -> ms between consecutive actions of a rank
     step_overhead: dict  # runtime kind -> ms a step spends outside its action span
     latency_ms: float  # per transfer, ms
     bandwidth_GBps: float  # inf when not fitted (transfers take latency_ms only)
@@ -105,10 +110,20 @@ class Calibration:
         nearest = min(self.compute_scale, key=lambda k: (abs(k - P), -k))
         return float(self.compute_scale[nearest])
 
-    def action_durations(self, durations, P: int):
-        """Per-kind per-stage durations ``(fwd, bwd, igrad, wgrad)`` as a calibrated run of ``P`` ranks takes them."""
-        s, extra = self.scale(P), self.action_ms + self.gap_ms
-        return tuple([s * d + extra for d in kind] for kind in durations)
+    def gap_ms(self, schedule: str) -> float:
+        """Calibrated time between consecutive actions of a rank under ``schedule``'s runtime (0 when not fitted)."""
+        value = self.gap.get(runtime_of(schedule), math.nan)
+        return 0.0 if not math.isfinite(value) else float(value)
+
+    def action_durations(self, durations, P: int, schedule: str):
+        """Per-kind per-stage durations ``(fwd, bwd, igrad, wgrad)`` as a calibrated run of ``P`` ranks under ``schedule`` takes them."""
+        s, extra = self.scale(P), self.action_ms + self.gap_ms(schedule)
+        out = [[s * d + extra for d in kind] for kind in durations]
+        loss_f, loss_b = self.loss_ms
+        out[0][-1] += loss_f
+        out[1][-1] += loss_b
+        out[2][-1] += loss_b
+        return tuple(out)
 
     def transfer_ms(self, nbytes) -> list[float]:
         """Calibrated ms of a transfer of each boundary's ``nbytes``: ``latency_ms + bytes / bandwidth``."""
@@ -130,7 +145,9 @@ class Calibration:
     def df(self) -> pd.DataFrame:
         """Every parameter: ``parameter``, ``value``, ``unit``, ``how``."""
         rows = [(f"compute_scale[P={P}]", v, "x profiled") for P, v in sorted(self.compute_scale.items())]
-        rows += [("action_ms", self.action_ms, "ms per action"), ("gap_ms", self.gap_ms, "ms per action")]
+        rows += [("action_ms", self.action_ms, "ms per action"), ("loss_fwd_ms", self.loss_ms[0], "ms per last-stage F"),
+                 ("loss_bwd_ms", self.loss_ms[1], "ms per last-stage B or I")]
+        rows += [(f"gap_ms[{k}]", self.gap.get(k, math.nan), "ms per action") for k in RUNTIMES]
         rows += [(f"step_overhead_ms[{k}]", self.step_overhead.get(k, math.nan), "ms per step") for k in RUNTIMES]
         rows += [("latency_ms", self.latency_ms, "ms per transfer"), ("bandwidth_GBps", self.bandwidth_GBps, "GB/s"),
                  ("step_cv", self.step_cv, "std / mean of the step")]
@@ -189,7 +206,7 @@ class Calibration:
         """Write the calibration (parameters, how, the profile table) as JSON to ``path``; return the path."""
         data = {
             "format": _FORMAT, "compute_scale": {str(k): v for k, v in self.compute_scale.items()}, "action_ms": self.action_ms,
-            "gap_ms": self.gap_ms, "step_overhead": dict(self.step_overhead), "latency_ms": self.latency_ms,
+            "loss_ms": list(self.loss_ms), "gap": dict(self.gap), "step_overhead": dict(self.step_overhead), "latency_ms": self.latency_ms,
             "bandwidth_GBps": self.bandwidth_GBps, "step_cv": self.step_cv, "how": dict(self.how),
             "profile_table": None if self.profile_table is None else self.profile_table.to_dict(orient="list"),
             "profile_batch_size": self.profile_batch_size, "meta": _jsonable(self.meta),
@@ -208,14 +225,16 @@ class Calibration:
         if "model" in meta:
             meta["model"] = _tuples(meta["model"])
         table = None if data["profile_table"] is None else pd.DataFrame(data["profile_table"])
-        return cls({int(k): float(v) for k, v in data["compute_scale"].items()}, float(data["action_ms"]), float(data["gap_ms"]),
+        return cls({int(k): float(v) for k, v in data["compute_scale"].items()}, float(data["action_ms"]),
+                   tuple(float(x) for x in data["loss_ms"]), {k: float(v) for k, v in data["gap"].items()},
                    {k: float(v) for k, v in data["step_overhead"].items()}, float(data["latency_ms"]), float(data["bandwidth_GBps"]),
                    float(data["step_cv"]), dict(data["how"]), table, data["profile_batch_size"], meta)
 
     # ------------------------------------------------------------------ display
     def _summary(self) -> dict:
         scales = ", ".join(f"P={P}: {v:.3g}x" for P, v in sorted(self.compute_scale.items()))
-        return {"runs": len(self.meta.get("runs", ())), "compute_scale": scales, "action_ms + gap_ms": self.action_ms + self.gap_ms,
+        return {"runs": len(self.meta.get("runs", ())), "compute_scale": scales, "action_ms": self.action_ms,
+                "gap_ms": ", ".join(f"{k} {v:.3g}" for k, v in self.gap.items()),
                 "step_overhead_ms": ", ".join(f"{k} {v:.3g}" for k, v in self.step_overhead.items()),
                 "latency_ms": self.latency_ms, "step_cv": self.step_cv}
 
@@ -390,7 +409,9 @@ def calibrate(runs, profile, progress=False) -> Calibration:
             raise ValueError(f"the run {run.schedule} P={run.P} m={run.m} has no measured actions in steps {steady}")
         profiled = _profiled_durations(part)
         med = (df["end_ms"] - df["start_ms"]).groupby([df["stage"], df["kind"]]).median()
-        samples += [(run.P, profiled[(int(s), k)], float(d)) for (s, k), d in med.items()]
+        last = len(part.stage_fwd_ms) - 1
+        samples += [(run.P, profiled[(int(s), k)], float(d), int(s) == last and k == "F", int(s) == last and k in ("B", "I"))
+                    for (s, k), d in med.items()]
         span = df.groupby("step")["end_ms"].max() - df.groupby("step")["start_ms"].min()
         spans.append(float(span.median()))
         overheads[runtime_of(run.schedule)] += [run.step_ms[k] - span[k] for k in steady if k in span.index]
@@ -398,7 +419,7 @@ def calibrate(runs, profile, progress=False) -> Calibration:
         if len(steady) >= 2:
             times = np.asarray([run.step_ms[k] for k in steady], float)
             cvs.append(float(times.std(ddof=1) / times.mean()))
-    scale, action_ms = _fit_compute(samples, how, missing)
+    scale, action_ms, loss_ms = _fit_compute(samples, how, missing)
 
     # 2. transfers from the idle receivers' gaps
     latency_ms, bandwidth = _fit_transfer(gaps, how, missing)
@@ -425,20 +446,30 @@ def calibrate(runs, profile, progress=False) -> Calibration:
         how["step_cv"] = "not fitted: no run has 2 or more steps after the warm-up step"
         missing.append("step_cv")
 
-    cal = Calibration(scale, action_ms, 0.0, step_overhead, latency_ms, bandwidth, step_cv, how, table, batch_size,
+    cal = Calibration(scale, action_ms, loss_ms, {}, step_overhead, latency_ms, bandwidth, step_cv, how, table, batch_size,
                       {"runs": tuple(_run_key(r) for r in runs), "model": _model_of(runs[0])})
 
-    # 5. the runtime's gap between actions: least squares of the relative span error, the rest fixed
-    def loss(gap):
-        trial = replace(cal, gap_ms=gap)
-        err = [(simulate_step_ms(part, run.m, run.schedule, calibration=trial) - span) / span for run, part, span in zip(runs, parts, spans)]
-        return float(np.sum(np.square(err)))
+    # 5. the runtime's gap between actions, per runtime: least squares of the relative span error, the rest fixed
+    gap = {}
+    for kind in RUNTIMES:
+        name = f"gap_ms[{kind}]"
+        chosen = [(run, part, span) for run, part, span in zip(runs, parts, spans) if runtime_of(run.schedule) == kind]
+        if not chosen:
+            gap[kind] = math.nan
+            how[name] = f"not fitted: no run of a {kind} schedule; predicted as 0"
+            missing.append(name)
+            continue
 
-    upper = max(spans) / max(2 * run.m * run.v for run in runs)
-    gap = _minimize_scalar(loss, 0.0, upper)
-    how["gap_ms"] = (f"least squares of the relative error of the simulated action span against the measured median span "
-                     f"over {len(runs)} runs (searched in [0, {upper:.3g}] ms), the parameters above fixed")
-    cal = replace(cal, gap_ms=gap, how=how)
+        def loss(value, chosen=chosen, kind=kind):
+            trial = replace(cal, gap={kind: value})
+            err = [(simulate_step_ms(part, run.m, run.schedule, calibration=trial) - span) / span for run, part, span in chosen]
+            return float(np.sum(np.square(err)))
+
+        upper = max(span for _, _, span in chosen) / min(2 * run.m * run.v for run, _, _ in chosen)
+        gap[kind] = _minimize_scalar(loss, 0.0, upper)
+        how[name] = (f"least squares of the relative error of the simulated action span against the measured median span "
+                     f"over {len(chosen)} {kind} runs (searched in [0, {upper:.3g}] ms), the parameters above fixed")
+    cal = replace(cal, gap=gap, how=how)
     if missing:
         warnings.warn(f"calibrate: the runs cannot determine {', '.join(missing)}; see Calibration.df 'how' for the default used. "
                       f"Add runs that vary what they need (e.g. a run of the other runtime, other stage sizes).",
@@ -447,37 +478,47 @@ def calibrate(runs, profile, progress=False) -> Calibration:
 
 
 def _fit_compute(samples, how, missing):
-    """``({P: scale}, action_ms)`` by least squares ``measured = scale[P] * profiled + action_ms``."""
-    Ps = sorted({p for p, _, _ in samples})
-    P_arr = np.array([p for p, _, _ in samples])
-    x = np.array([a for _, a, _ in samples], float)
-    y = np.array([b for _, _, b in samples], float)
+    """``({P: scale}, action_ms, (loss_fwd_ms, loss_bwd_ms))`` by least squares, the additive costs kept >= 0.
+
+    ``measured = scale[P] * profiled + action_ms + loss_fwd_ms [last-stage F] + loss_bwd_ms [last-stage B/I]``;
+    an additive cost the unconstrained fit makes negative is set to 0 and the rest refitted.
+    """
+    Ps = sorted({row[0] for row in samples})
+    P_arr = np.array([row[0] for row in samples])
+    x = np.array([row[1] for row in samples], float)
+    y = np.array([row[2] for row in samples], float)
     for P in Ps:
         if not np.any(x[P_arr == P] > 0):
             raise ValueError(f"the profile gives 0 ms to every action of the runs at P={P}; a scale cannot be fitted from it")
-    cols = [np.where(P_arr == P, x, 0.0) for P in Ps]
-    varies = np.ptp(x) > 0.05 * np.max(x)
     n = len(samples)
-    if varies:
-        coef, *_ = np.linalg.lstsq(np.column_stack(cols + [np.ones(n)]), y, rcond=None)
-        scales, action = coef[:-1], float(coef[-1])
-        if action < 0:
-            how["action_ms"] = f"least squares gave {action:.3g} ms; a cost cannot be negative, so 0 and the scales refitted"
-            action = 0.0
-            scales, *_ = np.linalg.lstsq(np.column_stack(cols), y, rcond=None)
-        else:
-            how["action_ms"] = f"least squares intercept over {n} (run, stage, kind) median action times"
-    else:
-        scales, *_ = np.linalg.lstsq(np.column_stack(cols), y, rcond=None)
-        action = 0.0
+    scale_cols = [np.where(P_arr == P, x, 0.0) for P in Ps]
+    extra = {"action_ms": np.ones(n), "loss_fwd_ms": np.array([row[3] for row in samples], float),
+             "loss_bwd_ms": np.array([row[4] for row in samples], float)}
+    active = list(extra)
+    if np.ptp(x) <= 0.05 * np.max(x):
+        active.remove("action_ms")
         how["action_ms"] = "not fitted: every profiled action has the same duration, so a fixed cost and a scale cannot be told apart; 0"
         missing.append("action_ms")
+    values = {}
+    while True:
+        design = np.column_stack(scale_cols + [extra[k] for k in active])
+        coef, *_ = np.linalg.lstsq(design, y, rcond=None)
+        values = dict(zip(active, coef[len(Ps):]))
+        negative = [k for k in active if values[k] < 0]
+        if not negative:
+            break
+        worst = min(negative, key=lambda k: values[k])
+        how[worst] = f"least squares gave {values[worst]:.3g} ms; a cost cannot be negative, so 0 and the rest refitted"
+        active.remove(worst)
+    for k in active:
+        what = {"action_ms": "intercept", "loss_fwd_ms": "offset of the last stage's F", "loss_bwd_ms": "offset of the last stage's B/I"}[k]
+        how[k] = f"least squares {what} over {n} (run, stage, kind) median action times"
     out = {}
-    for P, s in zip(Ps, scales):
+    for P, s in zip(Ps, coef[:len(Ps)]):
         k = int(np.sum(P_arr == P))
         out[int(P)] = float(s)
         how[f"compute_scale[P={P}]"] = f"least squares slope of measured against profiled action time over {k} (run, stage, kind) medians at P={P}"
-    return out, action
+    return out, float(values.get("action_ms", 0.0)), (float(values.get("loss_fwd_ms", 0.0)), float(values.get("loss_bwd_ms", 0.0)))
 
 
 def _fit_transfer(gaps, how, missing):

@@ -177,7 +177,7 @@ def _prepare(partition, m, schedule, v, link, wgrad_fraction, calibration=None):
         from .calibrate import check_calibration
 
         calibration = check_calibration(calibration)
-        durations = calibration.action_durations(durations, st.P)
+        durations = calibration.action_durations(durations, st.P, schedule or st.schedule)
         if link is None:
             transfer = calibration.transfer_ms(st.out_bytes if st.out_bytes is not None else [0.0] * st.S)
     if tuple(placement) != stage_to_rank(st.P, v, schedule):  # pragma: no cover - guarded in _from_partition
@@ -239,6 +239,7 @@ def simulate(partition, m, schedule=None, v=None, link=None, wgrad_fraction=None
         meta["stage_transfer_ms"] = list(transfer)
     if calibration is not None:
         meta["calibration"] = calibration.label
+        meta["gap_ms"] = calibration.gap_ms(schedule)
     if st.act_bytes is not None:
         meta["stage_activation_bytes"] = list(st.act_bytes)
     return Timeline(df, source="simulated", meta=meta)
@@ -488,14 +489,16 @@ def _deadlock_message(ops, pc, stuck, S, m):
     return "the pipeline order deadlocks: " + "; ".join(parts) + more
 
 
-def replay(measured, step, transfer_ms=None, step_overhead_ms=0.0) -> Timeline:
+def replay(measured, step, transfer_ms=None, step_overhead_ms=0.0, gap_ms=0.0) -> Timeline:
     """Re-simulate one measured step with its own measured action durations; return the replayed Timeline.
 
     ``measured`` is a measured :class:`~pipeswift_lab.timeline.Timeline` whose ``meta`` names
     ``schedule``, ``P``, ``m`` and ``v`` (a ``RunResult.timeline``); every ``F``/``B``/``I``/``W``
     of ``step`` keeps its measured duration and the simulator places it by the schedule's
     order and dependencies, with ``transfer_ms`` (one value per stage boundary, default 0)
-    for the transfers. The gap between the replayed and the measured step is what the
+    for the transfers and ``gap_ms`` added to every action (a calibrated prediction's time
+    between actions, which belongs to the runtime model, not to the durations). The gap
+    between the replayed and the measured step is what the
     schedule and communication model misses; the gap between a prediction and the replay is
     what its action durations miss. ``meta["step_overhead_ms"]`` is set to ``step_overhead_ms``.
     """
@@ -511,7 +514,7 @@ def replay(measured, step, transfer_ms=None, step_overhead_ms=0.0) -> Timeline:
         raise ValueError(f"step={step} has no compute actions in the measured timeline")
     code = {k: i for i, k in enumerate(("F", "B", "I", "W"))}
     dur = (df["end_ms"] - df["start_ms"]).to_numpy(float)
-    per_action = {(code[k] * S + int(s), int(i)): float(d) for k, s, i, d in zip(df["kind"], df["stage"], df["microbatch"], dur)}
+    per_action = {(code[k] * S + int(s), int(i)): float(d) + gap_ms for k, s, i, d in zip(df["kind"], df["stage"], df["microbatch"], dur)}
     zeros = [0.0] * S
     transfer = list(transfer_ms) if transfer_ms is not None else zeros
     if len(transfer) != S:

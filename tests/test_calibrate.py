@@ -101,7 +101,8 @@ def test_calibrate_recovers_the_injected_scale_and_fixed_cost(runs):
     df = cal.df.set_index("parameter")
     assert list(cal.df.columns) == ["parameter", "value", "unit", "how"]
     assert df.loc["compute_scale[P=2]", "unit"] == "x profiled" and "least squares" in df.loc["action_ms", "how"]
-    assert {"gap_ms", "latency_ms", "bandwidth_GBps", "step_cv", "step_overhead_ms[single-chunk]", "step_overhead_ms[multi-chunk]"} <= set(df.index)
+    assert cal.loss_ms[0] >= 0 and cal.loss_ms[1] >= 0
+    assert {"gap_ms[single-chunk]", "gap_ms[multi-chunk]", "loss_fwd_ms", "loss_bwd_ms", "latency_ms", "bandwidth_GBps", "step_cv", "step_overhead_ms[single-chunk]", "step_overhead_ms[multi-chunk]"} <= set(df.index)
 
 
 def test_calibrate_recovers_the_injected_step_overhead(runs):

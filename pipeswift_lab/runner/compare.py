@@ -13,8 +13,8 @@ kind, and for the pipeline:
   calibrated runtime overhead; 0 for an uncalibrated simulation);
 * ``span_ms`` — first action start to last action end on both sides;
 * ``replayed_step_ms`` — the simulator fed the measured step's own action durations
-  (:func:`~pipeswift_lab.simulate.replay`) with the prediction's transfers and step
-  overhead: ``predicted - replayed`` is the error of the durations, ``replayed - measured``
+  (:func:`~pipeswift_lab.simulate.replay`) with the prediction's transfers, time between
+  actions and step overhead: ``predicted - replayed`` is the error of the durations, ``replayed - measured``
   that of the schedule and communication model (:attr:`Comparison.decomposition`);
 * ``bubble_ratio`` as the idle share of ``P x span`` (GPipe's convention, ``(P-1)/(m+P-1)``
   for uniform stages).
@@ -235,7 +235,8 @@ def compare(predicted, measured, step=None) -> Comparison:
 
         transfer = pred_tl.meta.get("stage_transfer_ms")
         stages = int(meas_tl.meta["P"]) * int(meas_tl.meta["v"])
-        replayed = replay(meas_tl, meas_step, transfer if transfer is not None and len(transfer) == stages else None, overhead)
+        replayed = replay(meas_tl, meas_step, transfer if transfer is not None and len(transfer) == stages else None, overhead,
+                          float(pred_tl.meta.get("gap_ms", 0.0) or 0.0))
         replayed_ms = replayed.step_ms + overhead
     rows = [{"metric": "step_ms", "rank": None, "predicted": pm[("span_ms", None)] + overhead, "measured": measured_step_ms},
             {"metric": "replayed_step_ms", "rank": None, "predicted": replayed_ms, "measured": measured_step_ms}]
