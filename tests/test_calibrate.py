@@ -193,3 +193,15 @@ def test_bad_input_names_what_is_missing(runs):
     cal = calibrate([runs["1F1B"], runs["Interleaved1F1B"]], PROFILE)
     with pytest.raises(ValueError, match="different model than the runs this calibration was fitted on"):
         cal.error([other])
+
+
+def test_plan_uses_the_calibration(runs):
+    cal = calibrate([runs["1F1B"], runs["Interleaved1F1B"]], PROFILE)
+    kwargs = dict(gpus=2, global_batch=4, steps=1000, schedules=["1F1B"], P=[2], microbatch_sizes=[1], progress=False)
+    plain, calibrated = psl.plan(PROFILE, **kwargs), psl.plan(PROFILE, calibration=cal, **kwargs)
+    row = calibrated.feasible.iloc[0]
+    part = calibrated.partition_of(row)
+    expected = whole_step_ms(simulate(part, int(row["m"]), "1F1B", calibration=cal))
+    assert row["pipeline_ms"] == pytest.approx(expected)
+    assert row["pipeline_ms"] > plain.feasible.iloc[0]["pipeline_ms"] * SCALE
+    assert calibrated.inputs["step_cv"] == cal.step_cv  # the p95 uses the fitted dispersion by default
