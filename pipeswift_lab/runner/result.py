@@ -132,7 +132,11 @@ class RunResult:
         }
 
     def _repr_html_(self) -> str:
-        return html_card(f"RunResult: {self.schedule}, P={self.P}, m={self.m}, {self.steps} steps", self._summary(), self.df)
+        from .._display import noise_warning
+
+        cv = float(self.step_stats().iloc[-1]["cv"]) if self.steps > 2 else float("nan")
+        return html_card(f"RunResult: {self.schedule}, P={self.P}, m={self.m}, {self.steps} steps", self._summary(), self.df) + noise_warning(
+            cv, "the measured step after the warm-up")
 
     def __str__(self) -> str:
         return text_card(f"RunResult {self.schedule} P={self.P} m={self.m}", self._summary())
