@@ -43,7 +43,7 @@ FIT = [(2, "1F1B", 1, 4), (2, "Interleaved1F1B", 2, 4), (4, "1F1B", 1, 4)]
 
 def main():
     import pipeswift_lab as psl
-    from pipeswift_lab.calibrate import CalibrationWarning, whole_step_ms
+    from pipeswift_lab.calibrate import CalibrationWarning
     from pipeswift_lab.runner.spec import available_cores
 
     setup = psl.models.reference("gpt", batch_size=MICROBATCH * 8, vocab_size=4096, seq_len=32, d_model=64, n_layers=6, n_heads=4)

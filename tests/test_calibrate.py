@@ -185,6 +185,13 @@ def test_bad_input_names_what_is_missing(runs):
         calibrate([runs["1F1B"], bare], PROFILE)
     with pytest.raises(ValueError, match="the profile has 3 layers but runs\\[0\\]"):
         calibrate([runs["1F1B"]], Profile.synthetic(fwd_ms=FWD_MS[:3], bwd_ms=BWD_MS[:3]))
+    renamed = Profile.synthetic(fwd_ms=FWD_MS, bwd_ms=BWD_MS, name=["w0", "w1", "w2", "w3"], params=[1, 1, 1, 1])
+    with pytest.raises(ValueError, match=r"the profile's layers \['w0', 'w1', 'w2'\] hold parameters but the model of runs\[0\] has no such layer"):
+        calibrate([runs["1F1B"]], renamed)
+    matching = Profile.synthetic(fwd_ms=FWD_MS, bwd_ms=BWD_MS, name=["0", "1", "2", "3"], params=[1, 1, 1, 1])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", CalibrationWarning)
+        assert calibrate([runs["1F1B"]], matching).compute_scale[2] > 0
     other = psl.run(nn.Sequential(SleepLayer(1, 1), nn.Linear(3, 3), SleepLayer(1, 1), SleepLayer(1, 1)),
                     (torch.randn(4, 3), torch.randn(4, 3)), nn.functional.mse_loss,
                     Partition.from_bounds(PROFILE, SPLIT2, schedule="1F1B"), 2, steps=2, progress=False, timeout_s=120)

@@ -1,5 +1,4 @@
 """The p95 job: the Monte Carlo tail of the planner, against closed forms, and a ranking that flips."""
-import math
 
 import numpy as np
 import pandas as pd
@@ -7,7 +6,7 @@ import pytest
 
 import pipeswift_lab as psl
 from pipeswift_lab._plan_quantile import check_quantile, failure_wall_s, jct_quantile, quantile_column
-from pipeswift_lab.costs import CheckpointModel, preemption_loss_s
+from pipeswift_lab.costs import preemption_loss_s
 
 
 def test_without_failures_the_quantile_is_the_normal_one():

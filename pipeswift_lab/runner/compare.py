@@ -13,7 +13,7 @@ kind, and for the pipeline:
   calibrated runtime overhead; 0 for an uncalibrated simulation);
 * ``span_ms`` — first action start to last action end on both sides;
 * ``replayed_step_ms`` — the simulator fed the measured step's own action durations
-  (:func:`~pipeswift_lab.simulate.replay`) with the prediction's transfers, time between
+  (:func:`~pipeswift_lab.replay.replay`) with the prediction's transfers, time between
   actions and step overhead: ``predicted - replayed`` is the error of the durations, ``replayed - measured``
   that of the schedule and communication model (:attr:`Comparison.decomposition`);
 * ``bubble_ratio`` as the idle share of ``P x span`` (GPipe's convention, ``(P-1)/(m+P-1)``
@@ -231,7 +231,7 @@ def compare(predicted, measured, step=None) -> Comparison:
             "median step after the first" if step is None else f"step {meas_step}") + "; a bare Timeline has no whole step"
     replayed, replayed_ms = None, np.nan
     if all(k in meas_tl.meta for k in ("schedule", "P", "m", "v")):
-        from ..simulate import replay
+        from ..replay import replay
 
         transfer = pred_tl.meta.get("stage_transfer_ms")
         stages = int(meas_tl.meta["P"]) * int(meas_tl.meta["v"])
