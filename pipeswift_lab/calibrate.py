@@ -156,7 +156,7 @@ class Calibration:
                  ("step_cv", self.step_cv, "std / mean of the step")]
         return pd.DataFrame([{"parameter": p, "value": float(v), "unit": u, "how": self.how.get(p, "")} for p, v, u in rows])
 
-    def error(self, runs, progress=False) -> pd.DataFrame:
+    def error(self, runs) -> pd.DataFrame:
         """Per run: the measured step (:attr:`RunResult.steady_step_ms`), the prediction before and after calibration, both relative errors.
 
         Columns: ``run`` (index in ``runs``), ``schedule``, ``P``, ``v``, ``m``, ``in_fit``
@@ -270,7 +270,7 @@ def _jsonable(value):
 # --------------------------------------------------------------------------- fitting
 
 
-def calibrate(runs, profile, progress=False) -> Calibration:
+def calibrate(runs, profile) -> Calibration:
     """Fit the simulator to measured runs of one model; return a :class:`Calibration`.
 
     ``runs`` is one or more :class:`~pipeswift_lab.runner.RunResult` of the same model (any

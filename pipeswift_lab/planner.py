@@ -113,7 +113,8 @@ class Plan:
       ``total_s``, then the feasible ones the branch and bound did not simulate (``simulated``
       False, with ``jct_lower_bound_s``), then the rejected ones with their ``reason``; the JCT terms in the columns
       ``queue_s``, ``assembly_s``, ``training_s``, ``cleanup_s``, ``preemption_loss_s``,
-      ``total_s``, and ``step_ms``, ``bubble_ratio``, ``peak_mem_bytes``;
+      ``total_s``, and ``step_ms``, ``bubble_ratio``, ``peak_mem_bytes``; with ``quantile=0.95``
+      also ``total_s_p95`` (the JCT at that quantile), and with ``objective="p95"`` ranked by it;
     * ``best`` — the shortest JCT, a :class:`PlannedConfig`;
     * ``throughput_best`` — the shortest training term; ``bubble_best`` — the smallest bubble.
     """
