@@ -20,13 +20,16 @@ measured Timelines of one or more :class:`~pipeswift_lab.runner.RunResult` of on
   its first-to-last action span (schedule runtime, optimizer step): the median over steps,
   per runtime (``ScheduleGPipe``/``Schedule1F1B`` against ``_PipelineScheduleRuntime``);
 * ``gap_ms[single-chunk]`` / ``[multi-chunk]`` — the runtime's time between consecutive
-  actions of a rank (posting and waiting on transfers, bookkeeping, descheduling): fitted
-  last, per runtime, by least squares of the relative error of the simulated against the
-  measured action span over that runtime's runs, with everything above fixed;
+  actions of a rank (posting and waiting on transfers, bookkeeping, descheduling) at the
+  smallest P of the runs, and ``gap_scale[P=k]`` — how much longer it is when ``k`` ranks
+  share the machine (Python work between actions is slowed by co-running ranks more than
+  the kernels are): fitted last, jointly, by least squares of the relative error of the
+  simulated against the measured action span over all runs (coordinate descent, each
+  parameter by a bounded scalar search), with everything above fixed;
 * ``step_cv`` — the step-time dispersion, the median over runs of the coefficient of
   variation of the steps after the warm-up; the planner's p95 uses it.
 
-A calibrated simulation runs each action for ``scale[P] * profiled + action_ms + gap_ms``
+A calibrated simulation runs each action for ``scale[P] * profiled + action_ms + gap_ms * gap_scale[P]``
 (plus the loss terms on the last stage) and adds ``step_overhead_ms`` of its runtime to the
 span. :meth:`Calibration.error` gives
 the error before and after on any runs (held out or not). A parameter the runs cannot
@@ -104,6 +107,7 @@ class Calibration:
     profile_table: pd.DataFrame = field(default=None, compare=False)  # per-layer profile the runs were predicted from
     profile_batch_size: int | None = None  # micro-batch size of that profile (None: use it as is)
     meta: dict = field(default_factory=dict, compare=False)  # runs fitted on (their keys), model fingerprint
+    gap_scale: dict = field(default_factory=dict)  # P -> factor on gap_ms (1 at the smallest fitted P; none given: 1)
 
     # ------------------------------------------------------------------ applying it
     def scale(self, P: int) -> float:
@@ -113,14 +117,22 @@ class Calibration:
         nearest = min(self.compute_scale, key=lambda k: (abs(k - P), -k))
         return float(self.compute_scale[nearest])
 
-    def gap_ms(self, schedule: str) -> float:
-        """Calibrated time between consecutive actions of a rank under ``schedule``'s runtime (0 when not fitted)."""
+    def gap_ms(self, schedule: str, P: int | None = None) -> float:
+        """Calibrated time between consecutive actions of a rank under ``schedule``'s runtime with ``P`` ranks (0 when not fitted).
+
+        ``gap_ms[runtime] * gap_scale[P]``, the scale of the nearest fitted P (ties: the larger); 1 without ``P``.
+        """
         value = self.gap.get(runtime_of(schedule), math.nan)
-        return 0.0 if not math.isfinite(value) else float(value)
+        if not math.isfinite(value):
+            return 0.0
+        if P is None or not self.gap_scale:
+            return float(value)
+        nearest = P if P in self.gap_scale else min(self.gap_scale, key=lambda k: (abs(k - P), -k))
+        return float(value) * float(self.gap_scale[nearest])
 
     def action_durations(self, durations, P: int, schedule: str):
         """Per-kind per-stage durations ``(fwd, bwd, igrad, wgrad)`` as a calibrated run of ``P`` ranks under ``schedule`` takes them."""
-        s, extra = self.scale(P), self.action_ms + self.gap_ms(schedule)
+        s, extra = self.scale(P), self.action_ms + self.gap_ms(schedule, P)
         out = [[s * d + extra for d in kind] for kind in durations]
         loss_f, loss_b = self.loss_ms
         out[0][-1] += loss_f
@@ -151,6 +163,7 @@ class Calibration:
         rows += [("action_ms", self.action_ms, "ms per action"), ("loss_fwd_ms", self.loss_ms[0], "ms per last-stage F"),
                  ("loss_bwd_ms", self.loss_ms[1], "ms per last-stage B or I")]
         rows += [(f"gap_ms[{k}]", self.gap.get(k, math.nan), "ms per action") for k in RUNTIMES]
+        rows += [(f"gap_scale[P={P}]", v, "x gap_ms") for P, v in sorted(self.gap_scale.items())]
         rows += [(f"step_overhead_ms[{k}]", self.step_overhead.get(k, math.nan), "ms per step") for k in RUNTIMES]
         rows += [("latency_ms", self.latency_ms, "ms per transfer"), ("bandwidth_GBps", self.bandwidth_GBps, "GB/s"),
                  ("step_cv", self.step_cv, "std / mean of the step")]
@@ -209,7 +222,7 @@ class Calibration:
         """Write the calibration (parameters, how, the profile table) as JSON to ``path``; return the path."""
         data = {
             "format": _FORMAT, "compute_scale": {str(k): v for k, v in self.compute_scale.items()}, "action_ms": self.action_ms,
-            "loss_ms": list(self.loss_ms), "gap": dict(self.gap), "step_overhead": dict(self.step_overhead), "latency_ms": self.latency_ms,
+            "loss_ms": list(self.loss_ms), "gap": dict(self.gap), "gap_scale": {str(k): v for k, v in self.gap_scale.items()}, "step_overhead": dict(self.step_overhead), "latency_ms": self.latency_ms,
             "bandwidth_GBps": self.bandwidth_GBps, "step_cv": self.step_cv, "how": dict(self.how),
             "profile_table": None if self.profile_table is None else self.profile_table.to_dict(orient="list"),
             "profile_batch_size": self.profile_batch_size, "meta": _jsonable(self.meta),
@@ -231,13 +244,15 @@ class Calibration:
         return cls({int(k): float(v) for k, v in data["compute_scale"].items()}, float(data["action_ms"]),
                    tuple(float(x) for x in data["loss_ms"]), {k: float(v) for k, v in data["gap"].items()},
                    {k: float(v) for k, v in data["step_overhead"].items()}, float(data["latency_ms"]), float(data["bandwidth_GBps"]),
-                   float(data["step_cv"]), dict(data["how"]), table, data["profile_batch_size"], meta)
+                   float(data["step_cv"]), dict(data["how"]), table, data["profile_batch_size"], meta,
+                   {int(k): float(v) for k, v in data.get("gap_scale", {}).items()})
 
     # ------------------------------------------------------------------ display
     def _summary(self) -> dict:
         scales = ", ".join(f"P={P}: {v:.3g}x" for P, v in sorted(self.compute_scale.items()))
         return {"runs": len(self.meta.get("runs", ())), "compute_scale": scales, "action_ms": self.action_ms,
                 "gap_ms": ", ".join(f"{k} {v:.3g}" for k, v in self.gap.items()),
+                "gap_scale": ", ".join(f"P={P}: {v:.3g}x" for P, v in sorted(self.gap_scale.items())),
                 "step_overhead_ms": ", ".join(f"{k} {v:.3g}" for k, v in self.step_overhead.items()),
                 "latency_ms": self.latency_ms, "step_cv": self.step_cv}
 
@@ -341,27 +356,40 @@ def calibrate(runs, profile) -> Calibration:
     cal = Calibration(scale, action_ms, loss_ms, {}, step_overhead, latency_ms, bandwidth, step_cv, how, table, batch_size,
                       {"runs": tuple(_run_key(r) for r in runs), "model": _model_of(runs[0])})
 
-    # 5. the runtime's gap between actions, per runtime: least squares of the relative span error, the rest fixed
-    gap = {}
+    # 5. the runtime's gap between actions, per runtime, and its scale per P: joint least squares of the relative
+    #    span error over all runs (the rest fixed), by coordinate descent
+    P_ref = min(run.P for run in runs)
+    kinds = [k for k in RUNTIMES if any(runtime_of(run.schedule) == k for run in runs)]
     for kind in RUNTIMES:
-        name = f"gap_ms[{kind}]"
-        chosen = [(run, part, span) for run, part, span in zip(runs, parts, spans) if runtime_of(run.schedule) == kind]
-        if not chosen:
-            gap[kind] = math.nan
-            how[name] = f"not fitted: no run of a {kind} schedule; predicted as 0"
-            missing.append(name)
-            continue
+        if kind not in kinds:
+            how[f"gap_ms[{kind}]"] = f"not fitted: no run of a {kind} schedule; predicted as 0"
+            missing.append(f"gap_ms[{kind}]")
+    other_Ps = sorted({run.P for run in runs} - {P_ref})
+    values = {("gap", k): 0.0 for k in kinds}
+    values.update({("scale", P): 1.0 for P in other_Ps})
 
-        def loss(value, chosen=chosen, kind=kind):
-            trial = replace(cal, gap={kind: value})
-            err = [(simulate_step_ms(part, run.m, run.schedule, calibration=trial) - span) / span for run, part, span in chosen]
-            return float(np.sum(np.square(err)))
+    def trial(values):
+        return replace(cal, gap={k: values[("gap", k)] for k in kinds},
+                       gap_scale={P_ref: 1.0, **{P: values[("scale", P)] for P in other_Ps}} if other_Ps else {})
 
-        upper = max(span for _, _, span in chosen) / min(2 * run.m * run.v for run, _, _ in chosen)
-        gap[kind] = _minimize_scalar(loss, 0.0, upper)
-        how[name] = (f"least squares of the relative error of the simulated action span against the measured median span "
-                     f"over {len(chosen)} {kind} runs (searched in [0, {upper:.3g}] ms), the parameters above fixed")
-    cal = replace(cal, gap=gap, how=how)
+    def loss(values):
+        t = trial(values)
+        err = [(simulate_step_ms(part, run.m, run.schedule, calibration=t) - span) / span for run, part, span in zip(runs, parts, spans)]
+        return float(np.sum(np.square(err)))
+
+    upper_gap = max(spans) / min(2 * run.m * run.v for run in runs)
+    bounds = {key: (0.0, upper_gap) if key[0] == "gap" else (0.25, 8.0) for key in values}
+    for _ in range(3 if len(values) > 1 else 1):
+        for key in values:
+            values[key] = _minimize_scalar(lambda x, key=key: loss({**values, key: x}), *bounds[key])
+    for kind in kinds:
+        n = sum(runtime_of(run.schedule) == kind for run in runs)
+        how[f"gap_ms[{kind}]"] = (f"least squares of the relative error of the simulated action span against the measured median span, "
+                                  f"jointly over all {len(runs)} runs ({n} of them {kind}; searched in [0, {upper_gap:.3g}] ms), at P={P_ref}")
+    for P in other_Ps:
+        n = sum(run.P == P for run in runs)
+        how[f"gap_scale[P={P}]"] = f"the same least squares, jointly; {n} runs at P={P} (searched in [0.25, 8])"
+    cal = replace(trial(values), how=how)
     if missing:
         warnings.warn(f"calibrate: the runs cannot determine {', '.join(missing)}; see Calibration.df 'how' for the default used. "
                       f"Add runs that vary what they need (e.g. a run of the other runtime, other stage sizes).",

@@ -239,7 +239,7 @@ def simulate(partition, m, schedule=None, v=None, link=None, wgrad_fraction=None
         meta["stage_transfer_ms"] = list(transfer)
     if calibration is not None:
         meta["calibration"] = calibration.label
-        meta["gap_ms"] = calibration.gap_ms(schedule)
+        meta["gap_ms"] = calibration.gap_ms(schedule, st.P)
     if st.act_bytes is not None:
         meta["stage_activation_bytes"] = list(st.act_bytes)
     return Timeline(df, source="simulated", meta=meta)

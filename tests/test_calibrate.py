@@ -204,6 +204,17 @@ def test_bad_input_names_what_is_missing(runs):
         cal.error([other])
 
 
+def test_gap_scale_is_fitted_per_P_and_round_trips(runs, tmp_path):
+    p4 = sleepy_run("1F1B", 4, SPLIT4, steps=4)
+    cal = calibrate([runs["1F1B"], p4], PROFILE)
+    assert set(cal.gap_scale) == {2, 4} and cal.gap_scale[2] == 1.0 and 0.25 <= cal.gap_scale[4] <= 8.0
+    assert cal.compute_scale[4] == pytest.approx(SCALE, rel=0.15)  # sleeping layers do not slow down with 4 ranks
+    assert cal.gap_ms("1F1B", 4) == pytest.approx(cal.gap["single-chunk"] * cal.gap_scale[4])
+    assert cal.gap_ms("1F1B", 8) == cal.gap_ms("1F1B", 4)  # an unfitted P takes the nearest fitted one
+    assert "gap_scale[P=4]" in set(cal.df["parameter"])
+    assert Calibration.load(cal.save(tmp_path / "c.json")).gap_scale == cal.gap_scale
+
+
 def test_plan_uses_the_calibration(runs):
     cal = calibrate([runs["1F1B"], runs["Interleaved1F1B"]], PROFILE)
     kwargs = dict(gpus=2, global_batch=4, steps=1000, schedules=["1F1B"], P=[2], microbatch_sizes=[1], progress=False)

@@ -312,7 +312,7 @@ def test_a_calibration_is_the_same_simulation_on_transformed_stage_times(schedul
     got = simulate(table, 4, schedule, v=v, calibration=cal)
     want = simulate(by_hand, 4, schedule, v=v, link=link)
     assert got.step_ms == pytest.approx(want.step_ms, abs=1e-6)
-    assert got.meta["step_overhead_ms"] == cal.step_overhead_ms(schedule) and got.meta["gap_ms"] == cal.gap_ms(schedule)
+    assert got.meta["step_overhead_ms"] == cal.step_overhead_ms(schedule) and got.meta["gap_ms"] == cal.gap_ms(schedule, 2)
     assert got.meta["stage_transfer_ms"] == [0.2] * len(table)
     # an explicit link overrides the calibration's transfers
     assert simulate(table, 4, schedule, v=v, calibration=cal, link=Link(0.0, 1e15)).step_ms < got.step_ms
