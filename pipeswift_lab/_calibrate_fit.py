@@ -89,9 +89,15 @@ def _partition_of(run, table: pd.DataFrame, batch_size, index: int):
     return Partition.from_bounds(table, bounds, v=run.v, schedule=run.schedule, m=run.m)
 
 
+def _first(run) -> int:
+    """Step number of ``run.step_ms[0]`` (a resumed run's measured steps start later)."""
+    return int(getattr(run, "first_step", 0) or 0)
+
+
 def _steady(run) -> list[int]:
-    n = len(run.step_ms)
-    return list(range(1, n)) if n > 1 else list(range(n))
+    """Step numbers after the warm-up (the first measured) step; the only one if there is one."""
+    n, first = len(run.step_ms), _first(run)
+    return list(range(first + 1, first + n)) if n > 1 else [first]
 
 
 def _profiled_durations(part) -> dict:

@@ -53,7 +53,7 @@ import pandas as pd
 from ._checks import MULTI_CHUNK_SCHEDULES, canonical_schedule
 from ._calibrate_fit import (
     _check_runs, _fit_compute, _fit_transfer, _minimize_scalar, _model_of, _partition_of, _profile_table, _profiled_durations,
-    _run_key, _steady, _transfer_gaps,
+    _first, _run_key, _steady, _transfer_gaps,
 )  # fmt: skip
 from ._display import html_card, text_card
 
@@ -321,10 +321,10 @@ def calibrate(runs, profile) -> Calibration:
                     for (s, k), d in med.items()]
         span = df.groupby("step")["end_ms"].max() - df.groupby("step")["start_ms"].min()
         spans.append(float(span.median()))
-        overheads[runtime_of(run.schedule)] += [run.step_ms[k] - span[k] for k in steady if k in span.index]
+        overheads[runtime_of(run.schedule)] += [run.step_ms[k - _first(run)] - span[k] for k in steady if k in span.index]
         gaps += _transfer_gaps(df, part)
         if len(steady) >= 2:
-            times = np.asarray([run.step_ms[k] for k in steady], float)
+            times = np.asarray([run.step_ms[k - _first(run)] for k in steady], float)
             cvs.append(float(times.std(ddof=1) / times.mean()))
     scale, action_ms, loss_ms = _fit_compute(samples, how, missing)
 

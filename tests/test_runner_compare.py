@@ -153,3 +153,12 @@ def test_one_measured_step_and_step_stats(sleepy_run):
     assert stats.iloc[0]["p95_ms"] < whole["p95_ms"]  # the slow step 4 is in the second window
     with pytest.raises(ValueError, match="window"):
         fake.step_stats(window=0)
+
+
+def test_a_resumed_run_numbers_its_steps_from_where_it_started(sleepy_run):
+    _, result = sleepy_run
+    times = (900.0, 10.0, 12.0, 11.0)
+    resumed = replace(result, step_ms=times, steps=len(times))
+    object.__setattr__(resumed, "first_step", 100)  # what a run resumed at step 100 reports (RunResult.first_step)
+    assert resumed.steady_step == 103 and resumed.steady_step_ms == 11.0
+    assert resumed.step_stats(window=10)["first_step"].tolist() == [101, 101]

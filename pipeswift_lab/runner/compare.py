@@ -37,6 +37,11 @@ MEASURED_STEP = ("median step after the first (the lower middle one for an even 
                  "to the last rank finishing it, optimizer step included")
 
 
+def first_step(obj) -> int:
+    """The step number of ``obj.step_ms[0]``: 0, or where a resumed run started (``RunResult.first_step``)."""
+    return int(getattr(obj, "first_step", 0) or 0)
+
+
 def steady_step_index(times) -> int:
     """Index of the step :data:`MEASURED_STEP` picks from per-step ``times``: the median after the first (lower middle for an even count)."""
     times = pd.Series(list(times), index=range(len(times))) if not isinstance(times, pd.Series) else times
@@ -66,7 +71,8 @@ def pick_step(measured, step=None) -> int:
     df = timeline.df
     step_ms = getattr(measured, "step_ms", None) if measured is not timeline else None
     if step_ms:
-        times = pd.Series(list(step_ms), index=range(len(step_ms)))
+        first = first_step(measured)
+        times = pd.Series(list(step_ms), index=range(first, first + len(step_ms)))
     else:
         times = _step_spans(df)
     steps = list(times.index)
@@ -225,7 +231,7 @@ def compare(predicted, measured, step=None) -> Comparison:
     overhead = float(pred_tl.meta.get("step_overhead_ms", 0.0) or 0.0)
     whole = getattr(measured, "step_ms", None) if measured is not meas_tl else None
     if whole:
-        measured_step_ms, statistic = float(whole[meas_step]), MEASURED_STEP
+        measured_step_ms, statistic = float(whole[meas_step - first_step(measured)]), MEASURED_STEP
     else:
         measured_step_ms, statistic = mm[("span_ms", None)], "action span (first action start to last action end) of the " + (
             "median step after the first" if step is None else f"step {meas_step}") + "; a bare Timeline has no whole step"

@@ -63,9 +63,10 @@ class RunResult:
     @property
     def steady_step(self) -> int:
         """The step :attr:`steady_step_ms` is taken from: the median step after the first (see :data:`~pipeswift_lab.runner.compare.MEASURED_STEP`)."""
-        from .compare import steady_step_index
+        from .compare import first_step, steady_step_index
 
-        return steady_step_index(self.step_ms)
+        first = first_step(self)
+        return steady_step_index(pd.Series(list(self.step_ms), index=range(first, first + len(self.step_ms))))
 
     @property
     def steady_step_ms(self) -> float:
@@ -76,7 +77,9 @@ class RunResult:
         communicators; for an even count the lower of the two middle steps, so the number is
         a step that happened and its Gantt chart can be shown. The only step if there is one.
         """
-        return float(self.step_ms[self.steady_step])
+        from .compare import first_step
+
+        return float(self.step_ms[self.steady_step - first_step(self)])
 
     def step_stats(self, window=100) -> pd.DataFrame:
         """Step-time dispersion per window of ``window`` steps and for the whole run, the warm-up step excluded.
@@ -88,9 +91,12 @@ class RunResult:
         """
         from .._checks import check_int
 
+        from .compare import first_step
+
         window = check_int("window", window, minimum=1)
         first = 1 if len(self.step_ms) > 1 else 0
-        times = pd.Series(list(self.step_ms[first:]), index=range(first, len(self.step_ms)), dtype=float)
+        offset = first_step(self)  # step numbers, for a run resumed at a later step
+        times = pd.Series(list(self.step_ms[first:]), index=range(offset + first, offset + len(self.step_ms)), dtype=float)
 
         def stats(name, part):
             std = float(part.std(ddof=1)) if len(part) > 1 else float("nan")
