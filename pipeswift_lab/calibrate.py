@@ -20,7 +20,8 @@ measured Timelines of one or more :class:`~pipeswift_lab.runner.RunResult` of on
   its first-to-last action span (schedule runtime, optimizer step): the median over steps,
   per runtime (``ScheduleGPipe``/``Schedule1F1B`` against ``_PipelineScheduleRuntime``);
 * ``gap_ms[single-chunk]`` / ``[multi-chunk]`` — the runtime's time between consecutive
-  actions of a rank (posting and waiting on transfers, bookkeeping, descheduling) at the
+  actions of a rank (posting and waiting on transfers, bookkeeping, descheduling), charged
+  to the actions that communicate (``F``, ``B``, ``I``; a ``W`` follows its ``I`` locally), at the
   smallest P of the runs, and ``gap_scale[P=k]`` — how much longer it is when ``k`` ranks
   share the machine (Python work between actions is slowed by co-running ranks more than
   the kernels are): fitted last, jointly, by least squares of the relative error of the
@@ -30,6 +31,7 @@ measured Timelines of one or more :class:`~pipeswift_lab.runner.RunResult` of on
   variation of the steps after the warm-up; the planner's p95 uses it.
 
 A calibrated simulation runs each action for ``scale[P] * profiled + action_ms + gap_ms * gap_scale[P]``
+(no gap for ``W``)
 (plus the loss terms on the last stage) and adds ``step_overhead_ms`` of its runtime to the
 span. :meth:`Calibration.error` gives
 the error before and after on any runs (held out or not). A parameter the runs cannot
@@ -132,8 +134,9 @@ class Calibration:
 
     def action_durations(self, durations, P: int, schedule: str):
         """Per-kind per-stage durations ``(fwd, bwd, igrad, wgrad)`` as a calibrated run of ``P`` ranks under ``schedule`` takes them."""
-        s, extra = self.scale(P), self.action_ms + self.gap_ms(schedule, P)
-        out = [[s * d + extra for d in kind] for kind in durations]
+        s, gap = self.scale(P), self.gap_ms(schedule, P)
+        # the runtime's gap comes with the actions that communicate (F, B, I send or receive); a W follows its I locally
+        out = [[s * d + self.action_ms + (gap if code < 3 else 0.0) for d in kind] for code, kind in enumerate(durations)]
         loss_f, loss_b = self.loss_ms
         out[0][-1] += loss_f
         out[1][-1] += loss_b

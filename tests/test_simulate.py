@@ -301,11 +301,11 @@ def test_a_calibration_is_the_same_simulation_on_transformed_stage_times(schedul
         table = table.iloc[:2].reset_index(drop=True)
     cal = hand_calibration(latency_ms=0.2)
     extra = 0.5 + (0.25 if v == 1 else 0.1)
-    # every action: 2x + action_ms + gap_ms; the last stage's F and B (or its I) also pay the loss. A zero-bubble
-    # backward is two actions, I and W, each paying the fixed costs: as a stage table, bwd = I + W
+    # every action: 2x + action_ms + gap_ms (a W only action_ms); the last stage's F and B (or its I) also pay the loss.
+    # A zero-bubble backward is two actions, I and W: as a stage table, bwd = I + W
     split = schedule == "ZBVZeroBubble"
-    by_hand = table.assign(fwd_ms=2 * table["fwd_ms"] + extra, wgrad_ms=2 * table["wgrad_ms"] + extra,
-                           bwd_ms=2 * table["bwd_ms"] + (2 if split else 1) * extra)
+    by_hand = table.assign(fwd_ms=2 * table["fwd_ms"] + extra, wgrad_ms=2 * table["wgrad_ms"] + 0.5,
+                           bwd_ms=2 * table["bwd_ms"] + extra + (0.5 if split else 0.0))
     by_hand.loc[len(table) - 1, "fwd_ms"] += 1.0
     by_hand.loc[len(table) - 1, "bwd_ms"] += 2.0
     link = Link(latency_ms=0.2, bandwidth_GBps=1e15)  # latency only, as the calibration has no bandwidth
