@@ -6,7 +6,8 @@ the micro-batch size fixed so one profile serves every row:
 * ``predicted_ms`` — the simulated step (``simulate``) of a balanced partition of a profile
   of the reference GPT taken on this machine;
 * ``measured_ms`` — the same span measured (first action start to last action end of the
-  median step, as ``compare`` does), and ``rel_error = (predicted - measured) / measured``;
+  median step: ``compare``'s ``span_ms``), and ``rel_error = (predicted - measured) / measured``
+  (``benchmarks/bench_fidelity.py`` compares whole steps, before and after calibration);
 * ``step_ms`` / ``step_ms_bare`` — the whole measured step (optimizer included), median over
   the steps after the first of two runs each, with and without the action instrumentation
   (the runs alternate), and ``overhead`` = their relative difference. On a shared 2-core
@@ -95,10 +96,11 @@ def main() -> pd.DataFrame:
         step_ms = float(pd.Series([t for r in measured for t in r.step_ms[1:]]).median())
         step_ms_bare = float(pd.Series([t for r in bare for t in r.step_ms[1:]]).median())
         c = compare(simulate(part, m), measured[-1])
-        predicted_ms, span_ms = c.step_ms
+        spans = c.df.set_index("metric").loc["span_ms"]  # the action span; c.step_ms is the whole step (steady_step_ms)
+        predicted_ms, span_ms = float(spans["predicted"]), float(spans["measured"])
         rows.append({
             "schedule": schedule, "v": v, "m": m, "bounds": str(list(part.bounds)),
-            "predicted_ms": predicted_ms, "measured_ms": span_ms, "rel_error": c.step_rel_error,
+            "predicted_ms": predicted_ms, "measured_ms": span_ms, "rel_error": float(spans["rel_error"]),
             "bubble_pred": c.bubble_ratio[0], "bubble_meas": c.bubble_ratio[1],
             "step_ms": step_ms, "step_ms_bare": step_ms_bare, "overhead": step_ms / step_ms_bare - 1,
             "per_action_us": action_us,

@@ -8,6 +8,7 @@ from __future__ import annotations
 from . import cluster, data, models
 from ._checks import SCHEDULES
 from .cluster import ClusterResult
+from .calibrate import Calibration, calibrate
 from .analytic import activation_memory_bytes, bubble_overhead, bubble_ratio, inflight_microbatches, step_ms
 from .jct import JCT
 from .link import Link
@@ -36,10 +37,12 @@ __all__ = [
     "RunResult",
     "ScheduleDeadlock",
     "Timeline",
+    "Calibration",
     "activation_memory_bytes",
     "bubble_overhead",
     "bubble_ratio",
     "cluster",
+    "calibrate",
     "compare",
     "compute_orders",
     "data",

@@ -29,6 +29,29 @@ def html_card(title: str, summary: dict, df: pd.DataFrame | None = None, max_row
     return "\n".join(out)
 
 
+#: The one noise rule (profile card, report, notebooks): a step whose coefficient of variation
+#: (std / mean over repeats or steps) exceeds this is too noisy to trust a prediction or an error to better than it.
+NOISE_CV = 0.10
+
+
+def noise_note(cv: float, what: str = "the step") -> str:
+    """The noise warning as text when ``cv`` exceeds :data:`NOISE_CV` (else ``""``): what varied, by how much, and what to do."""
+    if not (cv > NOISE_CV):  # NaN: nothing measured, nothing to warn about
+        return ""
+    return (f"Noisy machine: {what} varied by {cv:.0%} (std / mean; the rule is {NOISE_CV:.0%}), so predictions built on it and "
+            f"their errors against measured runs are that uncertain. Run with nothing else on the machine, pin threads "
+            f"(torch.set_num_threads), take more repeats or steps, and compare medians.")
+
+
+def noise_warning(cv: float, what: str = "the step") -> str:
+    """:func:`noise_note` as an HTML paragraph (``""`` when quiet)."""
+    note = noise_note(cv, what)
+    if not note:
+        return ""
+    head, rest = note.split(": ", 1)
+    return f"<p><strong>{html.escape(head)}:</strong> {html.escape(rest)}</p>"
+
+
 def text_card(title: str, summary: dict) -> str:
     """Plain-text form of :func:`html_card`'s summary, for ``__repr__`` and the CLI."""
     width = max((len(str(k)) for k in summary), default=0)

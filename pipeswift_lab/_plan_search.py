@@ -85,9 +85,10 @@ class Evaluator:
     each ``(P, m, schedule, v)`` is partitioned and simulated once.
     """
 
-    def __init__(self, costs: MicrobatchCosts, link, mem_limit, optimizer):
+    def __init__(self, costs: MicrobatchCosts, link, mem_limit, optimizer, calibration=None):
         self.costs, self.link, self.mem_limit, self.optimizer = costs, link, mem_limit, optimizer
-        self.shared = costs.proportional and link is None
+        self.calibration = calibration  # fixed per-action costs do not scale with b: no sharing across sizes
+        self.shared = costs.proportional and link is None and calibration is None
         self.state_factor = 2.0 + OPTIMIZER_STATE_FACTOR[optimizer]
         self._bounds, self._sims = {}, {}
 
@@ -114,10 +115,16 @@ class Evaluator:
             part = partition(self.costs.table(b), P, "balanced", v=v, schedule=schedule, m=m, optimizer=self.optimizer, mem_limit_bytes=self.mem_limit, link=self.link)
             base, scale, mem = b, 1.0, self._rank_memory(part, 1.0)
         busiest = max(sum(part.stage_ms[s] for s, r in enumerate(part.stage_to_rank) if r == rank) for rank in range(P))
-        return Split(part, m, schedule, v, base, scale, max(mem), _rank_params(part), m * busiest * scale)
+        bound = m * busiest * scale
+        if self.calibration is not None:  # calibrated actions take at least scale(P) x profiled, plus non-negative costs
+            bound = bound * self.calibration.scale(P) + self.calibration.step_overhead_ms(schedule)
+        return Split(part, m, schedule, v, base, scale, max(mem), _rank_params(part), bound)
 
     def simulate(self, split: "Split") -> tuple[float, float]:
-        """``(pipeline_ms, bubble_ratio)`` of a split; the bubble is ``1 - m * sum(stage fwd+bwd) / (P * step)``."""
+        """``(pipeline_ms, bubble_ratio)`` of a split; the bubble is ``1 - m * sum(stage fwd+bwd) / (P * step)``.
+
+        With a calibration the step is the calibrated span plus the runtime's per-step overhead.
+        """
         key = (split.part.P, split.m, split.schedule, split.v, split.part.bounds, split.base)
         if key not in self._sims:
             self._sims[key] = self._timed(split.part, split.m, split.schedule, split.v, 1.0)
@@ -125,8 +132,11 @@ class Evaluator:
         return step * split.scale, bubble
 
     def _timed(self, part, m, schedule, v, scale):
-        step = simulate_step_ms(part, m, schedule, v, link=self.link) * scale
+        step = simulate_step_ms(part, m, schedule, v, link=self.link, calibration=self.calibration) * scale
         busy = m * sum(part.stage_ms) * scale
+        if self.calibration is not None:
+            step += self.calibration.step_overhead_ms(schedule)
+            busy *= self.calibration.scale(part.P)
         return step, (1.0 - busy / (part.P * step) if step > 0 else 0.0)
 
     def _rank_memory(self, part, scale):

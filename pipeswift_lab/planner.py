@@ -34,8 +34,10 @@ from .analytic import bubble_ratio
 from .costs import AssemblyModel, Availability, CheckpointModel, allreduce_ms, preemption_loss_s, young_daly_interval_s
 from .jct import JCT, TERMS
 from .link import Link, check_link
+from ._plan_quantile import check_quantile, jct_quantile, quantile_column
 from ._plan_search import Evaluator, MicrobatchCosts
 from ._plan_strategies import first_drop, grow_rows, shrink_rows, split_by_drops
+from .calibrate import check_calibration
 from .partition import OPTIMIZER_STATE_FACTOR, Partition, partition
 from .schedules import validate
 
@@ -114,7 +116,8 @@ class Plan:
       ``total_s``, then the feasible ones the branch and bound did not simulate (``simulated``
       False, with ``jct_lower_bound_s``), then the rejected ones with their ``reason``; the JCT terms in the columns
       ``queue_s``, ``assembly_s``, ``training_s``, ``cleanup_s``, ``preemption_loss_s``,
-      ``total_s``, and ``step_ms``, ``bubble_ratio``, ``peak_mem_bytes``;
+      ``total_s``, and ``step_ms``, ``bubble_ratio``, ``peak_mem_bytes``; with ``quantile=0.95``
+      also ``total_s_p95`` (the JCT at that quantile), and with ``objective="p95"`` ranked by it;
     * ``best`` — the shortest JCT, a :class:`PlannedConfig`;
     * ``throughput_best`` — the shortest training term; ``bubble_best`` — the smallest bubble.
     """
@@ -138,7 +141,7 @@ class Plan:
 
     @property
     def best(self) -> PlannedConfig:
-        """The configuration with the shortest predicted JCT."""
+        """The configuration with the shortest predicted JCT (at the plan's ``objective``: the mean, or a quantile such as p95)."""
         return _from_row(self.feasible.iloc[0])
 
     @property
@@ -303,6 +306,10 @@ def plan(
     optimizer="adam",
     exhaustive=False,
     progress=True,
+    calibration=None,
+    quantile=None,
+    objective="mean",
+    step_cv=None,
 ) -> Plan:
     """Rank every feasible pipeline configuration by predicted job completion time; return a :class:`Plan`.
 
@@ -331,6 +338,16 @@ def plan(
     ``throughput_best`` and ``bubble_best`` are taken among the simulated ones; the
     configuration with the smallest closed-form bubble on the best's GPU count is always
     simulated. Starting small and growing is not weighed when ``mtbf_s`` is given.
+
+    * ``calibration`` — a :class:`~pipeswift_lab.calibrate.Calibration`: every pipeline step
+      is simulated calibrated (scaled actions, fixed costs, transfers, the runtime's step
+      overhead) instead of from the raw profile;
+    * ``quantile`` (e.g. 0.95) — also the JCT each configuration finishes within with that
+      probability, column ``total_s_p95``, by Monte Carlo with a fixed seed over the step-time
+      dispersion ``step_cv`` (default: the calibration's, else 0) and preemptions at ``mtbf_s``
+      (:mod:`pipeswift_lab._plan_quantile` states the model); ``objective="p95"`` ranks by it
+      (``"mean"``, the default, by the expected JCT). Ranking by a quantile simulates every
+      configuration: the branch and bound's bound is on the mean.
 
     Raises ``ValueError`` when no configuration is feasible, listing the closest misses.
     """
@@ -363,7 +380,13 @@ def plan(
     if not isinstance(checkpoint, CheckpointModel):
         raise TypeError(f"checkpoint must be a pipeswift_lab.costs.CheckpointModel or None; got {type(checkpoint).__name__}")
     mem_GBps = OPTIMIZER_MEMORY_GBps.get(costs.device, OPTIMIZER_MEMORY_GBps["cuda"])
-    evaluator = Evaluator(costs, link, mem_per_gpu_bytes, optimizer)
+    calibration = check_calibration(calibration)
+    quantile, rank_by = check_quantile(quantile, objective)
+    if step_cv is None:
+        step_cv = calibration.step_cv if calibration is not None and math.isfinite(calibration.step_cv) else 0.0
+    step_cv = check_time("step_cv", step_cv)
+    exhaustive = exhaustive or rank_by != "total_s"
+    evaluator = Evaluator(costs, link, mem_per_gpu_bytes, optimizer, calibration)
 
     single_stage = [c for c in stage_choices if c[1] == 1 and c[0] in ("GPipe", "1F1B")][:1] or [("GPipe", 1)]
     combos = []
@@ -475,7 +498,12 @@ def plan(
     if not parts:
         raise ValueError(_no_fit_message(table, gpus, global_batch, mem_per_gpu_bytes, mb_sizes)
                          + "\nevery configuration loses GPUs mid-run and none fits the GPUs that stay free")
-    ranked = pd.concat(parts, ignore_index=True).sort_values(["total_s", "gpus", "step_ms"], kind="stable")
+    ranked = pd.concat(parts, ignore_index=True)
+    columns = list(_TABLE_COLUMNS)
+    if quantile is not None:
+        ranked[quantile_column(quantile)] = jct_quantile(ranked, quantile, step_cv, mtbf_s, checkpoint)
+        columns.insert(columns.index("total_s") + 1, quantile_column(quantile))
+    ranked = ranked.sort_values([rank_by, "gpus", "step_ms"], kind="stable")
     unsimulated = table[(table["feasible"] == True) & (table["simulated"] != True)].sort_values("jct_lower_bound_s", kind="stable")  # noqa: E712
     rejected = pd.concat([lost, table[table["feasible"] != True].assign(total_s=math.nan)], ignore_index=True)  # noqa: E712
     out = pd.concat([ranked, unsimulated, rejected], ignore_index=True).drop(columns=["_shard_bytes"], errors="ignore")
@@ -483,10 +511,11 @@ def plan(
     out["simulated"] = out["simulated"].fillna(False).astype(bool)
     out["reason"] = out["reason"].fillna("")
     out["rank"] = pd.array([i + 1 if i < len(ranked) else pd.NA for i in range(len(out))], dtype="Int64")
-    out = out[list(_TABLE_COLUMNS)].reset_index(drop=True)
+    out = out[columns].reset_index(drop=True)
     inputs = {
         "gpus": gpus, "global_batch": global_batch, "steps": steps, "availability": availability.points,
         "profiled_batch_sizes": costs.sizes, "optimizer": optimizer, "link": link, "mem_per_gpu_bytes": mem_per_gpu_bytes,
+        "calibration": calibration, "quantile": quantile, "objective": objective, "step_cv": step_cv,
     }  # fmt: skip
     return Plan(out, inputs, costs)
 

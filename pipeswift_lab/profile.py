@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from ._checks import check_int, check_time
-from ._display import html_card, text_card
+from ._display import html_card, noise_note, noise_warning, text_card
 from ._profile_hooks import (
     LayerRecorder,
     current_unit,
@@ -215,10 +215,11 @@ class Profile:
         return f"Profile of {self.meta.get('model', 'a model')} ({self.meta.get('source', 'measured')})"
 
     def _repr_html_(self) -> str:
-        return html_card(self._title(), self._summary(), self.df)
+        return html_card(self._title(), self._summary(), self.df) + noise_warning(self.cv, "the profiled step")
 
     def __repr__(self) -> str:
-        return text_card(self._title(), self._summary())
+        note = noise_note(self.cv, "the profiled step")
+        return text_card(self._title(), self._summary()) + (f"\n  {note}" if note else "")
 
     def plot(self, ax=None):
         """Stacked forward/backward bars per layer, activation and parameter memory on a twin axis.

@@ -15,6 +15,7 @@ from pathlib import Path
 import pandas as pd
 
 from . import analytic
+from ._display import noise_warning
 from .jct import JCT
 
 
@@ -105,16 +106,6 @@ def section_jct_example(ctx: ReportContext) -> Section:
     return Section("Job completion time, not bubble", intro, [fig], {"jct_example": table, "jct_compare": JCT.compare(*jcts)}, summary)
 
 
-def _noise_warning(cv: float) -> str:
-    """A warning paragraph when the profiled step varied by more than 10% run to run."""
-    if cv <= 0.10:
-        return ""
-    return (
-        f"<p><strong>Noisy machine:</strong> the profiled step varied by {cv:.0%} run to run, so the predictions "
-        f"built on it (and their errors against measured runs) are that uncertain. Rerun on a quiet machine.</p>"
-    )
-
-
 def reference_setup(ctx: ReportContext):
     """The report's default job: the reference GPT on the CPU, micro-batch of 8 sequences."""
     from . import models
@@ -151,7 +142,7 @@ def section_profile(ctx: ReportContext) -> Section:
         f"{prof.meta.get('repeats')} repeats. The layers cover {prof.coverage:.0%} of the measured step ({outside}); "
         f"the step varies by {prof.cv:.1%} run to run. The slowest layer is <code>{heaviest}</code>; the embedding and "
         f"the LM head hold the most parameters.</p>"
-        + _noise_warning(prof.cv)
+        + noise_warning(prof.cv, "the profiled step")
     )
     summary = [f"profile: {prof.n_layers} layers, step {prof.step_ms:.1f} ms, coverage {prof.coverage:.0%}, cv {prof.cv:.1%}, heaviest {heaviest}"]
     return Section("Per-layer profile", intro, [ax.figure], {"profile": df}, summary)
@@ -222,17 +213,19 @@ def section_timeline(ctx: ReportContext) -> Section:
 
 
 def section_run(ctx: ReportContext) -> Section:
-    """The reference GPT run for real at P=2 on CPU processes, against its simulation."""
+    """The reference GPT run for real at P=2 on CPU processes, the simulator calibrated on these runs, its error before and after."""
+    import warnings
+
     import matplotlib.pyplot as plt
-
-    from .partition import partition
-    from .runner import compare, run
-    from .simulate import simulate
-
     import torch
 
+    from .calibrate import CalibrationWarning, calibrate
+    from .partition import partition
     from .profile import profile
+    from .runner import compare, run
+    from .runner.compare import MEASURED_STEP
     from .runner.spec import available_cores
+    from .simulate import simulate
 
     setup = reference_setup(ctx)
     P, m = 2, 2
@@ -245,25 +238,55 @@ def section_run(ctx: ReportContext) -> Section:
         prof = profile(setup.model, setup.inputs[:microbatch], target=setup.targets[:microbatch], loss_fn=setup.loss_fn, warmup=warmup, repeats=repeats, progress=False)
     finally:
         torch.set_num_threads(threads)
-    part = partition(prof, P)
-    result = ctx.get("run", lambda: run(setup.model, (setup.inputs, setup.targets), setup.loss_fn, part, m, steps=3 if ctx.quick else 8, progress=False))
-    comparison = compare(simulate(part, m), result)
-    predicted_ms, measured_ms = comparison.step_ms
-    fig, (top, bottom) = plt.subplots(2, 1, figsize=(11, 6), gridspec_kw={"height_ratios": [3, 1.2]})
-    comparison.plot(ax=top)
-    result.jct.plot(ax=bottom, unit="s")
+    # two runs to calibrate on (one per runtime: single-chunk 1F1B, multi-chunk Interleaved1F1B), one held out (GPipe)
+    cases = (("1F1B", 1), ("Interleaved1F1B", 2), ("GPipe", 1))
+    parts, runs = {}, {}
+    for schedule, v in cases:
+        parts[schedule] = partition(prof, P, v=v, schedule=schedule, m=m)
+        runs[schedule] = run(setup.model, (setup.inputs, setup.targets), setup.loss_fn, parts[schedule], m, steps=3 if ctx.quick else 8, progress=False)
+    result = ctx.get("run", lambda: runs["1F1B"])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", CalibrationWarning)
+        cal = calibrate([runs["1F1B"], runs["Interleaved1F1B"]], prof)
+    errors = cal.error([runs[s] for s, _ in cases])
+    comparison = compare(simulate(parts["1F1B"], m, calibration=cal), result)
+    fig, axes = plt.subplot_mosaic([["gantt", "gantt"], ["jct", "scatter"]], figsize=(11, 8.5), gridspec_kw={"height_ratios": [3, 2.6]})
+    comparison.plot(ax=axes["gantt"])
+    result.jct.plot(ax=axes["jct"], unit="s")
+    cal.plot([runs[s] for s, _ in cases], ax=axes["scatter"])
     fig.tight_layout()
     jct = result.jct
+    held = errors[~errors["in_fit"]].iloc[0]
+    fitted = errors[errors["in_fit"]]
+    parts_ms = comparison.decomposition.set_index("component")["ms"]
+    step_cv = max(float(r.step_stats().iloc[-1]["cv"]) for r in runs.values())
     intro = (
-        f"<p>The reference GPT cut in P={P} balanced stages, run for real with torch.distributed.pipelining's "
-        f"1F1B on {P} CPU processes (gloo), m={m} micro-batches of {microbatch} sequences, predicted from a profile of one "
-        f"micro-batch taken with the threads each rank gets. The median step after the first "
-        f"took {measured_ms:.4g} ms against {predicted_ms:.4g} ms predicted ({comparison.step_rel_error:+.0%}). The run's "
-        f"JCT phases: assembly {jct.assembly_s:.3g} s (processes, rendezvous, stages), training {jct.training_s:.3g} s, "
-        f"cleanup {jct.cleanup_s:.3g} s.</p>" + _noise_warning(prof.cv)
+        f"<p>The reference GPT cut in P={P} balanced stages, run for real with torch.distributed.pipelining on {P} CPU "
+        f"processes (gloo), m={m} micro-batches of {microbatch} sequences, three times: 1F1B and Interleaved1F1B to "
+        f"calibrate the simulator on, GPipe held out. The profile is one micro-batch taken with the threads each rank "
+        f"gets. The measured step is, everywhere in this report, the {MEASURED_STEP}.</p>"
+        f"<p>Before calibration the profile predicts the two fitted runs with errors of "
+        f"{', '.join(f'{e:+.0%}' for e in fitted['rel_error_before'])} and the held-out GPipe run with "
+        f"{held['rel_error_before']:+.0%}; after, {', '.join(f'{e:+.0%}' for e in fitted['rel_error_after'])} and "
+        f"{held['rel_error_after']:+.0%} (held out). The calibration's parameters are in the table "
+        f"<code>calibration</code>; <code>calibration_error</code> has every number. On the 1F1B run the calibrated "
+        f"prediction is {comparison.step_ms[0]:.4g} ms against {comparison.step_ms[1]:.4g} ms measured; replaying the "
+        f"measured action durations gives {comparison.replayed_step_ms:.4g} ms, so {parts_ms['durations']:+.3g} ms of the "
+        f"error come from the predicted durations and {parts_ms['schedule and communication model']:+.3g} ms from the "
+        f"schedule and communication model. The 1F1B run's JCT phases: assembly {jct.assembly_s:.3g} s (processes, "
+        f"rendezvous, stages), training {jct.training_s:.3g} s, cleanup {jct.cleanup_s:.3g} s.</p>"
+        + "".join(f"<p><em>{html.escape(str(w.message))}</em></p>" for w in caught)
+        + noise_warning(prof.cv, "the profiled step")
+        + noise_warning(step_cv, "the measured step after the warm-up (the noisiest of the three runs)")
     )
-    summary = [f"measured run P={P} m={m}: step {measured_ms:.4g} ms measured vs {predicted_ms:.4g} ms predicted; assembly {jct.assembly_s:.3g} s"]
-    return Section("A real pipeline run, measured", intro, [fig], {"run_steps": result.df, "run_vs_simulation": comparison.df, "run_jct": JCT.table(jct)}, summary)
+    summary = [
+        f"measured runs P={P} m={m}: median |error| {errors['rel_error_before'].abs().median():.0%} before calibration, "
+        f"{errors['rel_error_after'].abs().median():.0%} after; held-out GPipe {held['rel_error_before']:+.0%} -> {held['rel_error_after']:+.0%}; "
+        f"assembly {jct.assembly_s:.3g} s"
+    ]
+    tables = {"run_steps": result.df, "run_vs_simulation": comparison.df, "run_jct": JCT.table(jct), "calibration": cal.df,
+              "calibration_error": errors, "run_step_stats": result.step_stats()}
+    return Section("Real pipeline runs, measured, and the simulator calibrated on them", intro, [fig], tables, summary)
 
 
 def section_checkpoints(ctx: ReportContext) -> Section:

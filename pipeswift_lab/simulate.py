@@ -136,8 +136,12 @@ def _from_table(df: pd.DataFrame, schedule, v):
     return _Stages(fwd, bwd, wgrad, out_bytes, act, P, v, schedule, None)
 
 
-def _prepare(partition, m, schedule, v, link, wgrad_fraction):
-    """Validate :func:`simulate`'s arguments; return the stage table and per-kind durations."""
+def _prepare(partition, m, schedule, v, link, wgrad_fraction, calibration=None):
+    """Validate :func:`simulate`'s arguments; return the stage table and per-kind durations.
+
+    With a ``calibration`` (:class:`~pipeswift_lab.calibrate.Calibration`) the durations are
+    its calibrated ones and, when no ``link`` is given, its fitted transfers are used.
+    """
     if isinstance(partition, Partition):
         st = _from_partition(partition, schedule, v)
     elif isinstance(partition, pd.DataFrame):
@@ -169,22 +173,31 @@ def _prepare(partition, m, schedule, v, link, wgrad_fraction):
     if link is not None:
         transfer = [link.transfer_ms(b) for b in st.out_bytes]
     durations = (st.fwd, st.bwd, [max(0.0, b - w) for b, w in zip(st.bwd, wgrad)], wgrad)
+    if calibration is not None:
+        from .calibrate import check_calibration
+
+        calibration = check_calibration(calibration)
+        durations = calibration.action_durations(durations, st.P, schedule or st.schedule)
+        if link is None:
+            transfer = calibration.transfer_ms(st.out_bytes if st.out_bytes is not None else [0.0] * st.S)
     if tuple(placement) != stage_to_rank(st.P, v, schedule):  # pragma: no cover - guarded in _from_partition
         raise ValueError(f"stage placement {list(placement)} is not the one schedule={schedule!r} runs")
     return st, m, schedule, v, placement, link, durations, transfer, split_source
 
 
-def simulate_step_ms(partition, m, schedule=None, v=None, link=None, wgrad_fraction=None) -> float:
+def simulate_step_ms(partition, m, schedule=None, v=None, link=None, wgrad_fraction=None, calibration=None) -> float:
     """The simulated step time (ms) alone: :func:`simulate`'s ``step_ms`` without building the Timeline.
 
-    For searches over many configurations (the planner); takes the same arguments.
+    For searches over many configurations (the planner); takes the same arguments. Like
+    ``Timeline.step_ms`` it is the action span: with a ``calibration``, add
+    ``calibration.step_overhead_ms(schedule)`` for the whole step.
     """
-    st, m, schedule, v, placement, link, durations, transfer, _ = _prepare(partition, m, schedule, v, link, wgrad_fraction)
+    st, m, schedule, v, placement, link, durations, transfer, _ = _prepare(partition, m, schedule, v, link, wgrad_fraction, calibration)
     rows = _run(_lowered(st.P, m, schedule, v), st.P, m, st.S, durations, transfer, False)
     return max(row[5] for row in rows)
 
 
-def simulate(partition, m, schedule=None, v=None, link=None, wgrad_fraction=None) -> Timeline:
+def simulate(partition, m, schedule=None, v=None, link=None, wgrad_fraction=None, calibration=None) -> Timeline:
     """Simulate one training step of ``m`` micro-batches; return the predicted :class:`Timeline`.
 
     ``partition`` is a :class:`~pipeswift_lab.partition.Partition`, or a DataFrame with one
@@ -197,10 +210,18 @@ def simulate(partition, m, schedule=None, v=None, link=None, wgrad_fraction=None
     backward into ``I = bwd - wgrad`` and ``W = wgrad``, with ``wgrad = wgrad_fraction *
     bwd`` when ``wgrad_fraction`` is given, else the profile's ``wgrad_ms``, else
     :data:`~pipeswift_lab.analytic.DEFAULT_WGRAD_FRACTION` of ``bwd``.
+
+    ``calibration`` (a :class:`~pipeswift_lab.calibrate.Calibration` from
+    :func:`~pipeswift_lab.calibrate.calibrate`) turns profiled times into the times a real
+    run takes: each action lasts ``scale(P) * profiled + action_ms + gap_ms``, transfers take
+    the fitted latency (and bandwidth) unless a ``link`` is given, and
+    ``meta["step_overhead_ms"]`` holds the runtime's per-step time outside the actions, so
+    the whole predicted step is ``step_ms + meta["step_overhead_ms"]``
+    (:func:`~pipeswift_lab.calibrate.whole_step_ms`).
     """
-    st, m, schedule, v, placement, link, durations, transfer, split_source = _prepare(partition, m, schedule, v, link, wgrad_fraction)
+    st, m, schedule, v, placement, link, durations, transfer, split_source = _prepare(partition, m, schedule, v, link, wgrad_fraction, calibration)
     ops = _lowered(st.P, m, schedule, v)
-    rows = _run(ops, st.P, m, st.S, durations, transfer, link is not None)
+    rows = _run(ops, st.P, m, st.S, durations, transfer, link is not None or any(transfer))
     df = _rows_frame(rows)
     meta = {
         "schedule": schedule,
@@ -212,7 +233,13 @@ def simulate(partition, m, schedule=None, v=None, link=None, wgrad_fraction=None
         "stage_bwd_ms": list(st.bwd),
         "wgrad_split": split_source,
         "link": link.as_dict() if link is not None else None,
+        "step_overhead_ms": calibration.step_overhead_ms(schedule) if calibration is not None else 0.0,
     }
+    if any(transfer):
+        meta["stage_transfer_ms"] = list(transfer)
+    if calibration is not None:
+        meta["calibration"] = calibration.label
+        meta["gap_ms"] = calibration.gap_ms(schedule, st.P)
     if st.act_bytes is not None:
         meta["stage_activation_bytes"] = list(st.act_bytes)
     return Timeline(df, source="simulated", meta=meta)
@@ -368,10 +395,11 @@ def _one_f_one_b_ops(rank, P, m, low):
 
 
 # --------------------------------------------------------------------------- engine
-def _run(ops, P, m, S, durations, transfer, with_comm_rows):
+def _run(ops, P, m, S, durations, transfer, with_comm_rows, per_action=None):
     """Execute the per-rank operation lists; return the rows ``(rank, stage, mb, kind, start, end)``.
 
-    ``durations`` is ``(fwd, bwd, igrad, wgrad)``, one list per kind with one entry per stage.
+    ``durations`` is ``(fwd, bwd, igrad, wgrad)``, one list per kind with one entry per stage;
+    ``per_action`` optionally overrides single actions: ``{(kind_code * S + stage, microbatch): ms}``.
     """
     dur = [d for per_kind in durations for d in per_kind]  # flat, indexed kind_code * S + stage
     signal = [None] * (5 * S * m)
@@ -396,7 +424,7 @@ def _run(ops, P, m, S, durations, transfer, with_comm_rows):
                 if value > t:
                     t = value
             elif code == 1:  # _COMPUTE
-                end = t + dur[op[2]]
+                end = t + (dur[op[2]] if per_action is None else per_action.get((op[2], op[4]), dur[op[2]]))
                 append((r, op[3], op[4], op[5], t, end))
                 t = end
                 signal[op[1]] = end

@@ -61,17 +61,19 @@ def peak_memory_bytes(part: Partition, timeline: Timeline) -> float:
     return float(max(static[r] + act[r] for r in range(part.P)))
 
 
-def explore(profile, P, m, schedule="1F1B", method="balanced", v=None, link=None, optimizer="adam", wgrad_fraction=None) -> tuple[Partition, Timeline]:
+def explore(profile, P, m, schedule="1F1B", method="balanced", v=None, link=None, optimizer="adam", wgrad_fraction=None,
+            calibration=None) -> tuple[Partition, Timeline]:
     """Partition ``profile`` for ``(P, schedule, method)`` and simulate ``m`` micro-batches.
 
-    ``v`` defaults to 1 for GPipe/1F1B and 2 for the multi-chunk schedules. Returns
-    ``(Partition, Timeline)``; raises ``ValueError`` for combinations torch refuses.
+    ``v`` defaults to 1 for GPipe/1F1B and 2 for the multi-chunk schedules; ``calibration``
+    (from :func:`~pipeswift_lab.calibrate.calibrate`) makes the simulation a calibrated one.
+    Returns ``(Partition, Timeline)``; raises ``ValueError`` for combinations torch refuses.
     """
     schedule = canonical_schedule(schedule)
     v = _default_v(schedule) if v is None else v
     validate(P, m, schedule, v)
     part = partition(profile, P, method=method, v=v, schedule=schedule, link=link, optimizer=optimizer, m=m)
-    return part, simulate(part, m, schedule=schedule, link=link, wgrad_fraction=wgrad_fraction)
+    return part, simulate(part, m, schedule=schedule, link=link, wgrad_fraction=wgrad_fraction, calibration=calibration)
 
 
 def sweep(
@@ -87,6 +89,7 @@ def sweep(
     optimizer="adam",
     wgrad_fraction=None,
     progress=True,
+    calibration=None,
 ) -> pd.DataFrame:
     """Simulate every combination of ``P`` x ``m`` x ``schedules`` x ``methods`` (x ``v``).
 
@@ -96,8 +99,14 @@ def sweep(
     None). Returns a DataFrame with :data:`SWEEP_COLUMNS`: ``peak_mem_bytes`` is the
     largest rank's parameters, gradients, optimizer state and simulated peak activations;
     infeasible rows carry ``feasible=False``, the ``reason`` and NaN metrics. A ``tqdm``
-    progress bar shows unless ``progress=False``.
+    progress bar shows unless ``progress=False``. With a ``calibration`` (from
+    :func:`~pipeswift_lab.calibrate.calibrate`) every configuration is simulated calibrated and
+    ``step_ms`` is the whole predicted step: the calibrated action span plus the runtime's
+    per-step overhead (:func:`~pipeswift_lab.calibrate.whole_step_ms`).
     """
+    from .calibrate import check_calibration, whole_step_ms
+
+    calibration = check_calibration(calibration)
     layers = _Layers(profile)
     Ps = [check_int("P", p, minimum=1) for p in _as_list("P", P, "int")]
     ms = [check_int("m", x, minimum=1) for x in _as_list("m", m, "int")]
@@ -142,13 +151,13 @@ def sweep(
                     mem_limit_bytes=mem_limit_bytes, optimizer=optimizer, m=None if mem_limit_bytes is None else mm,
                 )  # fmt: skip
             part = parts[key]
-            tl = simulate(part, mm, schedule=sched, link=link, wgrad_fraction=wgrad_fraction)
+            tl = simulate(part, mm, schedule=sched, link=link, wgrad_fraction=wgrad_fraction, calibration=calibration)
         except ValueError as exc:
             row["reason"] = str(exc)
             row.update({"step_ms": math.nan, "bubble_ratio": math.nan, "bottleneck_ms": math.nan, "peak_mem_bytes": math.nan, "training_s": math.nan})
             rows.append(row)
             continue
-        step = tl.step_ms
+        step = whole_step_ms(tl)
         row.update(
             feasible=True,
             step_ms=step,

@@ -128,10 +128,13 @@ class PipelineExplorer(_Explorer):
     the message when torch refuses the combination (e.g. 1F1B with m < P).
     """
 
-    def __init__(self, profile=None, P=2, m=4, schedule="1F1B", method="balanced"):
+    def __init__(self, profile=None, P=2, m=4, schedule="1F1B", method="balanced", calibration=None):
         import ipywidgets as w
 
+        from .calibrate import check_calibration
         from .partition import METHODS
+
+        self.calibration = check_calibration(calibration)
 
         if profile is None:
             from . import models
@@ -164,10 +167,11 @@ class PipelineExplorer(_Explorer):
     method = property(lambda self: self._method.value, lambda self, value: setattr(self._method, "value", value))
 
     def _update(self):
+        from .calibrate import whole_step_ms
         from .sweep import explore
 
         try:
-            self.partition, self.timeline = explore(self.profile, self.P, self.m, self.schedule, self.method)
+            self.partition, self.timeline = explore(self.profile, self.P, self.m, self.schedule, self.method, calibration=self.calibration)
         except ValueError as error:
             self.partition = self.timeline = None
             self.error, self.result = str(error), {}
@@ -182,14 +186,15 @@ class PipelineExplorer(_Explorer):
             "schedule": self.schedule,
             "v": part.v,
             "method": self.method,
-            "step_ms": tl.step_ms,
+            "step_ms": whole_step_ms(tl),
             "bubble_ratio": tl.bubble_ratio,
             "bottleneck_ms": part.bottleneck_ms,
             "imbalance": part.imbalance,
         }
         r = self.result
         self._numbers.value = (
-            f"<b>{r['schedule']}</b> (v={r['v']}), {r['method']} split of P={r['P']}, m={r['m']}: simulated step "
+            f"<b>{r['schedule']}</b> (v={r['v']}), {r['method']} split of P={r['P']}, m={r['m']}: "
+            f"{'calibrated' if self.calibration is not None else 'simulated'} step "
             f"<b>{r['step_ms']:.4g} ms</b>, bubble_ratio <b>{r['bubble_ratio']:.3f}</b>, slowest stage "
             f"{r['bottleneck_ms']:.4g} ms, imbalance {r['imbalance']:.2f}"
         )
@@ -200,9 +205,13 @@ class PipelineExplorer(_Explorer):
 
 
 
-def pipeline_explorer(profile=None, P=2, m=4, schedule="1F1B", method="balanced") -> PipelineExplorer:
-    """Return a :class:`PipelineExplorer` over ``profile`` (default: the reference GPT measured here)."""
-    return PipelineExplorer(profile, P=P, m=m, schedule=schedule, method=method)
+def pipeline_explorer(profile=None, P=2, m=4, schedule="1F1B", method="balanced", calibration=None) -> PipelineExplorer:
+    """Return a :class:`PipelineExplorer` over ``profile`` (default: the reference GPT measured here).
+
+    With a ``calibration`` (:func:`pipeswift_lab.calibrate`) every configuration is simulated
+    calibrated and ``step_ms`` is the whole predicted step (span plus the runtime's overhead).
+    """
+    return PipelineExplorer(profile, P=P, m=m, schedule=schedule, method=method, calibration=calibration)
 
 
 def parse_availability(text: str) -> list[tuple[float, int]]:
@@ -296,6 +305,7 @@ class PlannerExplorer(_Explorer):
         from IPython.display import display
 
         columns = ["strategy", "P", "D", "m", "microbatch_size", "schedule", "v", "total_s", "queue_s", "training_s", "step_ms", "bubble_ratio"]
+        columns[8:8] = [c for c in self.plan.table.columns if c.startswith("total_s_p")]
 
         def draw():
             display(self.plan.top(5)[columns])
@@ -306,5 +316,9 @@ class PlannerExplorer(_Explorer):
 
 
 def planner_explorer(profile, gpus=16, global_batch=64, steps=10_000, availability=None, **plan_kwargs) -> PlannerExplorer:
-    """Return a :class:`PlannerExplorer`: the JCT plan of ``profile``, re-ranked live as GPUs, batch, steps or availability change."""
+    """Return a :class:`PlannerExplorer`: the JCT plan of ``profile``, re-ranked live as GPUs, batch, steps or availability change.
+
+    ``plan_kwargs`` go to :func:`~pipeswift_lab.planner.plan`, e.g. ``calibration=cal``,
+    ``quantile=0.95`` or ``objective="p95"``.
+    """
     return PlannerExplorer(profile, gpus=gpus, global_batch=global_batch, steps=steps, availability=availability, **plan_kwargs)

@@ -23,6 +23,12 @@ def test_report_subprocess_writes_html_and_csv(tmp_path):
     assert "<img" in page and "data:image/png;base64," in page
     bubbles = pd.read_csv(tmp_path / "rep" / "bubbles.csv")
     assert {"P", "m", "schedule", "bubble_ratio", "bubble_overhead"} <= set(bubbles.columns)
+    # the measured-run section calibrates on its own runs and publishes the error before and after
+    errors = pd.read_csv(tmp_path / "rep" / "calibration_error.csv")
+    assert {"rel_error_before", "rel_error_after", "in_fit"} <= set(errors.columns) and (~errors["in_fit"]).sum() == 1
+    assert "compute_scale[P=2]" in set(pd.read_csv(tmp_path / "rep" / "calibration.csv")["parameter"])
+    assert "median step after the first" in page and "held out" in page
+    assert "% before calibration" in result.stdout
 
 
 def test_unknown_command_fails():

@@ -231,3 +231,23 @@ def test_planner_pick_is_within_ten_percent_of_the_best_measured(one_torch_threa
     best_measured = grid["measured_ms"].min()
     picked = grid.iloc[0]
     assert picked["measured_ms"] <= 1.10 * best_measured, grid[["m", "schedule", "v", "step_ms", "measured_ms"]].to_string()
+
+
+def test_calibrated_plan_steps_and_its_bound_stays_a_bound():
+    from pipeswift_lab.calibrate import Calibration
+    from pipeswift_lab.simulate import simulate_step_ms
+
+    cal = Calibration(compute_scale={2: 1.5}, action_ms=0.2, loss_ms=(0.1, 0.2), gap={"single-chunk": 0.3, "multi-chunk": 0.1},
+                      step_overhead={"single-chunk": 20.0, "multi-chunk": 4.0}, latency_ms=0.05, bandwidth_GBps=math.inf, step_cv=0.0)
+    prof = model_profile()
+    result = plan(prof, gpus=8, global_batch=32, steps=1000, calibration=cal, exhaustive=True, progress=False)
+    rows = result.feasible[result.feasible["strategy"] == "start"]
+    assert (rows["jct_lower_bound_s"] <= rows["total_s"] + 1e-9).all()  # the branch and bound's bound holds calibrated
+    row = rows[rows["P"] > 1].iloc[0]
+    part = result.partition_of(row)
+    want = simulate_step_ms(part, int(row["m"]), row["schedule"], calibration=cal) + cal.step_overhead_ms(row["schedule"])
+    assert row["pipeline_ms"] == pytest.approx(want)
+    pruned = plan(prof, gpus=8, global_batch=32, steps=1000, calibration=cal, progress=False)
+    assert pruned.best.label == result.best.label and pruned.best.total_s == pytest.approx(result.best.total_s)
+    with pytest.raises(TypeError, match="calibration must be"):
+        plan(prof, gpus=8, global_batch=32, steps=1000, calibration="cal.json", progress=False)

@@ -446,3 +446,17 @@ def test_cuda_path_uses_events_and_reports_peak_memory():
     assert (prof.df["fwd_ms"] > 0).all() and (prof.df["bwd_ms"] > 0).all()
     assert prof.df["peak_bytes"].notna().all() and (prof.df["peak_bytes"] >= 0).all()
     assert 0.3 < prof.coverage < 1.5
+
+
+def test_one_noise_rule_for_profile_cards_and_the_report():
+    from pipeswift_lab._display import NOISE_CV, noise_note, noise_warning
+
+    assert noise_note(NOISE_CV) == "" and noise_note(float("nan")) == ""
+    note = noise_note(0.25, "the profiled step")
+    assert "the profiled step varied by 25%" in note and "pin threads" in note and "nothing else on the machine" in note
+    assert noise_warning(0.25).startswith("<p><strong>Noisy machine:</strong>")
+    noisy = Profile.synthetic(fwd_ms=[1.0], bwd_ms=[2.0])
+    assert "Noisy machine" not in noisy._repr_html_()  # NaN cv: nothing measured
+    noisy = Profile(noisy.df, meta={**noisy.meta, "step_ms_samples": [10.0, 20.0, 10.0]})
+    assert noisy.cv > NOISE_CV
+    assert noise_warning(noisy.cv, "the profiled step") in noisy._repr_html_() and "Noisy machine" in repr(noisy)

@@ -1,5 +1,7 @@
 """Predicted vs measured: exact metrics on hand-made timelines, and a real run of layers that sleep a known time."""
+import math
 import time
+from dataclasses import replace
 
 import matplotlib
 import pandas as pd
@@ -10,6 +12,7 @@ from torch import nn
 from pipeswift_lab.partition import Partition
 from pipeswift_lab.profile import Profile
 from pipeswift_lab.runner import Comparison, compare, run
+from pipeswift_lab.runner.compare import MEASURED_STEP, steady_step_index
 from pipeswift_lab.simulate import simulate
 from pipeswift_lab.timeline import Timeline
 
@@ -41,6 +44,7 @@ def test_compare_on_known_timelines():
     assert c.bubble_ratio == pytest.approx((0.5, 1 - 65 / 160))
     assert (c.df["rel_error"].dropna() == ((c.df["predicted"] - c.df["measured"]) / c.df["measured"]).dropna()).all()
     assert compare(predicted, measured, step=2).step_ms == (60.0, 100.0)
+    assert c.statistic.startswith("action span") and math.isnan(c.replayed_step_ms)  # no schedule in meta: nothing to replay
     assert "Predicted vs measured" in c._repr_html_() and "step_rel_error" in str(c)
 
     with pytest.raises(ValueError, match="step=5 is not a step of the measured run"):
@@ -109,7 +113,16 @@ def test_simulation_predicts_the_sleeping_pipeline(sleepy_run):
     c = compare(predicted, result)
     assert c.measured_step in (1, 2)
     assert abs(c.step_rel_error) < 0.2  # only the runtime's own overhead differs from the sleeps
-    assert c.step_ms[1] <= result.step_ms[c.measured_step]  # the step time also counts the optimizer step
+    # the measured step is RunResult.steady_step_ms (whole step, optimizer included) and says so
+    assert c.step_ms[1] == result.steady_step_ms == result.step_ms[c.measured_step]
+    assert c.statistic == MEASURED_STEP and "optimizer step included" in c.statistic
+    span = c.df.set_index("metric").loc["span_ms", "measured"]
+    assert span <= c.step_ms[1]
+    # the replay keeps the measured durations: with the sleeps' order right it lands on the measured span
+    assert c.replayed_step_ms == pytest.approx(span, rel=0.05)
+    parts = c.decomposition.set_index("component")["ms"]
+    assert parts["durations"] + parts["schedule and communication model"] == pytest.approx(parts["total"])
+    assert parts["total"] == pytest.approx(c.step_ms[0] - c.step_ms[1])
     assert abs(c.bubble_ratio[0] - c.bubble_ratio[1]) < 0.1
     matplotlib.use("Agg")
     ax = c.plot()
@@ -120,3 +133,32 @@ def test_simulation_predicts_the_sleeping_pipeline(sleepy_run):
     import matplotlib.pyplot as plt
 
     plt.close("all")
+
+
+def test_one_measured_step_and_step_stats(sleepy_run):
+    _, result = sleepy_run
+    assert steady_step_index([500.0, 30.0, 10.0, 20.0]) == 3  # the median of 30, 10, 20 after the warm-up
+    assert steady_step_index([500.0, 30.0, 10.0]) == 2  # even count: the lower middle one
+    assert steady_step_index([7.0]) == 0
+    times = (900.0, 10.0, 12.0, 11.0, 30.0, 13.0)
+    fake = replace(result, step_ms=times, steps=len(times))
+    assert fake.steady_step_ms == 12.0 and fake.steady_step == 2
+    stats = fake.step_stats(window=3)
+    assert stats["window"].tolist() == [0, 1, "all"]
+    assert stats["steps"].tolist() == [3, 2, 5] and stats["first_step"].tolist() == [1, 4, 1]  # warm-up step 0 left out
+    whole = stats.iloc[-1]
+    assert whole["mean_ms"] == pytest.approx(15.2) and whole["max_ms"] == 30.0 and whole["p50_ms"] == 12.0
+    assert whole["cv"] == pytest.approx(pd.Series(times[1:]).std() / 15.2)
+    assert whole["p95_ms"] == pytest.approx(pd.Series(times[1:]).quantile(0.95))
+    assert stats.iloc[0]["p95_ms"] < whole["p95_ms"]  # the slow step 4 is in the second window
+    with pytest.raises(ValueError, match="window"):
+        fake.step_stats(window=0)
+
+
+def test_a_resumed_run_numbers_its_steps_from_where_it_started(sleepy_run):
+    _, result = sleepy_run
+    times = (900.0, 10.0, 12.0, 11.0)
+    resumed = replace(result, step_ms=times, steps=len(times))
+    object.__setattr__(resumed, "first_step", 100)  # what a run resumed at step 100 reports (RunResult.first_step)
+    assert resumed.steady_step == 103 and resumed.steady_step_ms == 11.0
+    assert resumed.step_stats(window=10)["first_step"].tolist() == [101, 101]

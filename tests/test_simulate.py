@@ -281,3 +281,45 @@ def test_simulate_step_ms_equals_the_timelines_step():
         stages = pd.DataFrame({"fwd_ms": [rng.uniform(1, 3) for _ in range(P * v)], "bwd_ms": [rng.uniform(2, 6) for _ in range(P * v)], "output_bytes": [1e6] * (P * v)})
         link = Link(0.1, 1.0)
         assert simulate_step_ms(stages, m, schedule, v=v, link=link) == simulate(stages, m, schedule, v=v, link=link).step_ms
+
+
+# ---------------------------------------------------------------- calibrated
+def hand_calibration(**changes):
+    from pipeswift_lab.calibrate import Calibration
+
+    values = dict(compute_scale={2: 2.0, 4: 3.0}, action_ms=0.5, loss_ms=(1.0, 2.0), gap={"single-chunk": 0.25, "multi-chunk": 0.1},
+                  step_overhead={"single-chunk": 10.0, "multi-chunk": 3.0}, latency_ms=0.0, bandwidth_GBps=math.inf, step_cv=0.1)
+    values.update(changes)
+    return Calibration(**values)
+
+
+@pytest.mark.parametrize("schedule,v", [("1F1B", 1), ("GPipe", 1), ("Interleaved1F1B", 2), ("ZBVZeroBubble", 2)])
+def test_a_calibration_is_the_same_simulation_on_transformed_stage_times(schedule, v):
+    table = pd.DataFrame({"fwd_ms": [1.0, 2.0, 1.5, 3.0], "bwd_ms": [2.0, 4.0, 3.0, 6.0], "wgrad_ms": [1.0, 2.0, 1.0, 3.0],
+                          "output_bytes": [1e6] * 4})
+    if v == 1:
+        table = table.iloc[:2].reset_index(drop=True)
+    cal = hand_calibration(latency_ms=0.2)
+    extra = 0.5 + (0.25 if v == 1 else 0.1)
+    # every action: 2x + action_ms + gap_ms (a W only action_ms); the last stage's F and B (or its I) also pay the loss.
+    # A zero-bubble backward is two actions, I and W: as a stage table, bwd = I + W
+    split = schedule == "ZBVZeroBubble"
+    by_hand = table.assign(fwd_ms=2 * table["fwd_ms"] + extra, wgrad_ms=2 * table["wgrad_ms"] + 0.5,
+                           bwd_ms=2 * table["bwd_ms"] + extra + (0.5 if split else 0.0))
+    by_hand.loc[len(table) - 1, "fwd_ms"] += 1.0
+    by_hand.loc[len(table) - 1, "bwd_ms"] += 2.0
+    link = Link(latency_ms=0.2, bandwidth_GBps=1e15)  # latency only, as the calibration has no bandwidth
+    got = simulate(table, 4, schedule, v=v, calibration=cal)
+    want = simulate(by_hand, 4, schedule, v=v, link=link)
+    assert got.step_ms == pytest.approx(want.step_ms, abs=1e-6)
+    assert got.meta["step_overhead_ms"] == cal.step_overhead_ms(schedule) and got.meta["gap_ms"] == cal.gap_ms(schedule, 2)
+    assert got.meta["stage_transfer_ms"] == [0.2] * len(table)
+    # an explicit link overrides the calibration's transfers
+    assert simulate(table, 4, schedule, v=v, calibration=cal, link=Link(0.0, 1e15)).step_ms < got.step_ms
+
+
+def test_calibration_scale_of_an_unfitted_P_is_the_nearest():
+    cal = hand_calibration()
+    assert cal.scale(2) == 2.0 and cal.scale(3) == 3.0 and cal.scale(1) == 2.0 and cal.scale(16) == 3.0
+    assert math.isnan(hand_calibration(step_overhead={"single-chunk": math.nan}).step_overhead.get("single-chunk"))
+    assert hand_calibration(step_overhead={"single-chunk": math.nan}).step_overhead_ms("1F1B") == 0.0

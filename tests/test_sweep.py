@@ -121,3 +121,18 @@ def test_explore_returns_what_the_widget_shows():
     assert part.method == "uniform" and tl.meta["schedule"] == "GPipe"
     with pytest.raises(ValueError, match="P=4, m=2"):
         explore(gpt_like(), 4, 2, "1F1B", "balanced")
+
+
+def test_a_calibrated_sweep_reports_the_whole_predicted_step():
+    from pipeswift_lab.calibrate import Calibration, whole_step_ms
+
+    cal = Calibration(compute_scale={2: 2.0}, action_ms=0.5, loss_ms=(0.0, 0.0), gap={"single-chunk": 0.0, "multi-chunk": 0.0},
+                      step_overhead={"single-chunk": 10.0, "multi-chunk": 3.0}, latency_ms=0.0, bandwidth_GBps=math.inf, step_cv=0.1)
+    prof = Profile.synthetic(fwd_ms=[1.0, 2.0, 1.0, 2.0], bwd_ms=[2.0, 4.0, 2.0, 4.0])
+    table = sweep(prof, P=[2], m=[4], schedules=["1F1B", "Interleaved1F1B"], steps=100, calibration=cal, progress=False)
+    for row in table.itertuples():
+        v = 1 if row.schedule == "1F1B" else 2
+        want = whole_step_ms(simulate(partition(prof, 2, v=v, schedule=row.schedule), 4, row.schedule, calibration=cal))
+        assert row.step_ms == pytest.approx(want) and row.training_s == pytest.approx(100 * want / 1000)
+    plain = sweep(prof, P=[2], m=[4], schedules=["1F1B"], progress=False)
+    assert table.iloc[0]["step_ms"] == pytest.approx(5 * (2 * 9 + 2 * 0.5) + 10.0) and plain.iloc[0]["step_ms"] == 5 * 9

@@ -90,3 +90,22 @@ def test_planner_explorer_replans_on_every_change():
     explorer._availability.value = "0:8, soon:16"
     assert explorer.plan is None and "'soon:16' is not 'seconds:gpus'" in explorer.error
     assert parse_availability("0:16; 7200:32") == [(0.0, 16), (7200.0, 32)]
+
+
+def test_explorers_use_a_calibration():
+    import math
+
+    from pipeswift_lab import Profile
+    from pipeswift_lab.calibrate import Calibration
+    from pipeswift_lab.widgets import pipeline_explorer, planner_explorer
+
+    cal = Calibration(compute_scale={2: 2.0}, action_ms=0.5, loss_ms=(0.0, 0.0), gap={"single-chunk": 0.0, "multi-chunk": 0.0},
+                      step_overhead={"single-chunk": 10.0, "multi-chunk": 3.0}, latency_ms=0.0, bandwidth_GBps=math.inf, step_cv=0.1)
+    prof = Profile.synthetic(fwd_ms=[1, 2, 3, 4, 1, 1], bwd_ms=[2, 4, 6, 8, 2, 2])
+    explorer = pipeline_explorer(prof, P=2, m=4, calibration=cal)
+    # every action doubles and pays 0.5 ms; the 1F1B step is (m + P - 1) x (2 x 18 + 2 x 0.5), plus 10 ms of runtime per step
+    assert explorer.result["step_ms"] == pytest.approx(5 * (2 * 18 + 1.0) + 10.0)
+    assert "calibrated step" in explorer._numbers.value
+    planner = planner_explorer(Profile.synthetic(fwd_ms=[1.0] * 8, bwd_ms=[2.0] * 8, meta={"batch_size": 1}), gpus=4, global_batch=8,
+                               steps=100, schedules=["1F1B"], calibration=cal, quantile=0.95)
+    assert planner.plan.inputs["calibration"] is cal and "total_s_p95" in planner.plan.table.columns

@@ -4,9 +4,21 @@ Both sides are Timelines in the same schema, so the comparison is plain arithmet
 actions. For one step of each (the simulated step 0; by default the measured step with the
 median step time, leaving out the first, warm-up step) it reports per rank the busy time (sum
 of the compute actions), the idle time (step minus busy), the mean duration of each action
-kind, and for the pipeline the step time (first action start to last action end, so the
-optimizer step a real step also runs is left out on both sides) and the bubble ratio as the
-idle share of ``P x step`` (GPipe's convention, ``(P-1)/(m+P-1)`` for uniform stages).
+kind, and for the pipeline:
+
+* ``step_ms`` — the measured step as :data:`MEASURED_STEP` defines it (for a RunResult its
+  :attr:`~pipeswift_lab.runner.RunResult.steady_step_ms`: the whole step, optimizer
+  included; for a bare Timeline, which has no whole step, the action span of that step)
+  against the predicted span plus the predicted ``meta["step_overhead_ms"]`` (the
+  calibrated runtime overhead; 0 for an uncalibrated simulation);
+* ``span_ms`` — first action start to last action end on both sides;
+* ``replayed_step_ms`` — the simulator fed the measured step's own action durations
+  (:func:`~pipeswift_lab.replay.replay`) with the prediction's transfers, time between
+  actions and step overhead: ``predicted - replayed`` is the error of the durations, ``replayed - measured``
+  that of the schedule and communication model (:attr:`Comparison.decomposition`);
+* ``bubble_ratio`` as the idle share of ``P x span`` (GPipe's convention, ``(P-1)/(m+P-1)``
+  for uniform stages).
+
 ``rel_error`` is ``(predicted - measured) / measured``.
 """
 from __future__ import annotations
@@ -20,6 +32,24 @@ from .._checks import check_int
 from .._display import html_card, text_card
 
 COMPUTE_KINDS = ("F", "B", "I", "W")
+#: The one definition of "the measured step" used by RunResult.steady_step_ms, compare, calibrate and the report.
+MEASURED_STEP = ("median step after the first (the lower middle one for an even count), from the first rank starting it "
+                 "to the last rank finishing it, optimizer step included")
+
+
+def first_step(obj) -> int:
+    """The step number of ``obj.step_ms[0]``: 0, or where a resumed run started (``RunResult.first_step``)."""
+    return int(getattr(obj, "first_step", 0) or 0)
+
+
+def steady_step_index(times) -> int:
+    """Index of the step :data:`MEASURED_STEP` picks from per-step ``times``: the median after the first (lower middle for an even count)."""
+    times = pd.Series(list(times), index=range(len(times))) if not isinstance(times, pd.Series) else times
+    if times.empty:
+        raise ValueError("there are no steps to pick the measured step from")
+    candidates = times.iloc[1:] if len(times) > 1 else times
+    order = candidates.sort_values(kind="stable")
+    return int(order.index[(len(order) - 1) // 2])
 
 
 def _timeline_of(obj, name):
@@ -41,7 +71,8 @@ def pick_step(measured, step=None) -> int:
     df = timeline.df
     step_ms = getattr(measured, "step_ms", None) if measured is not timeline else None
     if step_ms:
-        times = pd.Series(list(step_ms), index=range(len(step_ms)))
+        first = first_step(measured)
+        times = pd.Series(list(step_ms), index=range(first, first + len(step_ms)))
     else:
         times = _step_spans(df)
     steps = list(times.index)
@@ -52,9 +83,7 @@ def pick_step(measured, step=None) -> int:
         return step
     if not steps:
         raise ValueError("the measured timeline has no actions (was the run instrumented?)")
-    candidates = times.iloc[1:] if len(times) > 1 else times
-    order = candidates.sort_values(kind="stable")
-    return int(order.index[(len(order) - 1) // 2])
+    return steady_step_index(times)
 
 
 def _one_step(df: pd.DataFrame, step: int) -> pd.DataFrame:
@@ -72,7 +101,7 @@ def _metrics(df: pd.DataFrame, ranks) -> dict:
     from ..timeline import Timeline
 
     timeline = Timeline(df, meta={"P": len(ranks)} if ranks == list(range(len(ranks))) else {})
-    out = {("step_ms", None): timeline.step_ms, ("bubble_ratio", None): timeline.bubble_ratio}
+    out = {("span_ms", None): timeline.step_ms, ("bubble_ratio", None): timeline.bubble_ratio}
     by_rank = timeline.idle_by_rank.set_index("rank")
     for r in ranks:
         out[("busy_ms", r)] = float(by_rank.loc[r, "busy_ms"])
@@ -96,6 +125,8 @@ class Comparison:
     predicted_step: int
     measured_step: int
     df: pd.DataFrame
+    replayed: object = None  # the replayed Timeline (None when the measured timeline does not name its schedule)
+    statistic: str = MEASURED_STEP  # what the measured step_ms is
 
     def _value(self, metric, column):
         row = self.df[(self.df["metric"] == metric) & self.df["rank"].isna()]
@@ -110,6 +141,25 @@ class Comparison:
     def step_rel_error(self) -> float:
         """``(predicted - measured) / measured`` of the step time."""
         return self._value("step_ms", "rel_error")
+
+    @property
+    def replayed_step_ms(self) -> float:
+        """The step the simulator gives with the measured step's own action durations (NaN when it cannot replay)."""
+        return self._value("replayed_step_ms", "predicted")
+
+    @property
+    def decomposition(self) -> pd.DataFrame:
+        """The step error split in two: ``component``, ``ms``, ``share_of_measured``.
+
+        ``durations`` is predicted minus replayed (the action times the prediction assumed
+        against those measured), ``schedule and communication model`` replayed minus
+        measured (what the simulator's order, transfers and step overhead miss with the
+        right durations), ``total`` their sum, predicted minus measured.
+        """
+        p, m = self.step_ms
+        r = self.replayed_step_ms
+        rows = [("durations", p - r), ("schedule and communication model", r - m), ("total", p - m)]
+        return pd.DataFrame([{"component": c, "ms": v, "share_of_measured": v / m} for c, v in rows])
 
     @property
     def bubble_ratio(self) -> tuple[float, float]:
@@ -149,7 +199,8 @@ class Comparison:
         p, m = self.step_ms
         bp, bm = self.bubble_ratio
         return {"predicted_step_ms": p, "measured_step_ms": m, "step_rel_error": self.step_rel_error,
-                "predicted_bubble": bp, "measured_bubble": bm, "measured_step": self.measured_step}
+                "replayed_step_ms": self.replayed_step_ms, "predicted_bubble": bp, "measured_bubble": bm,
+                "measured_step": self.measured_step, "measured step is": self.statistic}
 
     def _repr_html_(self) -> str:
         return html_card("Predicted vs measured", self._summary(), self.df)
@@ -165,7 +216,9 @@ def compare(predicted, measured, step=None) -> Comparison:
 
     ``predicted``: a Timeline or anything with ``.timeline`` (a simulation result);
     ``measured``: a :class:`~pipeswift_lab.runner.RunResult` or a Timeline. The two must have
-    the same ranks. Returns a :class:`Comparison`.
+    the same ranks. The measured ``step_ms`` is :data:`MEASURED_STEP` (``Comparison.statistic``
+    says which); the replayed step is given when the measured timeline names its schedule,
+    P, m and v (a RunResult's does). Returns a :class:`Comparison`.
     """
     pred_tl, meas_tl = _timeline_of(predicted, "predicted"), _timeline_of(measured, "measured")
     pred_step = int(pred_tl.df["step"].min()) if len(pred_tl.df) else 0
@@ -175,11 +228,28 @@ def compare(predicted, measured, step=None) -> Comparison:
     if pred_ranks != meas_ranks:
         raise ValueError(f"predicted has ranks {pred_ranks} but measured {meas_ranks}; compare runs of the same P")
     pm, mm = _metrics(pred, pred_ranks), _metrics(meas, meas_ranks)
-    rows = []
+    overhead = float(pred_tl.meta.get("step_overhead_ms", 0.0) or 0.0)
+    whole = getattr(measured, "step_ms", None) if measured is not meas_tl else None
+    if whole:
+        measured_step_ms, statistic = float(whole[meas_step - first_step(measured)]), MEASURED_STEP
+    else:
+        measured_step_ms, statistic = mm[("span_ms", None)], "action span (first action start to last action end) of the " + (
+            "median step after the first" if step is None else f"step {meas_step}") + "; a bare Timeline has no whole step"
+    replayed, replayed_ms = None, np.nan
+    if all(k in meas_tl.meta for k in ("schedule", "P", "m", "v")):
+        from ..replay import replay
+
+        transfer = pred_tl.meta.get("stage_transfer_ms")
+        stages = int(meas_tl.meta["P"]) * int(meas_tl.meta["v"])
+        replayed = replay(meas_tl, meas_step, transfer if transfer is not None and len(transfer) == stages else None, overhead,
+                          float(pred_tl.meta.get("gap_ms", 0.0) or 0.0))
+        replayed_ms = replayed.step_ms + overhead
+    rows = [{"metric": "step_ms", "rank": None, "predicted": pm[("span_ms", None)] + overhead, "measured": measured_step_ms},
+            {"metric": "replayed_step_ms", "rank": None, "predicted": replayed_ms, "measured": measured_step_ms}]
     for key in list(pm) + [k for k in mm if k not in pm]:
-        p, m = pm.get(key, np.nan), mm.get(key, np.nan)
-        rows.append({"metric": key[0], "rank": key[1], "predicted": p, "measured": m,
-                     "rel_error": (p - m) / m if np.isfinite(m) and m != 0 else np.nan})
+        rows.append({"metric": key[0], "rank": key[1], "predicted": pm.get(key, np.nan), "measured": mm.get(key, np.nan)})
     df = pd.DataFrame(rows)
+    df["rel_error"] = [(p - m) / m if np.isfinite(m) and m != 0 else np.nan for p, m in zip(df["predicted"], df["measured"])]
     df["rank"] = df["rank"].astype("Int64")
-    return Comparison(predicted=pred_tl, measured=meas_tl, predicted_step=pred_step, measured_step=meas_step, df=df)
+    return Comparison(predicted=pred_tl, measured=meas_tl, predicted_step=pred_step, measured_step=meas_step, df=df,
+                      replayed=replayed, statistic=statistic)

@@ -97,10 +97,54 @@ class RunResult:
         return model
 
     @property
+    def steady_step(self) -> int:
+        """The step :attr:`steady_step_ms` is taken from: the median step after the first (see :data:`~pipeswift_lab.runner.compare.MEASURED_STEP`)."""
+        from .compare import first_step, steady_step_index
+
+        first = first_step(self)
+        return steady_step_index(pd.Series(list(self.step_ms), index=range(first, first + len(self.step_ms))))
+
+    @property
     def steady_step_ms(self) -> float:
-        """Median step time without the first step (which warms up allocators and communicators); the only step if there is one."""
-        times = self.step_ms[1:] if len(self.step_ms) > 1 else self.step_ms
-        return float(pd.Series(times).median())
+        """The measured step: :data:`~pipeswift_lab.runner.compare.MEASURED_STEP` (``compare``, ``calibrate`` and the report use it).
+
+        The whole step (first rank starting it to the last rank finishing it, optimizer step
+        included) of the median step after the first, which warms up allocators and
+        communicators; for an even count the lower of the two middle steps, so the number is
+        a step that happened and its Gantt chart can be shown. The only step if there is one.
+        """
+        from .compare import first_step
+
+        return float(self.step_ms[self.steady_step - first_step(self)])
+
+    def step_stats(self, window=100) -> pd.DataFrame:
+        """Step-time dispersion per window of ``window`` steps and for the whole run, the warm-up step excluded.
+
+        One row per window (``window`` = 0, 1, ...; the last may be shorter) and a last row
+        ``window="all"``: ``first_step``, ``last_step``, ``steps``, ``mean_ms``, ``std_ms``
+        (sample std, NaN for one step), ``cv`` (std / mean), ``p50_ms``, ``p95_ms`` (linear
+        interpolation), ``max_ms``.
+        """
+        from .._checks import check_int
+
+        from .compare import first_step
+
+        window = check_int("window", window, minimum=1)
+        first = 1 if len(self.step_ms) > 1 else 0
+        offset = first_step(self)  # step numbers, for a run resumed at a later step
+        times = pd.Series(list(self.step_ms[first:]), index=range(offset + first, offset + len(self.step_ms)), dtype=float)
+
+        def stats(name, part):
+            std = float(part.std(ddof=1)) if len(part) > 1 else float("nan")
+            return {"window": name, "first_step": int(part.index[0]), "last_step": int(part.index[-1]), "steps": len(part),
+                    "mean_ms": float(part.mean()), "std_ms": std, "cv": std / float(part.mean()), "p50_ms": float(part.median()),
+                    "p95_ms": float(part.quantile(0.95)), "max_ms": float(part.max())}
+
+        rows = [stats(k, times.iloc[i:i + window]) for k, i in enumerate(range(0, len(times), window))]
+        rows.append(stats("all", times))
+        out = pd.DataFrame(rows)
+        out["window"] = out["window"].astype(object)
+        return out
 
     @property
     def measured_steps(self) -> range:
@@ -142,8 +186,12 @@ class RunResult:
         return out
 
     def _repr_html_(self) -> str:
+        from .._display import noise_warning
+
         status = "" if self.status == "completed" else f" ({self.status} at step {self.first_step + len(self.step_ms)})"
-        return html_card(f"RunResult: {self.schedule}, P={self.P}, m={self.m}, {self.steps} steps{status}", self._summary(), self.df)
+        cv = float(self.step_stats().iloc[-1]["cv"]) if len(self.step_ms) > 2 else float("nan")
+        return html_card(f"RunResult: {self.schedule}, P={self.P}, m={self.m}, {self.steps} steps{status}", self._summary(),
+                         self.df) + noise_warning(cv, "the measured step after the warm-up")
 
     def __str__(self) -> str:
         return text_card(f"RunResult {self.schedule} P={self.P} m={self.m}", self._summary())
