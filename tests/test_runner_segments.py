@@ -59,6 +59,11 @@ def test_resize_2_to_3_to_2_trains_the_same_model(uninterrupted):
     assert result.jct.total_s == pytest.approx(sum(getattr(result.jct, t) for t in ("assembly_s", "training_s", "cleanup_s",
                                                                                    "preemption_loss_s")))
     assert result.jct.assembly_s >= seg["assembly_s"].sum()  # the re-assemblies (and restores) are in assembly
+    stats = result.step_stats(window=2)
+    per_segment = stats[stats["window"] == "all"]
+    assert per_segment["segment"].tolist() == [0, 1, 2, -1]
+    assert per_segment["first_step"].tolist() == [1, 5, 9, 1]  # each segment's first step (new workers) left out
+    assert per_segment["steps"].tolist() == [3, 3, 3, 9]
     fitted = AssemblyModel.calibrate([result])
     assert fitted.base_s >= 0 and fitted.per_stage_s >= 0
     assert CheckpointModel.calibrate([result]).restore_latency_s > 0  # measured from the resizes' restores

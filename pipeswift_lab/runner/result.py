@@ -118,30 +118,44 @@ class RunResult:
         return float(self.step_ms[self.steady_step - first_step(self)])
 
     def step_stats(self, window=100) -> pd.DataFrame:
-        """Step-time dispersion per window of ``window`` steps and for the whole run, the warm-up step excluded.
+        """Step-time dispersion per window of ``window`` steps and for the whole run, each warm-up step excluded.
 
         One row per window (``window`` = 0, 1, ...; the last may be shorter) and a last row
         ``window="all"``: ``first_step``, ``last_step``, ``steps``, ``mean_ms``, ``std_ms``
         (sample std, NaN for one step), ``cv`` (std / mean), ``p50_ms``, ``p95_ms`` (linear
-        interpolation), ``max_ms``.
+        interpolation), ``max_ms``. A run of several segments (a resize or a rebalance, see
+        ``segments``) is tracked after every change: windows restart in each segment, each
+        segment's first step (new workers warming up) is left out, every row names its
+        ``segment`` and each segment gets its own ``"all"`` row before the whole run's
+        (``segment`` = -1); "the 100-step mean and variance after every change" is one call.
         """
         from .._checks import check_int
 
         from .compare import first_step
 
         window = check_int("window", window, minimum=1)
-        first = 1 if len(self.step_ms) > 1 else 0
         offset = first_step(self)  # step numbers, for a run resumed at a later step
-        times = pd.Series(list(self.step_ms[first:]), index=range(offset + first, offset + len(self.step_ms)), dtype=float)
+        steps = pd.Series(list(self.step_ms), index=range(offset, offset + len(self.step_ms)), dtype=float)
+        starts = sorted(int(x) for x in self.segments["first_step"]) if len(self.segments) > 1 else [offset]
 
-        def stats(name, part):
+        def stats(name, part, segment):
             std = float(part.std(ddof=1)) if len(part) > 1 else float("nan")
-            return {"window": name, "first_step": int(part.index[0]), "last_step": int(part.index[-1]), "steps": len(part),
-                    "mean_ms": float(part.mean()), "std_ms": std, "cv": std / float(part.mean()), "p50_ms": float(part.median()),
-                    "p95_ms": float(part.quantile(0.95)), "max_ms": float(part.max())}
+            return {"segment": segment, "window": name, "first_step": int(part.index[0]), "last_step": int(part.index[-1]),
+                    "steps": len(part), "mean_ms": float(part.mean()), "std_ms": std, "cv": std / float(part.mean()),
+                    "p50_ms": float(part.median()), "p95_ms": float(part.quantile(0.95)), "max_ms": float(part.max())}
 
-        rows = [stats(k, times.iloc[i:i + window]) for k, i in enumerate(range(0, len(times), window))]
-        rows.append(stats("all", times))
+        rows, kept = [], []
+        for seg, begin in enumerate(starts):
+            end = starts[seg + 1] if seg + 1 < len(starts) else offset + len(self.step_ms)
+            part = steps.loc[begin:end - 1]
+            part = part.iloc[1:] if len(part) > 1 else part
+            if part.empty:
+                continue
+            kept.append(part)
+            rows += [stats(k, part.iloc[i:i + window], seg) for k, i in enumerate(range(0, len(part), window))]
+            if len(starts) > 1:
+                rows.append(stats("all", part, seg))
+        rows.append(stats("all", pd.concat(kept), -1 if len(starts) > 1 else 0))
         out = pd.DataFrame(rows)
         out["window"] = out["window"].astype(object)
         return out
