@@ -242,6 +242,7 @@ def run(model, data, loss_fn, partition, m, schedule=None, steps=10, optimizer=N
     steps_checked = check_int("steps", steps, minimum=1)
     job, resume, max_restarts = job_options(model, steps_checked, checkpoint_dir, checkpoint_every, keep, resume_from,
                                             max_restarts, mtbf_s, preempt_grace_s, on_nonfinite)
+    data = _materialized(data, steps_checked)  # every segment's spec reads the same batches
     first_step = resume.step if resume is not None else 0
     planned = plan_segments(model, partition, steps_checked, first_step, resize_at, partitions, profile, m, schedule)
     rebalance = _rebalance_plan(rebalance_every, profile, partition, m, steps_checked, instrument)
@@ -306,6 +307,19 @@ def run(model, data, loss_fn, partition, m, schedule=None, steps=10, optimizer=N
         err.step = info["step"]
         raise err
     return result
+
+
+def _materialized(data, steps: int):
+    """``data`` as given, except that a one-shot iterable (a generator, a DataLoader) becomes the list of its first ``steps`` batches."""
+    import itertools
+
+    import torch
+
+    if callable(data) or isinstance(data, (list, torch.Tensor)) or not hasattr(data, "__iter__"):
+        return data
+    if isinstance(data, tuple) and len(data) == 2 and all(isinstance(t, torch.Tensor) for t in data):
+        return data
+    return list(itertools.islice(iter(data), steps))
 
 
 def _rebalance_plan(rebalance_every, profile, partition, m, steps, instrument):
