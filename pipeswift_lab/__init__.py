@@ -5,7 +5,7 @@
 """
 from __future__ import annotations
 
-from . import cluster, data, models
+from . import cluster, data, models, precision
 from ._checks import SCHEDULES
 from .cluster import ClusterResult
 from .calibrate import Calibration, calibrate
@@ -52,6 +52,7 @@ __all__ = [
     "load_checkpoint",
     "load_ipython_extension",
     "models",
+    "precision",
     "partition",
     "plan",
     "plot_sweep",

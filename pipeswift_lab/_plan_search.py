@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import pandas as pd
 
-from .partition import OPTIMIZER_STATE_FACTOR, Partition, partition
+from .partition import Partition, partition
 from .simulate import simulate_step_ms
 
 
@@ -85,15 +85,16 @@ class Evaluator:
     each ``(P, m, schedule, v)`` is partitioned and simulated once.
     """
 
-    def __init__(self, costs: MicrobatchCosts, link, mem_limit, optimizer, calibration=None):
-        self.costs, self.link, self.mem_limit, self.optimizer = costs, link, mem_limit, optimizer
+    def __init__(self, costs: MicrobatchCosts, link, mem_limit, optimizer, calibration=None, precision=None):
+        self.costs, self.link, self.mem_limit, self.optimizer, self.precision = costs, link, mem_limit, optimizer, precision
         self.calibration = calibration  # fixed per-action costs do not scale with b: no sharing across sizes
         self.shared = costs.proportional and link is None and calibration is None
-        self.state_factor = 2.0 + OPTIMIZER_STATE_FACTOR[optimizer]
         self._bounds, self._sims = {}, {}
 
-    def split(self, P, m, b, schedule, v) -> "Split":
+    def split(self, P, m, b, schedule, v, D=1) -> "Split":
         """The balanced split of ``P`` ranks at micro-batch size ``b`` (the fastest that fits memory), unsimulated.
+
+        ``D`` is the replica count a ZeRO-1 ``precision`` shards the optimizer state over.
 
         Raises ``ValueError`` when no split fits ``mem_per_gpu_bytes``.
         """
@@ -102,17 +103,17 @@ class Evaluator:
         key = (P, v, schedule, base)
         if key not in self._bounds:
             self._bounds[key] = partition(table, P, "balanced", v=v, schedule=schedule, m=m, optimizer=self.optimizer, link=self.link).bounds
-        part = Partition.from_bounds(table, self._bounds[key], v=v, schedule=schedule, m=m, optimizer=self.optimizer, link=self.link)
+        part = Partition.from_bounds(table, self._bounds[key], v=v, schedule=schedule, m=m, optimizer=self.optimizer, link=self.link, precision=self.precision, dp=D)
         scale = b / base
         mem = self._rank_memory(part, scale)
         if self.mem_limit is not None and max(mem) > self.mem_limit:
             # no split can beat the average rank: static state plus the fewest in-flight activations
-            static = sum(part.stage_param_bytes) * self.state_factor
+            static = sum(part.stage_state_bytes)
             activations = min(part.stage_inflight) * sum(part.stage_activation_bytes) * scale
             if (static + activations) / P > self.mem_limit:
                 raise ValueError(f"needs at least {(static + activations) / P / 2**30:.3g} GiB per GPU on average > mem_per_gpu_bytes={self.mem_limit:.4g}")
             # the time-balanced split does not fit at this micro-batch size: take the fastest split that does
-            part = partition(self.costs.table(b), P, "balanced", v=v, schedule=schedule, m=m, optimizer=self.optimizer, mem_limit_bytes=self.mem_limit, link=self.link)
+            part = partition(self.costs.table(b), P, "balanced", v=v, schedule=schedule, m=m, optimizer=self.optimizer, mem_limit_bytes=self.mem_limit, link=self.link, precision=self.precision, dp=D)
             base, scale, mem = b, 1.0, self._rank_memory(part, 1.0)
         busiest = max(sum(part.stage_ms[s] for s, r in enumerate(part.stage_to_rank) if r == rank) for rank in range(P))
         bound = m * busiest * scale
@@ -142,7 +143,7 @@ class Evaluator:
     def _rank_memory(self, part, scale):
         mem = [0.0] * part.P
         for s, r in enumerate(part.stage_to_rank):
-            mem[r] += part.stage_param_bytes[s] * self.state_factor + part.stage_activation_bytes[s] * part.stage_inflight[s] * scale
+            mem[r] += part.stage_state_bytes[s] + part.stage_activation_bytes[s] * part.stage_inflight[s] * scale
         return mem
 
 

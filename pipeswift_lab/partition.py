@@ -22,11 +22,15 @@ A pipeline cuts a model's ``L`` layers into ``K = P * v`` contiguous stages, ``v
 With ``v > 1`` the stages go to ranks round-robin (``s % P``), or in a V for
 ``ZBVZeroBubble``/``DualPipeV`` (rank ``r`` holds stages ``r`` and ``2P-1-r``).
 
-Memory of a stage (bytes): ``param_bytes * (2 + k)`` — weights, gradients and ``k`` copies
-of optimizer state (:data:`OPTIMIZER_STATE_FACTOR`: Adam/AdamW keep two moments, ``k = 2``;
-plain SGD ``k = 0``; SGD with momentum ``k = 1``) — plus ``activation_bytes`` times the
+Memory of a stage (bytes): its training state plus ``activation_bytes`` times the
 micro-batches its rank holds in flight under the schedule
-(:func:`pipeswift_lab.analytic.inflight_microbatches`, which needs ``m``).
+(:func:`pipeswift_lab.analytic.inflight_microbatches`, which needs ``m``). The training state
+is set by ``precision`` (:mod:`pipeswift_lab.precision`): ``None`` counts the profile's own
+bytes, ``param_bytes * (2 + k)`` — weights, gradients and ``k`` copies of optimizer state
+(:data:`OPTIMIZER_STATE_FACTOR`: Adam/AdamW keep two moments, ``k = 2``; plain SGD ``k = 0``;
+SGD with momentum ``k = 1``); ``"fp32"`` and ``"bf16-mixed"`` count ``params`` times 16 bytes
+with Adam, ``"bf16-mixed-zero1"`` ``4 + 12 / dp`` bytes (the master weights and moments
+sharded over ``dp`` data-parallel replicas).
 """
 from __future__ import annotations
 
@@ -41,6 +45,7 @@ from ._checks import check_int, check_schedule_v, check_time
 from ._display import html_card, text_card
 from .analytic import inflight_microbatches
 from .link import Link, check_link
+from .precision import check_precision, state_bytes
 from .schedules import stage_to_rank as _stage_to_rank
 from .schedules import validate as _validate_schedule
 
@@ -152,17 +157,21 @@ class Partition:
     optimizer: str = "adam"
     link: Link | None = None
     mem_limit_bytes: float | None = None
+    precision: str | None = None
+    dp: int = 1
+    stage_state_bytes: tuple = ()  # weights + gradients + optimizer state of each stage (bytes)
 
     # ---- construction
     @classmethod
-    def from_bounds(cls, profile, bounds, v=1, schedule=None, link=None, m=None, optimizer="adam", mem_limit_bytes=None, method="manual") -> "Partition":
+    def from_bounds(cls, profile, bounds, v=1, schedule=None, link=None, m=None, optimizer="adam", mem_limit_bytes=None, method="manual", precision=None, dp=1) -> "Partition":
         """Build a Partition from explicit ``bounds``: ``[(start, end), ...]``, one per stage.
 
         Bounds must be contiguous half-open ranges covering layers ``0..L-1`` with no empty
         stage, and their number must be a multiple of ``v`` (``P = len(bounds) // v``).
         ``m`` (default ``P``) and ``schedule`` set the in-flight micro-batches of the memory
         estimate; with ``mem_limit_bytes`` every rank must fit or a ``ValueError`` names the
-        stage that does not. Returns the Partition.
+        stage that does not. ``precision`` and ``dp`` set the bytes of training state per
+        parameter (see :func:`partition`). Returns the Partition.
         """
         layers = profile if isinstance(profile, _Layers) else _Layers(profile)
         bounds = _check_bounds(bounds, layers.n)
@@ -173,6 +182,7 @@ class Partition:
         schedule, v, mem_schedule = _resolve_placement(P, v, schedule)
         m = _resolve_m(P, m, schedule, v)
         optimizer = _check_optimizer(optimizer)
+        precision, dp = check_precision(precision), check_int("dp", dp, minimum=1)
         link = check_link(link)
         if mem_limit_bytes is not None:
             mem_limit_bytes = check_time("mem_limit_bytes", mem_limit_bytes, allow_zero=False)
@@ -192,8 +202,8 @@ class Partition:
         comm = _stage_comm_ms(bounds, layers, link)
         stage_param_bytes = sums(layers.param_bytes)
         stage_act = sums(layers.activation_bytes)
-        factor = 2.0 + OPTIMIZER_STATE_FACTOR[optimizer]
-        mem = tuple(pb * factor + ab * f for pb, ab, f in zip(stage_param_bytes, stage_act, inflight))
+        stage_state = sums(state_bytes(layers.params, layers.param_bytes, precision, optimizer, dp))
+        mem = tuple(sb + ab * f for sb, ab, f in zip(stage_state, stage_act, inflight))
         part = cls(
             bounds=bounds,
             P=P,
@@ -216,6 +226,9 @@ class Partition:
             optimizer=optimizer,
             link=link,
             mem_limit_bytes=mem_limit_bytes,
+            precision=precision,
+            dp=dp,
+            stage_state_bytes=stage_state,
         )
         if mem_limit_bytes is not None:
             part._check_fits(mem_limit_bytes)
@@ -279,11 +292,12 @@ class Partition:
         a, b = self.bounds[s]
         names = self.layer_names[s]
         span = names[0] if len(names) == 1 else f"{names[0]}..{names[-1]}"
-        static = self.stage_param_bytes[s] * (2.0 + OPTIMIZER_STATE_FACTOR[self.optimizer])
+        static = self.stage_state_bytes[s]
         act = self.stage_activation_bytes[s]
+        state = f"{self.optimizer} state" + ("" if self.precision is None else f" ({self.precision}" + (f", dp={self.dp})" if self.precision.endswith("zero1") else ")"))
         return (
             f"stage {s} (layers {a}..{b - 1}: {span}, rank {self.stage_to_rank[s]}) needs {self.stage_mem_bytes[s]:.6g} bytes = "
-            f"{static:.6g} parameters+gradients+{self.optimizer} state + {act:.6g} activation bytes x {self.stage_inflight[s]:g} micro-batches in flight"
+            f"{static:.6g} parameters+gradients+{state} + {act:.6g} activation bytes x {self.stage_inflight[s]:g} micro-batches in flight"
         )
 
     @property
@@ -307,6 +321,7 @@ class Partition:
                     "comm_ms": self.stage_comm_ms[s],
                     "params": self.stage_params[s],
                     "param_bytes": self.stage_param_bytes[s],
+                    "state_bytes": self.stage_state_bytes[s],
                     "activation_bytes": self.stage_activation_bytes[s],
                     "output_bytes": self.stage_output_bytes[s],
                     "inflight": self.stage_inflight[s],
@@ -425,7 +440,7 @@ class _DoesNotFit(ValueError):
     """A rank of a given split exceeds the memory cap."""
 
 
-def _memory_windows(layers: _Layers, P, v, schedule, mem_schedule, m, optimizer, limit):
+def _memory_windows(layers: _Layers, P, v, schedule, mem_schedule, m, optimizer, limit, precision=None, dp=1):
     """Per stage index: the smallest start allowed for each end under the memory cap (None if no cap)."""
     if limit is None:
         return None
@@ -433,7 +448,7 @@ def _memory_windows(layers: _Layers, P, v, schedule, mem_schedule, m, optimizer,
         raise ValueError("mem_limit_bytes is given but the profile lacks 'param_bytes' or 'activation_bytes'; memory per stage is unknown")
     placement = _stage_to_rank(P, v, schedule)
     inflight = inflight_microbatches(P, m, mem_schedule, v)
-    static = np.concatenate([[0.0], np.cumsum(layers.param_bytes)]) * (2.0 + OPTIMIZER_STATE_FACTOR[optimizer])
+    static = np.concatenate([[0.0], np.cumsum(state_bytes(layers.params, layers.param_bytes, precision, optimizer, dp))])
     act = np.concatenate([[0.0], np.cumsum(layers.activation_bytes)])
     budget = limit / v  # a rank's v stages share its memory; each stage gets an equal share
     out = []
@@ -443,7 +458,7 @@ def _memory_windows(layers: _Layers, P, v, schedule, mem_schedule, m, optimizer,
     return out
 
 
-def _split(layers: _Layers, P, v, schedule, mem_schedule, method, link, m, optimizer, limit):
+def _split(layers: _Layers, P, v, schedule, mem_schedule, method, link, m, optimizer, limit, precision=None, dp=1):
     K = P * v
     if method == "uniform":
         return _uniform_bounds(layers.n, K)
@@ -458,12 +473,12 @@ def _split(layers: _Layers, P, v, schedule, mem_schedule, method, link, m, optim
         out = np.concatenate([[0.0], c[:-1], [0.0]])  # out[b]: activation leaving a stage that ends at b < L
         gin = np.concatenate([[0.0], c[:-1], [0.0]])  # gin[a]: gradient a stage starting at a > 0 sends back
         U, D = S + out, S - gin
-    windows = _memory_windows(layers, P, v, schedule, mem_schedule, m, optimizer, limit)
+    windows = _memory_windows(layers, P, v, schedule, mem_schedule, m, optimizer, limit, precision, dp)
     bounds, _ = MinMaxSplit(U, D, K, windows).solve()
     return bounds
 
 
-def partition(profile, P, method="balanced", v=1, schedule=None, link=None, mem_limit_bytes=None, optimizer="adam", m=None) -> Partition:
+def partition(profile, P, method="balanced", v=1, schedule=None, link=None, mem_limit_bytes=None, optimizer="adam", m=None, precision=None, dp=1) -> Partition:
     """Split a profiled model into ``P * v`` contiguous stages; return a :class:`Partition`.
 
     ``profile`` is a :class:`pipeswift_lab.Profile` or a DataFrame with one row per layer
@@ -477,6 +492,13 @@ def partition(profile, P, method="balanced", v=1, schedule=None, link=None, mem_
     each stage gets ``mem_limit_bytes / v``), ``"balanced"`` returns the best split that
     fits, and every method raises ``ValueError`` naming the stage that cannot fit and the
     smallest P that would. ``optimizer`` is one of :data:`OPTIMIZER_STATE_FACTOR`.
+
+    ``precision`` sets the bytes of training state per parameter (with Adam):
+    ``None`` (default) — the profile's own ``param_bytes * 4`` (16 B/param for an fp32
+    profile); ``"fp32"`` — 16 B/param; ``"bf16-mixed"`` — 16 B/param (bf16 weights and
+    gradients, fp32 master weights and moments); ``"bf16-mixed-zero1"`` — ``4 + 12 / dp``
+    B/param, the master weights and moments sharded over ``dp`` data-parallel replicas
+    (ZeRO-1). Named precisions need a ``params`` column. See :mod:`pipeswift_lab.precision`.
     """
     layers = _Layers(profile)
     P = check_int("P", P, minimum=1)
@@ -488,16 +510,18 @@ def partition(profile, P, method="balanced", v=1, schedule=None, link=None, mem_
         raise ValueError(f"{what} exceeds the {layers.n} profiled layers; every stage needs at least one layer")
     m = _resolve_m(P, m, schedule, v)
     optimizer = _check_optimizer(optimizer)
+    precision, dp = check_precision(precision), check_int("dp", dp, minimum=1)
+    state_bytes(layers.params, layers.param_bytes, precision, optimizer, dp)  # a named precision needs params
     link = check_link(link)
     if mem_limit_bytes is not None:
         mem_limit_bytes = check_time("mem_limit_bytes", mem_limit_bytes, allow_zero=False)
     try:
-        bounds = _split(layers, P, v, schedule, mem_schedule, method, link, m, optimizer, mem_limit_bytes)
-        return Partition.from_bounds(layers, bounds, v, schedule, link, m, optimizer, mem_limit_bytes, method=method)
+        bounds = _split(layers, P, v, schedule, mem_schedule, method, link, m, optimizer, mem_limit_bytes, precision, dp)
+        return Partition.from_bounds(layers, bounds, v, schedule, link, m, optimizer, mem_limit_bytes, method=method, precision=precision, dp=dp)
     except (Infeasible, _DoesNotFit):
         pass
     # no balanced split fits: name the worst stage of the unconstrained split and the smallest P that fits
-    free = Partition.from_bounds(layers, _split(layers, P, v, schedule, mem_schedule, method, link, m, optimizer, None), v, schedule, link, m, optimizer, None, method)
+    free = Partition.from_bounds(layers, _split(layers, P, v, schedule, mem_schedule, method, link, m, optimizer, None), v, schedule, link, m, optimizer, None, method, precision, dp)
     raise ValueError(_memory_error(layers, free, mem_limit_bytes, method, link))
 
 
@@ -508,13 +532,13 @@ def _memory_error(layers, part: Partition, limit, method, link) -> str:
     for P2 in range(part.P + 1, layers.n // part.v + 1):
         try:
             if method == "balanced":
-                windows = _memory_windows(layers, P2, part.v, part.schedule, mem_schedule, part.m, part.optimizer, limit)
+                windows = _memory_windows(layers, P2, part.v, part.schedule, mem_schedule, part.m, part.optimizer, limit, part.precision, part.dp)
                 zeros = np.zeros(layers.n + 1)
                 if MinMaxSplit(zeros, zeros, P2 * part.v, windows).reach(0.0) is None:
                     raise Infeasible
             else:
                 bounds = _split(layers, P2, part.v, part.schedule, mem_schedule, method, link, part.m, part.optimizer, None)
-                Partition.from_bounds(layers, bounds, part.v, part.schedule, None, part.m, part.optimizer, limit, method)
+                Partition.from_bounds(layers, bounds, part.v, part.schedule, None, part.m, part.optimizer, limit, method, part.precision, part.dp)
             smallest = P2
             break
         except (Infeasible, ValueError):

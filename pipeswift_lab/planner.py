@@ -39,6 +39,7 @@ from ._plan_search import Evaluator, MicrobatchCosts
 from ._plan_strategies import first_drop, grow_rows, shrink_rows, split_by_drops
 from .calibrate import check_calibration
 from .partition import OPTIMIZER_STATE_FACTOR, Partition, partition
+from .precision import check_precision, checkpoint_bytes_per_param, grad_bytes_per_param
 from .schedules import validate
 
 #: Data-parallel link when none is given: a 200 Gb/s network (25 GB/s) with 10 µs latency.
@@ -175,6 +176,7 @@ class Plan:
         return partition(
             self.costs.table(config.microbatch_size), config.P, "balanced", v=config.v, schedule=config.schedule, m=config.m,
             optimizer=self.inputs["optimizer"], link=self.inputs["link"], mem_limit_bytes=self.inputs["mem_per_gpu_bytes"],
+            precision=self.inputs.get("precision"), dp=config.D,
         )  # fmt: skip
 
     def top(self, n=5) -> pd.DataFrame:
@@ -310,6 +312,7 @@ def plan(
     quantile=None,
     objective="mean",
     step_cv=None,
+    precision=None,
 ) -> Plan:
     """Rank every feasible pipeline configuration by predicted job completion time; return a :class:`Plan`.
 
@@ -330,7 +333,12 @@ def plan(
       (or RunResults / ``(P, assembly_s)`` pairs to calibrate one); ``checkpoint`` — a
       :class:`~pipeswift_lab.costs.CheckpointModel`;
     * ``mtbf_s`` — mean time between preemptions of *one GPU*; a job on ``N`` GPUs is
-      preempted every ``mtbf_s / N`` on average and checkpoints at the Young/Daly interval.
+      preempted every ``mtbf_s / N`` on average and checkpoints at the Young/Daly interval;
+    * ``precision`` — bytes of training state per parameter (Adam): ``None`` the profile's
+      ``param_bytes`` x 4; ``"fp32"`` and ``"bf16-mixed"`` 16 B/param; ``"bf16-mixed-zero1"``
+      ``4 + 12 / D`` B/param, the fp32 master and moments sharded over the ``D`` replicas
+      (:mod:`pipeswift_lab.precision`). A named precision also sets the gradient bytes of the
+      all-reduce (4 or 2 per parameter) and the checkpoint shard (everything but gradients).
 
     The search is a branch and bound: configurations are simulated in order of a JCT lower
     bound (the busiest rank's compute with no bubble), and those whose bound exceeds the
@@ -386,7 +394,8 @@ def plan(
         step_cv = calibration.step_cv if calibration is not None and math.isfinite(calibration.step_cv) else 0.0
     step_cv = check_time("step_cv", step_cv)
     exhaustive = exhaustive or rank_by != "total_s"
-    evaluator = Evaluator(costs, link, mem_per_gpu_bytes, optimizer, calibration)
+    precision = check_precision(precision)
+    evaluator = Evaluator(costs, link, mem_per_gpu_bytes, optimizer, calibration, precision)
 
     single_stage = [c for c in stage_choices if c[1] == 1 and c[0] in ("GPipe", "1F1B")][:1] or [("GPipe", 1)]
     combos = []
@@ -406,7 +415,7 @@ def plan(
             if p * v > n_layers:
                 raise ValueError(f"P*v={p * v} stages exceed the {n_layers} layers")
             validate(p, m, schedule, v)
-            split = evaluator.split(p, m, b, schedule, v)
+            split = evaluator.split(p, m, b, schedule, v, d)
         except ValueError as error:
             rows.append({**row, "feasible": False, "reason": str(error).split("; ")[0]})
             continue
@@ -415,9 +424,14 @@ def plan(
             rows.append({**row, "feasible": False, "reason": f"{p * d} GPUs are never free (at most {availability.max_gpus})"})
             continue
         rank_param_bytes = split.rank_param_bytes
-        ar_ms = allreduce_ms(rank_param_bytes, d, dp_link.bandwidth_GBps, dp_link.latency_ms)
+        if precision is None:
+            grad_bytes, shard_bytes = rank_param_bytes, rank_param_bytes * (1.0 + OPTIMIZER_STATE_FACTOR[optimizer])
+        else:
+            rank_params = _rank_params_count(split.part)
+            grad_bytes = rank_params * grad_bytes_per_param(precision)
+            shard_bytes = rank_params * checkpoint_bytes_per_param(precision, optimizer, d)
+        ar_ms = allreduce_ms(grad_bytes, d, dp_link.bandwidth_GBps, dp_link.latency_ms)
         opt_ms = OPTIMIZER_TRAFFIC_FACTOR * rank_param_bytes / (mem_GBps * 1e6)
-        shard_bytes = rank_param_bytes * (1.0 + OPTIMIZER_STATE_FACTOR[optimizer])
         row.update(queue_s=queue, assembly_s=assembly.seconds(p, d), cleanup_s=checkpoint.cleanup_s(shard_bytes),
                    allreduce_ms=ar_ms, optimizer_ms=opt_ms, peak_mem_bytes=split.peak_mem_bytes, _shard_bytes=shard_bytes)  # fmt: skip
 
@@ -514,7 +528,7 @@ def plan(
     out = out[columns].reset_index(drop=True)
     inputs = {
         "gpus": gpus, "global_batch": global_batch, "steps": steps, "availability": availability.points,
-        "profiled_batch_sizes": costs.sizes, "optimizer": optimizer, "link": link, "mem_per_gpu_bytes": mem_per_gpu_bytes,
+        "profiled_batch_sizes": costs.sizes, "optimizer": optimizer, "precision": precision, "link": link, "mem_per_gpu_bytes": mem_per_gpu_bytes,
         "calibration": calibration, "quantile": quantile, "objective": objective, "step_cv": step_cv,
     }  # fmt: skip
     return Plan(out, inputs, costs)
@@ -539,3 +553,11 @@ def _no_fit_message(table, gpus, global_batch, mem, mb_sizes) -> str:
         reasons = others["reason"].value_counts().head(3)
         lines.append("other reasons: " + "; ".join(f"{k} ({v}x)" for k, v in reasons.items()))
     return "\n".join(lines)
+
+
+def _rank_params_count(part) -> float:
+    """Parameters of the rank holding the most (a named precision counts bytes per parameter)."""
+    per_rank = [0.0] * part.P
+    for s, r in enumerate(part.stage_to_rank):
+        per_rank[r] += part.stage_params[s]
+    return max(per_rank)

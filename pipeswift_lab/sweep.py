@@ -18,7 +18,7 @@ import pandas as pd
 
 from ._checks import MULTI_CHUNK_SCHEDULES, V_SHAPE_SCHEDULES, canonical_schedule, check_int
 from .link import check_link
-from .partition import METHODS, OPTIMIZER_STATE_FACTOR, Partition, _Layers, partition
+from .partition import METHODS, Partition, _Layers, partition
 from .schedules import validate
 from .simulate import simulate
 from .timeline import Timeline
@@ -51,28 +51,28 @@ def peak_memory_bytes(part: Partition, timeline: Timeline) -> float:
 
     Returns NaN when the profile has no ``param_bytes`` or ``activation_bytes``.
     """
-    if any(math.isnan(x) for x in part.stage_param_bytes) or any(math.isnan(x) for x in part.stage_activation_bytes):
+    if any(math.isnan(x) for x in part.stage_state_bytes) or any(math.isnan(x) for x in part.stage_activation_bytes):
         return math.nan
-    factor = 2.0 + OPTIMIZER_STATE_FACTOR[part.optimizer]
     static = [0.0] * part.P
     for s, r in enumerate(part.stage_to_rank):
-        static[r] += part.stage_param_bytes[s] * factor
+        static[r] += part.stage_state_bytes[s]
     act = timeline.peak_activation_bytes
     return float(max(static[r] + act[r] for r in range(part.P)))
 
 
 def explore(profile, P, m, schedule="1F1B", method="balanced", v=None, link=None, optimizer="adam", wgrad_fraction=None,
-            calibration=None) -> tuple[Partition, Timeline]:
+            calibration=None, precision=None) -> tuple[Partition, Timeline]:
     """Partition ``profile`` for ``(P, schedule, method)`` and simulate ``m`` micro-batches.
 
     ``v`` defaults to 1 for GPipe/1F1B and 2 for the multi-chunk schedules; ``calibration``
-    (from :func:`~pipeswift_lab.calibrate.calibrate`) makes the simulation a calibrated one.
+    (from :func:`~pipeswift_lab.calibrate.calibrate`) makes the simulation a calibrated one; ``precision``
+    sets the bytes of training state per parameter (:func:`~pipeswift_lab.partition.partition`).
     Returns ``(Partition, Timeline)``; raises ``ValueError`` for combinations torch refuses.
     """
     schedule = canonical_schedule(schedule)
     v = _default_v(schedule) if v is None else v
     validate(P, m, schedule, v)
-    part = partition(profile, P, method=method, v=v, schedule=schedule, link=link, optimizer=optimizer, m=m)
+    part = partition(profile, P, method=method, v=v, schedule=schedule, link=link, optimizer=optimizer, m=m, precision=precision)
     return part, simulate(part, m, schedule=schedule, link=link, wgrad_fraction=wgrad_fraction, calibration=calibration)
 
 
@@ -90,6 +90,7 @@ def sweep(
     wgrad_fraction=None,
     progress=True,
     calibration=None,
+    precision=None,
 ) -> pd.DataFrame:
     """Simulate every combination of ``P`` x ``m`` x ``schedules`` x ``methods`` (x ``v``).
 
@@ -98,7 +99,8 @@ def sweep(
     steps) gives ``training_s = steps * step_ms / 1000``, the training term of JCT (NaN when
     None). Returns a DataFrame with :data:`SWEEP_COLUMNS`: ``peak_mem_bytes`` is the
     largest rank's parameters, gradients, optimizer state and simulated peak activations;
-    infeasible rows carry ``feasible=False``, the ``reason`` and NaN metrics. A ``tqdm``
+    infeasible rows carry ``feasible=False``, the ``reason`` and NaN metrics. ``precision``
+    sets the bytes of training state per parameter (:func:`~pipeswift_lab.partition.partition`). A ``tqdm``
     progress bar shows unless ``progress=False``. With a ``calibration`` (from
     :func:`~pipeswift_lab.calibrate.calibrate`) every configuration is simulated calibrated and
     ``step_ms`` is the whole predicted step: the calibrated action span plus the runtime's
@@ -148,7 +150,7 @@ def sweep(
             if key not in parts:
                 parts[key] = partition(
                     layers.df, p, method=meth, v=chunks, schedule=sched, link=link,
-                    mem_limit_bytes=mem_limit_bytes, optimizer=optimizer, m=None if mem_limit_bytes is None else mm,
+                    mem_limit_bytes=mem_limit_bytes, optimizer=optimizer, m=None if mem_limit_bytes is None else mm, precision=precision,
                 )  # fmt: skip
             part = parts[key]
             tl = simulate(part, mm, schedule=sched, link=link, wgrad_fraction=wgrad_fraction, calibration=calibration)

@@ -303,8 +303,16 @@ class Timeline:
         ax.set_xlabel("time since step start (ms)" if step is not None else "time (ms)")
         title = self.meta.get("schedule", "")
         details = ", ".join(f"{k}={self.meta[k]}" for k in ("P", "m", "v") if k in self.meta)
-        ax.set_title(f"{self.source} {title} ({details}): step {self.step_ms:.4g} ms, bubble {self.bubble_ratio:.1%}".replace("  ", " "))
-        ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize="small", frameon=False)
+        step_text = f"{self.step_ms:,.0f}" if self.step_ms >= 100 else f"{self.step_ms:.3g}"
+        ax.set_title(f"{self.source} {title} ({details}): step {step_text} ms, bubble {self.bubble_ratio:.1%}".replace("  ", " "))
+        if any(chunk.get(int(s), 0) > 0 for s in stage):
+            from matplotlib.patches import Patch
+
+            handles, names = ax.get_legend_handles_labels()
+            handles.append(Patch(facecolor="grey", alpha=0.6, edgecolor="white", label="lighter: the rank's later chunk"))
+            ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize="small", frameon=False)
+        else:
+            ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize="small", frameon=False)
         ax.grid(axis="y", visible=False)
         return ax
 

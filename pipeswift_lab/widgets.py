@@ -97,8 +97,19 @@ class BubbleExplorer(_Explorer):
 
 
 def plot_bubble_curve(Ps=(2, 4, 8, 16), schedule="1F1B", v=1, m_max=64, convention="ratio", ax=None):
-    """Bubble against m (1 … ``m_max``) for each P in ``Ps``; ``convention`` is "ratio" or "overhead". Returns the Axes."""
+    """Bubble against m (1 … ``m_max``) for each P in ``Ps``; ``convention`` is "ratio" or "overhead". Returns the Axes.
+
+    Only the ``m`` torch's schedule accepts are drawn (1F1B needs ``m >= P``).
+    """
     from .plot import get_ax
+    from .schedules import validate
+
+    def accepted(P, m):
+        try:
+            validate(P, m, schedule, v)
+            return True
+        except ValueError:
+            return False
 
     if convention not in ("ratio", "overhead"):
         raise ValueError(f"convention={convention!r} is not valid; use 'ratio' (idle share of the step) or 'overhead' (bubble over compute)")
@@ -106,7 +117,8 @@ def plot_bubble_curve(Ps=(2, 4, 8, 16), schedule="1F1B", v=1, m_max=64, conventi
     ax = get_ax(ax)
     ms = list(range(1, m_max + 1))
     for P in Ps:
-        ax.plot(ms, [formula(P, m, schedule, v) for m in ms], label=f"P={P}")
+        valid = [m for m in ms if accepted(P, m)]
+        ax.plot(valid, [formula(P, m, schedule, v) for m in valid], label=f"P={P}")
     ax.set_xscale("log", base=2)
     ax.set_xlabel("micro-batches m")
     ax.set_ylabel("bubble_ratio (idle share)" if convention == "ratio" else "bubble_overhead (bubble / compute)")

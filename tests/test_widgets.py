@@ -38,8 +38,10 @@ def test_bad_start_values():
 def test_bubble_curve_plot():
     ax = plot_bubble_curve((2, 8), m_max=16, convention="overhead")
     assert len(ax.lines) == 2
-    ys = ax.lines[1].get_ydata()
-    assert ys[0] == pytest.approx(7.0) and ys[-1] == pytest.approx(7 / 16)
+    xs, ys = ax.lines[1].get_xdata(), ax.lines[1].get_ydata()
+    assert xs[0] == 8  # torch's 1F1B needs m >= P: the curve starts at m = P
+    assert ys[0] == pytest.approx(7 / 8) and ys[-1] == pytest.approx(7 / 16)
+    assert plot_bubble_curve((8,), schedule="GPipe", m_max=4).lines[0].get_xdata()[0] == 1  # GPipe takes any m
     with pytest.raises(ValueError, match="convention='idle'"):
         plot_bubble_curve(convention="idle")
 
