@@ -25,7 +25,7 @@ import pandas as pd
 import torch
 from torch import nn
 
-STEPS, DROP_AT, GAP_S = 60, 10, 3.0
+STEPS, DROP_AT, GAP_S = 80, 10, 6.0
 
 
 class Sleepy(nn.Module):
