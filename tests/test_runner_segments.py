@@ -15,6 +15,7 @@ from pipeswift_lab.costs import AssemblyModel, CheckpointModel
 from pipeswift_lab.runner import run
 from pipeswift_lab.runner.rebalance import REBALANCE_COLUMNS
 from pipeswift_lab.runner.segments import SEGMENT_COLUMNS
+from sleep_layers import SleepBackward
 
 M = 4
 
@@ -90,19 +91,7 @@ class Sleepy(nn.Module):
     def forward(self, x):
         self.calls += 1
         time.sleep(self.fwd_s + (self.extra_s if int(self.calls) > self.after else 0.0))
-        return _SleepBackward.apply(self.lin(x), self.bwd_s)
-
-
-class _SleepBackward(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, seconds):
-        ctx.seconds = seconds
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        time.sleep(ctx.seconds)
-        return grad, None
+        return SleepBackward.apply(self.lin(x), self.bwd_s)
 
 
 N_LAYERS, SLOW_FROM_STEP = 12, 3
