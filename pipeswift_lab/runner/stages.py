@@ -136,13 +136,26 @@ def plan_stages(model: nn.Module, partition, schedule: str | None) -> StagePlan:
     return StagePlan(bounds, P, v, schedule, stage_to_rank)
 
 
-def stage_module(model: nn.Sequential, bounds: tuple[int, int]) -> nn.Sequential:
-    """The children ``bounds[0] .. bounds[1]-1`` of ``model`` as an ``nn.Sequential`` keeping their names.
+class StageSequential(nn.Sequential):
+    """An ``nn.Sequential`` stage whose output is made contiguous: what crosses a stage boundary.
 
-    The modules are shared with ``model`` (no copy).
+    torch's point-to-point send and receive need contiguous tensors (a ViT's patch embedding
+    returns ``flatten(2).transpose(1, 2)``, a strided view); the stage's state keys are the
+    children's, as for a plain ``nn.Sequential``.
+    """
+
+    def forward(self, x):
+        out = super().forward(x)
+        return out.contiguous() if isinstance(out, torch.Tensor) else out
+
+
+def stage_module(model: nn.Sequential, bounds: tuple[int, int]) -> nn.Sequential:
+    """The children ``bounds[0] .. bounds[1]-1`` of ``model`` as a :class:`StageSequential` keeping their names.
+
+    The modules are shared with ``model`` (no copy); the stage's output is contiguous.
     """
     children = list(model.named_children())
-    return nn.Sequential(OrderedDict(children[bounds[0] : bounds[1]]))
+    return StageSequential(OrderedDict(children[bounds[0] : bounds[1]]))
 
 
 def check_shared_parameters(model: nn.Sequential, plan: StagePlan) -> None:
