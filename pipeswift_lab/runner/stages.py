@@ -90,9 +90,10 @@ def plan_stages(model: nn.Module, partition, schedule: str | None) -> StagePlan:
     """
     from .. import schedules as _schedules
 
-    if not isinstance(model, nn.Sequential):
+    if not isinstance(model, nn.Module):
         raise TypeError(
-            f"model must be an nn.Sequential whose children are the layers the partition cuts between; got {type(model).__name__}"
+            f"model must be an nn.Module (an nn.Sequential whose children are the layers, or a model torch's tracer can split "
+            f"at the partition's layer names); got {type(model).__name__}"
         )
     for attr in ("bounds", "P", "v", "stage_to_rank"):
         if not hasattr(partition, attr):
@@ -112,7 +113,7 @@ def plan_stages(model: nn.Module, partition, schedule: str | None) -> StagePlan:
                 f"{own!r}: pass schedule={own!r} or re-partition for {schedule!r}"
             )
     bounds = tuple((int(a), int(b)) for a, b in partition.bounds)
-    n_layers = len(model)
+    n_layers = len(model) if isinstance(model, nn.Sequential) else None
     if len(bounds) != P * v:
         raise ValueError(f"partition.bounds has {len(bounds)} stages; P={P} ranks with v={v} stages each need {P * v}")
     expected_start = 0
@@ -122,7 +123,7 @@ def plan_stages(model: nn.Module, partition, schedule: str | None) -> StagePlan:
                 f"partition.bounds={list(bounds)} is not a sequence of non-empty contiguous ranges from 0; stage {s} is {(a, b)}"
             )
         expected_start = b
-    if expected_start != n_layers:
+    if isinstance(model, nn.Sequential) and expected_start != n_layers:
         raise ValueError(
             f"partition.bounds ends at layer {expected_start} but the model has {n_layers} layers (children); "
             "was the partition made from a profile of another model?"
