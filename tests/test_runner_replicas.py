@@ -106,3 +106,9 @@ def test_a_planned_p2_d2_row_runs_as_is():
     result = run(model, (x, y), nn.functional.mse_loss, steps=2, optimizer=optimizer, progress=False, timeout_s=120, **args)
     want_state, _ = one_process(model, x, y, config.m * config.D, 2)
     assert_same_parameters(result.state_dict(), want_state)
+    from pipeswift_lab.runner.compare import _one_step, compare
+
+    comparison = compare(psl.simulate(args["partition"], args["m"]), result)  # one replica's pipeline against the prediction
+    assert comparison.step_ms[1] > 0
+    one = _one_step(result.timeline.df, 1)
+    assert set(one["replica"]) == {0} and len(one) == len(result.timeline.df.query("step == 1")) // 2
