@@ -193,3 +193,18 @@ def test_a_traced_split_after_a_transposed_view_sends_it_contiguous():
         torch.stack([setup.loss_fn(ref(a), b) for a, b in pairs]).mean().backward()
         opt.step()
     assert_close(result.state_dict(), ref.state_dict())
+
+
+@pytest.mark.parametrize("schedule", ["1F1B", "Interleaved1F1B"])
+def test_traced_stages_with_two_replicas_train_like_one_process_on_the_global_batch(schedule):
+    model = ResNet()
+    x, y = batch()
+    v = 2 if schedule == "Interleaved1F1B" else 1
+    names = ["embed", "blocks.0", "blocks.1", "blocks.2", "blocks.3", "head"]
+    prof = Profile(Profile.synthetic(fwd_ms=[1.0] * 6, bwd_ms=[2.0] * 6).df.assign(name=names), {})
+    bounds = [(0, 2), (2, 3), (3, 4), (4, 6)] if v == 2 else [(0, 3), (3, 6)]
+    part = Partition.from_bounds(prof, bounds, v=v, schedule=schedule, m=2)
+    result = run(model, (x, y), nn.functional.mse_loss, part, 2, steps=2, optimizer=optimizer, progress=False, timeout_s=120, D=2)
+    assert list(result.state_dict()) == list(model.state_dict())
+    assert_close(result.state_dict(), reference(model, x, y, 4, 2))  # 2 replicas x 2 micro-batches of the global batch
+    assert set(result.timeline.df["replica"]) == {0, 1}

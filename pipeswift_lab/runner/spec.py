@@ -369,8 +369,6 @@ def make_spec(model, data, loss_fn, partition, m, schedule=None, steps=10, optim
         boundaries = ()  # torch's traced stages know their boundary shapes from the graph
         traced = check_traceable(model, partition, plan.n_stages, inputs_mb, targets_mb, loss_fn)
         layer_names = [str(name) for stage in partition.layer_names for name in stage]
-    if D > 1 and traced is not None:
-        raise ValueError(f"D={D} replicas of a traced (non-nn.Sequential) model are not supported yet; use D=1, or an nn.Sequential")
     threads = max(1, available_cores() // (plan.P * D)) if device_type == "cpu" else None
     meta = {"torch_version": torch.__version__, "batch_size": int(global_batch), "replica_batch_size": int(batch_size), "D": D, "microbatch_size": int(batch_size // m),
             "placement": [list(range(d * plan.P, (d + 1) * plan.P)) for d in range(D)],

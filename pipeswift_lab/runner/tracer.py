@@ -173,16 +173,34 @@ def _contiguous_inputs(module, args, kwargs):
     return tuple(contiguous(a) for a in args), {k: contiguous(v) for k, v in kwargs.items()}
 
 
-def build_traced_stages(spec, rank: int, device, group=None) -> list:
-    """This rank's ``_PipelineStage`` objects, re-traced from the spec's model and example micro-batch."""
+def build_traced_stages(spec, rank: int, device, group=None, dp_group=None) -> list:
+    """This pipeline rank's ``_PipelineStage`` objects, re-traced from the spec's model and example micro-batch.
+
+    ``group`` is the pipeline's process group (None: the default group); with ``dp_group``
+    each stage module is wrapped in ``DistributedDataParallel`` over the replicas.
+    """
     traced = spec.traced
     pipe = trace(spec.model, traced.example, traced.split_names)
     stages = []
     for s in spec.plan.stages_of(rank):
         stage = pipe.build_stage(s, device, group)
+        if dp_group is not None:
+            stage.submod = _traced_ddp(stage.submod, dp_group, device)
         _skip_self_warmup(stage)
         stages.append(stage)
     return stages
+
+
+def _traced_ddp(submod, dp_group, device):
+    """``DistributedDataParallel`` around a traced stage module, still showing its ``graph`` (torch's traced stage reads it)."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    class TracedDDP(DistributedDataParallel):
+        @property
+        def graph(self):
+            return self.module.graph
+
+    return TracedDDP(submod, process_group=dp_group, device_ids=[device] if torch.device(device).type == "cuda" else None)
 
 
 def _skip_self_warmup(stage) -> None:

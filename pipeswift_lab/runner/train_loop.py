@@ -89,7 +89,7 @@ def rank_module(stages) -> torch.nn.Module:
     """
     from torch.fx import GraphModule
 
-    if any(isinstance(stage.submod, GraphModule) for stage in stages):
+    if any(isinstance(unwrapped(stage.submod), GraphModule) for stage in stages):
         from .tracer import merged_module
 
         return merged_module([unwrapped(stage.submod) for stage in stages])

@@ -167,7 +167,7 @@ def _build_stages(spec, topo, device):
     if spec.traced is not None:
         from .tracer import build_traced_stages
 
-        return build_traced_stages(spec, topo.pp_rank, device)
+        return build_traced_stages(spec, topo.pp_rank, device, group=topo.pp_group, dp_group=topo.dp_group)
     stages = []
     for s in plan.stages_of(topo.pp_rank):
         module = stage_module(spec.model, plan.bounds[s]).to(device)
