@@ -263,6 +263,7 @@ def run(model, data, loss_fn, partition, m, schedule=None, steps=10, optimizer=N
                 raise ValueError(f"D={D} replicas cannot be combined with {name}={value!r} yet; use D=1 for {name}")
     common = dict(steps=steps, optimizer=optimizer, nprocs=nprocs, backend=backend, devices=devices, timeout_s=timeout_s,
                   instrument=instrument, seed=seed, D=D)
+    data = _materialized(data, steps_checked)
     specs = [make_spec(model, data, loss_fn, seg.partition, m, schedule=schedule, job=job, **common) for seg in planned]
     if resume is not None:
         _check_optimizer(specs[0], resume)
@@ -322,6 +323,17 @@ def run(model, data, loss_fn, partition, m, schedule=None, steps=10, optimizer=N
         err.step = info["step"]
         raise err
     return result
+
+
+def _materialized(data, steps: int):
+    """``data`` with a one-shot iterator turned into a list of its first ``steps`` batches (every segment's spec reads it)."""
+    import itertools
+
+    import torch
+
+    if callable(data) or isinstance(data, (list, tuple, torch.Tensor)) or not hasattr(data, "__iter__"):
+        return data
+    return list(itertools.islice(iter(data), steps))
 
 
 def _rebalance_plan(rebalance_every, profile, partition, m, steps, instrument):
