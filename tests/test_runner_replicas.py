@@ -83,8 +83,8 @@ def test_bad_replica_counts_are_refused_before_launch():
         make_spec(model, (torch.randn(128, 6), torch.randn(128, 3)), nn.functional.mse_loss, part, 2, D=64)
     with pytest.raises(ValueError, match=r"D=0 is invalid|D must be|D=0"):
         make_spec(model, (x, y), nn.functional.mse_loss, part, 2, D=0)
-    with pytest.raises(ValueError, match=r"D=2 replicas cannot be combined with checkpoint_dir"):
-        run(model, (x, y), nn.functional.mse_loss, part, 2, steps=1, D=2, checkpoint_dir="/tmp/never-written", progress=False)
+    with pytest.raises(ValueError, match=r"D=2 replicas cannot be combined with rebalance_every"):
+        run(model, (x, y), nn.functional.mse_loss, part, 2, steps=1, D=2, rebalance_every=1, progress=False)
     zb = partition(Profile.synthetic(fwd_ms=[1.0] * 4, bwd_ms=[2.0] * 4), 2, method="uniform", v=2, schedule="ZBVZeroBubble", m=4)
     with pytest.raises(ValueError, match=r"D=2 replicas with schedule='ZBVZeroBubble' is not supported"):
         make_spec(model, (x, y), nn.functional.mse_loss, zb, 4, D=2)
@@ -112,3 +112,21 @@ def test_a_planned_p2_d2_row_runs_as_is():
     assert comparison.step_ms[1] > 0
     one = _one_step(result.timeline.df, 1)
     assert set(one["replica"]) == {0} and len(one) == len(result.timeline.df.query("step == 1")) // 2
+
+
+def test_replicas_checkpoint_and_resume_on_another_d(tmp_path):
+    """DCP saves the replicated state once (its planner deduplicates the replicas' keys); any D resumes it by name."""
+    model = make_model(4)
+    x, y = global_batch()
+    part = partition(Profile.synthetic(fwd_ms=[1.0] * 4, bwd_ms=[2.0] * 4), 2, method="uniform", schedule="1F1B", m=2)
+    first = run(model, (x, y), nn.functional.mse_loss, part, 2, steps=1, optimizer=optimizer, progress=False, timeout_s=120, D=2,
+                checkpoint_dir=tmp_path / "ck")
+    assert first.checkpoint is not None
+    want_state, _ = one_process(model, x, y, 4, 2)
+    again = run(model, (x, y), nn.functional.mse_loss, part, 2, steps=2, optimizer=optimizer, progress=False, timeout_s=120, D=2,
+                resume_from=tmp_path / "ck")
+    assert again.first_step == 1
+    assert_same_parameters(again.state_dict(), want_state)
+    single = run(model, (x, y), nn.functional.mse_loss, part, 4, steps=2, optimizer=optimizer, progress=False, timeout_s=120,
+                 resume_from=tmp_path / "ck")  # D=1: m=4 micro-batches of the same global batch
+    assert_same_parameters(single.state_dict(), want_state)

@@ -188,8 +188,9 @@ def run(model, data, loss_fn, partition, m, schedule=None, steps=10, optimizer=N
       mesh, each stage wrapped in DDP over its ``D`` copies (gradients are all-reduced at the
       last micro-batch's backward); replica ``d`` trains on rows ``d*B/D .. (d+1)*B/D - 1`` of
       each global batch ``B``, ``m`` micro-batches each, so a step equals one process on the
-      global batch. ``D`` must divide ``B``; not yet with checkpoints, resizes or rebalancing,
-      nor with the zero-bubble schedules.
+      global batch. ``D`` must divide ``B``. Checkpoints hold the replicated state once (DCP
+      deduplicates it) and resume on any ``D``; not yet with resizes or rebalancing, nor with
+      the zero-bubble schedules.
     * ``nprocs`` — worker processes; one per rank, so ``None`` or ``P * D``.
     * ``backend``/``devices`` — ``None``: NCCL and one GPU per rank when there are GPUs, gloo and
       one CPU process per rank (``torch.set_num_threads`` = cores // P) otherwise; see
@@ -250,17 +251,16 @@ def run(model, data, loss_fn, partition, m, schedule=None, steps=10, optimizer=N
     if not isinstance(progress, bool):
         raise TypeError(f"progress must be True or False; got {progress!r}")
     steps_checked = check_int("steps", steps, minimum=1)
+    D = check_int("D", D, minimum=1)
+    if D > 1:
+        for name, value in (("resize_at", resize_at), ("partitions", partitions), ("rebalance_every", rebalance_every)):
+            if value is not None:
+                raise ValueError(f"D={D} replicas cannot be combined with {name}={value!r} yet; use D=1 for {name}")
     job, resume, max_restarts = job_options(model, steps_checked, checkpoint_dir, checkpoint_every, keep, resume_from,
                                             max_restarts, mtbf_s, preempt_grace_s, on_nonfinite)
     first_step = resume.step if resume is not None else 0
     planned = plan_segments(model, partition, steps_checked, first_step, resize_at, partitions, profile, m, schedule)
     rebalance = _rebalance_plan(rebalance_every, profile, partition, m, steps_checked, instrument)
-    D = check_int("D", D, minimum=1)
-    if D > 1:
-        for name, value in (("checkpoint_dir", checkpoint_dir), ("resume_from", resume_from), ("resize_at", resize_at),
-                            ("partitions", partitions), ("rebalance_every", rebalance_every)):
-            if value is not None:
-                raise ValueError(f"D={D} replicas cannot be combined with {name}={value!r} yet; use D=1 for {name}")
     common = dict(steps=steps, optimizer=optimizer, nprocs=nprocs, backend=backend, devices=devices, timeout_s=timeout_s,
                   instrument=instrument, seed=seed, D=D)
     data = _materialized(data, steps_checked)

@@ -276,7 +276,8 @@ def train(spec, topo, world, device, out_dir: Path, progress, gather_group, proc
     source = _restore_source(spec, rank, gather_group, attempt)
     if source is not None:
         manifest = ckpt.verify(source).manifest
-        same = (tuple(tuple(b) for b in manifest["bounds"]) == plan.bounds and tuple(manifest["stage_to_rank"]) == plan.stage_to_rank)
+        same = (tuple(tuple(b) for b in manifest["bounds"]) == plan.bounds and tuple(manifest["stage_to_rank"]) == plan.stage_to_rank
+                and int(manifest.get("world_size", world)) == world)  # RNG states are per rank: the same ranks, D included
         restored = ckpt.restore_rank_state(Path(source), rank, module, optimizer, device, gather_group, restore_rng=same)
         restored.update(path=str(source), step=int(manifest["step"]), rng_restored=same)
         first_step = restored["step"]
