@@ -320,7 +320,7 @@ def build_result(spec, gathered: dict, launch_ns: int, end_ns: int, launched_by:
     jct = JCT(queue_s=0.0, assembly_s=assembly_s, training_s=training_s, cleanup_s=cleanup_s, preemption_loss_s=preemption_s,
               label=f"measured {spec.plan.schedule} P={spec.P} m={spec.m}")
     ranks_df = pd.DataFrame([{
-        "rank": p["rank"], "pid": p["pid"], "host": p["host"], "device": p["device"], "stages": tuple(p["stages"]),
+        "rank": p["rank"], "pp_rank": p.get("pp_rank", p["rank"]), "replica": p.get("replica", 0), "pid": p["pid"], "host": p["host"], "device": p["device"], "stages": tuple(p["stages"]),
         "threads": p["threads"], "ready_ms": (p["ready_ns"] - t0) / 1e6,
     } for p in ranks])
     df = _timeline_frame(ranks, t0) if spec.instrument else None

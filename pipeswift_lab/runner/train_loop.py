@@ -190,7 +190,7 @@ class Checkpointer:
     def _manifest(self, step: int, kind: str) -> dict:
         spec, plan = self.spec, self.spec.plan
         return {
-            "step": step, "steps": spec.steps, "kind": kind, "P": plan.P, "v": plan.v, "m": spec.m, "schedule": plan.schedule,
+            "step": step, "steps": spec.steps, "kind": kind, "P": plan.P, "D": spec.D, "v": plan.v, "m": spec.m, "schedule": plan.schedule,
             "microbatch_size": spec.meta.get("microbatch_size"), "batch_size": spec.meta.get("batch_size"),
             "bounds": [list(b) for b in plan.bounds], "stage_to_rank": list(plan.stage_to_rank),
             "layer_names": list(spec.meta.get("layer_names", [])), "world_size": self.world, "torch_version": torch.__version__,
