@@ -139,8 +139,10 @@ def test_checks_before_launch():
         make_spec(model, BATCH, loss, part, 1)
     with pytest.raises(ValueError, match=r"nprocs=3 differs from the partition's P=2"):
         make_spec(model, BATCH, loss, part, 2, nprocs=3)
-    with pytest.raises(TypeError, match="model must be an nn.Sequential"):
-        make_spec(nn.Linear(4, 2), BATCH, loss, part, 2)
+    with pytest.raises(ValueError, match="'layer_2', which is not a submodule of the Linear .it has no submodules"):
+        make_spec(nn.Linear(4, 2), BATCH, loss, part, 2)  # not an nn.Sequential: split by the tracer at the partition's names
+    with pytest.raises(TypeError, match="model must be an nn.Module"):
+        make_spec(lambda x: x, BATCH, loss, part, 2)
     with pytest.raises(TypeError, match=r"data must be an \(inputs, targets\) batch"):
         make_spec(model, torch.randn(8, 4), loss, part, 2)
     with pytest.raises(ValueError, match="data yielded 1 batches but steps=2 need 2"):

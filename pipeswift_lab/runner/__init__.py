@@ -6,6 +6,7 @@
 * :class:`RunSpec`, :func:`load_spec`, :func:`load_result` — the same run under ``torchrun``;
 * :class:`RunError` — why a run failed, naming the rank;
 * :func:`load_checkpoint`, :func:`latest_checkpoint`, :class:`Checkpoint` — the run's DCP checkpoints;
+* :func:`run_arguments` — a planned configuration (``plan.config(row)``, ``D > 1`` included) as ``run()`` arguments;
 * :func:`signal_at` — rehearse a preemption or a crash: a real signal to a worker at a chosen step.
 """
 from .checkpoint import Checkpoint, CheckpointError, latest_checkpoint, load_checkpoint
@@ -13,8 +14,10 @@ from .compare import Comparison, compare
 from .errors import RunError
 from .faults import signal_at
 from .job import run
+from .planned import global_batch_of, run_arguments
 from .result import RunResult, load_result
 from .spec import DEFAULT_LR, RunSpec, default_optimizer, load_spec, make_spec
 
 __all__ = ["run", "RunResult", "compare", "Comparison", "RunError", "RunSpec", "load_spec", "load_result", "make_spec",
-           "default_optimizer", "DEFAULT_LR", "Checkpoint", "CheckpointError", "load_checkpoint", "latest_checkpoint", "signal_at"]
+           "default_optimizer", "DEFAULT_LR", "Checkpoint", "CheckpointError", "load_checkpoint", "latest_checkpoint", "signal_at",
+           "run_arguments", "global_batch_of"]

@@ -87,6 +87,9 @@ def pick_step(measured, step=None) -> int:
 
 
 def _one_step(df: pd.DataFrame, step: int) -> pd.DataFrame:
+    """The compute actions of ``step``, shifted to start at 0; of replica 0 only when the Timeline has several (D > 1)."""
+    if "replica" in df.columns:
+        df = df[df["replica"] == 0]
     out = df[(df["step"] == step) & df["kind"].isin(COMPUTE_KINDS)].copy()
     if out.empty:
         raise ValueError(f"step {step} has no compute actions")

@@ -162,10 +162,14 @@ def read_history(run_dir: Path) -> dict:
 def run(model, data, loss_fn, partition, m, schedule=None, steps=10, optimizer=None, nprocs=None, backend=None, devices=None,
         timeout_s=300, progress=True, save_spec=None, instrument=True, seed=0, start_method="forkserver", checkpoint_dir=None,
         checkpoint_every=None, keep=2, resume_from=None, max_restarts=0, mtbf_s=None, preempt_grace_s=30,
-        on_nonfinite="raise", resize_at=None, partitions=None, profile=None, rebalance_every=None) -> RunResult:
+        on_nonfinite="raise", resize_at=None, partitions=None, profile=None, rebalance_every=None, D=1) -> RunResult:
     """Train ``model`` for ``steps`` steps as a real pipeline on ``torch.distributed.pipelining`` and measure it.
 
-    * ``model`` — an ``nn.Sequential``; stage ``s`` is its children ``partition.bounds[s]``.
+    * ``model`` — an ``nn.Sequential`` (stage ``s`` is its children ``partition.bounds[s]``), or
+      any model torch's tracer can split: the first layer name of each stage (a Partition
+      from ``profile(model, x, layers=[...])``) becomes a split point of
+      ``torch.distributed.pipelining.pipeline`` (see :mod:`~pipeswift_lab.runner.tracer`;
+      tied weights across stages are refused).
     * ``data`` — an ``(inputs, targets)`` batch used every step, a ``callable(step) -> (inputs,
       targets)`` (called with torch's RNG seeded to ``seed + step``, so ranks agree), or an
       iterable of batches (the first ``steps`` are taken). Only the rank holding the first
@@ -180,7 +184,14 @@ def run(model, data, loss_fn, partition, m, schedule=None, steps=10, optimizer=N
     * ``steps`` — the job's total; a resumed job continues from the checkpoint's step to ``steps``.
     * ``optimizer`` — a factory ``lambda params: torch.optim.X(params, ...)`` called on every rank
       with its stages' parameters; ``None`` is SGD with ``lr=0.01`` (``spec.DEFAULT_LR``).
-    * ``nprocs`` — worker processes; one per rank, so ``None`` or ``partition.P``.
+    * ``D`` — data-parallel replicas of the pipeline: ``P * D`` processes in a ``("dp", "pp")``
+      mesh, each stage wrapped in DDP over its ``D`` copies (gradients are all-reduced at the
+      last micro-batch's backward); replica ``d`` trains on rows ``d*B/D .. (d+1)*B/D - 1`` of
+      each global batch ``B``, ``m`` micro-batches each, so a step equals one process on the
+      global batch. ``D`` must divide ``B``. Checkpoints hold the replicated state once (DCP
+      deduplicates it) and resume on any ``D``; not yet with resizes or rebalancing, nor with
+      the zero-bubble schedules.
+    * ``nprocs`` — worker processes; one per rank, so ``None`` or ``P * D``.
     * ``backend``/``devices`` — ``None``: NCCL and one GPU per rank when there are GPUs, gloo and
       one CPU process per rank (``torch.set_num_threads`` = cores // P) otherwise; see
       :func:`~pipeswift_lab.runner.spec.resolve_devices`.
@@ -240,6 +251,11 @@ def run(model, data, loss_fn, partition, m, schedule=None, steps=10, optimizer=N
     if not isinstance(progress, bool):
         raise TypeError(f"progress must be True or False; got {progress!r}")
     steps_checked = check_int("steps", steps, minimum=1)
+    D = check_int("D", D, minimum=1)
+    if D > 1:
+        for name, value in (("resize_at", resize_at), ("partitions", partitions), ("rebalance_every", rebalance_every)):
+            if value is not None:
+                raise ValueError(f"D={D} replicas cannot be combined with {name}={value!r} yet; use D=1 for {name}")
     job, resume, max_restarts = job_options(model, steps_checked, checkpoint_dir, checkpoint_every, keep, resume_from,
                                             max_restarts, mtbf_s, preempt_grace_s, on_nonfinite)
     data = _materialized(data, steps_checked)  # every segment's spec reads the same batches
@@ -247,7 +263,7 @@ def run(model, data, loss_fn, partition, m, schedule=None, steps=10, optimizer=N
     planned = plan_segments(model, partition, steps_checked, first_step, resize_at, partitions, profile, m, schedule)
     rebalance = _rebalance_plan(rebalance_every, profile, partition, m, steps_checked, instrument)
     common = dict(steps=steps, optimizer=optimizer, nprocs=nprocs, backend=backend, devices=devices, timeout_s=timeout_s,
-                  instrument=instrument, seed=seed)
+                  instrument=instrument, seed=seed, D=D)
     specs = [make_spec(model, data, loss_fn, seg.partition, m, schedule=schedule, job=job, **common) for seg in planned]
     if resume is not None:
         _check_optimizer(specs[0], resume)
@@ -277,7 +293,7 @@ def run(model, data, loss_fn, partition, m, schedule=None, steps=10, optimizer=N
             spec_path = spec.save(run_dir / "spec.pkl")
             desc = f"{spec.plan.schedule} P={spec.P} m={spec.m}" + (f" (segment {len(results)})" if changes else "")
             with _sigterm_to(preemption):
-                gathered = launch(spec_path, run_dir, spec.P, deadline, spec.timeout_s, spec.steps, progress, desc, start_method,
+                gathered = launch(spec_path, run_dir, spec.world_size, deadline, spec.timeout_s, spec.steps, progress, desc, start_method,
                                   max_restarts=max_restarts, preemption=preemption)
             history = read_history(run_dir)
             seg_end_ns = time.time_ns()

@@ -221,21 +221,24 @@ def _timeline_frame(ranks: list[dict], t0_ns: int) -> pd.DataFrame:
             continue
         rows = rows.to(torch.int64)
         frames.append(pd.DataFrame({
-            "step": rows[:, 0].numpy(), "rank": payload["rank"], "stage": rows[:, 2].numpy(),
+            "step": rows[:, 0].numpy(), "rank": payload.get("pp_rank", payload["rank"]), "stage": rows[:, 2].numpy(),
             "microbatch": rows[:, 3].numpy(), "kind": [KINDS[k] for k in rows[:, 1].tolist()],
             "start_ms": (rows[:, 4] - t0_ns).numpy() / 1e6, "end_ms": (rows[:, 5] - t0_ns).numpy() / 1e6,
+            "replica": payload.get("replica", 0),
         }))
     if not frames:
         df = pd.DataFrame({c: pd.Series(dtype="int64") for c in TIMELINE_COLUMNS[:4]})
         df["kind"] = pd.Series(dtype=object)
         df["start_ms"] = pd.Series(dtype="float64")
         df["end_ms"] = pd.Series(dtype="float64")
+        df["replica"] = pd.Series(dtype="int64")
         return df
     df = pd.concat(frames, ignore_index=True)
-    for col in ("step", "rank", "stage", "microbatch"):
+    for col in ("step", "rank", "stage", "microbatch", "replica"):
         df[col] = df[col].astype("int64")
     df["kind"] = df["kind"].astype(object)
-    return df.sort_values(["step", "rank", "start_ms"], kind="stable").reset_index(drop=True)[list(TIMELINE_COLUMNS)]
+    df = df.sort_values(["step", "replica", "rank", "start_ms"], kind="stable").reset_index(drop=True)
+    return df[list(TIMELINE_COLUMNS) + ["replica"]]
 
 
 def _history_terms(history: dict) -> dict:
@@ -298,7 +301,8 @@ def build_result(spec, gathered: dict, launch_ns: int, end_ns: int, launched_by:
     last = next(p for p in ranks if p["rank"] == spec.plan.last_rank)
     state = {}
     for p in ranks:
-        state.update(p["state"])
+        if p.get("replica", 0) == 0:  # the replicas hold the same parameters (DDP keeps them equal)
+            state.update(p["state"])
     missing = [k for k in spec.state_keys if k not in state]
     if missing:
         raise RuntimeError(f"the gathered state lacks {len(missing)} keys of the model, e.g. {missing[:3]}")
@@ -330,7 +334,7 @@ def build_result(spec, gathered: dict, launch_ns: int, end_ns: int, launched_by:
     jct = JCT(queue_s=0.0, assembly_s=assembly_s, training_s=training_s, cleanup_s=cleanup_s, preemption_loss_s=preemption_s,
               label=f"measured {spec.plan.schedule} P={spec.P} m={spec.m}")
     ranks_df = pd.DataFrame([{
-        "rank": p["rank"], "pid": p["pid"], "host": p["host"], "device": p["device"], "stages": tuple(p["stages"]),
+        "rank": p["rank"], "pp_rank": p.get("pp_rank", p["rank"]), "replica": p.get("replica", 0), "pid": p["pid"], "host": p["host"], "device": p["device"], "stages": tuple(p["stages"]),
         "threads": p["threads"], "ready_ms": (p["ready_ns"] - t0) / 1e6,
     } for p in ranks])
     df = _timeline_frame(ranks, t0) if spec.instrument else None

@@ -132,7 +132,7 @@ class JobOptions:
 class RunSpec:
     """One pipeline run, complete: what each worker loads. Build it with :func:`make_spec`."""
 
-    model: nn.Sequential  # the full model; each rank keeps its own stages
+    model: nn.Module  # the full model (nn.Sequential, or split by torch's tracer); each rank keeps its own stages
     loss_fn: Callable  # loss_fn(last_stage_output, targets) -> scalar, mean over the micro-batch
     data: DataSource
     optimizer: Callable  # factory: optimizer(params) -> torch.optim.Optimizer, called per rank on its stages
@@ -150,11 +150,18 @@ class RunSpec:
     timeout_s: float = 300.0  # the whole run, and every collective's timeout in the workers
     job: JobOptions = JobOptions()  # checkpoints, resume, non-finite losses
     meta: dict = field(default_factory=dict, compare=False)
+    traced: Any = None  # a runner.tracer.TracedPlan for a model that is not an nn.Sequential; None: children are the layers
+    D: int = 1  # data-parallel replicas of the pipeline; world size P * D, global rank = replica * P + pipeline rank
 
     @property
     def P(self) -> int:
-        """Ranks."""
+        """Ranks of one pipeline (stages are spread over them)."""
         return self.plan.P
+
+    @property
+    def world_size(self) -> int:
+        """Processes: ``P * D`` (replica ``d`` holds the global ranks ``d*P .. d*P+P-1``, one node's worth)."""
+        return self.plan.P * self.D
 
     def save(self, path) -> Path:
         """Write the spec to ``path`` (cloudpickle, by value for code that is not an installed package); return the path."""
@@ -241,7 +248,11 @@ def _pickled_by_value(objs):
             cloudpickle.unregister_pickle_by_value(module)
 
 
-def resolve_devices(P: int, backend, devices) -> tuple[str, str, tuple[int, ...] | None]:
+#: Schedules whose split backward (I then W) does not go through DDP's synchronized backward.
+DP_UNSUPPORTED = ("InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
+
+
+def resolve_devices(P: int, backend, devices, what: str | None = None) -> tuple[str, str, tuple[int, ...] | None]:
     """Pick ``(backend, device_type, cuda_device_per_rank)`` and refuse what this machine cannot run.
 
     ``devices``: ``None`` (one GPU per rank when there are GPUs, CPU processes otherwise),
@@ -288,14 +299,14 @@ def resolve_devices(P: int, backend, devices) -> tuple[str, str, tuple[int, ...]
     cores = available_cores()
     if P > CPU_RANKS_PER_CORE * cores:
         raise ValueError(
-            f"P={P} CPU ranks is more than this machine can run: it has {cores} cores and the runner allows "
+            f"{what or f'P={P}'} CPU ranks is more than this machine can run: it has {cores} cores and the runner allows "
             f"{CPU_RANKS_PER_CORE} ranks per core ({CPU_RANKS_PER_CORE * cores})"
         )
     return backend, "cpu", None
 
 
 def make_spec(model, data, loss_fn, partition, m, schedule=None, steps=10, optimizer=None, nprocs=None, backend=None,
-              devices=None, timeout_s=300.0, instrument=True, seed=0, job: JobOptions | None = None) -> RunSpec:
+              devices=None, timeout_s=300.0, instrument=True, seed=0, job: JobOptions | None = None, D=1) -> RunSpec:
     """Check every argument of :func:`pipeswift_lab.run` and build the :class:`RunSpec` (no process is started).
 
     Raises ``TypeError``/``ValueError`` for anything that would fail in the workers and can be
@@ -305,6 +316,7 @@ def make_spec(model, data, loss_fn, partition, m, schedule=None, steps=10, optim
     from .. import schedules as _schedules
 
     plan = plan_stages(model, partition, schedule)
+    D = check_int("D", D, minimum=1)
     m = check_int("m", m, minimum=1)
     steps = check_int("steps", steps, minimum=1)
     seed = check_int("seed", seed)
@@ -313,8 +325,9 @@ def make_spec(model, data, loss_fn, partition, m, schedule=None, steps=10, optim
         raise TypeError(f"instrument must be a bool; got {type(instrument).__name__} {instrument!r}")
     if nprocs is not None:
         nprocs = check_int("nprocs", nprocs, minimum=1)
-        if nprocs != plan.P:
-            raise ValueError(f"nprocs={nprocs} differs from the partition's P={plan.P}; one process runs each rank, so nprocs must be {plan.P} (or None)")
+        if nprocs != plan.P * D:
+            what = f"the partition's P={plan.P}" if D == 1 else f"P*D={plan.P}*{D}"
+            raise ValueError(f"nprocs={nprocs} differs from {what}; one process runs each rank, so nprocs must be {plan.P * D} (or None)")
     _schedules.validate(plan.P, m, plan.schedule, plan.v)
     if not callable(loss_fn):
         raise TypeError(f"loss_fn must be callable as loss_fn(outputs, targets); got {type(loss_fn).__name__}")
@@ -325,21 +338,42 @@ def make_spec(model, data, loss_fn, partition, m, schedule=None, steps=10, optim
     if not isinstance(probe, torch.optim.Optimizer):
         raise TypeError(f"optimizer(params) must return a torch.optim.Optimizer; it returned {type(probe).__name__}")
     del probe
-    check_shared_parameters(model, plan)
-    backend, device_type, indices = resolve_devices(plan.P, backend, devices)
+    sequential = isinstance(model, nn.Sequential)
+    if sequential:
+        check_shared_parameters(model, plan)
+    if D > 1 and plan.schedule in DP_UNSUPPORTED:
+        raise ValueError(f"D={D} replicas with schedule={plan.schedule!r} is not supported: its split input/weight backward "
+                         f"bypasses DDP's gradient sync; use one of GPipe, 1F1B, Interleaved1F1B, LoopedBFS with D > 1")
+
+    backend, device_type, indices = resolve_devices(plan.P * D, backend, devices, what=f"P*D={plan.P}*{D}" if D > 1 else None)
 
     source = make_data_source(data, steps, seed)
     inputs, targets = source.batch(0)
-    batch_size = inputs.shape[0]
+    global_batch = inputs.shape[0]
+    if global_batch % D:
+        divisors = [d for d in range(1, global_batch + 1) if global_batch % d == 0]
+        raise ValueError(f"D={D} does not divide the global batch size {global_batch} of data (each replica reads an equal slice); "
+                         f"use a D in {divisors}")
+    batch_size = global_batch // D
     if batch_size % m:
         divisors = [d for d in range(1, batch_size + 1) if batch_size % d == 0]
-        raise ValueError(f"m={m} does not divide the batch size {batch_size} of data; use an m in {divisors}")
+        where = f"the batch size {batch_size} of data" if D == 1 else f"each replica's batch {batch_size} (global batch {global_batch} / D={D})"
+        raise ValueError(f"m={m} does not divide {where}; use an m in {divisors}")
     inputs_mb, targets_mb = inputs[: batch_size // m], targets[: batch_size // m]
-    boundaries = boundary_specs(model, plan, inputs_mb, targets_mb, loss_fn)
-    threads = max(1, available_cores() // plan.P) if device_type == "cpu" else None
-    meta = {"torch_version": torch.__version__, "batch_size": int(batch_size), "microbatch_size": int(batch_size // m),
-            "n_layers": len(model), "cores": available_cores(), "layer_names": [name for name, _ in model.named_children()]}
+    if sequential:
+        boundaries, traced = boundary_specs(model, plan, inputs_mb, targets_mb, loss_fn), None
+        layer_names = [name for name, _ in model.named_children()]
+    else:
+        from .tracer import check_traceable
+
+        boundaries = ()  # torch's traced stages know their boundary shapes from the graph
+        traced = check_traceable(model, partition, plan.n_stages, inputs_mb, targets_mb, loss_fn)
+        layer_names = [str(name) for stage in partition.layer_names for name in stage]
+    threads = max(1, available_cores() // (plan.P * D)) if device_type == "cpu" else None
+    meta = {"torch_version": torch.__version__, "batch_size": int(global_batch), "replica_batch_size": int(batch_size), "D": D, "microbatch_size": int(batch_size // m),
+            "placement": [list(range(d * plan.P, (d + 1) * plan.P)) for d in range(D)],
+            "n_layers": len(layer_names), "cores": available_cores(), "layer_names": layer_names}
     return RunSpec(model=model, loss_fn=loss_fn, data=source, optimizer=optimizer, plan=plan, m=m, steps=steps,
                    backend=backend, device_type=device_type, devices=indices, threads_per_rank=threads,
                    boundaries=boundaries, state_keys=tuple(model.state_dict().keys()), instrument=instrument,
-                   seed=seed, timeout_s=timeout_s, job=job if job is not None else JobOptions(), meta=meta)
+                   seed=seed, timeout_s=timeout_s, job=job if job is not None else JobOptions(), meta=meta, traced=traced, D=D)

@@ -90,9 +90,10 @@ def plan_stages(model: nn.Module, partition, schedule: str | None) -> StagePlan:
     """
     from .. import schedules as _schedules
 
-    if not isinstance(model, nn.Sequential):
+    if not isinstance(model, nn.Module):
         raise TypeError(
-            f"model must be an nn.Sequential whose children are the layers the partition cuts between; got {type(model).__name__}"
+            f"model must be an nn.Module (an nn.Sequential whose children are the layers, or a model torch's tracer can split "
+            f"at the partition's layer names); got {type(model).__name__}"
         )
     for attr in ("bounds", "P", "v", "stage_to_rank"):
         if not hasattr(partition, attr):
@@ -112,7 +113,7 @@ def plan_stages(model: nn.Module, partition, schedule: str | None) -> StagePlan:
                 f"{own!r}: pass schedule={own!r} or re-partition for {schedule!r}"
             )
     bounds = tuple((int(a), int(b)) for a, b in partition.bounds)
-    n_layers = len(model)
+    n_layers = len(model) if isinstance(model, nn.Sequential) else None
     if len(bounds) != P * v:
         raise ValueError(f"partition.bounds has {len(bounds)} stages; P={P} ranks with v={v} stages each need {P * v}")
     expected_start = 0
@@ -122,7 +123,7 @@ def plan_stages(model: nn.Module, partition, schedule: str | None) -> StagePlan:
                 f"partition.bounds={list(bounds)} is not a sequence of non-empty contiguous ranges from 0; stage {s} is {(a, b)}"
             )
         expected_start = b
-    if expected_start != n_layers:
+    if isinstance(model, nn.Sequential) and expected_start != n_layers:
         raise ValueError(
             f"partition.bounds ends at layer {expected_start} but the model has {n_layers} layers (children); "
             "was the partition made from a profile of another model?"
@@ -136,13 +137,26 @@ def plan_stages(model: nn.Module, partition, schedule: str | None) -> StagePlan:
     return StagePlan(bounds, P, v, schedule, stage_to_rank)
 
 
-def stage_module(model: nn.Sequential, bounds: tuple[int, int]) -> nn.Sequential:
-    """The children ``bounds[0] .. bounds[1]-1`` of ``model`` as an ``nn.Sequential`` keeping their names.
+class StageSequential(nn.Sequential):
+    """An ``nn.Sequential`` stage whose output is made contiguous: what crosses a stage boundary.
 
-    The modules are shared with ``model`` (no copy).
+    torch's point-to-point send and receive need contiguous tensors (a ViT's patch embedding
+    returns ``flatten(2).transpose(1, 2)``, a strided view); the stage's state keys are the
+    children's, as for a plain ``nn.Sequential``.
+    """
+
+    def forward(self, x):
+        out = super().forward(x)
+        return out.contiguous() if isinstance(out, torch.Tensor) else out
+
+
+def stage_module(model: nn.Sequential, bounds: tuple[int, int]) -> nn.Sequential:
+    """The children ``bounds[0] .. bounds[1]-1`` of ``model`` as a :class:`StageSequential` keeping their names.
+
+    The modules are shared with ``model`` (no copy); the stage's output is contiguous.
     """
     children = list(model.named_children())
-    return nn.Sequential(OrderedDict(children[bounds[0] : bounds[1]]))
+    return StageSequential(OrderedDict(children[bounds[0] : bounds[1]]))
 
 
 def check_shared_parameters(model: nn.Sequential, plan: StagePlan) -> None:

@@ -81,12 +81,29 @@ class StopRequest:
         return self.flag or self._file.exists()
 
 
-def rank_module(stages) -> torch.nn.Sequential:
-    """This rank's layers in one module whose state keys are the full model's (every stage's children, by name)."""
+def rank_module(stages) -> torch.nn.Module:
+    """This rank's layers in one module whose state keys are the full model's (every stage's children, by name).
+
+    Traced stages (:mod:`~pipeswift_lab.runner.tracer`) are merged FQN by FQN, since two of
+    them may share a container (``blocks``).
+    """
+    from torch.fx import GraphModule
+
+    if any(isinstance(unwrapped(stage.submod), GraphModule) for stage in stages):
+        from .tracer import merged_module
+
+        return merged_module([unwrapped(stage.submod) for stage in stages])
     children = OrderedDict()
     for stage in stages:
-        children.update(stage.submod.named_children())
+        children.update(unwrapped(stage.submod).named_children())
     return torch.nn.Sequential(children)
+
+
+def unwrapped(module: torch.nn.Module) -> torch.nn.Module:
+    """The stage module inside a ``DistributedDataParallel`` wrapper (``module`` itself when it has none)."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    return module.module if isinstance(module, DistributedDataParallel) else module
 
 
 def _broadcast(obj, group):
@@ -173,7 +190,7 @@ class Checkpointer:
     def _manifest(self, step: int, kind: str) -> dict:
         spec, plan = self.spec, self.spec.plan
         return {
-            "step": step, "steps": spec.steps, "kind": kind, "P": plan.P, "v": plan.v, "m": spec.m, "schedule": plan.schedule,
+            "step": step, "steps": spec.steps, "kind": kind, "P": plan.P, "D": spec.D, "v": plan.v, "m": spec.m, "schedule": plan.schedule,
             "microbatch_size": spec.meta.get("microbatch_size"), "batch_size": spec.meta.get("batch_size"),
             "bounds": [list(b) for b in plan.bounds], "stage_to_rank": list(plan.stage_to_rank),
             "layer_names": list(spec.meta.get("layer_names", [])), "world_size": self.world, "torch_version": torch.__version__,
@@ -232,19 +249,25 @@ def _rebalance_decision(spec, rank, world, group, recorder, saver, done, first_s
     return _broadcast(decision, group)
 
 
-def train(spec, rank, world, device, out_dir: Path, progress, gather_group, proc_start, entered, build_stages, make_schedule):
-    """Run this rank's steps (resuming where a checkpoint says), then gather every rank's measurements to rank 0."""
+def train(spec, topo, world, device, out_dir: Path, progress, gather_group, proc_start, entered, build_stages, make_schedule):
+    """Run this rank's steps (resuming where a checkpoint says), then gather every rank's measurements to rank 0.
+
+    ``topo`` is the rank's :class:`~pipeswift_lab.runner.worker.Topology` (global rank,
+    pipeline rank, replica and their groups); replica ``d`` reads rows
+    ``d*b .. (d+1)*b - 1`` of every global batch (``b`` = global batch / D).
+    """
     import torch.distributed as dist
 
     plan, job = spec.plan, spec.job
+    rank = topo.rank
     attempt = attempt_number()
-    stages = build_stages(spec, rank, device)
+    stages = build_stages(spec, topo, device)
     params = [p for stage in stages for p in stage.submod.parameters()]
     optimizer = spec.optimizer(params)
     schedule = make_schedule(spec, stages)
     recorder = ActionRecorder(stages, schedule, device, enabled=spec.instrument)
     module = rank_module(stages)
-    holds_first, holds_last = rank == plan.first_rank, rank == plan.last_rank
+    holds_first, holds_last = topo.pp_rank == plan.first_rank, topo.pp_rank == plan.last_rank
     torch.manual_seed(spec.seed)
     stop = StopRequest(out_dir, rank, job.preempt_grace_s)
     stop.install()
@@ -253,7 +276,8 @@ def train(spec, rank, world, device, out_dir: Path, progress, gather_group, proc
     source = _restore_source(spec, rank, gather_group, attempt)
     if source is not None:
         manifest = ckpt.verify(source).manifest
-        same = (tuple(tuple(b) for b in manifest["bounds"]) == plan.bounds and tuple(manifest["stage_to_rank"]) == plan.stage_to_rank)
+        same = (tuple(tuple(b) for b in manifest["bounds"]) == plan.bounds and tuple(manifest["stage_to_rank"]) == plan.stage_to_rank
+                and int(manifest.get("world_size", world)) == world)  # RNG states are per rank: the same ranks, D included
         restored = ckpt.restore_rank_state(Path(source), rank, module, optimizer, device, gather_group, restore_rng=same)
         restored.update(path=str(source), step=int(manifest["step"]), rng_restored=same)
         first_step = restored["step"]
@@ -274,11 +298,18 @@ def train(spec, rank, world, device, out_dir: Path, progress, gather_group, proc
     for step in range(first_step, spec.steps):
         if holds_first or holds_last:
             inputs, targets = spec.data.batch(step)
+            if topo.D > 1:
+                b = inputs.shape[0] // topo.D
+                inputs, targets = inputs[topo.replica * b:(topo.replica + 1) * b], targets[topo.replica * b:(topo.replica + 1) * b]
         args = (inputs.to(device),) if holds_first else ()
         kwargs = {"target": targets.to(device), "losses": []} if holds_last else {}
         start_ns = recorder.start_step(step)
         schedule.step(*args, return_outputs=False, **kwargs)
         loss = float(torch.stack([x.detach() for x in kwargs["losses"]]).float().mean()) if holds_last else 0.0
+        if holds_last and topo.dp_group is not None:  # the global batch's loss: the mean over the replicas
+            mean = torch.tensor([loss], dtype=torch.float64)
+            dist.all_reduce(mean, group=topo.dp_group)
+            loss = float(mean) / topo.D
         flags.zero_()
         flags[0] = int(holds_last and not math.isfinite(loss))
         flags[1] = int(stop.requested())
@@ -326,9 +357,9 @@ def train(spec, rank, world, device, out_dir: Path, progress, gather_group, proc
 
     state = {}
     for stage in stages:
-        state.update({k: t.detach().to("cpu", copy=True) for k, t in stage.submod.state_dict().items()})
+        state.update({k: t.detach().to("cpu", copy=True) for k, t in unwrapped(stage.submod).state_dict().items()})
     payload = {
-        "rank": rank, "pid": os.getpid(), "host": os.uname().nodename, "device": str(device), "stages": plan.stages_of(rank),
+        "rank": rank, "pp_rank": topo.pp_rank, "replica": topo.replica, "pid": os.getpid(), "host": os.uname().nodename, "device": str(device), "stages": plan.stages_of(topo.pp_rank),
         "records": recorder.rows(), "step_start_ns": step_start, "step_end_ns": step_end, "losses": losses,
         "state": state, "process_start_ns": proc_start, "entered_ns": entered, "ready_ns": ready,
         "threads": torch.get_num_threads(), "first_step": first_step, "status": status, "nonfinite": nonfinite,

@@ -137,18 +137,49 @@ def _device(spec, local_rank: int) -> torch.device:
     return torch.device("cpu")
 
 
-def _build_stages(spec, rank, device):
+class Topology:
+    """Where this process sits in the ``("dp", "pp")`` mesh: global ``rank``, pipeline rank ``pp_rank``, ``replica``.
+
+    With ``D == 1`` there is no mesh: ``pp_rank == rank``, ``replica == 0`` and both groups are
+    None (the default group). With ``D > 1`` the world is a 2-D ``DeviceMesh`` of shape
+    ``(D, P)``: replica ``d`` is the global ranks ``d*P .. d*P+P-1`` (its stages talk point to
+    point inside ``pp_group``); ``dp_group`` holds the ``D`` copies of this rank's stages,
+    whose gradients DDP averages.
+    """
+
+    def __init__(self, rank: int, P: int, D: int, device_type: str):
+        self.rank, self.P, self.D = rank, P, D
+        self.pp_rank, self.replica = rank % P, rank // P
+        self.pp_group = self.dp_group = None
+        if D > 1:
+            from torch.distributed.device_mesh import init_device_mesh
+
+            mesh = init_device_mesh(device_type, (D, P), mesh_dim_names=("dp", "pp"))
+            self.pp_group, self.dp_group = mesh.get_group("pp"), mesh.get_group("dp")
+
+
+def _build_stages(spec, topo, device):
     from torch.distributed.pipelining import PipelineStage
 
     from .stages import stage_module
 
     plan = spec.plan
+    if spec.traced is not None:
+        from .tracer import build_traced_stages
+
+        return build_traced_stages(spec, topo.pp_rank, device, group=topo.pp_group, dp_group=topo.dp_group)
     stages = []
-    for s in plan.stages_of(rank):
+    for s in plan.stages_of(topo.pp_rank):
         module = stage_module(spec.model, plan.bounds[s]).to(device)
+        if topo.dp_group is not None:
+            from torch.nn.parallel import DistributedDataParallel
+
+            # PipelineStage runs the micro-batches' backwards under no_sync() and all-reduces at the last one
+            module = DistributedDataParallel(module, process_group=topo.dp_group,
+                                             device_ids=[device] if device.type == "cuda" else None)
         in_spec, out_spec = spec.boundaries[s]
-        stages.append(PipelineStage(module, s, plan.n_stages, device,
-                                    input_args=in_spec.empty(device), output_args=out_spec.empty(device)))
+        stages.append(PipelineStage(module, s, plan.n_stages, device, input_args=in_spec.empty(device),
+                                    output_args=out_spec.empty(device), group=topo.pp_group))
     return stages
 
 
@@ -188,8 +219,9 @@ def run_rank(spec, out_dir: Path, progress: bool = False) -> None:
     proc_start = process_start_ns()
     entered = time.time_ns()
     rank, world, local_rank = _env_int("RANK"), _env_int("WORLD_SIZE"), int(os.environ.get("LOCAL_RANK", 0))
-    if world != spec.P:
-        raise RuntimeError(f"the spec has P={spec.P} ranks but the launcher started WORLD_SIZE={world}; use --nproc-per-node {spec.P} on one machine")
+    if world != spec.world_size:
+        raise RuntimeError(f"the spec has P={spec.P} x D={spec.D} = {spec.world_size} ranks but the launcher started WORLD_SIZE={world}; "
+                           f"use --nproc-per-node {spec.world_size} on one machine (or --nnodes D --nproc-per-node P)")
     if spec.threads_per_rank is not None:
         torch.set_num_threads(spec.threads_per_rank)
     device = _device(spec, local_rank)
@@ -202,7 +234,8 @@ def run_rank(spec, out_dir: Path, progress: bool = False) -> None:
         dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timeout)
         gather_group = None
     try:
-        gathered = train(spec, rank, world, device, out_dir, progress, gather_group, proc_start, entered, _build_stages, _schedule)
+        topo = Topology(rank, spec.P, spec.D, device.type)
+        gathered = train(spec, topo, world, device, out_dir, progress, gather_group, proc_start, entered, _build_stages, _schedule)
         if rank == 0:
             result = {"format": "pipeswift_lab.run", "ranks": gathered, "gathered_ns": time.time_ns()}
             tmp = out_dir / (RESULT_FILE + ".tmp")

@@ -1,0 +1,27 @@
+"""A planned configuration as the arguments of :func:`~pipeswift_lab.runner.job.run`.
+
+The planner ranks configurations ``P x D`` with ``m`` micro-batches of ``microbatch_size``
+samples under a schedule; :func:`run_arguments` turns one of them into what ``run()`` takes,
+so a ranked row runs as is: ``run(model, data, loss_fn, **run_arguments(plan, plan.config(i)), steps=...)``.
+The global batch of ``data`` must be ``microbatch_size * m * D``.
+"""
+from __future__ import annotations
+
+
+def run_arguments(plan, config) -> dict:
+    """``{"partition", "m", "schedule", "D"}`` for ``config`` (a ``PlannedConfig`` or a row of ``plan.table``) of ``plan``.
+
+    The partition is the plan's balanced one for that configuration (``plan.partition_of``).
+    Raises ``ValueError`` for a row the planner did not simulate, ``TypeError`` for anything
+    else than a configuration or a row.
+    """
+    import pandas as pd
+
+    if isinstance(config, (pd.Series, int)) or not hasattr(config, "P"):
+        config = plan.config(config)
+    return {"partition": plan.partition_of(config), "m": int(config.m), "schedule": config.schedule, "D": int(config.D)}
+
+
+def global_batch_of(config) -> int:
+    """Samples per step the configuration trains on: ``microbatch_size * m * D``."""
+    return int(config.microbatch_size) * int(config.m) * int(config.D)
