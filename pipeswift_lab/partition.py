@@ -500,7 +500,7 @@ def partition(profile, P, method="balanced", v=1, schedule=None, link=None, mem_
     B/param, the master weights and moments sharded over ``dp`` data-parallel replicas
     (ZeRO-1). Named precisions need a ``params`` column. See :mod:`pipeswift_lab.precision`.
     """
-    layers = _Layers(profile)
+    layers = profile if isinstance(profile, _Layers) else _Layers(profile)
     P = check_int("P", P, minimum=1)
     if method not in METHODS:
         raise ValueError(f"method={method!r} is not known; valid methods are {list(METHODS)}")
@@ -545,11 +545,13 @@ def _memory_error(layers, part: Partition, limit, method, link) -> str:
             continue
     where = f"with m={part.m}" + (f", schedule={part.schedule!r}" if part.schedule else "")
     hint = f"the smallest P that fits ({where}) is {smallest}" if smallest else f"no P up to {layers.n // part.v} fits ({where}); some layer alone exceeds the cap"
-    share = "" if part.v == 1 else f" (each of a rank's {part.v} stages gets mem_limit_bytes / v = {limit / part.v:.6g})"
-    return (
-        f"mem_limit_bytes={limit:.6g}: no {method} split into P={part.P} ranks fits{share}; in the unconstrained split, "
-        f"{part.describe_stage(worst)}. {hint[0].upper() + hint[1:]}."
-    )
+    return f"{no_fit_head(limit, method, part.P, part.v)}; in the unconstrained split, {part.describe_stage(worst)}. {hint[0].upper() + hint[1:]}."
+
+
+def no_fit_head(limit, method, P, v) -> str:
+    """The first clause of the error when no ``method`` split into ``P`` ranks fits ``mem_limit_bytes=limit`` (the planner's reason)."""
+    share = "" if v == 1 else f" (each of a rank's {v} stages gets mem_limit_bytes / v = {limit / v:.6g})"
+    return f"mem_limit_bytes={limit:.6g}: no {method} split into P={P} ranks fits{share}"
 
 
 __all__ = ["METHODS", "OPTIMIZER_STATE_FACTOR", "Partition", "partition"]

@@ -427,7 +427,7 @@ def plan(
         if precision is None:
             grad_bytes, shard_bytes = rank_param_bytes, rank_param_bytes * (1.0 + OPTIMIZER_STATE_FACTOR[optimizer])
         else:
-            rank_params = _rank_params_count(split.part)
+            rank_params = split.rank_params
             grad_bytes = rank_params * grad_bytes_per_param(precision)
             shard_bytes = rank_params * checkpoint_bytes_per_param(precision, optimizer, d)
         ar_ms = allreduce_ms(grad_bytes, d, dp_link.bandwidth_GBps, dp_link.latency_ms)
@@ -553,11 +553,3 @@ def _no_fit_message(table, gpus, global_batch, mem, mb_sizes) -> str:
         reasons = others["reason"].value_counts().head(3)
         lines.append("other reasons: " + "; ".join(f"{k} ({v}x)" for k, v in reasons.items()))
     return "\n".join(lines)
-
-
-def _rank_params_count(part) -> float:
-    """Parameters of the rank holding the most (a named precision counts bytes per parameter)."""
-    per_rank = [0.0] * part.P
-    for s, r in enumerate(part.stage_to_rank):
-        per_rank[r] += part.stage_params[s]
-    return max(per_rank)

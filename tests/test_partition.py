@@ -255,3 +255,27 @@ def test_display():
     assert "Partition: 3 stages of 8 layers" in html and "bottleneck_ms" in html
     assert "Partition [(0," in str(part)
     assert part.stage_table().columns.tolist() == ["fwd_ms", "bwd_ms", "output_bytes", "activation_bytes"]
+
+
+def test_bottleneck_shortcut_for_prefix_sums_matches_the_range_maximum():
+    """Without transfers the window maximum is read off the last reachable start; it must equal the sparse-table answer."""
+    from pipeswift_lab._bottleneck import MinMaxSplit
+
+    rng = np.random.default_rng(3)
+    for trial in range(20):
+        n, K = int(rng.integers(5, 60)), int(rng.integers(2, 6))
+        S = np.concatenate([[0.0], np.cumsum(rng.uniform(0, 3, n))])
+        lo_by_k = [np.minimum(np.arange(n + 1), np.maximum(0, np.arange(n + 1) - int(rng.integers(1, n)))) for _ in range(K)]
+        fast, slow = MinMaxSplit(S, S, K, lo_by_k), MinMaxSplit(S, S, K, lo_by_k)
+        slow.monotone = False
+        assert fast.monotone
+        for T in np.linspace(0, S[-1], 15):
+            a, b = fast.reach(T), slow.reach(T)
+            assert (a is None) == (b is None), (trial, T)
+            if a is not None:
+                assert np.array_equal(a, b)
+        try:
+            assert fast.solve() == slow.solve()
+        except Exception as error:  # both infeasible alike
+            with pytest.raises(type(error)):
+                slow.solve()
