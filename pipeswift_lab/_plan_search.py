@@ -6,12 +6,14 @@ Used by :func:`pipeswift_lab.planner.plan`.
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass, field
 from functools import cached_property
 
 import pandas as pd
 
 from ._bottleneck import Infeasible
+from ._checks import check_int
 from .analytic import inflight_microbatches
 from .partition import _MEM_RTOL, Partition, _Layers, _split, no_fit_head
 from .precision import state_bytes
@@ -39,7 +41,15 @@ class MicrobatchCosts:
             if not isinstance(df, pd.DataFrame):
                 raise TypeError(f"profile must be a pipeswift_lab.Profile, a per-layer DataFrame or a list of Profiles; got {type(prof).__name__}")
             meta = getattr(prof, "meta", {}) or {}
-            size = int(meta.get("batch_size") or 1)
+            if not meta.get("batch_size"):
+                warnings.warn(
+                    f"profile{'' if len(profiles) == 1 else f'[{i}]'} has no meta['batch_size']: it is planned as if profiled at "
+                    f"micro-batch size 1 (layer times and activations scale from there); set Profile.meta['batch_size'] "
+                    f"(Profile.synthetic(..., meta={{'batch_size': b}})) to the size it was taken at",
+                    UserWarning, stacklevel=3,
+                )  # fmt: skip
+            size = meta.get("batch_size") or 1
+            size = check_int("profile.meta['batch_size']", int(size) if isinstance(size, float) and size.is_integer() else size, minimum=1)
             if size in by_size:
                 raise ValueError(f"two profiles have micro-batch size {size}; give one profile per size")
             by_size[size] = (df.reset_index(drop=True), str(meta.get("device", "cuda")).split(":")[0])

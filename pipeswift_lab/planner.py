@@ -51,7 +51,7 @@ OPTIMIZER_MEMORY_GBps = {"cuda": 1500.0, "cpu": 20.0}
 OPTIMIZER_TRAFFIC_FACTOR = 7.0
 
 _TABLE_COLUMNS = (
-    "rank", "strategy", "P", "D", "gpus", "m", "microbatch_size", "schedule", "v", "feasible", "simulated", "reason",
+    "rank", "ranked_by", "strategy", "P", "D", "gpus", "m", "microbatch_size", "schedule", "v", "feasible", "simulated", "reason",
     *TERMS, "total_s", "jct_lower_bound_s", "checkpoint_interval_s", "step_ms", "pipeline_ms", "allreduce_ms", "optimizer_ms", "bubble_ratio",
     "peak_mem_bytes", "samples_per_s",
 )  # fmt: skip
@@ -115,7 +115,8 @@ class Plan:
 
     * ``table`` — one row per configuration: the simulated feasible ones ranked by
       ``total_s``, then the feasible ones the branch and bound did not simulate (``simulated``
-      False, with ``jct_lower_bound_s``), then the rejected ones with their ``reason``; the JCT terms in the columns
+      False), ranked after them by ``jct_lower_bound_s`` (column ``ranked_by`` names what each
+      ``rank`` is by), then the unranked rejected ones with their ``reason``; the JCT terms in the columns
       ``queue_s``, ``assembly_s``, ``training_s``, ``cleanup_s``, ``preemption_loss_s``,
       ``total_s``, and ``step_ms``, ``bubble_ratio``, ``peak_mem_bytes``; with ``quantile=0.95``
       also ``total_s_p95`` (the JCT at that quantile), and with ``objective="p95"`` ranked by it;
@@ -191,6 +192,8 @@ class Plan:
             f"(queue {_hours(best.queue_s)}, training {_hours(best.training_s)}, step {best.step_ms:.4g} ms, "
             f"bubble {best.bubble_ratio:.1%})."
         ]
+        if best.P == 1:
+            out.append(self._why_no_pipeline(best))
         for name, other in (("bubble-best", bubble), ("throughput-best", fast)):
             if other.label == best.label:
                 out.append(f"The best is also the {name} configuration.")
@@ -202,9 +205,21 @@ class Plan:
                 f"The {name} {other.label} (bubble {other.bubble_ratio:.1%}, step {other.step_ms:.4g} ms) takes "
                 f"{_hours(other.total_s)}, {_hours(other.total_s - best.total_s)} longer: its {worst.removesuffix('_s')} "
                 f"term is {_hours(diffs[worst])} longer"
-                + (f", which its gains ({', '.join(gain)}) do not make up." if gain else ".")
+                + (f"; its gains ({', '.join(gain)}) do not make up for it." if gain else ".")
             )
         return " ".join(out)
+
+    def _why_no_pipeline(self, best) -> str:
+        """Why one stage (pure data parallelism) wins: it fits memory and has no bubble; what the best pipeline costs."""
+        cap = self.inputs.get("mem_per_gpu_bytes")
+        fits = (f"the whole model fits one GPU ({best.peak_mem_bytes / 2**30:.3g} GiB of the mem_per_gpu_bytes={cap:.4g} cap)" if cap
+                else "no memory cap is given (mem_per_gpu_bytes=None), so the whole model is taken to fit one GPU")  # fmt: skip
+        piped = self.feasible[(self.feasible["P"] > 1) & (self.feasible["strategy"] == "start")]
+        text = f"No pipeline (P=1, {best.D} data-parallel replicas) wins because {fits}, and a pipeline only adds a bubble and stage transfers"
+        if piped.empty:
+            return text + "."
+        other = _from_row(piped.sort_values("total_s", kind="stable").iloc[0])
+        return text + f": the best pipelined configuration, {other.label}, takes {_hours(other.total_s)} ({_hours(other.total_s - best.total_s)} longer)."
 
     def plot(self, ax=None, n=5, unit="h"):
         """Stacked JCT bars of the ``n`` best configurations, the throughput-best and the bubble-best (marked). Returns the Axes."""
@@ -252,6 +267,19 @@ def _hours(seconds: float) -> str:
     return f"{seconds:.3g} s"
 
 
+def _distinct_hours(a: float, b: float) -> tuple[str, str]:
+    """``a`` and ``b`` as :func:`_hours` writes them, with more digits until two different values read differently."""
+    text_a, text_b = _hours(a), _hours(b)
+    if a == b or text_a != text_b or math.inf in (a, b):
+        return text_a, text_b
+    unit, scale = (" h", 3600) if abs(b) >= 3600 else (" min", 60) if abs(b) >= 60 else (" s", 1)
+    for digits in range(3, 16):
+        text_a, text_b = f"{a / scale:.{digits}f}{unit}", f"{b / scale:.{digits}f}{unit}"
+        if text_a != text_b:
+            break
+    return text_a, text_b
+
+
 def _signed_hours(seconds: float) -> str:
     return ("+" if seconds >= 0 else "−") + _hours(abs(seconds))
 
@@ -275,6 +303,8 @@ def _divisors(n: int) -> list[int]:
 
 
 def _stage_choices(schedules) -> list[tuple[str, int]]:
+    if not isinstance(schedules, str) and hasattr(schedules, "__len__") and len(schedules) == 0:
+        raise ValueError(f"schedules={list(schedules)!r} is empty; give at least one of {list(SCHEDULES)}, or None for all of them")
     out = []
     for s in schedules:
         s = canonical_schedule(s)
@@ -378,6 +408,11 @@ def plan(
     if not Ps:
         raise ValueError(f"P={P} leaves no stage count <= min(layers={n_layers}, gpus={gpus})")
     # by default never below the smallest profiled size, where proportional scaling would be optimistic
+    if microbatch_sizes is None and global_batch < b0:
+        raise ValueError(
+            f"global_batch={global_batch} is smaller than the profiled micro-batch size {b0} (profile.meta['batch_size']); "
+            f"give global_batch >= {b0}, or microbatch_sizes= that divide it (times then scale down from the profiled size)"
+        )
     mb_sizes = _candidates("microbatch_sizes", microbatch_sizes, [b0 * 2**k for k in range(20) if b0 * 2**k <= global_batch])
     availability = Availability.now(gpus) if availability is None else Availability(availability)
     if isinstance(assembly, AssemblyModel) or assembly is None:
@@ -445,6 +480,9 @@ def plan(
             return training_s, loss
 
         lower_training, lower_loss = terms(split.lower_bound_ms)
+        if lower_loss == math.inf:  # even its fastest step is preempted more often than it can checkpoint
+            rows.append({**row, "feasible": False, "reason": f"preempted more often than it can checkpoint (every {_hours(mtbf_s / (p * d))} on {p * d} GPUs)"})
+            continue
         lower = row["queue_s"] + row["assembly_s"] + row["cleanup_s"] + lower_training + lower_loss
         row["jct_lower_bound_s"] = lower
         if mtbf_s is not None:
@@ -472,7 +510,8 @@ def plan(
         best_total = best_by_wait.get(row["queue_s"], math.inf)
         if not exhaustive and lower >= best_total:
             pruned[len(rows)] = (row, split, terms)
-            rows.append({**row, "feasible": True, "simulated": False, "reason": f"not simulated: its JCT lower bound {_hours(lower)} exceeds the best {_hours(best_total)} at its wait"})
+            bound_text, best_text = _distinct_hours(lower, best_total)
+            rows.append({**row, "feasible": True, "simulated": False, "reason": f"not simulated: its JCT lower bound {bound_text} is no shorter than the best {best_text} at its wait"})
             continue
         rows.append(evaluate(row, split, terms))
         if rows[-1]["feasible"]:
@@ -501,16 +540,16 @@ def plan(
             table[col] = math.nan
     feasible = table[(table["feasible"] == True) & (table["simulated"] == True)]  # noqa: E712 - NaN-safe on object columns
     if feasible.empty:
-        raise ValueError(_no_fit_message(table, gpus, global_batch, mem_per_gpu_bytes, mb_sizes))
+        raise ValueError(_no_fit_message(table, gpus, global_batch, mem_per_gpu_bytes, mb_sizes, mtbf_s))
     feasible = feasible.assign(total_s=feasible[list(TERMS)].sum(axis=1))
     feasible, lost = split_by_drops(feasible, availability)
     if feasible.empty and lost.empty:
-        raise ValueError(_no_fit_message(table, gpus, global_batch, mem_per_gpu_bytes, mb_sizes))
+        raise ValueError(_no_fit_message(table, gpus, global_batch, mem_per_gpu_bytes, mb_sizes, mtbf_s))
     shrink = shrink_rows(lost, feasible, availability, assembly, checkpoint, steps, mtbf_s)
     grow = grow_rows(feasible, availability, assembly, checkpoint, steps, mtbf_s) if not feasible.empty else feasible
     parts = [x for x in (feasible, grow, shrink) if not x.empty]
     if not parts:
-        raise ValueError(_no_fit_message(table, gpus, global_batch, mem_per_gpu_bytes, mb_sizes)
+        raise ValueError(_no_fit_message(table, gpus, global_batch, mem_per_gpu_bytes, mb_sizes, mtbf_s)
                          + "\nevery configuration loses GPUs mid-run and none fits the GPUs that stay free")
     ranked = pd.concat(parts, ignore_index=True)
     columns = list(_TABLE_COLUMNS)
@@ -524,7 +563,9 @@ def plan(
     out["feasible"] = out["feasible"].astype(bool)
     out["simulated"] = out["simulated"].fillna(False).astype(bool)
     out["reason"] = out["reason"].fillna("")
-    out["rank"] = pd.array([i + 1 if i < len(ranked) else pd.NA for i in range(len(out))], dtype="Int64")
+    n_ranked = len(ranked) + len(unsimulated)  # every feasible row: simulated ones by JCT, then the pruned ones by their bound
+    out["rank"] = pd.array([i + 1 if i < n_ranked else pd.NA for i in range(len(out))], dtype="Int64")
+    out["ranked_by"] = [rank_by] * len(ranked) + ["jct_lower_bound_s"] * len(unsimulated) + [""] * (len(out) - n_ranked)
     out = out[columns].reset_index(drop=True)
     inputs = {
         "gpus": gpus, "global_batch": global_batch, "steps": steps, "availability": availability.points,
@@ -534,7 +575,7 @@ def plan(
     return Plan(out, inputs, costs)
 
 
-def _no_fit_message(table, gpus, global_batch, mem, mb_sizes) -> str:
+def _no_fit_message(table, gpus, global_batch, mem, mb_sizes, mtbf_s=None) -> str:
     lines = [f"no feasible configuration for gpus={gpus}, global_batch={global_batch}" + (f", mem_per_gpu_bytes={mem:.4g}" if mem else "")]
     if table.empty:
         lines.append(
@@ -548,6 +589,14 @@ def _no_fit_message(table, gpus, global_batch, mem, mb_sizes) -> str:
         for _, r in memory.sort_values(["P", "microbatch_size"], ascending=[False, True]).head(3).iterrows():
             lines.append(f"  P={r.P} D={r.D} m={r.m} b={r.microbatch_size} {r.schedule} v={r.v}: {r.reason}")
         lines.append("  they fit with more GPUs (more stages), smaller micro-batches, or a larger mem_per_gpu_bytes")
+    preempted = table[table["reason"].str.startswith("preempted more often", na=False)]
+    if mtbf_s is not None and not preempted.empty:
+        lines.append(
+            f"{len(preempted)} of {len(table)} configurations do not survive mtbf_s={mtbf_s:.4g} (one GPU's mean time between "
+            f"preemptions): each is preempted more often than it can save a checkpoint; give a larger mtbf_s (seconds per GPU) "
+            f"or a faster CheckpointModel"
+        )
+        memory = pd.concat([memory, preempted])
     others = table.drop(memory.index)
     if not others.empty:
         reasons = others["reason"].value_counts().head(3)
