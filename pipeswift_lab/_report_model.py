@@ -164,13 +164,20 @@ def section_plan(ctx: ReportContext) -> Section:
     prof = reference_profile(ctx)
     calibration = [(2, ctx.cache["run"].jct.assembly_s)] if "run" in ctx.cache else None
     gpus, global_batch, steps, availability = 8, 64, 20_000, [(0, 4), (1800, 8)]
-    result = plan(prof, gpus, global_batch, steps, availability=availability, assembly=calibration, progress=False)
+    # a device that holds only half of what the whole model needs (Adam state + one micro-batch's activations),
+    # so that the model must be pipelined: the case the toolkit is for
+    whole = float(prof.df["param_bytes"].sum() * 4 + prof.df["activation_bytes"].sum())
+    cap = whole / 2
+    result = plan(prof, gpus, global_batch, steps, availability=availability, assembly=calibration, mem_per_gpu_bytes=cap, progress=False)
     ax = result.plot(n=4)
     best = result.best
     intro = (
         f"<p>The planner weighs every configuration of the profiled GPT on {gpus} devices like this machine's CPU (a "
-        f"what-if: the devices are hypothetical, the layer times measured) "
-        f"(4 free now, 8 in 30 minutes), {steps:,} steps of {global_batch} sequences: P stages × D replicas, micro-batch "
+        f"what-if: the devices are hypothetical, the layer times measured; "
+        f"4 free now, 8 in 30 minutes), each with room for half of the model "
+        f"(<code>mem_per_gpu_bytes</code> = {cap / 2**20:.3g} MiB, half of the {whole / 2**20:.3g} MiB its Adam state and one "
+        f"micro-batch's activations take), so it must be pipelined; "
+        f"{steps:,} steps of {global_batch} sequences: P ranks × D replicas, micro-batch "
         f"size and count, schedule, with queue, assembly"
         + (" (calibrated on the measured run above)" if calibration else "")
         + f", training, cleanup and the option to start small and grow. {result.explain()}</p>"

@@ -200,7 +200,7 @@ class Plan:
                 continue
             diffs = {t: getattr(other, t) - getattr(best, t) for t in TERMS}
             worst = max(diffs, key=diffs.get)
-            gain = [f"{t.removesuffix('_s')} {_signed_hours(-d)}" for t, d in diffs.items() if d < -0.005 * best.total_s]
+            gain = [f"{t.removesuffix('_s')} {_hours(-d)} shorter" for t, d in diffs.items() if d < -0.005 * best.total_s]
             out.append(
                 f"The {name} {other.label} (bubble {other.bubble_ratio:.1%}, step {other.step_ms:.4g} ms) takes "
                 f"{_hours(other.total_s)}, {_hours(other.total_s - best.total_s)} longer: its {worst.removesuffix('_s')} "
@@ -278,10 +278,6 @@ def _distinct_hours(a: float, b: float) -> tuple[str, str]:
         if text_a != text_b:
             break
     return text_a, text_b
-
-
-def _signed_hours(seconds: float) -> str:
-    return ("+" if seconds >= 0 else "−") + _hours(abs(seconds))
 
 
 # --------------------------------------------------------------------------- inputs
