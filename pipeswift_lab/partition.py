@@ -101,7 +101,9 @@ class _Layers:
         bad = np.flatnonzero(~np.isfinite(values) | (values < 0))
         if len(bad):
             i = int(bad[0])
-            raise ValueError(f"profile column {col!r}: layer {i} ({self.names[i] if hasattr(self, 'names') else i!r}) has {values[i]}; values must be finite and >= 0")
+            given = df[col].iloc[i]
+            given = given.item() if hasattr(given, "item") else given
+            raise ValueError(f"profile column {col!r}: layer {i} ({self.names[i] if hasattr(self, 'names') else i!r}) has {given!r}; values must be finite numbers >= 0")
         return values
 
 

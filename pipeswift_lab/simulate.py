@@ -112,7 +112,9 @@ def _column(df, col, required=True):
     values = pd.to_numeric(df[col], errors="coerce").to_numpy(float)
     bad = np.flatnonzero(~np.isfinite(values) | (values < 0))
     if len(bad):
-        raise ValueError(f"stage table column {col!r}: stage {int(bad[0])} has {values[bad[0]]}; values must be finite and >= 0")
+        given = df[col].iloc[int(bad[0])]
+        given = given.item() if hasattr(given, "item") else given
+        raise ValueError(f"stage table column {col!r}: stage {int(bad[0])} has {given!r}; values must be finite numbers >= 0 (ms or bytes)")
     return values.tolist()
 
 
