@@ -111,3 +111,21 @@ def test_explorers_use_a_calibration():
     planner = planner_explorer(Profile.synthetic(fwd_ms=[1.0] * 8, bwd_ms=[2.0] * 8, meta={"batch_size": 1}), gpus=4, global_batch=8,
                                steps=100, schedules=["1F1B"], calibration=cal, quantile=0.95)
     assert planner.plan.inputs["calibration"] is cal and "total_s_p95" in planner.plan.table.columns
+
+
+def test_widgets_and_costs_are_attributes_of_the_package_and_import_stays_light():
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, pipeswift_lab as psl; "
+        "assert 'pipeswift_lab.widgets' not in sys.modules; "
+        "assert callable(psl.widgets.pipeline_explorer) and psl.costs.Availability and psl.Comparison; "
+        "heavy = [m for m in ('ipywidgets', 'IPython', 'matplotlib') if m in sys.modules]; "
+        "assert not heavy, heavy; "
+        "assert not {'explore', 'compute_orders', 'load_ipython_extension'} & set(psl.__all__); "
+        "assert {'widgets', 'costs', 'Comparison'} <= set(psl.__all__); "
+        "from pipeswift_lab import compute_orders, explore, load_ipython_extension"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
