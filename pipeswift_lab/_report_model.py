@@ -17,7 +17,9 @@ def section_bubbles(ctx: ReportContext) -> Section:
 
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 3.8))
     plot_bubble_curve((2, 4, 8, 16), schedule="1F1B", convention="ratio", ax=left)
-    plot_bubble_curve((2, 4, 8, 16), schedule="1F1B", convention="overhead", ax=right)
+    plot_bubble_curve((2, 4, 8, 16), schedule="Interleaved1F1B", v=2, convention="overhead", ax=right)
+    left.set_title("GPipe and 1F1B: bubble_ratio, (P−1)/(m+P−1)")
+    right.set_title("Interleaved1F1B, v=2: bubble_overhead, (P−1)/(v·m)")
     right.set_yscale("log")
     fig.tight_layout()
     rows = []
@@ -28,7 +30,7 @@ def section_bubbles(ctx: ReportContext) -> Section:
     intro = (
         "<p>Two conventions of the pipeline bubble are in use. <code>bubble_ratio</code> is the share of a step a "
         "stage sits idle, (P−1)/(m+P−1) for GPipe and 1F1B (left). <code>bubble_overhead</code> is bubble time over "
-        "ideal compute, (P−1)/m, and (P−1)/(v·m) for the interleaved schedule (right). A larger m shrinks both, "
+        "ideal compute, (P−1)/m for GPipe and 1F1B and (P−1)/(v·m) for the interleaved schedule (right, v=2). A larger m shrinks both, "
         "but every extra micro-batch lengthens the step's compute and, for GPipe, the activations held.</p>"
     )
     worked = table[(table.schedule == "GPipe")].set_index(["P", "m"])["bubble_ratio"]
@@ -54,7 +56,7 @@ def section_jct_example(ctx: ReportContext) -> Section:
         step = analytic.step_ms(P, m, "1F1B", fwd_ms=per_rank_ms / 3, bwd_ms=2 * per_rank_ms / 3)
         jct = JCT(queue_s=queue_s, assembly_s=assembly_s, training_s=steps * step / 1000, cleanup_s=120.0, label=label)
         jcts.append(jct)
-        rows.append({"config": label, "P": P, "m": m, "step_ms": step, "bubble_ratio": analytic.bubble_ratio(P, m, "1F1B"), **jct.as_row()})
+        rows.append({"label": label, "P": P, "m": m, "step_ms": step, "bubble_ratio": analytic.bubble_ratio(P, m, "1F1B"), **jct.as_row()})
     fig, ax = plt.subplots(figsize=(9, 2.6))
     JCT.plot_many(jcts, ax=ax)
     fig.tight_layout()
