@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import pandas as pd
 
+from ._checks import SINGLE_CHUNK_SCHEDULES
 from ._display import noise_warning
 from ._report_base import ReportContext, Section, reference_profile
 from .jct import JCT
@@ -139,14 +140,14 @@ def section_timeline(ctx: ReportContext) -> Section:
     schedules = ("GPipe", "1F1B", "Interleaved1F1B", "ZBVZeroBubble", "DualPipeV")
     fig, axes = plt.subplots(len(schedules), 1, figsize=(11, 1.6 * len(schedules) + 1), sharex=True)
     for ax, schedule in zip(axes, schedules):
-        v = 1 if schedule in ("GPipe", "1F1B") else 2
+        v = 1 if schedule in SINGLE_CHUNK_SCHEDULES else 2
         tl = simulate(partition(prof, P, v=v, schedule=schedule, m=m), m, schedule)
         tl.plot(ax=ax)
         ax.set_title(f"{schedule}: step {tl.step_ms:.3g} ms, bubble_ratio {tl.bubble_ratio:.3f}", fontsize="small")
         rows.append({"schedule": schedule, "v": v, "P": P, "m": m, "step_ms": tl.step_ms, "bubble_ratio": tl.bubble_ratio})
     fig.tight_layout()
     figs.append(fig)
-    table = sweep(prof, P=[2, 3], m=[2, 4, 8, 16], schedules=["GPipe", "1F1B"], methods=["balanced"], steps=1000, progress=False)
+    table = sweep(prof, P=[2, 3], m=[2, 4, 8, 16], schedules=list(SINGLE_CHUNK_SCHEDULES), methods=["balanced"], steps=1000, progress=False)
     intro = (
         f"<p>The simulator replays the action order torch executes for each schedule with the measured stage times "
         f"(P={P}, m={m}, one micro-batch = the profiled batch). The sweep below gives each configuration's simulated "

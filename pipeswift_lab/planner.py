@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 
 import pandas as pd
 
-from ._checks import MULTI_CHUNK_SCHEDULES, SCHEDULES, V_SHAPE_SCHEDULES, canonical_schedule, check_int, check_time
+from ._checks import MULTI_CHUNK_SCHEDULES, SCHEDULES, SINGLE_CHUNK_SCHEDULES, V_SHAPE_SCHEDULES, canonical_schedule, check_int, check_time
 from ._display import html_card, text_card
 from .analytic import bubble_ratio
 from .costs import AssemblyModel, Availability, CheckpointModel, allreduce_ms, preemption_loss_s, young_daly_interval_s
@@ -428,7 +428,7 @@ def plan(
     precision = check_precision(precision)
     evaluator = Evaluator(costs, link, mem_per_gpu_bytes, optimizer, calibration, precision)
 
-    single_stage = [c for c in stage_choices if c[1] == 1 and c[0] in ("GPipe", "1F1B")][:1] or [("GPipe", 1)]
+    single_stage = [c for c in stage_choices if c[1] == 1 and c[0] in SINGLE_CHUNK_SCHEDULES][:1] or [("GPipe", 1)]
     combos = []
     for p in Ps:
         for d in _divisors(global_batch):

@@ -45,6 +45,8 @@ import numpy as np
 import pandas as pd
 
 from ._checks import (
+    COMPUTE_KINDS,
+    SINGLE_CHUNK_SCHEDULES,
     V_SHAPE_SCHEDULES,
     canonical_schedule,
     check_int,
@@ -57,7 +59,7 @@ from .schedules import action_groups, stage_to_rank, validate
 from .timeline import Timeline
 
 _WAIT, _COMPUTE, _FIRE = 0, 1, 2
-_KIND_NAMES = ("F", "B", "I", "W")
+_KIND_NAMES = COMPUTE_KINDS
 # signal families: 0 forward done, 1 input-grad done (B or I), 2 weight-grad done,
 # 3 activation arrived at stage s+1, 4 gradient arrived at stage s-1
 _F_DONE, _G_DONE, _W_DONE, _ACT_ARRIVED, _GRAD_ARRIVED = range(5)
@@ -86,7 +88,7 @@ def _from_partition(part: Partition, schedule, v):
             f"v={v} does not match the partition's v={part.v}; the stages per rank are fixed when partitioning: "
             f"re-partition with partition(profile, {part.P}, v={v}, schedule={schedule!r}), or leave v=None"
         )
-    if schedule in ("GPipe", "1F1B") and part.v != 1:
+    if schedule in SINGLE_CHUNK_SCHEDULES and part.v != 1:
         raise ValueError(f"schedule={schedule!r} runs one stage per rank but the partition has v={part.v}; re-partition with partition(profile, {part.P}, v=1)")
     if schedule in V_SHAPE_SCHEDULES and part.v != 2:
         raise ValueError(
@@ -121,7 +123,7 @@ def _column(df, col, required=True):
 def _from_table(df: pd.DataFrame, schedule, v):
     schedule = canonical_schedule(schedule or "1F1B")
     if v is None:
-        if schedule in ("GPipe", "1F1B"):
+        if schedule in SINGLE_CHUNK_SCHEDULES:
             v = 1
         elif schedule in V_SHAPE_SCHEDULES:
             v = 2

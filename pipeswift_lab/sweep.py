@@ -16,7 +16,7 @@ import os
 
 import pandas as pd
 
-from ._checks import MULTI_CHUNK_SCHEDULES, V_SHAPE_SCHEDULES, canonical_schedule, check_int
+from ._checks import MULTI_CHUNK_SCHEDULES, SINGLE_CHUNK_SCHEDULES, V_SHAPE_SCHEDULES, canonical_schedule, check_int
 from .link import check_link
 from .partition import METHODS, Partition, _Layers, partition
 from .schedules import validate
@@ -124,7 +124,7 @@ def sweep(
 
     combos = []
     for p, sched, meth in itertools.product(Ps, scheds, meths):
-        if sched in ("GPipe", "1F1B"):
+        if sched in SINGLE_CHUNK_SCHEDULES:
             chunk_options = [1]
         elif vs is None:
             chunk_options = [2]

@@ -9,7 +9,7 @@ from __future__ import annotations
 import html
 
 from . import analytic
-from ._checks import SCHEDULES, V_SHAPE_SCHEDULES, check_schedule_v
+from ._checks import SCHEDULES, SINGLE_CHUNK_SCHEDULES, V_SHAPE_SCHEDULES, check_schedule_v
 
 
 class _Explorer:
@@ -63,7 +63,7 @@ class BubbleExplorer(_Explorer):
 
     def _sync_v(self):
         """Pin ``v`` where the schedule fixes it: 1 for single-stage schedules, 2 for V shapes."""
-        if self.schedule in ("GPipe", "1F1B"):
+        if self.schedule in SINGLE_CHUNK_SCHEDULES:
             self._v.value, self._v.disabled = 1, True
         elif self.schedule in V_SHAPE_SCHEDULES:
             self._v.value, self._v.disabled = 2, True
