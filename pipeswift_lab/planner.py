@@ -176,7 +176,7 @@ class Plan:
             raise TypeError(f"config must be a PlannedConfig or a row of Plan.table; got {type(config).__name__}")
         return partition(
             self.costs.table(config.microbatch_size), config.P, "balanced", v=config.v, schedule=config.schedule, m=config.m,
-            optimizer=self.inputs["optimizer"], link=self.inputs["link"], mem_limit_bytes=self.inputs["mem_per_gpu_bytes"],
+            optimizer=self.inputs["optimizer"], link=self.inputs["link"], mem_per_gpu_bytes=self.inputs["mem_per_gpu_bytes"],
             precision=self.inputs.get("precision"), dp=config.D,
         )  # fmt: skip
 
@@ -579,7 +579,7 @@ def _no_fit_message(table, gpus, global_batch, mem, mb_sizes, mtbf_s=None) -> st
             f"divide it (the default is the profiled size times powers of two)"
         )
         return "\n".join(lines)
-    memory = table[table["reason"].str.contains("mem_limit_bytes|GiB per GPU", regex=True, na=False)]
+    memory = table[table["reason"].str.contains("mem_per_gpu_bytes=[^ ]*: no|GiB per GPU", regex=True, na=False)]
     if mem and not memory.empty:
         lines.append(f"{len(memory)} of {len(table)} configurations do not fit mem_per_gpu_bytes={mem:.4g}; the ones with the most stages:")
         for _, r in memory.sort_values(["P", "microbatch_size"], ascending=[False, True]).head(3).iterrows():

@@ -18,7 +18,7 @@ import pandas as pd
 
 from ._checks import MULTI_CHUNK_SCHEDULES, SINGLE_CHUNK_SCHEDULES, V_SHAPE_SCHEDULES, canonical_schedule, check_int
 from .link import check_link
-from .partition import METHODS, Partition, _Layers, partition
+from .partition import METHODS, Partition, _Layers, memory_cap, partition
 from .schedules import validate
 from .simulate import simulate
 from .timeline import Timeline
@@ -85,12 +85,13 @@ def sweep(
     v=None,
     steps=None,
     link=None,
-    mem_limit_bytes=None,
+    mem_per_gpu_bytes=None,
     optimizer="adam",
     wgrad_fraction=None,
     progress=True,
     calibration=None,
     precision=None,
+    mem_limit_bytes=None,
 ) -> pd.DataFrame:
     """Simulate every combination of ``P`` x ``m`` x ``schedules`` x ``methods`` (x ``v``).
 
@@ -104,11 +105,14 @@ def sweep(
     progress bar shows unless ``progress=False``. With a ``calibration`` (from
     :func:`~pipeswift_lab.calibrate.calibrate`) every configuration is simulated calibrated and
     ``step_ms`` is the whole predicted step: the calibrated action span plus the runtime's
-    per-step overhead (:func:`~pipeswift_lab.calibrate.whole_step_ms`).
+    per-step overhead (:func:`~pipeswift_lab.calibrate.whole_step_ms`). ``mem_per_gpu_bytes``
+    caps each rank's memory, as in :func:`~pipeswift_lab.partition.partition` and
+    :func:`~pipeswift_lab.plan` (``mem_limit_bytes=``, its old name, warns and still works).
     """
     from .calibrate import check_calibration, whole_step_ms
 
     calibration = check_calibration(calibration)
+    mem_per_gpu_bytes = memory_cap(mem_per_gpu_bytes, mem_limit_bytes, "sweep")
     layers = _Layers(profile)
     Ps = [check_int("P", p, minimum=1) for p in _as_list("P", P, "int")]
     ms = [check_int("m", x, minimum=1) for x in _as_list("m", m, "int")]
@@ -146,11 +150,11 @@ def sweep(
                 raise ValueError(f"P*v={p * chunks} stages exceed the {layers.n} profiled layers")
             validate(p, mm, sched, chunks)
             placement = "v" if sched in V_SHAPE_SCHEDULES else "loop"
-            key = (p, chunks, placement, meth) if mem_limit_bytes is None else (p, chunks, sched, meth, mm)
+            key = (p, chunks, placement, meth) if mem_per_gpu_bytes is None else (p, chunks, sched, meth, mm)
             if key not in parts:
                 parts[key] = partition(
                     layers.df, p, method=meth, v=chunks, schedule=sched, link=link,
-                    mem_limit_bytes=mem_limit_bytes, optimizer=optimizer, m=None if mem_limit_bytes is None else mm, precision=precision,
+                    mem_per_gpu_bytes=mem_per_gpu_bytes, optimizer=optimizer, m=None if mem_per_gpu_bytes is None else mm, precision=precision,
                 )  # fmt: skip
             part = parts[key]
             tl = simulate(part, mm, schedule=sched, link=link, wgrad_fraction=wgrad_fraction, calibration=calibration)

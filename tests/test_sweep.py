@@ -72,9 +72,9 @@ def test_v_values_and_memory_caps():
     df = sweep(prof, P=[2], m=[4], schedules=["Interleaved1F1B", "ZBVZeroBubble", "GPipe"], v=[2, 4], progress=False)
     assert sorted(zip(df.schedule, df.v)) == [("GPipe", 1), ("Interleaved1F1B", 2), ("Interleaved1F1B", 4), ("ZBVZeroBubble", 2), ("ZBVZeroBubble", 4)]
     assert not df[(df.schedule == "ZBVZeroBubble") & (df.v == 4)]["feasible"].iloc[0]
-    capped = sweep(prof, P=[2, 4], m=[4], mem_limit_bytes=40_000, progress=False)
+    capped = sweep(prof, P=[2, 4], m=[4], mem_per_gpu_bytes=40_000, progress=False)
     assert capped.set_index("P").loc[2, "feasible"] == False  # noqa: E712 - numpy bool
-    assert "mem_limit_bytes=40000" in capped.set_index("P").loc[2, "reason"]
+    assert "mem_per_gpu_bytes=40000" in capped.set_index("P").loc[2, "reason"]
     assert capped.set_index("P").loc[4, "feasible"]
 
 
