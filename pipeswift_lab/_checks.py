@@ -2,7 +2,7 @@
 ``torch.distributed.pipelining``.
 
 Every check raises ``ValueError``/``TypeError`` whose message names the argument,
-the bad value and what is valid (DESIGN.md, "Conventions"). Nothing is clamped.
+the bad value and what is valid (the project convention). Nothing is clamped.
 """
 from __future__ import annotations
 
