@@ -155,12 +155,12 @@ def branch_and_bound(candidates, rows: list, job: Job, evaluator, exhaustive: bo
     engineer picks (smallest closed-form bubble, then the most micro-batch chunks) on the best's
     GPU count is always simulated, so that the plan can show what choosing by the bubble costs.
     """
-    from tqdm.auto import tqdm
+    from ._progress import progress_bar
 
     candidates = sorted(candidates, key=lambda c: c[0])
     best_by_wait: dict[float, float] = {}
     pruned = {}
-    for lower, row, split in tqdm(candidates, desc="plan", disable=not progress):
+    for lower, row, split in progress_bar(candidates, desc="plan", progress=progress):
         best_total = best_by_wait.get(row["queue_s"], math.inf)
         if not exhaustive and lower >= best_total:
             pruned[len(rows)] = (row, split)

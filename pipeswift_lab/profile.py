@@ -15,7 +15,6 @@ import copy
 import json
 import math
 import numbers
-import os
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -300,10 +299,9 @@ def _column_values(name: str, values: list) -> list:
 # -- measuring -----------------------------------------------------------------------------
 def _progress(total: int, desc: str, progress: bool):
     """A ``tqdm.auto`` bar over the steps; off with ``progress=False`` or the ``TQDM_DISABLE`` environment variable."""
-    from tqdm.auto import tqdm
+    from ._progress import progress_bar
 
-    env_off = os.environ.get("TQDM_DISABLE", "").strip().lower() not in ("", "0", "false", "no")
-    return tqdm(total=total, desc=desc, leave=False, disable=not progress or env_off)
+    return progress_bar(total=total, desc=desc, progress=progress, leave=False)
 
 
 def _measure(model, units, device, run_step, warmup: int, repeats: int, progress: bool, desc: str):

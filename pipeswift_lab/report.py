@@ -48,7 +48,7 @@ def build_report(out="pipeswift-report", sections=None, quick=False, progress=Tr
 
     matplotlib.use("Agg", force=True)
     import matplotlib.pyplot as plt
-    from tqdm.auto import tqdm
+    from ._progress import progress_bar
 
     from .plot import figure_to_data_uri
 
@@ -57,7 +57,7 @@ def build_report(out="pipeswift-report", sections=None, quick=False, progress=Tr
     out.mkdir(parents=True, exist_ok=True)
     ctx = ReportContext(quick=quick, progress=progress)
     parts, csv_paths, summary = [], [], []
-    for make in tqdm(sections or SECTIONS, desc="report", disable=not progress):
+    for make in progress_bar(sections or SECTIONS, desc="report", progress=progress):
         section = make(ctx)
         body = [f"<h2>{html.escape(section.title)}</h2>", section.intro_html]
         for fig in section.figures:

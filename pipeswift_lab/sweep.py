@@ -12,7 +12,6 @@ from __future__ import annotations
 import itertools
 import math
 import numbers
-import os
 
 import pandas as pd
 
@@ -138,12 +137,11 @@ def sweep(
             for mm in ms:
                 combos.append((p, mm, sched, chunks, meth))
 
-    from tqdm.auto import tqdm
+    from ._progress import progress_bar
 
-    env_off = os.environ.get("TQDM_DISABLE", "").strip().lower() not in ("", "0", "false", "no")
     parts: dict = {}
     rows = []
-    for p, mm, sched, chunks, meth in tqdm(combos, desc="sweep", leave=False, disable=not progress or env_off):
+    for p, mm, sched, chunks, meth in progress_bar(combos, desc="sweep", progress=progress, leave=False):
         row = {"P": p, "m": mm, "schedule": sched, "v": chunks, "method": meth, "feasible": False, "reason": ""}
         try:
             if p * chunks > layers.n:

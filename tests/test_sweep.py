@@ -136,3 +136,15 @@ def test_a_calibrated_sweep_reports_the_whole_predicted_step():
         assert row.step_ms == pytest.approx(want) and row.training_s == pytest.approx(100 * want / 1000)
     plain = sweep(prof, P=[2], m=[4], schedules=["1F1B"], progress=False)
     assert table.iloc[0]["step_ms"] == pytest.approx(5 * (2 * 9 + 2 * 0.5) + 10.0) and plain.iloc[0]["step_ms"] == 5 * 9
+
+
+def test_one_progress_switch_everywhere(monkeypatch):
+    """progress=False and TQDM_DISABLE turn every bar off through the one helper; otherwise it shows."""
+    from pipeswift_lab._progress import progress_bar, progress_off
+
+    monkeypatch.delenv("TQDM_DISABLE", raising=False)
+    assert not progress_off() and not progress_bar(range(3), desc="x").disable
+    assert progress_bar(range(3), desc="x", progress=False).disable
+    for value, off in (("1", True), ("true", True), ("0", False), ("no", False), ("", False)):
+        monkeypatch.setenv("TQDM_DISABLE", value)
+        assert progress_off() is off and progress_bar(range(3), desc="x").disable is off
