@@ -1,6 +1,6 @@
 """The JCT planner: the pipeline configuration that finishes the job first, queue included.
 
-:func:`plan` searches stages ``P`` × data-parallel replicas ``D`` within the GPUs, every
+:func:`plan` searches ranks ``P`` (pipeline stages, ``P * v`` with ``v`` chunks each) × data-parallel replicas ``D`` within the GPUs, every
 micro-batch size and count ``m`` that make up the global batch, every schedule (and ``v``)
 with a balanced partition that fits memory, and ranks them by predicted job completion
 time::

@@ -42,7 +42,7 @@ class BubbleExplorer(_Explorer):
         import ipywidgets as w
 
         schedule, v = check_schedule_v(schedule, v)
-        self._P = w.IntSlider(value=P, min=1, max=max_P, description="P (stages)", continuous_update=False)
+        self._P = w.IntSlider(value=P, min=1, max=max_P, description="P (ranks)", continuous_update=False)
         self._m = w.IntSlider(value=m, min=1, max=max_m, description="m (micro-batches)", continuous_update=False, style={"description_width": "initial"})
         self._schedule = w.Dropdown(options=list(SCHEDULES), value=schedule, description="schedule")
         self._v = w.IntSlider(value=v, min=1, max=8, description="v (chunks/rank)", continuous_update=False, style={"description_width": "initial"})
