@@ -17,13 +17,20 @@ class _Explorer:
 
     @staticmethod
     def _redraw(output, draw):
-        """Clear ``output`` and show what ``draw()`` plots (and displays) there."""
+        """Clear ``output`` and show the figure ``draw()`` plots there.
+
+        The figure is displayed explicitly and closed, so it shows under any matplotlib backend
+        (``plt.show()`` shows nothing under ``MPLBACKEND=Agg``) and is not shown twice inline.
+        """
         import matplotlib.pyplot as plt
+        from IPython.display import display
 
         output.clear_output(wait=True)
         with output:
             draw()
-            plt.show()
+            figure = plt.gcf()
+            display(figure)
+            plt.close(figure)
 
     def _ipython_display_(self):
         from IPython.display import display
