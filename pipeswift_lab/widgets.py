@@ -17,20 +17,13 @@ class _Explorer:
 
     @staticmethod
     def _redraw(output, draw):
-        """Clear ``output`` and show the figure ``draw()`` plots there.
-
-        The figure is displayed explicitly and closed, so it shows under any matplotlib backend
-        (``plt.show()`` shows nothing under ``MPLBACKEND=Agg``) and is not shown twice inline.
-        """
+        """Clear ``output`` and show what ``draw()`` plots (and displays) there."""
         import matplotlib.pyplot as plt
-        from IPython.display import display
 
         output.clear_output(wait=True)
         with output:
             draw()
-            figure = plt.gcf()
-            display(figure)
-            plt.close(figure)
+            plt.show()
 
     def _ipython_display_(self):
         from IPython.display import display
