@@ -27,16 +27,26 @@ class MinMaxSplit:
         self.lo_by_k = lo_by_k
         self.n1 = len(U)
         self.idx = np.arange(self.n1)
+        # Without transfers D is a prefix sum of non-negative times: the largest D over a window of
+        # reachable starts is D at the last reachable start, so no range-maximum structure is needed.
+        self.monotone = bool(np.all(np.diff(D) >= 0))
 
     def _best_prev(self, reach_prev, k):
         """For every end b: the largest ``D[a]`` over reachable starts a < b allowed for stage k."""
-        Dm = np.where(reach_prev, self.D, -np.inf)
         if self.lo_by_k is None:
+            Dm = np.where(reach_prev, self.D, -np.inf)
             out = np.empty(self.n1)
             out[0] = -np.inf
             np.maximum.accumulate(Dm[:-1], out=out[1:])
             return out
-        return window_max(Dm, self.lo_by_k[k], self.idx)
+        if self.monotone:
+            last = np.where(reach_prev, self.idx, -1)
+            np.maximum.accumulate(last, out=last)
+            prev = np.empty(self.n1, dtype=np.int64)  # prev[b]: the last reachable start a < b (-1: none)
+            prev[0] = -1
+            prev[1:] = last[:-1]
+            return np.where((prev >= 0) & (prev >= self.lo_by_k[k]), self.D[prev], -np.inf)
+        return window_max(np.where(reach_prev, self.D, -np.inf), self.lo_by_k[k], self.idx)
 
     def reach(self, T):
         """Reachability table ``reach[k][b]``: layers ``[0, b)`` split into k stages of cost <= T; None if infeasible."""

@@ -2,7 +2,7 @@
 ``torch.distributed.pipelining``.
 
 Every check raises ``ValueError``/``TypeError`` whose message names the argument,
-the bad value and what is valid (DESIGN.md, "Conventions"). Nothing is clamped.
+the bad value and what is valid (the project convention). Nothing is clamped.
 """
 from __future__ import annotations
 
@@ -19,12 +19,21 @@ SCHEDULES = (
     "ZBVZeroBubble",
     "DualPipeV",
 )
+#: Schedules that place one stage on every rank (``v == 1``), run by torch's single-chunk runtime.
+SINGLE_CHUNK_SCHEDULES = ("GPipe", "1F1B")
 #: Schedules that place several stages ("chunks", ``v``) on every rank.
 MULTI_CHUNK_SCHEDULES = ("Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
 #: Schedules whose chunks go to ranks in a V shape and need exactly two per rank.
 V_SHAPE_SCHEDULES = ("ZBVZeroBubble", "DualPipeV")
 #: Schedules that split the backward into input-grad (I) and weight-grad (W).
 ZERO_BUBBLE_SCHEDULES = ("InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
+
+#: Action kinds, as ``torch.distributed.pipelining`` names them: forward, full backward, input-grad, weight-grad ...
+COMPUTE_KINDS = ("F", "B", "I", "W")
+#: ... and the transfers between ranks.
+COMM_KINDS = ("SEND_F", "RECV_F", "SEND_B", "RECV_B")
+#: Every action kind a Timeline row may hold.
+KINDS = COMPUTE_KINDS + COMM_KINDS
 
 _BY_LOWER = {name.lower(): name for name in SCHEDULES}
 
@@ -52,7 +61,7 @@ def check_schedule_v(schedule: str, v: int) -> tuple[str, int]:
     """
     schedule = canonical_schedule(schedule)
     v = check_int("v", v, minimum=1)
-    if schedule in ("GPipe", "1F1B") and v != 1:
+    if schedule in SINGLE_CHUNK_SCHEDULES and v != 1:
         raise ValueError(f"v={v} is not allowed for schedule={schedule!r}, which runs one stage per rank; use v=1")
     if schedule in V_SHAPE_SCHEDULES and v != 2:
         raise ValueError(f"v={v} is not allowed for schedule={schedule!r}, which places exactly 2 stages per rank in a V; use v=2")

@@ -19,7 +19,7 @@ from .jct import TERMS
 
 
 def _hours(seconds: float) -> str:
-    from .planner import _hours as hours
+    from ._plan_steps import hours
 
     return hours(seconds)
 

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import pandas as pd
 
+from ._checks import SINGLE_CHUNK_SCHEDULES
 from ._display import noise_warning
 from ._report_base import ReportContext, Section, reference_profile
 from .jct import JCT
@@ -17,7 +18,9 @@ def section_bubbles(ctx: ReportContext) -> Section:
 
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 3.8))
     plot_bubble_curve((2, 4, 8, 16), schedule="1F1B", convention="ratio", ax=left)
-    plot_bubble_curve((2, 4, 8, 16), schedule="1F1B", convention="overhead", ax=right)
+    plot_bubble_curve((2, 4, 8, 16), schedule="Interleaved1F1B", v=2, convention="overhead", ax=right)
+    left.set_title("GPipe and 1F1B: bubble_ratio, (P−1)/(m+P−1)")
+    right.set_title("Interleaved1F1B, v=2: bubble_overhead, (P−1)/(v·m)")
     right.set_yscale("log")
     fig.tight_layout()
     rows = []
@@ -28,7 +31,7 @@ def section_bubbles(ctx: ReportContext) -> Section:
     intro = (
         "<p>Two conventions of the pipeline bubble are in use. <code>bubble_ratio</code> is the share of a step a "
         "stage sits idle, (P−1)/(m+P−1) for GPipe and 1F1B (left). <code>bubble_overhead</code> is bubble time over "
-        "ideal compute, (P−1)/m, and (P−1)/(v·m) for the interleaved schedule (right). A larger m shrinks both, "
+        "ideal compute, (P−1)/m for GPipe and 1F1B and (P−1)/(v·m) for the interleaved schedule (right, v=2). A larger m shrinks both, "
         "but every extra micro-batch lengthens the step's compute and, for GPipe, the activations held.</p>"
     )
     worked = table[(table.schedule == "GPipe")].set_index(["P", "m"])["bubble_ratio"]
@@ -54,7 +57,7 @@ def section_jct_example(ctx: ReportContext) -> Section:
         step = analytic.step_ms(P, m, "1F1B", fwd_ms=per_rank_ms / 3, bwd_ms=2 * per_rank_ms / 3)
         jct = JCT(queue_s=queue_s, assembly_s=assembly_s, training_s=steps * step / 1000, cleanup_s=120.0, label=label)
         jcts.append(jct)
-        rows.append({"config": label, "P": P, "m": m, "step_ms": step, "bubble_ratio": analytic.bubble_ratio(P, m, "1F1B"), **jct.as_row()})
+        rows.append({"label": label, "P": P, "m": m, "step_ms": step, "bubble_ratio": analytic.bubble_ratio(P, m, "1F1B"), **jct.as_row()})
     fig, ax = plt.subplots(figsize=(9, 2.6))
     JCT.plot_many(jcts, ax=ax)
     fig.tight_layout()
@@ -137,14 +140,14 @@ def section_timeline(ctx: ReportContext) -> Section:
     schedules = ("GPipe", "1F1B", "Interleaved1F1B", "ZBVZeroBubble", "DualPipeV")
     fig, axes = plt.subplots(len(schedules), 1, figsize=(11, 1.6 * len(schedules) + 1), sharex=True)
     for ax, schedule in zip(axes, schedules):
-        v = 1 if schedule in ("GPipe", "1F1B") else 2
+        v = 1 if schedule in SINGLE_CHUNK_SCHEDULES else 2
         tl = simulate(partition(prof, P, v=v, schedule=schedule, m=m), m, schedule)
         tl.plot(ax=ax)
         ax.set_title(f"{schedule}: step {tl.step_ms:.3g} ms, bubble_ratio {tl.bubble_ratio:.3f}", fontsize="small")
         rows.append({"schedule": schedule, "v": v, "P": P, "m": m, "step_ms": tl.step_ms, "bubble_ratio": tl.bubble_ratio})
     fig.tight_layout()
     figs.append(fig)
-    table = sweep(prof, P=[2, 3], m=[2, 4, 8, 16], schedules=["GPipe", "1F1B"], methods=["balanced"], steps=1000, progress=False)
+    table = sweep(prof, P=[2, 3], m=[2, 4, 8, 16], schedules=list(SINGLE_CHUNK_SCHEDULES), methods=["balanced"], steps=1000, progress=False)
     intro = (
         f"<p>The simulator replays the action order torch executes for each schedule with the measured stage times "
         f"(P={P}, m={m}, one micro-batch = the profiled batch). The sweep below gives each configuration's simulated "
@@ -164,13 +167,20 @@ def section_plan(ctx: ReportContext) -> Section:
     prof = reference_profile(ctx)
     calibration = [(2, ctx.cache["run"].jct.assembly_s)] if "run" in ctx.cache else None
     gpus, global_batch, steps, availability = 8, 64, 20_000, [(0, 4), (1800, 8)]
-    result = plan(prof, gpus, global_batch, steps, availability=availability, assembly=calibration, progress=False)
+    # a device that holds only half of what the whole model needs (Adam state + one micro-batch's activations),
+    # so that the model must be pipelined: the case the toolkit is for
+    whole = float(prof.df["param_bytes"].sum() * 4 + prof.df["activation_bytes"].sum())
+    cap = whole / 2
+    result = plan(prof, gpus, global_batch, steps, availability=availability, assembly=calibration, mem_per_gpu_bytes=cap, progress=False)
     ax = result.plot(n=4)
     best = result.best
     intro = (
         f"<p>The planner weighs every configuration of the profiled GPT on {gpus} devices like this machine's CPU (a "
-        f"what-if: the devices are hypothetical, the layer times measured) "
-        f"(4 free now, 8 in 30 minutes), {steps:,} steps of {global_batch} sequences: P stages × D replicas, micro-batch "
+        f"what-if: the devices are hypothetical, the layer times measured; "
+        f"4 free now, 8 in 30 minutes), each with room for half of the model "
+        f"(<code>mem_per_gpu_bytes</code> = {cap / 2**20:.3g} MiB, half of the {whole / 2**20:.3g} MiB its Adam state and one "
+        f"micro-batch's activations take), so it must be pipelined; "
+        f"{steps:,} steps of {global_batch} sequences: P ranks × D replicas, micro-batch "
         f"size and count, schedule, with queue, assembly"
         + (" (calibrated on the measured run above)" if calibration else "")
         + f", training, cleanup and the option to start small and grow. {result.explain()}</p>"

@@ -34,6 +34,7 @@ micro-batch (all its chunks together), ``bwd_ms`` its whole backward, split as
 from __future__ import annotations
 
 from ._checks import (
+    SINGLE_CHUNK_SCHEDULES,
     ZERO_BUBBLE_SCHEDULES,
     check_int,
     check_schedule_v,
@@ -66,7 +67,7 @@ def _bubble_time_over_unit(P, m, schedule, v, fwd_ms, bwd_ms, wgrad_ms):
     if fwd_ms + bwd_ms == 0:
         raise ValueError("fwd_ms + bwd_ms must be > 0; a step with no compute has no bubble ratio")
     compute_ms = m * (fwd_ms + bwd_ms)
-    if schedule in ("GPipe", "1F1B"):
+    if schedule in SINGLE_CHUNK_SCHEDULES:
         bubble_ms = (P - 1) * (fwd_ms + bwd_ms)
     elif schedule in ("Interleaved1F1B", "LoopedBFS"):
         bubble_ms = (P - 1) * (fwd_ms + bwd_ms) / v

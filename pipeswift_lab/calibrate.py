@@ -52,16 +52,16 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from ._checks import MULTI_CHUNK_SCHEDULES, canonical_schedule
+from ._checks import COMPUTE_KINDS, MULTI_CHUNK_SCHEDULES, canonical_schedule
 from ._calibrate_fit import (
     _check_runs, _fit_compute, _fit_transfer, _minimize_scalar, _model_of, _partition_of, _profile_table, _profiled_durations,
     _first, _run_key, _steady, _transfer_gaps,
 )  # fmt: skip
-from ._display import html_card, text_card
+from ._display import NOISE_CV, html_card, noise_note, text_card  # noqa: F401 - the noise rule, public here
 
 #: Runtime kinds with a per-step overhead of their own.
 RUNTIMES = ("single-chunk", "multi-chunk")
-_KIND_CODE = ("F", "B", "I", "W")
+_KIND_CODE = COMPUTE_KINDS
 _FORMAT = "pipeswift_lab.calibration/1"
 
 
@@ -400,4 +400,4 @@ def calibrate(runs, profile) -> Calibration:
     return cal
 
 
-__all__ = ["Calibration", "CalibrationWarning", "RUNTIMES", "calibrate", "check_calibration", "runtime_of", "whole_step_ms"]
+__all__ = ["NOISE_CV", "Calibration", "CalibrationWarning", "RUNTIMES", "calibrate", "noise_note", "check_calibration", "runtime_of", "whole_step_ms"]

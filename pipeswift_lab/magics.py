@@ -11,14 +11,17 @@
 
 Options: ``-n`` repeats, ``-w`` warm-up steps, ``--layers`` comma-separated names or glob
 patterns, ``--loss`` and ``--target`` (line form), ``-o`` return the Profile, ``-v NAME``
-store it in the notebook, ``-q`` quiet. Without ``-q`` the Profile and its plot are
-displayed. Mistakes come back as a one-line ``UsageError``.
+store it in the notebook, ``-q`` quiet (no card, no plot, no progress bar). Without ``-q`` the
+Profile and its plot are displayed. Arguments are split as a shell would (``shlex``), so
+quoted values such as ``--layers 'embed,blocks.*'`` lose their quotes. Mistakes come back as
+a one-line ``UsageError``.
 
 IPython is imported only when the extension loads, so ``import pipeswift_lab`` stays light.
 """
 from __future__ import annotations
 
 import functools
+import shlex
 
 __all__ = ["load_ipython_extension"]
 
@@ -37,7 +40,7 @@ def _first_line(exc: BaseException) -> str:
 def _magics_class():
     from IPython.core.error import UsageError
     from IPython.core.magic import Magics, line_cell_magic, magics_class
-    from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
+    from IPython.core.magic_arguments import argument, magic_arguments
 
     @magics_class
     class PipeswiftMagics(Magics):
@@ -59,7 +62,11 @@ def _magics_class():
             """Profile a model per layer: ``%pipeswift_profile model x`` or ``%%pipeswift_profile model`` over a training-step cell."""
             from .profile import profile, profile_step
 
-            args = parse_argstring(self.pipeswift_profile, line)
+            try:  # split as a shell would, so --layers 'embed,block_*' pasted from the help works
+                argv = shlex.split(line)
+            except ValueError as exc:
+                raise UsageError(f"could not split the arguments {line!r} as a shell would: {exc}") from None
+            args = self.pipeswift_profile.parser.parse_args(argv)
             if args.variable is not None and not args.variable.isidentifier():
                 raise UsageError(f"-v {args.variable!r} is not a valid Python name to store the Profile under")
             layers = [p.strip() for p in args.layers.split(",") if p.strip()] if args.layers is not None else None
@@ -73,7 +80,7 @@ def _magics_class():
                     sample = [self._evaluate(s, "sample") for s in args.sample]
                     loss_fn = self._evaluate(args.loss, "--loss") if args.loss is not None else None
                     target = self._evaluate(args.target, "--target") if args.target is not None else None
-                    result = profile(model, *sample, target=target, loss_fn=loss_fn, layers=layers, warmup=args.warmup, repeats=args.repeats)
+                    result = profile(model, *sample, target=target, loss_fn=loss_fn, layers=layers, warmup=args.warmup, repeats=args.repeats, progress=not args.quiet)
                 else:
                     if args.sample or args.loss is not None or args.target is not None:
                         raise UsageError("the cell form takes only the model: %%pipeswift_profile [options] model; the cell body is the training step")
@@ -88,7 +95,7 @@ def _magics_class():
                         except Exception as exc:
                             raise _CellError(exc) from exc
 
-                    result = profile_step(model, step, layers=layers, warmup=args.warmup, repeats=args.repeats)
+                    result = profile_step(model, step, layers=layers, warmup=args.warmup, repeats=args.repeats, progress=not args.quiet)
             except UsageError:
                 raise
             except _CellError as err:

@@ -35,6 +35,7 @@ sharded over ``dp`` data-parallel replicas).
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass
 
 import numpy as np
@@ -101,7 +102,9 @@ class _Layers:
         bad = np.flatnonzero(~np.isfinite(values) | (values < 0))
         if len(bad):
             i = int(bad[0])
-            raise ValueError(f"profile column {col!r}: layer {i} ({self.names[i] if hasattr(self, 'names') else i!r}) has {values[i]}; values must be finite and >= 0")
+            given = df[col].iloc[i]
+            given = given.item() if hasattr(given, "item") else given
+            raise ValueError(f"profile column {col!r}: layer {i} ({self.names[i] if hasattr(self, 'names') else i!r}) has {given!r}; values must be finite numbers >= 0")
         return values
 
 
@@ -156,20 +159,21 @@ class Partition:
     m: int | None = None
     optimizer: str = "adam"
     link: Link | None = None
-    mem_limit_bytes: float | None = None
+    mem_limit_bytes: float | None = None  # the cap it was split under (the mem_per_gpu_bytes argument)
     precision: str | None = None
     dp: int = 1
     stage_state_bytes: tuple = ()  # weights + gradients + optimizer state of each stage (bytes)
 
     # ---- construction
     @classmethod
-    def from_bounds(cls, profile, bounds, v=1, schedule=None, link=None, m=None, optimizer="adam", mem_limit_bytes=None, method="manual", precision=None, dp=1) -> "Partition":
+    def from_bounds(cls, profile, bounds, v=1, schedule=None, link=None, m=None, optimizer="adam", mem_per_gpu_bytes=None, method="manual", precision=None, dp=1,
+                    mem_limit_bytes=None) -> "Partition":
         """Build a Partition from explicit ``bounds``: ``[(start, end), ...]``, one per stage.
 
         Bounds must be contiguous half-open ranges covering layers ``0..L-1`` with no empty
         stage, and their number must be a multiple of ``v`` (``P = len(bounds) // v``).
         ``m`` (default ``P``) and ``schedule`` set the in-flight micro-batches of the memory
-        estimate; with ``mem_limit_bytes`` every rank must fit or a ``ValueError`` names the
+        estimate; with ``mem_per_gpu_bytes`` every rank must fit or a ``ValueError`` names the
         stage that does not. ``precision`` and ``dp`` set the bytes of training state per
         parameter (see :func:`partition`). Returns the Partition.
         """
@@ -184,8 +188,7 @@ class Partition:
         optimizer = _check_optimizer(optimizer)
         precision, dp = check_precision(precision), check_int("dp", dp, minimum=1)
         link = check_link(link)
-        if mem_limit_bytes is not None:
-            mem_limit_bytes = check_time("mem_limit_bytes", mem_limit_bytes, allow_zero=False)
+        mem_per_gpu_bytes = memory_cap(mem_per_gpu_bytes, mem_limit_bytes, "Partition.from_bounds")
         placement = _stage_to_rank(P, v, schedule)
         inflight_by_rank = inflight_microbatches(P, m, mem_schedule, v)
         inflight = tuple(inflight_by_rank[r] for r in placement)
@@ -225,28 +228,33 @@ class Partition:
             m=m,
             optimizer=optimizer,
             link=link,
-            mem_limit_bytes=mem_limit_bytes,
+            mem_limit_bytes=mem_per_gpu_bytes,
             precision=precision,
             dp=dp,
             stage_state_bytes=stage_state,
         )
-        if mem_limit_bytes is not None:
-            part._check_fits(mem_limit_bytes)
+        if mem_per_gpu_bytes is not None:
+            part._check_fits(mem_per_gpu_bytes)
         return part
 
     def _check_fits(self, limit):
         if any(math.isnan(x) for x in self.stage_mem_bytes):
-            raise ValueError("mem_limit_bytes is given but the profile lacks 'param_bytes' or 'activation_bytes'; memory per stage is unknown")
+            raise ValueError("mem_per_gpu_bytes is given but the profile lacks 'param_bytes' or 'activation_bytes'; memory per stage is unknown")
         ranks = self.rank_mem_bytes
         for r, need in enumerate(ranks):
             if need > limit * (1 + _MEM_RTOL):
                 stages = [s for s, rr in enumerate(self.stage_to_rank) if rr == r]
                 worst = max(stages, key=lambda s: self.stage_mem_bytes[s])
                 raise _DoesNotFit(
-                    f"mem_limit_bytes={limit:.6g}: rank {r} needs {need:.6g} bytes; {self.describe_stage(worst)}"
+                    f"mem_per_gpu_bytes={limit:.6g}: rank {r} needs {need:.6g} bytes; {self.describe_stage(worst)}"
                 )
 
     # ---- derived values
+    @property
+    def mem_per_gpu_bytes(self) -> float | None:
+        """The memory cap per GPU the partition was made under (``None``: none); the same as ``mem_limit_bytes``."""
+        return self.mem_limit_bytes
+
     @property
     def n_stages(self) -> int:
         """Number of stages, ``P * v``."""
@@ -379,6 +387,16 @@ class Partition:
     __str__ = __repr__
 
 
+def memory_cap(mem_per_gpu_bytes, mem_limit_bytes=None, where="partition"):
+    """The memory cap per GPU (bytes) from ``mem_per_gpu_bytes`` or its deprecated name ``mem_limit_bytes``; ``None`` for no cap."""
+    if mem_limit_bytes is not None:
+        if mem_per_gpu_bytes is not None:
+            raise TypeError(f"{where}() got both mem_per_gpu_bytes and mem_limit_bytes (its old name); give mem_per_gpu_bytes only")
+        warnings.warn(f"{where}(mem_limit_bytes=...) is renamed mem_per_gpu_bytes, as in plan(); the old name will go", DeprecationWarning, stacklevel=3)
+        mem_per_gpu_bytes = mem_limit_bytes
+    return None if mem_per_gpu_bytes is None else check_time("mem_per_gpu_bytes", mem_per_gpu_bytes, allow_zero=False)
+
+
 def _resolve_m(P, m, schedule, v):
     if m is None:  # the memory estimate's default: as many micro-batches as ranks, or what the schedule needs
         return 2 * P if schedule == "DualPipeV" else P
@@ -445,7 +463,7 @@ def _memory_windows(layers: _Layers, P, v, schedule, mem_schedule, m, optimizer,
     if limit is None:
         return None
     if layers.param_bytes is None or layers.activation_bytes is None:
-        raise ValueError("mem_limit_bytes is given but the profile lacks 'param_bytes' or 'activation_bytes'; memory per stage is unknown")
+        raise ValueError("mem_per_gpu_bytes is given but the profile lacks 'param_bytes' or 'activation_bytes'; memory per stage is unknown")
     placement = _stage_to_rank(P, v, schedule)
     inflight = inflight_microbatches(P, m, mem_schedule, v)
     static = np.concatenate([[0.0], np.cumsum(state_bytes(layers.params, layers.param_bytes, precision, optimizer, dp))])
@@ -478,7 +496,8 @@ def _split(layers: _Layers, P, v, schedule, mem_schedule, method, link, m, optim
     return bounds
 
 
-def partition(profile, P, method="balanced", v=1, schedule=None, link=None, mem_limit_bytes=None, optimizer="adam", m=None, precision=None, dp=1) -> Partition:
+def partition(profile, P, method="balanced", v=1, schedule=None, link=None, mem_per_gpu_bytes=None, optimizer="adam", m=None, precision=None, dp=1,
+              mem_limit_bytes=None) -> Partition:
     """Split a profiled model into ``P * v`` contiguous stages; return a :class:`Partition`.
 
     ``profile`` is a :class:`pipeswift_lab.Profile` or a DataFrame with one row per layer
@@ -488,10 +507,11 @@ def partition(profile, P, method="balanced", v=1, schedule=None, link=None, mem_
     module docstring). ``schedule`` fixes the rank placement (V shape for ZBV/DualPipeV)
     and, with ``m`` (default ``P``), the in-flight micro-batches of the memory estimate
     (``None``: 1F1B for ``v == 1``, Interleaved1F1B otherwise). ``link`` adds boundary
-    transfers to the balanced objective. With ``mem_limit_bytes`` (per rank; with ``v > 1``
-    each stage gets ``mem_limit_bytes / v``), ``"balanced"`` returns the best split that
+    transfers to the balanced objective. With ``mem_per_gpu_bytes`` (per rank; with ``v > 1``
+    each stage gets ``mem_per_gpu_bytes / v``), ``"balanced"`` returns the best split that
     fits, and every method raises ``ValueError`` naming the stage that cannot fit and the
-    smallest P that would. ``optimizer`` is one of :data:`OPTIMIZER_STATE_FACTOR`.
+    smallest P that would (``mem_limit_bytes=``, its old name, still works with a
+    ``DeprecationWarning``). ``optimizer`` is one of :data:`OPTIMIZER_STATE_FACTOR`.
 
     ``precision`` sets the bytes of training state per parameter (with Adam):
     ``None`` (default) — the profile's own ``param_bytes * 4`` (16 B/param for an fp32
@@ -500,7 +520,7 @@ def partition(profile, P, method="balanced", v=1, schedule=None, link=None, mem_
     B/param, the master weights and moments sharded over ``dp`` data-parallel replicas
     (ZeRO-1). Named precisions need a ``params`` column. See :mod:`pipeswift_lab.precision`.
     """
-    layers = _Layers(profile)
+    layers = profile if isinstance(profile, _Layers) else _Layers(profile)
     P = check_int("P", P, minimum=1)
     if method not in METHODS:
         raise ValueError(f"method={method!r} is not known; valid methods are {list(METHODS)}")
@@ -513,16 +533,15 @@ def partition(profile, P, method="balanced", v=1, schedule=None, link=None, mem_
     precision, dp = check_precision(precision), check_int("dp", dp, minimum=1)
     state_bytes(layers.params, layers.param_bytes, precision, optimizer, dp)  # a named precision needs params
     link = check_link(link)
-    if mem_limit_bytes is not None:
-        mem_limit_bytes = check_time("mem_limit_bytes", mem_limit_bytes, allow_zero=False)
+    mem_per_gpu_bytes = memory_cap(mem_per_gpu_bytes, mem_limit_bytes, "partition")
     try:
-        bounds = _split(layers, P, v, schedule, mem_schedule, method, link, m, optimizer, mem_limit_bytes, precision, dp)
-        return Partition.from_bounds(layers, bounds, v, schedule, link, m, optimizer, mem_limit_bytes, method=method, precision=precision, dp=dp)
+        bounds = _split(layers, P, v, schedule, mem_schedule, method, link, m, optimizer, mem_per_gpu_bytes, precision, dp)
+        return Partition.from_bounds(layers, bounds, v, schedule, link, m, optimizer, mem_per_gpu_bytes, method=method, precision=precision, dp=dp)
     except (Infeasible, _DoesNotFit):
         pass
     # no balanced split fits: name the worst stage of the unconstrained split and the smallest P that fits
     free = Partition.from_bounds(layers, _split(layers, P, v, schedule, mem_schedule, method, link, m, optimizer, None), v, schedule, link, m, optimizer, None, method, precision, dp)
-    raise ValueError(_memory_error(layers, free, mem_limit_bytes, method, link))
+    raise ValueError(_memory_error(layers, free, mem_per_gpu_bytes, method, link))
 
 
 def _memory_error(layers, part: Partition, limit, method, link) -> str:
@@ -545,11 +564,13 @@ def _memory_error(layers, part: Partition, limit, method, link) -> str:
             continue
     where = f"with m={part.m}" + (f", schedule={part.schedule!r}" if part.schedule else "")
     hint = f"the smallest P that fits ({where}) is {smallest}" if smallest else f"no P up to {layers.n // part.v} fits ({where}); some layer alone exceeds the cap"
-    share = "" if part.v == 1 else f" (each of a rank's {part.v} stages gets mem_limit_bytes / v = {limit / part.v:.6g})"
-    return (
-        f"mem_limit_bytes={limit:.6g}: no {method} split into P={part.P} ranks fits{share}; in the unconstrained split, "
-        f"{part.describe_stage(worst)}. {hint[0].upper() + hint[1:]}."
-    )
+    return f"{no_fit_head(limit, method, part.P, part.v)}; in the unconstrained split, {part.describe_stage(worst)}. {hint[0].upper() + hint[1:]}."
+
+
+def no_fit_head(limit, method, P, v) -> str:
+    """The first clause of the error when no ``method`` split into ``P`` ranks fits ``mem_per_gpu_bytes=limit`` (the planner's reason)."""
+    share = "" if v == 1 else f" (each of a rank's {v} stages gets mem_per_gpu_bytes / v = {limit / v:.6g})"
+    return f"mem_per_gpu_bytes={limit:.6g}: no {method} split into P={P} ranks fits{share}"
 
 
 __all__ = ["METHODS", "OPTIMIZER_STATE_FACTOR", "Partition", "partition"]

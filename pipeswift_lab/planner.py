@@ -1,6 +1,6 @@
 """The JCT planner: the pipeline configuration that finishes the job first, queue included.
 
-:func:`plan` searches stages ``P`` × data-parallel replicas ``D`` within the GPUs, every
+:func:`plan` searches ranks ``P`` (pipeline stages, ``P * v`` with ``v`` chunks each) × data-parallel replicas ``D`` within the GPUs, every
 micro-batch size and count ``m`` that make up the global batch, every schedule (and ``v``)
 with a balanced partition that fits memory, and ranks them by predicted job completion
 time::
@@ -30,31 +30,21 @@ import pandas as pd
 
 from ._checks import MULTI_CHUNK_SCHEDULES, SCHEDULES, V_SHAPE_SCHEDULES, canonical_schedule, check_int, check_time
 from ._display import html_card, text_card
-from .analytic import bubble_ratio
-from .costs import AssemblyModel, Availability, CheckpointModel, allreduce_ms, preemption_loss_s, young_daly_interval_s
+from ._plan_quantile import check_quantile
+from ._plan_search import Evaluator, MicrobatchCosts
+from ._plan_steps import OPTIMIZER_TRAFFIC_FACTOR, Job, bound_configs, branch_and_bound, divisors, enumerate_configs, hours, rank_table  # noqa: F401
+from .calibrate import check_calibration
+from .costs import AssemblyModel, Availability, CheckpointModel
 from .jct import JCT, TERMS
 from .link import Link, check_link
-from ._plan_quantile import check_quantile, jct_quantile, quantile_column
-from ._plan_search import Evaluator, MicrobatchCosts
-from ._plan_strategies import first_drop, grow_rows, shrink_rows, split_by_drops
-from .calibrate import check_calibration
-from .partition import OPTIMIZER_STATE_FACTOR, Partition, partition
-from .precision import check_precision, checkpoint_bytes_per_param, grad_bytes_per_param
-from .schedules import validate
+from .partition import Partition, partition
+from .precision import check_precision
 
 #: Data-parallel link when none is given: a 200 Gb/s network (25 GB/s) with 10 µs latency.
 DEFAULT_DP_LINK = Link(latency_ms=0.01, bandwidth_GBps=25.0)
 #: Memory bandwidth (GB/s) the optimizer step streams at, by profiled device type.
 OPTIMIZER_MEMORY_GBps = {"cuda": 1500.0, "cpu": 20.0}
-#: Bytes the Adam step reads and writes per byte of parameters: parameter, gradient and two
-#: moments read, parameter and two moments written.
-OPTIMIZER_TRAFFIC_FACTOR = 7.0
 
-_TABLE_COLUMNS = (
-    "rank", "strategy", "P", "D", "gpus", "m", "microbatch_size", "schedule", "v", "feasible", "simulated", "reason",
-    *TERMS, "total_s", "jct_lower_bound_s", "checkpoint_interval_s", "step_ms", "pipeline_ms", "allreduce_ms", "optimizer_ms", "bubble_ratio",
-    "peak_mem_bytes", "samples_per_s",
-)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -115,7 +105,8 @@ class Plan:
 
     * ``table`` — one row per configuration: the simulated feasible ones ranked by
       ``total_s``, then the feasible ones the branch and bound did not simulate (``simulated``
-      False, with ``jct_lower_bound_s``), then the rejected ones with their ``reason``; the JCT terms in the columns
+      False), ranked after them by ``jct_lower_bound_s`` (column ``ranked_by`` names what each
+      ``rank`` is by), then the unranked rejected ones with their ``reason``; the JCT terms in the columns
       ``queue_s``, ``assembly_s``, ``training_s``, ``cleanup_s``, ``preemption_loss_s``,
       ``total_s``, and ``step_ms``, ``bubble_ratio``, ``peak_mem_bytes``; with ``quantile=0.95``
       also ``total_s_p95`` (the JCT at that quantile), and with ``objective="p95"`` ranked by it;
@@ -175,7 +166,7 @@ class Plan:
             raise TypeError(f"config must be a PlannedConfig or a row of Plan.table; got {type(config).__name__}")
         return partition(
             self.costs.table(config.microbatch_size), config.P, "balanced", v=config.v, schedule=config.schedule, m=config.m,
-            optimizer=self.inputs["optimizer"], link=self.inputs["link"], mem_limit_bytes=self.inputs["mem_per_gpu_bytes"],
+            optimizer=self.inputs["optimizer"], link=self.inputs["link"], mem_per_gpu_bytes=self.inputs["mem_per_gpu_bytes"],
             precision=self.inputs.get("precision"), dp=config.D,
         )  # fmt: skip
 
@@ -191,20 +182,34 @@ class Plan:
             f"(queue {_hours(best.queue_s)}, training {_hours(best.training_s)}, step {best.step_ms:.4g} ms, "
             f"bubble {best.bubble_ratio:.1%})."
         ]
+        if best.P == 1:
+            out.append(self._why_no_pipeline(best))
         for name, other in (("bubble-best", bubble), ("throughput-best", fast)):
             if other.label == best.label:
                 out.append(f"The best is also the {name} configuration.")
                 continue
             diffs = {t: getattr(other, t) - getattr(best, t) for t in TERMS}
             worst = max(diffs, key=diffs.get)
-            gain = [f"{t.removesuffix('_s')} {_signed_hours(-d)}" for t, d in diffs.items() if d < -0.005 * best.total_s]
+            gain = [f"{t.removesuffix('_s')} {_hours(-d)} shorter" for t, d in diffs.items() if d < -0.005 * best.total_s]
             out.append(
                 f"The {name} {other.label} (bubble {other.bubble_ratio:.1%}, step {other.step_ms:.4g} ms) takes "
                 f"{_hours(other.total_s)}, {_hours(other.total_s - best.total_s)} longer: its {worst.removesuffix('_s')} "
                 f"term is {_hours(diffs[worst])} longer"
-                + (f", which its gains ({', '.join(gain)}) do not make up." if gain else ".")
+                + (f"; its gains ({', '.join(gain)}) do not make up for it." if gain else ".")
             )
         return " ".join(out)
+
+    def _why_no_pipeline(self, best) -> str:
+        """Why one stage (pure data parallelism) wins: it fits memory and has no bubble; what the best pipeline costs."""
+        cap = self.inputs.get("mem_per_gpu_bytes")
+        fits = (f"the whole model fits one GPU ({best.peak_mem_bytes / 2**30:.3g} GiB of the mem_per_gpu_bytes={cap:.4g} cap)" if cap
+                else "no memory cap is given (mem_per_gpu_bytes=None), so the whole model is taken to fit one GPU")  # fmt: skip
+        piped = self.feasible[(self.feasible["P"] > 1) & (self.feasible["strategy"] == "start")]
+        text = f"No pipeline (P=1, {best.D} data-parallel replicas) wins because {fits}, and a pipeline only adds a bubble and stage transfers"
+        if piped.empty:
+            return text + "."
+        other = _from_row(piped.sort_values("total_s", kind="stable").iloc[0])
+        return text + f": the best pipelined configuration, {other.label}, takes {_hours(other.total_s)} ({_hours(other.total_s - best.total_s)} longer)."
 
     def plot(self, ax=None, n=5, unit="h"):
         """Stacked JCT bars of the ``n`` best configurations, the throughput-best and the bubble-best (marked). Returns the Axes."""
@@ -242,18 +247,7 @@ class Plan:
         return f"Plan(best={self.best.label!r}, total_s={self.best.total_s:.6g}, configurations={len(self.table)})"
 
 
-def _hours(seconds: float) -> str:
-    if seconds == math.inf:
-        return "never"
-    if abs(seconds) >= 3600:
-        return f"{seconds / 3600:.2f} h"
-    if abs(seconds) >= 60:
-        return f"{seconds / 60:.1f} min"
-    return f"{seconds:.3g} s"
-
-
-def _signed_hours(seconds: float) -> str:
-    return ("+" if seconds >= 0 else "−") + _hours(abs(seconds))
+_hours = hours  # the planner's duration text, shared with its steps
 
 
 # --------------------------------------------------------------------------- inputs
@@ -270,11 +264,9 @@ def _candidates(name, values, default, minimum=1):
     return out
 
 
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
 def _stage_choices(schedules) -> list[tuple[str, int]]:
+    if not isinstance(schedules, str) and hasattr(schedules, "__len__") and len(schedules) == 0:
+        raise ValueError(f"schedules={list(schedules)!r} is empty; give at least one of {list(SCHEDULES)}, or None for all of them")
     out = []
     for s in schedules:
         s = canonical_schedule(s)
@@ -359,8 +351,6 @@ def plan(
 
     Raises ``ValueError`` when no configuration is feasible, listing the closest misses.
     """
-    from tqdm.auto import tqdm
-
     costs = MicrobatchCosts(profile)
     n_layers, b0 = costs.n_layers, costs.b0
     gpus = check_int("gpus", gpus, minimum=1)
@@ -373,11 +363,16 @@ def plan(
     if mtbf_s is not None:
         mtbf_s = check_time("mtbf_s", mtbf_s, allow_zero=False)
     stage_choices = _stage_choices(SCHEDULES if schedules is None else ([schedules] if isinstance(schedules, str) else schedules))
-    default_P = sorted({d for d in _divisors(n_layers)} | {2**k for k in range(12) if 2**k <= n_layers})
+    default_P = sorted({d for d in divisors(n_layers)} | {2**k for k in range(12) if 2**k <= n_layers})
     Ps = [p for p in _candidates("P", P, default_P) if p <= min(n_layers, gpus)]
     if not Ps:
         raise ValueError(f"P={P} leaves no stage count <= min(layers={n_layers}, gpus={gpus})")
     # by default never below the smallest profiled size, where proportional scaling would be optimistic
+    if microbatch_sizes is None and global_batch < b0:
+        raise ValueError(
+            f"global_batch={global_batch} is smaller than the profiled micro-batch size {b0} (profile.meta['batch_size']); "
+            f"give global_batch >= {b0}, or microbatch_sizes= that divide it (times then scale down from the profiled size)"
+        )
     mb_sizes = _candidates("microbatch_sizes", microbatch_sizes, [b0 * 2**k for k in range(20) if b0 * 2**k <= global_batch])
     availability = Availability.now(gpus) if availability is None else Availability(availability)
     if isinstance(assembly, AssemblyModel) or assembly is None:
@@ -396,168 +391,16 @@ def plan(
     exhaustive = exhaustive or rank_by != "total_s"
     precision = check_precision(precision)
     evaluator = Evaluator(costs, link, mem_per_gpu_bytes, optimizer, calibration, precision)
+    job = Job(n_layers, gpus, global_batch, steps, availability, assembly, checkpoint, mtbf_s, optimizer, precision, dp_link, mem_GBps,
+              mem_per_gpu_bytes, tuple(mb_sizes))  # fmt: skip
 
-    single_stage = [c for c in stage_choices if c[1] == 1 and c[0] in ("GPipe", "1F1B")][:1] or [("GPipe", 1)]
-    combos = []
-    for p in Ps:
-        for d in _divisors(global_batch):
-            if p * d > gpus:
-                break
-            for b in mb_sizes:
-                if (global_batch // d) % b == 0:
-                    # one stage is plain data parallelism: every schedule runs it alike, so weigh it once
-                    for schedule, v in stage_choices if p > 1 else single_stage:
-                        combos.append((p, d, (global_batch // d) // b, b, schedule, v))
-    rows, candidates = [], []
-    for p, d, m, b, schedule, v in combos:
-        row = {"strategy": "start", "P": p, "D": d, "gpus": p * d, "m": m, "microbatch_size": b, "schedule": schedule, "v": v}
-        try:
-            if p * v > n_layers:
-                raise ValueError(f"P*v={p * v} stages exceed the {n_layers} layers")
-            validate(p, m, schedule, v)
-            split = evaluator.split(p, m, b, schedule, v, d)
-        except ValueError as error:
-            rows.append({**row, "feasible": False, "reason": str(error).split("; ")[0]})
-            continue
-        queue = availability.wait_s(p * d)
-        if queue == math.inf:
-            rows.append({**row, "feasible": False, "reason": f"{p * d} GPUs are never free (at most {availability.max_gpus})"})
-            continue
-        rank_param_bytes = split.rank_param_bytes
-        if precision is None:
-            grad_bytes, shard_bytes = rank_param_bytes, rank_param_bytes * (1.0 + OPTIMIZER_STATE_FACTOR[optimizer])
-        else:
-            rank_params = _rank_params_count(split.part)
-            grad_bytes = rank_params * grad_bytes_per_param(precision)
-            shard_bytes = rank_params * checkpoint_bytes_per_param(precision, optimizer, d)
-        ar_ms = allreduce_ms(grad_bytes, d, dp_link.bandwidth_GBps, dp_link.latency_ms)
-        opt_ms = OPTIMIZER_TRAFFIC_FACTOR * rank_param_bytes / (mem_GBps * 1e6)
-        row.update(queue_s=queue, assembly_s=assembly.seconds(p, d), cleanup_s=checkpoint.cleanup_s(shard_bytes),
-                   allreduce_ms=ar_ms, optimizer_ms=opt_ms, peak_mem_bytes=split.peak_mem_bytes, _shard_bytes=shard_bytes)  # fmt: skip
-
-        def terms(pipeline_ms, row=row):
-            """Training and preemption terms for a pipeline step of ``pipeline_ms``."""
-            training_s = steps * (pipeline_ms + row["allreduce_ms"] + row["optimizer_ms"]) / 1000.0
-            loss = 0.0
-            if mtbf_s is not None:
-                restart = row["assembly_s"] + checkpoint.restore_s(row["_shard_bytes"])
-                loss = preemption_loss_s(training_s, checkpoint.save_s(row["_shard_bytes"]), restart, mtbf_s / row["gpus"])
-            return training_s, loss
-
-        lower_training, lower_loss = terms(split.lower_bound_ms)
-        lower = row["queue_s"] + row["assembly_s"] + row["cleanup_s"] + lower_training + lower_loss
-        row["jct_lower_bound_s"] = lower
-        if mtbf_s is not None:
-            row["checkpoint_interval_s"] = young_daly_interval_s(checkpoint.save_s(shard_bytes), mtbf_s / (p * d))
-        candidates.append((lower, row, split, terms))
-    # Branch and bound: simulate in order of the JCT lower bound (busiest rank's compute, no bubble);
-    # once the bound passes the best JCT found at the same queue wait, no later configuration can
-    # win there. Bounding per wait keeps the best start-now configuration for the grow strategy.
-    candidates.sort(key=lambda c: c[0])
-
-    def evaluate(row, split, terms) -> dict:
-        pipeline_ms, bubble = evaluator.simulate(split)
-        training_s, loss = terms(pipeline_ms)
-        step = pipeline_ms + row["allreduce_ms"] + row["optimizer_ms"]
-        return {
-            **row, "feasible": loss != math.inf, "simulated": True,
-            "reason": "" if loss != math.inf else "preempted more often than it can checkpoint",
-            "training_s": training_s, "preemption_loss_s": loss, "step_ms": step, "pipeline_ms": pipeline_ms,
-            "bubble_ratio": bubble, "samples_per_s": global_batch / step * 1000.0,
-        }  # fmt: skip
-
-    best_by_wait: dict[float, float] = {}
-    pruned = {}
-    for lower, row, split, terms in tqdm(candidates, desc="plan", disable=not progress):
-        best_total = best_by_wait.get(row["queue_s"], math.inf)
-        if not exhaustive and lower >= best_total:
-            pruned[len(rows)] = (row, split, terms)
-            rows.append({**row, "feasible": True, "simulated": False, "reason": f"not simulated: its JCT lower bound {_hours(lower)} exceeds the best {_hours(best_total)} at its wait"})
-            continue
-        rows.append(evaluate(row, split, terms))
-        if rows[-1]["feasible"]:
-            total = sum(rows[-1][t] for t in TERMS)
-            if first_drop(availability, row["gpus"], row["queue_s"], total) is None:  # one that loses its GPUs bounds nothing
-                best_by_wait[row["queue_s"]] = min(best_total, total)
-    # The configuration a bubble-minded engineer picks (smallest closed-form bubble, then the most
-    # micro-batch chunks) on the best's GPU count is always simulated, so that the plan can show
-    # what choosing by the bubble costs.
-    done = [r for r in rows if r.get("simulated") and r["feasible"] and r["strategy"] == "start"]
-    if done and pruned:
-        gpus_best = min(done, key=lambda r: sum(r[t] for t in TERMS))["gpus"]
-
-        def by_bubble(r):
-            return (bubble_ratio(r["P"], r["m"], r["schedule"], r["v"]), -r["m"] * r["v"])
-
-        pool = [(i, c) for i, c in pruned.items() if c[0]["P"] > 1 and c[0]["gpus"] == gpus_best]
-        if pool:
-            i, (row, split, terms) = min(pool, key=lambda ic: by_bubble(ic[1][0]))
-            rivals = [r for r in done if r["P"] > 1 and r["gpus"] == gpus_best]
-            if not rivals or by_bubble(row) < min(by_bubble(r) for r in rivals):
-                rows[i] = evaluate(row, split, terms)
-    table = pd.DataFrame(rows)
-    for col in _TABLE_COLUMNS:
-        if col not in table.columns:
-            table[col] = math.nan
-    feasible = table[(table["feasible"] == True) & (table["simulated"] == True)]  # noqa: E712 - NaN-safe on object columns
-    if feasible.empty:
-        raise ValueError(_no_fit_message(table, gpus, global_batch, mem_per_gpu_bytes, mb_sizes))
-    feasible = feasible.assign(total_s=feasible[list(TERMS)].sum(axis=1))
-    feasible, lost = split_by_drops(feasible, availability)
-    if feasible.empty and lost.empty:
-        raise ValueError(_no_fit_message(table, gpus, global_batch, mem_per_gpu_bytes, mb_sizes))
-    shrink = shrink_rows(lost, feasible, availability, assembly, checkpoint, steps, mtbf_s)
-    grow = grow_rows(feasible, availability, assembly, checkpoint, steps, mtbf_s) if not feasible.empty else feasible
-    parts = [x for x in (feasible, grow, shrink) if not x.empty]
-    if not parts:
-        raise ValueError(_no_fit_message(table, gpus, global_batch, mem_per_gpu_bytes, mb_sizes)
-                         + "\nevery configuration loses GPUs mid-run and none fits the GPUs that stay free")
-    ranked = pd.concat(parts, ignore_index=True)
-    columns = list(_TABLE_COLUMNS)
-    if quantile is not None:
-        ranked[quantile_column(quantile)] = jct_quantile(ranked, quantile, step_cv, mtbf_s, checkpoint)
-        columns.insert(columns.index("total_s") + 1, quantile_column(quantile))
-    ranked = ranked.sort_values([rank_by, "gpus", "step_ms"], kind="stable")
-    unsimulated = table[(table["feasible"] == True) & (table["simulated"] != True)].sort_values("jct_lower_bound_s", kind="stable")  # noqa: E712
-    rejected = pd.concat([lost, table[table["feasible"] != True].assign(total_s=math.nan)], ignore_index=True)  # noqa: E712
-    out = pd.concat([ranked, unsimulated, rejected], ignore_index=True).drop(columns=["_shard_bytes"], errors="ignore")
-    out["feasible"] = out["feasible"].astype(bool)
-    out["simulated"] = out["simulated"].fillna(False).astype(bool)
-    out["reason"] = out["reason"].fillna("")
-    out["rank"] = pd.array([i + 1 if i < len(ranked) else pd.NA for i in range(len(out))], dtype="Int64")
-    out = out[columns].reset_index(drop=True)
+    combos = enumerate_configs(Ps, stage_choices, job)
+    rows, candidates = bound_configs(combos, job, evaluator)
+    rows = branch_and_bound(candidates, rows, job, evaluator, exhaustive, progress)
+    out = rank_table(rows, job, quantile, step_cv, rank_by)
     inputs = {
         "gpus": gpus, "global_batch": global_batch, "steps": steps, "availability": availability.points,
         "profiled_batch_sizes": costs.sizes, "optimizer": optimizer, "precision": precision, "link": link, "mem_per_gpu_bytes": mem_per_gpu_bytes,
         "calibration": calibration, "quantile": quantile, "objective": objective, "step_cv": step_cv,
     }  # fmt: skip
     return Plan(out, inputs, costs)
-
-
-def _no_fit_message(table, gpus, global_batch, mem, mb_sizes) -> str:
-    lines = [f"no feasible configuration for gpus={gpus}, global_batch={global_batch}" + (f", mem_per_gpu_bytes={mem:.4g}" if mem else "")]
-    if table.empty:
-        lines.append(
-            f"no micro-batch size among {mb_sizes} divides global_batch / D for any D; pass microbatch_sizes= that "
-            f"divide it (the default is the profiled size times powers of two)"
-        )
-        return "\n".join(lines)
-    memory = table[table["reason"].str.contains("mem_limit_bytes|GiB per GPU", regex=True, na=False)]
-    if mem and not memory.empty:
-        lines.append(f"{len(memory)} of {len(table)} configurations do not fit mem_per_gpu_bytes={mem:.4g}; the ones with the most stages:")
-        for _, r in memory.sort_values(["P", "microbatch_size"], ascending=[False, True]).head(3).iterrows():
-            lines.append(f"  P={r.P} D={r.D} m={r.m} b={r.microbatch_size} {r.schedule} v={r.v}: {r.reason}")
-        lines.append("  they fit with more GPUs (more stages), smaller micro-batches, or a larger mem_per_gpu_bytes")
-    others = table.drop(memory.index)
-    if not others.empty:
-        reasons = others["reason"].value_counts().head(3)
-        lines.append("other reasons: " + "; ".join(f"{k} ({v}x)" for k, v in reasons.items()))
-    return "\n".join(lines)
-
-
-def _rank_params_count(part) -> float:
-    """Parameters of the rank holding the most (a named precision counts bytes per parameter)."""
-    per_rank = [0.0] * part.P
-    for s, r in enumerate(part.stage_to_rank):
-        per_rank[r] += part.stage_params[s]
-    return max(per_rank)

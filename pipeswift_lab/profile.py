@@ -15,7 +15,6 @@ import copy
 import json
 import math
 import numbers
-import os
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -50,6 +49,24 @@ _COUNT_COLUMNS = ("calls", "params", "param_bytes", "activation_bytes", "output_
 _CSV_HEADER = "# pipeswift_lab.Profile "
 
 
+def _check_columns(df) -> None:
+    """Refuse per-layer values a Profile cannot hold: the layer times must be finite numbers >= 0;
+    spreads, ``wgrad_ms`` and byte/parameter counts numbers >= 0 (NaN where unknown)."""
+    for col in ("fwd_ms", "bwd_ms", "total_ms") + _TIME_COLUMNS[2:] + _COUNT_COLUMNS:
+        if col not in df.columns:
+            continue
+        raw = df[col]
+        values = pd.to_numeric(raw, errors="coerce").to_numpy(dtype=float)
+        required = col in ("fwd_ms", "bwd_ms", "total_ms")
+        bad = (np.isnan(values) & (raw.notna().to_numpy() | required)) | np.isinf(values) | (values < 0)
+        if bad.any():
+            i = int(np.flatnonzero(bad)[0])
+            name = df["name"].iloc[i] if "name" in df.columns else i
+            what = "a finite number >= 0 (ms)" if required else "a number >= 0, or empty/NaN where unknown"
+            value = raw.iloc[i].item() if hasattr(raw.iloc[i], "item") else raw.iloc[i]
+            raise ValueError(f"df[{col!r}] of layer {i} ({name!r}) is {value!r}; each value must be {what}")
+
+
 @dataclass(frozen=True, eq=False)
 class Profile:
     """Measured (or synthetic) per-layer costs of one micro-batch.
@@ -79,6 +96,7 @@ class Profile:
             raise ValueError(f"df['layer'] must be 0..{len(self.df) - 1} in order; got {self.df['layer'].tolist()}")
         if not isinstance(self.meta, dict):
             raise TypeError(f"meta must be a dict; got {type(self.meta).__name__}")
+        _check_columns(self.df)
         object.__setattr__(self, "meta", dict(self.meta))
 
     # -- sizes and totals -------------------------------------------------------------
@@ -281,10 +299,9 @@ def _column_values(name: str, values: list) -> list:
 # -- measuring -----------------------------------------------------------------------------
 def _progress(total: int, desc: str, progress: bool):
     """A ``tqdm.auto`` bar over the steps; off with ``progress=False`` or the ``TQDM_DISABLE`` environment variable."""
-    from tqdm.auto import tqdm
+    from ._progress import progress_bar
 
-    env_off = os.environ.get("TQDM_DISABLE", "").strip().lower() not in ("", "0", "false", "no")
-    return tqdm(total=total, desc=desc, leave=False, disable=not progress or env_off)
+    return progress_bar(total=total, desc=desc, progress=progress, leave=False)
 
 
 def _measure(model, units, device, run_step, warmup: int, repeats: int, progress: bool, desc: str):

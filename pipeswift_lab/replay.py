@@ -36,7 +36,7 @@ def replay(measured, step, transfer_ms=None, step_overhead_ms=0.0, gap_ms=0.0) -
     df = df[(df["step"] == step) & df["kind"].isin(_KIND_NAMES)]
     if df.empty:
         raise ValueError(f"step={step} has no compute actions in the measured timeline")
-    code = {k: i for i, k in enumerate(("F", "B", "I", "W"))}
+    code = {k: i for i, k in enumerate(_KIND_NAMES)}
     dur = (df["end_ms"] - df["start_ms"]).to_numpy(float)
     per_action = {(code[k] * S + int(s), int(i)): float(d) + gap_ms for k, s, i, d in zip(df["kind"], df["stage"], df["microbatch"], dur)}
     zeros = [0.0] * S

@@ -48,7 +48,7 @@ def build_report(out="pipeswift-report", sections=None, quick=False, progress=Tr
 
     matplotlib.use("Agg", force=True)
     import matplotlib.pyplot as plt
-    from tqdm.auto import tqdm
+    from ._progress import progress_bar
 
     from .plot import figure_to_data_uri
 
@@ -57,7 +57,7 @@ def build_report(out="pipeswift-report", sections=None, quick=False, progress=Tr
     out.mkdir(parents=True, exist_ok=True)
     ctx = ReportContext(quick=quick, progress=progress)
     parts, csv_paths, summary = [], [], []
-    for make in tqdm(sections or SECTIONS, desc="report", disable=not progress):
+    for make in progress_bar(sections or SECTIONS, desc="report", progress=progress):
         section = make(ctx)
         body = [f"<h2>{html.escape(section.title)}</h2>", section.intro_html]
         for fig in section.figures:
@@ -68,13 +68,26 @@ def build_report(out="pipeswift-report", sections=None, quick=False, progress=Tr
             table.to_csv(path, index=False)
             csv_paths.append(path)
             body.append(f"<h3>{html.escape(name)} <small>(<a href='{path.name}'>{path.name}</a>)</small></h3>")
-            body.append(table.to_html(index=False, float_format=lambda x: f"{x:.4g}", border=0))
+            body.append(_table_html(table))
         parts.append("<section>" + "\n".join(body) + "</section>")
         summary.extend(section.summary)
     page = _PAGE.format(body="\n".join(parts), generated=time.strftime("%Y-%m-%d %H:%M:%S"))
     path = out / "report.html"
     path.write_text(page, encoding="utf-8")
     return ReportResult(path.resolve(), tuple(csv_paths), tuple(summary), time.perf_counter() - start)
+
+
+def _table_html(table) -> str:
+    """A table for the page: columns with no value at all left out (the CSV keeps them), rounding noise
+    around zero printed as 0, inside a box that scrolls sideways instead of cutting wide tables off."""
+    shown = table.loc[:, [c for c in table.columns if not table[c].isna().all()]] if len(table) else table
+    dropped = [c for c in table.columns if c not in shown.columns]
+    note = f"<p class='note'>No values here for {', '.join(map(html.escape, map(str, dropped)))} (see the CSV).</p>" if dropped else ""
+    return f"<div class='wide'>{shown.to_html(index=False, float_format=_number, border=0)}</div>{note}"
+
+
+def _number(x: float) -> str:
+    return "0" if abs(x) < 1e-12 else f"{x:.4g}"  # -2.22e-16 is a zero computed in floating point
 
 
 _PAGE = """<!doctype html>
@@ -84,6 +97,8 @@ body {{ font-family: system-ui, sans-serif; max-width: 1100px; margin: 2em auto;
 table {{ border-collapse: collapse; font-size: 0.85em; margin: 0.5em 0 1.5em; }}
 td, th {{ padding: 2px 8px; border-bottom: 1px solid #ddd; text-align: right; }}
 img {{ max-width: 100%; }}
+.wide {{ overflow-x: auto; max-width: 100%; }}
+.note {{ font-size: 0.85em; color: #666; margin-top: -1em; }}
 section {{ margin-bottom: 2.5em; }}
 </style></head><body>
 <h1>pipeswift_lab report</h1>

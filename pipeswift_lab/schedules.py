@@ -36,16 +36,14 @@ from __future__ import annotations
 import logging
 from functools import lru_cache
 
-from ._checks import (
+from ._checks import (  # noqa: F401 - COMPUTE_KINDS: the action kinds, re-exported here
+    COMPUTE_KINDS,
     MULTI_CHUNK_SCHEDULES,
     SCHEDULES,
     V_SHAPE_SCHEDULES,
     check_int,
     check_schedule_v,
 )
-
-#: Compute action kinds, as torch spells them.
-COMPUTE_KINDS = ("F", "B", "I", "W")
 
 _TORCH_CLASS = {
     "Interleaved1F1B": "ScheduleInterleaved1F1B",

@@ -45,6 +45,8 @@ import numpy as np
 import pandas as pd
 
 from ._checks import (
+    COMPUTE_KINDS,
+    SINGLE_CHUNK_SCHEDULES,
     V_SHAPE_SCHEDULES,
     canonical_schedule,
     check_int,
@@ -57,7 +59,7 @@ from .schedules import action_groups, stage_to_rank, validate
 from .timeline import Timeline
 
 _WAIT, _COMPUTE, _FIRE = 0, 1, 2
-_KIND_NAMES = ("F", "B", "I", "W")
+_KIND_NAMES = COMPUTE_KINDS
 # signal families: 0 forward done, 1 input-grad done (B or I), 2 weight-grad done,
 # 3 activation arrived at stage s+1, 4 gradient arrived at stage s-1
 _F_DONE, _G_DONE, _W_DONE, _ACT_ARRIVED, _GRAD_ARRIVED = range(5)
@@ -86,7 +88,7 @@ def _from_partition(part: Partition, schedule, v):
             f"v={v} does not match the partition's v={part.v}; the stages per rank are fixed when partitioning: "
             f"re-partition with partition(profile, {part.P}, v={v}, schedule={schedule!r}), or leave v=None"
         )
-    if schedule in ("GPipe", "1F1B") and part.v != 1:
+    if schedule in SINGLE_CHUNK_SCHEDULES and part.v != 1:
         raise ValueError(f"schedule={schedule!r} runs one stage per rank but the partition has v={part.v}; re-partition with partition(profile, {part.P}, v=1)")
     if schedule in V_SHAPE_SCHEDULES and part.v != 2:
         raise ValueError(
@@ -112,14 +114,16 @@ def _column(df, col, required=True):
     values = pd.to_numeric(df[col], errors="coerce").to_numpy(float)
     bad = np.flatnonzero(~np.isfinite(values) | (values < 0))
     if len(bad):
-        raise ValueError(f"stage table column {col!r}: stage {int(bad[0])} has {values[bad[0]]}; values must be finite and >= 0")
+        given = df[col].iloc[int(bad[0])]
+        given = given.item() if hasattr(given, "item") else given
+        raise ValueError(f"stage table column {col!r}: stage {int(bad[0])} has {given!r}; values must be finite numbers >= 0 (ms or bytes)")
     return values.tolist()
 
 
 def _from_table(df: pd.DataFrame, schedule, v):
     schedule = canonical_schedule(schedule or "1F1B")
     if v is None:
-        if schedule in ("GPipe", "1F1B"):
+        if schedule in SINGLE_CHUNK_SCHEDULES:
             v = 1
         elif schedule in V_SHAPE_SCHEDULES:
             v = 2
@@ -249,7 +253,8 @@ def simulate(partition, m, schedule=None, v=None, link=None, wgrad_fraction=None
 # Operations hold structure only (signals, stage indices); the engine looks durations up, so
 # the lowered order of (P, m, schedule, v) is built once and reused across partitions.
 #   (_WAIT, signal)
-#   (_COMPUTE, done_signal, duration_index = kind_code * S + stage, stage, microbatch, kind)
+#   (_COMPUTE, done_signal, duration_index = kind_code * S + stage, stage, microbatch, kind, waits)
+# (``waits``: the signals it needs first, folded in by :func:`_fuse_waits`)
 #   (_FIRE, arrival_signal, boundary, stage, dst_stage, dst_rank, direction, microbatch)
 # ``boundary`` indexes the transfer time (the cut after stage ``boundary``); direction 0 is an
 # activation going forward, 1 a gradient going back.
@@ -313,8 +318,25 @@ def _lower(groups, schedule, P, m, S, placement):
                     out.append(low.compute(kind, s, i))
                 for kind, s, i in group:
                     extend(low.sends(kind, s, i))
-        ops.append(tuple(out))
+        ops.append(_fuse_waits(out))
     return tuple(ops)
+
+
+def _fuse_waits(out):
+    """Fold the waits just before a compute into it (``op[6]``): one engine step per action instead of one per signal."""
+    fused, pending = [], []
+    for op in out:
+        if op[0] == _WAIT:
+            pending.append(op[1])
+        elif op[0] == _COMPUTE:
+            fused.append(op + (tuple(pending),))
+            pending = []
+        else:
+            fused += [(_WAIT, sid) for sid in pending]
+            fused.append(op)
+            pending = []
+    fused += [(_WAIT, sid) for sid in pending]
+    return tuple(fused)
 
 
 @lru_cache(maxsize=64)
@@ -402,6 +424,7 @@ def _run(ops, P, m, S, durations, transfer, with_comm_rows, per_action=None):
     ``per_action`` optionally overrides single actions: ``{(kind_code * S + stage, microbatch): ms}``.
     """
     dur = [d for per_kind in durations for d in per_kind]  # flat, indexed kind_code * S + stage
+    plain = per_action is None
     signal = [None] * (5 * S * m)
     waiting: dict[int, list[int]] = {}
     pc = [0] * P
@@ -416,6 +439,25 @@ def _run(ops, P, m, S, durations, transfer, with_comm_rows, per_action=None):
         while i < n:
             op = rank_ops[i]
             code = op[0]
+            if code == 1:  # _COMPUTE, after its waits
+                for sid in op[6]:
+                    value = signal[sid]
+                    if value is None:
+                        break
+                    if value > t:
+                        t = value
+                else:
+                    end = t + (dur[op[2]] if plain else per_action.get((op[2], op[4]), dur[op[2]]))
+                    append((r, op[3], op[4], op[5], t, end))
+                    t = end
+                    done = op[1]
+                    signal[done] = end
+                    if done in waiting:
+                        work.extend(waiting.pop(done))
+                    i += 1
+                    continue
+                waiting.setdefault(sid, []).append(r)
+                break
             if code == 0:  # _WAIT
                 value = signal[op[1]]
                 if value is None:
@@ -423,13 +465,6 @@ def _run(ops, P, m, S, durations, transfer, with_comm_rows, per_action=None):
                     break
                 if value > t:
                     t = value
-            elif code == 1:  # _COMPUTE
-                end = t + (dur[op[2]] if per_action is None else per_action.get((op[2], op[4]), dur[op[2]]))
-                append((r, op[3], op[4], op[5], t, end))
-                t = end
-                signal[op[1]] = end
-                if op[1] in waiting:
-                    work.extend(waiting.pop(op[1]))
             else:  # _FIRE
                 arrive = t + transfer[op[2]]
                 signal[op[1]] = arrive
@@ -446,7 +481,7 @@ def _run(ops, P, m, S, durations, transfer, with_comm_rows, per_action=None):
         pc[r], clock[r] = i, t
     stuck = [r for r in range(P) if pc[r] < len(ops[r])]
     if stuck:
-        raise ScheduleDeadlock(_deadlock_message(ops, pc, stuck, S, m))
+        raise ScheduleDeadlock(_deadlock_message(ops, pc, stuck, S, m, signal))
     return rows
 
 
@@ -478,13 +513,14 @@ def _describe_signal(sid, S, m):
     }[family]
 
 
-def _deadlock_message(ops, pc, stuck, S, m):
+def _deadlock_message(ops, pc, stuck, S, m, signal):
     parts = []
     for r in stuck[:6]:
         op = ops[r][pc[r]]
+        sid = next(w for w in op[6] if signal[w] is None) if op[0] == _COMPUTE else op[1]
         nxt = next((o for o in ops[r][pc[r]:] if o[0] == _COMPUTE), None)
         action = f"{nxt[5]} of stage {nxt[3]}, micro-batch {nxt[4]}" if nxt else "its last sends"
-        parts.append(f"rank {r} waits for {_describe_signal(op[1], S, m)} before {action}")
+        parts.append(f"rank {r} waits for {_describe_signal(sid, S, m)} before {action}")
     more = f" (and {len(stuck) - 6} more ranks)" if len(stuck) > 6 else ""
     return "the pipeline order deadlocks: " + "; ".join(parts) + more
 

@@ -12,13 +12,12 @@ from __future__ import annotations
 import itertools
 import math
 import numbers
-import os
 
 import pandas as pd
 
-from ._checks import MULTI_CHUNK_SCHEDULES, V_SHAPE_SCHEDULES, canonical_schedule, check_int
+from ._checks import MULTI_CHUNK_SCHEDULES, SINGLE_CHUNK_SCHEDULES, V_SHAPE_SCHEDULES, canonical_schedule, check_int
 from .link import check_link
-from .partition import METHODS, Partition, _Layers, partition
+from .partition import METHODS, Partition, _Layers, memory_cap, partition
 from .schedules import validate
 from .simulate import simulate
 from .timeline import Timeline
@@ -85,12 +84,13 @@ def sweep(
     v=None,
     steps=None,
     link=None,
-    mem_limit_bytes=None,
+    mem_per_gpu_bytes=None,
     optimizer="adam",
     wgrad_fraction=None,
     progress=True,
     calibration=None,
     precision=None,
+    mem_limit_bytes=None,
 ) -> pd.DataFrame:
     """Simulate every combination of ``P`` x ``m`` x ``schedules`` x ``methods`` (x ``v``).
 
@@ -104,11 +104,14 @@ def sweep(
     progress bar shows unless ``progress=False``. With a ``calibration`` (from
     :func:`~pipeswift_lab.calibrate.calibrate`) every configuration is simulated calibrated and
     ``step_ms`` is the whole predicted step: the calibrated action span plus the runtime's
-    per-step overhead (:func:`~pipeswift_lab.calibrate.whole_step_ms`).
+    per-step overhead (:func:`~pipeswift_lab.calibrate.whole_step_ms`). ``mem_per_gpu_bytes``
+    caps each rank's memory, as in :func:`~pipeswift_lab.partition.partition` and
+    :func:`~pipeswift_lab.plan` (``mem_limit_bytes=``, its old name, warns and still works).
     """
     from .calibrate import check_calibration, whole_step_ms
 
     calibration = check_calibration(calibration)
+    mem_per_gpu_bytes = memory_cap(mem_per_gpu_bytes, mem_limit_bytes, "sweep")
     layers = _Layers(profile)
     Ps = [check_int("P", p, minimum=1) for p in _as_list("P", P, "int")]
     ms = [check_int("m", x, minimum=1) for x in _as_list("m", m, "int")]
@@ -124,7 +127,7 @@ def sweep(
 
     combos = []
     for p, sched, meth in itertools.product(Ps, scheds, meths):
-        if sched in ("GPipe", "1F1B"):
+        if sched in SINGLE_CHUNK_SCHEDULES:
             chunk_options = [1]
         elif vs is None:
             chunk_options = [2]
@@ -134,23 +137,22 @@ def sweep(
             for mm in ms:
                 combos.append((p, mm, sched, chunks, meth))
 
-    from tqdm.auto import tqdm
+    from ._progress import progress_bar
 
-    env_off = os.environ.get("TQDM_DISABLE", "").strip().lower() not in ("", "0", "false", "no")
     parts: dict = {}
     rows = []
-    for p, mm, sched, chunks, meth in tqdm(combos, desc="sweep", leave=False, disable=not progress or env_off):
+    for p, mm, sched, chunks, meth in progress_bar(combos, desc="sweep", progress=progress, leave=False):
         row = {"P": p, "m": mm, "schedule": sched, "v": chunks, "method": meth, "feasible": False, "reason": ""}
         try:
             if p * chunks > layers.n:
                 raise ValueError(f"P*v={p * chunks} stages exceed the {layers.n} profiled layers")
             validate(p, mm, sched, chunks)
             placement = "v" if sched in V_SHAPE_SCHEDULES else "loop"
-            key = (p, chunks, placement, meth) if mem_limit_bytes is None else (p, chunks, sched, meth, mm)
+            key = (p, chunks, placement, meth) if mem_per_gpu_bytes is None else (p, chunks, sched, meth, mm)
             if key not in parts:
                 parts[key] = partition(
                     layers.df, p, method=meth, v=chunks, schedule=sched, link=link,
-                    mem_limit_bytes=mem_limit_bytes, optimizer=optimizer, m=None if mem_limit_bytes is None else mm, precision=precision,
+                    mem_per_gpu_bytes=mem_per_gpu_bytes, optimizer=optimizer, m=None if mem_per_gpu_bytes is None else mm, precision=precision,
                 )  # fmt: skip
             part = parts[key]
             tl = simulate(part, mm, schedule=sched, link=link, wgrad_fraction=wgrad_fraction, calibration=calibration)

@@ -31,6 +31,7 @@ from functools import cached_property
 import numpy as np
 import pandas as pd
 
+from ._checks import COMPUTE_KINDS, KINDS  # noqa: F401 - the action kinds a Timeline holds (computation, then transfers), re-exported
 from ._display import html_card, text_card
 
 #: Columns of ``Timeline.df``, in order.
@@ -38,10 +39,6 @@ COLUMNS = ("step", "rank", "stage", "microbatch", "kind", "start_ms", "end_ms")
 #: Integer columns a Timeline may carry besides COLUMNS: ``segment`` (a run's configuration since its last
 #: resize or rebalance) and ``replica`` (the data-parallel replica).
 OPTIONAL_COLUMNS = ("segment", "replica")
-#: Action kinds a Timeline may hold.
-KINDS = ("F", "B", "I", "W", "SEND_F", "RECV_F", "SEND_B", "RECV_B")
-#: Kinds that are computation (the rest are transfers).
-COMPUTE_KINDS = ("F", "B", "I", "W")
 #: ``source`` values.
 SOURCES = ("simulated", "measured")
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import html
 
 from . import analytic
-from ._checks import SCHEDULES, V_SHAPE_SCHEDULES, check_schedule_v
+from ._checks import SCHEDULES, SINGLE_CHUNK_SCHEDULES, V_SHAPE_SCHEDULES, check_schedule_v
 
 
 class _Explorer:
@@ -42,7 +42,7 @@ class BubbleExplorer(_Explorer):
         import ipywidgets as w
 
         schedule, v = check_schedule_v(schedule, v)
-        self._P = w.IntSlider(value=P, min=1, max=max_P, description="P (stages)", continuous_update=False)
+        self._P = w.IntSlider(value=P, min=1, max=max_P, description="P (ranks)", continuous_update=False)
         self._m = w.IntSlider(value=m, min=1, max=max_m, description="m (micro-batches)", continuous_update=False, style={"description_width": "initial"})
         self._schedule = w.Dropdown(options=list(SCHEDULES), value=schedule, description="schedule")
         self._v = w.IntSlider(value=v, min=1, max=8, description="v (chunks/rank)", continuous_update=False, style={"description_width": "initial"})
@@ -63,7 +63,7 @@ class BubbleExplorer(_Explorer):
 
     def _sync_v(self):
         """Pin ``v`` where the schedule fixes it: 1 for single-stage schedules, 2 for V shapes."""
-        if self.schedule in ("GPipe", "1F1B"):
+        if self.schedule in SINGLE_CHUNK_SCHEDULES:
             self._v.value, self._v.disabled = 1, True
         elif self.schedule in V_SHAPE_SCHEDULES:
             self._v.value, self._v.disabled = 2, True
@@ -159,14 +159,21 @@ class PipelineExplorer(_Explorer):
         from ._checks import canonical_schedule
 
         schedule = canonical_schedule(schedule)
-        self._P = w.IntSlider(value=P, min=1, max=n_layers, description="P (ranks)", continuous_update=False)
-        self._m = w.IntSlider(value=m, min=1, max=64, description="m (micro-batches)", continuous_update=False, style={"description_width": "initial"})
+        self._P = w.IntSlider(value=P, min=1, max=n_layers, description="P (ranks)", continuous_update=False, layout=w.Layout(width="420px"))
         self._schedule = w.Dropdown(options=list(SCHEDULES), value=schedule, description="schedule")
+        # only the m torch's schedule accepts for this P, on a track long enough to drag
+        valid = valid_microbatches(P, schedule)
+        self.note = "" if m in valid else _snap_note(m, _nearest(valid, m), P, schedule)
+        self._m = w.SelectionSlider(options=valid, value=_nearest(valid, m), description="m (micro-batches)", continuous_update=False,
+                                    style={"description_width": "initial"}, layout=w.Layout(width="520px"))  # fmt: skip
         self._method = w.Dropdown(options=list(METHODS), value=method, description="partition")
         self._numbers = w.HTML()
         self._figure = w.Output()
-        for control in (self._P, self._m, self._schedule, self._method):
-            control.observe(lambda change: self._update(), names="value")
+        self._syncing = False
+        self._P.observe(lambda change: self._on_shape(), names="value")
+        self._schedule.observe(lambda change: self._on_shape(), names="value")
+        self._m.observe(lambda change: None if self._syncing else self._on_m(), names="value")
+        self._method.observe(lambda change: self._update(), names="value")
         self.widget = w.VBox([w.HBox([self._P, self._m]), w.HBox([self._schedule, self._method]), self._numbers, self._figure])
         self.partition = self.timeline = None
         self.result: dict = {}
@@ -174,9 +181,43 @@ class PipelineExplorer(_Explorer):
         self._update()
 
     P = property(lambda self: self._P.value, lambda self, value: setattr(self._P, "value", value))
-    m = property(lambda self: self._m.value, lambda self, value: setattr(self._m, "value", value))
     schedule = property(lambda self: self._schedule.value, lambda self, value: setattr(self._schedule, "value", value))
     method = property(lambda self: self._method.value, lambda self, value: setattr(self._method, "value", value))
+
+    @property
+    def m(self) -> int:
+        """The micro-batch count shown; setting one torch refuses for this P and schedule snaps to the nearest valid (see ``.note``)."""
+        return self._m.value
+
+    @m.setter
+    def m(self, value):
+        valid = list(self._m.options)
+        self.note = "" if value in valid else _snap_note(value, _nearest(valid, value), self.P, self.schedule)
+        if _nearest(valid, value) == self._m.value:
+            self._update()  # same m: show the note
+        else:
+            self._keep_note = True
+            self._m.value = _nearest(valid, value)
+
+    def _on_m(self):
+        if not getattr(self, "_keep_note", False):
+            self.note = ""  # the user moved the slider: any earlier snap no longer applies
+        self._keep_note = False
+        self._update()
+
+    def _on_shape(self):
+        """P or the schedule changed: offer the m valid for them, keeping the current m or snapping to the nearest."""
+        if self._syncing:
+            return
+        current, valid = self._m.value, valid_microbatches(self.P, self.schedule)
+        self._syncing = True
+        try:
+            self._m.options = valid
+            self._m.value = _nearest(valid, current)
+        finally:
+            self._syncing = False
+        self.note = "" if current in valid else _snap_note(current, self._m.value, self.P, self.schedule)
+        self._update()
 
     def _update(self):
         from .calibrate import whole_step_ms
@@ -205,7 +246,8 @@ class PipelineExplorer(_Explorer):
         }
         r = self.result
         self._numbers.value = (
-            f"<b>{r['schedule']}</b> (v={r['v']}), {r['method']} split of P={r['P']}, m={r['m']}: "
+            (f"<i>{html.escape(self.note)}</i><br>" if self.note else "")
+            + f"<b>{r['schedule']}</b> (v={r['v']}), {r['method']} split of P={r['P']}, m={r['m']}: "
             f"{'calibrated' if self.calibration is not None else 'simulated'} step "
             f"<b>{r['step_ms']:.4g} ms</b>, bubble_ratio <b>{r['bubble_ratio']:.3f}</b>, slowest stage "
             f"{r['bottleneck_ms']:.4g} ms, imbalance {r['imbalance']:.2f}"
@@ -215,6 +257,35 @@ class PipelineExplorer(_Explorer):
     def _draw(self):
         self._redraw(self._figure, self.timeline.plot)
 
+
+
+#: The largest micro-batch count the pipeline explorer offers (more when the schedule needs more).
+M_MAX = 64
+
+
+def valid_microbatches(P, schedule) -> list[int]:
+    """The micro-batch counts ``m`` (1 … :data:`M_MAX`, or up to what the schedule needs) that torch's ``schedule`` accepts with ``P`` ranks."""
+    from .schedules import validate
+    from .sweep import _default_v
+
+    out = []
+    for m in range(1, max(M_MAX, 4 * P) + 1):
+        try:
+            validate(P, m, schedule, _default_v(schedule))
+        except ValueError:
+            continue
+        out.append(m)
+        if m >= M_MAX and len(out) >= 8:
+            break
+    return out
+
+
+def _nearest(valid, m) -> int:
+    return min(valid, key=lambda k: (abs(k - m), k))
+
+
+def _snap_note(asked, got, P, schedule) -> str:
+    return f"m={asked} is not accepted by torch's {schedule} with P={P}; showing the nearest valid m={got}"
 
 
 def pipeline_explorer(profile=None, P=2, m=4, schedule="1F1B", method="balanced", calibration=None) -> PipelineExplorer:

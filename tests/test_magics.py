@@ -144,3 +144,23 @@ def test_errors_in_a_notebook_cell_show_no_traceback(shell):
         result = shell.run_cell("%pipeswift_profile -n 1 nothing x")
     assert isinstance(result.error_in_exec, UsageError)
     assert "Traceback" not in shown.stdout + shown.stderr
+
+
+def test_arguments_split_as_a_shell_would(shell):
+    """The help shows --layers 'embed,blocks.*,head'; pasted with its quotes it must work."""
+    prof = shell.run_line_magic("pipeswift_profile", "-n 1 -w 0 -o -q --layers 'blocks.*,head' tower x")
+    assert prof.layer_names == ("blocks.0", "blocks.1", "blocks.2", "head")
+    prof = shell.run_line_magic("pipeswift_profile", '-n 1 -w 0 -o -q --layers "blocks.0" tower x')
+    assert prof.layer_names == ("blocks.0",)
+    with pytest.raises(UsageError, match="could not split the arguments"):
+        shell.run_line_magic("pipeswift_profile", "-n 1 --layers 'blocks.* tower x")
+
+
+def test_quiet_shows_no_progress_bar(shell, monkeypatch):
+    monkeypatch.delenv("TQDM_DISABLE", raising=False)  # the suite turns bars off; -q must do it by itself
+    with capture_output() as shown:
+        shell.run_line_magic("pipeswift_profile", "-n 2 -w 0 -q --layers blocks.* tower x")
+    assert shown.outputs == [] and shown.stdout == "" and shown.stderr == ""
+    with capture_output() as shown:
+        shell.run_line_magic("pipeswift_profile", "-n 2 -w 0 --layers blocks.* tower x")
+    assert "profiling Tower" in shown.stderr  # without -q the bar shows: the check above can fail

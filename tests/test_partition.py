@@ -132,7 +132,7 @@ def test_memory_cap_gives_the_best_split_that_fits():
     free = partition(prof, 2, m=2)
     assert free.bounds == ((0, 2), (2, 6)) and free.rank_mem_bytes == (84.0, 924.0)
     cap = 900  # rank 1 (one micro-batch in flight) can hold layers 3..5 (883 bytes) but not 2..5
-    capped = partition(prof, 2, m=2, mem_limit_bytes=cap)
+    capped = partition(prof, 2, m=2, mem_per_gpu_bytes=cap)
     assert capped.bounds == ((0, 3), (3, 6)) and capped.rank_mem_bytes == (126.0, 883.0)
 
     def fits(k, a, b):
@@ -141,19 +141,19 @@ def test_memory_cap_gives_the_best_split_that_fits():
     best, bounds = brute_force(lambda a, b: 2 * sum(fwd[a:b]), 6, 2, fits)
     assert capped.bottleneck_ms == best
     assert capped.bottleneck_ms >= free.bottleneck_ms
-    assert partition(prof, 2, m=2, mem_limit_bytes=10 * cap).bounds == free.bounds
+    assert partition(prof, 2, m=2, mem_per_gpu_bytes=10 * cap).bounds == free.bounds
 
 
 def test_a_cap_no_split_meets_names_the_stage_and_the_smallest_P():
     prof = Profile.synthetic(fwd_ms=[1.0] * 8, bwd_ms=[2.0] * 8, param_bytes=[100.0] * 8, activation_bytes=[0.0] * 8)
     # each layer needs 400 bytes with Adam; 2 ranks of 4 layers need 1600 each
     with pytest.raises(ValueError, match=r"stage 0 \(layers 0\.\.3: layer_0\.\.layer_3, rank 0\) needs 1600 bytes.*smallest P that fits .* is 4"):
-        partition(prof, 2, mem_limit_bytes=800)
+        partition(prof, 2, mem_per_gpu_bytes=800)
     with pytest.raises(ValueError, match="smallest P that fits .* is 4"):
-        partition(prof, 2, method="uniform", mem_limit_bytes=800)
+        partition(prof, 2, method="uniform", mem_per_gpu_bytes=800)
     with pytest.raises(ValueError, match="No P up to 8 fits"):
-        partition(prof, 2, mem_limit_bytes=300)
-    assert partition(prof, 4, mem_limit_bytes=800).bounds == tuple((2 * i, 2 * i + 2) for i in range(4))
+        partition(prof, 2, mem_per_gpu_bytes=300)
+    assert partition(prof, 4, mem_per_gpu_bytes=800).bounds == tuple((2 * i, 2 * i + 2) for i in range(4))
 
 
 def test_from_bounds_checks_hand_written_splits():
@@ -175,7 +175,7 @@ def test_from_bounds_checks_hand_written_splits():
     with pytest.raises(TypeError, match="pair"):
         Partition.from_bounds(prof, [(0, 3, 4)])
     with pytest.raises(ValueError, match="rank 0 needs"):
-        Partition.from_bounds(prof, [(0, 4), (4, 8)], mem_limit_bytes=100)
+        Partition.from_bounds(prof, [(0, 4), (4, 8)], mem_per_gpu_bytes=100)
 
 
 @pytest.mark.parametrize(
@@ -188,7 +188,7 @@ def test_from_bounds_checks_hand_written_splits():
         (dict(P=2, optimizer="lion"), ValueError, "optimizer='lion'"),
         (dict(P=2, schedule="ZBVZeroBubble"), ValueError, "v=1 is not allowed"),
         (dict(P=4, schedule="1F1B", m=2), ValueError, "P=4, m=2"),
-        (dict(P=2, mem_limit_bytes=-1), ValueError, "mem_limit_bytes=-1"),
+        (dict(P=2, mem_per_gpu_bytes=-1), ValueError, "mem_per_gpu_bytes=-1"),
         (dict(P=2, link="fast"), TypeError, "Link"),
     ],
 )
@@ -255,3 +255,37 @@ def test_display():
     assert "Partition: 3 stages of 8 layers" in html and "bottleneck_ms" in html
     assert "Partition [(0," in str(part)
     assert part.stage_table().columns.tolist() == ["fwd_ms", "bwd_ms", "output_bytes", "activation_bytes"]
+
+
+def test_bottleneck_shortcut_for_prefix_sums_matches_the_range_maximum():
+    """Without transfers the window maximum is read off the last reachable start; it must equal the sparse-table answer."""
+    from pipeswift_lab._bottleneck import MinMaxSplit
+
+    rng = np.random.default_rng(3)
+    for trial in range(20):
+        n, K = int(rng.integers(5, 60)), int(rng.integers(2, 6))
+        S = np.concatenate([[0.0], np.cumsum(rng.uniform(0, 3, n))])
+        lo_by_k = [np.minimum(np.arange(n + 1), np.maximum(0, np.arange(n + 1) - int(rng.integers(1, n)))) for _ in range(K)]
+        fast, slow = MinMaxSplit(S, S, K, lo_by_k), MinMaxSplit(S, S, K, lo_by_k)
+        slow.monotone = False
+        assert fast.monotone
+        for T in np.linspace(0, S[-1], 15):
+            a, b = fast.reach(T), slow.reach(T)
+            assert (a is None) == (b is None), (trial, T)
+            if a is not None:
+                assert np.array_equal(a, b)
+        try:
+            assert fast.solve() == slow.solve()
+        except Exception as error:  # both infeasible alike
+            with pytest.raises(type(error)):
+                slow.solve()
+
+
+def test_old_cap_name_still_works_with_a_deprecation_warning():
+    prof = Profile.synthetic(fwd_ms=[1.0] * 4, bwd_ms=[2.0] * 4, param_bytes=[100.0] * 4, activation_bytes=[10.0] * 4)
+    new = partition(prof, 2, mem_per_gpu_bytes=1e6)
+    with pytest.warns(DeprecationWarning, match=r"partition\(mem_limit_bytes=...\) is renamed mem_per_gpu_bytes"):
+        old = partition(prof, 2, mem_limit_bytes=1e6)
+    assert old == new and old.mem_per_gpu_bytes == old.mem_limit_bytes == 1e6
+    with pytest.raises(TypeError, match="got both mem_per_gpu_bytes and mem_limit_bytes"):
+        partition(prof, 2, mem_per_gpu_bytes=1e6, mem_limit_bytes=1e6)

@@ -50,7 +50,7 @@ def test_p95_ranking_differs_from_the_mean_ranking():
     run on 2 GPUs). The queue is the same in every outcome, but the training term's spread
     grows with its length, so at p95 the longer training costs more than the queue it saves.
     """
-    prof = psl.Profile.synthetic(fwd_ms=[1.0] * 8, bwd_ms=[2.0] * 8)
+    prof = psl.Profile.synthetic(fwd_ms=[1.0] * 8, bwd_ms=[2.0] * 8, meta={"batch_size": 1})
     kwargs = dict(gpus=8, global_batch=64, steps=20_000, availability=[(0, 2), (600, 8)], schedules=["1F1B"],
                   microbatch_sizes=[1], step_cv=0.3, progress=False)
     by_mean = psl.plan(prof, quantile=0.95, **kwargs)

@@ -1,4 +1,5 @@
 import math
+import re
 import time
 
 import matplotlib
@@ -251,3 +252,57 @@ def test_calibrated_plan_steps_and_its_bound_stays_a_bound():
     assert pruned.best.label == result.best.label and pruned.best.total_s == pytest.approx(result.best.total_s)
     with pytest.raises(TypeError, match="calibration must be"):
         plan(prof, gpus=8, global_batch=32, steps=1000, calibration="cal.json", progress=False)
+
+
+def test_every_feasible_row_is_ranked_and_pruned_reasons_read_differently():
+    result = plan(model_profile(), gpus=8, global_batch=8, steps=100, progress=False)
+    table = result.table
+    feasible = table[table["feasible"]]
+    assert list(feasible["rank"]) == list(range(1, len(feasible) + 1))  # simulated and pruned alike
+    assert table.loc[~table["feasible"], "rank"].isna().all()
+    pruned = feasible[~feasible["simulated"]]
+    assert not pruned.empty and (pruned["ranked_by"] == "jct_lower_bound_s").all()
+    assert (feasible.loc[feasible["simulated"], "ranked_by"] == "total_s").all()
+    assert pruned["jct_lower_bound_s"].is_monotonic_increasing
+    for _, row in pruned.iterrows():
+        bound, best = re.search(r"lower bound (.+?) is no shorter than the best (.+?) at its wait", row["reason"]).groups()
+        assert bound != best or row["jct_lower_bound_s"] == result.best.total_s
+
+
+def test_distinct_hours_adds_digits_until_values_differ():
+    from pipeswift_lab._plan_steps import distinct_hours as _distinct_hours
+
+    assert _distinct_hours(6012.0, 6000.0) == ("1.670 h", "1.667 h")
+    assert _distinct_hours(6000.0, 6000.0) == ("1.67 h", "1.67 h")
+    assert _distinct_hours(90.0, 30.0) == ("1.5 min", "30 s")
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(schedules=[]), r"schedules=\[\] is empty; give at least one of \['GPipe'"),
+        (dict(mtbf_s=1e-3), r"do not survive mtbf_s=0.001 .*preempted more often than it can save a checkpoint"),
+        (dict(global_batch=3, profile_batch=4), r"global_batch=3 is smaller than the profiled micro-batch size 4"),
+    ],
+)
+def test_bad_plan_inputs_name_the_argument(kwargs, message):
+    b = kwargs.pop("profile_batch", 1)
+    args = dict(gpus=8, global_batch=8, steps=100, progress=False) | kwargs
+    with pytest.raises(ValueError, match=message):
+        plan(model_profile(batch_size=b), **args)
+
+
+def test_profile_without_batch_size_warns_that_it_is_planned_at_size_one():
+    prof = Profile.synthetic(fwd_ms=[1.0] * 4, bwd_ms=[2.0] * 4)
+    with pytest.warns(UserWarning, match=r"profile has no meta\['batch_size'\]: it is planned as if profiled at micro-batch size 1"):
+        plan(prof, gpus=4, global_batch=4, steps=10, progress=False)
+
+
+def test_explain_says_why_no_pipeline_wins():
+    result = plan(model_profile(param_bytes=1e6), gpus=8, global_batch=8, steps=100, progress=False)
+    assert result.best.P == 1
+    text = result.explain()
+    assert "No pipeline (P=1, 8 data-parallel replicas) wins because no memory cap is given" in text
+    assert "the best pipelined configuration, P" in text
+    capped = plan(model_profile(param_bytes=1e9), gpus=8, global_batch=8, steps=100, mem_per_gpu_bytes=12e9, progress=False)
+    assert capped.best.P > 1 and "No pipeline" not in capped.explain()  # 8 GB of layers x 4 do not fit 12 GB

@@ -68,9 +68,9 @@ def test_partition_counts_bf16_mixed_at_16_bytes_per_parameter():
 def test_memory_cap_uses_the_precision():
     prof = bf16_profile()
     with pytest.raises(ValueError, match=r"bf16-mixed\)"):  # 2 layers x 16 GB per rank do not fit 20 GB
-        partition(prof, 2, m=2, precision="bf16-mixed", mem_limit_bytes=20 * GB)
-    partition(prof, 2, m=2, mem_limit_bytes=20 * GB)  # the 8 B/param count fits, wrongly
-    partition(prof, 2, m=2, precision="bf16-mixed-zero1", dp=8, mem_limit_bytes=20 * GB)  # 2 + 2 + 1.5 B/param fits
+        partition(prof, 2, m=2, precision="bf16-mixed", mem_per_gpu_bytes=20 * GB)
+    partition(prof, 2, m=2, mem_per_gpu_bytes=20 * GB)  # the 8 B/param count fits, wrongly
+    partition(prof, 2, m=2, precision="bf16-mixed-zero1", dp=8, mem_per_gpu_bytes=20 * GB)  # 2 + 2 + 1.5 B/param fits
 
 
 def test_sweep_peak_memory_follows_the_precision():

@@ -460,3 +460,37 @@ def test_one_noise_rule_for_profile_cards_and_the_report():
     noisy = Profile(noisy.df, meta={**noisy.meta, "step_ms_samples": [10.0, 20.0, 10.0]})
     assert noisy.cv > NOISE_CV
     assert noise_warning(noisy.cv, "the profiled step") in noisy._repr_html_() and "Noisy machine" in repr(noisy)
+
+
+@pytest.mark.parametrize(
+    "column, value, message",
+    [
+        ("fwd_ms", float("nan"), r"df\['fwd_ms'\] of layer 1 \('layer_1'\) is nan; each value must be a finite number >= 0"),
+        ("bwd_ms", -1.0, r"df\['bwd_ms'\] of layer 1 \('layer_1'\) is -1.0; each value must be a finite number >= 0"),
+        ("fwd_ms", "fast", r"df\['fwd_ms'\] of layer 1 \('layer_1'\) is 'fast'"),
+        ("param_bytes", -5, r"df\['param_bytes'\] of layer 1 \('layer_1'\) is -5; each value must be a number >= 0"),
+    ],
+)
+def test_profile_refuses_bad_layer_values(column, value, message):
+    good = Profile.synthetic(fwd_ms=[1.0, 2.0], bwd_ms=[2.0, 4.0])
+    df = good.df.copy()
+    df[column] = df[column].astype(object)
+    df.loc[1, column] = value
+    with pytest.raises(ValueError, match=message):
+        Profile(df)
+
+
+def test_read_csv_refuses_empty_and_negative_times(tmp_path):
+    path = tmp_path / "p.csv"
+    Profile.synthetic(fwd_ms=[1.0, 2.0], bwd_ms=[2.0, 4.0], meta={"batch_size": 2}).to_csv(path)
+    lines = path.read_text().splitlines()
+    header = lines[1].split(",")
+    for value, message in (("", r"is nan; each value must be a finite number >= 0"), ("-3", r"is -3.0; each value")):
+        row = lines[2].split(",")
+        row[header.index("fwd_ms")] = value
+        path.write_text("\n".join(lines[:2] + [",".join(row)] + lines[3:]) + "\n")
+        with pytest.raises(ValueError, match=r"df\['fwd_ms'\] of layer 0 .*" + message):
+            Profile.read_csv(path)
+    path.write_text("\n".join(lines[:2]) + "\n")  # the header alone: no layers
+    with pytest.raises(ValueError, match="df has no rows"):
+        Profile.read_csv(path)

@@ -20,3 +20,23 @@ def test_cluster_section_is_in_the_report_and_fast(tmp_path):
     terms = ["queue_s", "assembly_s", "training_s", "cleanup_s", "preemption_loss_s"]
     assert ((breakdown[terms].sum(axis=1) - breakdown["jct_s"]).abs() < 1e-6 * breakdown["jct_s"]).all()
     assert any(line.startswith("cluster days 42-43 on 256 GPUs: mean JCT static") for line in result.summary)
+
+
+def test_tables_scroll_hide_empty_columns_and_print_zero(tmp_path):
+    from pipeswift_lab.report import _table_html
+
+    table = pd.DataFrame({"P": [1, 2], "bubble_ratio": [-2.220446049250313e-16, 0.25], "peak_bytes": [float("nan")] * 2})
+    page = _table_html(table)
+    assert page.startswith("<div class='wide'>")  # the page's CSS scrolls .wide sideways
+    assert "peak_bytes</th>" not in page and "No values here for peak_bytes (see the CSV)" in page
+    assert "e-16" not in page and "<td>0</td>" in page and "<td>0.25</td>" in page
+
+
+def test_model_sections_read_as_a_reader_would(tmp_path):
+    from pipeswift_lab.report import section_bubbles, section_jct_example
+
+    result = build_report(tmp_path / "rep", sections=[section_bubbles, section_jct_example], quick=True, progress=False)
+    page = result.path.read_text()
+    assert "the interleaved schedule (right, v=2)" in page and ".wide {" in page
+    example = pd.read_csv(tmp_path / "rep" / "jct_example.csv")
+    assert "config" not in example.columns and example.columns[0] == "label"  # the label once, not twice

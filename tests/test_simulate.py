@@ -323,3 +323,9 @@ def test_calibration_scale_of_an_unfitted_P_is_the_nearest():
     assert cal.scale(2) == 2.0 and cal.scale(3) == 3.0 and cal.scale(1) == 2.0 and cal.scale(16) == 3.0
     assert math.isnan(hand_calibration(step_overhead={"single-chunk": math.nan}).step_overhead.get("single-chunk"))
     assert hand_calibration(step_overhead={"single-chunk": math.nan}).step_overhead_ms("1F1B") == 0.0
+
+
+def test_stage_table_with_strings_names_the_value():
+    table = pd.DataFrame({"fwd_ms": ["1.0", "fast"], "bwd_ms": [2.0, 2.0]})
+    with pytest.raises(ValueError, match=r"stage table column 'fwd_ms': stage 1 has 'fast'; values must be finite numbers >= 0"):
+        simulate(table, 4, "1F1B")

@@ -72,9 +72,9 @@ def test_v_values_and_memory_caps():
     df = sweep(prof, P=[2], m=[4], schedules=["Interleaved1F1B", "ZBVZeroBubble", "GPipe"], v=[2, 4], progress=False)
     assert sorted(zip(df.schedule, df.v)) == [("GPipe", 1), ("Interleaved1F1B", 2), ("Interleaved1F1B", 4), ("ZBVZeroBubble", 2), ("ZBVZeroBubble", 4)]
     assert not df[(df.schedule == "ZBVZeroBubble") & (df.v == 4)]["feasible"].iloc[0]
-    capped = sweep(prof, P=[2, 4], m=[4], mem_limit_bytes=40_000, progress=False)
+    capped = sweep(prof, P=[2, 4], m=[4], mem_per_gpu_bytes=40_000, progress=False)
     assert capped.set_index("P").loc[2, "feasible"] == False  # noqa: E712 - numpy bool
-    assert "mem_limit_bytes=40000" in capped.set_index("P").loc[2, "reason"]
+    assert "mem_per_gpu_bytes=40000" in capped.set_index("P").loc[2, "reason"]
     assert capped.set_index("P").loc[4, "feasible"]
 
 
@@ -136,3 +136,15 @@ def test_a_calibrated_sweep_reports_the_whole_predicted_step():
         assert row.step_ms == pytest.approx(want) and row.training_s == pytest.approx(100 * want / 1000)
     plain = sweep(prof, P=[2], m=[4], schedules=["1F1B"], progress=False)
     assert table.iloc[0]["step_ms"] == pytest.approx(5 * (2 * 9 + 2 * 0.5) + 10.0) and plain.iloc[0]["step_ms"] == 5 * 9
+
+
+def test_one_progress_switch_everywhere(monkeypatch):
+    """progress=False and TQDM_DISABLE turn every bar off through the one helper; otherwise it shows."""
+    from pipeswift_lab._progress import progress_bar, progress_off
+
+    monkeypatch.delenv("TQDM_DISABLE", raising=False)
+    assert not progress_off() and not progress_bar(range(3), desc="x").disable
+    assert progress_bar(range(3), desc="x", progress=False).disable
+    for value, off in (("1", True), ("true", True), ("0", False), ("no", False), ("", False)):
+        monkeypatch.setenv("TQDM_DISABLE", value)
+        assert progress_off() is off and progress_bar(range(3), desc="x").disable is off

@@ -57,9 +57,13 @@ def test_pipeline_explorer_resimulates_on_every_change():
     assert explorer.result["step_ms"] == pytest.approx(5 * 18)
     assert explorer.result["bubble_ratio"] == pytest.approx(1 / 5)
     explorer.P = 3
-    explorer.m = 2
-    assert explorer.error is not None and "needs m >= P" in explorer.error and explorer.timeline is None
-    assert "needs m &gt;= P" in explorer._numbers.value
+    assert explorer.m == 4 and list(explorer._m.options)[0] == 3  # 1F1B: only m >= P is offered
+    explorer.m = 2  # refused by torch: snapped to the nearest valid m, and said so
+    assert explorer.m == 3 and explorer.error is None and explorer.timeline is not None
+    assert explorer.note == "m=2 is not accepted by torch's 1F1B with P=3; showing the nearest valid m=3"
+    assert "m=2 is not accepted" in explorer._numbers.value
+    explorer._m.value = 5  # moved by hand: the note goes
+    assert explorer.note == "" and "not accepted" not in explorer._numbers.value
     explorer.m = 6
     assert explorer.error is None and explorer.result["P"] == 3
     assert len(explorer.timeline.df) == 2 * 3 * 6
@@ -111,3 +115,30 @@ def test_explorers_use_a_calibration():
     planner = planner_explorer(Profile.synthetic(fwd_ms=[1.0] * 8, bwd_ms=[2.0] * 8, meta={"batch_size": 1}), gpus=4, global_batch=8,
                                steps=100, schedules=["1F1B"], calibration=cal, quantile=0.95)
     assert planner.plan.inputs["calibration"] is cal and "total_s_p95" in planner.plan.table.columns
+
+
+def test_widgets_and_costs_are_attributes_of_the_package_and_import_stays_light():
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, pipeswift_lab as psl; "
+        "assert 'pipeswift_lab.widgets' not in sys.modules; "
+        "assert callable(psl.widgets.pipeline_explorer) and psl.costs.Availability and psl.Comparison; "
+        "heavy = [m for m in ('ipywidgets', 'IPython', 'matplotlib') if m in sys.modules]; "
+        "assert not heavy, heavy; "
+        "assert not {'explore', 'compute_orders', 'load_ipython_extension'} & set(psl.__all__); "
+        "assert {'widgets', 'costs', 'Comparison'} <= set(psl.__all__); "
+        "from pipeswift_lab import compute_orders, explore, load_ipython_extension"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+
+
+def test_valid_microbatches_follow_torch_rules():
+    from pipeswift_lab.widgets import valid_microbatches
+
+    assert valid_microbatches(4, "1F1B")[:3] == [4, 5, 6] and valid_microbatches(4, "GPipe")[0] == 1
+    interleaved = valid_microbatches(4, "Interleaved1F1B")
+    assert 8 in interleaved and 9 not in interleaved and 10 in interleaved  # m a multiple of max(1, m // P)
+    assert valid_microbatches(40, "DualPipeV")[0] == 80  # beyond the usual 64: what the schedule needs

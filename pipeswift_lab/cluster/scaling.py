@@ -110,8 +110,8 @@ class ScalingModel:
     def _stage_of(self, P: int):
         if P not in self._stage:
             try:
-                part = partition(self.profile, P, mem_limit_bytes=self.memory_bytes)
-            except ValueError:  # no split of P stages fits one GPU's memory
+                part = partition(self.profile, P, mem_per_gpu_bytes=self.memory_bytes)
+            except ValueError:  # no split over P ranks fits one GPU's memory
                 self._stage[P] = None
                 return None
             slowest = max(range(P), key=lambda s: part.stage_ms[s])

@@ -4,7 +4,6 @@ from __future__ import annotations
 import heapq
 import math
 import numbers
-import os
 import time
 import warnings
 from functools import lru_cache
@@ -117,10 +116,9 @@ def simulate(jobs, gpus, policy="static", checkpoint_every_s=None, progress=True
     capacity_at = dict(capacity)
 
     started = time.perf_counter()
-    env_off = bool(os.environ.get("TQDM_DISABLE"))
-    from tqdm.auto import tqdm
+    from .._progress import progress_bar
 
-    bar = tqdm(total=len(jobs_list), desc=f"cluster {policy.name}", unit="job", leave=False, disable=not progress or env_off)
+    bar = progress_bar(total=len(jobs_list), desc=f"cluster {policy.name}", progress=progress, unit="job", leave=False)
     submit = table["submit_s"].to_numpy(float)
     n_jobs, nxt, done, shown = len(jobs_list), 0, 0, 0
     heap = cluster.heap
