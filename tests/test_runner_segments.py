@@ -155,6 +155,6 @@ def test_bad_changes_fail_before_launch(kwargs, error, match):
 
 def test_a_resize_that_does_not_fit_memory_fails_before_launch():
     capped = psl.Profile.synthetic(fwd_ms=[1.0] * 6, bwd_ms=[2.0] * 6, param_bytes=[1e6] * 6)
-    part = psl.partition(capped, 3, m=M, mem_limit_bytes=9e6)
+    part = psl.partition(capped, 3, m=M, mem_per_gpu_bytes=9e6)
     with pytest.raises(ValueError, match=r"resize_at\[4\]=2"):
         run(model6(), batch, nn.functional.mse_loss, part, M, steps=12, progress=False, resize_at={4: 2}, profile=capped)

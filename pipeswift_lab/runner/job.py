@@ -354,7 +354,7 @@ def _rebalance_plan(rebalance_every, profile, partition, m, steps, instrument):
         raise TypeError(f"profile must be a pipeswift_lab.Profile or a per-layer DataFrame; got {type(profile).__name__}")
     if len(table) != partition.bounds[-1][1]:
         raise ValueError(f"profile has {len(table)} layers but the partition cuts {partition.bounds[-1][1]}; pass the profile it came from")
-    kwargs = {"schedule": partition.schedule, "v": partition.v, "m": m, "mem_limit_bytes": partition.mem_limit_bytes,
+    kwargs = {"schedule": partition.schedule, "v": partition.v, "m": m, "mem_per_gpu_bytes": partition.mem_per_gpu_bytes,
               "optimizer": partition.optimizer, "link": partition.link}
     return RebalancePlan(every=every, profile=table.reset_index(drop=True), partition_kwargs=kwargs, job_steps=steps)
 
@@ -363,7 +363,7 @@ def _rebalanced(profile, current, bounds, m):
     from ..partition import Partition
 
     return Partition.from_bounds(profile, [tuple(b) for b in bounds], v=current.v, schedule=current.schedule, link=current.link, m=m,
-                                 optimizer=current.optimizer, mem_limit_bytes=current.mem_limit_bytes, method="rebalanced")
+                                 optimizer=current.optimizer, mem_per_gpu_bytes=current.mem_per_gpu_bytes, method="rebalanced")
 
 
 def _last_switch_cost(results) -> float | None:

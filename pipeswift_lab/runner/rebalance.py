@@ -27,7 +27,7 @@ class RebalancePlan:
 
     every: int  # steps between decisions
     profile: pd.DataFrame  # the per-layer profile (fwd_ms, bwd_ms, ... as Profile.df) the partitions come from
-    partition_kwargs: dict  # schedule, v, m, mem_limit_bytes, optimizer, link: how to re-partition
+    partition_kwargs: dict  # schedule, v, m, mem_per_gpu_bytes, optimizer, link: how to re-partition
     job_steps: int  # the job's total, for the remaining steps
     cost_s: float | None = None  # a measured reconfiguration cost from an earlier segment; None: estimate in the run
 

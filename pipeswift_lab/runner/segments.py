@@ -62,7 +62,7 @@ def plan_segments(model, partition, steps: int, first_step: int, resize_at, part
             first = partition
             try:
                 new = make_partition(profile, P, method="balanced", v=first.v, schedule=first.schedule, link=first.link,
-                                     mem_limit_bytes=first.mem_limit_bytes, optimizer=first.optimizer, m=m)
+                                     mem_per_gpu_bytes=first.mem_per_gpu_bytes, optimizer=first.optimizer, m=m)
             except ValueError as exc:
                 raise ValueError(f"resize_at[{step_i}]={P}: {exc}") from None
         else:
