@@ -95,7 +95,7 @@ def test_a_planned_p2_d2_row_runs_as_is():
     import pipeswift_lab as psl
     from pipeswift_lab.runner import global_batch_of, run_arguments
 
-    profile = Profile.synthetic(fwd_ms=[1.0] * 4, bwd_ms=[2.0] * 4)
+    profile = Profile.synthetic(fwd_ms=[1.0] * 4, bwd_ms=[2.0] * 4, meta={"batch_size": 1})
     plan = psl.plan(profile, 4, 8, 10, P=2, schedules=["1F1B"], exhaustive=True, progress=False)
     row = plan.table[(plan.table["D"] == 2) & (plan.table["P"] == 2) & plan.table["simulated"]].index[0]
     config = plan.config(row)
