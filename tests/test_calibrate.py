@@ -77,7 +77,7 @@ def sleepy_run(schedule, m, bounds, v=1, step_ms=STEP_MS, steps=5, instrument=Tr
                    optimizer=lambda params: SleepySGD(params, sleep_s), instrument=instrument, progress=False, timeout_s=120)
 
 
-PROFILE = Profile.synthetic(fwd_ms=FWD_MS, bwd_ms=BWD_MS, meta={"batch_size": 1})  # one sample per micro-batch, as planned
+PROFILE = Profile.synthetic(fwd_ms=FWD_MS, bwd_ms=BWD_MS)
 # the profile's boundaries carry no bytes: every calibration here warns that bandwidth_GBps cannot be fitted
 pytestmark = pytest.mark.filterwarnings("ignore::pipeswift_lab.calibrate.CalibrationWarning")
 SPLIT2 = [(0, 2), (2, 4)]
