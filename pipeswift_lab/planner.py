@@ -170,6 +170,13 @@ class Plan:
             precision=self.inputs.get("precision"), dp=config.D,
         )  # fmt: skip
 
+    def run_arguments(self, row) -> dict:
+        """``{"partition", "m", "schedule", "D"}`` of a ranked row (a label, a row of :attr:`table` or a :class:`PlannedConfig`):
+        the keyword arguments :func:`pipeswift_lab.run` takes, so a planned configuration runs as is with a global batch
+        of ``microbatch_size * m * D`` samples: ``psl.run(model, data, loss_fn, **plan.run_arguments(0), steps=...)``."""
+        config = row if isinstance(row, PlannedConfig) else self.config(row)
+        return {"partition": self.partition_of(config), "m": int(config.m), "schedule": config.schedule, "D": int(config.D)}
+
     def top(self, n=5) -> pd.DataFrame:
         """The ``n`` best feasible rows."""
         return self.feasible.head(n)

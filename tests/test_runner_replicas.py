@@ -100,6 +100,7 @@ def test_a_planned_p2_d2_row_runs_as_is():
     row = plan.table[(plan.table["D"] == 2) & (plan.table["P"] == 2) & plan.table["simulated"]].index[0]
     config = plan.config(row)
     args = run_arguments(plan, row)
+    assert args.keys() == plan.run_arguments(row).keys() and args["D"] == 2  # the Plan's own method gives the same
     assert args["D"] == 2 and args["partition"].P == 2 and args["m"] == config.m
     model = make_model(4)
     x, y = global_batch()

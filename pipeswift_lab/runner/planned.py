@@ -15,11 +15,7 @@ def run_arguments(plan, config) -> dict:
     Raises ``ValueError`` for a row the planner did not simulate, ``TypeError`` for anything
     else than a configuration or a row.
     """
-    import pandas as pd
-
-    if isinstance(config, (pd.Series, int)) or not hasattr(config, "P"):
-        config = plan.config(config)
-    return {"partition": plan.partition_of(config), "m": int(config.m), "schedule": config.schedule, "D": int(config.D)}
+    return plan.run_arguments(config)
 
 
 def global_batch_of(config) -> int:
