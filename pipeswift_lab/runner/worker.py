@@ -241,6 +241,9 @@ def run_rank(spec, out_dir: Path, progress: bool = False) -> None:
             tmp = out_dir / (RESULT_FILE + ".tmp")
             torch.save(result, tmp)
             os.replace(tmp, out_dir / RESULT_FILE)
+        # no rank tears its connections down while a peer (another node's replica) may still use them: a gloo
+        # pair closed under a peer's pending operation aborts that peer
+        dist.barrier(group=gather_group)
     finally:
         dist.destroy_process_group()
 
