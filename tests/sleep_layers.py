@@ -19,6 +19,23 @@ class SleepBackward(torch.autograd.Function):
         return grad, None
 
 
+class SleepProduct(torch.autograd.Function):
+    """``x * weight``, sleeping ``fwd_s`` in forward and ``bwd_s`` in backward (a layer with a known time and a gradient)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, fwd_s, bwd_s):
+        time.sleep(fwd_s)
+        ctx.save_for_backward(x, weight)
+        ctx.bwd_s = bwd_s
+        return x * weight
+
+    @staticmethod
+    def backward(ctx, grad):
+        time.sleep(ctx.bwd_s)
+        x, weight = ctx.saved_tensors
+        return grad * weight, (grad * x).sum().reshape(weight.shape), None, None
+
+
 class Sleep(nn.Module):
     """A Linear layer whose forward sleeps ``fwd_s`` and backward sleeps ``bwd_s``."""
 

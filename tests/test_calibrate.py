@@ -19,25 +19,11 @@ from pipeswift_lab.calibrate import Calibration, CalibrationWarning, calibrate, 
 from pipeswift_lab.partition import Partition
 from pipeswift_lab.profile import Profile
 from pipeswift_lab.simulate import simulate
+from sleep_layers import SleepProduct
 
 FWD_MS = [6.0, 12.0, 6.0, 12.0]  # profiled, per layer
 BWD_MS = [12.0, 24.0, 12.0, 24.0]
 SCALE, ACTION_MS, STEP_MS = 1.5, 4.0, 60.0
-
-
-class _Sleep(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, weight, fwd_s, bwd_s):
-        time.sleep(fwd_s)
-        ctx.save_for_backward(x, weight)
-        ctx.bwd_s = bwd_s
-        return x * weight
-
-    @staticmethod
-    def backward(ctx, grad):
-        time.sleep(ctx.bwd_s)
-        x, weight = ctx.saved_tensors
-        return grad * weight, (grad * x).sum().reshape(weight.shape), None, None
 
 
 class SleepLayer(nn.Module):
@@ -47,7 +33,7 @@ class SleepLayer(nn.Module):
         self.fwd_s, self.bwd_s = fwd_ms / 1e3, bwd_ms / 1e3
 
     def forward(self, x):
-        return _Sleep.apply(x, self.weight, self.fwd_s, self.bwd_s)
+        return SleepProduct.apply(x, self.weight, self.fwd_s, self.bwd_s)
 
 
 class SleepySGD(torch.optim.SGD):

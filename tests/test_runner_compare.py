@@ -1,6 +1,5 @@
 """Predicted vs measured: exact metrics on hand-made timelines, and a real run of layers that sleep a known time."""
 import math
-import time
 from dataclasses import replace
 
 import matplotlib
@@ -15,6 +14,7 @@ from pipeswift_lab.runner import Comparison, compare, run
 from pipeswift_lab.runner.compare import MEASURED_STEP, steady_step_index
 from pipeswift_lab.simulate import simulate
 from pipeswift_lab.timeline import Timeline
+from sleep_layers import SleepProduct
 
 FWD_MS, BWD_MS = 20.0, 40.0
 
@@ -55,30 +55,13 @@ def test_compare_on_known_timelines():
         compare(pd.DataFrame(), measured)
 
 
-class _Sleep(torch.autograd.Function):
-    """``x * weight``, sleeping a known time in forward and in backward."""
-
-    @staticmethod
-    def forward(ctx, x, weight, fwd_s, bwd_s):
-        time.sleep(fwd_s)
-        ctx.save_for_backward(x, weight)
-        ctx.bwd_s = bwd_s
-        return x * weight
-
-    @staticmethod
-    def backward(ctx, grad):
-        time.sleep(ctx.bwd_s)
-        x, weight = ctx.saved_tensors
-        return grad * weight, (grad * x).sum().reshape(weight.shape), None, None
-
-
 class SleepLayer(nn.Module):
     def __init__(self):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(1))
 
     def forward(self, x):
-        return _Sleep.apply(x, self.weight, FWD_MS / 1e3, BWD_MS / 1e3)
+        return SleepProduct.apply(x, self.weight, FWD_MS / 1e3, BWD_MS / 1e3)
 
 
 @pytest.fixture(scope="module")

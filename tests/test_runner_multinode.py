@@ -21,20 +21,11 @@ from torch import nn
 from pipeswift_lab.partition import Partition
 from pipeswift_lab.profile import Profile
 from pipeswift_lab.runner import load_result, load_spec, run
+from test_runner_torchrun import Affine  # a layer of the test suite: the saved spec carries it by value
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-class Affine(nn.Module):
-    """Defined in this test module, so the saved spec carries it by value."""
-
-    def __init__(self, n, seed):
-        super().__init__()
-        g = torch.Generator().manual_seed(seed)
-        self.weight = nn.Parameter(torch.randn(n, n, generator=g) / n**0.5)
-
-    def forward(self, x):
-        return torch.sin(x @ self.weight)
 
 
 def local_run(tmp_path, D):
