@@ -32,8 +32,10 @@ ZERO_BUBBLE_SCHEDULES = ("InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
 COMPUTE_KINDS = ("F", "B", "I", "W")
 #: ... and the transfers between ranks.
 COMM_KINDS = ("SEND_F", "RECV_F", "SEND_B", "RECV_B")
+#: ... and the gradient all-reduce across data-parallel replicas (torch's ``REDUCE_GRAD``), measured when D > 1.
+REDUCE_KINDS = ("REDUCE_GRAD",)
 #: Every action kind a Timeline row may hold.
-KINDS = COMPUTE_KINDS + COMM_KINDS
+KINDS = COMPUTE_KINDS + COMM_KINDS + REDUCE_KINDS
 
 _BY_LOWER = {name.lower(): name for name in SCHEDULES}
 

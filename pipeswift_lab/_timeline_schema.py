@@ -9,7 +9,7 @@ from ._checks import KINDS
 #: Columns of ``Timeline.df``, in order.
 COLUMNS = ("step", "rank", "stage", "microbatch", "kind", "start_ms", "end_ms")
 #: Integer columns a Timeline may carry besides COLUMNS: ``segment`` (a run's configuration since its last
-#: resize or rebalance) and ``replica`` (the data-parallel replica).
+#: resize or rebalance) and ``replica`` (the data-parallel replica; 0 when the rows do not say, as in a simulation).
 OPTIONAL_COLUMNS = ("segment", "replica")
 
 
@@ -21,9 +21,11 @@ def normalize(df) -> pd.DataFrame:
     if missing or extra:
         raise ValueError(f"Timeline df must have the columns {list(COLUMNS)} (and optionally {list(OPTIONAL_COLUMNS)}); "
                          f"missing {missing}, unexpected {extra}")
-    present = COLUMNS + tuple(c for c in OPTIONAL_COLUMNS if c in df.columns)
     if len(df) == 0:
         raise ValueError("Timeline df has no rows")
+    if "replica" not in df.columns:
+        df = df.assign(replica=np.zeros(len(df), np.int64))
+    present = COLUMNS + tuple(c for c in OPTIONAL_COLUMNS if c in df.columns)
     cols = {}
     for c in ("step", "rank", "stage", "microbatch") + present[len(COLUMNS):]:
         values = df[c].to_numpy()

@@ -15,6 +15,7 @@ KIND_COLORS = {
     "RECV_F": "#8172B3",
     "SEND_B": "#937860",
     "RECV_B": "#937860",
+    "REDUCE_GRAD": "#DA8BC3",  # gradient all-reduce across replicas
 }
 
 

@@ -3,7 +3,9 @@
 One schema serves :func:`pipeswift_lab.simulate` and the real runner, so predicted and
 measured runs compare with plain pandas. Columns (exactly): ``step``, ``rank``, ``stage``,
 ``microbatch``, ``kind`` (``F``, ``B``, ``I``, ``W``, ``SEND_F``, ``RECV_F``, ``SEND_B``,
-``RECV_B``), ``start_ms``, ``end_ms``.
+``RECV_B``, ``REDUCE_GRAD``), ``start_ms``, ``end_ms``, ``replica`` (the data-parallel replica,
+0 in a simulation; ``rank`` is the pipeline rank within the replica) and, for a run that
+changed configuration, ``segment``.
 
 Metric definitions (every metric works on one or many steps):
 
@@ -12,7 +14,8 @@ Metric definitions (every metric works on one or many steps):
 * a rank is *busy* while it computes (``F``, ``B``, ``I``, ``W`` rows, overlaps merged) and
   *idle* for the rest of the span; :attr:`Timeline.bubble_ratio` is the idle share of the
   span averaged over ranks and steps — GPipe's convention, ``(P-1)/(m+P-1)`` for GPipe
-  with equal stages (Huang et al., NeurIPS 2019);
+  with equal stages (Huang et al., NeurIPS 2019); with several replicas every (replica,
+  rank) is a device of its own, and the averages run over all of them;
 * a micro-batch's activations on a stage are *in flight* from the start of its ``F`` to the
   end of its last backward piece: ``B``, or ``W`` when the backward is split (torch's
   ``backward_input`` keeps the autograd graph alive for ``backward_weight``).
@@ -46,7 +49,8 @@ class Timeline:
     """Executed pipeline actions, one row per action, with metrics and exports.
 
     ``df`` columns: ``step``, ``rank``, ``stage``, ``microbatch``, ``kind``, ``start_ms``,
-    ``end_ms`` (rows are kept sorted by step, rank, start). ``source`` is ``"simulated"`` or
+    ``end_ms``, ``replica`` (and ``segment`` for a run that changed configuration; rows are
+    kept sorted by step, rank, start). ``source`` is ``"simulated"`` or
     ``"measured"``; ``meta`` a dict (schedule, P, m, v, ``stage_activation_bytes`` ...).
     """
 
@@ -76,10 +80,16 @@ class Timeline:
             return list(range(int(self.meta["P"])))
         return sorted(int(r) for r in self.df["rank"].unique())
 
+    @property
+    def replicas(self) -> list[int]:
+        """Data-parallel replicas present (``[0]`` for a simulation or a run with D=1)."""
+        return sorted(int(r) for r in self.df["replica"].unique())
+
     @cached_property
     def _arrays(self):
         df = self.df
         return {
+            "replica": df["replica"].to_numpy(np.int64),
             "step": df["step"].to_numpy(np.int64),
             "rank": df["rank"].to_numpy(np.int64),
             "stage": df["stage"].to_numpy(np.int64),
@@ -109,22 +119,24 @@ class Timeline:
     # ------------------------------------------------------------------ idle / bubble
     @cached_property
     def _busy(self) -> pd.DataFrame:
-        """Busy ms per (step, rank), overlapping compute rows merged."""
+        """Busy ms per (step, replica, rank), overlapping compute rows merged."""
         a = self._arrays
         c = a["compute"]
-        step, rank, start, end = a["step"][c], a["rank"][c], a["start"][c], a["end"][c]
-        order = np.lexsort((start, rank, step))
-        step, rank, start, end = step[order], rank[order], start[order], end[order]
+        step, replica, rank, start, end = a["step"][c], a["replica"][c], a["rank"][c], a["start"][c], a["end"][c]
+        order = np.lexsort((start, rank, replica, step))
+        step, replica, rank, start, end = step[order], replica[order], rank[order], start[order], end[order]
         spans = self.step_spans
         step_ids = spans["step"].to_numpy()
+        replicas = np.asarray(self.replicas, dtype=np.int64)
         ranks = np.asarray(self.ranks, dtype=np.int64)
-        busy = np.zeros((len(step_ids), len(ranks)))
+        lanes = len(replicas) * len(ranks)
+        busy = np.zeros((len(step_ids), lanes))
         if len(step):
             step_pos = np.searchsorted(step_ids, step)
             rank_pos = np.searchsorted(ranks, rank)
             if (rank_pos >= len(ranks)).any() or (ranks[np.minimum(rank_pos, len(ranks) - 1)] != rank).any():
                 raise ValueError(f"Timeline rows hold ranks {sorted(set(rank.tolist()))} outside meta P={self.meta.get('P')}")
-            group = step_pos * len(ranks) + rank_pos
+            group = step_pos * lanes + np.searchsorted(replicas, replica) * len(ranks) + rank_pos
             new_group = np.r_[True, group[1:] != group[:-1]]
             # a row overlaps an earlier one of its (step, rank) if it starts before their latest end
             if np.any(~new_group & (start < _group_running_max(end, new_group))):
@@ -135,20 +147,19 @@ class Timeline:
         span = spans["span_ms"].to_numpy()[:, None]
         idle = span - busy
         ratio = np.divide(idle, span, out=np.zeros_like(idle), where=span > 0)
-        return pd.DataFrame(
-            {
-                "step": np.repeat(step_ids, len(ranks)),
-                "rank": np.tile(ranks, len(step_ids)),
-                "busy_ms": busy.ravel(),
-                "idle_ms": idle.ravel(),
-                "idle_ratio": ratio.ravel(),
-            }
-        )
+        out = {"step": np.repeat(step_ids, lanes)}
+        if len(replicas) > 1:
+            out["replica"] = np.tile(np.repeat(replicas, len(ranks)), len(step_ids))
+        out.update({"rank": np.tile(ranks, len(step_ids) * len(replicas)), "busy_ms": busy.ravel(), "idle_ms": idle.ravel(),
+                    "idle_ratio": ratio.ravel()})
+        return pd.DataFrame(out)
 
     @property
     def idle_by_rank(self) -> pd.DataFrame:
-        """One row per rank: ``busy_ms``, ``idle_ms`` and ``idle_ratio`` (idle share of the step), means over steps."""
-        return self._busy.groupby("rank", as_index=False)[["busy_ms", "idle_ms", "idle_ratio"]].mean()
+        """One row per rank (per replica and rank with several replicas): ``busy_ms``, ``idle_ms`` and ``idle_ratio``
+        (idle share of the step), means over steps."""
+        keys = ["replica", "rank"] if len(self.replicas) > 1 else "rank"
+        return self._busy.groupby(keys, as_index=False)[["busy_ms", "idle_ms", "idle_ratio"]].mean()
 
     @property
     def bubble_ratio(self) -> float:
@@ -162,12 +173,13 @@ class Timeline:
         a = self._arrays
         c = a["compute"]
         step, rank, stage, mb = a["step"][c], a["rank"][c], a["stage"][c], a["mb"][c]
-        start, end, kind = a["start"][c], a["end"][c], a["kind"][c]
+        start, end, kind, replica = a["start"][c], a["end"][c], a["kind"][c], a["replica"][c]
         if not len(step):  # transfers only: nothing is held
             empty = np.zeros(0)
-            return {"step": empty.astype(np.int64), "rank": empty.astype(np.int64), "stage": empty.astype(np.int64), "acquire": empty, "release": empty}
-        n_stages, n_mb = int(stage.max()) + 1, int(mb.max()) + 1
-        keys = (step * n_stages + stage) * n_mb + mb
+            return {"step": empty.astype(np.int64), "rank": empty.astype(np.int64), "stage": empty.astype(np.int64), "acquire": empty,
+                    "release": empty, "replica": empty.astype(np.int64)}
+        n_stages, n_mb, n_rep = int(stage.max()) + 1, int(mb.max()) + 1, int(replica.max()) + 1
+        keys = ((step * n_rep + replica) * n_stages + stage) * n_mb + mb
         is_f = kind == "F"
         fkeys = keys[is_f]
         uniq, first, inverse = np.unique(fkeys, return_index=True, return_inverse=True)
@@ -184,17 +196,20 @@ class Timeline:
         if missing.any():  # a forward with no backward holds until its step ends
             ends = self.step_spans.set_index("step")["end_ms"]
             release[missing] = ends.reindex(held_step[missing]).to_numpy(float)
-        return {"step": held_step, "rank": rank[is_f][first], "stage": stage[is_f][first], "acquire": acquire, "release": release}
+        return {"step": held_step, "rank": rank[is_f][first], "stage": stage[is_f][first], "acquire": acquire, "release": release,
+                "replica": replica[is_f][first]}
 
     def _peak(self, stage_weight) -> pd.Series:
-        """Per rank, the peak over time (and steps) of the summed weights of held chunks.
+        """Per rank, the peak over time, steps (and replicas) of the summed weights of held chunks.
 
         ``stage_weight`` is an array indexed by stage. Releases sort before acquisitions at
         equal times, so a chunk freed as another starts is not counted twice.
         """
         h = self._held
         w = np.asarray(stage_weight, dtype=float)[h["stage"].astype(np.int64)]
-        rank = np.concatenate([h["rank"], h["rank"]]).astype(np.int64)
+        n_rep = int(h["replica"].max()) + 1 if len(h["replica"]) else 1
+        lane = h["rank"].astype(np.int64) * n_rep + h["replica"].astype(np.int64)  # each replica's rank is its own device
+        rank = np.concatenate([lane, lane])
         step = np.concatenate([h["step"], h["step"]]).astype(np.int64)
         time = np.concatenate([h["acquire"], h["release"]]).astype(float)
         delta = np.concatenate([w, -w])
@@ -208,7 +223,7 @@ class Timeline:
             lengths = np.diff(np.r_[starts, len(delta)])
             level = level - np.repeat(level[starts] - delta[starts], lengths)
             group_peak = np.maximum.reduceat(level, starts)
-            for r, pk in zip(rank[starts].tolist(), group_peak.tolist()):
+            for r, pk in zip((rank[starts] // n_rep).tolist(), group_peak.tolist()):
                 peaks[r] = max(peaks.get(r, 0.0), pk)
         return pd.Series(peaks, dtype=float).rename_axis("rank")
 
@@ -247,7 +262,8 @@ class Timeline:
         ``step`` picks one step of a multi-step timeline (times then start at that step's
         start); None draws all steps. Micro-batch numbers label bars wide enough to hold them;
         with several stages per rank, later chunks are drawn lighter. Transfers (``SEND_*``)
-        show as thin bars under the rank's row when ``comms``. Returns the Axes.
+        and the gradient all-reduce (``REDUCE_GRAD``) show as thin bars under the rank's row
+        when ``comms``. With several replicas every (replica, rank) gets a row. Returns the Axes.
         """
         from .plot import KIND_COLORS, get_ax
 
@@ -258,12 +274,17 @@ class Timeline:
                 raise ValueError(f"step={step!r} is not in this timeline; steps are {self.steps}")
             df = df[df["step"] == step]
             offset = float(df["start_ms"].min())
-        ranks = self.ranks
-        ax = get_ax(ax, figsize=(9.0, 0.45 * len(ranks) + 1.4))
+        ranks, replicas = self.ranks, self.replicas
+        if len(replicas) > 1:  # one row per device: replica d's rank r at row d * P + r
+            row_names = [f"replica {d} rank {r}" for d in replicas for r in ranks]
+            rank = np.searchsorted(replicas, df["replica"].to_numpy(np.int64)) * len(ranks) + np.searchsorted(ranks, df["rank"].to_numpy(np.int64))
+        else:
+            row_names = [f"rank {r}" for r in ranks]
+            rank = np.searchsorted(ranks, df["rank"].to_numpy(np.int64))
+        ax = get_ax(ax, figsize=(9.0, 0.45 * len(row_names) + 1.4))
         start = df["start_ms"].to_numpy(float) - offset
         end = df["end_ms"].to_numpy(float) - offset
         kind = df["kind"].to_numpy(object)
-        rank = df["rank"].to_numpy(np.int64)
         stage = df["stage"].to_numpy(np.int64)
         mb = df["microbatch"].to_numpy(np.int64)
         lo, hi = (float(start.min()), float(end.max())) if len(df) else (0.0, 1.0)
@@ -279,7 +300,7 @@ class Timeline:
             for bar, al in zip(bars, alpha):
                 bar.set_alpha(al)
         if comms:
-            for k in ("SEND_F", "SEND_B"):
+            for k in ("SEND_F", "SEND_B", "REDUCE_GRAD"):
                 sel = kind == k
                 if sel.any():
                     ax.barh(rank[sel] + 0.47, end[sel] - start[sel], left=start[sel], height=0.12, color=KIND_COLORS[k], label=k)
@@ -290,12 +311,12 @@ class Timeline:
                 width_px = (end[i] - start[i]) / span * fig_width_px
                 if width_px >= 7 * len(text) + 4:
                     ax.text((start[i] + end[i]) / 2, rank[i], text, ha="center", va="center", fontsize=7, color="white")
-        ax.set_yticks(ranks, [f"rank {r}" for r in ranks])
-        ax.set_ylim(max(ranks) + 0.8 if ranks else 1, -0.6)
+        ax.set_yticks(range(len(row_names)), row_names)
+        ax.set_ylim(len(row_names) - 0.2 if row_names else 1, -0.6)
         ax.set_xlim(lo, lo + span * 1.01)
         ax.set_xlabel("time since step start (ms)" if step is not None else "time (ms)")
         title = self.meta.get("schedule", "")
-        details = ", ".join(f"{k}={self.meta[k]}" for k in ("P", "m", "v") if k in self.meta)
+        details = ", ".join(f"{k}={self.meta[k]}" for k in ("P", "D", "m", "v") if k in self.meta and (k != "D" or self.meta[k] != 1))
         step_text = f"{self.step_ms:,.0f}" if self.step_ms >= 100 else f"{self.step_ms:.3g}"
         ax.set_title(f"{self.source} {title} ({details}): step {step_text} ms, bubble {self.bubble_ratio:.1%}".replace("  ", " "))
         if any(chunk.get(int(s), 0) > 0 for s in stage):
@@ -324,6 +345,8 @@ class Timeline:
         for k in ("schedule", "P", "m", "v"):
             if k in self.meta:
                 out[k] = self.meta[k]
+        if len(self.replicas) > 1:
+            out["replicas"] = len(self.replicas)
         out.update({"steps": len(self.steps), "actions": len(self.df), "step_ms": self.step_ms, "bubble_ratio": self.bubble_ratio})
         return out
 
@@ -338,18 +361,21 @@ class Timeline:
     def to_chrome_trace(self, path) -> str:
         """Write Chrome trace JSON (Perfetto, chrome://tracing) to ``path``; return the path.
 
-        One process per rank (``pid`` = rank) with a compute thread (``tid`` 0) and a
-        transfer thread (``tid`` 1); every action is an ``"X"`` event (``ts``/``dur`` in µs).
+        One process per rank (``pid`` = rank; ``replica * P + rank`` with several replicas) with
+        a compute thread (``tid`` 0) and a transfer thread (``tid`` 1, the all-reduce too); every
+        action is an ``"X"`` event (``ts``/``dur`` in µs).
         Flow events (``"s"`` → ``"f"``) join each ``SEND_*`` to its ``RECV_*``; without
         transfer rows they join each cross-rank dependency (``F`` to the next stage's ``F``,
         the backward to the previous stage's backward).
         """
         events = []
-        for r in self.ranks:
-            events.append({"ph": "M", "name": "process_name", "pid": r, "args": {"name": f"rank {r}"}})
-            events.append({"ph": "M", "name": "thread_name", "pid": r, "tid": 0, "args": {"name": "compute"}})
-            events.append({"ph": "M", "name": "thread_name", "pid": r, "tid": 1, "args": {"name": "transfer"}})
+        names = self._process_names()
+        for pid, name in names.items():
+            events.append({"ph": "M", "name": "process_name", "pid": pid, "args": {"name": name}})
+            events.append({"ph": "M", "name": "thread_name", "pid": pid, "tid": 0, "args": {"name": "compute"}})
+            events.append({"ph": "M", "name": "thread_name", "pid": pid, "tid": 1, "args": {"name": "transfer"}})
         a = self._arrays
+        pids = self._pids()
         for i in range(len(self.df)):
             kind = a["kind"][i]
             tid = 0 if kind in COMPUTE_KINDS else 1
@@ -358,7 +384,7 @@ class Timeline:
                     "ph": "X",
                     "name": f"{kind}{a['mb'][i]} s{a['stage'][i]}",
                     "cat": kind,
-                    "pid": int(a["rank"][i]),
+                    "pid": int(pids[i]),
                     "tid": tid,
                     "ts": float(a["start"][i]) * 1e3,
                     "dur": float(a["end"][i] - a["start"][i]) * 1e3,
@@ -372,10 +398,21 @@ class Timeline:
             json.dump({"traceEvents": events, "displayTimeUnit": "ms", "otherData": {"source": self.source, **_jsonable(self.meta)}}, fh)
         return str(path)
 
+    def _process_names(self) -> dict[int, str]:
+        if len(self.replicas) == 1:
+            return {r: f"rank {r}" for r in self.ranks}
+        P = max(self.ranks) + 1
+        return {d * P + r: f"replica {d} rank {r}" for d in self.replicas for r in self.ranks}
+
+    def _pids(self) -> np.ndarray:
+        a = self._arrays
+        return a["rank"] if len(self.replicas) == 1 else a["replica"] * (max(self.ranks) + 1) + a["rank"]
+
     def _flows(self):
         """Pairs ``((pid, tid, ts_us), (pid, tid, ts_us))`` for the flow arrows."""
         a = self._arrays
-        df = pd.DataFrame({"step": a["step"], "rank": a["rank"], "stage": a["stage"], "mb": a["mb"], "kind": a["kind"], "start": a["start"], "end": a["end"]})
+        df = pd.DataFrame({"step": a["step"], "rank": self._pids(), "replica": a["replica"], "stage": a["stage"], "mb": a["mb"],
+                           "kind": a["kind"], "start": a["start"], "end": a["end"]})
         out = []
         sends = df[df["kind"].isin(["SEND_F", "SEND_B"])]
         if len(sends):
@@ -390,12 +427,12 @@ class Timeline:
         comp = df[df["kind"].isin(COMPUTE_KINDS)]
         done = {}
         for row in comp.itertuples(index=False):
-            done[(row.step, "F" if row.kind == "F" else "G", row.stage, row.mb)] = row
+            done[(row.step, row.replica, "F" if row.kind == "F" else "G", row.stage, row.mb)] = row
         for row in comp.itertuples(index=False):
             if row.kind == "F":
-                src = done.get((row.step, "F", row.stage - 1, row.mb))
+                src = done.get((row.step, row.replica, "F", row.stage - 1, row.mb))
             elif row.kind in ("B", "I"):
-                src = done.get((row.step, "G", row.stage + 1, row.mb))
+                src = done.get((row.step, row.replica, "G", row.stage + 1, row.mb))
             else:
                 src = None
             if src is not None and src.rank != row.rank:

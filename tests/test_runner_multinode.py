@@ -102,5 +102,6 @@ def test_two_nodes_hold_one_replica_each(tmp_path):
         assert code == 0, stderr[-3000:]
     again = load_result(out)
     assert_same_run(again, result)
+    assert len(again.timeline.df.query("kind == 'REDUCE_GRAD'")) == 2 * 2 * 2  # the cross-node all-reduce: steps x replicas x stages
     ranks = again.ranks.set_index("rank")
     assert len(ranks) == 4

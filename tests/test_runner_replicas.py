@@ -61,6 +61,21 @@ def test_p2_d2_trains_like_one_process_on_the_global_batch(schedule):
     assert len(result.ranks) == P * D
     assert list(result.ranks["replica"]) == [0, 0, 1, 1] and list(result.ranks["pp_rank"]) == [0, 1, 0, 1]
     assert result.meta["D"] == D
+    assert_allreduce_inside_the_last_backward(df, P * v, steps, D)
+    assert 0 < result.allreduce_ms < min(result.step_ms)
+
+
+def assert_allreduce_inside_the_last_backward(df, n_stages, steps, D):
+    """One REDUCE_GRAD per (step, replica, stage), within the stage's last backward (DDP launches the buckets as
+    gradients become ready and waits for them before that backward returns)."""
+    reduce = df[df["kind"] == "REDUCE_GRAD"]
+    assert len(reduce) == steps * D * n_stages
+    assert not reduce.duplicated(["step", "replica", "stage"]).any()
+    backward = df[df["kind"] == "B"].sort_values("start_ms").groupby(["step", "replica", "stage"]).last()
+    for row in reduce.itertuples():
+        last = backward.loc[(row.step, row.replica, row.stage)]
+        assert last["start_ms"] <= row.start_ms <= row.end_ms <= last["end_ms"]
+        assert row.microbatch == last["microbatch"]
 
 
 def test_d1_timelines_have_replica_zero():
@@ -69,6 +84,7 @@ def test_d1_timelines_have_replica_zero():
     part = partition(Profile.synthetic(fwd_ms=[1.0] * 2, bwd_ms=[2.0] * 2), 2, method="uniform", schedule="1F1B", m=2)
     result = run(model, (x, y), nn.functional.mse_loss, part, 2, steps=1, progress=False, timeout_s=120)
     assert set(result.timeline.df["replica"]) == {0}
+    assert "REDUCE_GRAD" not in set(result.timeline.df["kind"]) and result.allreduce_ms != result.allreduce_ms  # NaN
 
 
 def test_bad_replica_counts_are_refused_before_launch():
@@ -113,7 +129,8 @@ def test_a_planned_p2_d2_row_runs_as_is():
     comparison = compare(psl.simulate(args["partition"], args["m"]), result)  # one replica's pipeline against the prediction
     assert comparison.step_ms[1] > 0
     one = _one_step(result.timeline.df, 1)
-    assert set(one["replica"]) == {0} and len(one) == len(result.timeline.df.query("step == 1")) // 2
+    compute = result.timeline.df.query("step == 1 and kind in ['F', 'B']")
+    assert set(one["replica"]) == {0} and len(one) == len(compute) // 2
 
 
 def test_replicas_checkpoint_and_resume_on_another_d(tmp_path):

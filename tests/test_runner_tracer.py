@@ -208,3 +208,5 @@ def test_traced_stages_with_two_replicas_train_like_one_process_on_the_global_ba
     assert list(result.state_dict()) == list(model.state_dict())
     assert_close(result.state_dict(), reference(model, x, y, 4, 2))  # 2 replicas x 2 micro-batches of the global batch
     assert set(result.timeline.df["replica"]) == {0, 1}
+    reduces = result.timeline.df.query("kind == 'REDUCE_GRAD'")  # the traced stage modules' all-reduce is timed too
+    assert len(reduces) == 2 * 2 * 2 * v and result.allreduce_ms > 0  # steps x replicas x P x v

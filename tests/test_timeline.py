@@ -171,3 +171,37 @@ def test_notebook_display():
     html = tl._repr_html_()
     assert "step 12 ms" in html and "idle_ratio" in html and "peak_inflight" in html
     assert "step_ms" in repr(tl)
+
+
+def two_replicas():
+    """measured_two_steps' step 0 on replica 0, and on replica 1 the same shifted by 1 ms, each with its all-reduce."""
+    first = measured_two_steps().query("step == 0")
+    second = first.assign(start_ms=first["start_ms"] + 1.0, end_ms=first["end_ms"] + 1.0)
+    reduce = pd.DataFrame([(0, r, r, 0, "REDUCE_GRAD", 8.0 - 3 * r, 9.0 - 3 * r) for r in (0, 1)], columns=COLUMNS)
+    parts = [first.assign(replica=0), second.assign(replica=1), reduce.assign(replica=0), reduce.assign(replica=1)]
+    return Timeline(pd.concat(parts, ignore_index=True), source="measured", meta={"P": 2})
+
+
+def test_every_replica_rank_is_a_device_of_its_own():
+    tl = two_replicas()
+    assert tl.replicas == [0, 1] and tl.step_ms == 11.0  # the step ends when the later replica ends
+    idle = tl.idle_by_rank
+    assert list(idle.columns[:2]) == ["replica", "rank"] and len(idle) == 4
+    assert idle["busy_ms"].tolist() == [5.0, 5.0, 5.0, 5.0]  # not two replicas' actions merged on one rank
+    assert tl.bubble_ratio == pytest.approx(6 / 11)
+    assert tl.peak_inflight.tolist() == [1.0, 1.0]  # one micro-batch per device, not two per rank
+    assert "REDUCE_GRAD" in set(tl.df["kind"])  # communication: not busy time
+
+
+def test_gantt_and_trace_of_replicas_give_each_device_a_row(tmp_path):
+    tl = two_replicas()
+    ax = tl.plot()
+    assert [t.get_text() for t in ax.get_yticklabels()] == [f"replica {d} rank {r}" for d in (0, 1) for r in (0, 1)]
+    assert len(ax.patches) == 8 + 4  # compute bars, then the all-reduce under each row
+    assert "REDUCE_GRAD" in {t.get_text() for t in ax.get_legend().get_texts()}
+    events = json.loads(open(tl.to_chrome_trace(tmp_path / "t.json")).read())["traceEvents"]
+    names = {e["pid"]: e["args"]["name"] for e in events if e["ph"] == "M" and e["name"] == "process_name"}
+    assert names == {0: "replica 0 rank 0", 1: "replica 0 rank 1", 2: "replica 1 rank 0", 3: "replica 1 rank 1"}
+    reduce = [e for e in events if e["ph"] == "X" and e["cat"] == "REDUCE_GRAD"]
+    assert len(reduce) == 4 and {e["tid"] for e in reduce} == {1}
+    assert sum(e["ph"] == "s" for e in events) == 2 * 2  # each replica's F and B hop, never across replicas

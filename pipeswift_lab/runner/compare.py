@@ -28,10 +28,9 @@ from dataclasses import dataclass
 import numpy as np
 import pandas as pd
 
-from .._checks import check_int
+from .._checks import COMPUTE_KINDS, check_int
 from .._display import html_card, text_card
 
-COMPUTE_KINDS = ("F", "B", "I", "W")
 #: The one definition of "the measured step" used by RunResult.steady_step_ms, compare, calibrate and the report.
 MEASURED_STEP = ("median step after the first (the lower middle one for an even count), from the first rank starting it "
                  "to the last rank finishing it, optimizer step included")

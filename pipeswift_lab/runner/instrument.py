@@ -13,6 +13,13 @@ untouched) and appends ``(step, kind, stage, microbatch, start, end)`` to a list
 The last stage's ``F`` is extended to cover the loss, which torch computes right after that
 forward (``_maybe_compute_loss``): it is compute the rank does, not idle time.
 
+With data-parallel replicas (a stage module wrapped in ``DistributedDataParallel``), a DDP
+communication hook (``register_comm_hook``, torch's own ``allreduce_hook`` inside) stamps each
+gradient bucket's all-reduce from its launch to its completion; a step's buckets make one
+``REDUCE_GRAD`` action per stage (torch's name for the cross-micro-batch gradient reduction),
+from the first bucket's launch to the last one's end. It overlaps the last backward, which
+launches buckets as their gradients become ready, and includes waiting for the slower replica.
+
 Clock alignment: every rank turns its ``perf_counter_ns`` stamps into wall-clock nanoseconds
 (``time.time_ns``) through one offset measured at start-up (:func:`wall_offset_ns`). On one
 machine all ranks read the same clock, so their timelines line up exactly; across machines
@@ -24,9 +31,13 @@ import time
 
 import torch
 
-#: Action kinds recorded, by code.
-KINDS = ("F", "B", "I", "W")
-_F, _B, _I, _W = range(4)
+from .._checks import COMPUTE_KINDS, REDUCE_KINDS
+
+#: Action kinds recorded, by code (the row's kind column): the compute kinds, then the gradient all-reduce.
+KINDS = COMPUTE_KINDS + REDUCE_KINDS
+_F, _B, _I, _W, _R = range(5)
+#: Codes of the compute kinds (what a stage's busy time sums).
+COMPUTE_CODES = (_F, _B, _I, _W)
 
 
 def wall_offset_ns(samples: int = 7) -> int:
@@ -58,10 +69,13 @@ class ActionRecorder:
         self._offset = wall_offset_ns()
         self._step_event = None
         self._step_host_ns = 0
+        self._reduce_spans: dict = {}  # (step, stage) -> [first bucket launch, last bucket end, micro-batch]
+        self._backward_mb: dict = {}  # stage -> the micro-batch of its backward now running
         if not enabled:
             return
         for stage in stages:
             self._wrap(stage)
+            self._watch_reduce(stage)
         self._wrap_loss(schedule)
 
     # --- clocks -------------------------------------------------------------------------
@@ -81,6 +95,10 @@ class ActionRecorder:
 
     def end_step(self) -> int:
         """Mark the end of the current step; returns its wall-clock end in ns (CUDA: resolves the events)."""
+        for (step, stage), (t0, t1, mb) in self._reduce_spans.items():
+            if t1 is not None:  # DDP waits for every bucket inside the last backward, so each span has ended
+                self._add(_R, stage, mb, t0, t1, step=step)
+        self._reduce_spans.clear()
         if self.cuda:  # pragma: no cover - needs a GPU
             torch.cuda.synchronize()
             base = self._step_event
@@ -99,11 +117,12 @@ class ActionRecorder:
             return event
         return time.perf_counter_ns()
 
-    def _add(self, kind, stage, mb, t0, t1):
+    def _add(self, kind, stage, mb, t0, t1, step=None):
+        step = self.step if step is None else step
         if self.cuda:  # pragma: no cover - needs a GPU
-            self._pending.append((self.step, kind, stage, mb, t0, t1))
+            self._pending.append((step, kind, stage, mb, t0, t1))
         else:
-            self._records.append((self.step, kind, stage, mb, t0 + self._offset, t1 + self._offset))
+            self._records.append((step, kind, stage, mb, t0 + self._offset, t1 + self._offset))
 
     def _wrap(self, stage):
         index = stage.stage_index
@@ -117,6 +136,7 @@ class ActionRecorder:
             return out
 
         def backward_one_chunk(bwd_chunk_id, loss=None, full_backward=True, last_backward=False):
+            self._backward_mb[index] = bwd_chunk_id
             t0 = stamp()
             out = backward(bwd_chunk_id, loss=loss, full_backward=full_backward, last_backward=last_backward)
             add(_B if full_backward else _I, index, bwd_chunk_id, t0, stamp())
@@ -131,6 +151,30 @@ class ActionRecorder:
         stage.forward_one_chunk = forward_one_chunk
         stage.backward_one_chunk = backward_one_chunk
         stage.backward_weight_one_chunk = backward_weight_one_chunk
+
+    def _watch_reduce(self, stage):
+        """Time the gradient all-reduce of a DDP-wrapped stage module through a comm hook (no-op otherwise)."""
+        from torch.nn.parallel import DistributedDataParallel
+
+        ddp = getattr(stage, "submod", None)
+        if not isinstance(ddp, DistributedDataParallel):
+            return
+        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+        index, stamp, spans = stage.stage_index, self._stamp, self._reduce_spans
+
+        def timed_allreduce(group, bucket):
+            span = spans.setdefault((self.step, index), [stamp(), None, self._backward_mb.get(index, 0)])
+
+            def finished(fut):
+                end = stamp()
+                # CUDA: buckets finish in launch order on one stream, so the last callback's event ends the span
+                span[1] = end if span[1] is None or self.cuda else max(span[1], end)
+                return fut.value()
+
+            return allreduce_hook(group, bucket).then(finished)
+
+        ddp.register_comm_hook(ddp.process_group, timed_allreduce)
 
     def _wrap_loss(self, schedule):
         compute = schedule._maybe_compute_loss

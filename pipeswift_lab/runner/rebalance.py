@@ -88,10 +88,12 @@ def decide(plan: RebalancePlan, bounds, measured_stage_ms, step: int, cost_s: fl
 
 def measured_stage_ms(records, stages, first_step: int, last_step: int) -> dict[int, float]:
     """Each of ``stages``' measured compute per step over steps ``first_step .. last_step - 1``, from an ActionRecorder's rows."""
+    from .instrument import COMPUTE_CODES
+
     rows = records.to("cpu") if hasattr(records, "to") else records
     out = {s: 0.0 for s in stages}
     n = max(1, last_step - first_step)
-    for step, _kind, stage, _mb, start, end in rows.tolist():
-        if first_step <= step < last_step and stage in out:
+    for step, kind, stage, _mb, start, end in rows.tolist():
+        if first_step <= step < last_step and stage in out and kind in COMPUTE_CODES:
             out[stage] += (end - start) / 1e6
     return {s: total / n for s, total in out.items()}

@@ -25,8 +25,10 @@ class RunResult:
     """One real pipeline run, measured.
 
     * ``timeline`` — a ``Timeline`` with ``source="measured"``: one row per executed compute
-      action (``F``, ``B``, ``I``, ``W``) of every rank and step, in ms since the first step
-      started (None when the run was not instrumented);
+      action (``F``, ``B``, ``I``, ``W``) of every rank and step, and with ``D`` > 1 replicas
+      one ``REDUCE_GRAD`` per stage and step (the gradient all-reduce, see
+      :attr:`allreduce_ms`), in ms since the first step started (None when the run was not
+      instrumented);
     * ``step_ms`` — every step, from the first rank starting it to the last rank finishing it
       (optimizer step included);
     * ``losses`` — per step, the mean of the micro-batch losses on the last stage;
@@ -86,6 +88,21 @@ class RunResult:
     skipped_steps: tuple[int, ...] = ()
     segments: pd.DataFrame = field(default_factory=lambda: pd.DataFrame(), compare=False, repr=False)
     rebalances: pd.DataFrame = field(default_factory=lambda: pd.DataFrame(), compare=False, repr=False)
+    D: int = 1
+
+    @property
+    def allreduce_ms(self) -> float:
+        """The measured gradient all-reduce across the D replicas (ms): per step its longest ``REDUCE_GRAD`` action
+        (a stage's buckets, from the first one's launch to the last one's end, overlapping the last backward),
+        the median over the steps after the first. NaN for D=1 or a run without a timeline."""
+        if self.D == 1 or self.timeline is None:
+            return float("nan")
+        df = self.timeline.df
+        reduce = df[df["kind"] == "REDUCE_GRAD"]
+        per_step = (reduce["end_ms"] - reduce["start_ms"]).groupby(reduce["step"]).max()
+        if per_step.empty:
+            return float("nan")
+        return float(per_step.iloc[1:].median() if len(per_step) > 1 else per_step.iloc[0])
 
     def state_dict(self) -> "OrderedDict[str, torch.Tensor]":
         """The final parameters and buffers from every rank, keyed and ordered like ``model.state_dict()`` (CPU tensors)."""
@@ -186,9 +203,14 @@ class RunResult:
 
     def _summary(self) -> dict:
         out = {"schedule": self.schedule, "P": self.P, "v": self.v, "m": self.m, "steps": self.steps}
+        if self.D > 1:
+            out["D"] = self.D
         if self.status != "completed" or self.first_step:
             out.update(status=self.status, first_step=self.first_step)
-        out.update({"device": f"{self.device_type} ({self.backend})", "steady_step_ms": self.steady_step_ms,
+        out.update({"device": f"{self.device_type} ({self.backend})", "steady_step_ms": self.steady_step_ms})
+        if self.D > 1:
+            out["allreduce_ms"] = self.allreduce_ms
+        out.update({
                     "final_loss": self.losses[-1] if self.losses else float("nan"), "jct_total_s": self.jct.total_s,
                     "assembly_s": self.jct.assembly_s, "training_s": self.jct.training_s, "cleanup_s": self.jct.cleanup_s})
         if self.checkpoint is not None or self.jct.preemption_loss_s:
@@ -332,7 +354,7 @@ def build_result(spec, gathered: dict, launch_ns: int, end_ns: int, launched_by:
     preemption_s = restore0_s + periodic_stall_s + terms["redone_s"] + terms["recovery_s"]
     training_s = max(0.0, wall_s - assembly_s - cleanup_s - preemption_s)
     jct = JCT(queue_s=0.0, assembly_s=assembly_s, training_s=training_s, cleanup_s=cleanup_s, preemption_loss_s=preemption_s,
-              label=f"measured {spec.plan.schedule} P={spec.P} m={spec.m}")
+              label=f"measured {spec.plan.schedule} P={spec.P}" + (f" D={spec.D}" if spec.D > 1 else "") + f" m={spec.m}")
     ranks_df = pd.DataFrame([{
         "rank": p["rank"], "pp_rank": p.get("pp_rank", p["rank"]), "replica": p.get("replica", 0), "pid": p["pid"], "host": p["host"], "device": p["device"], "stages": tuple(p["stages"]),
         "threads": p["threads"], "ready_ms": (p["ready_ns"] - t0) / 1e6,
@@ -358,7 +380,7 @@ def build_result(spec, gathered: dict, launch_ns: int, end_ns: int, launched_by:
             "job": spec.job, **spec.meta}
     timeline = None
     if df is not None:
-        timeline = Timeline(df, source="measured", meta={"schedule": spec.plan.schedule, "P": spec.P, "v": spec.plan.v, "m": spec.m,
+        timeline = Timeline(df, source="measured", meta={"schedule": spec.plan.schedule, "P": spec.P, "D": spec.D, "v": spec.plan.v, "m": spec.m,
                                                           "stage_to_rank": list(spec.plan.stage_to_rank),
                                                           "step_start_ms": list(meta["step_start_ms"])})
     return RunResult(timeline=timeline, step_ms=tuple((e - b) / 1e6 for b, e in zip(starts, ends)),
@@ -366,7 +388,7 @@ def build_result(spec, gathered: dict, launch_ns: int, end_ns: int, launched_by:
                      steps=spec.steps, backend=spec.backend, device_type=spec.device_type, instrumented=spec.instrument,
                      ranks=ranks_df, meta=meta, _state=state, status=status, first_step=first_step, checkpoints=checkpoints,
                      checkpoint=standing, restarts=terms["restarts"], steps_redone=terms["steps_redone"],
-                     recovery_s=terms["recovery_s"], restore_s=restore0_s, skipped_steps=tuple(first.get("skipped_steps", ())))
+                     recovery_s=terms["recovery_s"], restore_s=restore0_s, skipped_steps=tuple(first.get("skipped_steps", ())), D=spec.D)
 
 
 def read_gathered(out_dir) -> dict:
