@@ -9,7 +9,7 @@ is left between a prediction and the replay is what the predicted durations miss
 from __future__ import annotations
 
 from ._checks import canonical_schedule
-from .simulate import _KIND_NAMES, _lowered, _rows_frame, _run
+from .simulate import _KIND_NAMES, _lowered, _lowered_table, _rows_frame, _run
 from .timeline import Timeline
 
 
@@ -43,10 +43,10 @@ def replay(measured, step, transfer_ms=None, step_overhead_ms=0.0, gap_ms=0.0) -
     transfer = list(transfer_ms) if transfer_ms is not None else zeros
     if len(transfer) != S:
         raise ValueError(f"transfer_ms has {len(transfer)} values; give one per stage ({S})")
-    rows = _run(_lowered(P, m, schedule, v), P, m, S, (zeros, zeros, zeros, zeros), transfer, any(transfer), per_action)
+    run = _run(_lowered(P, m, schedule, v), P, m, S, (zeros, zeros, zeros, zeros), transfer, any(transfer), per_action)
     out = dict(meta)
     out.update({"replayed_step": int(step), "step_overhead_ms": float(step_overhead_ms)})
-    return Timeline(_rows_frame(rows), source="simulated", meta=out)
+    return Timeline(_rows_frame(_lowered_table(P, m, schedule, v), run), source="simulated", meta=out)
 
 
 __all__ = ["replay"]

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import operator
 from functools import lru_cache
 
 import numpy as np
@@ -197,8 +198,8 @@ def simulate_step_ms(partition, m, schedule=None, v=None, link=None, wgrad_fract
     ``calibration.step_overhead_ms(schedule)`` for the whole step.
     """
     st, m, schedule, v, placement, link, durations, transfer, _ = _prepare(partition, m, schedule, v, link, wgrad_fraction, calibration)
-    rows = _run(_lowered(st.P, m, schedule, v), st.P, m, st.S, durations, transfer, False)
-    return max(row[5] for row in rows)
+    _, signal, _ = _run(_lowered(st.P, m, schedule, v), st.P, m, st.S, durations, transfer, False)
+    return max(_lowered_table(st.P, m, schedule, v)["done"](signal))
 
 
 def simulate(partition, m, schedule=None, v=None, link=None, wgrad_fraction=None, calibration=None) -> Timeline:
@@ -224,9 +225,8 @@ def simulate(partition, m, schedule=None, v=None, link=None, wgrad_fraction=None
     (:func:`~pipeswift_lab.calibrate.whole_step_ms`).
     """
     st, m, schedule, v, placement, link, durations, transfer, split_source = _prepare(partition, m, schedule, v, link, wgrad_fraction, calibration)
-    ops = _lowered(st.P, m, schedule, v)
-    rows = _run(ops, st.P, m, st.S, durations, transfer, link is not None or any(transfer))
-    df = _rows_frame(rows)
+    run = _run(_lowered(st.P, m, schedule, v), st.P, m, st.S, durations, transfer, link is not None or any(transfer))
+    df = _rows_frame(_lowered_table(st.P, m, schedule, v), run)
     meta = {
         "schedule": schedule,
         "P": st.P,
@@ -418,14 +418,18 @@ def _one_f_one_b_ops(rank, P, m, low):
 
 # --------------------------------------------------------------------------- engine
 def _run(ops, P, m, S, durations, transfer, with_comm_rows, per_action=None):
-    """Execute the per-rank operation lists; return the rows ``(rank, stage, mb, kind, start, end)``.
+    """Execute the per-rank operation lists; return ``(started, signal, comm_rows)``.
 
-    ``durations`` is ``(fwd, bwd, igrad, wgrad)``, one list per kind with one entry per stage;
-    ``per_action`` optionally overrides single actions: ``{(kind_code * S + stage, microbatch): ms}``.
+    A compute action's start is ``started[done]`` and its end ``signal[done]`` (``done`` its
+    completion signal, see :func:`_compute_table`); ``comm_rows`` are the transfer rows
+    ``(rank, stage, mb, kind, start, end)`` when ``with_comm_rows``. ``durations`` is ``(fwd,
+    bwd, igrad, wgrad)``, one list per kind with one entry per stage; ``per_action``
+    optionally overrides single actions: ``{(kind_code * S + stage, microbatch): ms}``.
     """
     dur = [d for per_kind in durations for d in per_kind]  # flat, indexed kind_code * S + stage
     plain = per_action is None
     signal = [None] * (5 * S * m)
+    started = [0.0] * (5 * S * m)
     waiting: dict[int, list[int]] = {}
     pc = [0] * P
     clock = [0.0] * P
@@ -448,10 +452,10 @@ def _run(ops, P, m, S, durations, transfer, with_comm_rows, per_action=None):
                         t = value
                 else:
                     end = t + (dur[op[2]] if plain else per_action.get((op[2], op[4]), dur[op[2]]))
-                    append((r, op[3], op[4], op[5], t, end))
-                    t = end
                     done = op[1]
+                    started[done] = t
                     signal[done] = end
+                    t = end
                     if done in waiting:
                         work.extend(waiting.pop(done))
                     i += 1
@@ -482,23 +486,39 @@ def _run(ops, P, m, S, durations, transfer, with_comm_rows, per_action=None):
     stuck = [r for r in range(P) if pc[r] < len(ops[r])]
     if stuck:
         raise ScheduleDeadlock(_deadlock_message(ops, pc, stuck, S, m, signal))
-    return rows
+    return started, signal, rows
 
 
-def _rows_frame(rows) -> pd.DataFrame:
-    """The Timeline table of one simulated step from engine rows."""
-    rank, stage, mb, kind, start, end = zip(*rows)
-    return pd.DataFrame(
-        {
-            "step": np.zeros(len(rows), dtype=np.int64),
-            "rank": np.array(rank, dtype=np.int64),
-            "stage": np.array(stage, dtype=np.int64),
-            "microbatch": np.array(mb, dtype=np.int64),
-            "kind": np.array(kind, dtype=object),
-            "start_ms": np.array(start, dtype=float),
-            "end_ms": np.array(end, dtype=float),
-        }
-    )
+def _compute_table(ops) -> dict:
+    """The compute actions of lowered ``ops``, rank by rank in execution order, as numpy arrays.
+
+    ``rank``, ``stage``, ``mb``, ``kind`` (object array of names) and ``done`` (completion
+    signals, a ``tuple`` for :func:`operator.itemgetter`). Static for an order: the engine only
+    adds times.
+    """
+    rows = [(r, op[3], op[4], op[5], op[1]) for r, rank_ops in enumerate(ops) for op in rank_ops if op[0] == _COMPUTE]
+    rank, stage, mb, kind, done = zip(*rows)
+    return {"rank": np.array(rank, np.int64), "stage": np.array(stage, np.int64), "mb": np.array(mb, np.int64),
+            "kind": np.array(kind, dtype=object), "done": operator.itemgetter(*done) if len(done) > 1 else (lambda xs, d=done[0]: (xs[d],))}
+
+
+@lru_cache(maxsize=64)
+def _lowered_table(P, m, schedule, v) -> dict:
+    return _compute_table(_lowered(P, m, schedule, v))
+
+
+def _rows_frame(table, run) -> pd.DataFrame:
+    """The Timeline table of one simulated step: the compute actions of ``table``, timed by ``run`` (:func:`_run`'s output)."""
+    started, signal, comm = run
+    pick = table["done"]
+    cols = {"step": np.zeros(len(table["rank"]), dtype=np.int64), "rank": table["rank"], "stage": table["stage"],
+            "microbatch": table["mb"], "kind": table["kind"], "start_ms": np.array(pick(started), dtype=float),
+            "end_ms": np.array(pick(signal), dtype=float)}
+    if comm:
+        rank, stage, mb, kind, start, end = zip(*comm)
+        extra = (np.zeros(len(comm), np.int64), rank, stage, mb, np.array(kind, dtype=object), start, end)
+        cols = {c: np.concatenate([v, np.asarray(e, dtype=v.dtype)]) for (c, v), e in zip(cols.items(), extra)}
+    return pd.DataFrame(cols)
 
 
 def _describe_signal(sid, S, m):
@@ -560,8 +580,7 @@ def simulate_order(orders, stage_table, m, link=None, placement=None) -> Timelin
     durations = (fwd, bwd, [max(0.0, b - w) for b, w in zip(bwd, wgrad)], wgrad)
     groups = [tuple((a,) for a in orders[r]) for r in range(P)]
     ops = _lower(groups, "custom", P, m, S, placement)
-    rows = _run(ops, P, m, S, durations, transfer, link is not None)
-    df = _rows_frame(rows)
+    df = _rows_frame(_compute_table(ops), _run(ops, P, m, S, durations, transfer, link is not None))
     meta = {"schedule": "custom", "P": P, "m": m, "stage_to_rank": list(placement)}
     if S % P == 0:
         meta["v"] = S // P
