@@ -9,7 +9,7 @@ is left between a prediction and the replay is what the predicted durations miss
 from __future__ import annotations
 
 from ._checks import canonical_schedule
-from .simulate import _KIND_NAMES, _lowered, _lowered_table, _rows_frame, _run
+from ._sim_engine import _KIND_NAMES, _lowered, _lowered_table, _rows_frame, _run
 from .timeline import Timeline
 
 
