@@ -15,7 +15,8 @@ import pandas as pd
 from ._bottleneck import Infeasible
 from ._checks import check_int
 from .analytic import inflight_microbatches
-from .partition import _MEM_RTOL, Partition, _Layers, _split, no_fit_head
+from ._partition_layers import _MEM_RTOL, _Layers, _split
+from .partition import Partition, no_fit_head
 from .precision import state_bytes
 from .schedules import stage_to_rank
 from .simulate import simulate_step_ms

@@ -24,18 +24,8 @@ from torch import nn
 
 from ._checks import check_int, check_time
 from ._display import html_card, noise_note, noise_warning, text_card
-from ._profile_hooks import (
-    LayerRecorder,
-    current_unit,
-    iter_tensors,
-    locate_failure,
-    make_clock,
-    model_device,
-    move_to_device,
-    preserved_state,
-    select_units,
-    shapes,
-)
+from ._profile_hooks import LayerRecorder, current_unit, iter_tensors, make_clock, shapes
+from ._profile_units import locate_failure, model_device, move_to_device, preserved_state, select_units
 
 #: Per-layer columns of :attr:`Profile.df`, in order.
 COLUMNS = (
