@@ -158,6 +158,55 @@ def test_checks_before_launch():
         make_spec(model, BATCH, loss, part, 2, timeout_s=0)
     with pytest.raises(ValueError, match="start_method='fork' is not valid"):
         run(model, BATCH, loss, part, 2, start_method="fork")
+    with pytest.raises(ValueError, match=r"timeout_s=1e\+15 is more than the 1e\+09 s"):
+        make_spec(model, BATCH, loss, part, 2, timeout_s=1e15)
+
+
+def test_what_used_to_fail_inside_a_worker_or_raw_is_named_before_launch():
+    model, part = mlp4(), two_stage()
+    loss = nn.functional.mse_loss
+    # meta kernels take int64 inputs to a Linear: the first stage also runs one sample for real
+    with pytest.raises(ValueError, match=r"stage 0 .* cannot take the data inputs, a micro-batch of shape \(4, 4\) int64: .*dtype"):
+        make_spec(model, (torch.randint(0, 5, (8, 4)), torch.randn(8, 2)), loss, part, 2)
+    with pytest.raises(TypeError, match=r"data holds 1 tensor; give one \(inputs, targets\) pair"):
+        make_spec(model, (BATCH[0],), loss, part, 2)
+
+    def broken_data(step):
+        raise KeyError("no such shard")
+
+    with pytest.raises(ValueError, match=r"data\(0\) raised KeyError: 'no such shard' \(data, a callable"):
+        make_spec(model, broken_data, loss, part, 2)
+    with pytest.raises(ValueError, match=r"optimizer\(params\) raised ValueError: Invalid learning rate: -1"):
+        make_spec(model, BATCH, loss, part, 2, optimizer=lambda params: torch.optim.SGD(params, lr=-1))
+
+    def broken_loss(out, target):
+        raise RuntimeError("my loss is broken")
+
+    with pytest.raises(ValueError, match=r"loss_fn cannot take the last stage's output \(4, 2\) float32 with targets \(4, 2\) "
+                                         r"float32: RuntimeError: my loss is broken"):
+        make_spec(model, BATCH, broken_loss, part, 2)
+
+
+def test_a_script_without_the_main_guard_gets_one_line_and_starts_nothing(tmp_path):
+    import subprocess
+    import sys
+
+    script = tmp_path / "train.py"
+    script.write_text("import torch\nfrom torch import nn\nimport pipeswift_lab as psl\n"
+                      "from pipeswift_lab.profile import Profile\n"
+                      "model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))\n"
+                      "part = psl.Partition.from_bounds(Profile.synthetic(fwd_ms=[1.0] * 2, bwd_ms=[1.0] * 2), [(0, 1), (1, 2)])\n"
+                      "psl.run(model, (torch.randn(4, 4), torch.randn(4, 2)), nn.functional.mse_loss, part, 2, steps=1)\n")
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert done.returncode == 1
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith("RuntimeError: pipeswift_lab.run() is called at the top level of the script") and "(line 7)" in last
+    assert "ChildFailedError" not in done.stderr and "leaked semaphore" not in done.stderr
+    guarded = script.read_text().replace("psl.run(", "if __name__ == '__main__':\n    psl.run(")
+    from pipeswift_lab.runner.launch import _line_is_guarded
+
+    script.write_text(guarded)
+    assert _line_is_guarded(str(script), 8) and not _line_is_guarded(str(script), 6)
 
 
 def test_tied_weights_across_stages_are_refused():

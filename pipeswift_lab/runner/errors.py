@@ -187,9 +187,9 @@ def diagnose(run_dir: Path, P: int, timeout_s: float, timed_out: bool, agent_err
     tails = "\n".join(f"\nstderr of rank {r}:\n{stderr_tail(run_dir, r)}" for r in range(P) if stderr_tail(run_dir, r))
     detail = f"{type(agent_error).__name__}: {agent_error}" if agent_error is not None else "no result was written"
     never = sorted(set(range(P)) - started)
-    hint = ""
-    if never:
-        hint = (f"\nranks {never} never reached the runner: their processes failed while starting (forked workers first "
-                "re-import the __main__ module of a script, as multiprocessing's spawn does: guard scripts with "
-                "`if __name__ == \"__main__\":`; the error is on this process's stderr).")
-    return RunError(f"the launch failed: {detail}{hint}{tails}", reason="launch", exitcodes=exitcodes, pids=pids)
+    if never:  # the cause first, in one line; the launcher's report (torch's ChildFailedError dump) in .traceback
+        return RunError(f"ranks {never} never reached the runner: their processes failed while starting (forked workers first "
+                        "re-import the __main__ module of a script, as multiprocessing's spawn does: guard scripts with "
+                        f"`if __name__ == \"__main__\":`; the error is on this process's stderr).{tails}",
+                        reason="launch", traceback=detail, exitcodes=exitcodes, pids=pids)
+    return RunError(f"the launch failed: {detail}{tails}", reason="launch", exitcodes=exitcodes, pids=pids)

@@ -242,12 +242,13 @@ def run(model, data, loss_fn, partition, m, schedule=None, steps=10, optimizer=N
     exit when this process dies. Returns a :class:`RunResult`. Raises ``TypeError``/``ValueError``
     before any process starts for what can be checked in advance.
     """
-    from .launch import START_METHODS
+    from .launch import START_METHODS, check_main_guard
     from .segments import combine, plan_segments
 
     launch_ns = time.time_ns()
     if start_method not in START_METHODS:
         raise ValueError(f"start_method={start_method!r} is not valid; use one of {list(START_METHODS)}")
+    check_main_guard(start_method)
     if not isinstance(progress, bool):
         raise TypeError(f"progress must be True or False; got {progress!r}")
     steps_checked = check_int("steps", steps, minimum=1)

@@ -45,6 +45,70 @@ FORKSERVER_PRELOAD = ("numpy", "pandas", "torch", "torch.distributed.pipelining"
                       "torch.distributed.checkpoint", "torch.distributed.checkpoint.state_dict", "cloudpickle")
 
 
+#: The one-line cause when a script calls run() outside ``if __name__ == "__main__":``.
+MAIN_GUARD_MESSAGE = ("pipeswift_lab.run() is called at the top level of the script {path} (line {line}), outside "
+                      "`if __name__ == \"__main__\":`. Its workers re-import the script's __main__ module as they start "
+                      "(multiprocessing's forkserver, like spawn), which would launch again; put the call under that guard.")
+
+
+def check_main_guard(start_method: str) -> None:
+    """Raise ``RuntimeError`` before anything starts if a script calls ``run()`` at import time without the ``__main__`` guard.
+
+    With ``"forkserver"`` every worker re-imports the script that is ``__main__``; an unguarded
+    ``run()`` there would start a run inside each worker's start-up and fail deep in torch's
+    launcher. The frame of ``__main__``'s module code on the stack tells where the call is; the
+    script's syntax tree tells whether that line is inside ``if __name__ == "__main__":``.
+    Inside a worker's start-up (a forgotten guard that this check could not see) the worker
+    exits with the same one line instead of a traceback.
+    """
+    import multiprocessing
+
+    if getattr(multiprocessing.current_process(), "_inheriting", False):  # a worker re-importing the script
+        raise SystemExit(MAIN_GUARD_MESSAGE.format(path="being re-imported by a worker", line="?"))
+    if start_method != "forkserver":
+        return
+    main = sys.modules.get("__main__")
+    path = getattr(main, "__file__", None)
+    if not path or not os.path.isfile(path):
+        return  # an interactive session, a notebook or python -c: nothing is re-imported
+    path = os.path.abspath(path)
+    frame = sys._getframe(1)
+    while frame is not None and not (frame.f_code.co_name == "<module>" and os.path.abspath(frame.f_code.co_filename) == path):
+        frame = frame.f_back
+    if frame is None:
+        return
+    line = frame.f_lineno
+    if not _line_is_guarded(path, line):
+        raise RuntimeError(MAIN_GUARD_MESSAGE.format(path=path, line=line))
+
+
+def _line_is_guarded(path: str, line: int) -> bool:
+    """Whether ``line`` of the script at ``path`` lies inside an ``if __name__ == "__main__":`` block (True if unreadable)."""
+    import ast
+
+    try:
+        tree = ast.parse(Path(path).read_text(), path)
+    except (OSError, SyntaxError, ValueError):
+        return True
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and _is_main_test(node.test):
+            last = max(getattr(n, "end_lineno", node.lineno) or node.lineno for n in node.body)
+            if node.body[0].lineno <= line <= last:
+                return True
+    return False
+
+
+def _is_main_test(test) -> bool:
+    import ast
+
+    if not (isinstance(test, ast.Compare) and len(test.ops) == 1 and isinstance(test.ops[0], ast.Eq)):
+        return False
+    sides = [test.left, test.comparators[0]]
+    names = [x for x in sides if isinstance(x, ast.Name) and x.id == "__name__"]
+    mains = [x for x in sides if isinstance(x, ast.Constant) and x.value == "__main__"]
+    return len(names) == 1 and len(mains) == 1
+
+
 @contextmanager
 def _quiet_elastic():
     """Silence torch elastic's warnings (e.g. about running in a thread) for the launch; restore after."""

@@ -71,7 +71,12 @@ class DataSource:
             return self.value[step]
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(self.seed + step)
-            return _check_batch(self.value(step), f"data({step})")
+            try:
+                batch = self.value(step)
+            except Exception as exc:  # noqa: BLE001 - re-raised naming the argument
+                raise ValueError(f"data({step}) raised {type(exc).__name__}: {exc} (data, a callable, is called as "
+                                 f"data(step) -> (inputs, targets) on every rank)") from exc
+            return _check_batch(batch, f"data({step})")
 
 
 def _check_batch(batch, where: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -92,6 +97,9 @@ def make_data_source(data, steps: int, seed: int) -> DataSource:
     """Normalize ``data`` (a batch, a ``callable(step)`` or an iterable of batches) into a :class:`DataSource`."""
     if isinstance(data, (tuple, list)) and len(data) == 2 and all(isinstance(t, torch.Tensor) for t in data):
         return DataSource("batch", _check_batch(tuple(data), "data"), seed)
+    if isinstance(data, (tuple, list)) and data and all(isinstance(t, torch.Tensor) for t in data):
+        raise TypeError(f"data holds {len(data)} tensor{'s' if len(data) != 1 else ''}; give one (inputs, targets) pair, "
+                        f"a callable(step) -> (inputs, targets) or an iterable of such pairs")
     if callable(data):
         return DataSource("callable", data, seed)
     if isinstance(data, torch.Tensor) or not hasattr(data, "__iter__"):
@@ -305,6 +313,10 @@ def resolve_devices(P: int, backend, devices, what: str | None = None) -> tuple[
     return backend, "cpu", None
 
 
+#: The longest ``timeout_s`` a run takes (seconds): torch's process groups and stores overflow far above it.
+MAX_TIMEOUT_S = 1e9
+
+
 def make_spec(model, data, loss_fn, partition, m, schedule=None, steps=10, optimizer=None, nprocs=None, backend=None,
               devices=None, timeout_s=300.0, instrument=True, seed=0, job: JobOptions | None = None, D=1) -> RunSpec:
     """Check every argument of :func:`pipeswift_lab.run` and build the :class:`RunSpec` (no process is started).
@@ -321,6 +333,9 @@ def make_spec(model, data, loss_fn, partition, m, schedule=None, steps=10, optim
     steps = check_int("steps", steps, minimum=1)
     seed = check_int("seed", seed)
     timeout_s = check_time("timeout_s", timeout_s, allow_zero=False)
+    if timeout_s > MAX_TIMEOUT_S:
+        raise ValueError(f"timeout_s={timeout_s:g} is more than the {MAX_TIMEOUT_S:g} s (about 31 years) the workers' process groups "
+                         f"and stores can wait (a longer timeout overflows torch's clock); give timeout_s <= {MAX_TIMEOUT_S:g}")
     if not isinstance(instrument, bool):
         raise TypeError(f"instrument must be a bool; got {type(instrument).__name__} {instrument!r}")
     if nprocs is not None:
@@ -334,7 +349,11 @@ def make_spec(model, data, loss_fn, partition, m, schedule=None, steps=10, optim
     optimizer = default_optimizer if optimizer is None else optimizer
     if not callable(optimizer):
         raise TypeError(f"optimizer must be a factory such as `lambda params: torch.optim.SGD(params, lr=0.1)`; got {type(optimizer).__name__}")
-    probe = optimizer([p for p in model.parameters()])
+    try:
+        probe = optimizer([p for p in model.parameters()])
+    except Exception as exc:  # noqa: BLE001 - re-raised naming the argument
+        raise ValueError(f"optimizer(params) raised {type(exc).__name__}: {exc} (optimizer is a factory called with each rank's "
+                         f"parameters, e.g. `lambda params: torch.optim.SGD(params, lr=0.1)`)") from exc
     if not isinstance(probe, torch.optim.Optimizer):
         raise TypeError(f"optimizer(params) must return a torch.optim.Optimizer; it returned {type(probe).__name__}")
     del probe

@@ -178,6 +178,23 @@ def _layer_names(model: nn.Sequential, bounds) -> str:
     return f"layers {bounds[0]}..{bounds[1] - 1} ({', '.join(names)})"
 
 
+def _first_stage_for_real(model, plan, inputs_mb):
+    """Run the first stage on one sample of the data for real: meta kernels do not check dtypes (int64 inputs to a
+    ``Linear`` pass on ``meta``). Parameters are used as they are (a forward does not change them), buffers on copies."""
+    from torch.func import functional_call
+
+    stage = stage_module(model, plan.bounds[0])
+    buffers = {name for name, _ in stage.named_buffers()}
+    tensors = {k: (t.detach().clone() if k in buffers else t.detach()) for k, t in stage.state_dict(keep_vars=True).items()}
+    home = next(iter(tensors.values())).device if tensors else torch.device("cpu")
+    x = inputs_mb[:1].to(home)
+    try:
+        with torch.no_grad():
+            functional_call(stage, tensors, (x,), strict=False)
+    except Exception as exc:  # noqa: BLE001 - re-raised with the stage named
+        raise _StageFailure(0, TensorSpec.from_tensor(inputs_mb), exc) from exc
+
+
 def _pass(model, plan, inputs_mb, targets_mb, loss_fn, device):
     """Run one micro-batch stage by stage on ``device`` with stand-in tensors; return specs or raise."""
     from torch.func import functional_call
@@ -237,7 +254,9 @@ def boundary_specs(model: nn.Sequential, plan: StagePlan, inputs_mb: torch.Tenso
     layers and the shape it could not take.
     """
     try:
-        return _pass(model, plan, inputs_mb, targets_mb, loss_fn, "meta")
+        specs = _pass(model, plan, inputs_mb, targets_mb, loss_fn, "meta")
+        _first_stage_for_real(model, plan, inputs_mb)
+        return specs
     except (_StageFailure, _LossFailure, Exception):
         pass  # no meta kernel, or a real error: the real pass below tells them apart
     try:
