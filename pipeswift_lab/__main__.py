@@ -1,4 +1,5 @@
 """``python -m pipeswift_lab`` runs the ``pipeswift-lab`` command."""
 from .cli import main
 
-raise SystemExit(main())
+if __name__ == "__main__":
+    raise SystemExit(main())

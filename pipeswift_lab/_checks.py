@@ -82,6 +82,14 @@ def check_int(name: str, value, minimum: int | None = None, maximum: int | None 
     return value
 
 
+def check_wgrad_fraction(value) -> float:
+    """Return ``wgrad_fraction`` (the weight-gradient share of a backward) as a float in ``[0, 1]``."""
+    value = check_time("wgrad_fraction", value)
+    if value > 1:
+        raise ValueError(f"wgrad_fraction={value} is invalid; it is a share of the backward, in [0, 1]")
+    return value
+
+
 def check_time(name: str, value, allow_zero: bool = True) -> float:
     """Return ``value`` as a finite float that is ``>= 0`` (``> 0`` if not ``allow_zero``)."""
     if isinstance(value, bool) or not isinstance(value, numbers.Real):

@@ -135,6 +135,15 @@ def _stage_comm_ms(bounds, layers, link):
 
 
 # --------------------------------------------------------------------------- splitting
+def rank_totals(per_stage, stage_to_rank, P) -> list[float]:
+    """Per rank, the sum of its stages' ``per_stage`` values: the one place a per-stage quantity becomes a rank's
+    (memory in :class:`~pipeswift_lab.Partition`, the sweep and the planner's search)."""
+    out = [0.0] * P
+    for value, r in zip(per_stage, stage_to_rank):
+        out[r] += value
+    return out
+
+
 def _uniform_bounds(n, K):
     base, extra = divmod(n, K)
     out, a = [], 0
@@ -156,7 +165,7 @@ def _memory_windows(layers: _Layers, P, v, schedule, mem_schedule, m, optimizer,
     if layers.param_bytes is None or layers.activation_bytes is None:
         raise ValueError("mem_per_gpu_bytes is given but the profile lacks 'param_bytes' or 'activation_bytes'; memory per stage is unknown")
     placement = _stage_to_rank(P, v, schedule)
-    inflight = inflight_microbatches(P, m, mem_schedule, v)
+    inflight = inflight_microbatches(P, m, mem_schedule, v=v)
     static = np.concatenate([[0.0], np.cumsum(state_bytes(layers.params, layers.param_bytes, precision, optimizer, dp))])
     act = np.concatenate([[0.0], np.cumsum(layers.activation_bytes)])
     budget = limit / v  # a rank's v stages share its memory; each stage gets an equal share

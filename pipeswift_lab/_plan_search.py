@@ -15,7 +15,7 @@ import pandas as pd
 from ._bottleneck import Infeasible
 from ._checks import check_int
 from .analytic import inflight_microbatches
-from ._partition_layers import _MEM_RTOL, _Layers, _split
+from ._partition_layers import _MEM_RTOL, _Layers, _split, rank_totals
 from .partition import Partition, no_fit_head
 from .precision import state_bytes
 from .schedules import stage_to_rank
@@ -172,7 +172,7 @@ class Evaluator:
         return step * split.scale, bubble
 
     def _timed(self, part, m, schedule, v, scale):
-        step = simulate_step_ms(part, m, schedule, v, link=self.link, calibration=self.calibration) * scale
+        step = simulate_step_ms(part, m, schedule, v=v, link=self.link, calibration=self.calibration) * scale
         busy = m * sum(part.stage_ms) * scale
         if self.calibration is not None:
             step += self.calibration.step_overhead_ms(schedule)
@@ -182,7 +182,7 @@ class Evaluator:
     def _placement(self, P, m, schedule, v):
         key = (P, m, schedule, v)
         if key not in self._inflight:
-            self._inflight[key] = (stage_to_rank(P, v, schedule), inflight_microbatches(P, m, schedule, v))
+            self._inflight[key] = (stage_to_rank(P, v, schedule), inflight_microbatches(P, m, schedule, v=v))
         return self._inflight[key]
 
     def _stage_sums(self, b, bounds, dp) -> "_StageSums":
@@ -257,14 +257,9 @@ class Split:
 
 
 def _rank_memory(stages, placement, inflight, P, scale):
-    mem = [0.0] * P
-    for s, r in enumerate(placement):
-        mem[r] += stages.state_bytes[s] + stages.activation_bytes[s] * inflight[s] * scale
-    return mem
+    per_stage = [state + act * held * scale for state, act, held in zip(stages.state_bytes, stages.activation_bytes, inflight)]
+    return rank_totals(per_stage, placement, P)
 
 
 def _rank_max(per_stage, placement, P) -> float:
-    per_rank = [0.0] * P
-    for s, r in enumerate(placement):
-        per_rank[r] += per_stage[s]
-    return max(per_rank)
+    return max(rank_totals(per_stage, placement, P))

@@ -177,7 +177,7 @@ def branch_and_bound(candidates, rows: list, job: Job, evaluator, exhaustive: bo
         gpus_best = min(done, key=lambda r: sum(r[t] for t in TERMS))["gpus"]
 
         def by_bubble(r):
-            return (bubble_ratio(r["P"], r["m"], r["schedule"], r["v"]), -r["m"] * r["v"])
+            return (bubble_ratio(r["P"], r["m"], r["schedule"], v=r["v"]), -r["m"] * r["v"])
 
         pool = [(i, c) for i, c in pruned.items() if c[0]["P"] > 1 and c[0]["gpus"] == gpus_best]
         if pool:

@@ -26,7 +26,7 @@ def section_bubbles(ctx: ReportContext) -> Section:
     rows = []
     for P, m in ((4, 16), (8, 16), (8, 64), (4, 8)):
         for schedule, v in (("GPipe", 1), ("1F1B", 1), ("Interleaved1F1B", 2)):
-            rows.append(analytic.bubble_summary(P, m, schedule, v))
+            rows.append(analytic.bubble_summary(P, m, schedule, v=v))
     table = pd.DataFrame(rows)
     intro = (
         "<p>Two conventions of the pipeline bubble are in use. <code>bubble_ratio</code> is the share of a step a "

@@ -33,12 +33,15 @@ micro-batch (all its chunks together), ``bwd_ms`` its whole backward, split as
 """
 from __future__ import annotations
 
+import warnings
+
 from ._checks import (
     SINGLE_CHUNK_SCHEDULES,
     ZERO_BUBBLE_SCHEDULES,
     check_int,
     check_schedule_v,
     check_time,
+    check_wgrad_fraction,
 )
 
 #: Share of the backward that is the weight gradient when nothing better is known.
@@ -53,17 +56,28 @@ def _check_pm(P, m):
     return check_int("P", P, minimum=1), check_int("m", m, minimum=1)
 
 
-def _bubble_time_over_unit(P, m, schedule, v, fwd_ms, bwd_ms, wgrad_ms):
+def _wgrad_ms(bwd_ms, wgrad_fraction, wgrad_ms, where):
+    """The weight-grad part of ``bwd_ms``: ``wgrad_fraction * bwd_ms`` (``wgrad_ms``, its old spelling, still works)."""
+    if wgrad_ms is None:
+        fraction = DEFAULT_WGRAD_FRACTION if wgrad_fraction is None else check_wgrad_fraction(wgrad_fraction)
+        return fraction * bwd_ms
+    if wgrad_fraction is not None:
+        raise TypeError(f"{where}() got both wgrad_fraction and wgrad_ms (its old form); give wgrad_fraction only")
+    warnings.warn(f"{where}(wgrad_ms=...) is replaced by wgrad_fraction=wgrad_ms/bwd_ms, as in simulate() and sweep(); "
+                  "the old form will go", DeprecationWarning, stacklevel=3)
+    wgrad_ms = check_time("wgrad_ms", wgrad_ms)
+    if wgrad_ms > bwd_ms:
+        raise ValueError(f"wgrad_ms={wgrad_ms} is invalid; it is the weight-grad part of bwd_ms={bwd_ms} and must be <= it")
+    return wgrad_ms
+
+
+def _bubble_time_over_unit(P, m, schedule, v, fwd_ms, bwd_ms, wgrad_fraction, wgrad_ms=None, where="bubble_ratio"):
     """Return ``(bubble_ms, compute_ms)`` of one step on the busiest rank."""
     P, m = _check_pm(P, m)
     schedule, v = check_schedule_v(schedule, v)
     fwd_ms = check_time("fwd_ms", fwd_ms)
     bwd_ms = check_time("bwd_ms", bwd_ms)
-    if wgrad_ms is None:
-        wgrad_ms = DEFAULT_WGRAD_FRACTION * bwd_ms
-    wgrad_ms = check_time("wgrad_ms", wgrad_ms)
-    if wgrad_ms > bwd_ms:
-        raise ValueError(f"wgrad_ms={wgrad_ms} is invalid; it is the weight-grad part of bwd_ms={bwd_ms} and must be <= it")
+    wgrad_ms = _wgrad_ms(bwd_ms, wgrad_fraction, wgrad_ms, where)
     if fwd_ms + bwd_ms == 0:
         raise ValueError("fwd_ms + bwd_ms must be > 0; a step with no compute has no bubble ratio")
     compute_ms = m * (fwd_ms + bwd_ms)
@@ -78,34 +92,37 @@ def _bubble_time_over_unit(P, m, schedule, v, fwd_ms, bwd_ms, wgrad_ms):
     return bubble_ms, compute_ms
 
 
-def bubble_overhead(P, m, schedule="1F1B", v=1, fwd_ms=1.0, bwd_ms=2.0, wgrad_ms=None) -> float:
+def bubble_overhead(P, m, schedule="1F1B", *, v=1, fwd_ms=1.0, bwd_ms=2.0, wgrad_fraction=None, wgrad_ms=None) -> float:
     """Bubble time over ideal compute time of one step (Megatron-LM's convention).
 
     Returns ``(P-1)/m`` for GPipe and 1F1B, ``(P-1)/(v*m)`` for Interleaved1F1B and
     LoopedBFS, and for the zero-bubble schedules ``(P-1)*max(0, F+I-k*W)/(v*m*(F+I+W))``
     with ``k=1`` for InterleavedZeroBubble (ZB-H1) and ``k=2`` for ZBVZeroBubble and
-    DualPipeV (ZB-V / ZB1P). ``fwd_ms``, ``bwd_ms`` and ``wgrad_ms`` only matter for the
-    zero-bubble family; ``wgrad_ms`` defaults to ``DEFAULT_WGRAD_FRACTION * bwd_ms``.
+    DualPipeV (ZB-V / ZB1P), where ``W = wgrad_fraction * bwd_ms`` and ``I = bwd_ms - W``.
+    ``fwd_ms``, ``bwd_ms`` and ``wgrad_fraction`` only matter for the zero-bubble family;
+    ``wgrad_fraction`` defaults to :data:`DEFAULT_WGRAD_FRACTION` (``wgrad_ms=``, the old
+    way to give it, is deprecated).
     """
-    bubble_ms, compute_ms = _bubble_time_over_unit(P, m, schedule, v, fwd_ms, bwd_ms, wgrad_ms)
+    bubble_ms, compute_ms = _bubble_time_over_unit(P, m, schedule, v, fwd_ms, bwd_ms, wgrad_fraction, wgrad_ms, "bubble_overhead")
     return bubble_ms / compute_ms
 
 
-def bubble_ratio(P, m, schedule="GPipe", v=1, fwd_ms=1.0, bwd_ms=2.0, wgrad_ms=None) -> float:
+def bubble_ratio(P, m, schedule="1F1B", *, v=1, fwd_ms=1.0, bwd_ms=2.0, wgrad_fraction=None, wgrad_ms=None) -> float:
     """Share of one step that a stage sits idle (GPipe's convention).
 
     Returns ``(P-1)/(m+P-1)`` for GPipe and 1F1B, ``(P-1)/(v*m+P-1)`` for the
     interleaved schedules, and ``overhead/(1+overhead)`` in general, where
-    ``overhead`` is :func:`bubble_overhead` of the same arguments.
+    ``overhead`` is :func:`bubble_overhead` of the same arguments (the same default
+    schedule, 1F1B, whose bubble equals GPipe's).
 
     >>> round(bubble_ratio(8, 16), 3), round(bubble_ratio(4, 16), 3)
     (0.304, 0.158)
     """
-    bubble_ms, compute_ms = _bubble_time_over_unit(P, m, schedule, v, fwd_ms, bwd_ms, wgrad_ms)
+    bubble_ms, compute_ms = _bubble_time_over_unit(P, m, schedule, v, fwd_ms, bwd_ms, wgrad_fraction, wgrad_ms, "bubble_ratio")
     return bubble_ms / (bubble_ms + compute_ms)
 
 
-def bubble_summary(P, m, schedule="1F1B", v=1) -> dict:
+def bubble_summary(P, m, schedule="1F1B", *, v=1) -> dict:
     """Both bubble conventions and rank 0's in-flight micro-batches for one setting, as a flat dict.
 
     Keys: ``P``, ``m``, ``schedule``, ``v``, ``bubble_ratio``, ``bubble_overhead``, ``inflight_rank0``.
@@ -115,22 +132,23 @@ def bubble_summary(P, m, schedule="1F1B", v=1) -> dict:
         "m": m,
         "schedule": schedule,
         "v": v,
-        "bubble_ratio": bubble_ratio(P, m, schedule, v),
-        "bubble_overhead": bubble_overhead(P, m, schedule, v),
-        "inflight_rank0": inflight_microbatches(P, m, schedule, v)[0],
+        "bubble_ratio": bubble_ratio(P, m, schedule, v=v),
+        "bubble_overhead": bubble_overhead(P, m, schedule, v=v),
+        "inflight_rank0": inflight_microbatches(P, m, schedule, v=v)[0],
     }
 
 
-def step_ms(P, m, schedule="1F1B", v=1, fwd_ms=1.0, bwd_ms=2.0, wgrad_ms=None) -> float:
+def step_ms(P, m, schedule="1F1B", *, v=1, fwd_ms=1.0, bwd_ms=2.0, wgrad_fraction=None, wgrad_ms=None) -> float:
     """Closed-form step time with equal stages and free communication: compute plus bubble.
 
-    ``fwd_ms`` and ``bwd_ms`` are one rank's forward and backward of one micro-batch.
+    ``fwd_ms`` and ``bwd_ms`` are one rank's forward and backward of one micro-batch;
+    ``wgrad_fraction`` as in :func:`bubble_overhead`.
     """
-    bubble_ms, compute_ms = _bubble_time_over_unit(P, m, schedule, v, fwd_ms, bwd_ms, wgrad_ms)
+    bubble_ms, compute_ms = _bubble_time_over_unit(P, m, schedule, v, fwd_ms, bwd_ms, wgrad_fraction, wgrad_ms, "step_ms")
     return bubble_ms + compute_ms
 
 
-def inflight_microbatches(P, m, schedule="1F1B", v=1) -> list[float]:
+def inflight_microbatches(P, m, schedule="1F1B", *, v=1) -> list[float]:
     """Peak number of micro-batches whose activations a rank holds, one entry per rank.
 
     Counted in whole-rank micro-batches: with ``v`` chunks per rank a chunk's activations
@@ -165,13 +183,13 @@ def inflight_microbatches(P, m, schedule="1F1B", v=1) -> list[float]:
     return [c / v for c in chunks]
 
 
-def activation_memory_bytes(P, m, activation_bytes, schedule="1F1B", v=1) -> list[float]:
+def activation_memory_bytes(P, m, activation_bytes, schedule="1F1B", *, v=1) -> list[float]:
     """Peak activation memory of each rank: in-flight micro-batches times bytes per micro-batch.
 
     ``activation_bytes`` is what one rank saves for backward per micro-batch (a
     number for equal stages, or one number per rank). Returns one value per rank.
     """
-    counts = inflight_microbatches(P, m, schedule, v)
+    counts = inflight_microbatches(P, m, schedule, v=v)
     if isinstance(activation_bytes, (list, tuple)):
         if len(activation_bytes) != len(counts):
             raise ValueError(f"activation_bytes has {len(activation_bytes)} entries; it needs one per rank, P={len(counts)}")

@@ -60,6 +60,7 @@ from ._partition_layers import (  # noqa: F401 - OPTIMIZER_STATE_FACTOR, _MEM_RT
     _resolve_placement,
     _split,
     _stage_comm_ms,
+    rank_totals,
 )
 
 #: Split methods of :func:`partition`.
@@ -109,7 +110,7 @@ class Partition:
 
     # ---- construction
     @classmethod
-    def from_bounds(cls, profile, bounds, v=1, schedule=None, link=None, m=None, optimizer="adam", mem_per_gpu_bytes=None, method="manual", precision=None, dp=1,
+    def from_bounds(cls, profile, bounds, *, v=1, schedule=None, link=None, m=None, optimizer="adam", mem_per_gpu_bytes=None, method="manual", precision=None, dp=1,
                     mem_limit_bytes=None) -> "Partition":
         """Build a Partition from explicit ``bounds``: ``[(start, end), ...]``, one per stage.
 
@@ -133,7 +134,7 @@ class Partition:
         link = check_link(link)
         mem_per_gpu_bytes = memory_cap(mem_per_gpu_bytes, mem_limit_bytes, "Partition.from_bounds")
         placement = _stage_to_rank(P, v, schedule)
-        inflight_by_rank = inflight_microbatches(P, m, mem_schedule, v)
+        inflight_by_rank = inflight_microbatches(P, m, mem_schedule, v=v)
         inflight = tuple(inflight_by_rank[r] for r in placement)
 
         def sums(values, as_int=False):
@@ -233,10 +234,7 @@ class Partition:
     @property
     def rank_mem_bytes(self) -> tuple:
         """Memory of each rank: the sum of its stages' ``stage_mem_bytes``."""
-        out = [0.0] * self.P
-        for s, r in enumerate(self.stage_to_rank):
-            out[r] += self.stage_mem_bytes[s]
-        return tuple(out)
+        return tuple(rank_totals(self.stage_mem_bytes, self.stage_to_rank, self.P))
 
     def describe_stage(self, s: int) -> str:
         """One sentence on stage ``s``: its layers and its memory, for error messages."""
@@ -340,7 +338,7 @@ def memory_cap(mem_per_gpu_bytes, mem_limit_bytes=None, where="partition"):
     return None if mem_per_gpu_bytes is None else check_time("mem_per_gpu_bytes", mem_per_gpu_bytes, allow_zero=False)
 
 
-def partition(profile, P, method="balanced", v=1, schedule=None, link=None, mem_per_gpu_bytes=None, optimizer="adam", m=None, precision=None, dp=1,
+def partition(profile, P, method="balanced", *, v=1, schedule=None, link=None, mem_per_gpu_bytes=None, optimizer="adam", m=None, precision=None, dp=1,
               mem_limit_bytes=None) -> Partition:
     """Split a profiled model into ``P * v`` contiguous stages; return a :class:`Partition`.
 
@@ -380,11 +378,13 @@ def partition(profile, P, method="balanced", v=1, schedule=None, link=None, mem_
     mem_per_gpu_bytes = memory_cap(mem_per_gpu_bytes, mem_limit_bytes, "partition")
     try:
         bounds = _split(layers, P, v, schedule, mem_schedule, method, link, m, optimizer, mem_per_gpu_bytes, precision, dp)
-        return Partition.from_bounds(layers, bounds, v, schedule, link, m, optimizer, mem_per_gpu_bytes, method=method, precision=precision, dp=dp)
+        return Partition.from_bounds(layers, bounds, v=v, schedule=schedule, link=link, m=m, optimizer=optimizer,
+                                     mem_per_gpu_bytes=mem_per_gpu_bytes, method=method, precision=precision, dp=dp)
     except (Infeasible, _DoesNotFit):
         pass
     # no balanced split fits: name the worst stage of the unconstrained split and the smallest P that fits
-    free = Partition.from_bounds(layers, _split(layers, P, v, schedule, mem_schedule, method, link, m, optimizer, None), v, schedule, link, m, optimizer, None, method, precision, dp)
+    free = Partition.from_bounds(layers, _split(layers, P, v, schedule, mem_schedule, method, link, m, optimizer, None), v=v, schedule=schedule,
+                                 link=link, m=m, optimizer=optimizer, method=method, precision=precision, dp=dp)
     raise ValueError(_memory_error(layers, free, mem_per_gpu_bytes, method, link))
 
 
@@ -401,7 +401,8 @@ def _memory_error(layers, part: Partition, limit, method, link) -> str:
                     raise Infeasible
             else:
                 bounds = _split(layers, P2, part.v, part.schedule, mem_schedule, method, link, part.m, part.optimizer, None)
-                Partition.from_bounds(layers, bounds, part.v, part.schedule, None, part.m, part.optimizer, limit, method, part.precision, part.dp)
+                Partition.from_bounds(layers, bounds, v=part.v, schedule=part.schedule, m=part.m, optimizer=part.optimizer, mem_per_gpu_bytes=limit,
+                                      method=method, precision=part.precision, dp=part.dp)
             smallest = P2
             break
         except (Infeasible, ValueError):

@@ -294,6 +294,7 @@ def plan(
     gpus,
     global_batch,
     steps,
+    *,
     link=None,
     dp_link=None,
     mem_per_gpu_bytes=None,

@@ -460,7 +460,7 @@ def profile(model, *sample_args, target=None, loss_fn=None, layers=None, warmup=
     return _build(target_model, units, records, meta)
 
 
-def profile_step(model, step, layers=None, warmup=3, repeats=10, progress=True) -> Profile:
+def profile_step(model, step, *, layers=None, warmup=3, repeats=10, progress=True) -> Profile:
     """Profile whatever training step ``step()`` runs, attributing its time to ``model``'s layers.
 
     ``step`` is a callable with no arguments (its own loss, optimizer, anything) that calls

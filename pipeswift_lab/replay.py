@@ -13,7 +13,7 @@ from ._sim_engine import _KIND_NAMES, _lowered, _lowered_table, _rows_frame, _ru
 from .timeline import Timeline
 
 
-def replay(measured, step, transfer_ms=None, step_overhead_ms=0.0, gap_ms=0.0) -> Timeline:
+def replay(measured, step, *, transfer_ms=None, step_overhead_ms=0.0, gap_ms=0.0) -> Timeline:
     """Re-simulate one measured step with its own measured action durations; return the replayed Timeline.
 
     ``measured`` is a measured :class:`~pipeswift_lab.timeline.Timeline` whose ``meta`` names

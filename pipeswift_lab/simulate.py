@@ -48,7 +48,7 @@ from ._checks import (
     V_SHAPE_SCHEDULES,
     canonical_schedule,
     check_int,
-    check_time,
+    check_wgrad_fraction,
 )
 from .analytic import DEFAULT_WGRAD_FRACTION
 from .link import check_link
@@ -160,9 +160,7 @@ def _prepare(partition, m, schedule, v, link, wgrad_fraction, calibration=None):
     if link is not None and st.out_bytes is None and st.S > 1:
         raise ValueError("link is given but the stage table has no 'output_bytes' column (bytes leaving each stage)")
     if wgrad_fraction is not None:
-        wgrad_fraction = check_time("wgrad_fraction", wgrad_fraction)
-        if wgrad_fraction > 1:
-            raise ValueError(f"wgrad_fraction={wgrad_fraction} is invalid; it is a share of the backward, in [0, 1]")
+        wgrad_fraction = check_wgrad_fraction(wgrad_fraction)
         wgrad = [wgrad_fraction * b for b in st.bwd]
         split_source = f"wgrad_fraction={wgrad_fraction:g}"
     elif st.wgrad is not None:
@@ -190,7 +188,7 @@ def _prepare(partition, m, schedule, v, link, wgrad_fraction, calibration=None):
     return st, m, schedule, v, placement, link, durations, transfer, split_source
 
 
-def simulate_step_ms(partition, m, schedule=None, v=None, link=None, wgrad_fraction=None, calibration=None) -> float:
+def simulate_step_ms(partition, m, schedule=None, *, v=None, link=None, wgrad_fraction=None, calibration=None) -> float:
     """The simulated step time (ms) alone: :func:`simulate`'s ``step_ms`` without building the Timeline.
 
     For searches over many configurations (the planner); takes the same arguments. Like
@@ -202,7 +200,7 @@ def simulate_step_ms(partition, m, schedule=None, v=None, link=None, wgrad_fract
     return max(_lowered_table(st.P, m, schedule, v)["done"](signal))
 
 
-def simulate(partition, m, schedule=None, v=None, link=None, wgrad_fraction=None, calibration=None) -> Timeline:
+def simulate(partition, m, schedule=None, *, v=None, link=None, wgrad_fraction=None, calibration=None) -> Timeline:
     """Simulate one training step of ``m`` micro-batches; return the predicted :class:`Timeline`.
 
     ``partition`` is a :class:`~pipeswift_lab.partition.Partition`, or a DataFrame with one

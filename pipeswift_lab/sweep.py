@@ -17,6 +17,7 @@ import pandas as pd
 
 from ._checks import MULTI_CHUNK_SCHEDULES, SINGLE_CHUNK_SCHEDULES, V_SHAPE_SCHEDULES, canonical_schedule, check_int
 from .link import check_link
+from ._partition_layers import rank_totals
 from .partition import METHODS, Partition, _Layers, memory_cap, partition
 from .schedules import validate
 from .simulate import simulate
@@ -52,14 +53,12 @@ def peak_memory_bytes(part: Partition, timeline: Timeline) -> float:
     """
     if any(math.isnan(x) for x in part.stage_state_bytes) or any(math.isnan(x) for x in part.stage_activation_bytes):
         return math.nan
-    static = [0.0] * part.P
-    for s, r in enumerate(part.stage_to_rank):
-        static[r] += part.stage_state_bytes[s]
+    static = rank_totals(part.stage_state_bytes, part.stage_to_rank, part.P)
     act = timeline.peak_activation_bytes
     return float(max(static[r] + act[r] for r in range(part.P)))
 
 
-def explore(profile, P, m, schedule="1F1B", method="balanced", v=None, link=None, optimizer="adam", wgrad_fraction=None,
+def explore(profile, P, m, schedule="1F1B", *, method="balanced", v=None, link=None, optimizer="adam", wgrad_fraction=None,
             calibration=None, precision=None) -> tuple[Partition, Timeline]:
     """Partition ``profile`` for ``(P, schedule, method)`` and simulate ``m`` micro-batches.
 
@@ -79,6 +78,7 @@ def sweep(
     profile,
     P=(2, 4),
     m=(4, 8, 16),
+    *,
     schedules=("1F1B",),
     methods=("balanced",),
     v=None,
@@ -176,7 +176,7 @@ def sweep(
     return out
 
 
-def plot_sweep(df: pd.DataFrame, x="m", y="P", value="step_ms", ax=None, annot=True, fmt=".3g"):
+def plot_sweep(df: pd.DataFrame, *, x="m", y="P", value="step_ms", ax=None, annot=True, fmt=".3g"):
     """Heatmap of ``value`` over ``x`` and ``y`` from a :func:`sweep` table; returns the Axes.
 
     Filter the table to one schedule and method first when it holds several: each

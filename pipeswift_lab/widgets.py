@@ -77,7 +77,7 @@ class BubbleExplorer(_Explorer):
 
     def _update(self):
         P, m, schedule, v = self.P, self.m, self.schedule, self.v
-        self.result = analytic.bubble_summary(P, m, schedule, v)
+        self.result = analytic.bubble_summary(P, m, schedule, v=v)
         r = self.result
         self._numbers.value = (
             f"<b>{schedule}</b>, P={P}, m={m}, v={v}: idle share of the step (bubble_ratio) "
@@ -118,7 +118,7 @@ def plot_bubble_curve(Ps=(2, 4, 8, 16), schedule="1F1B", v=1, m_max=64, conventi
     ms = list(range(1, m_max + 1))
     for P in Ps:
         valid = [m for m in ms if accepted(P, m)]
-        ax.plot(valid, [formula(P, m, schedule, v) for m in valid], label=f"P={P}")
+        ax.plot(valid, [formula(P, m, schedule, v=v) for m in valid], label=f"P={P}")
     ax.set_xscale("log", base=2)
     ax.set_xlabel("micro-batches m")
     ax.set_ylabel("bubble_ratio (idle share)" if convention == "ratio" else "bubble_overhead (bubble / compute)")
@@ -224,7 +224,7 @@ class PipelineExplorer(_Explorer):
         from .sweep import explore
 
         try:
-            self.partition, self.timeline = explore(self.profile, self.P, self.m, self.schedule, self.method, calibration=self.calibration)
+            self.partition, self.timeline = explore(self.profile, self.P, self.m, self.schedule, method=self.method, calibration=self.calibration)
         except ValueError as error:
             self.partition = self.timeline = None
             self.error, self.result = str(error), {}

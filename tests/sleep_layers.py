@@ -36,6 +36,20 @@ class SleepProduct(torch.autograd.Function):
         return grad * weight, (grad * x).sum().reshape(weight.shape), None, None
 
 
+class SleepLayer(nn.Module):
+    """``x * weight`` (one parameter) that sleeps ``fwd_ms`` in forward and ``bwd_ms`` in backward: a pipeline stage's
+    layer of known time. ``per_sample_ms`` adds that much per sample of the batch to both (twice to the backward)."""
+
+    def __init__(self, fwd_ms, bwd_ms, per_sample_ms=0.0):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(1))
+        self.fwd_ms, self.bwd_ms, self.per_sample_ms = fwd_ms, bwd_ms, per_sample_ms
+
+    def forward(self, x):
+        extra = self.per_sample_ms * x.shape[0]
+        return SleepProduct.apply(x, self.weight, (self.fwd_ms + extra) / 1e3, (self.bwd_ms + 2 * extra) / 1e3)
+
+
 class Sleep(nn.Module):
     """A Linear layer whose forward sleeps ``fwd_s`` and backward sleeps ``bwd_s``."""
 

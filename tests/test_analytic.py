@@ -30,19 +30,19 @@ def test_gpipe_and_1f1b_closed_forms(P, m):
 @given(Ps, ms, vs)
 def test_interleaved_closed_forms(P, m, v):
     for schedule in ("Interleaved1F1B", "LoopedBFS"):
-        assert analytic.bubble_overhead(P, m, schedule, v) == pytest.approx((P - 1) / (v * m))
-        assert analytic.bubble_ratio(P, m, schedule, v) == pytest.approx((P - 1) / (v * m + P - 1))
+        assert analytic.bubble_overhead(P, m, schedule, v=v) == pytest.approx((P - 1) / (v * m))
+        assert analytic.bubble_ratio(P, m, schedule, v=v) == pytest.approx((P - 1) / (v * m + P - 1))
 
 
 @given(Ps, ms, st.sampled_from(SCHEDULES), st.floats(0.1, 10), st.floats(0.1, 10), st.floats(0, 1))
 def test_conventions_are_tied_and_bounded(P, m, schedule, fwd, bwd, share):
     v = 2 if schedule in ("ZBVZeroBubble", "DualPipeV", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble") else 1
-    kw = dict(fwd_ms=fwd, bwd_ms=bwd, wgrad_ms=share * bwd)
-    ratio = analytic.bubble_ratio(P, m, schedule, v, **kw)
-    overhead = analytic.bubble_overhead(P, m, schedule, v, **kw)
+    kw = dict(v=v, fwd_ms=fwd, bwd_ms=bwd, wgrad_fraction=share)
+    ratio = analytic.bubble_ratio(P, m, schedule, **kw)
+    overhead = analytic.bubble_overhead(P, m, schedule, **kw)
     assert 0 <= ratio < 1
     assert ratio == pytest.approx(overhead / (1 + overhead))
-    assert analytic.step_ms(P, m, schedule, v, **kw) == pytest.approx(m * (fwd + bwd) * (1 + overhead))
+    assert analytic.step_ms(P, m, schedule, **kw) == pytest.approx(m * (fwd + bwd) * (1 + overhead))
 
 
 @given(Ps, ms)
@@ -53,10 +53,10 @@ def test_bubble_shrinks_with_m_and_grows_with_P(P, m):
 
 def test_zero_bubble_family_uses_the_weight_gradient():
     # ZB-H1: bubble (P-1)(F + I - W); with F = I = W it is a third of 1F1B's (P-1)(F + I + W).
-    zb = analytic.bubble_overhead(4, 8, "InterleavedZeroBubble", v=1, fwd_ms=1, bwd_ms=2, wgrad_ms=1)
+    zb = analytic.bubble_overhead(4, 8, "InterleavedZeroBubble", v=1, fwd_ms=1, bwd_ms=2, wgrad_fraction=0.5)
     assert zb == pytest.approx(analytic.bubble_overhead(4, 8, "1F1B") / 3)
     # ZB-V with F = I = W fills the bubble completely.
-    assert analytic.bubble_overhead(4, 8, "ZBVZeroBubble", v=2, fwd_ms=1, bwd_ms=2, wgrad_ms=1) == 0
+    assert analytic.bubble_overhead(4, 8, "ZBVZeroBubble", v=2, fwd_ms=1, bwd_ms=2, wgrad_fraction=0.5) == 0
     # The stated default splits the backward in two halves.
     assert analytic.bubble_overhead(4, 8, "InterleavedZeroBubble", fwd_ms=1, bwd_ms=2) == zb
 
@@ -93,7 +93,7 @@ def test_inflight_counts_match_torchs_orders_replayed(schedule):
                     continue
                 stages = pd.DataFrame({"fwd_ms": [1.0] * (P * v), "bwd_ms": [2.0] * (P * v)})
                 simulated = simulate(stages, m, schedule, v=v).peak_inflight.tolist()
-                assert analytic.inflight_microbatches(P, m, schedule, v) == pytest.approx(simulated), (P, m, v)
+                assert analytic.inflight_microbatches(P, m, schedule, v=v) == pytest.approx(simulated), (P, m, v)
                 checked += 1
     assert checked >= 10
 
@@ -116,7 +116,7 @@ def test_activation_memory_follows_inflight_counts():
         (lambda: analytic.bubble_ratio(4, 4, "nope"), r"schedule='nope' is not known; valid schedules are"),
         (lambda: analytic.bubble_ratio(4, 4, fwd_ms=-1), r"fwd_ms=-1.0 is invalid; it must be >= 0"),
         (lambda: analytic.bubble_ratio(4, 4, bwd_ms=math.nan), r"bwd_ms=nan is invalid; it must be a finite number"),
-        (lambda: analytic.bubble_ratio(4, 4, bwd_ms=1, wgrad_ms=2), r"wgrad_ms=2.0 .* must be <= it"),
+        (lambda: analytic.bubble_ratio(4, 4, bwd_ms=1, wgrad_fraction=2), r"wgrad_fraction=2.0 is invalid; it is a share of the backward, in \[0, 1\]"),
     ],
 )
 def test_bad_input_names_the_argument(call, message):
@@ -129,6 +129,19 @@ def test_type_errors():
         analytic.bubble_ratio(2.5, 4)
     with pytest.raises(TypeError, match="m must be an integer; got bool"):
         analytic.bubble_ratio(2, True)
+
+
+def test_one_way_to_give_the_weight_gradient_share_and_one_default_schedule():
+    zb = dict(v=2, fwd_ms=1, bwd_ms=2)
+    with pytest.warns(DeprecationWarning, match=r"bubble_ratio\(wgrad_ms=...\) is replaced by wgrad_fraction"):
+        old = analytic.bubble_ratio(4, 8, "ZBVZeroBubble", **zb, wgrad_ms=0.5)
+    assert old == analytic.bubble_ratio(4, 8, "ZBVZeroBubble", **zb, wgrad_fraction=0.25)
+    with pytest.raises(TypeError, match="got both wgrad_fraction and wgrad_ms"):
+        analytic.step_ms(4, 8, "ZBVZeroBubble", **zb, wgrad_fraction=0.25, wgrad_ms=0.5)
+    with pytest.raises(TypeError, match="positional"):
+        analytic.bubble_ratio(4, 8, "Interleaved1F1B", 2)  # keyword-only after (P, m, schedule)
+    assert analytic.bubble_ratio(4, 8) == analytic.bubble_ratio(4, 8, "1F1B")
+    assert analytic.bubble_overhead(4, 8) == analytic.bubble_overhead(4, 8, "1F1B")
 
 
 def test_schedule_names_are_case_insensitive():

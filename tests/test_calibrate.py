@@ -19,21 +19,11 @@ from pipeswift_lab.calibrate import Calibration, CalibrationWarning, calibrate, 
 from pipeswift_lab.partition import Partition
 from pipeswift_lab.profile import Profile
 from pipeswift_lab.simulate import simulate
-from sleep_layers import SleepProduct
+from sleep_layers import SleepLayer
 
 FWD_MS = [6.0, 12.0, 6.0, 12.0]  # profiled, per layer
 BWD_MS = [12.0, 24.0, 12.0, 24.0]
 SCALE, ACTION_MS, STEP_MS = 1.5, 4.0, 60.0
-
-
-class SleepLayer(nn.Module):
-    def __init__(self, fwd_ms, bwd_ms):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(1))
-        self.fwd_s, self.bwd_s = fwd_ms / 1e3, bwd_ms / 1e3
-
-    def forward(self, x):
-        return SleepProduct.apply(x, self.weight, self.fwd_s, self.bwd_s)
 
 
 class SleepySGD(torch.optim.SGD):

@@ -1,9 +1,7 @@
 import math
 import re
-import time
 
 import matplotlib
-import pandas as pd
 import pytest
 import torch
 from torch import nn
@@ -12,6 +10,8 @@ from pipeswift_lab import JCT, Link, Profile
 from pipeswift_lab.costs import AssemblyModel, CheckpointModel, allreduce_ms, preemption_loss_s
 from pipeswift_lab._plan_search import MicrobatchCosts
 from pipeswift_lab.planner import plan
+
+from sleep_layers import SleepLayer
 
 matplotlib.use("Agg")
 
@@ -176,33 +176,6 @@ def test_link_bandwidth_must_be_positive():
 # ---------------------------------------------------------------- validation against reality
 
 
-class _Sleep(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, fwd_s, bwd_s):
-        time.sleep(fwd_s)
-        ctx.bwd_s = bwd_s
-        return x.clone()
-
-    @staticmethod
-    def backward(ctx, grad):
-        time.sleep(ctx.bwd_s)
-        return grad, None, None
-
-
-class SleepLayer(nn.Module):
-    """A layer costing ``fixed_ms + per_sample_ms * batch`` forward and twice that backward."""
-
-    def __init__(self, fixed_ms, per_sample_ms, seed):
-        super().__init__()
-        self.fixed_ms, self.per_sample_ms = fixed_ms, per_sample_ms
-        g = torch.Generator().manual_seed(seed)
-        self.weight = nn.Parameter(torch.randn(4, 4, generator=g) / 2)
-
-    def forward(self, x):
-        ms = self.fixed_ms + self.per_sample_ms * x.shape[0]
-        return _Sleep.apply(x, ms / 1000, 2 * ms / 1000) @ self.weight
-
-
 def test_planner_pick_is_within_ten_percent_of_the_best_measured(one_torch_thread):
     """The planner's choice among configurations the runner can execute here is (nearly) the fastest measured.
 
@@ -210,7 +183,8 @@ def test_planner_pick_is_within_ten_percent_of_the_best_measured(one_torch_threa
     """
     from pipeswift_lab import profile, run
 
-    model = nn.Sequential(*[SleepLayer(fixed_ms, 1.0, seed=i) for i, fixed_ms in enumerate([6.0, 3.0, 3.0, 9.0])])
+    # each layer costs fixed_ms + 1 ms per sample forward and twice that backward
+    model = nn.Sequential(*[SleepLayer(fixed_ms, 2 * fixed_ms, per_sample_ms=1.0) for fixed_ms in [6.0, 3.0, 3.0, 9.0]])
     loss_fn = nn.functional.mse_loss
     profiles = []
     for b in (2, 8):

@@ -14,7 +14,7 @@ from pipeswift_lab.runner import Comparison, compare, run
 from pipeswift_lab.runner.compare import MEASURED_STEP, steady_step_index
 from pipeswift_lab.simulate import simulate
 from pipeswift_lab.timeline import Timeline
-from sleep_layers import SleepProduct
+from sleep_layers import SleepLayer
 
 FWD_MS, BWD_MS = 20.0, 40.0
 
@@ -55,20 +55,11 @@ def test_compare_on_known_timelines():
         compare(pd.DataFrame(), measured)
 
 
-class SleepLayer(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(1))
-
-    def forward(self, x):
-        return SleepProduct.apply(x, self.weight, FWD_MS / 1e3, BWD_MS / 1e3)
-
-
 @pytest.fixture(scope="module")
 def sleepy_run():
     profile = Profile.synthetic(fwd_ms=[FWD_MS] * 2, bwd_ms=[BWD_MS] * 2)
     part = Partition.from_bounds(profile, [(0, 1), (1, 2)], schedule="1F1B")
-    model = nn.Sequential(SleepLayer(), SleepLayer())
+    model = nn.Sequential(SleepLayer(FWD_MS, BWD_MS), SleepLayer(FWD_MS, BWD_MS))
     result = run(model, (torch.randn(4, 3), torch.randn(4, 3)), nn.functional.mse_loss, part, 4, steps=3, progress=False, timeout_s=120)
     return part, result
 

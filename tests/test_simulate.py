@@ -33,8 +33,8 @@ def test_gpipe_and_1f1b_equal_the_closed_forms_exactly(P, m, f, b, schedule):
     if not valid(P, m, schedule, 1):
         m = P + m  # 1F1B needs m >= P
     tl = simulate(equal_stages(P, 1, f, b), m, schedule)
-    assert tl.step_ms == analytic.step_ms(P, m, schedule, 1, fwd_ms=f, bwd_ms=b)
-    assert tl.bubble_ratio == pytest.approx(analytic.bubble_ratio(P, m, schedule, 1, fwd_ms=f, bwd_ms=b), abs=1e-12)
+    assert tl.step_ms == analytic.step_ms(P, m, schedule, fwd_ms=f, bwd_ms=b)
+    assert tl.bubble_ratio == pytest.approx(analytic.bubble_ratio(P, m, schedule, fwd_ms=f, bwd_ms=b), abs=1e-12)
     assert tl.peak_inflight.tolist() == analytic.inflight_microbatches(P, m, schedule)
 
 
@@ -46,9 +46,9 @@ def test_interleaved_equals_the_closed_form_for_every_m_from_P(P, v, extra, f, b
     assume(valid(P, m, schedule, v))
     tl = simulate(equal_stages(P, v, f, b), m, schedule, v=v)
     # a rank's forward of one micro-batch is v chunks of f
-    assert tl.step_ms == analytic.step_ms(P, m, schedule, v, fwd_ms=v * f, bwd_ms=v * b)
-    assert tl.bubble_ratio == pytest.approx(analytic.bubble_ratio(P, m, schedule, v), abs=1e-12)
-    assert tl.peak_inflight.tolist() == pytest.approx(analytic.inflight_microbatches(P, m, schedule, v))
+    assert tl.step_ms == analytic.step_ms(P, m, schedule, v=v, fwd_ms=v * f, bwd_ms=v * b)
+    assert tl.bubble_ratio == pytest.approx(analytic.bubble_ratio(P, m, schedule, v=v), abs=1e-12)
+    assert tl.peak_inflight.tolist() == pytest.approx(analytic.inflight_microbatches(P, m, schedule, v=v))
 
 
 def test_interleaved_and_looped_bfs_with_fewer_microbatches_than_ranks_exceed_the_closed_form():
@@ -56,8 +56,8 @@ def test_interleaved_and_looped_bfs_with_fewer_microbatches_than_ranks_exceed_th
     for schedule in ("Interleaved1F1B", "LoopedBFS"):
         tl = simulate(equal_stages(4, 2, 1, 2), 2, schedule, v=2)
         assert tl.step_ms == 27.0
-        assert analytic.step_ms(4, 2, schedule, 2, fwd_ms=2, bwd_ms=4) == 21.0
-        assert simulate(equal_stages(4, 2, 1, 2), 8, schedule, v=2).step_ms == analytic.step_ms(4, 8, schedule, 2, fwd_ms=2, bwd_ms=4)
+        assert analytic.step_ms(4, 2, schedule, v=2, fwd_ms=2, bwd_ms=4) == 21.0
+        assert simulate(equal_stages(4, 2, 1, 2), 8, schedule, v=2).step_ms == analytic.step_ms(4, 8, schedule, v=2, fwd_ms=2, bwd_ms=4)
 
 
 # ---------------------------------------------------------------- semantics
@@ -220,7 +220,7 @@ def test_partition_and_stage_table_give_the_same_timeline():
 def test_simulator_is_linear_and_fast_enough_for_big_pipelines():
     tl = simulate(equal_stages(32, 2, 0.5, 1.0), 256, "Interleaved1F1B", v=2)
     assert len(tl.df) == 32 * 2 * 256 * 2
-    assert tl.step_ms == analytic.step_ms(32, 256, "Interleaved1F1B", 2, fwd_ms=1.0, bwd_ms=2.0)
+    assert tl.step_ms == analytic.step_ms(32, 256, "Interleaved1F1B", v=2, fwd_ms=1.0, bwd_ms=2.0)
 
 
 # ---------------------------------------------------------------- deadlocks and bad input

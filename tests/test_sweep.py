@@ -113,14 +113,14 @@ def test_heatmap():
 
 
 def test_explore_returns_what_the_widget_shows():
-    part, tl = explore(gpt_like(), 2, 8, "Interleaved1F1B", "balanced")
+    part, tl = explore(gpt_like(), 2, 8, "Interleaved1F1B", method="balanced")
     assert part.v == 2 and part.P == 2 and part.stage_to_rank == (0, 1, 0, 1)
     assert isinstance(tl, Timeline) and tl.meta["schedule"] == "Interleaved1F1B"
     assert tl.step_ms == simulate(part, 8).step_ms
-    part, tl = explore(gpt_like(), 4, 8, "gpipe", "uniform")
+    part, tl = explore(gpt_like(), 4, 8, "gpipe", method="uniform")
     assert part.method == "uniform" and tl.meta["schedule"] == "GPipe"
     with pytest.raises(ValueError, match="P=4, m=2"):
-        explore(gpt_like(), 4, 2, "1F1B", "balanced")
+        explore(gpt_like(), 4, 2, "1F1B", method="balanced")
 
 
 def test_a_calibrated_sweep_reports_the_whole_predicted_step():

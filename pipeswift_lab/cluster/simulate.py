@@ -43,7 +43,7 @@ def _models(table: pd.DataFrame) -> tuple[list, list]:
     return names, models
 
 
-def simulate(jobs, gpus, policy="static", checkpoint_every_s=None, progress=True, seed=0) -> ClusterResult:
+def simulate(jobs, gpus, policy="static", *, checkpoint_every_s=None, progress=True, seed=0) -> ClusterResult:
     """Replay ``jobs`` on a cluster of ``gpus`` under ``policy``; return a :class:`ClusterResult`.
 
     * ``jobs`` — a DataFrame with ``submit_s``, ``gpus`` (requested) and ``duration_s`` (run

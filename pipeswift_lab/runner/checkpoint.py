@@ -214,7 +214,7 @@ def _run_id_of(path: Path) -> str | None:
         return None
 
 
-def latest_checkpoint(root, run_id: str | None = None) -> Checkpoint | None:
+def latest_checkpoint(root, *, run_id: str | None = None) -> Checkpoint | None:
     """The newest complete, intact checkpoint under ``root`` (a checkpoint root), or ``None``.
 
     Directories without a manifest (never committed) are passed over; one whose files do not

@@ -213,7 +213,7 @@ class Comparison:
     __repr__ = __str__
 
 
-def compare(predicted, measured, step=None) -> Comparison:
+def compare(predicted, measured, *, step=None) -> Comparison:
     """Compare a predicted Timeline (its step 0) with a measured one (``step``, default the median step after the first).
 
     ``predicted``: a Timeline or anything with ``.timeline`` (a simulation result);
@@ -243,8 +243,8 @@ def compare(predicted, measured, step=None) -> Comparison:
 
         transfer = pred_tl.meta.get("stage_transfer_ms")
         stages = int(meas_tl.meta["P"]) * int(meas_tl.meta["v"])
-        replayed = replay(meas_tl, meas_step, transfer if transfer is not None and len(transfer) == stages else None, overhead,
-                          float(pred_tl.meta.get("gap_ms", 0.0) or 0.0))
+        replayed = replay(meas_tl, meas_step, transfer_ms=transfer if transfer is not None and len(transfer) == stages else None,
+                          step_overhead_ms=overhead, gap_ms=float(pred_tl.meta.get("gap_ms", 0.0) or 0.0))
         replayed_ms = replayed.step_ms + overhead
     rows = [{"metric": "step_ms", "rank": None, "predicted": pm[("span_ms", None)] + overhead, "measured": measured_step_ms},
             {"metric": "replayed_step_ms", "rank": None, "predicted": replayed_ms, "measured": measured_step_ms}]

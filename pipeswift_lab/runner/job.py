@@ -159,7 +159,7 @@ def read_history(run_dir: Path) -> dict:
     return {"steps": steps, "checkpoints": checkpoints, "attempts": attempts}
 
 
-def run(model, data, loss_fn, partition, m, schedule=None, steps=10, optimizer=None, nprocs=None, backend=None, devices=None,
+def run(model, data, loss_fn, partition, m, *, schedule=None, steps=10, optimizer=None, nprocs=None, backend=None, devices=None,
         timeout_s=300, progress=True, save_spec=None, instrument=True, seed=0, start_method="forkserver", checkpoint_dir=None,
         checkpoint_every=None, keep=2, resume_from=None, max_restarts=0, mtbf_s=None, preempt_grace_s=30,
         on_nonfinite="raise", resize_at=None, partitions=None, profile=None, rebalance_every=None, D=1) -> RunResult:

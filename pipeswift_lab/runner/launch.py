@@ -68,6 +68,9 @@ def check_main_guard(start_method: str) -> None:
     if start_method != "forkserver":
         return
     main = sys.modules.get("__main__")
+    spec = getattr(main, "__spec__", None)
+    if spec is not None and (spec.name == "__main__" or spec.name.endswith(".__main__")):
+        return  # `python -m package`: multiprocessing does not re-import a package's __main__
     path = getattr(main, "__file__", None)
     if not path or not os.path.isfile(path):
         return  # an interactive session, a notebook or python -c: nothing is re-imported

@@ -317,7 +317,7 @@ def resolve_devices(P: int, backend, devices, what: str | None = None) -> tuple[
 MAX_TIMEOUT_S = 1e9
 
 
-def make_spec(model, data, loss_fn, partition, m, schedule=None, steps=10, optimizer=None, nprocs=None, backend=None,
+def make_spec(model, data, loss_fn, partition, m, *, schedule=None, steps=10, optimizer=None, nprocs=None, backend=None,
               devices=None, timeout_s=300.0, instrument=True, seed=0, job: JobOptions | None = None, D=1) -> RunSpec:
     """Check every argument of :func:`pipeswift_lab.run` and build the :class:`RunSpec` (no process is started).
 
