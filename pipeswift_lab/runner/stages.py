@@ -274,5 +274,6 @@ def boundary_specs(model: nn.Sequential, plan: StagePlan, inputs_mb: torch.Tenso
         ) from f.exc
     except _LossFailure as f:
         raise ValueError(
-            f"loss_fn cannot take the last stage's output {f.out_spec} with targets {f.target_spec}: {type(f.exc).__name__}: {f.exc}"
+            f"loss_fn(outputs, targets) raised {type(f.exc).__name__}: {f.exc} (given the last stage's output {f.out_spec} "
+            f"and targets {f.target_spec})"
         ) from f.exc

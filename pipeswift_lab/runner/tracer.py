@@ -152,8 +152,8 @@ def check_traceable(model: nn.Module, partition, n_stages: int, inputs_mb: torch
     try:
         loss = loss_fn(out, targets_mb)
     except Exception as exc:  # noqa: BLE001
-        raise ValueError(f"loss_fn cannot take the model's output {tuple(out.shape)} with targets {tuple(targets_mb.shape)}: "
-                         f"{type(exc).__name__}: {exc}") from exc
+        raise ValueError(f"loss_fn(outputs, targets) raised {type(exc).__name__}: {exc} (given the model's output "
+                         f"{tuple(out.shape)} and targets {tuple(targets_mb.shape)})") from exc
     if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
         raise ValueError(f"loss_fn returned {type(loss).__name__}, not a scalar tensor")
     return TracedPlan(names, example)
