@@ -70,4 +70,4 @@ def test_switched_off_it_leaves_the_stages_alone():
 
 def test_wall_offset_maps_perf_counter_onto_the_wall_clock():
     offset = wall_offset_ns()
-    assert abs(time.perf_counter_ns() + offset - time.time_ns()) < 2_000_000
+    assert abs(time.perf_counter_ns() + offset - time.time_ns()) < SLACK_MS * 1e6  # the shared slack of a loaded machine
