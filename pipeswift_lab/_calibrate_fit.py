@@ -138,7 +138,8 @@ def _fit_compute(samples, how, missing):
     """``({P: scale}, action_ms, (loss_fwd_ms, loss_bwd_ms))`` by least squares, the additive costs kept >= 0.
 
     ``measured = scale[P] * profiled + action_ms + loss_fwd_ms [last-stage F] + loss_bwd_ms [last-stage B/I]``;
-    an additive cost the unconstrained fit makes negative is set to 0 and the rest refitted.
+    an additive cost the unconstrained fit makes negative is set to 0 and the rest refitted, and a scale it makes
+    ``<= 0`` drops ``action_ms`` (the proportional model through the origin), so every parameter is physical.
     """
     Ps = sorted({row[0] for row in samples})
     P_arr = np.array([row[0] for row in samples])
@@ -161,6 +162,14 @@ def _fit_compute(samples, how, missing):
         design = np.column_stack(scale_cols + [extra[k] for k in active])
         coef, *_ = np.linalg.lstsq(design, y, rcond=None)
         values = dict(zip(active, coef[len(Ps):]))
+        if np.any(coef[:len(Ps)] <= 0) and "action_ms" in active:
+            # measured times do not grow with profiled ones here (noise, or actions too alike): a slope <= 0 is no
+            # scale; fit the proportional model instead, measured = scale * profiled (+ the loss terms)
+            how["action_ms"] = (f"not fitted: with it the least-squares scale came out {min(coef[:len(Ps)]):.3g} (measured times do not "
+                                "grow with profiled ones), so 0 and the scale fitted through the origin")
+            missing.append("action_ms")
+            active.remove("action_ms")
+            continue
         negative = [k for k in active if values[k] < 0]
         if not negative:
             break

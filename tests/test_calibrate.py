@@ -201,3 +201,15 @@ def test_plan_uses_the_calibration(runs):
     assert row["pipeline_ms"] == pytest.approx(expected)
     assert row["pipeline_ms"] > plain.feasible.iloc[0]["pipeline_ms"] * SCALE
     assert calibrated.inputs["step_cv"] == cal.step_cv  # the p95 uses the fitted dispersion by default
+
+
+def test_a_slope_the_data_makes_negative_becomes_a_proportional_fit():
+    """Measured times that fall as profiled ones grow (noise on alike stages) give no negative compute scale."""
+    from pipeswift_lab._calibrate_fit import _fit_compute
+
+    samples = [(2, 1.0, 3.0, False, False), (2, 2.0, 2.5, False, False), (2, 1.1, 3.1, False, False), (2, 2.1, 2.4, False, False)]
+    how, missing = {}, []
+    scale, action_ms, loss_ms = _fit_compute(samples, how, missing)
+    assert scale[2] > 0 and action_ms == 0.0 and loss_ms == (0.0, 0.0)
+    assert scale[2] == pytest.approx(sum(y * x for _, x, y, _, _ in samples) / sum(x * x for _, x, _, _, _ in samples))
+    assert "action_ms" in missing and "scale fitted through the origin" in how["action_ms"]
