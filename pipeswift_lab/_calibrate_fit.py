@@ -40,6 +40,10 @@ def _check_runs(runs, model=None) -> list:
                              f"calibration needs the measured actions, rerun it with instrument=True (the default)")
         if "bounds" not in run.meta:
             raise ValueError(f"runs[{i}] has no stage bounds in its meta; calibrate needs RunResults from psl.run or load_result")
+        if getattr(run, "D", 1) > 1:
+            raise ValueError(f"runs[{i}] ({run.schedule} P={run.P} m={run.m}) ran D={run.D} replicas; calibrate fits one pipeline "
+                             f"(its compute scale is per P ranks sharing the machine, and the model has no all-reduce term), so give "
+                             f"it D=1 runs; the all-reduce of a replicated run is measured in RunResult.allreduce_ms")
     first = _model_of(runs[0]) if model is None else (model[0], tuple(model[1]))
     for i, run in enumerate(runs):
         other = _model_of(run)

@@ -161,6 +161,10 @@ def test_bad_input_names_what_is_missing(runs):
     bare = sleepy_run("1F1B", 2, SPLIT2, steps=2, instrument=False)
     with pytest.raises(ValueError, match=r"runs\[1\] .* has no Timeline: it ran with instrument=False"):
         calibrate([runs["1F1B"], bare], PROFILE)
+    replicated = psl.run(sleepy_model(SPLIT2), (torch.randn(8, 3), torch.randn(8, 3)), nn.functional.mse_loss,
+                         Partition.from_bounds(PROFILE, SPLIT2, schedule="1F1B"), 2, steps=1, progress=False, timeout_s=120, D=2)
+    with pytest.raises(ValueError, match=r"runs\[0\] \(1F1B P=2 m=2\) ran D=2 replicas; calibrate fits one pipeline"):
+        calibrate([replicated], PROFILE)
     with pytest.raises(ValueError, match="the profile has 3 layers but runs\\[0\\]"):
         calibrate([runs["1F1B"]], Profile.synthetic(fwd_ms=FWD_MS[:3], bwd_ms=BWD_MS[:3]))
     renamed = Profile.synthetic(fwd_ms=FWD_MS, bwd_ms=BWD_MS, name=["w0", "w1", "w2", "w3"], params=[1, 1, 1, 1])
