@@ -22,7 +22,7 @@ from pipeswift_lab import Profile, plan, profile, run
 from pipeswift_lab.schedules import compute_orders
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-from test_planner import SleepLayer  # noqa: E402  the same sleeping layers as the validation test
+from sleep_layers import SleepLayer  # noqa: E402  the same sleeping layers as the validation test
 
 
 #: The planner-time goal of the large search (seconds), and its time before the search was reworked
@@ -65,7 +65,7 @@ def large_search():
 
 def cpu_agreement():
     torch.set_num_threads(1)
-    model = nn.Sequential(*[SleepLayer(fixed_ms, 1.0, seed=i) for i, fixed_ms in enumerate([6.0, 3.0, 3.0, 9.0])])
+    model = nn.Sequential(*[SleepLayer(fixed_ms, 2 * fixed_ms, per_sample_ms=1.0) for fixed_ms in [6.0, 3.0, 3.0, 9.0]])
     loss_fn = nn.functional.mse_loss
     profiles = [profile(model, torch.randn(b, 4), target=torch.randn(b, 4), loss_fn=loss_fn, warmup=1, repeats=3, progress=False) for b in (2, 8)]
     global_batch = 16
