@@ -65,7 +65,8 @@ def large_search():
 
 def cpu_agreement():
     torch.set_num_threads(1)
-    model = nn.Sequential(*[SleepLayer(fixed_ms, 2 * fixed_ms, per_sample_ms=1.0) for fixed_ms in [6.0, 3.0, 3.0, 9.0]])
+    # split_backward: zero-bubble's I and W passes each run their half, as a real layer's two matmuls do
+    model = nn.Sequential(*[SleepLayer(fixed_ms, 2 * fixed_ms, per_sample_ms=1.0, split_backward=True) for fixed_ms in [6.0, 3.0, 3.0, 9.0]])
     loss_fn = nn.functional.mse_loss
     profiles = [profile(model, torch.randn(b, 4), target=torch.randn(b, 4), loss_fn=loss_fn, warmup=1, repeats=3, progress=False) for b in (2, 8)]
     global_batch = 16

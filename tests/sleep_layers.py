@@ -36,18 +36,62 @@ class SleepProduct(torch.autograd.Function):
         return grad * weight, (grad * x).sum().reshape(weight.shape), None, None
 
 
+class _SleepInputGrad(torch.autograd.Function):
+    """``x * weight`` whose backward gives the input gradient only, sleeping ``seconds``."""
+
+    @staticmethod
+    def forward(ctx, x, weight, seconds):
+        ctx.save_for_backward(weight)
+        ctx.seconds = seconds
+        return x * weight
+
+    @staticmethod
+    def backward(ctx, grad):
+        time.sleep(ctx.seconds)
+        (weight,) = ctx.saved_tensors
+        return grad * weight, None, None
+
+
+class _SleepWeightGrad(torch.autograd.Function):
+    """``x * weight`` whose backward gives the weight gradient only, sleeping ``seconds``."""
+
+    @staticmethod
+    def forward(ctx, x, weight, seconds):
+        ctx.save_for_backward(x)
+        ctx.seconds = seconds
+        return x * weight
+
+    @staticmethod
+    def backward(ctx, grad):
+        time.sleep(ctx.seconds)
+        (x,) = ctx.saved_tensors
+        return None, (grad * x).sum().reshape(1), None
+
+
 class SleepLayer(nn.Module):
     """``x * weight`` (one parameter) that sleeps ``fwd_ms`` in forward and ``bwd_ms`` in backward: a pipeline stage's
-    layer of known time. ``per_sample_ms`` adds that much per sample of the batch to both (twice to the backward)."""
+    layer of known time. ``per_sample_ms`` adds that much per sample of the batch to both (twice to the backward).
 
-    def __init__(self, fwd_ms, bwd_ms, per_sample_ms=0.0):
+    ``split_backward=True`` makes the input and the weight gradient two autograd nodes of ``bwd_ms / 2`` each, as a
+    real layer's two matmuls are: autograd runs only the one a pass needs, so a zero-bubble schedule's input-grad
+    (``I``) and weight-grad (``W``) passes cost half each (one custom node would run its whole backward in both), and
+    a first layer whose input needs no gradient costs half. Otherwise one node sleeps ``bwd_ms`` whatever is asked.
+    """
+
+    def __init__(self, fwd_ms, bwd_ms, per_sample_ms=0.0, split_backward=False):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(1))
-        self.fwd_ms, self.bwd_ms, self.per_sample_ms = fwd_ms, bwd_ms, per_sample_ms
+        self.fwd_ms, self.bwd_ms, self.per_sample_ms, self.split_backward = fwd_ms, bwd_ms, per_sample_ms, split_backward
 
     def forward(self, x):
         extra = self.per_sample_ms * x.shape[0]
-        return SleepProduct.apply(x, self.weight, (self.fwd_ms + extra) / 1e3, (self.bwd_ms + 2 * extra) / 1e3)
+        fwd_s, bwd_s = (self.fwd_ms + extra) / 1e3, (self.bwd_ms + 2 * extra) / 1e3
+        if not self.split_backward:
+            return SleepProduct.apply(x, self.weight, fwd_s, bwd_s)
+        time.sleep(fwd_s)
+        by_input = _SleepInputGrad.apply(x, self.weight.detach(), bwd_s / 2)
+        by_weight = _SleepWeightGrad.apply(x.detach(), self.weight, bwd_s / 2)
+        return by_input + by_weight - (x * self.weight).detach()  # = x * weight; each gradient from its own node
 
 
 class Sleep(nn.Module):
