@@ -184,14 +184,14 @@ def test_planner_pick_is_within_ten_percent_of_the_best_measured(one_torch_threa
     from pipeswift_lab import profile, run
 
     # each layer costs fixed_ms + 1 ms per sample forward and twice that backward
-    model = nn.Sequential(*[SleepLayer(fixed_ms, 2 * fixed_ms, per_sample_ms=1.0) for fixed_ms in [6.0, 3.0, 3.0, 9.0]])
+    model = nn.Sequential(*[SleepLayer(fixed_ms, 2 * fixed_ms, per_sample_ms=1.0, split_backward=True) for fixed_ms in [6.0, 3.0, 3.0, 9.0]])
     loss_fn = nn.functional.mse_loss
     profiles = []
     for b in (2, 8):
         x, y = torch.randn(b, 4), torch.randn(b, 4)
         profiles.append(profile(model, x, target=y, loss_fn=loss_fn, warmup=1, repeats=3, progress=False))
     global_batch = 16
-    result = plan(profiles, gpus=2, global_batch=global_batch, steps=100, P=[2], microbatch_sizes=[2, 4, 8], schedules=["GPipe", "1F1B", "Interleaved1F1B"], exhaustive=True, progress=False)
+    result = plan(profiles, gpus=2, global_batch=global_batch, steps=100, P=[2], microbatch_sizes=[2, 4, 8], schedules=["GPipe", "1F1B", "Interleaved1F1B", "ZBVZeroBubble"], exhaustive=True, progress=False)
     grid = result.feasible[result.feasible["D"] == 1].head(6)
     assert len(grid) >= 4
     batch = (torch.randn(global_batch, 4), torch.randn(global_batch, 4))
