@@ -189,7 +189,7 @@ def _first_stage_for_real(model, plan, inputs_mb):
     home = next(iter(tensors.values())).device if tensors else torch.device("cpu")
     x = inputs_mb[:1].to(home)
     try:
-        with torch.no_grad():
+        with torch.no_grad(), torch.random.fork_rng(devices=[]):  # a dropout here leaves the caller's RNG as it was
             functional_call(stage, tensors, (x,), strict=False)
     except Exception as exc:  # noqa: BLE001 - re-raised with the stage named
         raise _StageFailure(0, TensorSpec.from_tensor(inputs_mb), exc) from exc
@@ -248,8 +248,9 @@ class _LossFailure(Exception):
 def boundary_specs(model: nn.Sequential, plan: StagePlan, inputs_mb: torch.Tensor, targets_mb: torch.Tensor, loss_fn):
     """``((input_spec, output_spec), ...)`` of every stage for one micro-batch, checked before launch.
 
-    Tries the ``meta`` device first (no compute, no memory); if an op has no meta kernel it
-    runs the micro-batch for real on a copy of the parameters and buffers (the model is not
+    Tries the ``meta`` device first (no compute, no memory), then runs the first stage on one
+    sample for real (meta kernels do not check dtypes); if an op has no meta kernel it runs
+    the micro-batch for real on a copy of the parameters and buffers (the model is not
     changed, BatchNorm statistics included). Raises ``ValueError`` naming the stage, its
     layers and the shape it could not take.
     """
