@@ -8,7 +8,7 @@ import math
 import numpy as np
 import pandas as pd
 
-from .analytic import DEFAULT_WGRAD_FRACTION
+from .analytic import DEFAULT_WGRAD_FRACTION, backward_parts
 
 
 # --------------------------------------------------------------------------- inputs
@@ -105,12 +105,13 @@ def _steady(run) -> list[int]:
 
 
 def _profiled_durations(part) -> dict:
-    """``{(stage, kind): profiled ms}`` as the simulator splits a backward (``I = B - W``)."""
+    """``{(stage, kind): profiled ms}`` as the simulator splits a backward (:func:`~pipeswift_lab.analytic.backward_parts`)."""
+    bwd = list(part.stage_bwd_ms)
+    wgrad = list(part.stage_wgrad_ms) if part.stage_wgrad_ms is not None else [DEFAULT_WGRAD_FRACTION * b for b in bwd]
+    igrad, wgrad = backward_parts(bwd, wgrad)
     out = {}
-    for s in range(len(part.stage_fwd_ms)):
-        b = part.stage_bwd_ms[s]
-        w = part.stage_wgrad_ms[s] if part.stage_wgrad_ms is not None else DEFAULT_WGRAD_FRACTION * b
-        out.update({(s, "F"): part.stage_fwd_ms[s], (s, "B"): b, (s, "I"): max(0.0, b - w), (s, "W"): w})
+    for s, f in enumerate(part.stage_fwd_ms):
+        out.update({(s, "F"): f, (s, "B"): bwd[s], (s, "I"): igrad[s], (s, "W"): wgrad[s]})
     return out
 
 

@@ -52,6 +52,21 @@ DEFAULT_WGRAD_FRACTION = 0.5
 _ZB_WGRAD_MULTIPLIER = {"InterleavedZeroBubble": 1.0, "ZBVZeroBubble": 2.0, "DualPipeV": 2.0}
 
 
+def backward_parts(bwd_ms, wgrad_ms) -> tuple[list[float], list[float]]:
+    """Per stage, the ``(input-grad I, weight-grad W)`` durations of a backward split as a zero-bubble schedule runs it.
+
+    ``I = bwd - wgrad`` and ``W = wgrad``, except on the first stage: its input is the data, which needs no
+    gradient, so torch's input-grad pass has nothing to compute there and its weight-grad pass runs the stage's
+    whole backward (``I = 0``, ``W = bwd``; measured on this machine: ``I`` 0.02 ms). The one place this rule lives
+    (the simulator and the calibration's fit use it).
+    """
+    igrad = [max(0.0, b - w) for b, w in zip(bwd_ms, wgrad_ms)]
+    wgrad = list(wgrad_ms)
+    if bwd_ms:
+        igrad[0], wgrad[0] = 0.0, bwd_ms[0]
+    return igrad, wgrad
+
+
 def _check_pm(P, m):
     return check_int("P", P, minimum=1), check_int("m", m, minimum=1)
 
@@ -201,6 +216,7 @@ def activation_memory_bytes(P, m, activation_bytes, schedule="1F1B", *, v=1) -> 
 
 __all__ = [
     "DEFAULT_WGRAD_FRACTION",
+    "backward_parts",
     "ZERO_BUBBLE_SCHEDULES",
     "bubble_ratio",
     "bubble_overhead",

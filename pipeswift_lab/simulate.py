@@ -50,7 +50,7 @@ from ._checks import (
     check_int,
     check_wgrad_fraction,
 )
-from .analytic import DEFAULT_WGRAD_FRACTION
+from .analytic import DEFAULT_WGRAD_FRACTION, backward_parts
 from .link import check_link
 from .partition import Partition
 from .schedules import stage_to_rank, validate
@@ -172,13 +172,10 @@ def _prepare(partition, m, schedule, v, link, wgrad_fraction, calibration=None):
     else:
         wgrad = [DEFAULT_WGRAD_FRACTION * b for b in st.bwd]
         split_source = f"DEFAULT_WGRAD_FRACTION={DEFAULT_WGRAD_FRACTION:g}"
-    # the first stage's input is the data, which needs no gradient: torch's input-grad pass (I) has nothing to compute
-    # there and its weight-grad pass (W) runs the stage's whole backward (measured: I ~0.02 ms, W = the backward)
-    wgrad = [st.bwd[0], *wgrad[1:]]
     transfer = [0.0] * st.S
     if link is not None:
         transfer = [link.transfer_ms(b) for b in st.out_bytes]
-    durations = (st.fwd, st.bwd, [max(0.0, b - w) for b, w in zip(st.bwd, wgrad)], wgrad)
+    durations = (st.fwd, st.bwd, *backward_parts(st.bwd, wgrad))  # the first stage: I = 0, W = its whole backward
     if calibration is not None:
         from .calibrate import check_calibration
 
@@ -285,7 +282,7 @@ def simulate_order(orders, stage_table, m, link=None, placement=None) -> Timelin
     out_bytes = _column(stage_table, "output_bytes", required=False)
     link = check_link(link)
     transfer = [link.transfer_ms(b) for b in out_bytes] if (link is not None and out_bytes is not None) else [0.0] * S
-    durations = (fwd, bwd, [max(0.0, b - w) for b, w in zip(bwd, wgrad)], wgrad)
+    durations = (fwd, bwd, *backward_parts(bwd, wgrad))
     groups = [tuple((a,) for a in orders[r]) for r in range(P)]
     ops = _lower(groups, "custom", P, m, S, placement)
     df = _rows_frame(_compute_table(ops), _run(ops, P, m, S, durations, transfer, link is not None))

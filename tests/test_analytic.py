@@ -147,3 +147,9 @@ def test_one_way_to_give_the_weight_gradient_share_and_one_default_schedule():
 def test_schedule_names_are_case_insensitive():
     assert analytic.bubble_ratio(4, 8, "gpipe") == analytic.bubble_ratio(4, 8, "GPipe")
     assert analytic.bubble_overhead(4, 8, "interleaved1f1b", v=2) == analytic.bubble_overhead(4, 8, "Interleaved1F1B", v=2)
+
+
+def test_the_first_stage_has_no_input_gradient_to_split():
+    igrad, wgrad = analytic.backward_parts([2.0, 2.0, 4.0], [0.5, 0.5, 1.0])
+    assert igrad == [0.0, 1.5, 3.0] and wgrad == [2.0, 0.5, 1.0]  # the first stage's W is its whole backward
+    assert analytic.backward_parts([], []) == ([], [])
