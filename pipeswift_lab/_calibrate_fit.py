@@ -144,7 +144,8 @@ def _fit_compute(samples, how, missing):
 
     ``measured = scale[P] * profiled + action_ms + loss_fwd_ms [last-stage F] + loss_bwd_ms [last-stage B/I]``;
     an additive cost the unconstrained fit makes negative is set to 0 and the rest refitted, and a scale it makes
-    ``<= 0`` drops ``action_ms`` (the proportional model through the origin), so every parameter is physical.
+    ``<= 0`` drops the additive costs (``action_ms`` first) until it is positive: at the end the proportional model
+    through the origin, whose slope is positive because every measured time is; so every parameter is physical.
     """
     Ps = sorted({row[0] for row in samples})
     P_arr = np.array([row[0] for row in samples])
@@ -167,13 +168,14 @@ def _fit_compute(samples, how, missing):
         design = np.column_stack(scale_cols + [extra[k] for k in active])
         coef, *_ = np.linalg.lstsq(design, y, rcond=None)
         values = dict(zip(active, coef[len(Ps):]))
-        if np.any(coef[:len(Ps)] <= 0) and "action_ms" in active:
+        if np.any(coef[:len(Ps)] <= 0) and active:
             # measured times do not grow with profiled ones here (noise, or actions too alike): a slope <= 0 is no
-            # scale; fit the proportional model instead, measured = scale * profiled (+ the loss terms)
-            how["action_ms"] = (f"not fitted: with it the least-squares scale came out {min(coef[:len(Ps)]):.3g} (measured times do not "
-                                "grow with profiled ones), so 0 and the scale fitted through the origin")
-            missing.append("action_ms")
-            active.remove("action_ms")
+            # scale; drop the additive costs one by one (the fixed cost first) down to the proportional model,
+            # measured = scale * profiled, whose slope is positive (every measured and some profiled time is)
+            dropped = active.pop(0)
+            how[dropped] = (f"not fitted: with it the least-squares scale came out {min(coef[:len(Ps)]):.3g} (measured times do not "
+                            "grow with profiled ones), so 0 and the scale fitted closer to the origin")
+            missing.append(dropped)
             continue
         negative = [k for k in active if values[k] < 0]
         if not negative:

@@ -290,8 +290,9 @@ def _rows_frame(table, run) -> pd.DataFrame:
     """The Timeline table of one simulated step: the compute actions of ``table``, timed by ``run`` (:func:`_run`'s output)."""
     started, signal, comm = run
     pick = table["done"]
-    cols = {"step": np.zeros(len(table["rank"]), dtype=np.int64), "rank": table["rank"], "stage": table["stage"],
-            "microbatch": table["mb"], "kind": table["kind"], "start_ms": np.array(pick(started), dtype=float),
+    # copies: the table is cached with the order, and a Timeline's columns may be edited by its user
+    cols = {"step": np.zeros(len(table["rank"]), dtype=np.int64), "rank": table["rank"].copy(), "stage": table["stage"].copy(),
+            "microbatch": table["mb"].copy(), "kind": table["kind"].copy(), "start_ms": np.array(pick(started), dtype=float),
             "end_ms": np.array(pick(signal), dtype=float)}
     if comm:
         rank, stage, mb, kind, start, end = zip(*comm)

@@ -79,7 +79,7 @@ def _wgrad_ms(bwd_ms, wgrad_fraction, wgrad_ms, where):
     if wgrad_fraction is not None:
         raise TypeError(f"{where}() got both wgrad_fraction and wgrad_ms (its old form); give wgrad_fraction only")
     warnings.warn(f"{where}(wgrad_ms=...) is replaced by wgrad_fraction=wgrad_ms/bwd_ms, as in simulate() and sweep(); "
-                  "the old form will go", DeprecationWarning, stacklevel=3)
+                  "the old form will go", DeprecationWarning, stacklevel=4)
     wgrad_ms = check_time("wgrad_ms", wgrad_ms)
     if wgrad_ms > bwd_ms:
         raise ValueError(f"wgrad_ms={wgrad_ms} is invalid; it is the weight-grad part of bwd_ms={bwd_ms} and must be <= it")

@@ -25,6 +25,7 @@ def replay(measured, step, *, transfer_ms=None, step_overhead_ms=0.0, gap_ms=0.0
     between the replayed and the measured step is what the
     schedule and communication model misses; the gap between a prediction and the replay is
     what its action durations miss. ``meta["step_overhead_ms"]`` is set to ``step_overhead_ms``.
+    A timeline of several data-parallel replicas is replayed from replica 0 (as ``compare`` lines it up).
     """
     meta = getattr(measured, "meta", None) or {}
     missing = [k for k in ("schedule", "P", "m", "v") if k not in meta]
@@ -33,7 +34,7 @@ def replay(measured, step, *, transfer_ms=None, step_overhead_ms=0.0, gap_ms=0.0
     schedule, P, m, v = canonical_schedule(meta["schedule"]), int(meta["P"]), int(meta["m"]), int(meta["v"])
     S = P * v
     df = measured.df
-    df = df[(df["step"] == step) & df["kind"].isin(_KIND_NAMES)]
+    df = df[(df["step"] == step) & df["kind"].isin(_KIND_NAMES) & (df["replica"] == 0)]
     if df.empty:
         raise ValueError(f"step={step} has no compute actions in the measured timeline")
     code = {k: i for i, k in enumerate(_KIND_NAMES)}

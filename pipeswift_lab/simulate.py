@@ -273,10 +273,16 @@ def simulate_order(orders, stage_table, m, link=None, placement=None) -> Timelin
         if sorted(found) != list(range(S)):
             raise ValueError(f"orders cover stages {sorted(found)} but the stage table has {S} stages")
         placement = tuple(found[s] for s in range(S))
+    seen = {}
     for r, acts in orders.items():
         for kind, s, i in acts:
             if kind not in _KIND_NAMES or not (0 <= s < S) or not isinstance(i, numbers.Integral) or not (0 <= i < m):
                 raise ValueError(f"orders[{r}] holds {(kind, s, i)!r}; actions are (kind in {list(_KIND_NAMES)}, stage < {S}, microbatch < {m})")
+            family = "B/I" if kind in ("B", "I") else kind  # a backward is a full B, or an I then a W
+            if (family, s, i) in seen:
+                raise ValueError(f"orders[{r}] holds {(kind, s, i)!r} but orders[{seen[(family, s, i)]}] already runs the "
+                                 f"{'backward (B or I)' if family == 'B/I' else kind} of stage {s}, micro-batch {i}; each runs once")
+            seen[(family, s, i)] = r
     fwd, bwd = _column(stage_table, "fwd_ms"), _column(stage_table, "bwd_ms")
     wgrad = _column(stage_table, "wgrad_ms", required=False) or [DEFAULT_WGRAD_FRACTION * b for b in bwd]
     out_bytes = _column(stage_table, "output_bytes", required=False)

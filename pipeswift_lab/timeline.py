@@ -169,7 +169,7 @@ class Timeline:
     # ------------------------------------------------------------------ in flight
     @cached_property
     def _held(self):
-        """Per held micro-batch chunk, numpy arrays ``step, rank, stage, acquire, release``."""
+        """Per held micro-batch chunk, numpy arrays ``step, rank, stage, acquire, release, replica``."""
         a = self._arrays
         c = a["compute"]
         step, rank, stage, mb = a["step"][c], a["rank"][c], a["stage"][c], a["mb"][c]
@@ -416,10 +416,10 @@ class Timeline:
         out = []
         sends = df[df["kind"].isin(["SEND_F", "SEND_B"])]
         if len(sends):
-            recvs = df[df["kind"].isin(["RECV_F", "RECV_B"])].set_index(["step", "kind", "stage", "mb"])
+            recvs = df[df["kind"].isin(["RECV_F", "RECV_B"])].set_index(["step", "replica", "kind", "stage", "mb"])
             for row in sends.itertuples(index=False):
                 target = ("RECV_F", row.stage + 1) if row.kind == "SEND_F" else ("RECV_B", row.stage - 1)
-                key = (row.step, target[0], target[1], row.mb)
+                key = (row.step, row.replica, target[0], target[1], row.mb)
                 if key in recvs.index:
                     rec = recvs.loc[[key]].iloc[0]
                     out.append(((int(row.rank), 1, row.start * 1e3), (int(rec["rank"]), 1, float(rec["end"]) * 1e3)))

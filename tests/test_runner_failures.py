@@ -207,6 +207,16 @@ def test_a_script_without_the_main_guard_gets_one_line_and_starts_nothing(tmp_pa
 
     script.write_text(guarded)
     assert _line_is_guarded(str(script), 8) and not _line_is_guarded(str(script), 6)
+    script.write_text(guarded.replace("if __name__ == '__main__':", "if __name__ == '__main__' and not DRY_RUN:"))
+    assert _line_is_guarded(str(script), 8)  # the guard within a longer test
+
+
+def test_a_batchnorm_first_stage_passes_the_real_dtype_check_and_keeps_its_statistics():
+    model = nn.Sequential(nn.BatchNorm1d(4), nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    spec = make_spec(model, BATCH, nn.functional.mse_loss, two_stage(), 2)
+    assert [str(b[1]) for b in spec.boundaries] == ["(4, 8) float32", "(4, 2) float32"]
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
 
 
 def test_tied_weights_across_stages_are_refused():

@@ -131,6 +131,7 @@ def test_a_planned_p2_d2_row_runs_as_is():
     one = _one_step(result.timeline.df, 1)
     compute = result.timeline.df.query("step == 1 and kind in ['F', 'B']")
     assert set(one["replica"]) == {0} and len(one) == len(compute) // 2
+    assert len(comparison.replayed.df.query("kind in ['F', 'B']")) == len(one)  # the replay is replica 0's step too
 
 
 def test_replicas_checkpoint_and_resume_on_another_d(tmp_path):

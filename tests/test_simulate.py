@@ -334,3 +334,21 @@ def test_stage_table_with_strings_names_the_value():
     table = pd.DataFrame({"fwd_ms": ["1.0", "fast"], "bwd_ms": [2.0, 2.0]})
     with pytest.raises(ValueError, match=r"stage table column 'fwd_ms': stage 1 has 'fast'; values must be finite numbers >= 0"):
         simulate(table, 4, "1F1B")
+
+
+def test_editing_a_timeline_leaves_the_cached_order_alone():
+    table = pd.DataFrame({"fwd_ms": [1.0] * 2, "bwd_ms": [2.0] * 2})
+    first = simulate(table, 4, "1F1B")
+    kinds = first.df["kind"].tolist()
+    first.df.loc[0, "kind"] = "W"
+    first.df.loc[0, "rank"] = 7
+    again = simulate(table, 4, "1F1B")
+    assert again.df["kind"].tolist() == kinds and set(again.df["rank"]) == {0, 1}
+
+
+def test_a_custom_order_runs_each_action_once():
+    table = pd.DataFrame({"fwd_ms": [1.0], "bwd_ms": [2.0]})
+    with pytest.raises(ValueError, match=r"orders\[0\] holds \('F', 0, 0\) but orders\[0\] already runs the F of stage 0, micro-batch 0"):
+        simulate_order({0: [("F", 0, 0), ("F", 0, 0), ("B", 0, 0)]}, table, 1)
+    with pytest.raises(ValueError, match=r"already runs the backward \(B or I\) of stage 0"):
+        simulate_order({0: [("F", 0, 0), ("I", 0, 0), ("B", 0, 0)]}, table, 1)

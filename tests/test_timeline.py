@@ -205,3 +205,16 @@ def test_gantt_and_trace_of_replicas_give_each_device_a_row(tmp_path):
     reduce = [e for e in events if e["ph"] == "X" and e["cat"] == "REDUCE_GRAD"]
     assert len(reduce) == 4 and {e["tid"] for e in reduce} == {1}
     assert sum(e["ph"] == "s" for e in events) == 2 * 2  # each replica's F and B hop, never across replicas
+
+
+def test_transfer_arrows_stay_within_their_replica(tmp_path):
+    rows = []
+    for d in (0, 1):
+        t = 10.0 * d
+        rows += [(0, 0, 0, 0, "F", t, t + 1, d), (0, 0, 0, 0, "SEND_F", t + 1, t + 2, d), (0, 1, 1, 0, "RECV_F", t + 1, t + 2, d),
+                 (0, 1, 1, 0, "F", t + 2, t + 3, d)]
+    tl = Timeline(pd.DataFrame(rows, columns=list(COLUMNS) + ["replica"]), source="measured", meta={"P": 2})
+    events = json.loads(open(tl.to_chrome_trace(tmp_path / "t.json")).read())["traceEvents"]
+    starts = sorted((e["pid"], e["ts"]) for e in events if e["ph"] == "s")
+    finishes = sorted((e["pid"], e["ts"]) for e in events if e["ph"] == "f")
+    assert starts == [(0, 1000.0), (2, 11000.0)] and finishes == [(1, 2000.0), (3, 12000.0)]  # replica d: pids 2d, 2d + 1

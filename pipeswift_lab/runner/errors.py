@@ -28,7 +28,8 @@ class RunError(RuntimeError):
     ``reason``: ``"raised"`` (a rank raised; ``traceback`` is its traceback), ``"died"`` (a rank
     exited without a Python traceback: ``os._exit``, a signal, a crash), ``"hung"`` (the run
     passed ``timeout_s``; ``stacks`` holds where each rank was), or ``"launch"`` (the launch
-    itself failed). ``rank`` is the rank at fault when one can be named; ``pids`` the worker
+    itself failed; ``traceback`` then holds the launcher's own report, torch's
+    ``ChildFailedError``). ``rank`` is the rank at fault when one can be named; ``pids`` the worker
     processes, all gone when the error is raised.
     """
 
@@ -188,8 +189,8 @@ def diagnose(run_dir: Path, P: int, timeout_s: float, timed_out: bool, agent_err
     detail = f"{type(agent_error).__name__}: {agent_error}" if agent_error is not None else "no result was written"
     never = sorted(set(range(P)) - started)
     if never:  # the cause first, in one line; the launcher's report (torch's ChildFailedError dump) in .traceback
-        return RunError(f"ranks {never} never reached the runner: their processes failed while starting (forked workers first "
-                        "re-import the __main__ module of a script, as multiprocessing's spawn does: guard scripts with "
-                        f"`if __name__ == \"__main__\":`; the error is on this process's stderr).{tails}",
+        return RunError(f"ranks {never} never reached the runner: their processes failed while starting; the error is on this "
+                        "process's stderr and the launcher's report in RunError.traceback (forked workers first re-import "
+                        f"the __main__ module of a script: a script must call run() under `if __name__ == \"__main__\":`).{tails}",
                         reason="launch", traceback=detail, exitcodes=exitcodes, pids=pids)
     return RunError(f"the launch failed: {detail}{tails}", reason="launch", exitcodes=exitcodes, pids=pids)

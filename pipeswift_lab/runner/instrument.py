@@ -53,7 +53,8 @@ def wall_offset_ns(samples: int = 7) -> int:
 
 
 class ActionRecorder:
-    """Wraps the stages of one rank and records their compute actions, step by step.
+    """Wraps the stages of one rank and records their compute actions (and, for DDP-wrapped stage modules, their
+    gradient all-reduce as ``REDUCE_GRAD``), step by step.
 
     ``enabled=False`` leaves the stages untouched (the baseline of the overhead benchmark).
     ``rows()`` returns the records as an int64 tensor ``[n, 6]``: step, kind code, stage,
@@ -69,7 +70,7 @@ class ActionRecorder:
         self._offset = wall_offset_ns()
         self._step_event = None
         self._step_host_ns = 0
-        self._reduce_spans: dict = {}  # (step, stage) -> [first bucket launch, last bucket end, micro-batch]
+        self._reduce_spans: dict = {}  # (step, stage) -> [first bucket launch, bucket ends, micro-batch]
         self._backward_mb: dict = {}  # stage -> the micro-batch of its backward now running
         if not enabled:
             return
@@ -95,9 +96,10 @@ class ActionRecorder:
 
     def end_step(self) -> int:
         """Mark the end of the current step; returns its wall-clock end in ns (CUDA: resolves the events)."""
-        for (step, stage), (t0, t1, mb) in self._reduce_spans.items():
-            if t1 is not None:  # DDP waits for every bucket inside the last backward, so each span has ended
-                self._add(_R, stage, mb, t0, t1, step=step)
+        for (step, stage), (t0, ends, mb) in self._reduce_spans.items():
+            if ends:  # DDP waits for every bucket inside the last backward, so each span has ended
+                # CUDA: buckets finish in launch order on one stream, so the last callback's event ends the span
+                self._add(_R, stage, mb, t0, ends[-1] if self.cuda else max(ends), step=step)
         self._reduce_spans.clear()
         if self.cuda:  # pragma: no cover - needs a GPU
             torch.cuda.synchronize()
@@ -164,12 +166,13 @@ class ActionRecorder:
         index, stamp, spans = stage.stage_index, self._stamp, self._reduce_spans
 
         def timed_allreduce(group, bucket):
-            span = spans.setdefault((self.step, index), [stamp(), None, self._backward_mb.get(index, 0)])
+            key = (self.step, index)
+            if key not in spans:
+                spans[key] = [stamp(), [], self._backward_mb.get(index, 0)]
+            ends = spans[key][1]
 
             def finished(fut):
-                end = stamp()
-                # CUDA: buckets finish in launch order on one stream, so the last callback's event ends the span
-                span[1] = end if span[1] is None or self.cuda else max(span[1], end)
+                ends.append(stamp())  # list.append is atomic: gloo may complete buckets on two threads at once
                 return fut.value()
 
             return allreduce_hook(group, bucket).then(finished)

@@ -102,14 +102,16 @@ def _line_is_guarded(path: str, line: int) -> bool:
 
 
 def _is_main_test(test) -> bool:
+    """Whether an ``if`` test holds ``__name__ == "__main__"`` (alone, or within ``and``/``or``)."""
     import ast
 
-    if not (isinstance(test, ast.Compare) and len(test.ops) == 1 and isinstance(test.ops[0], ast.Eq)):
-        return False
-    sides = [test.left, test.comparators[0]]
-    names = [x for x in sides if isinstance(x, ast.Name) and x.id == "__name__"]
-    mains = [x for x in sides if isinstance(x, ast.Constant) and x.value == "__main__"]
-    return len(names) == 1 and len(mains) == 1
+    for node in ast.walk(test):
+        if isinstance(node, ast.Compare) and len(node.ops) == 1 and isinstance(node.ops[0], ast.Eq):
+            sides = [node.left, node.comparators[0]]
+            if (any(isinstance(x, ast.Name) and x.id == "__name__" for x in sides)
+                    and any(isinstance(x, ast.Constant) and x.value == "__main__" for x in sides)):
+                return True
+    return False
 
 
 @contextmanager

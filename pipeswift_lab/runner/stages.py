@@ -179,17 +179,19 @@ def _layer_names(model: nn.Sequential, bounds) -> str:
 
 
 def _first_stage_for_real(model, plan, inputs_mb):
-    """Run the first stage on one sample of the data for real: meta kernels do not check dtypes (int64 inputs to a
-    ``Linear`` pass on ``meta``). Parameters are used as they are (a forward does not change them), buffers on copies."""
+    """Run the first stage on one micro-batch of the data for real, without gradients: meta kernels do not check
+    dtypes (int64 inputs to a ``Linear`` pass on ``meta``). Parameters are used as they are (a forward does not change
+    them), buffers on copies; the random state (CPU and the stage's GPU) is left as it was."""
     from torch.func import functional_call
 
     stage = stage_module(model, plan.bounds[0])
     buffers = {name for name, _ in stage.named_buffers()}
     tensors = {k: (t.detach().clone() if k in buffers else t.detach()) for k, t in stage.state_dict(keep_vars=True).items()}
     home = next(iter(tensors.values())).device if tensors else torch.device("cpu")
-    x = inputs_mb[:1].to(home)
+    x = inputs_mb.to(home)  # a whole micro-batch: BatchNorm refuses a single sample in training mode
+    gpus = [home.index if home.index is not None else torch.cuda.current_device()] if home.type == "cuda" else []
     try:
-        with torch.no_grad(), torch.random.fork_rng(devices=[]):  # a dropout here leaves the caller's RNG as it was
+        with torch.no_grad(), torch.random.fork_rng(devices=gpus):  # a dropout here leaves the caller's RNG as it was
             functional_call(stage, tensors, (x,), strict=False)
     except Exception as exc:  # noqa: BLE001 - re-raised with the stage named
         raise _StageFailure(0, TensorSpec.from_tensor(inputs_mb), exc) from exc
@@ -248,8 +250,8 @@ class _LossFailure(Exception):
 def boundary_specs(model: nn.Sequential, plan: StagePlan, inputs_mb: torch.Tensor, targets_mb: torch.Tensor, loss_fn):
     """``((input_spec, output_spec), ...)`` of every stage for one micro-batch, checked before launch.
 
-    Tries the ``meta`` device first (no compute, no memory), then runs the first stage on one
-    sample for real (meta kernels do not check dtypes); if an op has no meta kernel it runs
+    Tries the ``meta`` device first (no compute, no memory), then runs the first stage on the
+    micro-batch for real without gradients (meta kernels do not check dtypes); if an op has no meta kernel it runs
     the micro-batch for real on a copy of the parameters and buffers (the model is not
     changed, BatchNorm statistics included). Raises ``ValueError`` naming the stage, its
     layers and the shape it could not take.
