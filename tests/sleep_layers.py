@@ -36,36 +36,22 @@ class SleepProduct(torch.autograd.Function):
         return grad * weight, (grad * x).sum().reshape(weight.shape), None, None
 
 
-class _SleepInputGrad(torch.autograd.Function):
-    """``x * weight`` whose backward gives the input gradient only, sleeping ``seconds``."""
+class _SleepOneGrad(torch.autograd.Function):
+    """``x * weight`` whose backward gives one gradient only (``wrt`` is ``"input"`` or ``"weight"``), sleeping ``seconds``."""
 
     @staticmethod
-    def forward(ctx, x, weight, seconds):
-        ctx.save_for_backward(weight)
-        ctx.seconds = seconds
+    def forward(ctx, x, weight, seconds, wrt):
+        ctx.save_for_backward(weight if wrt == "input" else x)
+        ctx.seconds, ctx.wrt = seconds, wrt
         return x * weight
 
     @staticmethod
     def backward(ctx, grad):
         time.sleep(ctx.seconds)
-        (weight,) = ctx.saved_tensors
-        return grad * weight, None, None
-
-
-class _SleepWeightGrad(torch.autograd.Function):
-    """``x * weight`` whose backward gives the weight gradient only, sleeping ``seconds``."""
-
-    @staticmethod
-    def forward(ctx, x, weight, seconds):
-        ctx.save_for_backward(x)
-        ctx.seconds = seconds
-        return x * weight
-
-    @staticmethod
-    def backward(ctx, grad):
-        time.sleep(ctx.seconds)
-        (x,) = ctx.saved_tensors
-        return None, (grad * x).sum().reshape(1), None
+        (other,) = ctx.saved_tensors
+        if ctx.wrt == "input":
+            return grad * other, None, None, None
+        return None, (grad * other).sum().reshape(1), None, None
 
 
 class SleepLayer(nn.Module):
@@ -89,8 +75,8 @@ class SleepLayer(nn.Module):
         if not self.split_backward:
             return SleepProduct.apply(x, self.weight, fwd_s, bwd_s)
         time.sleep(fwd_s)
-        by_input = _SleepInputGrad.apply(x, self.weight.detach(), bwd_s / 2)
-        by_weight = _SleepWeightGrad.apply(x.detach(), self.weight, bwd_s / 2)
+        by_input = _SleepOneGrad.apply(x, self.weight.detach(), bwd_s / 2, "input")
+        by_weight = _SleepOneGrad.apply(x.detach(), self.weight, bwd_s / 2, "weight")
         return by_input + by_weight - (x * self.weight).detach()  # = x * weight; each gradient from its own node
 
 
