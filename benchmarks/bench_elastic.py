@@ -17,6 +17,7 @@ from __future__ import annotations
 import math
 import shutil
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -25,32 +26,10 @@ import pandas as pd
 import torch
 from torch import nn
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+from sleep_layers import Sleep  # noqa: E402  the tests' Linear that sleeps a known time in forward and backward
+
 STEPS, DROP_AT, GAP_S = 80, 10, 6.0
-
-
-class Sleepy(nn.Module):
-    """A Linear that sleeps ``seconds`` in forward and in backward."""
-
-    def __init__(self, seconds):
-        super().__init__()
-        self.seconds = seconds
-        self.lin = nn.Linear(16, 16)
-
-    def forward(self, x):
-        time.sleep(self.seconds)
-        return _Back.apply(self.lin(x), self.seconds)
-
-
-class _Back(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, seconds):
-        ctx.seconds = seconds
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        time.sleep(ctx.seconds)
-        return grad, None
 
 
 def _batch(step):
@@ -89,7 +68,7 @@ def shrink_vs_wait() -> pd.DataFrame:
 
     def stack():
         torch.manual_seed(0)
-        return nn.Sequential(*[Sleepy(0.003) for _ in range(8)])
+        return nn.Sequential(*[Sleep(0.003, 0.003, width=16) for _ in range(8)])
 
     m = 4
     prof = psl.Profile.synthetic(fwd_ms=[3.0] * 8, bwd_ms=[3.0] * 8)

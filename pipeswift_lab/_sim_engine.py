@@ -56,6 +56,10 @@ class _Lowering:
             return (_COMPUTE, _W_DONE * self.SM + base, 3 * S + s, s, i, "W")
         return (_COMPUTE, _G_DONE * self.SM + base, (1 if kind == "B" else 2) * S + s, s, i, kind)
 
+    def action(self, kind, s, i):
+        """An action's waits, then its compute."""
+        return (*self.waits(kind, s, i), self.compute(kind, s, i))
+
     def waits(self, kind, s, i):
         """The signals an action needs before it may start."""
         SM, base, m = self.SM, s * self.m + i, self.m
@@ -93,8 +97,7 @@ def _lower(groups, schedule, P, m, S, placement):
             extend = out.extend
             for group in groups[rank]:
                 for kind, s, i in group:
-                    extend(low.waits(kind, s, i))
-                    out.append(low.compute(kind, s, i))
+                    extend(low.action(kind, s, i))
                 for kind, s, i in group:
                     extend(low.sends(kind, s, i))
         ops.append(_fuse_waits(out))
@@ -128,17 +131,20 @@ def _gpipe_ops(rank, m, low):
     """``ScheduleGPipe._step_microbatches``: receive, compute, send; all forward sends done before the backward."""
     out, sent = [], []
     for i in range(m):
-        out += low.waits("F", rank, i)
-        out.append(low.compute("F", rank, i))
+        out += low.action("F", rank, i)
         for send in low.sends("F", rank, i):
             out.append(send)
             sent.append((_WAIT, send[1]))
     out += sent
     for i in range(m):
-        out += low.waits("B", rank, i)
-        out.append(low.compute("B", rank, i))
+        out += low.action("B", rank, i)
         out += low.sends("B", rank, i)
     return out
+
+
+def _blocking(sends) -> tuple:
+    """Sends fused with the next receive in one blocking batch: each fired, then waited for until it has arrived."""
+    return tuple(op for send in sends for op in (send, (_WAIT, send[1])))
 
 
 def _one_f_one_b_ops(rank, P, m, low):
@@ -149,8 +155,7 @@ def _one_f_one_b_ops(rank, P, m, low):
     prev_send = None
     deferred = ()
     for k in range(warmup):
-        out += low.waits("F", s, k)
-        out.append(low.compute("F", s, k))
+        out += low.action("F", s, k)
         if prev_send is not None:  # _wait_batch_p2p(send_work): the previous forward's send
             out.append(prev_send)
             prev_send = None
@@ -164,18 +169,12 @@ def _one_f_one_b_ops(rank, P, m, low):
     fwd, bwd = warmup, 0
     bwd_sends = ()
     while True:
-        for send in deferred:  # fwd_sends + bwd_recvs in one blocking batch
-            out += (send, (_WAIT, send[1]))
-        out += low.waits("B", s, bwd)
-        out.append(low.compute("B", s, bwd))
+        out += _blocking(deferred) + low.action("B", s, bwd)  # fwd_sends + bwd_recvs in one blocking batch
         bwd_sends = low.sends("B", s, bwd)
         bwd += 1
         if fwd == m:
             break
-        for send in bwd_sends:  # bwd_sends + fwd_recvs in one blocking batch
-            out += (send, (_WAIT, send[1]))
-        out += low.waits("F", s, fwd)
-        out.append(low.compute("F", s, fwd))
+        out += _blocking(bwd_sends) + low.action("F", s, fwd)  # bwd_sends + fwd_recvs in one blocking batch
         deferred = low.sends("F", s, fwd)
         fwd += 1
     prev_send = None
@@ -183,8 +182,7 @@ def _one_f_one_b_ops(rank, P, m, low):
         out.append(send)
         prev_send = (_WAIT, send[1])
     while bwd < m:  # cool-down
-        out += low.waits("B", s, bwd)
-        out.append(low.compute("B", s, bwd))
+        out += low.action("B", s, bwd)
         if prev_send is not None:
             out.append(prev_send)
             prev_send = None
