@@ -87,9 +87,7 @@ def pick_step(measured, step=None) -> int:
 
 def _one_step(df: pd.DataFrame, step: int) -> pd.DataFrame:
     """The compute actions of ``step``, shifted to start at 0; of replica 0 only when the Timeline has several (D > 1)."""
-    if "replica" in df.columns:
-        df = df[df["replica"] == 0]
-    out = df[(df["step"] == step) & df["kind"].isin(COMPUTE_KINDS)].copy()
+    out = df[(df["step"] == step) & df["kind"].isin(COMPUTE_KINDS) & (df["replica"] == 0)].copy()
     if out.empty:
         raise ValueError(f"step {step} has no compute actions")
     t0 = out["start_ms"].min()

@@ -30,7 +30,7 @@ from . import checkpoint as ckpt
 from .errors import RunError
 from .launch import Preemption, launch
 from .result import RunResult, build_result
-from .spec import ON_NONFINITE, JobOptions, make_spec
+from .spec import ON_NONFINITE, JobOptions, make_data_source, make_spec
 from .train_loop import CHECKPOINTS_LOG, STEPS_LOG
 
 _RUN_DIR_PREFIX = "pipeswift_run_"
@@ -259,18 +259,20 @@ def run(model, data, loss_fn, partition, m, *, schedule=None, steps=10, optimize
                 raise ValueError(f"D={D} replicas cannot be combined with {name}={value!r} yet; use D=1 for {name}")
     job, resume, max_restarts = job_options(model, steps_checked, checkpoint_dir, checkpoint_every, keep, resume_from,
                                             max_restarts, mtbf_s, preempt_grace_s, on_nonfinite)
-    data = _materialized(data, steps_checked)  # every segment's spec reads the same batches
+    data = make_data_source(data, steps_checked, check_int("seed", seed))  # once: every segment's spec reads the same batches
     first_step = resume.step if resume is not None else 0
     planned = plan_segments(model, partition, steps_checked, first_step, resize_at, partitions, profile, m, schedule)
     rebalance = _rebalance_plan(rebalance_every, profile, partition, m, steps_checked, instrument)
     common = dict(steps=steps, optimizer=optimizer, nprocs=nprocs, backend=backend, devices=devices, timeout_s=timeout_s,
                   instrument=instrument, seed=seed, D=D)
-    specs = [make_spec(model, data, loss_fn, seg.partition, m, schedule=schedule, job=job, **common) for seg in planned]
+    # every planned segment's spec, built and checked once before anything starts
+    specs = {seg.start_step: make_spec(model, data, loss_fn, seg.partition, m, schedule=schedule, job=job, **common) for seg in planned}
+    first_spec = specs[planned[0].start_step]
     if resume is not None:
-        _check_optimizer(specs[0], resume)
+        _check_optimizer(first_spec, resume)
     if save_spec is not None:
-        specs[0].save(save_spec)
-    deadline = time.monotonic() + specs[0].timeout_s
+        first_spec.save(save_spec)
+    deadline = time.monotonic() + first_spec.timeout_s
     clean_stale_run_dirs()
     preemption = Preemption(job.preempt_grace_s)
     changes = len(planned) > 1 or rebalance is not None
@@ -279,6 +281,7 @@ def run(model, data, loss_fn, partition, m, *, schedule=None, steps=10, optimize
         (Path(tmp) / _OWNER_FILE).write_text(str(os.getpid()))  # a later run() removes the directory if this process dies
         root = job.checkpoint_dir or str(Path(tmp) / "checkpoints")
         current, start, reason, seg_launch_ns = planned[0].partition, first_step, "start", launch_ns
+        current_spec = first_spec
         resume_path = job.resume_from
         while True:
             end = next((seg.start_step for seg in planned if seg.start_step > start), steps_checked)
@@ -287,7 +290,10 @@ def run(model, data, loss_fn, partition, m, *, schedule=None, steps=10, optimize
                 job, checkpoint_dir=root if changes else job.checkpoint_dir, resume_from=resume_path, launch_ns=seg_launch_ns,
                 final_kind=("final" if job.checkpoint_dir else None) if is_last else "resize",
                 rebalance=dataclasses.replace(rebalance, cost_s=_last_switch_cost(results)) if rebalance is not None else None)
-            spec = make_spec(model, data, loss_fn, current, m, schedule=schedule, job=seg_job, **{**common, "steps": end})
+            if current_spec is not None:
+                spec = dataclasses.replace(current_spec, job=seg_job, steps=end)
+            else:  # a rebalanced partition: new stages, checked before launch
+                spec = make_spec(model, data, loss_fn, current, m, schedule=schedule, job=seg_job, **{**common, "steps": end})
             run_dir = Path(tmp) / f"segment{len(results)}"
             run_dir.mkdir()
             (run_dir / _OWNER_FILE).write_text(str(os.getpid()))
@@ -302,10 +308,10 @@ def run(model, data, loss_fn, partition, m, *, schedule=None, steps=10, optimize
             results.append(result)
             reasons.append(reason)
             if result.status == "rebalance":
-                current = _rebalanced(profile, current, result.meta["new_bounds"], m)
+                current, current_spec = _rebalanced(profile, current, result.meta["new_bounds"], m), None
                 reason = "rebalance"
             elif result.status == "completed" and not is_last:
-                current = next(seg.partition for seg in planned if seg.start_step == end)
+                current, current_spec = next(seg.partition for seg in planned if seg.start_step == end), specs[end]
                 reason = "resize"
             else:
                 break
@@ -324,19 +330,6 @@ def run(model, data, loss_fn, partition, m, *, schedule=None, steps=10, optimize
         err.step = info["step"]
         raise err
     return result
-
-
-def _materialized(data, steps: int):
-    """``data`` as given, except that a one-shot iterable (a generator, a DataLoader) becomes the list of its first ``steps`` batches."""
-    import itertools
-
-    import torch
-
-    if callable(data) or isinstance(data, (list, torch.Tensor)) or not hasattr(data, "__iter__"):
-        return data
-    if isinstance(data, tuple) and len(data) == 2 and all(isinstance(t, torch.Tensor) for t in data):
-        return data
-    return list(itertools.islice(iter(data), steps))
 
 
 def _rebalance_plan(rebalance_every, profile, partition, m, steps, instrument):

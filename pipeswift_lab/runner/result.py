@@ -116,10 +116,9 @@ class RunResult:
     @property
     def steady_step(self) -> int:
         """The step :attr:`steady_step_ms` is taken from: the median step after the first (see :data:`~pipeswift_lab.runner.compare.MEASURED_STEP`)."""
-        from .compare import first_step, steady_step_index
+        from .compare import steady_step_index
 
-        first = first_step(self)
-        return steady_step_index(pd.Series(list(self.step_ms), index=range(first, first + len(self.step_ms))))
+        return self.first_step + steady_step_index(self.step_ms)
 
     @property
     def steady_step_ms(self) -> float:
@@ -130,9 +129,7 @@ class RunResult:
         communicators; for an even count the lower of the two middle steps, so the number is
         a step that happened and its Gantt chart can be shown. The only step if there is one.
         """
-        from .compare import first_step
-
-        return float(self.step_ms[self.steady_step - first_step(self)])
+        return float(self.step_ms[self.steady_step - self.first_step])
 
     def step_stats(self, window=100) -> pd.DataFrame:
         """Step-time dispersion per window of ``window`` steps and for the whole run, each warm-up step excluded.
@@ -148,10 +145,8 @@ class RunResult:
         """
         from .._checks import check_int
 
-        from .compare import first_step
-
         window = check_int("window", window, minimum=1)
-        offset = first_step(self)  # step numbers, for a run resumed at a later step
+        offset = self.first_step  # step numbers, for a run resumed at a later step
         steps = pd.Series(list(self.step_ms), index=range(offset, offset + len(self.step_ms)), dtype=float)
         starts = sorted(int(x) for x in self.segments["first_step"]) if len(self.segments) > 1 else [offset]
 

@@ -22,11 +22,10 @@ SEGMENT_COLUMNS = ("segment", "reason", "first_step", "last_step", "P", "v", "sc
 
 @dataclass(frozen=True)
 class PlannedSegment:
-    """A segment known before launch: it starts at ``start_step`` on ``partition`` (``reason``: start or resize)."""
+    """A segment known before launch: it starts at ``start_step`` on ``partition`` (the first one, then one per resize)."""
 
     start_step: int
     partition: object
-    reason: str
 
 
 def plan_segments(model, partition, steps: int, first_step: int, resize_at, partitions, profile, m, schedule) -> list[PlannedSegment]:
@@ -40,7 +39,7 @@ def plan_segments(model, partition, steps: int, first_step: int, resize_at, part
     """
     if resize_at is not None and partitions is not None:
         raise ValueError("give resize_at={step: P} or partitions={step: Partition}, not both")
-    planned = [PlannedSegment(first_step, partition, "start")]
+    planned = [PlannedSegment(first_step, partition)]
     changes = resize_at if resize_at is not None else partitions
     if changes is None:
         return planned
@@ -69,7 +68,7 @@ def plan_segments(model, partition, steps: int, first_step: int, resize_at, part
             new = value
             if not hasattr(new, "bounds"):
                 raise TypeError(f"partitions[{step_i}] must be a Partition; got {type(new).__name__}")
-        planned.append(PlannedSegment(step_i, new, "resize"))
+        planned.append(PlannedSegment(step_i, new))
     return planned
 
 

@@ -94,7 +94,9 @@ def _check_batch(batch, where: str) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def make_data_source(data, steps: int, seed: int) -> DataSource:
-    """Normalize ``data`` (a batch, a ``callable(step)`` or an iterable of batches) into a :class:`DataSource`."""
+    """Normalize ``data`` (a batch, a ``callable(step)`` or an iterable of batches) into a :class:`DataSource` (one as is)."""
+    if isinstance(data, DataSource):
+        return data
     if isinstance(data, (tuple, list)) and len(data) == 2 and all(isinstance(t, torch.Tensor) for t in data):
         return DataSource("batch", _check_batch(tuple(data), "data"), seed)
     if isinstance(data, (tuple, list)) and data and all(isinstance(t, torch.Tensor) for t in data):

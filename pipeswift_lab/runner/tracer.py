@@ -110,15 +110,13 @@ def _restore_forwards(modules, saved) -> None:
         mod.__dict__.update(attrs)
 
 
-def check_tied(model: nn.Module, pipe) -> None:
-    """Raise ``ValueError`` if a parameter shared under several names lands in more than one stage."""
+def check_tied(model: nn.Module, stage_keys: list[set]) -> None:
+    """Raise ``ValueError`` if a parameter shared under several names lands in more than one stage (``stage_keys``: each
+    traced stage's ``state_dict`` keys)."""
     groups: dict[int, list[str]] = {}
     for name, p in model.named_parameters(remove_duplicate=False):
         groups.setdefault(id(p), []).append(name)
     tied = [names for names in groups.values() if len(names) > 1]
-    if not tied:
-        return
-    stage_keys = [set(pipe.get_stage_module(s).state_dict()) for s in range(pipe.num_stages)]
     for names in tied:
         stages = sorted({s for s, keys in enumerate(stage_keys) for n in names if n in keys})
         if len(stages) > 1:
@@ -138,10 +136,9 @@ def check_traceable(model: nn.Module, partition, n_stages: int, inputs_mb: torch
     names = split_names(model, partition, n_stages)
     example = inputs_mb.detach().clone()
     pipe = trace(model, example, names)
-    check_tied(model, pipe)
-    held = set()
-    for s in range(pipe.num_stages):
-        held |= set(pipe.get_stage_module(s).state_dict())
+    stage_keys = [set(pipe.get_stage_module(s).state_dict()) for s in range(pipe.num_stages)]
+    check_tied(model, stage_keys)
+    held = set().union(*stage_keys)
     missing = [k for k in model.state_dict() if k not in held]
     if missing:
         raise ValueError(f"the traced stages do not hold {missing[:8]} of model.state_dict(); the runner cannot return or checkpoint them")

@@ -166,8 +166,8 @@ class Checkpointer:
             return True
         return done - self.last_saved_step >= self.interval_steps()
 
-    def save(self, step: int, kind: str) -> float:
-        """Every rank writes its state for ``step`` steps done; rank 0 commits and logs it. Returns this rank's stall in s."""
+    def save(self, step: int, kind: str) -> None:
+        """Every rank writes its state for ``step`` steps done; rank 0 commits and logs it (with the stall, ``blocking_ms``)."""
         t0 = time.perf_counter()
         tmp = _broadcast(str(ckpt.new_tmp_dir(self.root, step)) if self.rank == 0 else None, self.group)
         mine = ckpt.save_rank_state(Path(tmp), self.rank, self.module, self.optimizer, self.device, self.group)
@@ -185,7 +185,6 @@ class Checkpointer:
             self.latest = str(path)
         self.last_saved_step = step
         self.saves += 1
-        return (time.perf_counter() - t0)
 
     def _manifest(self, step: int, kind: str) -> dict:
         spec, plan = self.spec, self.spec.plan
