@@ -8,7 +8,7 @@ import math
 import numpy as np
 import pandas as pd
 
-from .analytic import DEFAULT_WGRAD_FRACTION, backward_parts
+from .analytic import backward_parts
 
 
 # --------------------------------------------------------------------------- inputs
@@ -107,8 +107,7 @@ def _steady(run) -> list[int]:
 def _profiled_durations(part) -> dict:
     """``{(stage, kind): profiled ms}`` as the simulator splits a backward (:func:`~pipeswift_lab.analytic.backward_parts`)."""
     bwd = list(part.stage_bwd_ms)
-    wgrad = list(part.stage_wgrad_ms) if part.stage_wgrad_ms is not None else [DEFAULT_WGRAD_FRACTION * b for b in bwd]
-    igrad, wgrad = backward_parts(bwd, wgrad)
+    igrad, wgrad = backward_parts(bwd, part.stage_wgrad_ms)
     out = {}
     for s, f in enumerate(part.stage_fwd_ms):
         out.update({(s, "F"): f, (s, "B"): bwd[s], (s, "I"): igrad[s], (s, "W"): wgrad[s]})

@@ -148,7 +148,7 @@ class Evaluator:
             base, scale = b, 1.0
             stages = self._stage_sums(b, bounds, dp)
             mem = _rank_memory(stages, placement, inflight, P, 1.0)
-        busiest = max(sum(stages.stage_ms[s] for s, r in enumerate(placement) if r == rank) for rank in range(P))
+        busiest = max(rank_totals(stages.stage_ms, placement, P))
         bound = m * busiest * scale
         if self.calibration is not None:  # calibrated actions take at least scale(P) x profiled, plus non-negative costs
             bound = bound * self.calibration.scale(P) + self.calibration.step_overhead_ms(schedule)
@@ -167,13 +167,13 @@ class Evaluator:
         """
         key = (split.P, split.m, split.schedule, split.v, split.bounds, split.base)
         if key not in self._sims:
-            self._sims[key] = self._timed(split.part, split.m, split.schedule, split.v, 1.0)
+            self._sims[key] = self._timed(split.part, split.m, split.schedule, split.v)
         step, bubble = self._sims[key]
         return step * split.scale, bubble
 
-    def _timed(self, part, m, schedule, v, scale):
-        step = simulate_step_ms(part, m, schedule, v=v, link=self.link, calibration=self.calibration) * scale
-        busy = m * sum(part.stage_ms) * scale
+    def _timed(self, part, m, schedule, v):
+        step = simulate_step_ms(part, m, schedule, v=v, link=self.link, calibration=self.calibration)
+        busy = m * sum(part.stage_ms)
         if self.calibration is not None:
             step += self.calibration.step_overhead_ms(schedule)
             busy *= self.calibration.scale(part.P)

@@ -52,16 +52,16 @@ DEFAULT_WGRAD_FRACTION = 0.5
 _ZB_WGRAD_MULTIPLIER = {"InterleavedZeroBubble": 1.0, "ZBVZeroBubble": 2.0, "DualPipeV": 2.0}
 
 
-def backward_parts(bwd_ms, wgrad_ms) -> tuple[list[float], list[float]]:
+def backward_parts(bwd_ms, wgrad_ms=None) -> tuple[list[float], list[float]]:
     """Per stage, the ``(input-grad I, weight-grad W)`` durations of a backward split as a zero-bubble schedule runs it.
 
-    ``I = bwd - wgrad`` and ``W = wgrad``, except on the first stage: its input is the data, which needs no
+    ``I = bwd - wgrad`` and ``W = wgrad`` (``wgrad_ms=None``: :data:`DEFAULT_WGRAD_FRACTION` of ``bwd``), except on the first stage: its input is the data, which needs no
     gradient, so torch's input-grad pass has nothing to compute there and its weight-grad pass runs the stage's
     whole backward (``I = 0``, ``W = bwd``; measured on this machine: ``I`` 0.02 ms). The one place this rule lives
     (the simulator and the calibration's fit use it).
     """
-    igrad = [max(0.0, b - w) for b, w in zip(bwd_ms, wgrad_ms)]
-    wgrad = list(wgrad_ms)
+    wgrad = [DEFAULT_WGRAD_FRACTION * b for b in bwd_ms] if wgrad_ms is None else list(wgrad_ms)
+    igrad = [max(0.0, b - w) for b, w in zip(bwd_ms, wgrad)]
     if bwd_ms:
         igrad[0], wgrad[0] = 0.0, bwd_ms[0]
     return igrad, wgrad

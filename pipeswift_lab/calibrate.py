@@ -61,7 +61,6 @@ from ._display import NOISE_CV, html_card, noise_note, text_card  # noqa: F401 -
 
 #: Runtime kinds with a per-step overhead of their own.
 RUNTIMES = ("single-chunk", "multi-chunk")
-_KIND_CODE = COMPUTE_KINDS
 _FORMAT = "pipeswift_lab.calibration/1"
 
 
@@ -114,10 +113,7 @@ class Calibration:
     # ------------------------------------------------------------------ applying it
     def scale(self, P: int) -> float:
         """The compute scale for ``P`` co-running ranks: the fitted one, else that of the nearest fitted P (ties: the larger)."""
-        if P in self.compute_scale:
-            return float(self.compute_scale[P])
-        nearest = min(self.compute_scale, key=lambda k: (abs(k - P), -k))
-        return float(self.compute_scale[nearest])
+        return float(self.compute_scale[_nearest(self.compute_scale, P)])
 
     def gap_ms(self, schedule: str, P: int | None = None) -> float:
         """Calibrated time between consecutive actions of a rank under ``schedule``'s runtime with ``P`` ranks (0 when not fitted).
@@ -129,8 +125,7 @@ class Calibration:
             return 0.0
         if P is None or not self.gap_scale:
             return float(value)
-        nearest = P if P in self.gap_scale else min(self.gap_scale, key=lambda k: (abs(k - P), -k))
-        return float(value) * float(self.gap_scale[nearest])
+        return float(value) * float(self.gap_scale[_nearest(self.gap_scale, P)])
 
     def action_durations(self, durations, P: int, schedule: str):
         """Per-kind per-stage durations ``(fwd, bwd, igrad, wgrad)`` as a calibrated run of ``P`` ranks under ``schedule`` takes them."""
@@ -268,6 +263,11 @@ class Calibration:
     __repr__ = __str__
 
 
+def _nearest(fitted: dict, P: int) -> int:
+    """``P`` when fitted, else the nearest fitted P (ties: the larger)."""
+    return P if P in fitted else min(fitted, key=lambda k: (abs(k - P), -k))
+
+
 def _tuples(value):
     """JSON lists back to (nested) tuples."""
     return tuple(_tuples(v) for v in value) if isinstance(value, (list, tuple)) else value
@@ -314,7 +314,7 @@ def calibrate(runs, profile) -> Calibration:
     for run, part in zip(runs, parts):
         steady = _steady(run)
         df = run.timeline.df
-        df = df[df["step"].isin(steady) & df["kind"].isin(_KIND_CODE)]
+        df = df[df["step"].isin(steady) & df["kind"].isin(COMPUTE_KINDS)]
         if df.empty:
             raise ValueError(f"the run {run.schedule} P={run.P} m={run.m} has no measured actions in steps {steady}")
         profiled = _profiled_durations(part)
@@ -326,9 +326,9 @@ def calibrate(runs, profile) -> Calibration:
         spans.append(float(span.median()))
         overheads[runtime_of(run.schedule)] += [run.step_ms[k - _first(run)] - span[k] for k in steady if k in span.index]
         gaps += _transfer_gaps(df, part)
-        if len(steady) >= 2:
-            times = np.asarray([run.step_ms[k - _first(run)] for k in steady], float)
-            cvs.append(float(times.std(ddof=1) / times.mean()))
+        cv = float(run.step_stats().iloc[-1]["cv"])  # the dispersion the noise rule reads too
+        if math.isfinite(cv):
+            cvs.append(cv)
     scale, action_ms, loss_ms = _fit_compute(samples, how, missing)
 
     # 2. transfers from the idle receivers' gaps

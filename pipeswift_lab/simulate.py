@@ -170,7 +170,7 @@ def _prepare(partition, m, schedule, v, link, wgrad_fraction, calibration=None):
                 raise ValueError(f"stage {s}: wgrad_ms={w} exceeds bwd_ms={b}; it is a part of it")
         split_source = "profile wgrad_ms"
     else:
-        wgrad = [DEFAULT_WGRAD_FRACTION * b for b in st.bwd]
+        wgrad = None  # backward_parts' default share
         split_source = f"DEFAULT_WGRAD_FRACTION={DEFAULT_WGRAD_FRACTION:g}"
     transfer = [0.0] * st.S
     if link is not None:
@@ -284,7 +284,7 @@ def simulate_order(orders, stage_table, m, link=None, placement=None) -> Timelin
                                  f"{'backward (B or I)' if family == 'B/I' else kind} of stage {s}, micro-batch {i}; each runs once")
             seen[(family, s, i)] = r
     fwd, bwd = _column(stage_table, "fwd_ms"), _column(stage_table, "bwd_ms")
-    wgrad = _column(stage_table, "wgrad_ms", required=False) or [DEFAULT_WGRAD_FRACTION * b for b in bwd]
+    wgrad = _column(stage_table, "wgrad_ms", required=False)
     out_bytes = _column(stage_table, "output_bytes", required=False)
     link = check_link(link)
     transfer = [link.transfer_ms(b) for b in out_bytes] if (link is not None and out_bytes is not None) else [0.0] * S
