@@ -85,6 +85,10 @@ class Timeline:
         """Data-parallel replicas present (``[0]`` for a simulation or a run with D=1)."""
         return sorted(int(r) for r in self.df["replica"].unique())
 
+    def _lane(self, replica, rank) -> np.ndarray:
+        """The device row of each (replica, rank): replica position * ranks + rank position (the rank's position without replicas)."""
+        return np.searchsorted(self.replicas, replica) * len(self.ranks) + np.searchsorted(self.ranks, rank)
+
     @cached_property
     def _arrays(self):
         df = self.df
@@ -132,11 +136,10 @@ class Timeline:
         lanes = len(replicas) * len(ranks)
         busy = np.zeros((len(step_ids), lanes))
         if len(step):
-            step_pos = np.searchsorted(step_ids, step)
             rank_pos = np.searchsorted(ranks, rank)
             if (rank_pos >= len(ranks)).any() or (ranks[np.minimum(rank_pos, len(ranks) - 1)] != rank).any():
                 raise ValueError(f"Timeline rows hold ranks {sorted(set(rank.tolist()))} outside meta P={self.meta.get('P')}")
-            group = step_pos * lanes + np.searchsorted(replicas, replica) * len(ranks) + rank_pos
+            group = np.searchsorted(step_ids, step) * lanes + self._lane(replica, rank)
             new_group = np.r_[True, group[1:] != group[:-1]]
             # a row overlaps an earlier one of its (step, rank) if it starts before their latest end
             if np.any(~new_group & (start < _group_running_max(end, new_group))):
@@ -207,8 +210,7 @@ class Timeline:
         """
         h = self._held
         w = np.asarray(stage_weight, dtype=float)[h["stage"].astype(np.int64)]
-        n_rep = int(h["replica"].max()) + 1 if len(h["replica"]) else 1
-        lane = h["rank"].astype(np.int64) * n_rep + h["replica"].astype(np.int64)  # each replica's rank is its own device
+        lane = self._lane(h["replica"], h["rank"])  # each replica's rank is its own device
         rank = np.concatenate([lane, lane])
         step = np.concatenate([h["step"], h["step"]]).astype(np.int64)
         time = np.concatenate([h["acquire"], h["release"]]).astype(float)
@@ -223,7 +225,9 @@ class Timeline:
             lengths = np.diff(np.r_[starts, len(delta)])
             level = level - np.repeat(level[starts] - delta[starts], lengths)
             group_peak = np.maximum.reduceat(level, starts)
-            for r, pk in zip((rank[starts] // n_rep).tolist(), group_peak.tolist()):
+            ranks = self.ranks
+            for lane, pk in zip(rank[starts].tolist(), group_peak.tolist()):
+                r = ranks[lane % len(ranks)]
                 peaks[r] = max(peaks.get(r, 0.0), pk)
         return pd.Series(peaks, dtype=float).rename_axis("rank")
 
@@ -275,12 +279,9 @@ class Timeline:
             df = df[df["step"] == step]
             offset = float(df["start_ms"].min())
         ranks, replicas = self.ranks, self.replicas
-        if len(replicas) > 1:  # one row per device: replica d's rank r at row d * P + r
-            row_names = [f"replica {d} rank {r}" for d in replicas for r in ranks]
-            rank = np.searchsorted(replicas, df["replica"].to_numpy(np.int64)) * len(ranks) + np.searchsorted(ranks, df["rank"].to_numpy(np.int64))
-        else:
-            row_names = [f"rank {r}" for r in ranks]
-            rank = np.searchsorted(ranks, df["rank"].to_numpy(np.int64))
+        # one row per device: replica d's rank r at row d * P + r
+        row_names = [f"replica {d} rank {r}" for d in replicas for r in ranks] if len(replicas) > 1 else [f"rank {r}" for r in ranks]
+        rank = self._lane(df["replica"].to_numpy(np.int64), df["rank"].to_numpy(np.int64))
         ax = get_ax(ax, figsize=(9.0, 0.45 * len(row_names) + 1.4))
         start = df["start_ms"].to_numpy(float) - offset
         end = df["end_ms"].to_numpy(float) - offset
