@@ -25,6 +25,11 @@ SINGLE_CHUNK_SCHEDULES = ("GPipe", "1F1B")
 MULTI_CHUNK_SCHEDULES = ("Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
 #: Schedules whose chunks go to ranks in a V shape and need exactly two per rank.
 V_SHAPE_SCHEDULES = ("ZBVZeroBubble", "DualPipeV")
+def default_v(schedule: str) -> int:
+    """Chunks per rank when none is given: 1 for the single-chunk schedules, 2 for the others."""
+    return 1 if schedule not in MULTI_CHUNK_SCHEDULES else 2
+
+
 #: Schedules that split the backward into input-grad (I) and weight-grad (W).
 ZERO_BUBBLE_SCHEDULES = ("InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
 

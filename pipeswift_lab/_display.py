@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import html
+import math
 
 import pandas as pd
 
@@ -57,3 +58,27 @@ def text_card(title: str, summary: dict) -> str:
     width = max((len(str(k)) for k in summary), default=0)
     lines = [title] + [f"  {str(k).ljust(width)}  {format_value(v)}" for k, v in summary.items()]
     return "\n".join(lines)
+
+
+def hours(seconds: float) -> str:
+    """A duration as people read it: ``1.67 h``, ``12.5 min``, ``42 s``, or ``never``."""
+    if seconds == math.inf:
+        return "never"
+    if abs(seconds) >= 3600:
+        return f"{seconds / 3600:.2f} h"
+    if abs(seconds) >= 60:
+        return f"{seconds / 60:.1f} min"
+    return f"{seconds:.3g} s"
+
+
+def distinct_hours(a: float, b: float) -> tuple[str, str]:
+    """``a`` and ``b`` as :func:`hours` writes them, with more digits until two different values read differently."""
+    text_a, text_b = hours(a), hours(b)
+    if a == b or text_a != text_b or math.inf in (a, b):
+        return text_a, text_b
+    unit, scale = (" h", 3600) if abs(b) >= 3600 else (" min", 60) if abs(b) >= 60 else (" s", 1)
+    for digits in range(3, 16):
+        text_a, text_b = f"{a / scale:.{digits}f}{unit}", f"{b / scale:.{digits}f}{unit}"
+        if text_a != text_b:
+            break
+    return text_a, text_b

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import pandas as pd
 
 from ._checks import SINGLE_CHUNK_SCHEDULES
+from ._display import distinct_hours, hours
 from ._plan_quantile import jct_quantile, quantile_column
 from ._plan_strategies import first_drop, grow_rows, shrink_rows, split_by_drops
 from .analytic import bubble_ratio
@@ -255,28 +256,3 @@ def no_fit_message(table, job: Job) -> str:
         reasons = others["reason"].value_counts().head(3)
         lines.append("other reasons: " + "; ".join(f"{k} ({v}x)" for k, v in reasons.items()))
     return "\n".join(lines)
-
-
-# --------------------------------------------------------------------------- text
-def hours(seconds: float) -> str:
-    """A duration as people read it: ``1.67 h``, ``12.5 min``, ``42 s``, or ``never``."""
-    if seconds == math.inf:
-        return "never"
-    if abs(seconds) >= 3600:
-        return f"{seconds / 3600:.2f} h"
-    if abs(seconds) >= 60:
-        return f"{seconds / 60:.1f} min"
-    return f"{seconds:.3g} s"
-
-
-def distinct_hours(a: float, b: float) -> tuple[str, str]:
-    """``a`` and ``b`` as :func:`hours` writes them, with more digits until two different values read differently."""
-    text_a, text_b = hours(a), hours(b)
-    if a == b or text_a != text_b or math.inf in (a, b):
-        return text_a, text_b
-    unit, scale = (" h", 3600) if abs(b) >= 3600 else (" min", 60) if abs(b) >= 60 else (" s", 1)
-    for digits in range(3, 16):
-        text_a, text_b = f"{a / scale:.{digits}f}{unit}", f"{b / scale:.{digits}f}{unit}"
-        if text_a != text_b:
-            break
-    return text_a, text_b

@@ -15,13 +15,8 @@ import math
 
 import pandas as pd
 
+from ._display import hours
 from .jct import TERMS
-
-
-def _hours(seconds: float) -> str:
-    from ._plan_steps import hours
-
-    return hours(seconds)
 
 
 def _label(row) -> str:
@@ -66,7 +61,7 @@ def grow_rows(feasible, availability, assembly, checkpoint, steps, mtbf_s) -> pd
         if later.empty:
             continue
         big = later.loc[later["training_s"].idxmin()]
-        row = _switch(small, big, t, steps, assembly, checkpoint, f"grow at {_hours(t)} from {_label(small)}", 0.0)
+        row = _switch(small, big, t, steps, assembly, checkpoint, f"grow at {hours(t)} from {_label(small)}", 0.0)
         if row is not None and t > small["assembly_s"]:
             rows.append(row)
     return pd.DataFrame(rows, columns=feasible.columns)
@@ -95,7 +90,7 @@ def split_by_drops(feasible, availability):
         if drop is not None:
             lost_index.append(index)
             reasons[index] = (f"its {int(row['gpus'])} GPUs are not all free until it ends: availability drops to "
-                              f"{drop[1]} at {_hours(drop[0])} (see the shrink strategy)")
+                              f"{drop[1]} at {hours(drop[0])} (see the shrink strategy)")
     lost = feasible.loc[lost_index].assign(feasible=False, total_s=math.nan)
     if len(lost):
         lost["reason"] = [reasons[i] for i in lost.index]
@@ -121,7 +116,7 @@ def shrink_rows(lost, feasible, availability, assembly, checkpoint, steps, mtbf_
         if fits.empty:
             continue
         new = fits.loc[fits["training_s"].idxmin()]
-        row = _switch(old, new, t_drop, steps, assembly, checkpoint, f"shrink at {_hours(t_drop)} from {_label(old)}", old["queue_s"])
+        row = _switch(old, new, t_drop, steps, assembly, checkpoint, f"shrink at {hours(t_drop)} from {_label(old)}", old["queue_s"])
         if row is not None:
             rows.append(row)
     out = pd.DataFrame(rows, columns=feasible.columns)

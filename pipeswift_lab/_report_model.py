@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pandas as pd
 
-from ._checks import SINGLE_CHUNK_SCHEDULES
+from ._checks import SINGLE_CHUNK_SCHEDULES, default_v
 from ._display import noise_warning
 from ._report_base import ReportContext, Section, reference_profile
 from .jct import JCT
@@ -140,7 +140,7 @@ def section_timeline(ctx: ReportContext) -> Section:
     schedules = ("GPipe", "1F1B", "Interleaved1F1B", "ZBVZeroBubble", "DualPipeV")
     fig, axes = plt.subplots(len(schedules), 1, figsize=(11, 1.6 * len(schedules) + 1), sharex=True)
     for ax, schedule in zip(axes, schedules):
-        v = 1 if schedule in SINGLE_CHUNK_SCHEDULES else 2
+        v = default_v(schedule)
         tl = simulate(partition(prof, P, v=v, schedule=schedule, m=m), m, schedule)
         tl.plot(ax=ax)
         ax.set_title(f"{schedule}: step {tl.step_ms:.3g} ms, bubble_ratio {tl.bubble_ratio:.3f}", fontsize="small")

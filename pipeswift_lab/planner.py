@@ -29,10 +29,10 @@ from dataclasses import dataclass, field
 import pandas as pd
 
 from ._checks import MULTI_CHUNK_SCHEDULES, SCHEDULES, V_SHAPE_SCHEDULES, canonical_schedule, check_int, check_time
-from ._display import html_card, text_card
+from ._display import hours, html_card, text_card
 from ._plan_quantile import check_quantile
 from ._plan_search import Evaluator, MicrobatchCosts
-from ._plan_steps import OPTIMIZER_TRAFFIC_FACTOR, Job, bound_configs, branch_and_bound, divisors, enumerate_configs, hours, rank_table  # noqa: F401
+from ._plan_steps import OPTIMIZER_TRAFFIC_FACTOR, Job, bound_configs, branch_and_bound, divisors, enumerate_configs, rank_table  # noqa: F401
 from .calibrate import check_calibration
 from .costs import AssemblyModel, Availability, CheckpointModel
 from .jct import JCT, TERMS
@@ -185,8 +185,8 @@ class Plan:
         """A few sentences on why the best configuration beats the bubble-best and the throughput-best."""
         best, bubble, fast = self.best, self.bubble_best, self.throughput_best
         out = [
-            f"Best: {best.label} on {best.gpus} GPUs finishes in {_hours(best.total_s)} "
-            f"(queue {_hours(best.queue_s)}, training {_hours(best.training_s)}, step {best.step_ms:.4g} ms, "
+            f"Best: {best.label} on {best.gpus} GPUs finishes in {hours(best.total_s)} "
+            f"(queue {hours(best.queue_s)}, training {hours(best.training_s)}, step {best.step_ms:.4g} ms, "
             f"bubble {best.bubble_ratio:.1%})."
         ]
         if best.P == 1:
@@ -197,11 +197,11 @@ class Plan:
                 continue
             diffs = {t: getattr(other, t) - getattr(best, t) for t in TERMS}
             worst = max(diffs, key=diffs.get)
-            gain = [f"{t.removesuffix('_s')} {_hours(-d)} shorter" for t, d in diffs.items() if d < -0.005 * best.total_s]
+            gain = [f"{t.removesuffix('_s')} {hours(-d)} shorter" for t, d in diffs.items() if d < -0.005 * best.total_s]
             out.append(
                 f"The {name} {other.label} (bubble {other.bubble_ratio:.1%}, step {other.step_ms:.4g} ms) takes "
-                f"{_hours(other.total_s)}, {_hours(other.total_s - best.total_s)} longer: its {worst.removesuffix('_s')} "
-                f"term is {_hours(diffs[worst])} longer"
+                f"{hours(other.total_s)}, {hours(other.total_s - best.total_s)} longer: its {worst.removesuffix('_s')} "
+                f"term is {hours(diffs[worst])} longer"
                 + (f"; its gains ({', '.join(gain)}) do not make up for it." if gain else ".")
             )
         return " ".join(out)
@@ -216,7 +216,7 @@ class Plan:
         if piped.empty:
             return text + "."
         other = _from_row(piped.sort_values("total_s", kind="stable").iloc[0])
-        return text + f": the best pipelined configuration, {other.label}, takes {_hours(other.total_s)} ({_hours(other.total_s - best.total_s)} longer)."
+        return text + f": the best pipelined configuration, {other.label}, takes {hours(other.total_s)} ({hours(other.total_s - best.total_s)} longer)."
 
     def plot(self, ax=None, n=5, unit="h"):
         """Stacked JCT bars of the ``n`` best configurations, the throughput-best and the bubble-best (marked). Returns the Axes."""
@@ -238,7 +238,7 @@ class Plan:
         best = self.best
         return {
             "best": best.label,
-            "JCT": _hours(best.total_s),
+            "JCT": hours(best.total_s),
             "step_ms": best.step_ms,
             "bubble_ratio": best.bubble_ratio,
             "configurations": f"{len(self.feasible)} simulated, {int(self.table['feasible'].sum())} feasible, {len(self.table)} weighed",
@@ -254,7 +254,6 @@ class Plan:
         return f"Plan(best={self.best.label!r}, total_s={self.best.total_s:.6g}, configurations={len(self.table)})"
 
 
-_hours = hours  # the planner's duration text, shared with its steps
 
 
 # --------------------------------------------------------------------------- inputs

@@ -54,6 +54,15 @@ _TORCH_CLASS = {
 }
 
 
+def accepts(P, m, schedule="1F1B", v=1) -> bool:
+    """Whether torch's ``schedule`` takes ``P`` ranks, ``m`` micro-batches and ``v`` chunks per rank (:func:`validate` without the error)."""
+    try:
+        validate(P, m, schedule, v)
+    except ValueError:
+        return False
+    return True
+
+
 def validate(P, m, schedule="1F1B", v=1) -> tuple[str, int]:
     """Check ``(P, m, schedule, v)`` against torch's own rules; return ``(schedule, v)`` canonical.
 
@@ -236,4 +245,4 @@ def _torch_multi_chunk(P: int, m: int, schedule: str, v: int):
     return tuple(out)
 
 
-__all__ = ["COMPUTE_KINDS", "SCHEDULES", "action_groups", "compute_orders", "stage_to_rank", "torch_schedule", "validate"]
+__all__ = ["COMPUTE_KINDS", "SCHEDULES", "accepts", "action_groups", "compute_orders", "stage_to_rank", "torch_schedule", "validate"]

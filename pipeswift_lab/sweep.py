@@ -15,7 +15,7 @@ import numbers
 
 import pandas as pd
 
-from ._checks import MULTI_CHUNK_SCHEDULES, SINGLE_CHUNK_SCHEDULES, V_SHAPE_SCHEDULES, canonical_schedule, check_int
+from ._checks import SINGLE_CHUNK_SCHEDULES, V_SHAPE_SCHEDULES, canonical_schedule, check_int, default_v
 from .link import check_link
 from ._partition_layers import rank_totals
 from .partition import METHODS, Partition, _Layers, memory_cap, partition
@@ -42,10 +42,6 @@ def _as_list(name, values, kind):
     return values
 
 
-def _default_v(schedule):
-    return 1 if schedule not in MULTI_CHUNK_SCHEDULES else 2
-
-
 def peak_memory_bytes(part: Partition, timeline: Timeline) -> float:
     """Largest rank memory: parameters, gradients and optimizer state of its stages plus its simulated peak activations.
 
@@ -68,7 +64,7 @@ def explore(profile, P, m, schedule="1F1B", *, method="balanced", v=None, link=N
     Returns ``(Partition, Timeline)``; raises ``ValueError`` for combinations torch refuses.
     """
     schedule = canonical_schedule(schedule)
-    v = _default_v(schedule) if v is None else v
+    v = default_v(schedule) if v is None else v
     validate(P, m, schedule, v)
     part = partition(profile, P, method=method, v=v, schedule=schedule, link=link, optimizer=optimizer, m=m, precision=precision)
     return part, simulate(part, m, schedule=schedule, link=link, wgrad_fraction=wgrad_fraction, calibration=calibration)

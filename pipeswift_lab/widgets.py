@@ -102,14 +102,7 @@ def plot_bubble_curve(Ps=(2, 4, 8, 16), schedule="1F1B", v=1, m_max=64, conventi
     Only the ``m`` torch's schedule accepts are drawn (1F1B needs ``m >= P``).
     """
     from .plot import get_ax
-    from .schedules import validate
-
-    def accepted(P, m):
-        try:
-            validate(P, m, schedule, v)
-            return True
-        except ValueError:
-            return False
+    from .schedules import accepts
 
     if convention not in ("ratio", "overhead"):
         raise ValueError(f"convention={convention!r} is not valid; use 'ratio' (idle share of the step) or 'overhead' (bubble over compute)")
@@ -117,7 +110,7 @@ def plot_bubble_curve(Ps=(2, 4, 8, 16), schedule="1F1B", v=1, m_max=64, conventi
     ax = get_ax(ax)
     ms = list(range(1, m_max + 1))
     for P in Ps:
-        valid = [m for m in ms if accepted(P, m)]
+        valid = [m for m in ms if accepts(P, m, schedule, v)]
         ax.plot(valid, [formula(P, m, schedule, v=v) for m in valid], label=f"P={P}")
     ax.set_xscale("log", base=2)
     ax.set_xlabel("micro-batches m")
@@ -265,14 +258,12 @@ M_MAX = 64
 
 def valid_microbatches(P, schedule) -> list[int]:
     """The micro-batch counts ``m`` (1 … :data:`M_MAX`, or up to what the schedule needs) that torch's ``schedule`` accepts with ``P`` ranks."""
-    from .schedules import validate
-    from .sweep import _default_v
+    from ._checks import default_v
+    from .schedules import accepts
 
     out = []
     for m in range(1, max(M_MAX, 4 * P) + 1):
-        try:
-            validate(P, m, schedule, _default_v(schedule))
-        except ValueError:
+        if not accepts(P, m, schedule, default_v(schedule)):
             continue
         out.append(m)
         if m >= M_MAX and len(out) >= 8:

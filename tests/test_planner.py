@@ -244,7 +244,7 @@ def test_every_feasible_row_is_ranked_and_pruned_reasons_read_differently():
 
 
 def test_distinct_hours_adds_digits_until_values_differ():
-    from pipeswift_lab._plan_steps import distinct_hours as _distinct_hours
+    from pipeswift_lab._display import distinct_hours as _distinct_hours
 
     assert _distinct_hours(6012.0, 6000.0) == ("1.670 h", "1.667 h")
     assert _distinct_hours(6000.0, 6000.0) == ("1.67 h", "1.67 h")
