@@ -95,6 +95,22 @@ def check_wgrad_fraction(value) -> float:
     return value
 
 
+def nonnegative_column(column, allow_missing: bool = False):
+    """``(values, first_bad)`` of a pandas Series of per-layer or per-stage numbers: ``values`` as a float array, and
+    ``first_bad = (position, given value)`` of the first entry that is not a finite number >= 0 (with ``allow_missing``,
+    an empty entry, NaN or None, is allowed), else None. The caller names the table in its message."""
+    import numpy as np
+    import pandas as pd
+
+    values = pd.to_numeric(column, errors="coerce").to_numpy(dtype=float)
+    missing_ok = column.isna().to_numpy() if allow_missing else np.zeros(len(values), bool)
+    bad = np.flatnonzero((np.isnan(values) & ~missing_ok) | np.isinf(values) | (values < 0))
+    if not len(bad):
+        return values, None
+    given = column.iloc[int(bad[0])]
+    return values, (int(bad[0]), given.item() if hasattr(given, "item") else given)
+
+
 def check_time(name: str, value, allow_zero: bool = True) -> float:
     """Return ``value`` as a finite float that is ``>= 0`` (``> 0`` if not ``allow_zero``)."""
     if isinstance(value, bool) or not isinstance(value, numbers.Real):

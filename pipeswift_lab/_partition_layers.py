@@ -11,7 +11,7 @@ import numpy as np
 import pandas as pd
 
 from ._bottleneck import MinMaxSplit
-from ._checks import check_int, check_schedule_v
+from ._checks import check_int, check_schedule_v, nonnegative_column
 from .analytic import inflight_microbatches
 from .link import Link
 from .precision import state_bytes
@@ -63,12 +63,9 @@ class _Layers:
             raise ValueError(f"profile layer {bad} ({self.names[bad]!r}): wgrad_ms={self.wgrad[bad]} exceeds bwd_ms={self.bwd[bad]}; it is a part of it")
 
     def _column(self, df, col):
-        values = pd.to_numeric(df[col], errors="coerce").to_numpy(dtype=float)
-        bad = np.flatnonzero(~np.isfinite(values) | (values < 0))
-        if len(bad):
-            i = int(bad[0])
-            given = df[col].iloc[i]
-            given = given.item() if hasattr(given, "item") else given
+        values, bad = nonnegative_column(df[col])
+        if bad:
+            i, given = bad
             raise ValueError(f"profile column {col!r}: layer {i} ({self.names[i] if hasattr(self, 'names') else i!r}) has {given!r}; values must be finite numbers >= 0")
         return values
 

@@ -22,7 +22,7 @@ import pandas as pd
 import torch
 from torch import nn
 
-from ._checks import check_int, check_time
+from ._checks import check_int, check_time, nonnegative_column
 from ._display import html_card, noise_note, noise_warning, text_card
 from ._profile_hooks import LayerRecorder, current_unit, iter_tensors, make_clock, shapes
 from ._profile_units import locate_failure, model_device, move_to_device, preserved_state, select_units
@@ -45,15 +45,12 @@ def _check_columns(df) -> None:
     for col in ("fwd_ms", "bwd_ms", "total_ms") + _TIME_COLUMNS[2:] + _COUNT_COLUMNS:
         if col not in df.columns:
             continue
-        raw = df[col]
-        values = pd.to_numeric(raw, errors="coerce").to_numpy(dtype=float)
         required = col in ("fwd_ms", "bwd_ms", "total_ms")
-        bad = (np.isnan(values) & (raw.notna().to_numpy() | required)) | np.isinf(values) | (values < 0)
-        if bad.any():
-            i = int(np.flatnonzero(bad)[0])
+        _, bad = nonnegative_column(df[col], allow_missing=not required)
+        if bad:
+            i, value = bad
             name = df["name"].iloc[i] if "name" in df.columns else i
             what = "a finite number >= 0 (ms)" if required else "a number >= 0, or empty/NaN where unknown"
-            value = raw.iloc[i].item() if hasattr(raw.iloc[i], "item") else raw.iloc[i]
             raise ValueError(f"df[{col!r}] of layer {i} ({name!r}) is {value!r}; each value must be {what}")
 
 

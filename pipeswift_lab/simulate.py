@@ -40,7 +40,6 @@ from __future__ import annotations
 import math
 import numbers
 
-import numpy as np
 import pandas as pd
 
 from ._checks import (
@@ -49,6 +48,7 @@ from ._checks import (
     canonical_schedule,
     check_int,
     check_wgrad_fraction,
+    nonnegative_column,
 )
 from .analytic import DEFAULT_WGRAD_FRACTION, backward_parts
 from .link import check_link
@@ -112,12 +112,9 @@ def _column(df, col, required=True):
         if required:
             raise ValueError(f"the stage table has no {col!r} column; it needs fwd_ms and bwd_ms (columns: {list(df.columns)})")
         return None
-    values = pd.to_numeric(df[col], errors="coerce").to_numpy(float)
-    bad = np.flatnonzero(~np.isfinite(values) | (values < 0))
-    if len(bad):
-        given = df[col].iloc[int(bad[0])]
-        given = given.item() if hasattr(given, "item") else given
-        raise ValueError(f"stage table column {col!r}: stage {int(bad[0])} has {given!r}; values must be finite numbers >= 0 (ms or bytes)")
+    values, bad = nonnegative_column(df[col])
+    if bad:
+        raise ValueError(f"stage table column {col!r}: stage {bad[0]} has {bad[1]!r}; values must be finite numbers >= 0 (ms or bytes)")
     return values.tolist()
 
 
