@@ -9,6 +9,7 @@ import numpy as np
 import pandas as pd
 
 from .analytic import backward_parts
+from .link import fit_latency_bandwidth
 
 
 # --------------------------------------------------------------------------- inputs
@@ -203,8 +204,9 @@ def _fit_transfer(gaps, how, missing):
     nbytes = np.array([b for b, _ in gaps], float)
     gap = np.clip(np.array([g for _, g in gaps], float), 0.0, None)
     if nbytes.max() > 0 and np.ptp(nbytes) > 0.1 * nbytes.max():
-        slope, intercept = np.polyfit(nbytes, gap, 1)
-        if slope > 0 and intercept >= 0:
+        line = fit_latency_bandwidth(nbytes.tolist(), gap.tolist())
+        if line is not None:
+            intercept, slope = line
             how["latency_ms"] = f"least squares intercept of gap = latency + bytes/bandwidth over {len(gaps)} hand-offs to idle receivers"
             how["bandwidth_GBps"] = f"inverse least squares slope over the same {len(gaps)} hand-offs ({len(np.unique(nbytes))} sizes)"
             return float(intercept), float(1.0 / (slope * 1e6))

@@ -232,14 +232,13 @@ def _latency_bandwidth(samples, default_GBps: float) -> tuple[float, float]:
     """
     from statistics import median
 
+    from .link import fit_latency_bandwidth
+
     sizes = [b for b, _ in samples]
     if len(samples) >= 2 and max(sizes) >= 1.1 * min(sizes):
-        mean_b = sum(sizes) / len(sizes)
-        mean_t = sum(t for _, t in samples) / len(samples)
-        slope = sum((b - mean_b) * (t - mean_t) for b, t in samples) / sum((b - mean_b) ** 2 for b in sizes)
-        latency = mean_t - slope * mean_b
-        if slope > 0 and latency >= 0:
-            return latency, 1.0 / (slope * 1e9)
+        line = fit_latency_bandwidth(sizes, [t for _, t in samples])
+        if line is not None:
+            return line[0], 1.0 / (line[1] * 1e9)
     return max(0.0, median(t for _, t in samples) - median(sizes) / (default_GBps * 1e9)), default_GBps
 
 

@@ -12,6 +12,20 @@ from dataclasses import dataclass
 from ._checks import check_time
 
 
+def fit_latency_bandwidth(nbytes, times) -> tuple[float, float] | None:
+    """``(latency, time per byte)`` of the least-squares line ``time = latency + nbytes * per_byte`` through the
+    samples (Hockney's alpha-beta model, in the samples' own units), or None when it is not physical (a slope <= 0 or
+    a negative latency). Callers decide first whether the sizes spread enough to tell the two apart."""
+    n = len(nbytes)
+    mean_b, mean_t = sum(nbytes) / n, sum(times) / n
+    spread = sum((b - mean_b) ** 2 for b in nbytes)
+    if spread <= 0:
+        return None
+    per_byte = sum((b - mean_b) * (t - mean_t) for b, t in zip(nbytes, times)) / spread
+    latency = mean_t - per_byte * mean_b
+    return (latency, per_byte) if per_byte > 0 and latency >= 0 else None
+
+
 @dataclass(frozen=True)
 class Link:
     """A link between neighbouring pipeline ranks.
@@ -47,4 +61,4 @@ def check_link(link) -> Link | None:
     return link
 
 
-__all__ = ["Link", "check_link"]
+__all__ = ["Link", "check_link", "fit_latency_bandwidth"]

@@ -3,7 +3,7 @@ import math
 
 import pytest
 
-from pipeswift_lab.link import Link, check_link
+from pipeswift_lab.link import Link, check_link, fit_latency_bandwidth
 
 
 def test_transfer_is_latency_plus_bytes_over_bandwidth():
@@ -43,3 +43,11 @@ def test_bad_transfer_sizes_and_link_types():
     with pytest.raises(TypeError, match="pipeswift_lab.Link"):
         check_link({"latency_ms": 1})
     assert check_link(None) is None
+
+
+def test_the_alpha_beta_line_is_fitted_or_refused_when_unphysical():
+    latency, per_byte = fit_latency_bandwidth([1e6, 2e6, 4e6], [1.5, 2.5, 4.5])  # 0.5 + 1e-6 per byte
+    assert latency == pytest.approx(0.5) and per_byte == pytest.approx(1e-6)
+    assert fit_latency_bandwidth([1e6, 2e6], [2.0, 1.0]) is None  # slower for fewer bytes: no bandwidth
+    assert fit_latency_bandwidth([1e6, 2e6], [0.5, 2.5]) is None  # a negative latency
+    assert fit_latency_bandwidth([1e6, 1e6], [1.0, 2.0]) is None  # one size: nothing to fit
