@@ -88,12 +88,17 @@ def decide(plan: RebalancePlan, bounds, measured_stage_ms, step: int, cost_s: fl
 
 def measured_stage_ms(records, stages, first_step: int, last_step: int) -> dict[int, float]:
     """Each of ``stages``' measured compute per step over steps ``first_step .. last_step - 1``, from an ActionRecorder's rows."""
+    import torch
+
     from .instrument import COMPUTE_CODES
 
-    rows = records.to("cpu") if hasattr(records, "to") else records
+    rows = torch.as_tensor(records).to("cpu")
     out = {s: 0.0 for s in stages}
     n = max(1, last_step - first_step)
-    for step, kind, stage, _mb, start, end in rows.tolist():
-        if first_step <= step < last_step and stage in out and kind in COMPUTE_CODES:
+    if len(rows):  # the window's compute rows only: a decision costs its window, not the whole run so far
+        keep = (rows[:, 0] >= first_step) & (rows[:, 0] < last_step) & torch.isin(rows[:, 1], torch.tensor(COMPUTE_CODES))
+        rows = rows[keep]
+    for _step, _kind, stage, _mb, start, end in rows.tolist():
+        if stage in out:
             out[stage] += (end - start) / 1e6
     return {s: total / n for s, total in out.items()}
