@@ -22,6 +22,8 @@ _KIND_NAMES = COMPUTE_KINDS
 # signal families: 0 forward done, 1 input-grad done (B or I), 2 weight-grad done,
 # 3 activation arrived at stage s+1, 4 gradient arrived at stage s-1
 _F_DONE, _G_DONE, _W_DONE, _ACT_ARRIVED, _GRAD_ARRIVED = range(5)
+_DONE_FAMILY = {"F": _F_DONE, "B": _G_DONE, "I": _G_DONE, "W": _W_DONE}  # B and I both deliver the input gradient
+_KIND_CODE = {k: i for i, k in enumerate(_KIND_NAMES)}
 
 
 class ScheduleDeadlock(RuntimeError):
@@ -39,6 +41,11 @@ class ScheduleDeadlock(RuntimeError):
 # activation going forward, 1 a gradient going back.
 
 
+def duration_index(kind: str, stage: int, S: int) -> int:
+    """Where the engine looks an action's duration up: ``kind_code * S + stage`` (kind codes in :data:`COMPUTE_KINDS` order)."""
+    return _KIND_CODE[kind] * S + stage
+
+
 class _Lowering:
     """Signals, waits and sends of actions for one ``(P, m, placement)``."""
 
@@ -49,12 +56,8 @@ class _Lowering:
         self.cross_next = [s < S - 1 and placement[s + 1] != placement[s] for s in range(S)]
 
     def compute(self, kind, s, i):
-        base, S = s * self.m + i, self.S
-        if kind == "F":
-            return (_COMPUTE, _F_DONE * self.SM + base, s, s, i, "F")
-        if kind == "W":
-            return (_COMPUTE, _W_DONE * self.SM + base, 3 * S + s, s, i, "W")
-        return (_COMPUTE, _G_DONE * self.SM + base, (1 if kind == "B" else 2) * S + s, s, i, kind)
+        done = _DONE_FAMILY[kind] * self.SM + s * self.m + i
+        return (_COMPUTE, done, duration_index(kind, s, self.S), s, i, kind)
 
     def action(self, kind, s, i):
         """An action's waits, then its compute."""

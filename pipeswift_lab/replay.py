@@ -9,7 +9,7 @@ is left between a prediction and the replay is what the predicted durations miss
 from __future__ import annotations
 
 from ._checks import canonical_schedule
-from ._sim_engine import _KIND_NAMES, _lowered, _lowered_table, _rows_frame, _run
+from ._sim_engine import _KIND_NAMES, _lowered, _lowered_table, _rows_frame, _run, duration_index
 from .timeline import Timeline
 
 
@@ -37,9 +37,8 @@ def replay(measured, step, *, transfer_ms=None, step_overhead_ms=0.0, gap_ms=0.0
     df = df[(df["step"] == step) & df["kind"].isin(_KIND_NAMES) & (df["replica"] == 0)]
     if df.empty:
         raise ValueError(f"step={step} has no compute actions in the measured timeline")
-    code = {k: i for i, k in enumerate(_KIND_NAMES)}
     dur = (df["end_ms"] - df["start_ms"]).to_numpy(float)
-    per_action = {(code[k] * S + int(s), int(i)): float(d) + gap_ms for k, s, i, d in zip(df["kind"], df["stage"], df["microbatch"], dur)}
+    per_action = {(duration_index(k, int(s), S), int(i)): float(d) + gap_ms for k, s, i, d in zip(df["kind"], df["stage"], df["microbatch"], dur)}
     zeros = [0.0] * S
     transfer = list(transfer_ms) if transfer_ms is not None else zeros
     if len(transfer) != S:
