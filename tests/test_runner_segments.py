@@ -108,7 +108,7 @@ def slowing(extra_s):
 
 def test_a_slowed_stage_gives_layers_away_and_the_step_gets_shorter():
     assert TWO12.bounds == ((0, 6), (6, 12))
-    result = run(slowing(0.060), batch, nn.functional.mse_loss, TWO12, M, steps=30, progress=False, rebalance_every=3,
+    result = run(slowing(0.120), batch, nn.functional.mse_loss, TWO12, M, steps=30, progress=False, rebalance_every=3,
                  profile=PROFILE12)
     decisions = result.rebalances
     assert list(decisions.columns) == list(REBALANCE_COLUMNS)
