@@ -7,3 +7,17 @@ import os
 
 os.environ.setdefault("TQDM_DISABLE", "1")
 os.environ.setdefault("MPLBACKEND", "Agg")
+
+
+#: Notebooks whose cells start worker processes (pipeswift_lab.run): marked ``processes`` like the tests that do.
+PROCESS_NOTEBOOKS = ("04_schedules_and_microbatches", "05_real_pipeline_run", "07_checkpoints_and_preemption", "08_fidelity",
+                     "09_elastic_and_rebalancing")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Mark the cells of the notebooks that run pipelines ``processes``, so ``-m "not processes"`` skips them too."""
+    import pytest
+
+    for item in items:
+        if any(name in str(item.fspath) for name in PROCESS_NOTEBOOKS) and str(item.fspath).endswith(".ipynb"):
+            item.add_marker(pytest.mark.processes)

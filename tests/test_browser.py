@@ -22,6 +22,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.processes  # starts worker processes: `pytest -m "not processes"` skips it
+
 ROOT = Path(__file__).resolve().parent.parent
 NOTEBOOK = "notebooks/04_schedules_and_microbatches.ipynb"
 

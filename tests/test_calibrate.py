@@ -55,7 +55,8 @@ def sleepy_run(schedule, m, bounds, v=1, step_ms=STEP_MS, steps=5, instrument=Tr
 
 PROFILE = Profile.synthetic(fwd_ms=FWD_MS, bwd_ms=BWD_MS)
 # the profile's boundaries carry no bytes: every calibration here warns that bandwidth_GBps cannot be fitted
-pytestmark = pytest.mark.filterwarnings("ignore::pipeswift_lab.calibrate.CalibrationWarning")
+pytestmark = [pytest.mark.filterwarnings("ignore::pipeswift_lab.calibrate.CalibrationWarning"),
+              pytest.mark.processes]  # its runs start worker processes
 SPLIT2 = [(0, 2), (2, 4)]
 SPLIT4 = [(0, 1), (1, 2), (2, 3), (3, 4)]
 

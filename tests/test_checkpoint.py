@@ -21,6 +21,8 @@ from torch import nn
 from pipeswift_lab.runner import Checkpoint, CheckpointError, latest_checkpoint, load_checkpoint
 from pipeswift_lab.runner import checkpoint as ckpt
 
+pytestmark = pytest.mark.processes  # starts worker processes: `pytest -m "not processes"` skips it
+
 SAVER = textwrap.dedent("""
     import os, sys, torch, torch.distributed as dist
     from pathlib import Path

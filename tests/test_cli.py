@@ -2,6 +2,9 @@ import subprocess
 import sys
 
 import pandas as pd
+import pytest
+
+pytestmark = pytest.mark.processes  # starts worker processes: `pytest -m "not processes"` skips it
 
 
 def run(*args, cwd=None):

@@ -176,6 +176,7 @@ def test_link_bandwidth_must_be_positive():
 # ---------------------------------------------------------------- validation against reality
 
 
+@pytest.mark.processes
 def test_planner_pick_is_within_ten_percent_of_the_best_measured(one_torch_thread):
     """The planner's choice among configurations the runner can execute here is (nearly) the fastest measured.
 

@@ -18,6 +18,8 @@ from pipeswift_lab.runner import RunResult, run
 from pipeswift_lab.schedules import compute_orders
 from pipeswift_lab.timeline import Timeline
 
+pytestmark = pytest.mark.processes  # starts worker processes: `pytest -m "not processes"` skips it
+
 LR = 0.1
 BATCH = 8
 

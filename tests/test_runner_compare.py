@@ -64,6 +64,7 @@ def sleepy_run():
     return part, result
 
 
+@pytest.mark.processes
 def test_measured_actions_take_the_time_the_layers_sleep_and_clocks_line_up(sleepy_run):
     _, result = sleepy_run
     df = result.timeline.df
@@ -80,6 +81,7 @@ def test_measured_actions_take_the_time_the_layers_sleep_and_clocks_line_up(slee
             assert row.start_ms >= ends.loc[(row.step, 1, row.microbatch, "B"), "end_ms"]
 
 
+@pytest.mark.processes
 def test_simulation_predicts_the_sleeping_pipeline(sleepy_run):
     part, result = sleepy_run
     predicted = simulate(part, 4)
@@ -109,6 +111,7 @@ def test_simulation_predicts_the_sleeping_pipeline(sleepy_run):
     plt.close("all")
 
 
+@pytest.mark.processes
 def test_one_measured_step_and_step_stats(sleepy_run):
     _, result = sleepy_run
     assert steady_step_index([500.0, 30.0, 10.0, 20.0]) == 3  # the median of 30, 10, 20 after the warm-up
@@ -129,6 +132,7 @@ def test_one_measured_step_and_step_stats(sleepy_run):
         fake.step_stats(window=0)
 
 
+@pytest.mark.processes
 def test_a_resumed_run_numbers_its_steps_from_where_it_started(sleepy_run):
     _, result = sleepy_run
     times = (900.0, 10.0, 12.0, 11.0)

@@ -15,6 +15,8 @@ from pipeswift_lab.profile import Profile
 from pipeswift_lab.runner import RunError, load_spec, make_spec, run
 from pipeswift_lab.runner.spec import CPU_RANKS_PER_CORE, available_cores
 
+pytestmark = pytest.mark.processes  # starts worker processes: `pytest -m "not processes"` skips it
+
 
 def two_stage(n_layers=4, bounds=((0, 2), (2, 4)), **kw):
     profile = Profile.synthetic(fwd_ms=[1.0] * n_layers, bwd_ms=[1.0] * n_layers)

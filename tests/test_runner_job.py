@@ -28,6 +28,8 @@ from pipeswift_lab.profile import Profile
 from pipeswift_lab.runner import CheckpointError, RunError, latest_checkpoint, run
 from pipeswift_lab.runner.job import clean_stale_run_dirs
 
+pytestmark = pytest.mark.processes  # starts worker processes: `pytest -m "not processes"` skips it
+
 PROFILE = Profile.synthetic(fwd_ms=[1.0] * 5, bwd_ms=[2.0] * 5)
 TWO = Partition.from_bounds(PROFILE, [(0, 2), (2, 5)], schedule="1F1B")
 THREE = Partition.from_bounds(PROFILE, [(0, 1), (1, 3), (3, 5)], schedule="1F1B")

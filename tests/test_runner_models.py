@@ -13,6 +13,8 @@ from pipeswift_lab.partition import Partition, partition
 from pipeswift_lab.profile import Profile
 from pipeswift_lab.runner import run
 
+pytestmark = pytest.mark.processes  # starts worker processes: `pytest -m "not processes"` skips it
+
 LR = 0.05
 TINY = {
     "gpt": dict(vocab_size=11, seq_len=6, d_model=8, n_layers=2, n_heads=2, mlp_ratio=2),

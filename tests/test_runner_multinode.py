@@ -21,7 +21,9 @@ from torch import nn
 from pipeswift_lab.partition import Partition
 from pipeswift_lab.profile import Profile
 from pipeswift_lab.runner import load_result, load_spec, run
-from test_runner_torchrun import Affine  # a layer of the test suite: the saved spec carries it by value
+from test_runner_torchrun import Affine, assert_no_gloo_threads_after_teardown  # a layer of the test suite: the saved spec carries it by value
+
+pytestmark = pytest.mark.processes  # starts worker processes: `pytest -m "not processes"` skips it
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -105,3 +107,4 @@ def test_two_nodes_hold_one_replica_each(tmp_path):
     assert len(again.timeline.df.query("kind == 'REDUCE_GRAD'")) == 2 * 2 * 2  # the cross-node all-reduce: steps x replicas x stages
     ranks = again.ranks.set_index("rank")
     assert len(ranks) == 4
+    assert_no_gloo_threads_after_teardown(out, ranks=4)  # DDP and the 2-D mesh's groups too

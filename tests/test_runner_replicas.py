@@ -16,6 +16,8 @@ from pipeswift_lab.runner.spec import make_spec
 
 from test_runner import assert_same_parameters, make_model
 
+pytestmark = pytest.mark.processes  # starts worker processes: `pytest -m "not processes"` skips it
+
 MULTI = {"Interleaved1F1B": 2}
 
 

@@ -17,6 +17,8 @@ from pipeswift_lab.runner.rebalance import REBALANCE_COLUMNS
 from pipeswift_lab.runner.segments import SEGMENT_COLUMNS
 from sleep_layers import SleepBackward
 
+pytestmark = pytest.mark.processes  # starts worker processes: `pytest -m "not processes"` skips it
+
 M = 4
 
 

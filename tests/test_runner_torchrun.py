@@ -17,6 +17,8 @@ from pipeswift_lab.partition import Partition
 from pipeswift_lab.profile import Profile
 from pipeswift_lab.runner import load_result, load_spec, run
 
+pytestmark = pytest.mark.processes  # starts worker processes: `pytest -m "not processes"` skips it
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -70,6 +72,18 @@ def test_torchrun_runs_the_saved_spec_like_the_notebook(notebook_run, tmp_path):
     assert again.losses == pytest.approx(result.losses, rel=1e-6)
     assert again.jct.assembly_s > 0 and again.jct.training_s > 0
     assert len(again.timeline.df) == len(result.timeline.df)
+    assert_no_gloo_threads_after_teardown(out, ranks=2)
+
+
+def assert_no_gloo_threads_after_teardown(out, ranks):
+    """Every rank's process group and its C++ threads are gone before exit. See [Note: the process group outlives its destroy]."""
+    import json
+
+    from pipeswift_lab.runner.worker import GLOO_THREADS
+
+    for rank in range(ranks):
+        left = json.loads((Path(out) / f"rank{rank}.done").read_text())["threads_after_teardown"]
+        assert not [name for name in left if name.startswith(GLOO_THREADS)], (rank, left)
 
 
 def test_cold_subprocess_workers_give_the_same_run(notebook_run):

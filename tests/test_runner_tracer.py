@@ -16,6 +16,8 @@ from pipeswift_lab.profile import Profile, profile
 from pipeswift_lab.runner import run
 from pipeswift_lab.runner.compare import compare
 
+pytestmark = pytest.mark.processes  # starts worker processes: `pytest -m "not processes"` skips it
+
 LAYERS = ["embed", "blocks.*", "head"]
 
 

@@ -42,5 +42,23 @@ def main(argv=None) -> int:
     return 0
 
 
+def exit_now(code: int) -> None:
+    """Flush what this process wrote, then leave without interpreter teardown (``os._exit``).
+
+    A rank's results are on disk by now; see [Note: the process group outlives its destroy] in
+    :mod:`pipeswift_lab.runner.worker` for why a finished rank does not run the interpreter's shutdown.
+    """
+    import logging
+    import sys
+
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a closed pipe: nothing more to deliver
+            pass
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    raise SystemExit(main())
+    exit_now(main())

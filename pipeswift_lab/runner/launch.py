@@ -32,7 +32,7 @@ from pathlib import Path
 from .errors import RunError, diagnose
 from .result import read_gathered
 from .train_loop import PREEMPT_FILE, PROGRESS_FILE
-from .worker import RESULT_FILE
+from .worker import DISTRIBUTED_MODULES, RESULT_FILE
 
 #: Seconds the elastic agent waits after SIGTERM before it SIGKILLs the other workers of a failed run.
 SHUTDOWN_TIMEOUT_S = 3
@@ -41,8 +41,7 @@ _ELASTIC_LOGGERS = ("torch.distributed.elastic", "torch.distributed.launcher", "
 START_METHODS = ("forkserver", "subprocess")
 #: Modules the fork server imports once, so forked workers start with them loaded. Third-party only:
 #: pipeswift_lab itself is imported afresh by every worker (~0.15 s), so edits to it are never stale.
-FORKSERVER_PRELOAD = ("numpy", "pandas", "torch", "torch.distributed.pipelining", "torch.distributed.elastic.multiprocessing.errors",
-                      "torch.distributed.checkpoint", "torch.distributed.checkpoint.state_dict", "cloudpickle")
+FORKSERVER_PRELOAD = ("numpy", "pandas", "torch", "torch.distributed.elastic.multiprocessing.errors", "cloudpickle") + DISTRIBUTED_MODULES
 
 
 #: The one-line cause when a script calls run() outside ``if __name__ == "__main__":``.

@@ -7,7 +7,7 @@ SPEC`` runs that same command on one or many machines. The rank, world
 size and local rank come from the environment torch's launchers set (``RANK``,
 ``WORLD_SIZE``, ``LOCAL_RANK``).
 
-Files a rank writes in ``DIR``: ``rank{r}.pid`` at start; ``rank{r}.done`` when it finished;
+Files a rank writes in ``DIR``: ``rank{r}.pid`` at start; ``rank{r}.done`` when it finished (JSON: the OS threads left after teardown);
 ``rank{r}.error`` (the traceback) if it raises; ``rank{r}.stacks`` (every thread's stack, via ``faulthandler``) when the launcher
 sends ``SIGUSR1`` to a rank it believes hung; ``progress`` (steps done, from the rank holding
 the last stage, when asked); ``result.pt`` from rank 0 with what every rank measured.
@@ -16,6 +16,9 @@ from __future__ import annotations
 
 import datetime
 import faulthandler
+import gc
+import importlib
+import json
 import os
 import signal
 import time
@@ -27,6 +30,12 @@ import torch
 from .train_loop import train
 
 RESULT_FILE = "result.pt"
+#: torch modules every rank imports before its process group exists. See [Note: the process group outlives its
+#: destroy]. The fork server preloads them too.
+DISTRIBUTED_MODULES = ("torch.distributed.pipelining", "torch.distributed.checkpoint", "torch.distributed.checkpoint.state_dict",
+                       "torch.distributed.device_mesh", "torch.nn.parallel")
+#: Name prefixes of the OS threads a gloo process group runs (its work loops and its TCP event loop).
+GLOO_THREADS = ("pt_gloo", "gloo_")
 #: Seconds a rank that failed because a peer died waits before exiting, so the peer's death is reported first.
 PEER_FAILURE_DELAY_S = 1.0
 #: Seconds between two checks that the caller is still alive.
@@ -65,18 +74,19 @@ def main(spec_path, out_dir, progress: bool = False, caller_pid: int | None = No
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     rank = _env_int("RANK")
+    watchdog = None
     for stale in ("error", "done", "sigterm"):  # left by an earlier attempt of this run (elastic restarts)
         (out_dir / f"rank{rank}.{stale}").unlink(missing_ok=True)
     (out_dir / f"rank{rank}.pid").write_text(str(os.getpid()))
     if caller_pid is not None:
-        start_caller_watchdog(int(caller_pid))
+        watchdog = start_caller_watchdog(int(caller_pid))
     stacks = open(out_dir / f"rank{rank}.stacks", "w")  # noqa: SIM115 - kept open for faulthandler
     faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
     try:
         from .spec import load_spec
 
         run_rank(load_spec(spec_path), out_dir, progress=progress)
-        (out_dir / f"rank{rank}.done").write_text("")
+        (out_dir / f"rank{rank}.done").write_text(json.dumps({"threads_after_teardown": os_threads()}))
     except BaseException:
         text = traceback.format_exc()
         (out_dir / f"rank{rank}.error").write_text(text)
@@ -85,6 +95,25 @@ def main(spec_path, out_dir, progress: bool = False, caller_pid: int | None = No
             # consequence of it: the agent reports only the first failure it observes.
             time.sleep(PEER_FAILURE_DELAY_S)
         raise
+    finally:
+        if watchdog is not None:
+            watchdog.set()
+
+
+def os_threads() -> list[str]:
+    """Names of this process's live OS threads (``/proc/self/task/*/comm``; empty where there is no ``/proc``)."""
+    names = []
+    try:
+        tasks = os.listdir("/proc/self/task")
+    except OSError:  # pragma: no cover - not Linux
+        return names
+    for task in tasks:
+        try:
+            with open(f"/proc/self/task/{task}/comm") as f:
+                names.append(f.read().strip())
+        except OSError:  # the thread ended meanwhile
+            continue
+    return sorted(names)
 
 
 def _lost_a_peer(traceback_text: str) -> bool:
@@ -103,23 +132,26 @@ def _caller_alive(pid: int) -> bool:
     return True
 
 
-def start_caller_watchdog(caller_pid: int) -> None:
+def start_caller_watchdog(caller_pid: int) -> "threading.Event":
     """Exit this worker when the process that called ``run()`` dies (a notebook kernel restarted or killed).
 
     Without it, workers forked from the fork server outlive their caller: they finish training
     and then block forever in the gather, holding CPUs or GPUs. A daemon thread checks the
     caller's pid (handed over by ``run()``; not used under torchrun, whose agent watches its
     own workers) every ``WATCHDOG_PERIOD_S`` and SIGKILLs this process when it is gone.
+    Returns the event that stops it, set when the rank's work is over.
     """
     import threading
 
+    stop = threading.Event()
+
     def watch():
-        while True:
-            time.sleep(WATCHDOG_PERIOD_S)
+        while not stop.wait(WATCHDOG_PERIOD_S):
             if not _caller_alive(caller_pid):
                 os.kill(os.getpid(), signal.SIGKILL)
 
     threading.Thread(target=watch, name="pipeswift-caller-watchdog", daemon=True).start()
+    return stop
 
 
 def entry(spec_path, out_dir, progress: bool = False, caller_pid: int | None = None) -> None:
@@ -218,6 +250,8 @@ def run_rank(spec, out_dir: Path, progress: bool = False) -> None:
 
     proc_start = process_start_ns()
     entered = time.time_ns()
+    for name in DISTRIBUTED_MODULES:  # before init_process_group: see [Note: the process group outlives its destroy]
+        importlib.import_module(name)
     rank, world, local_rank = _env_int("RANK"), _env_int("WORLD_SIZE"), int(os.environ.get("LOCAL_RANK", 0))
     if world != spec.world_size:
         raise RuntimeError(f"the spec has P={spec.P} x D={spec.D} = {spec.world_size} ranks but the launcher started WORLD_SIZE={world}; "
@@ -233,6 +267,7 @@ def run_rank(spec, out_dir: Path, progress: bool = False) -> None:
     else:
         dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timeout)
         gather_group = None
+    topo = None
     try:
         topo = Topology(rank, spec.P, spec.D, device.type)
         gathered = train(spec, topo, world, device, out_dir, progress, gather_group, proc_start, entered, _build_stages, _schedule)
@@ -245,6 +280,27 @@ def run_rank(spec, out_dir: Path, progress: bool = False) -> None:
         # pair closed under a peer's pending operation aborts that peer
         dist.barrier(group=gather_group)
     finally:
+        topo = gather_group = None  # the mesh's groups, and through the stages DDP's, go with the default one
+        gc.collect()  # stage modules in reference cycles hold DDP reducers, which hold their groups
         dist.destroy_process_group()
+
+
+# [Note: the process group outlives its destroy]
+# Cold workers (``start_method="subprocess"``, torchrun) used to abort now and then *after* a successful run:
+# "terminate called without an active exception", SIGABRT from C++ with no Python frame. The cause is the order
+# of two imports. ``torch.distributed.nn.functional`` writes ``group=group.WORLD`` as the default argument of
+# ten collectives (``broadcast``, ``all_reduce``, ...), evaluated when the module is first imported. It is
+# imported by ``torch.distributed.pipelining``, which a rank used to import lazily, after
+# ``init_process_group``: the default process group then sat in ten functions' ``__defaults__`` for the rest
+# of the process, ``destroy_process_group`` dropped only the registry's reference, and the gloo group's three
+# C++ threads (two ``pt_gloo_runloop`` work loops and the ``gloo_tcp_loop`` socket loop) kept running into
+# interpreter shutdown. There the group is freed (or not) while modules are torn down and, at ``exit()``,
+# static destructors run, racing its own threads and the peers closing their sockets: the rare abort. The
+# fork server never showed it, as it imports ``pipelining`` before any group exists and its children leave
+# through ``os._exit``.
+# So: (1) every rank imports DISTRIBUTED_MODULES before ``init_process_group``; ``rank{r}.done`` records the
+# threads left after teardown (tests check no gloo thread is among them); (2) the command line exits through
+# ``os._exit`` once its output is flushed (``pipeswift_lab.runner.__main__``), as multiprocessing's children
+# do, so no teardown race can turn a finished run into a failed one.
 
 
