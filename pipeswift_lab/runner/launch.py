@@ -1,7 +1,8 @@
 """Launch one segment of a run: start the worker processes and watch them until they end.
 
 The launch uses torch's elastic API (``LaunchConfig`` + ``elastic_launch``) with a standalone
-c10d rendezvous on ``localhost`` (port chosen by the OS, as ``torchrun --standalone`` does).
+c10d rendezvous whose stores listen on ``127.0.0.1`` only (port chosen by the OS), so nothing of a
+local run accepts connections from another machine (:mod:`~pipeswift_lab.runner.loopback`).
 The agent runs in a background thread while the calling thread shows progress and enforces
 ``timeout_s``. Two ways to start the worker processes (``start_method``):
 
@@ -30,6 +31,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from .errors import RunError, diagnose
+from .loopback import LOOPBACK, loopback_rendezvous, loopback_store
 from .result import read_gathered
 from .train_loop import PREEMPT_FILE, PROGRESS_FILE
 from .worker import DISTRIBUTED_MODULES, RESULT_FILE
@@ -273,9 +275,11 @@ def launch(spec_path, run_dir, P: int, deadline, timeout_s: float, steps: int, p
     run_dir = Path(run_dir)
     deadline = deadline if deadline is not None else time.monotonic() + timeout_s
     trigger = deadline - min(2.0, 0.1 * timeout_s)
+    store = loopback_store(timeout_s)
     config = LaunchConfig(
-        min_nodes=1, max_nodes=1, nproc_per_node=P, run_id=f"pipeswift-{uuid.uuid4().hex[:12]}",
-        rdzv_backend="c10d", rdzv_endpoint="localhost:0", rdzv_configs={"timeout": max(1, int(timeout_s))},
+        min_nodes=1, max_nodes=1, nproc_per_node=P, run_id=f"pipeswift-{uuid.uuid4().hex[:12]}", local_addr=LOOPBACK,
+        rdzv_backend=loopback_rendezvous(), rdzv_endpoint=f"{LOOPBACK}:{store.port}",
+        rdzv_configs={"timeout": max(1, int(timeout_s)), "is_host": False},
         max_restarts=max_restarts, monitor_interval=0.05, start_method="forkserver" if start_method == "forkserver" else "spawn",
         logs_specs=DefaultLogsSpecs(log_dir=str(run_dir / "logs"), redirects=Std.ALL), shutdown_timeout=SHUTDOWN_TIMEOUT_S,
     )
@@ -332,6 +336,7 @@ def launch(spec_path, run_dir, P: int, deadline, timeout_s: float, steps: int, p
         leftovers = _stop_workers(run_dir, None, dump_stacks=False)  # none unless the agent itself misbehaved
         seen_pids.update(leftovers)
         _wait_gone(seen_pids, 5.0)
+        del store  # the rendezvous store's server closes with its last reference
     if preempt_killed:
         raise RunError(f"preempted: the workers did not finish a clean save within preempt_grace_s={preemption.grace_s:g} s "
                        "and were killed; the previous checkpoint stands", reason="preempted", pids=sorted(seen_pids))
