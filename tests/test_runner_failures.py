@@ -241,7 +241,7 @@ def test_an_op_without_a_meta_kernel_falls_back_to_a_real_shape_pass(tmp_path):
     loaded = load_spec(spec.save(tmp_path / "s.pkl"))
     assert loaded.boundaries == spec.boundaries and loaded.state_keys == tuple(model.state_dict())
     (tmp_path / "bad.pkl").write_bytes(b"not a spec")
-    with pytest.raises(Exception):
+    with pytest.raises(ValueError, match="no pipeswift_lab spec header"):
         load_spec(tmp_path / "bad.pkl")
     with pytest.raises(FileNotFoundError, match="does not exist"):
         load_spec(tmp_path / "missing.pkl")

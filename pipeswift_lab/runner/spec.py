@@ -12,7 +12,9 @@ torch, pipeswift_lab and other installed packages are pickled by reference.
 from __future__ import annotations
 
 import functools
+import hashlib
 import itertools
+import json
 import os
 import sys
 import sysconfig
@@ -33,7 +35,10 @@ DEFAULT_LR = 0.01
 #: 2x oversubscription still runs; beyond that time-slicing makes measured timelines meaningless.
 CPU_RANKS_PER_CORE = 2
 _FORMAT = "pipeswift_lab.RunSpec"
-_VERSION = 1
+_VERSION = 2
+#: The first bytes of a spec file: a header line (JSON) before the pickle, read without unpickling anything.
+SPEC_MAGIC = b"PIPESWIFT-SPEC "
+_HEADER_MAX_BYTES = 4096
 
 
 def default_optimizer(params) -> torch.optim.Optimizer:
@@ -174,14 +179,23 @@ class RunSpec:
         return self.plan.P * self.D
 
     def save(self, path) -> Path:
-        """Write the spec to ``path`` (cloudpickle, by value for code that is not an installed package); return the path."""
+        """Write the spec to ``path``; return the path.
+
+        The file is a header line (``SPEC_MAGIC`` + JSON: format, version, the toolkit's version,
+        the payload's SHA-256 and size) and then the pickle (cloudpickle, by value for code that
+        is not an installed package). A pickle runs code when loaded: load only specs you wrote.
+        """
         import cloudpickle
+
+        from .. import __version__
 
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
         with _pickled_by_value(self._code_objects()):
-            payload = cloudpickle.dumps({"format": _FORMAT, "version": _VERSION, "spec": self})
-        path.write_bytes(payload)
+            payload = cloudpickle.dumps(self)
+        header = {"format": _FORMAT, "version": _VERSION, "pipeswift_lab": __version__,
+                  "sha256": hashlib.sha256(payload).hexdigest(), "bytes": len(payload)}
+        path.write_bytes(SPEC_MAGIC + json.dumps(header).encode() + b"\n" + payload)
         return path
 
     def _code_objects(self) -> list:
@@ -193,20 +207,59 @@ class RunSpec:
 
 
 def load_spec(path) -> RunSpec:
-    """Read a spec written by :meth:`RunSpec.save` (``run(..., save_spec=path)``)."""
-    import cloudpickle  # noqa: F401 - the payload needs cloudpickle's reducers importable
+    """Read a spec written by :meth:`RunSpec.save` (``run(..., save_spec=path)``); returns the :class:`RunSpec`.
+
+    The header is checked before anything is unpickled: a file without it, of another format or
+    toolkit version, or whose payload does not match its checksum raises ``ValueError`` naming
+    the file. The payload is a pickle and runs code as it loads: load only specs you wrote.
+    """
     import pickle
+
+    import cloudpickle  # noqa: F401 - the payload needs cloudpickle's reducers importable
 
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"spec file {str(path)!r} does not exist")
-    with open(path, "rb") as f:
-        payload = pickle.load(f)
-    if not isinstance(payload, dict) or payload.get("format") != _FORMAT:
-        raise ValueError(f"{str(path)!r} is not a pipeswift_lab run spec (written by run(..., save_spec=path))")
-    if payload.get("version") != _VERSION:
-        raise ValueError(f"{str(path)!r} is a run spec of version {payload.get('version')}; this pipeswift_lab reads version {_VERSION}")
-    return payload["spec"]
+    data = path.read_bytes()
+    header = spec_header(path, data)
+    payload = data[data.index(b"\n") + 1:]
+    if len(payload) != header["bytes"] or hashlib.sha256(payload).hexdigest() != header["sha256"]:
+        raise ValueError(f"spec file {str(path)!r}: its payload ({len(payload)} bytes) does not match the checksum in its header "
+                         f"({header['bytes']} bytes): it was changed or cut short after it was written; nothing was unpickled")
+    return pickle.loads(payload)
+
+
+def spec_header(path, data: bytes | None = None) -> dict:
+    """The header of the spec file at ``path`` (format, version, toolkit version, payload SHA-256 and size), checked.
+
+    Raises ``ValueError`` naming the file when the header is missing, unreadable or written for
+    another format or version. Nothing is unpickled.
+    """
+    from .. import __version__
+
+    if data is None:
+        with open(path, "rb") as f:
+            data = f.read(_HEADER_MAX_BYTES)
+    line = data[:_HEADER_MAX_BYTES].split(b"\n", 1)[0]
+    where = f"spec file {str(path)!r}"
+    if not line.startswith(SPEC_MAGIC):
+        raise ValueError(f"{where} has no pipeswift_lab spec header: it is not a spec written by run(..., save_spec=path) "
+                         "by this version of pipeswift_lab; nothing was unpickled (a spec is a pickle and runs code when loaded: "
+                         "load only specs you wrote)")
+    try:
+        header = json.loads(line[len(SPEC_MAGIC):])
+        if not isinstance(header, dict):
+            raise ValueError("not a JSON object")
+    except ValueError as exc:
+        raise ValueError(f"{where}: its header line is not valid JSON ({exc}); nothing was unpickled") from None
+    want = {"format": _FORMAT, "version": _VERSION, "pipeswift_lab": __version__}
+    wrong = {key: header.get(key) for key, value in want.items() if header.get(key) != value}
+    if wrong:
+        raise ValueError(f"{where}: its header says {wrong}, this pipeswift_lab reads {want}; save the spec again with this "
+                         "version; nothing was unpickled")
+    if not isinstance(header.get("sha256"), str) or not isinstance(header.get("bytes"), int):
+        raise ValueError(f"{where}: its header has no payload checksum (sha256, bytes); nothing was unpickled")
+    return header
 
 
 def _is_installed(module) -> bool:
