@@ -1,0 +1,128 @@
+"""Exercise every CUDA path of the toolkit on this machine's GPUs; print a table; exit non-zero on a failure.
+
+    python benchmarks/gpu_check.py            # under 5 minutes on one GPU
+
+Paths: the profiler's CUDA events and peak memory, ``torch.cuda.max_memory_allocated`` around a
+step, a real run on ``cuda`` devices with NCCL (P=2 with two GPUs, P=1 with one), and CUDA RNG
+state in checkpoints (a run with dropout resumed from its middle checkpoint must end bitwise
+equal to the uninterrupted run). Without a CUDA device it says so and exits 0: nothing to check.
+Later work adds its GPU paths here.
+"""
+from __future__ import annotations
+
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+import pandas as pd
+import torch
+from torch import nn
+
+
+def _check(rows: list, path: str, fn) -> None:
+    """Run one check; append ``(path, result, figure)``: ``ok`` with its figure, or ``FAILED`` with the error."""
+    t0 = time.perf_counter()
+    try:
+        figure = fn()
+        rows.append({"path": path, "result": "ok", "figure": figure, "seconds": round(time.perf_counter() - t0, 1)})
+    except Exception as exc:  # noqa: BLE001 - every failure is reported in the table
+        traceback.print_exc()
+        rows.append({"path": path, "result": "FAILED", "figure": f"{type(exc).__name__}: {exc}"[:160],
+                     "seconds": round(time.perf_counter() - t0, 1)})
+
+
+def _setup():
+    import pipeswift_lab as psl
+
+    return psl.models.reference("mlp", batch_size=16, seed=0)
+
+
+def profiler_cuda_events() -> str:
+    import pipeswift_lab as psl
+
+    setup = _setup()
+    model = setup.model.cuda()
+    prof = psl.profile(model, setup.inputs.cuda(), target=setup.targets.cuda(), loss_fn=setup.loss_fn, warmup=2, repeats=5)
+    df = prof.df
+    assert (df["fwd_ms"] > 0).all() and (df["bwd_ms"] > 0).all(), "a layer timed at 0 ms"
+    assert "peak_bytes" in df and (df["peak_bytes"] > 0).any(), "no CUDA peak memory reported"
+    return f"fwd {df['fwd_ms'].sum():.3f} ms, bwd {df['bwd_ms'].sum():.3f} ms, peak {df['peak_bytes'].max() / 2**20:.1f} MiB"
+
+
+def max_memory_allocated() -> str:
+    setup = _setup()
+    model = setup.model.cuda()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    setup.loss_fn(model(setup.inputs.cuda()), setup.targets.cuda()).backward()
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated()
+    assert peak > before, "max_memory_allocated did not rise over a forward and backward"
+    return f"{(peak - before) / 2**20:.2f} MiB over {before / 2**20:.2f} MiB resident"
+
+
+def _ranks() -> int:
+    return 2 if torch.cuda.device_count() >= 2 else 1
+
+
+def nccl_run() -> str:
+    import pipeswift_lab as psl
+
+    P = _ranks()
+    setup = _setup()
+    prof = psl.Profile.synthetic(fwd_ms=[1.0] * len(setup.model), bwd_ms=[2.0] * len(setup.model))
+    part = psl.partition(prof, P)
+    batch = (setup.inputs, setup.targets)
+    gpu = psl.run(setup.model, batch, setup.loss_fn, part, 4, steps=3, devices="cuda", progress=False, timeout_s=240)
+    cpu = psl.run(setup.model, batch, setup.loss_fn, part, 4, steps=3, devices="cpu", progress=False, timeout_s=240)
+    worst = max(((gpu.state_dict()[k] - cpu.state_dict()[k]).norm() / cpu.state_dict()[k].norm().clamp_min(1e-12)).item()
+                for k in cpu.state_dict())
+    assert worst < 1e-3, f"GPU and CPU runs differ by {worst:.2e} (relative)"
+    return f"P={P}, steady step {gpu.steady_step_ms:.2f} ms, vs CPU run max rel diff {worst:.1e}"
+
+
+def cuda_rng_in_checkpoints() -> str:
+    import pipeswift_lab as psl
+
+    P = _ranks()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 64), nn.Dropout(0.3), nn.Linear(64, 64), nn.Dropout(0.3), nn.Linear(64, 8))
+    batch = (torch.randn(16, 32), torch.randn(16, 8))
+    part = psl.partition(psl.Profile.synthetic(fwd_ms=[1.0] * 5, bwd_ms=[2.0] * 5), P)
+    with tempfile.TemporaryDirectory() as root:
+        whole = psl.run(model, batch, nn.functional.mse_loss, part, 4, steps=4, devices="cuda", progress=False, timeout_s=240,
+                        checkpoint_dir=Path(root) / "a", checkpoint_every=2, keep=3)
+        middle = whole.checkpoints.query("step == 2")["path"].iloc[0]
+        resumed = psl.run(model, batch, nn.functional.mse_loss, part, 4, steps=4, devices="cuda", progress=False, timeout_s=240,
+                          resume_from=middle)
+    same = all(torch.equal(whole.state_dict()[k], resumed.state_dict()[k]) for k in whole.state_dict())
+    assert same, "a run resumed from step 2 does not end bitwise equal to the uninterrupted run (CUDA RNG state not restored?)"
+    return f"P={P}, dropout run resumed at step 2 of 4: bitwise equal"
+
+
+CHECKS = (("profiler: CUDA events + peak memory", profiler_cuda_events),
+          ("torch.cuda.max_memory_allocated", max_memory_allocated),
+          ("run on cuda devices with NCCL", nccl_run),
+          ("CUDA RNG state in checkpoints", cuda_rng_in_checkpoints))
+
+
+def main() -> int:
+    """Run every check; print the table; return the exit status (1 if any check failed)."""
+    if not torch.cuda.is_available():
+        print("gpu_check: no CUDA device on this machine (torch.cuda.is_available() is False): nothing to check.")
+        return 0
+    print(f"gpu_check: {torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}, torch {torch.__version__}")
+    rows: list = []
+    for path, fn in CHECKS:
+        _check(rows, path, fn)
+    table = pd.DataFrame(rows)
+    with pd.option_context("display.max_colwidth", 120, "display.width", 200):
+        print(table.to_string(index=False))
+    return int((table["result"] != "ok").any())
+
+
+if __name__ == "__main__":
+    sys.exit(main())
