@@ -32,14 +32,15 @@ BATCH = (torch.randn(8, 4), torch.randn(8, 2))
 
 
 class Trap(nn.Module):
-    """Identity, except on the worker whose RANK is 1: raise, die (os._exit) or hang in forward."""
+    """Identity, except on the worker whose RANK is 1 from its ``after``-th forward on: raise, die (os._exit) or hang."""
 
-    def __init__(self, mode):
+    def __init__(self, mode, after=0):
         super().__init__()
-        self.mode = mode
+        self.mode, self.after, self.calls = mode, after, 0
 
     def forward(self, x):
-        if os.environ.get("RANK") == "1":
+        self.calls += os.environ.get("RANK") == "1"  # the caller's shape checks run it too, unnumbered
+        if os.environ.get("RANK") == "1" and self.calls > self.after:
             if self.mode == "raise":
                 raise ValueError("deliberate failure on rank 1")
             if self.mode == "die":
@@ -88,14 +89,14 @@ def warm_workers():
 
 @pytest.mark.parametrize("mode,reason,timeout_s", [("raise", "raised", 60), ("die", "died", 60), ("hang", "hung", 10)])
 def test_a_failing_rank_is_named_within_the_timeout_and_leaves_no_process(warm_workers, mode, reason, timeout_s):
-    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4), Trap(mode), nn.Linear(4, 2))
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4), Trap(mode, after=2), nn.Linear(4, 2))  # m=2: fails in step 1
     start = time.monotonic()
     with pytest.raises(RunError) as info:
         run(model, BATCH, nn.functional.mse_loss, two_stage(), 2, steps=2, progress=False, timeout_s=timeout_s)
     elapsed = time.monotonic() - start
     err = info.value
     assert elapsed < timeout_s
-    assert err.reason == reason and err.rank == 1
+    assert err.reason == reason and err.rank == 1 and err.step == 1
     assert "rank 1" in str(err)
     if mode == "raise":
         assert "ValueError: deliberate failure on rank 1" in str(err)

@@ -30,13 +30,16 @@ class RunError(RuntimeError):
     passed ``timeout_s``; ``stacks`` holds where each rank was), or ``"launch"`` (the launch
     itself failed; ``traceback`` then holds the launcher's own report, torch's
     ``ChildFailedError``). ``rank`` is the rank at fault when one can be named; ``pids`` the worker
-    processes, all gone when the error is raised.
+    processes, all gone when the error is raised. ``step`` is the training step the run was in
+    when it failed (the first one not completed, counted from 0 over the whole run, a resume's
+    steps included), ``None`` when it failed before its first step.
     """
 
-    def __init__(self, message, reason, rank=None, traceback="", stacks=None, exitcodes=None, pids=()):
+    def __init__(self, message, reason, rank=None, traceback="", stacks=None, exitcodes=None, pids=(), step=None):
         super().__init__(message)
         self.reason = reason
         self.rank = rank
+        self.step = step
         self.traceback = traceback
         self.stacks = dict(stacks or {})
         self.exitcodes = dict(exitcodes or {})
@@ -117,9 +120,37 @@ def _raised(r, errors, exitcodes, pids) -> RunError:
                     reason="raised", rank=r, traceback=errors[r], exitcodes=exitcodes, pids=pids)
 
 
-def diagnose(run_dir: Path, P: int, timeout_s: float, timed_out: bool, agent_error, pids) -> RunError:
-    """Build the :class:`RunError` that explains a failed run from the files in ``run_dir``."""
+def failed_step(run_dir: Path) -> int | None:
+    """The step a failed run was in: one past the last step its newest attempt completed (``steps.log``), or
+    where that attempt started (``attempt{n}.json``); ``None`` when no attempt reached training."""
+    import json
+
     run_dir = Path(run_dir)
+    done: dict[int, int] = {}
+    for line in _read(run_dir / "steps.log").splitlines():
+        fields = line.split()
+        if len(fields) == 4 and fields[0].isdigit() and fields[1].isdigit():
+            done[int(fields[0])] = max(done.get(int(fields[0]), -1), int(fields[1]))
+    attempts = sorted(int(p.stem.removeprefix("attempt")) for p in run_dir.glob("attempt*.json") if p.stem[7:].isdigit())
+    latest = max(attempts + list(done), default=None)
+    if latest is None:
+        return None
+    if latest in done:
+        return done[latest] + 1
+    try:
+        return int(json.loads(_read(run_dir / f"attempt{latest}.json"))["first_step"])
+    except (ValueError, KeyError, TypeError):
+        return None
+
+
+def diagnose(run_dir: Path, P: int, timeout_s: float, timed_out: bool, agent_error, pids) -> RunError:
+    """Build the :class:`RunError` that explains a failed run from the files in ``run_dir`` (with the step it was in)."""
+    error = _diagnose(Path(run_dir), P, timeout_s, timed_out, agent_error, pids)
+    error.step = failed_step(run_dir)
+    return error
+
+
+def _diagnose(run_dir: Path, P: int, timeout_s: float, timed_out: bool, agent_error, pids) -> RunError:
     errors = {r: _read(run_dir / f"rank{r}.error") for r in range(P) if (run_dir / f"rank{r}.error").exists()}
     started = {r for r in range(P) if (run_dir / f"rank{r}.pid").exists()}
     exitcodes = {}

@@ -325,9 +325,8 @@ def run(model, data, loss_fn, partition, m, *, schedule=None, steps=10, optimize
         err = RunError(f"step {info['step']}: the loss on rank {info['rank']} (the last stage's) is {info['loss']}, not finite; "
                        f"training stopped before that step's update (on_nonfinite='raise'). Last good checkpoint: {standing}. "
                        "Use on_nonfinite='skip' to drop such steps, or lower the learning rate.",
-                       reason="nonfinite", rank=info["rank"])
+                       reason="nonfinite", rank=info["rank"], step=info["step"])
         err.result = result
-        err.step = info["step"]
         raise err
     return result
 

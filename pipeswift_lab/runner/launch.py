@@ -30,7 +30,7 @@ import uuid
 from contextlib import contextmanager
 from pathlib import Path
 
-from .errors import RunError, diagnose
+from .errors import RunError, diagnose, failed_step
 from .loopback import LOOPBACK, loopback_rendezvous, loopback_store
 from .result import read_gathered
 from .train_loop import PREEMPT_FILE, PROGRESS_FILE
@@ -339,7 +339,8 @@ def launch(spec_path, run_dir, P: int, deadline, timeout_s: float, steps: int, p
         del store  # the rendezvous store's server closes with its last reference
     if preempt_killed:
         raise RunError(f"preempted: the workers did not finish a clean save within preempt_grace_s={preemption.grace_s:g} s "
-                       "and were killed; the previous checkpoint stands", reason="preempted", pids=sorted(seen_pids))
+                       "and were killed; the previous checkpoint stands", reason="preempted", pids=sorted(seen_pids),
+                       step=failed_step(run_dir))
     if timed_out or "error" in outcome or not (run_dir / RESULT_FILE).exists():
         raise diagnose(run_dir, P, timeout_s, timed_out, outcome.get("error"), sorted(seen_pids))
     return read_gathered(run_dir)
