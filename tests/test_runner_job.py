@@ -25,7 +25,7 @@ import pipeswift_lab as psl
 from pipeswift_lab.costs import CheckpointModel
 from pipeswift_lab.partition import Partition
 from pipeswift_lab.profile import Profile
-from pipeswift_lab.runner import CheckpointError, RunError, latest_checkpoint, run
+from pipeswift_lab.runner import CheckpointError, RunError, latest_checkpoint, run, write_fault
 from pipeswift_lab.runner.job import clean_stale_run_dirs
 
 pytestmark = pytest.mark.processes  # starts worker processes: `pytest -m "not processes"` skips it
@@ -194,6 +194,17 @@ def test_nonfinite_loss_raises_naming_step_and_rank_and_keeps_the_last_good_chec
     assert "step 3" in str(err) and "nan" in str(err) and "step-00000002" in str(err)
     assert latest_checkpoint(tmp_path).step == 2
     assert all(torch.isfinite(t).all() for t in err.result.state_dict().values())
+
+
+@pytest.mark.parametrize("error, cause", [("ENOSPC", "No space left on device"), ("EROFS", "Read-only file system")])
+def test_a_disk_that_fills_or_turns_read_only_during_a_save_is_named_and_the_last_checkpoint_stands(tmp_path, error, cause):
+    with write_fault(step=4, rank=1, error=error), pytest.raises(RunError) as info:
+        go(checkpoint_dir=tmp_path, checkpoint_every=2, steps=6)
+    err = info.value
+    assert err.reason == "raised" and err.rank == 1 and err.step == 4 and cause in str(err)
+    assert latest_checkpoint(tmp_path).step == 2  # the failed save committed nothing
+    resumed = go(resume_from=latest_checkpoint(tmp_path).path, steps=6)
+    assert resumed.first_step == 2 and resumed.status == "completed"
 
 
 def test_nonfinite_skip_drops_the_update_and_ignore_keeps_it():

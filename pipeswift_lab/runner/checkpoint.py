@@ -300,8 +300,11 @@ def rng_states(device) -> dict:
     return states
 
 
-def save_rank_state(tmp_dir: Path, rank: int, module, optimizer, device, group) -> dict:
+def save_rank_state(tmp_dir: Path, rank: int, module, optimizer, device, group, step: int | None = None,
+                    fault: dict | None = None) -> dict:
     """Write this rank's layers, optimizer state and RNG states into ``tmp_dir`` with DCP (a collective).
+
+    ``fault`` is a :func:`~pipeswift_lab.runner.faults.write_fault` the run carries, matched against ``step`` (steps done).
 
     Returns ``{"files": {name: {"bytes", "sha256"}}, "save_ms"}`` for this rank's own files,
     hashed right after DCP wrote (and fsynced) them.
@@ -309,7 +312,10 @@ def save_rank_state(tmp_dir: Path, rank: int, module, optimizer, device, group) 
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
+    from .faults import raise_write_fault
+
     t0 = time.perf_counter()
+    raise_write_fault(fault, step, rank, tmp_dir)
     untouched = not optimizer.state  # get_state_dict initializes an empty state with a zero-lr step: undo it after
     model_sd, optim_sd = get_state_dict(module, optimizer, options=_state_options())
     state = {MODEL: model_sd, OPTIM: optim_sd, RNG: {f"rank{rank}": rng_states(device)}}

@@ -1,15 +1,23 @@
-"""Rehearse what a cluster does to a job: real signals sent to real workers at a chosen step.
+"""Rehearse what a cluster does to a job: real signals sent to real workers at a chosen step, a full disk.
 
 ``run(model, signal_at(data, step=7, rank=1, sig="SIGKILL"), ...)`` behaves like ``data`` except
 that the worker holding ``rank`` sends itself ``sig`` when it fetches the batch of ``step``, in
 the first attempt only (a restarted attempt is not hit again). SIGTERM is a preemption notice;
 SIGKILL is the OOM killer or a lost node. Only the ranks that read data (the first and the last
 stage's) can be hit.
+
+``with write_fault(step=4, rank=1, error="ENOSPC"): run(..., checkpoint_dir=...)`` makes that
+rank's checkpoint writer fail as a full (``ENOSPC``) or read-only (``EROFS``, ``EACCES``) disk
+does, when it saves the checkpoint of ``step`` steps done. Permissions cannot stage this where
+tests run as root, so the fault is injected in the writer: the run's spec carries it to the
+workers (``JobOptions.write_fault``) and the writer raises the ``OSError`` before it writes a byte.
 """
 from __future__ import annotations
 
+import errno as _errno
 import os
 import signal as _signal
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -56,3 +64,34 @@ def signal_at(data, step: int, rank: int = 0, sig="SIGTERM") -> SignalAt:
     if not (callable(data) or isinstance(data, (tuple, list))):
         raise TypeError(f"data must be an (inputs, targets) batch, a callable(step) or a list of batches; got {type(data).__name__}")
     return SignalAt(data, step, rank, int(sig))
+
+
+_WRITE_FAULT: dict | None = None
+WRITE_ERRORS = ("ENOSPC", "EROFS", "EACCES")
+
+
+@contextmanager
+def write_fault(step: int, rank: int = 0, error: str = "ENOSPC"):
+    """Within the block, runs' checkpoint writer on ``rank`` fails with ``error`` when saving after ``step`` steps."""
+    global _WRITE_FAULT
+    step = check_int("step", step, minimum=1)
+    rank = check_int("rank", rank, minimum=0)
+    if error not in WRITE_ERRORS:
+        raise ValueError(f"error={error!r}: use one of {list(WRITE_ERRORS)}")
+    before, _WRITE_FAULT = _WRITE_FAULT, {"step": step, "rank": rank, "error": error}
+    try:
+        yield
+    finally:
+        _WRITE_FAULT = before
+
+
+def active_write_fault() -> dict | None:
+    """The :func:`write_fault` in force in this process (``None`` outside one); a run's spec carries it to the workers."""
+    return _WRITE_FAULT
+
+
+def raise_write_fault(fault: dict | None, step: int | None, rank: int, path) -> None:
+    """Raise the ``OSError`` that ``fault`` asks for at this ``step`` and ``rank`` (nothing otherwise)."""
+    if fault and fault["step"] == step and fault["rank"] == rank:
+        code = getattr(_errno, fault["error"])
+        raise OSError(code, f"{os.strerror(code)} (injected by pipeswift_lab.runner.faults.write_fault)", str(path))

@@ -28,6 +28,7 @@ import pandas as pd
 from .._checks import check_int, check_time
 from . import checkpoint as ckpt
 from .errors import RunError
+from .faults import active_write_fault
 from .launch import Preemption, launch
 from .result import RunResult, build_result
 from .spec import ON_NONFINITE, JobOptions, make_data_source, make_spec
@@ -91,7 +92,7 @@ def job_options(model, steps, checkpoint_dir=None, checkpoint_every=None, keep=2
                              f"{earlier[0].name}): pass resume_from={checkpoint_dir!r} to continue that job, or use an empty directory")
     options = JobOptions(checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every, keep=keep,
                          resume_from=str(resume.path) if resume else None, mtbf_s=mtbf_s, on_nonfinite=on_nonfinite,
-                         preempt_grace_s=preempt_grace_s, run_id=uuid.uuid4().hex)
+                         preempt_grace_s=preempt_grace_s, run_id=uuid.uuid4().hex, write_fault=active_write_fault())
     return options, resume, max_restarts
 
 

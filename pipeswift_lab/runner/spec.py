@@ -141,6 +141,7 @@ class JobOptions:
     final_kind: str | None = "final"  # the save at the last step: "final", "resize" before a reconfiguration, None: none
     rebalance: Any = None  # a runner.rebalance.RebalancePlan: decide every N steps whether to move stage boundaries
     launch_ns: int | None = None  # wall clock when this segment's launch began (the measured assembly starts there)
+    write_fault: dict | None = None  # a runner.faults.write_fault in force when run() was called: the writer fails as asked
 
 
 @dataclass(frozen=True)

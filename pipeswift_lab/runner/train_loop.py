@@ -170,7 +170,8 @@ class Checkpointer:
         """Every rank writes its state for ``step`` steps done; rank 0 commits and logs it (with the stall, ``blocking_ms``)."""
         t0 = time.perf_counter()
         tmp = _broadcast(str(ckpt.new_tmp_dir(self.root, step)) if self.rank == 0 else None, self.group)
-        mine = ckpt.save_rank_state(Path(tmp), self.rank, self.module, self.optimizer, self.device, self.group)
+        mine = ckpt.save_rank_state(Path(tmp), self.rank, self.module, self.optimizer, self.device, self.group, step=step,
+                                     fault=self.job.write_fault)
         parts = _gather(mine, self.rank, self.world, self.group)
         if self.rank == 0:
             path = ckpt.commit(Path(tmp), self._manifest(step, kind), parts, keep=self.job.keep)
