@@ -3,6 +3,7 @@
 The environment is set here, before any notebook kernel starts, so kernels inherit it:
 no progress bars in stored outputs and a non-interactive matplotlib backend.
 """
+
 import os
 
 os.environ.setdefault("TQDM_DISABLE", "1")
@@ -10,8 +11,13 @@ os.environ.setdefault("MPLBACKEND", "Agg")
 
 
 #: Notebooks whose cells start worker processes (pipeswift_lab.run): marked ``processes`` like the tests that do.
-PROCESS_NOTEBOOKS = ("04_schedules_and_microbatches", "05_real_pipeline_run", "07_checkpoints_and_preemption", "08_fidelity",
-                     "09_elastic_and_rebalancing")
+PROCESS_NOTEBOOKS = (
+    "04_schedules_and_microbatches",
+    "05_real_pipeline_run",
+    "07_checkpoints_and_preemption",
+    "08_fidelity",
+    "09_elastic_and_rebalancing",
+)
 
 
 def pytest_collection_modifyitems(config, items):

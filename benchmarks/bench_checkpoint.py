@@ -17,6 +17,7 @@ P=2 on CPU ranks (gloo):
 
 Run: ``python benchmarks/bench_checkpoint.py [--trials 50]`` (about three minutes on 2 cores).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -82,8 +83,8 @@ def main(argv=None) -> None:
 
     from pipeswift_lab import latest_checkpoint, load_checkpoint, run
     from pipeswift_lab.models import reference
-    from pipeswift_lab.partition import partition
-    from pipeswift_lab.profile import Profile
+    from pipeswift_lab.partitioning.balance import partition
+    from pipeswift_lab.profiling.measure import Profile
     from pipeswift_lab.runner import RunError
 
     setup = reference("gpt")
@@ -95,7 +96,15 @@ def main(argv=None) -> None:
     work = Path(tempfile.mkdtemp(prefix="pipeswift_bench_ckpt_"))
     try:
         run(setup.model, batch, steps=2, **common)  # warm the fork server
-        saved = run(setup.model, batch, steps=args.steps, checkpoint_dir=work / "every", checkpoint_every=1, keep=args.steps + 1, **common)
+        saved = run(
+            setup.model,
+            batch,
+            steps=args.steps,
+            checkpoint_dir=work / "every",
+            checkpoint_every=1,
+            keep=args.steps + 1,
+            **common,
+        )
         table = saved.checkpoints
         periodic = table[table["kind"] == "periodic"]
         largest = int(table["largest_rank_bytes"].max())
@@ -135,10 +144,21 @@ def main(argv=None) -> None:
             root = work / f"kill-{trial}"
             done, outcome = threading.Event(), {}
             nth = rng.randint(2, args.steps - 1)  # a later save, so that an earlier complete checkpoint exists
-            killer = threading.Thread(target=_killer, args=(root, nth, rng.uniform(0, save_s), done, outcome), daemon=True)
+            killer = threading.Thread(
+                target=_killer, args=(root, nth, rng.uniform(0, save_s), done, outcome), daemon=True
+            )
             killer.start()
             try:
-                run(setup.model, batch, steps=args.steps, checkpoint_dir=root, checkpoint_every=1, keep=2, timeout_s=120, **common)
+                run(
+                    setup.model,
+                    batch,
+                    steps=args.steps,
+                    checkpoint_dir=root,
+                    checkpoint_every=1,
+                    keep=2,
+                    timeout_s=120,
+                    **common,
+                )
             except RunError:
                 pass
             done.set()

@@ -17,6 +17,7 @@ Prints two tables:
 Figures are reported, never asserted. Run: ``python benchmarks/bench_cluster.py``
 (``--quick`` for one window only).
 """
+
 from __future__ import annotations
 
 import os

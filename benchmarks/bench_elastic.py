@@ -12,6 +12,7 @@
 
 Run: ``python benchmarks/bench_elastic.py`` (about two minutes on 2 cores).
 """
+
 from __future__ import annotations
 
 import math
@@ -54,17 +55,24 @@ def reconfiguration() -> pd.DataFrame:
     rows = []
     for i in range(1, len(seg)):
         before, after = seg.iloc[i - 1], seg.iloc[i]
-        rows.append({"change": f"P={before.P}->{after.P}", "save_s": before.save_s, "teardown_s": before.teardown_s,
-                     "assembly_s": after.assembly_s, "restore_s": after.restore_s,
-                     "reconfiguration_s": before.save_s + before.teardown_s + after.assembly_s + after.restore_s,
-                     "fresh_start_assembly_s": statistics.median(fresh)})
+        rows.append(
+            {
+                "change": f"P={before.P}->{after.P}",
+                "save_s": before.save_s,
+                "teardown_s": before.teardown_s,
+                "assembly_s": after.assembly_s,
+                "restore_s": after.restore_s,
+                "reconfiguration_s": before.save_s + before.teardown_s + after.assembly_s + after.restore_s,
+                "fresh_start_assembly_s": statistics.median(fresh),
+            }
+        )
     return pd.DataFrame(rows)
 
 
 def shrink_vs_wait() -> pd.DataFrame:
     import pipeswift_lab as psl
     from pipeswift_lab import JCT
-    from pipeswift_lab.costs import AssemblyModel, CheckpointModel
+    from pipeswift_lab.core.costs import AssemblyModel, CheckpointModel
 
     def stack():
         torch.manual_seed(0)
@@ -80,15 +88,21 @@ def shrink_vs_wait() -> pd.DataFrame:
     back_at = DROP_AT + math.ceil(GAP_S / step2)
     root = Path(tempfile.mkdtemp(prefix="pipeswift_bench_elastic_"))
     try:
-        shrink = psl.run(stack(), _batch, partition=four, steps=STEPS, resize_at={DROP_AT: 2, back_at: 4}, profile=prof, **job)
+        shrink = psl.run(
+            stack(), _batch, partition=four, steps=STEPS, resize_at={DROP_AT: 2, back_at: 4}, profile=prof, **job
+        )
         before = psl.run(stack(), _batch, partition=four, steps=DROP_AT, checkpoint_dir=root, **job)
         time.sleep(GAP_S)
         after = psl.run(stack(), _batch, partition=four, steps=STEPS, resume_from=root, checkpoint_dir=root, **job)
     finally:
         shutil.rmtree(root, ignore_errors=True)
-    wait = JCT(queue_s=GAP_S, assembly_s=before.jct.assembly_s + after.jct.assembly_s + after.restore_s,
-               training_s=before.jct.training_s + after.jct.training_s, cleanup_s=before.jct.cleanup_s + after.jct.cleanup_s,
-               preemption_loss_s=before.jct.preemption_loss_s + after.jct.preemption_loss_s - after.restore_s)
+    wait = JCT(
+        queue_s=GAP_S,
+        assembly_s=before.jct.assembly_s + after.jct.assembly_s + after.restore_s,
+        training_s=before.jct.training_s + after.jct.training_s,
+        cleanup_s=before.jct.cleanup_s + after.jct.cleanup_s,
+        preemption_loss_s=before.jct.preemption_loss_s + after.jct.preemption_loss_s - after.restore_s,
+    )
     ckpt = CheckpointModel.calibrate([shrink, after])
     asm = AssemblyModel.calibrate([shrink, before, after])
     shard = shrink.checkpoints["largest_rank_state_bytes"].max()
@@ -96,14 +110,37 @@ def shrink_vs_wait() -> pd.DataFrame:
     def move(P):
         return ckpt.save_s(shard) + asm.seconds(P, 1) + ckpt.restore_s(shard)
 
-    predicted_shrink = (asm.seconds(4, 1) + DROP_AT * step4 + move(2) + (back_at - DROP_AT) * step2 + move(4)
-                        + (STEPS - back_at) * step4 + ckpt.teardown_s)
-    predicted_wait = (asm.seconds(4, 1) + DROP_AT * step4 + GAP_S + move(4) + (STEPS - DROP_AT) * step4 + 2 * ckpt.teardown_s)
-    return pd.DataFrame([
-        {"strategy": "shrink 4->2->4 and continue", "predicted_s": predicted_shrink, "measured_s": shrink.jct.total_s},
-        {"strategy": f"stop, wait {GAP_S:g} s, resume on 4", "predicted_s": predicted_wait, "measured_s": wait.total_s},
-    ]).assign(rel_error=lambda d: d["predicted_s"] / d["measured_s"] - 1, step4_ms=step4 * 1e3, step2_ms=step2 * 1e3,
-              back_at_step=back_at)
+    predicted_shrink = (
+        asm.seconds(4, 1)
+        + DROP_AT * step4
+        + move(2)
+        + (back_at - DROP_AT) * step2
+        + move(4)
+        + (STEPS - back_at) * step4
+        + ckpt.teardown_s
+    )
+    predicted_wait = (
+        asm.seconds(4, 1) + DROP_AT * step4 + GAP_S + move(4) + (STEPS - DROP_AT) * step4 + 2 * ckpt.teardown_s
+    )
+    return pd.DataFrame(
+        [
+            {
+                "strategy": "shrink 4->2->4 and continue",
+                "predicted_s": predicted_shrink,
+                "measured_s": shrink.jct.total_s,
+            },
+            {
+                "strategy": f"stop, wait {GAP_S:g} s, resume on 4",
+                "predicted_s": predicted_wait,
+                "measured_s": wait.total_s,
+            },
+        ]
+    ).assign(
+        rel_error=lambda d: d["predicted_s"] / d["measured_s"] - 1,
+        step4_ms=step4 * 1e3,
+        step2_ms=step2 * 1e3,
+        back_at_step=back_at,
+    )
 
 
 def main() -> None:

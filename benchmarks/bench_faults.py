@@ -9,6 +9,7 @@ newest checkpoint corrupted before a resume; the disk full or read-only during a
 (``runner.faults.write_fault``); the caller killed with SIGKILL. Each check column counts the
 trials that passed it; every check must hold in every trial. Exits non-zero otherwise.
 """
+
 from __future__ import annotations
 
 import argparse

@@ -27,6 +27,7 @@ the single-chunk schedules here to keep the runs short; Interleaved1F1B needs m 
 Run: ``python benchmarks/bench_fidelity.py`` (about two minutes on 2 cores). Figures are
 reported, never asserted; on a shared machine they move by several percent run to run.
 """
+
 from __future__ import annotations
 
 import time
@@ -38,7 +39,9 @@ import torch
 MICROBATCH = 4
 STEPS = 16
 ROUNDS = 2  # every configuration is run this many times, in rounds; its measured step is the mean of the runs' steady_step_ms
-P2 = [(s, v, m) for s, v in (("GPipe", 1), ("1F1B", 1), ("Interleaved1F1B", 2), ("ZBVZeroBubble", 2)) for m in (2, 4, 8)]
+P2 = [
+    (s, v, m) for s, v in (("GPipe", 1), ("1F1B", 1), ("Interleaved1F1B", 2), ("ZBVZeroBubble", 2)) for m in (2, 4, 8)
+]
 P4 = [("GPipe", 1, 4), ("1F1B", 1, 4), ("1F1B", 1, 8), ("Interleaved1F1B", 2, 4), ("ZBVZeroBubble", 2, 4)]
 CASES = [(2, *c) for c in P2] + [(4, *c) for c in P4]
 #: the runs calibrate is fitted on: one single-chunk and one multi-chunk run at P=2, one run at P=4
@@ -47,15 +50,27 @@ FIT = [(2, "1F1B", 1, 4), (2, "Interleaved1F1B", 2, 4), (4, "1F1B", 1, 4)]
 
 def main():
     import pipeswift_lab as psl
-    from pipeswift_lab.calibrate import CalibrationWarning
+    from pipeswift_lab.fidelity.calibrator import CalibrationWarning
     from pipeswift_lab.runner.spec import available_cores
 
-    setup = psl.models.reference("gpt", batch_size=MICROBATCH * 8, vocab_size=4096, seq_len=32, d_model=64, n_layers=6, n_heads=4)
+    setup = psl.models.reference(
+        "gpt", batch_size=MICROBATCH * 8, vocab_size=4096, seq_len=32, d_model=64, n_layers=6, n_heads=4
+    )
     x, y = setup.inputs, setup.targets
     threads = torch.get_num_threads()
-    torch.set_num_threads(max(1, available_cores() // 2))  # what each rank of a P=2 run gets (P=4 gets the same on 2 cores)
+    torch.set_num_threads(
+        max(1, available_cores() // 2)
+    )  # what each rank of a P=2 run gets (P=4 gets the same on 2 cores)
     try:
-        prof = psl.profile(setup.model, x[:MICROBATCH], target=y[:MICROBATCH], loss_fn=setup.loss_fn, warmup=3, repeats=15, progress=False)
+        prof = psl.profile(
+            setup.model,
+            x[:MICROBATCH],
+            target=y[:MICROBATCH],
+            loss_fn=setup.loss_fn,
+            warmup=3,
+            repeats=15,
+            progress=False,
+        )
     finally:
         torch.set_num_threads(threads)
     parts = {k: psl.partition(prof, k[0], v=k[2], schedule=k[1], m=k[3]) for k in CASES}
@@ -64,8 +79,16 @@ def main():
         for i, k in enumerate(CASES):
             P, schedule, v, m = k
             print(f"[round {r + 1}/{ROUNDS}, {i + 1}/{len(CASES)}] P={P} {schedule} m={m}", flush=True)
-            runs[(k, r)] = psl.run(setup.model, (x[: MICROBATCH * m], y[: MICROBATCH * m]), setup.loss_fn, parts[k], m,
-                                   steps=STEPS, progress=False, timeout_s=300)
+            runs[(k, r)] = psl.run(
+                setup.model,
+                (x[: MICROBATCH * m], y[: MICROBATCH * m]),
+                setup.loss_fn,
+                parts[k],
+                m,
+                steps=STEPS,
+                progress=False,
+                timeout_s=300,
+            )
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", CalibrationWarning)
         cal = psl.calibrate([runs[(k, 0)] for k in FIT], prof)  # fitted on the first round's runs of FIT only
@@ -73,20 +96,36 @@ def main():
     per_run["config"] = [str(k) for r in range(ROUNDS) for k in CASES]
     per_run["round"] = [r for r in range(ROUNDS) for k in CASES]
     # one row per configuration: the measured step is the mean over rounds of each run's steady_step_ms
-    table = per_run.groupby("config", sort=False).agg(
-        schedule=("schedule", "first"), P=("P", "first"), v=("v", "first"), m=("m", "first"),
-        measured_step_ms=("measured_step_ms", "mean"), predicted_before_ms=("predicted_before_ms", "first"),
-        predicted_after_ms=("predicted_after_ms", "first")).reset_index(drop=True)
+    table = (
+        per_run.groupby("config", sort=False)
+        .agg(
+            schedule=("schedule", "first"),
+            P=("P", "first"),
+            v=("v", "first"),
+            m=("m", "first"),
+            measured_step_ms=("measured_step_ms", "mean"),
+            predicted_before_ms=("predicted_before_ms", "first"),
+            predicted_after_ms=("predicted_after_ms", "first"),
+        )
+        .reset_index(drop=True)
+    )
     table.insert(4, "in_fit", [k in FIT for k in CASES])
     table.insert(5, "bounds", [str(list(parts[k].bounds)) for k in CASES])
     for when in ("before", "after"):
-        table[f"rel_error_{when}"] = (table[f"predicted_{when}_ms"] - table["measured_step_ms"]) / table["measured_step_ms"]
+        table[f"rel_error_{when}"] = (table[f"predicted_{when}_ms"] - table["measured_step_ms"]) / table[
+            "measured_step_ms"
+        ]
     steps = per_run.pivot(index="config", columns="round", values="measured_step_ms")
     noise = (steps[1] / steps[0] - 1).abs() if ROUNDS > 1 else pd.Series(dtype=float)
     held = table[~table["in_fit"]]
-    spearman_before = held["predicted_before_ms"].rank().corr(held["measured_step_ms"].rank())  # Spearman: Pearson of the ranks
+    spearman_before = (
+        held["predicted_before_ms"].rank().corr(held["measured_step_ms"].rank())
+    )  # Spearman: Pearson of the ranks
     spearman_after = held["predicted_after_ms"].rank().corr(held["measured_step_ms"].rank())
-    per_mb = table.assign(measured_per_mb=table["measured_step_ms"] / table["m"], predicted_per_mb=table["predicted_after_ms"] / table["m"])
+    per_mb = table.assign(
+        measured_per_mb=table["measured_step_ms"] / table["m"],
+        predicted_per_mb=table["predicted_after_ms"] / table["m"],
+    )
     pick = per_mb.loc[per_mb["predicted_per_mb"].idxmin()]
     best = per_mb.loc[per_mb["measured_per_mb"].idxmin()]
     # replay: how much of each held-out error is durations, how much schedule and communication model
@@ -98,13 +137,31 @@ def main():
         d = c.decomposition.set_index("component")["share_of_measured"]
         decomposition.append({"durations": d["durations"], "model": d["schedule and communication model"]})
     decomposition = pd.DataFrame(decomposition)
-    return cal, table, held, (spearman_before, spearman_after), (pick, best), decomposition, noise, [str(w.message) for w in caught]
+    return (
+        cal,
+        table,
+        held,
+        (spearman_before, spearman_after),
+        (pick, best),
+        decomposition,
+        noise,
+        [str(w.message) for w in caught],
+    )
 
 
 if __name__ == "__main__":
     start = time.time()
     cal, table, held, (rho_b, rho_a), (pick, best), decomposition, noise, notes = main()
-    with pd.option_context("display.width", 220, "display.max_columns", 20, "display.max_colwidth", 60, "display.float_format", "{:.3g}".format):
+    with pd.option_context(
+        "display.width",
+        220,
+        "display.max_columns",
+        20,
+        "display.max_colwidth",
+        60,
+        "display.float_format",
+        "{:.3g}".format,
+    ):
         print(cal.df.to_string(index=False))
         print()
         print(table.to_string(index=False))
@@ -112,13 +169,21 @@ if __name__ == "__main__":
         print(f"note: {note}")
     b, a = held["rel_error_before"].abs(), held["rel_error_after"].abs()
     print(f"\nheld-out runs: {len(held)} (calibrated on {int(table['in_fit'].sum())})")
-    print(f"median |rel error| before {b.median():.1%}, after {a.median():.1%}; max before {b.max():.1%}, after {a.max():.1%}")
+    print(
+        f"median |rel error| before {b.median():.1%}, after {a.median():.1%}; max before {b.max():.1%}, after {a.max():.1%}"
+    )
     print(f"Spearman rank correlation predicted vs measured (held out): before {rho_b:.2f}, after {rho_a:.2f}")
-    print(f"median share of the held-out error from durations {decomposition['durations'].abs().median():.1%}, "
-          f"from the schedule/communication model {decomposition['model'].abs().median():.1%} (compare's replay)")
-    print(f"planner's pick (smallest calibrated step per micro-batch): P={pick.P} {pick.schedule} m={pick.m}, measured "
-          f"{pick.measured_per_mb:.3g} ms per micro-batch; best measured P={best.P} {best.schedule} m={best.m} "
-          f"{best.measured_per_mb:.3g} ms ({pick.measured_per_mb / best.measured_per_mb - 1:+.1%})")
+    print(
+        f"median share of the held-out error from durations {decomposition['durations'].abs().median():.1%}, "
+        f"from the schedule/communication model {decomposition['model'].abs().median():.1%} (compare's replay)"
+    )
+    print(
+        f"planner's pick (smallest calibrated step per micro-batch): P={pick.P} {pick.schedule} m={pick.m}, measured "
+        f"{pick.measured_per_mb:.3g} ms per micro-batch; best measured P={best.P} {best.schedule} m={best.m} "
+        f"{best.measured_per_mb:.3g} ms ({pick.measured_per_mb / best.measured_per_mb - 1:+.1%})"
+    )
     if len(noise):
-        print(f"noise floor: the same configuration's two runs differ by a median {noise.median():.1%} (max {noise.max():.1%})")
+        print(
+            f"noise floor: the same configuration's two runs differ by a median {noise.median():.1%} (max {noise.max():.1%})"
+        )
     print(f"{time.time() - start:.0f} s")

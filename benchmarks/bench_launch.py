@@ -8,6 +8,7 @@ ranks each (one replica per node, D=2), as in ``tests/test_runner_multinode.py``
 per kind: launches, completed, aborted at exit (SIGABRT, "terminate called ..."), other
 failures and the median seconds per launch. Exits non-zero on any abort or failure.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -33,9 +34,14 @@ def _measure(kind: str, n: int, launch) -> dict:
     for o in outcomes:
         if not o["ok"]:
             print(f"{kind}: {'ABORT' if o['abort'] else 'failure'}: {o['error']}", file=sys.stderr)
-    return {"launch": kind, "launches": n, "completed": sum(o["ok"] for o in outcomes), "aborted": sum(o["abort"] for o in outcomes),
-            "other_failures": sum(not o["ok"] and not o["abort"] for o in outcomes),
-            "median_s": round(statistics.median(seconds), 2) if seconds else float("nan")}
+    return {
+        "launch": kind,
+        "launches": n,
+        "completed": sum(o["ok"] for o in outcomes),
+        "aborted": sum(o["abort"] for o in outcomes),
+        "other_failures": sum(not o["ok"] and not o["abort"] for o in outcomes),
+        "median_s": round(statistics.median(seconds), 2) if seconds else float("nan"),
+    }
 
 
 def main(argv=None) -> int:
@@ -47,8 +53,10 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         spec = save_spec(Path(tmp) / "job.pkl", D=2)
         with busy_core():
-            rows = [_measure('run(start_method="subprocess")', args.cold, cold_run),
-                    _measure("two torchrun nodes, D=2", args.two_node, lambda: two_node_launch(spec))]
+            rows = [
+                _measure('run(start_method="subprocess")', args.cold, cold_run),
+                _measure("two torchrun nodes, D=2", args.two_node, lambda: two_node_launch(spec)),
+            ]
     table = pd.DataFrame(rows)
     print("with one core kept busy by a spinning process:")
     print(table.to_string(index=False))

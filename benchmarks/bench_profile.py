@@ -1,7 +1,7 @@
 """Benchmark of the per-layer profiler on the reference models (gpt, vit, mlp).
 
 For each model, three rounds of: ``warmup + repeats`` plain forward+loss+backward steps,
-then :func:`pipeswift_lab.profile.profile` with the same ``warmup`` and ``repeats``.
+then :func:`pipeswift_lab.profiling.measure.profile` with the same ``warmup`` and ``repeats``.
 Printed per model (medians over the rounds unless said otherwise):
 
 * ``plain_s`` / ``profile_s`` — wall time of the plain steps / of the whole ``profile`` call;
@@ -12,6 +12,7 @@ Printed per model (medians over the rounds unless said otherwise):
 
 Usage: ``python benchmarks/bench_profile.py [--repeats 10] [--warmup 3] [--batch-size 8] [--threads N]``.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -22,7 +23,7 @@ import time
 import torch
 
 from pipeswift_lab.models import reference
-from pipeswift_lab.profile import profile
+from pipeswift_lab.profiling.measure import profile
 
 
 def plain_steps(setup, steps: int) -> float:
@@ -45,7 +46,17 @@ def bench(name: str, repeats: int, warmup: int, batch_size: int, rounds: int = 3
     for _ in range(rounds):
         plain.append(plain_steps(setup, warmup + repeats))
         start = time.perf_counter()
-        profiles.append(profile(setup.model, setup.inputs, target=setup.targets, loss_fn=setup.loss_fn, warmup=warmup, repeats=repeats, progress=False))
+        profiles.append(
+            profile(
+                setup.model,
+                setup.inputs,
+                target=setup.targets,
+                loss_fn=setup.loss_fn,
+                warmup=warmup,
+                repeats=repeats,
+                progress=False,
+            )
+        )
         wall.append(time.perf_counter() - start)
     totals = [p.total_ms for p in profiles]
     return {
@@ -71,15 +82,19 @@ def main() -> None:
     args = parser.parse_args()
     if args.threads is not None:
         torch.set_num_threads(args.threads)
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {os.cpu_count()} CPUs, "
-          f"batch {args.batch_size}, warmup {args.warmup}, repeats {args.repeats}, 3 rounds")
+    print(
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads, {os.cpu_count()} CPUs, "
+        f"batch {args.batch_size}, warmup {args.warmup}, repeats {args.repeats}, 3 rounds"
+    )
     header = f"{'model':<6}{'layers':>7}{'step_ms':>9}{'plain_s':>9}{'profile_s':>10}{'overhead':>9}{'coverage':>9}{'step_cv':>8}{'total_cv':>9}"
     print(header)
     print("-" * len(header))
     for name in args.models.split(","):
         r = bench(name.strip(), args.repeats, args.warmup, args.batch_size)
-        print(f"{r['model']:<6}{r['layers']:>7}{r['step_ms']:>9.2f}{r['plain_s']:>9.3f}{r['profile_s']:>10.3f}"
-              f"{r['overhead']:>9.2f}{r['coverage']:>9.2f}{r['step_cv']:>8.3f}{r['total_cv']:>9.3f}")
+        print(
+            f"{r['model']:<6}{r['layers']:>7}{r['step_ms']:>9.2f}{r['plain_s']:>9.3f}{r['profile_s']:>10.3f}"
+            f"{r['overhead']:>9.2f}{r['coverage']:>9.2f}{r['step_cv']:>8.3f}{r['total_cv']:>9.3f}"
+        )
 
 
 if __name__ == "__main__":

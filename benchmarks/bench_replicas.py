@@ -7,7 +7,7 @@
   processes share the two cores where two did);
 * ``predicted_step_ms`` — the planner's step for the same row (``plan(..., P=2)``), which
   adds the ring model's all-reduce ``allreduce_ms`` = ``2(D-1)/D * bytes / bw + 2(D-1) * latency``
-  over the default ``dp_link`` (:func:`pipeswift_lab.costs.allreduce_ms`, on the largest
+  over the default ``dp_link`` (:func:`pipeswift_lab.core.costs.allreduce_ms`, on the largest
   rank's parameter bytes);
 * ``allreduce_ms`` — measured two ways against that ring estimate: the ``REDUCE_GRAD`` actions
   the runner times through a DDP comm hook (``RunResult.allreduce_ms``: the longest stage's
@@ -22,6 +22,7 @@ estimate over it.
 
 Run: ``python benchmarks/bench_replicas.py`` (about a minute on 2 cores).
 """
+
 from __future__ import annotations
 
 import os
@@ -41,7 +42,7 @@ STEPS = 8
 WIDTHS = (256, 512, 512, 512, 10)
 
 
-SIZES = tuple(2 ** k for k in range(16, 25, 2))  # bytes
+SIZES = tuple(2**k for k in range(16, 25, 2))  # bytes
 REPEATS = 15
 
 
@@ -66,7 +67,7 @@ def _allreduce_worker(rank: int, world: int, init_file: str, out: str) -> None:
 
 def measured_dp_link():
     """The gloo all-reduce between two processes here, fitted to the ring model at D=2; returns (Link, per-size ms)."""
-    from pipeswift_lab.link import Link
+    from pipeswift_lab.core.link import Link
 
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "times.pt")
@@ -80,19 +81,33 @@ def measured_dp_link():
 
 def main() -> pd.DataFrame:
     import pipeswift_lab as psl
-    from pipeswift_lab.calibrate import CalibrationWarning
+    from pipeswift_lab.fidelity.calibrator import CalibrationWarning
     from pipeswift_lab.runner import run, run_arguments
 
     setup = psl.models.reference("mlp", batch_size=2 * M * MICROBATCH, widths=WIDTHS)
     threads = torch.get_num_threads()
     torch.set_num_threads(max(1, psl.runner.spec.available_cores() // 4))
     try:
-        prof = psl.profile(setup.model, setup.inputs[:MICROBATCH], target=setup.targets[:MICROBATCH], loss_fn=setup.loss_fn,
-                           progress=False)
+        prof = psl.profile(
+            setup.model,
+            setup.inputs[:MICROBATCH],
+            target=setup.targets[:MICROBATCH],
+            loss_fn=setup.loss_fn,
+            progress=False,
+        )
     finally:
         torch.set_num_threads(threads)
-    plan = psl.plan(prof, 4, 2 * M * MICROBATCH, STEPS, P=2, schedules=["1F1B"], microbatch_sizes=[MICROBATCH], exhaustive=True,
-                    progress=False)
+    plan = psl.plan(
+        prof,
+        4,
+        2 * M * MICROBATCH,
+        STEPS,
+        P=2,
+        schedules=["1F1B"],
+        microbatch_sizes=[MICROBATCH],
+        exhaustive=True,
+        progress=False,
+    )
     table = plan.table
     rows = []
     for D in (1, 2):
@@ -106,26 +121,53 @@ def main() -> pd.DataFrame:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", CalibrationWarning)
                 calibration = psl.calibrate([result], prof)
-        rows.append({"P": 2, "D": D, "global_batch": batch, "measured_step_ms": result.steady_step_ms,
-                     "measured_allreduce_ms": result.allreduce_ms})
+        rows.append(
+            {
+                "P": 2,
+                "D": D,
+                "global_batch": batch,
+                "measured_step_ms": result.steady_step_ms,
+                "measured_allreduce_ms": result.allreduce_ms,
+            }
+        )
     row = chosen.iloc[0]
     out = pd.DataFrame(rows)
     out["predicted_step_ms"] = [float(row["pipeline_ms"]) + float(row["optimizer_ms"]), float(row["step_ms"])]
     out["rel_error"] = (out["predicted_step_ms"] - out["measured_step_ms"]) / out["measured_step_ms"]
     measured_ar = out["measured_step_ms"].iloc[1] - out["measured_step_ms"].iloc[0]
     print(out.to_string(index=False))
-    print(f"all-reduce: measured {out['measured_allreduce_ms'].iloc[1]:.3g} ms (REDUCE_GRAD actions), {measured_ar:.3g} ms "
-          f"(D=2 step - D=1 step), vs the ring model's {float(row['allreduce_ms']):.3g} ms over the default dp_link "
-          f"({psl.planner.DEFAULT_DP_LINK})")
+    print(
+        f"all-reduce: measured {out['measured_allreduce_ms'].iloc[1]:.3g} ms (REDUCE_GRAD actions), {measured_ar:.3g} ms "
+        f"(D=2 step - D=1 step), vs the ring model's {float(row['allreduce_ms']):.3g} ms over the default dp_link "
+        f"({psl.planner.DEFAULT_DP_LINK})"
+    )
     link, times = measured_dp_link()
     print("gloo all-reduce here, 2 processes: " + ", ".join(f"{k / 2**20:g} MiB {v:.3g} ms" for k, v in times.items()))
     print(f"fitted link: {link}")
-    for label, extra in (("over the measured link", {}), ("and calibrated on the D=1 run", {"calibration": calibration})):
-        replanned = psl.plan(prof, 4, 2 * M * MICROBATCH, STEPS, P=2, schedules=["1F1B"], microbatch_sizes=[MICROBATCH],
-                             exhaustive=True, progress=False, dp_link=link, **extra).table
-        again = replanned[(replanned["P"] == 2) & (replanned["D"] == 2) & (replanned["m"] == M) & replanned["simulated"]].iloc[0]
-        print(f"planner {label}: all-reduce {float(again['allreduce_ms']):.3g} ms, D=2 step {float(again['step_ms']):.3g} ms "
-              f"(measured {out['measured_allreduce_ms'].iloc[1]:.3g} ms and {out['measured_step_ms'].iloc[1]:.3g} ms)")
+    for label, extra in (
+        ("over the measured link", {}),
+        ("and calibrated on the D=1 run", {"calibration": calibration}),
+    ):
+        replanned = psl.plan(
+            prof,
+            4,
+            2 * M * MICROBATCH,
+            STEPS,
+            P=2,
+            schedules=["1F1B"],
+            microbatch_sizes=[MICROBATCH],
+            exhaustive=True,
+            progress=False,
+            dp_link=link,
+            **extra,
+        ).table
+        again = replanned[
+            (replanned["P"] == 2) & (replanned["D"] == 2) & (replanned["m"] == M) & replanned["simulated"]
+        ].iloc[0]
+        print(
+            f"planner {label}: all-reduce {float(again['allreduce_ms']):.3g} ms, D=2 step {float(again['step_ms']):.3g} ms "
+            f"(measured {out['measured_allreduce_ms'].iloc[1]:.3g} ms and {out['measured_step_ms'].iloc[1]:.3g} ms)"
+        )
     return out
 
 

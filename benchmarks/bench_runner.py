@@ -23,6 +23,7 @@ bounds the overhead from above (``overhead_bound``).
 
 Run: ``python benchmarks/bench_runner.py`` (one to two minutes on 2 cores).
 """
+
 from __future__ import annotations
 
 import time
@@ -32,8 +33,15 @@ import torch
 
 MICROBATCH = 4
 STEPS = 8
-CASES = [("GPipe", 1, 4), ("1F1B", 1, 4), ("1F1B", 1, 8), ("Interleaved1F1B", 2, 4), ("Interleaved1F1B", 2, 8),
-         ("ZBVZeroBubble", 2, 4), ("DualPipeV", 2, 4)]
+CASES = [
+    ("GPipe", 1, 4),
+    ("1F1B", 1, 4),
+    ("1F1B", 1, 8),
+    ("Interleaved1F1B", 2, 4),
+    ("Interleaved1F1B", 2, 8),
+    ("ZBVZeroBubble", 2, 4),
+    ("DualPipeV", 2, 4),
+]
 
 
 class _NoOpStage:
@@ -53,7 +61,7 @@ def per_action_overhead_us(calls: int = 200_000) -> float:
     """Extra µs one instrumented stage call costs over the bare call (no-op methods, best of 5)."""
     from types import SimpleNamespace
 
-    from pipeswift_lab.runner.instrument import ActionRecorder
+    from pipeswift_lab.runner.rank.instrument import ActionRecorder
 
     def timed(stage):
         best = float("inf")
@@ -71,18 +79,27 @@ def per_action_overhead_us(calls: int = 200_000) -> float:
 
 
 def main() -> pd.DataFrame:
+    from pipeswift_lab import compare, run
     from pipeswift_lab.models import reference
-    from pipeswift_lab.partition import partition
-    from pipeswift_lab.profile import profile
-    from pipeswift_lab.runner import compare, run
+    from pipeswift_lab.partitioning.balance import partition
+    from pipeswift_lab.profiling.measure import profile
     from pipeswift_lab.runner.spec import available_cores
-    from pipeswift_lab.simulate import simulate
+    from pipeswift_lab.simulation.simulator import simulate
 
-    setup = reference("gpt", batch_size=MICROBATCH * max(m for _, _, m in CASES), vocab_size=4096, seq_len=32, d_model=64,
-                      n_layers=4, n_heads=4)
+    setup = reference(
+        "gpt",
+        batch_size=MICROBATCH * max(m for _, _, m in CASES),
+        vocab_size=4096,
+        seq_len=32,
+        d_model=64,
+        n_layers=4,
+        n_heads=4,
+    )
     x, y = setup.inputs, setup.targets
     torch.set_num_threads(max(1, available_cores() // 2))  # what each of the 2 ranks uses
-    prof = profile(setup.model, x[:MICROBATCH], target=y[:MICROBATCH], loss_fn=setup.loss_fn, warmup=3, repeats=15, progress=False)
+    prof = profile(
+        setup.model, x[:MICROBATCH], target=y[:MICROBATCH], loss_fn=setup.loss_fn, warmup=3, repeats=15, progress=False
+    )
     rows = []
     action_us = per_action_overhead_us()
     for schedule, v, m in CASES:
@@ -98,15 +115,25 @@ def main() -> pd.DataFrame:
         c = compare(simulate(part, m), measured[-1])
         spans = c.df.set_index("metric").loc["span_ms"]  # the action span; c.step_ms is the whole step (steady_step_ms)
         predicted_ms, span_ms = float(spans["predicted"]), float(spans["measured"])
-        rows.append({
-            "schedule": schedule, "v": v, "m": m, "bounds": str(list(part.bounds)),
-            "predicted_ms": predicted_ms, "measured_ms": span_ms, "rel_error": float(spans["rel_error"]),
-            "bubble_pred": c.bubble_ratio[0], "bubble_meas": c.bubble_ratio[1],
-            "step_ms": step_ms, "step_ms_bare": step_ms_bare, "overhead": step_ms / step_ms_bare - 1,
-            "per_action_us": action_us,
-            "overhead_bound": action_us * 1e-3 * len(measured[-1].timeline.df) / STEPS / 2 / step_ms,
-            "assembly_s": measured[-1].jct.assembly_s,
-        })
+        rows.append(
+            {
+                "schedule": schedule,
+                "v": v,
+                "m": m,
+                "bounds": str(list(part.bounds)),
+                "predicted_ms": predicted_ms,
+                "measured_ms": span_ms,
+                "rel_error": float(spans["rel_error"]),
+                "bubble_pred": c.bubble_ratio[0],
+                "bubble_meas": c.bubble_ratio[1],
+                "step_ms": step_ms,
+                "step_ms_bare": step_ms_bare,
+                "overhead": step_ms / step_ms_bare - 1,
+                "per_action_us": action_us,
+                "overhead_bound": action_us * 1e-3 * len(measured[-1].timeline.df) / STEPS / 2 / step_ms,
+                "assembly_s": measured[-1].jct.assembly_s,
+            }
+        )
     return pd.DataFrame(rows)
 
 
@@ -115,5 +142,7 @@ if __name__ == "__main__":
     table = main()
     with pd.option_context("display.width", 200, "display.max_columns", 20, "display.float_format", "{:.3g}".format):
         print(table.to_string(index=False))
-    print(f"\nmedian |rel_error| {table['rel_error'].abs().median():.1%}; median overhead {table['overhead'].median():+.1%}; "
-          f"{time.time() - start:.0f} s")
+    print(
+        f"\nmedian |rel_error| {table['rel_error'].abs().median():.1%}; median overhead {table['overhead'].median():+.1%}; "
+        f"{time.time() - start:.0f} s"
+    )

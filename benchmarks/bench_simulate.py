@@ -11,6 +11,7 @@ Prints one table:
 
 Run: ``python benchmarks/bench_simulate.py``.
 """
+
 from __future__ import annotations
 
 import os
@@ -22,13 +23,12 @@ import pandas as pd
 os.environ.setdefault("TQDM_DISABLE", "1")
 
 from pipeswift_lab import models  # noqa: E402
-from pipeswift_lab._checks import SCHEDULES  # noqa: E402
-from pipeswift_lab.link import Link  # noqa: E402
-from pipeswift_lab.partition import partition  # noqa: E402
-from pipeswift_lab.profile import Profile, profile  # noqa: E402
-from pipeswift_lab.simulate import simulate  # noqa: E402
-from pipeswift_lab.sweep import sweep  # noqa: E402
-
+from pipeswift_lab.core.link import Link  # noqa: E402
+from pipeswift_lab.core.vocabulary import SCHEDULES  # noqa: E402
+from pipeswift_lab.partitioning.balance import partition  # noqa: E402
+from pipeswift_lab.profiling.measure import Profile, profile  # noqa: E402
+from pipeswift_lab.simulation.simulator import simulate  # noqa: E402
+from pipeswift_lab.simulation.sweeps import sweep  # noqa: E402
 
 #: Simulated actions per second the warm simulator should reach (Timeline included).
 WARM_GOAL = 1_000_000
@@ -52,27 +52,70 @@ def main():
     cold, tl = timed(lambda: simulate(stages, m, "Interleaved1F1B", v=v))
     warm, tl = timed(lambda: simulate(stages, m, "Interleaved1F1B", v=v), repeats=5)
     n = len(tl.df)
-    rows.append(("simulate Interleaved1F1B P=32 m=256 v=2, cold", f"{cold * 1e3:.0f} ms", f"{n / cold:,.0f} actions/s (torch's order built and lowered)"))
+    rows.append(
+        (
+            "simulate Interleaved1F1B P=32 m=256 v=2, cold",
+            f"{cold * 1e3:.0f} ms",
+            f"{n / cold:,.0f} actions/s (torch's order built and lowered)",
+        )
+    )
     goal = "met" if n / warm >= WARM_GOAL else "MISSED"
-    rows.append(("simulate Interleaved1F1B P=32 m=256 v=2, warm", f"{warm * 1e3:.0f} ms", f"{n / warm:,.0f} actions/s (goal >= {WARM_GOAL:,.0f}: {goal})"))
+    rows.append(
+        (
+            "simulate Interleaved1F1B P=32 m=256 v=2, warm",
+            f"{warm * 1e3:.0f} ms",
+            f"{n / warm:,.0f} actions/s (goal >= {WARM_GOAL:,.0f}: {goal})",
+        )
+    )
     linked = stages.assign(output_bytes=1e6)
     warm_link, tl_link = timed(lambda: simulate(linked, m, "Interleaved1F1B", v=v, link=Link(0.01, 50)), repeats=3)
-    rows.append(("  same with a Link (send/recv rows too)", f"{warm_link * 1e3:.0f} ms", f"{len(tl_link.df) / warm_link:,.0f} rows/s"))
+    rows.append(
+        (
+            "  same with a Link (send/recv rows too)",
+            f"{warm_link * 1e3:.0f} ms",
+            f"{len(tl_link.df) / warm_link:,.0f} rows/s",
+        )
+    )
 
     setup = models.reference("gpt")
-    prof_s, prof = timed(lambda: profile(setup.model, setup.inputs, target=setup.targets, loss_fn=setup.loss_fn, progress=False))
-    grid = dict(P=[1, 2, 3, 4, 5, 6], m=[4, 6, 8, 12, 16, 24, 32, 48], schedules=list(SCHEDULES), methods=["uniform", "params", "balanced"])
+    prof_s, prof = timed(
+        lambda: profile(setup.model, setup.inputs, target=setup.targets, loss_fn=setup.loss_fn, progress=False)
+    )
+    grid = dict(
+        P=[1, 2, 3, 4, 5, 6],
+        m=[4, 6, 8, 12, 16, 24, 32, 48],
+        schedules=list(SCHEDULES),
+        methods=["uniform", "params", "balanced"],
+    )
     n_configs = len(grid["P"]) * len(grid["m"]) * len(grid["schedules"]) * len(grid["methods"])
     sweep_s, table = timed(lambda: sweep(prof, steps=1000, progress=False, **grid))
     rows.append((f"profile reference GPT ({prof.n_layers} layers)", f"{prof_s:.2f} s", ""))
-    rows.append((f"sweep of {n_configs} configurations ({int(table['feasible'].sum())} feasible)", f"{sweep_s:.2f} s", f"{sweep_s / n_configs * 1e3:.1f} ms/config"))
+    rows.append(
+        (
+            f"sweep of {n_configs} configurations ({int(table['feasible'].sum())} feasible)",
+            f"{sweep_s:.2f} s",
+            f"{sweep_s / n_configs * 1e3:.1f} ms/config",
+        )
+    )
 
     rng = np.random.default_rng(0)
-    big = Profile.synthetic(fwd_ms=rng.uniform(0.5, 2, 1000), bwd_ms=rng.uniform(1, 4, 1000), output_bytes=rng.integers(100_000, 10_000_000, 1000))
+    big = Profile.synthetic(
+        fwd_ms=rng.uniform(0.5, 2, 1000),
+        bwd_ms=rng.uniform(1, 4, 1000),
+        output_bytes=rng.integers(100_000, 10_000_000, 1000),
+    )
     part_s, part = timed(lambda: partition(big, 64), repeats=3)
-    rows.append(("balanced partition, 1,000 layers, P=64", f"{part_s * 1e3:.0f} ms", f"bottleneck {part.bottleneck_ms:.2f} ms, imbalance {part.imbalance:.3f}"))
+    rows.append(
+        (
+            "balanced partition, 1,000 layers, P=64",
+            f"{part_s * 1e3:.0f} ms",
+            f"bottleneck {part.bottleneck_ms:.2f} ms, imbalance {part.imbalance:.3f}",
+        )
+    )
     link_s, part = timed(lambda: partition(big, 64, link=Link(0.02, 25)), repeats=3)
-    rows.append(("  same with a Link (transfer-aware)", f"{link_s * 1e3:.0f} ms", f"bottleneck {part.bottleneck_ms:.2f} ms"))
+    rows.append(
+        ("  same with a Link (transfer-aware)", f"{link_s * 1e3:.0f} ms", f"bottleneck {part.bottleneck_ms:.2f} ms")
+    )
     v2_s, part = timed(lambda: partition(big, 64, v=2, schedule="Interleaved1F1B"), repeats=3)
     rows.append(("  same with v=2 (128 stages)", f"{v2_s * 1e3:.0f} ms", f"bottleneck {part.bottleneck_ms:.2f} ms"))
 

@@ -8,6 +8,7 @@ state in checkpoints (a run with dropout resumed from its middle checkpoint must
 equal to the uninterrupted run). Without a CUDA device it says so and exits 0: nothing to check.
 Later work adds its GPU paths here.
 """
+
 from __future__ import annotations
 
 import sys
@@ -29,8 +30,14 @@ def _check(rows: list, path: str, fn) -> None:
         rows.append({"path": path, "result": "ok", "figure": figure, "seconds": round(time.perf_counter() - t0, 1)})
     except Exception as exc:  # noqa: BLE001 - every failure is reported in the table
         traceback.print_exc()
-        rows.append({"path": path, "result": "FAILED", "figure": f"{type(exc).__name__}: {exc}"[:160],
-                     "seconds": round(time.perf_counter() - t0, 1)})
+        rows.append(
+            {
+                "path": path,
+                "result": "FAILED",
+                "figure": f"{type(exc).__name__}: {exc}"[:160],
+                "seconds": round(time.perf_counter() - t0, 1),
+            }
+        )
 
 
 def _setup():
@@ -44,7 +51,9 @@ def profiler_cuda_events() -> str:
 
     setup = _setup()
     model = setup.model.cuda()
-    prof = psl.profile(model, setup.inputs.cuda(), target=setup.targets.cuda(), loss_fn=setup.loss_fn, warmup=2, repeats=5)
+    prof = psl.profile(
+        model, setup.inputs.cuda(), target=setup.targets.cuda(), loss_fn=setup.loss_fn, warmup=2, repeats=5
+    )
     df = prof.df
     assert (df["fwd_ms"] > 0).all() and (df["bwd_ms"] > 0).all(), "a layer timed at 0 ms"
     assert "peak_bytes" in df and (df["peak_bytes"] > 0).any(), "no CUDA peak memory reported"
@@ -78,8 +87,10 @@ def nccl_run() -> str:
     batch = (setup.inputs, setup.targets)
     gpu = psl.run(setup.model, batch, setup.loss_fn, part, 4, steps=3, devices="cuda", progress=False, timeout_s=240)
     cpu = psl.run(setup.model, batch, setup.loss_fn, part, 4, steps=3, devices="cpu", progress=False, timeout_s=240)
-    worst = max(((gpu.state_dict()[k] - cpu.state_dict()[k]).norm() / cpu.state_dict()[k].norm().clamp_min(1e-12)).item()
-                for k in cpu.state_dict())
+    worst = max(
+        ((gpu.state_dict()[k] - cpu.state_dict()[k]).norm() / cpu.state_dict()[k].norm().clamp_min(1e-12)).item()
+        for k in cpu.state_dict()
+    )
     assert worst < 1e-3, f"GPU and CPU runs differ by {worst:.2e} (relative)"
     return f"P={P}, steady step {gpu.steady_step_ms:.2f} ms, vs CPU run max rel diff {worst:.1e}"
 
@@ -93,20 +104,46 @@ def cuda_rng_in_checkpoints() -> str:
     batch = (torch.randn(16, 32), torch.randn(16, 8))
     part = psl.partition(psl.Profile.synthetic(fwd_ms=[1.0] * 5, bwd_ms=[2.0] * 5), P)
     with tempfile.TemporaryDirectory() as root:
-        whole = psl.run(model, batch, nn.functional.mse_loss, part, 4, steps=4, devices="cuda", progress=False, timeout_s=240,
-                        checkpoint_dir=Path(root) / "a", checkpoint_every=2, keep=3)
+        whole = psl.run(
+            model,
+            batch,
+            nn.functional.mse_loss,
+            part,
+            4,
+            steps=4,
+            devices="cuda",
+            progress=False,
+            timeout_s=240,
+            checkpoint_dir=Path(root) / "a",
+            checkpoint_every=2,
+            keep=3,
+        )
         middle = whole.checkpoints.query("step == 2")["path"].iloc[0]
-        resumed = psl.run(model, batch, nn.functional.mse_loss, part, 4, steps=4, devices="cuda", progress=False, timeout_s=240,
-                          resume_from=middle)
+        resumed = psl.run(
+            model,
+            batch,
+            nn.functional.mse_loss,
+            part,
+            4,
+            steps=4,
+            devices="cuda",
+            progress=False,
+            timeout_s=240,
+            resume_from=middle,
+        )
     same = all(torch.equal(whole.state_dict()[k], resumed.state_dict()[k]) for k in whole.state_dict())
-    assert same, "a run resumed from step 2 does not end bitwise equal to the uninterrupted run (CUDA RNG state not restored?)"
+    assert same, (
+        "a run resumed from step 2 does not end bitwise equal to the uninterrupted run (CUDA RNG state not restored?)"
+    )
     return f"P={P}, dropout run resumed at step 2 of 4: bitwise equal"
 
 
-CHECKS = (("profiler: CUDA events + peak memory", profiler_cuda_events),
-          ("torch.cuda.max_memory_allocated", max_memory_allocated),
-          ("run on cuda devices with NCCL", nccl_run),
-          ("CUDA RNG state in checkpoints", cuda_rng_in_checkpoints))
+CHECKS = (
+    ("profiler: CUDA events + peak memory", profiler_cuda_events),
+    ("torch.cuda.max_memory_allocated", max_memory_allocated),
+    ("run on cuda devices with NCCL", nccl_run),
+    ("CUDA RNG state in checkpoints", cuda_rng_in_checkpoints),
+)
 
 
 def main() -> int:

@@ -1,52 +1,65 @@
 """pipeswift_lab: a Jupyter-native lab for pipeline-parallel training that optimizes job completion time.
 
+The package has one room per stage of the flow ``profile -> partition -> simulate -> run -> calibrate -> plan``:
+:mod:`.core`, :mod:`.profiling`, :mod:`.partitioning`, :mod:`.simulation`, :mod:`.fidelity`, :mod:`.planning`,
+:mod:`.runner`, :mod:`.cluster` and :mod:`.faces`. The verbs and result types are re-exported here.
+
 ``%load_ext pipeswift_lab`` registers the IPython magics. Heavy optional libraries
 (IPython, ipywidgets, matplotlib, seaborn) are imported only by the functions that use them.
 """
+
 from __future__ import annotations
 
 import importlib
+from types import ModuleType
+from typing import Any
 
-from . import cluster, costs, data, models, precision
-from ._checks import SCHEDULES
+from . import cluster, data, models, runner
 from .cluster import ClusterResult
-from .calibrate import Calibration, calibrate
-from .analytic import activation_memory_bytes, bubble_overhead, bubble_ratio, inflight_microbatches, step_ms
-from .jct import JCT
-from .link import Link
-from .magics import load_ipython_extension  # noqa: F401 - the hook %load_ext calls, not an API
-from .partition import Partition, partition
-from .planner import Plan, plan
-from .profile import Profile, profile, profile_step
-from .runner import Checkpoint, RunError, RunResult, compare, latest_checkpoint, load_checkpoint, run
-from .runner.compare import Comparison
-from .schedules import compute_orders  # noqa: F401 - importable, but not part of the advertised surface
-from .simulate import ScheduleDeadlock, simulate
-from .sweep import explore, plot_sweep, sweep  # noqa: F401 - explore: importable, superseded by widgets
-from .timeline import Timeline
+from .core import analytic, costs, precision
+from .core.analytic import activation_memory_bytes, bubble_overhead, bubble_ratio, inflight_microbatches, step_ms
+from .core.jct import JCT
+from .core.link import Link
+from .core.vocabulary import SCHEDULES
+from .fidelity import Calibration, Comparison, calibrate, compare
+from .partitioning import Partition, partition
+from .planning import Plan, plan
+from .profiling import Profile, profile, profile_step
+from .runner import Checkpoint, RunError, RunResult, latest_checkpoint, load_checkpoint, run
+from .simulation import ScheduleDeadlock, Timeline, compute_orders, explore, simulate, sweep  # noqa: F401 - importable
 
 __version__ = "0.1.0"
 
-#: Submodules loaded on first attribute access (``psl.widgets``), so that ``import pipeswift_lab`` stays light.
-_LAZY_SUBMODULES = ("widgets", "report")
+#: Faces loaded on first attribute access (``psl.widgets``), so that ``import pipeswift_lab`` stays light.
+_LAZY_SUBMODULES = {"widgets": ".faces.widgets", "report": ".faces.report"}
 
 
-def __getattr__(name):
+def load_ipython_extension(ipython: Any) -> None:
+    """The hook ``%load_ext pipeswift_lab`` calls: registers the magics of :mod:`pipeswift_lab.faces.magics`."""
+    from .faces.magics import load_ipython_extension as load
+
+    load(ipython)
+
+
+def __getattr__(name: str) -> ModuleType:
     if name in _LAZY_SUBMODULES:
-        return importlib.import_module(f".{name}", __name__)  # the import also sets the attribute
+        module = importlib.import_module(_LAZY_SUBMODULES[name], __name__)
+        globals()[name] = module
+        return module
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-def __dir__():
+def __dir__() -> list[str]:
     return sorted(set(globals()) | set(_LAZY_SUBMODULES))
 
 
 __all__ = [
-    "SCHEDULES",
-    "Checkpoint",
-    "Comparison",
-    "ClusterResult",
     "JCT",
+    "SCHEDULES",
+    "Calibration",
+    "Checkpoint",
+    "ClusterResult",
+    "Comparison",
     "Link",
     "Partition",
     "Plan",
@@ -55,12 +68,12 @@ __all__ = [
     "RunResult",
     "ScheduleDeadlock",
     "Timeline",
-    "Calibration",
     "activation_memory_bytes",
+    "analytic",
     "bubble_overhead",
     "bubble_ratio",
-    "cluster",
     "calibrate",
+    "cluster",
     "compare",
     "costs",
     "data",
@@ -68,13 +81,14 @@ __all__ = [
     "latest_checkpoint",
     "load_checkpoint",
     "models",
-    "precision",
     "partition",
     "plan",
-    "plot_sweep",
+    "precision",
     "profile",
     "profile_step",
+    "report",
     "run",
+    "runner",
     "simulate",
     "step_ms",
     "sweep",

@@ -1,5 +1,6 @@
 """``python -m pipeswift_lab`` runs the ``pipeswift-lab`` command."""
-from .cli import main
+
+from .faces.cli import main
 
 if __name__ == "__main__":
     raise SystemExit(main())

@@ -13,18 +13,19 @@ profiling, partitioning and real runs need no downloads:
 
 :func:`reference` bundles a model with its batch and loss as a :class:`ReferenceSetup`.
 """
+
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ._checks import check_int
+from .core.checks import check_int
 
 
 class TransformerBlock(nn.Module):
@@ -39,7 +40,9 @@ class TransformerBlock(nn.Module):
         self.qkv = nn.Linear(d_model, 3 * d_model)
         self.proj = nn.Linear(d_model, d_model)
         self.ln_mlp = nn.LayerNorm(d_model)
-        self.mlp = nn.Sequential(nn.Linear(d_model, mlp_ratio * d_model), nn.GELU(), nn.Linear(mlp_ratio * d_model, d_model))
+        self.mlp = nn.Sequential(
+            nn.Linear(d_model, mlp_ratio * d_model), nn.GELU(), nn.Linear(mlp_ratio * d_model, d_model)
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, d = x.shape
@@ -114,14 +117,23 @@ def _seeded(seed):
         yield
 
 
-def gpt(vocab_size=8192, seq_len=64, d_model=128, n_layers=4, n_heads=4, mlp_ratio=4, device=None, dtype=None, seed=0) -> nn.Sequential:
+def gpt(
+    vocab_size=8192, seq_len=64, d_model=128, n_layers=4, n_heads=4, mlp_ratio=4, device=None, dtype=None, seed=0
+) -> nn.Sequential:
     """A GPT-style language model as ``nn.Sequential``: ``embed``, ``block_0`` … ``block_{n-1}``, ``head``.
 
     Input: token ids ``(B, seq_len)``; output: logits ``(B, seq_len, vocab_size)``.
     With the default vocabulary the head holds ~1M parameters against ~200k per block,
     so it is the heaviest layer, as an LM head is in real models.
     """
-    for name, value in (("vocab_size", vocab_size), ("seq_len", seq_len), ("d_model", d_model), ("n_layers", n_layers), ("n_heads", n_heads), ("mlp_ratio", mlp_ratio)):
+    for name, value in (
+        ("vocab_size", vocab_size),
+        ("seq_len", seq_len),
+        ("d_model", d_model),
+        ("n_layers", n_layers),
+        ("n_heads", n_heads),
+        ("mlp_ratio", mlp_ratio),
+    ):
         check_int(name, value, minimum=1)
     with _seeded(seed):
         layers = [("embed", TokenPositionEmbedding(vocab_size, seq_len, d_model))]
@@ -130,12 +142,32 @@ def gpt(vocab_size=8192, seq_len=64, d_model=128, n_layers=4, n_heads=4, mlp_rat
         return _build(layers, device, dtype)
 
 
-def vit(image_size=32, patch_size=4, channels=3, d_model=128, n_layers=4, n_heads=4, mlp_ratio=4, num_classes=100, device=None, dtype=None, seed=0) -> nn.Sequential:
+def vit(
+    image_size=32,
+    patch_size=4,
+    channels=3,
+    d_model=128,
+    n_layers=4,
+    n_heads=4,
+    mlp_ratio=4,
+    num_classes=100,
+    device=None,
+    dtype=None,
+    seed=0,
+) -> nn.Sequential:
     """A vision transformer as ``nn.Sequential``: ``patch_embed``, ``block_0`` … ``block_{n-1}``, ``head``.
 
     Input: images ``(B, channels, image_size, image_size)``; output: logits ``(B, num_classes)``.
     """
-    for name, value in (("image_size", image_size), ("patch_size", patch_size), ("channels", channels), ("d_model", d_model), ("n_layers", n_layers), ("n_heads", n_heads), ("num_classes", num_classes)):
+    for name, value in (
+        ("image_size", image_size),
+        ("patch_size", patch_size),
+        ("channels", channels),
+        ("d_model", d_model),
+        ("n_layers", n_layers),
+        ("n_heads", n_heads),
+        ("num_classes", num_classes),
+    ):
         check_int(name, value, minimum=1)
     with _seeded(seed):
         layers = [("patch_embed", PatchEmbedding(image_size, patch_size, channels, d_model))]
@@ -170,7 +202,9 @@ def gpt_batch(batch_size=8, seq_len=64, vocab_size=8192, device=None, seed=0) ->
     return stream[:, :-1].to(device), stream[:, 1:].to(device)
 
 
-def vit_batch(batch_size=8, image_size=32, channels=3, num_classes=100, device=None, seed=0) -> tuple[torch.Tensor, torch.Tensor]:
+def vit_batch(
+    batch_size=8, image_size=32, channels=3, num_classes=100, device=None, seed=0
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Synthetic images ``(batch_size, channels, image_size, image_size)`` and int64 labels ``(batch_size,)``."""
     g = torch.Generator().manual_seed(seed)
     images = torch.randn(batch_size, channels, image_size, image_size, generator=g)
@@ -181,7 +215,9 @@ def vit_batch(batch_size=8, image_size=32, channels=3, num_classes=100, device=N
 def mlp_batch(batch_size=8, widths=(64, 256, 256, 256, 10), device=None, seed=0) -> tuple[torch.Tensor, torch.Tensor]:
     """Synthetic regression data: inputs ``(batch_size, widths[0])`` and targets ``(batch_size, widths[-1])``."""
     g = torch.Generator().manual_seed(seed)
-    return torch.randn(batch_size, widths[0], generator=g).to(device), torch.randn(batch_size, widths[-1], generator=g).to(device)
+    return torch.randn(batch_size, widths[0], generator=g).to(device), torch.randn(
+        batch_size, widths[-1], generator=g
+    ).to(device)
 
 
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -225,7 +261,7 @@ def reference(name="gpt", batch_size=8, device=None, seed=0, **model_kwargs) -> 
         model = vit(device=device, seed=seed, **model_kwargs)
         conv = model.patch_embed.conv
         n_patches = model.patch_embed.position.shape[1]
-        image_size = int(round(n_patches ** 0.5)) * conv.kernel_size[0]
+        image_size = int(round(n_patches**0.5)) * conv.kernel_size[0]
         inputs, targets = vit_batch(batch_size, image_size, conv.in_channels, model.head.fc.out_features, device, seed)
         return ReferenceSetup(name, model, inputs, targets, classification_loss)
     if name == "mlp":

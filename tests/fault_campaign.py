@@ -14,6 +14,7 @@ outcome and each check. The checks (every one must hold in every trial):
 * ``no_process_left`` — no worker outlives the trial;
 * ``no_run_dir_left`` — no temporary run directory remains (a killed caller's is removed by the next run's clean-up).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -31,17 +32,43 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from pipeswift_lab.partition import Partition
-from pipeswift_lab.profile import Profile
-from pipeswift_lab.runner import CheckpointError, RunError, latest_checkpoint, load_checkpoint, run, signal_at, write_fault
+from pipeswift_lab.partitioning.balance import Partition
+from pipeswift_lab.profiling.measure import Profile
+from pipeswift_lab.runner import (
+    CheckpointError,
+    RunError,
+    latest_checkpoint,
+    load_checkpoint,
+    run,
+    signal_at,
+    write_fault,
+)
 from pipeswift_lab.runner.job import clean_stale_run_dirs
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS, EVERY, M, P = 6, 2, 4, 2
 PART = Partition.from_bounds(Profile.synthetic(fwd_ms=[1.0] * 5, bwd_ms=[2.0] * 5), [(0, 2), (2, 5)], schedule="1F1B")
-KINDS = ("kill_rank", "kill_rank_restart", "preempt_caller", "hang", "nonfinite", "raise_in_loss", "raise_in_data",
-         "corrupt_checkpoint", "disk_fault", "kill_caller")
-CHECKS = ("ended_well", "named_right", "bitwise", "redo_within_interval", "no_corrupt_load", "no_process_left", "no_run_dir_left")
+KINDS = (
+    "kill_rank",
+    "kill_rank_restart",
+    "preempt_caller",
+    "hang",
+    "nonfinite",
+    "raise_in_loss",
+    "raise_in_data",
+    "corrupt_checkpoint",
+    "disk_fault",
+    "kill_caller",
+)
+CHECKS = (
+    "ended_well",
+    "named_right",
+    "bitwise",
+    "redo_within_interval",
+    "no_corrupt_load",
+    "no_process_left",
+    "no_run_dir_left",
+)
 
 
 def model() -> nn.Module:
@@ -120,8 +147,17 @@ class HangAt(nn.Module):
 
 
 def go(data=batch, loss_fn=nn.functional.mse_loss, net=None, **kw):
-    return run(net if net is not None else model(), data, loss_fn, PART, M, steps=STEPS, progress=False, timeout_s=kw.pop("timeout_s", 120),
-               **kw)
+    return run(
+        net if net is not None else model(),
+        data,
+        loss_fn,
+        PART,
+        M,
+        steps=STEPS,
+        progress=False,
+        timeout_s=kw.pop("timeout_s", 120),
+        **kw,
+    )
 
 
 def reference():
@@ -137,8 +173,12 @@ def _descendants() -> list[int]:
     """Live descendants of this process, leaving out multiprocessing's fork server and resource tracker."""
     import psutil
 
-    return [p.pid for p in psutil.Process().children(recursive=True)
-            if p.status() != psutil.STATUS_ZOMBIE and not any(x in " ".join(p.cmdline()) for x in ("forkserver", "resource_tracker"))]
+    return [
+        p.pid
+        for p in psutil.Process().children(recursive=True)
+        if p.status() != psutil.STATUS_ZOMBIE
+        and not any(x in " ".join(p.cmdline()) for x in ("forkserver", "resource_tracker"))
+    ]
 
 
 def _settled(predicate, timeout_s: float = 10.0) -> bool:
@@ -174,8 +214,17 @@ def trial(kind: str, rng: random.Random, want: dict, workdir: Path) -> dict:
     """One trial of ``kind`` with its fault drawn from ``rng``; returns the row of outcome and checks."""
     step = rng.randrange(1, STEPS)
     rank = rng.randrange(P)
-    row = {"kind": kind, "step": step, "rank": rank, "outcome": "", "named_right": True, "bitwise": True,
-           "redo_within_interval": True, "no_corrupt_load": True, "detail": ""}
+    row = {
+        "kind": kind,
+        "step": step,
+        "rank": rank,
+        "outcome": "",
+        "named_right": True,
+        "bitwise": True,
+        "redo_within_interval": True,
+        "no_corrupt_load": True,
+        "detail": "",
+    }
     expect, result, err = None, None, None
     ck = workdir / "ck"
     try:
@@ -183,24 +232,38 @@ def trial(kind: str, rng: random.Random, want: dict, workdir: Path) -> dict:
             expect = ("died", rank)
             go(data=signal_at(batch, step=step, rank=rank, sig="SIGKILL"))
         elif kind == "kill_rank_restart":
-            result = go(data=signal_at(batch, step=step, rank=rank, sig="SIGKILL"), max_restarts=1, checkpoint_dir=ck,
-                        checkpoint_every=EVERY)
+            result = go(
+                data=signal_at(batch, step=step, rank=rank, sig="SIGKILL"),
+                max_restarts=1,
+                checkpoint_dir=ck,
+                checkpoint_every=EVERY,
+            )
             row["redo_within_interval"] = result.restarts == 1 and result.steps_redone <= EVERY
             row["outcome"] = f"restarted, {result.status}"
         elif kind == "preempt_caller":
             marker = workdir / "marker"
-            threading.Thread(target=lambda: _settled(marker.exists, 60) and os.kill(os.getpid(), signal.SIGTERM), daemon=True).start()
+            threading.Thread(
+                target=lambda: _settled(marker.exists, 60) and os.kill(os.getpid(), signal.SIGTERM), daemon=True
+            ).start()
             first = go(data=TouchAt(step, str(marker)), checkpoint_dir=ck)
             if first.status != "preempted":
                 raise AssertionError(f"status {first.status} after SIGTERM")
             saved = latest_checkpoint(ck).step  # the preemption's own save, at the step it stopped
-            result = go(resume_from=ck) if saved < STEPS else first  # a notice in the last step leaves nothing to resume
-            row["redo_within_interval"] = saved == len(first.step_ms) and result.first_step in (0, saved)  # nothing trained twice
+            result = (
+                go(resume_from=ck) if saved < STEPS else first
+            )  # a notice in the last step leaves nothing to resume
+            row["redo_within_interval"] = saved == len(first.step_ms) and result.first_step in (
+                0,
+                saved,
+            )  # nothing trained twice
             row["outcome"] = f"preempted, resumed: {result.status}" if saved < STEPS else "preempted at the last step"
             result = dataclasses.replace(result, status="completed") if saved == STEPS else result
         elif kind == "hang":
             expect = ("hung", 1)
-            go(net=nn.Sequential(nn.Linear(6, 12), nn.Tanh(), HangAt(step), nn.Linear(12, 12), nn.Linear(12, 3)), timeout_s=8)
+            go(
+                net=nn.Sequential(nn.Linear(6, 12), nn.Tanh(), HangAt(step), nn.Linear(12, 12), nn.Linear(12, 3)),
+                timeout_s=8,
+            )
         elif kind == "nonfinite":
             expect = ("nonfinite", 1)
             go(data=NanAt(step))
@@ -242,16 +305,26 @@ def trial(kind: str, rng: random.Random, want: dict, workdir: Path) -> dict:
                 go(checkpoint_dir=ck, checkpoint_every=EVERY)
         elif kind == "kill_caller":
             marker = workdir / "marker"
-            caller = subprocess.Popen([sys.executable, "-c", KILL_CALLER_SCRIPT, str(ROOT / "tests"), str(step), str(marker)],
-                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=workdir)
+            caller = subprocess.Popen(
+                [sys.executable, "-c", KILL_CALLER_SCRIPT, str(ROOT / "tests"), str(step), str(marker)],
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+                cwd=workdir,
+            )
             started = _settled(marker.exists, 120)
             caller.kill()
             caller.wait()
             row["outcome"] = "caller killed" if started else "caller never reached its step"
             import psutil
 
-            row["no_process_left"] = _settled(lambda: not [p for p in psutil.process_iter(["cmdline"])
-                                                           if str(workdir) in " ".join(p.info["cmdline"] or [])], 15)
+            row["no_process_left"] = _settled(
+                lambda: (
+                    not [
+                        p for p in psutil.process_iter(["cmdline"]) if str(workdir) in " ".join(p.info["cmdline"] or [])
+                    ]
+                ),
+                15,
+            )
             clean_stale_run_dirs()
             row["no_run_dir_left"] = not _run_dirs(caller.pid)
             row["ended_well"] = started
@@ -261,7 +334,9 @@ def trial(kind: str, rng: random.Random, want: dict, workdir: Path) -> dict:
     except RunError as exc:
         err = exc
     if not row["outcome"]:
-        row["outcome"] = f"RunError({err.reason})" if err is not None else (result.status if result is not None else "completed")
+        row["outcome"] = (
+            f"RunError({err.reason})" if err is not None else (result.status if result is not None else "completed")
+        )
     if expect is None:
         row["ended_well"] = err is None
         row["detail"] = str(err)[:200] if err is not None else ""
@@ -269,8 +344,9 @@ def trial(kind: str, rng: random.Random, want: dict, workdir: Path) -> dict:
         reason, at_rank = expect
         row["ended_well"] = err is not None and err.reason == reason
         if err is not None:
-            row["named_right"] = (err.step == row["step"] and (at_rank is None or err.rank == at_rank)
-                                  and _names_cause(kind, err))
+            row["named_right"] = (
+                err.step == row["step"] and (at_rank is None or err.rank == at_rank) and _names_cause(kind, err)
+            )
             row["detail"] = f"rank {err.rank}, step {err.step}: {str(err).splitlines()[0][:160]}"
         if kind == "disk_fault":
             kept = latest_checkpoint(ck)
@@ -284,9 +360,14 @@ def trial(kind: str, rng: random.Random, want: dict, workdir: Path) -> dict:
 
 def _names_cause(kind: str, err: RunError) -> bool:
     text = str(err)
-    return {"kill_rank": "SIGKILL" in text, "hang": "did not finish within timeout_s" in text, "nonfinite": "not finite" in text,
-            "raise_in_loss": "loss diverged" in text, "raise_in_data": "no batch for step" in text,
-            "disk_fault": ("No space left on device" in text or "Read-only file system" in text)}.get(kind, True)
+    return {
+        "kill_rank": "SIGKILL" in text,
+        "hang": "did not finish within timeout_s" in text,
+        "nonfinite": "not finite" in text,
+        "raise_in_loss": "loss diverged" in text,
+        "raise_in_data": "no batch for step" in text,
+        "disk_fault": ("No space left on device" in text or "Read-only file system" in text),
+    }.get(kind, True)
 
 
 def campaign(trials: int, seed: int = 0, progress: bool = True):
@@ -303,13 +384,22 @@ def campaign(trials: int, seed: int = 0, progress: bool = True):
             try:
                 rows.append(trial(kind, rng, want, Path(workdir)))
             except Exception as exc:  # noqa: BLE001 - a trial that breaks the harness is a failed trial, not the end of the campaign
-                rows.append({"kind": kind, "outcome": f"harness: {type(exc).__name__}", "detail": str(exc)[:300],
-                             **{check: False for check in CHECKS}})
+                rows.append(
+                    {
+                        "kind": kind,
+                        "outcome": f"harness: {type(exc).__name__}",
+                        "detail": str(exc)[:300],
+                        **{check: False for check in CHECKS},
+                    }
+                )
     return pd.DataFrame(rows)
 
 
 def summary(rows):
     """Per fault kind: trials, outcomes, and how many trials passed each check."""
-    table = rows.groupby("kind", sort=False).agg(trials=("kind", "size"), outcomes=("outcome", lambda s: ", ".join(sorted(set(s)))),
-                                                **{check: (check, "sum") for check in CHECKS})
+    table = rows.groupby("kind", sort=False).agg(
+        trials=("kind", "size"),
+        outcomes=("outcome", lambda s: ", ".join(sorted(set(s)))),
+        **{check: (check, "sum") for check in CHECKS},
+    )
     return table.reset_index()

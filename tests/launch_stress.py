@@ -5,6 +5,7 @@ A cold launch starts fresh interpreters that import torch, as ``torchrun`` does 
 each. :func:`busy_core` keeps one core busy meanwhile, which is how the exit abort showed (see
 [Note: the process group outlives its destroy] in ``pipeswift_lab/runner/worker.py``).
 """
+
 from __future__ import annotations
 
 import multiprocessing
@@ -20,8 +21,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from pipeswift_lab.partition import Partition
-from pipeswift_lab.profile import Profile
+from pipeswift_lab.partitioning.balance import Partition
+from pipeswift_lab.profiling.measure import Profile
 from pipeswift_lab.runner import RunError, run
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -63,7 +64,9 @@ def job(D: int = 1):
     model = nn.Sequential(*[Affine(6, s) for s in range(4)])
     g = torch.Generator().manual_seed(5)
     batch = torch.randn(8, 6, generator=g), torch.randn(8, 6, generator=g)
-    part = Partition.from_bounds(Profile.synthetic(fwd_ms=[1.0] * 4, bwd_ms=[1.0] * 4), [(0, 2), (2, 4)], schedule="1F1B")
+    part = Partition.from_bounds(
+        Profile.synthetic(fwd_ms=[1.0] * 4, bwd_ms=[1.0] * 4), [(0, 2), (2, 4)], schedule="1F1B"
+    )
     return model, batch, part, 2
 
 
@@ -71,7 +74,17 @@ def cold_run() -> dict:
     """One ``run(..., start_method="subprocess")``; returns ``{"ok", "abort", "error"}``."""
     model, batch, part, m = job()
     try:
-        run(model, batch, nn.functional.mse_loss, part, m, steps=2, progress=False, start_method="subprocess", timeout_s=180)
+        run(
+            model,
+            batch,
+            nn.functional.mse_loss,
+            part,
+            m,
+            steps=2,
+            progress=False,
+            start_method="subprocess",
+            timeout_s=180,
+        )
         return {"ok": True, "abort": False, "error": ""}
     except RunError as exc:
         text = f"{exc}\n{exc.traceback}"
@@ -93,14 +106,39 @@ def _free_port() -> int:
 
 def two_node_launch(spec_path: Path, nproc: int = 2) -> dict:
     """Two ``torchrun`` agents (static rendezvous on loopback), ``nproc`` ranks each; returns ``{"ok", "abort", "error"}``."""
-    launcher = [shutil.which("torchrun")] if shutil.which("torchrun") else [sys.executable, "-m", "torch.distributed.run"]
+    launcher = (
+        [shutil.which("torchrun")] if shutil.which("torchrun") else [sys.executable, "-m", "torch.distributed.run"]
+    )
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     port = _free_port()
     with tempfile.TemporaryDirectory() as out:
-        procs = [subprocess.Popen(launcher + ["--nnodes", "2", "--nproc-per-node", str(nproc), "--node-rank", str(node),
-                                              "--master-addr", "127.0.0.1", "--master-port", str(port), "-m", "pipeswift_lab.runner",
-                                              str(spec_path), "--out", out],
-                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env) for node in (0, 1)]
+        procs = [
+            subprocess.Popen(
+                launcher
+                + [
+                    "--nnodes",
+                    "2",
+                    "--nproc-per-node",
+                    str(nproc),
+                    "--node-rank",
+                    str(node),
+                    "--master-addr",
+                    "127.0.0.1",
+                    "--master-port",
+                    str(port),
+                    "-m",
+                    "pipeswift_lab.runner",
+                    str(spec_path),
+                    "--out",
+                    out,
+                ],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+                env=env,
+            )
+            for node in (0, 1)
+        ]
         outputs = []
         try:
             for proc in procs:

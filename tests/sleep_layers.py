@@ -1,4 +1,5 @@
 """Layers that sleep a known time in forward and backward: deterministic timing for the profiler tests."""
+
 import time
 
 import torch
@@ -67,7 +68,12 @@ class SleepLayer(nn.Module):
     def __init__(self, fwd_ms, bwd_ms, per_sample_ms=0.0, split_backward=False):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(1))
-        self.fwd_ms, self.bwd_ms, self.per_sample_ms, self.split_backward = fwd_ms, bwd_ms, per_sample_ms, split_backward
+        self.fwd_ms, self.bwd_ms, self.per_sample_ms, self.split_backward = (
+            fwd_ms,
+            bwd_ms,
+            per_sample_ms,
+            split_backward,
+        )
 
     def forward(self, x):
         extra = self.per_sample_ms * x.shape[0]

@@ -58,7 +58,11 @@ def test_device_and_dtype():
         (lambda: models.gpt(d_model=10, n_heads=4), ValueError, "d_model=10 must be divisible by n_heads=4"),
         (lambda: models.gpt(n_layers=0), ValueError, "n_layers=0 is invalid"),
         (lambda: models.mlp([4]), ValueError, r"widths=\[4\] needs at least 2 entries"),
-        (lambda: models.vit(image_size=30, patch_size=4), ValueError, "image_size=30 must be divisible by patch_size=4"),
+        (
+            lambda: models.vit(image_size=30, patch_size=4),
+            ValueError,
+            "image_size=30 must be divisible by patch_size=4",
+        ),
         (lambda: models.reference("resnet"), ValueError, "name='resnet' is not a reference model"),
         (lambda: models.reference("gpt", batch_size=0), ValueError, "batch_size=0 is invalid"),
     ],

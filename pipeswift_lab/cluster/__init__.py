@@ -11,12 +11,13 @@ costs on any GPU count, from a profile and the cost models), :mod:`.engine` (the
 heap, segments and the JCT accounting), :mod:`.policies` (static, elastic, preemptive, and
 the :class:`Policy` base for custom ones), :mod:`.simulate`, :mod:`.result`.
 """
+
 from __future__ import annotations
 
 from .policies import POLICIES, Elastic, Policy, Preemptive, Static
 from .result import ClusterComparison, ClusterResult, compare
 from .scaling import ScalingModel, default_profile, profile_library
-from .simulate import simulate
+from .simulator import simulate
 
 __all__ = [
     "POLICIES",

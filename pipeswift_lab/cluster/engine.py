@@ -4,7 +4,7 @@ A job runs as one or more *segments*, each on a fixed number of GPUs ``n``::
 
     [assembly A][restore / resize checkpoint L][training R, with a checkpoint of save_s every τ][cleanup C]
 
-``A`` comes from :class:`~pipeswift_lab.costs.AssemblyModel`, ``L`` is the restore of the
+``A`` comes from :class:`~pipeswift_lab.core.costs.AssemblyModel`, ``L`` is the restore of the
 last checkpoint (when there is one) plus, after a resize, the checkpoint written before
 it; ``R`` is the remaining work at the segment's speed; ``C`` is the final checkpoint and
 teardown. A segment ends in one event (its finish), or early when the policy resizes the
@@ -17,6 +17,7 @@ queue is time holding no GPU; assembly every segment's ``A``; training the train
 cleanup the final ``C``; preemption loss the restores, the checkpoints written (periodic
 and before resizes) and the training lost to preemptions.
 """
+
 from __future__ import annotations
 
 import heapq
@@ -203,7 +204,11 @@ class Cluster:
                 c = min(int(x // cycle), k)
                 within = x - c * cycle
                 if voluntary:
-                    kept, ckpt, lost = c * self.interval + min(within, self.interval), c * save + max(0.0, within - self.interval), 0.0
+                    kept, ckpt, lost = (
+                        c * self.interval + min(within, self.interval),
+                        c * save + max(0.0, within - self.interval),
+                        0.0,
+                    )
                 else:
                     kept, ckpt = c * self.interval, c * save
                     lost = x - kept - ckpt

@@ -1,9 +1,10 @@
-"""Checking and normalizing what :func:`~pipeswift_lab.cluster.simulate` is given: jobs and capacity.
+"""Checking and normalizing what :func:`~pipeswift_lab.cluster.simulator` is given: jobs and capacity.
 
 Bad input raises ``ValueError``/``TypeError`` naming the argument, the bad value and what
 is valid. Two things are handled rather than refused, and said so with a warning:
 submissions out of order are sorted (stably), and every count is in the warning.
 """
+
 from __future__ import annotations
 
 import numbers
@@ -12,7 +13,7 @@ import warnings
 import numpy as np
 import pandas as pd
 
-from ..profile import Profile
+from ..profiling.measure import Profile
 
 #: Columns a job table must have.
 REQUIRED_COLUMNS = ("submit_s", "gpus", "duration_s")
@@ -23,7 +24,10 @@ OPTIONAL_COLUMNS = ("name", "priority", "min_gpus", "max_gpus", "profile")
 def _numeric(jobs: pd.DataFrame, column: str, integer: bool, minimum: float, allow_equal: bool = True) -> np.ndarray:
     values = jobs[column]
     if not (pd.api.types.is_numeric_dtype(values) and not pd.api.types.is_bool_dtype(values)):
-        bad = next((v for v in values if isinstance(v, bool) or not isinstance(v, numbers.Real)), values.iloc[0] if len(values) else None)
+        bad = next(
+            (v for v in values if isinstance(v, bool) or not isinstance(v, numbers.Real)),
+            values.iloc[0] if len(values) else None,
+        )
         raise TypeError(f"jobs[{column!r}] must be numeric; found {bad!r} (dtype {values.dtype})")
     array = values.to_numpy(float)
     finite = np.isfinite(array)
@@ -34,7 +38,9 @@ def _numeric(jobs: pd.DataFrame, column: str, integer: bool, minimum: float, all
     if low.any():
         i = int(np.flatnonzero(low)[0])
         bound = f">= {minimum:g}" if allow_equal else f"> {minimum:g}"
-        raise ValueError(f"jobs[{column!r}]={array[i]:g} at row {i} is invalid; it must be {bound} ({int(low.sum())} rows are not)")
+        raise ValueError(
+            f"jobs[{column!r}]={array[i]:g} at row {i} is invalid; it must be {bound} ({int(low.sum())} rows are not)"
+        )
     if integer:
         whole = array == np.round(array)
         if not whole.all():
@@ -54,10 +60,14 @@ def check_jobs(jobs) -> pd.DataFrame:
     submissions are sorted (stable) with a warning that counts the rows out of order.
     """
     if not isinstance(jobs, pd.DataFrame):
-        raise TypeError(f"jobs must be a pandas DataFrame with columns {list(REQUIRED_COLUMNS)}; got {type(jobs).__name__}")
+        raise TypeError(
+            f"jobs must be a pandas DataFrame with columns {list(REQUIRED_COLUMNS)}; got {type(jobs).__name__}"
+        )
     missing = [c for c in REQUIRED_COLUMNS if c not in jobs.columns]
     if missing:
-        raise ValueError(f"jobs is missing the columns {missing}; it needs {list(REQUIRED_COLUMNS)} (optional {list(OPTIONAL_COLUMNS)}) and has {list(jobs.columns)}")
+        raise ValueError(
+            f"jobs is missing the columns {missing}; it needs {list(REQUIRED_COLUMNS)} (optional {list(OPTIONAL_COLUMNS)}) and has {list(jobs.columns)}"
+        )
     if len(jobs) == 0:
         raise ValueError("jobs has no rows; give at least one job")
     out = pd.DataFrame(
@@ -67,7 +77,11 @@ def check_jobs(jobs) -> pd.DataFrame:
             "duration_s": _numeric(jobs, "duration_s", False, 0.0, allow_equal=False),
         }
     )
-    out.insert(0, "name", jobs["name"].astype(str).to_numpy() if "name" in jobs.columns else [f"job-{i}" for i in range(len(jobs))])
+    out.insert(
+        0,
+        "name",
+        jobs["name"].astype(str).to_numpy() if "name" in jobs.columns else [f"job-{i}" for i in range(len(jobs))],
+    )
     if out["name"].duplicated().any():
         dup = out.loc[out["name"].duplicated(), "name"].iloc[0]
         raise ValueError(f"jobs['name'] must be unique; {dup!r} appears more than once")
@@ -80,16 +94,23 @@ def check_jobs(jobs) -> pd.DataFrame:
         bad = out["min_gpus"] > out["max_gpus"]
         if bad.any():
             i = int(np.flatnonzero(bad.to_numpy())[0])
-            raise ValueError(f"jobs row {i}: min_gpus={out['min_gpus'][i]} exceeds max_gpus={out['max_gpus'][i]}; it must be <= max_gpus")
+            raise ValueError(
+                f"jobs row {i}: min_gpus={out['min_gpus'][i]} exceeds max_gpus={out['max_gpus'][i]}; it must be <= max_gpus"
+            )
     if "profile" in jobs.columns:
         for i, p in enumerate(jobs["profile"]):
             if not (isinstance(p, (str, Profile)) or p is None or (isinstance(p, float) and np.isnan(p))):
-                raise TypeError(f"jobs['profile'] row {i} is {type(p).__name__} {p!r}; give a library name (str), a Profile or None")
+                raise TypeError(
+                    f"jobs['profile'] row {i} is {type(p).__name__} {p!r}; give a library name (str), a Profile or None"
+                )
         out["profile"] = jobs["profile"].to_numpy()
     order = np.argsort(out["submit_s"].to_numpy(), kind="stable")
     if (np.diff(out["submit_s"].to_numpy()) < 0).any():
         moved = int((order != np.arange(len(order))).sum())
-        warnings.warn(f"jobs are not sorted by submit_s; sorted them (stable), which moved {moved} of {len(out)} rows", stacklevel=3)
+        warnings.warn(
+            f"jobs are not sorted by submit_s; sorted them (stable), which moved {moved} of {len(out)} rows",
+            stacklevel=3,
+        )
         out = out.iloc[order].reset_index(drop=True)
     return out
 
@@ -110,13 +131,17 @@ def check_capacity(gpus) -> tuple[tuple[float, int], ...]:
     if isinstance(gpus, pd.DataFrame):
         missing = [c for c in ("time_s", "gpus") if c not in gpus.columns]
         if missing:
-            raise ValueError(f"gpus as a DataFrame needs the columns ['time_s', 'gpus']; it is missing {missing} (has {list(gpus.columns)})")
+            raise ValueError(
+                f"gpus as a DataFrame needs the columns ['time_s', 'gpus']; it is missing {missing} (has {list(gpus.columns)})"
+            )
         pairs = list(zip(gpus["time_s"].tolist(), gpus["gpus"].tolist()))
     else:
         try:
             pairs = [tuple(p) for p in gpus]
         except TypeError:
-            raise TypeError(f"gpus must be an int, a list of (time_s, gpus) pairs or a DataFrame with time_s and gpus; got {type(gpus).__name__} {gpus!r}") from None
+            raise TypeError(
+                f"gpus must be an int, a list of (time_s, gpus) pairs or a DataFrame with time_s and gpus; got {type(gpus).__name__} {gpus!r}"
+            ) from None
     if not pairs:
         raise ValueError("gpus is an empty capacity series; give at least one (time_s, gpus) pair")
     out = []

@@ -26,6 +26,7 @@ JSSPP 1995; Mu'alem and Feitelson, IEEE TPDS 2001): the head of the queue gets a
 reservation at the time enough GPUs free up, and later jobs start ahead of it only if
 they end before then or fit in the GPUs it will not need.
 """
+
 from __future__ import annotations
 
 import math
@@ -147,7 +148,9 @@ class Preemptive(Policy):
 
     def __init__(self, threshold_gpu_s: float = 3600.0):
         if not (isinstance(threshold_gpu_s, (int, float)) and threshold_gpu_s > 0 and math.isfinite(threshold_gpu_s)):
-            raise ValueError(f"threshold_gpu_s={threshold_gpu_s!r} is invalid; it must be a finite number of GPU-seconds > 0")
+            raise ValueError(
+                f"threshold_gpu_s={threshold_gpu_s!r} is invalid; it must be a finite number of GPU-seconds > 0"
+            )
         self.threshold_gpu_s = float(threshold_gpu_s)
         self.las = True  # set by simulate: False when the jobs carry their own priority
 
@@ -165,7 +168,10 @@ class Preemptive(Policy):
 
     def blocked(self, cluster: Cluster, job: Job, t: float) -> bool:
         need = job.gpus - cluster.free
-        lower = sorted((j for j in cluster.running.values() if j.priority < job.priority), key=lambda j: (j.priority, -j.seg_start, -j.idx))
+        lower = sorted(
+            (j for j in cluster.running.values() if j.priority < job.priority),
+            key=lambda j: (j.priority, -j.seg_start, -j.idx),
+        )
         chosen, freed = [], 0
         for victim in lower:
             if freed >= need:
@@ -300,4 +306,6 @@ def get_policy(policy) -> Policy:
         return policy()
     if isinstance(policy, str) and policy.lower() in POLICIES:
         return POLICIES[policy.lower()]()
-    raise ValueError(f"policy={policy!r} is not known; use one of {list(POLICIES)} or a pipeswift_lab.cluster.Policy instance")
+    raise ValueError(
+        f"policy={policy!r} is not known; use one of {list(POLICIES)} or a pipeswift_lab.cluster.Policy instance"
+    )

@@ -1,4 +1,5 @@
 """What a cluster simulation returns (:class:`ClusterResult`) and how results compare (:func:`compare`)."""
+
 from __future__ import annotations
 
 import math
@@ -7,8 +8,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import pandas as pd
 
-from .._display import html_card, text_card
-from ..jct import TERMS
+from ..core.display import html_card, text_card
+from ..core.jct import TERMS
 
 #: Columns of :attr:`ClusterResult.jobs`, in order.
 JOB_COLUMNS = (
@@ -40,7 +41,9 @@ class ClusterResult:
     stats: dict = field(repr=False)
 
     @classmethod
-    def from_cluster(cls, cluster, profile_names, policy, capacity, checkpoint_every_s, wall_s, seed) -> "ClusterResult":
+    def from_cluster(
+        cls, cluster, profile_names, policy, capacity, checkpoint_every_s, wall_s, seed
+    ) -> ClusterResult:
         """Collect a finished :class:`~pipeswift_lab.cluster.engine.Cluster` into a result."""
         rows = []
         for job, profile in zip(cluster.jobs, profile_names):
@@ -59,7 +62,7 @@ class ClusterResult:
         stats = {"events": cluster.events, "wall_s": wall_s}
         return cls(jobs, usage, policy.name, inputs, stats)
 
-    def relabel(self, label: str) -> "ClusterResult":
+    def relabel(self, label: str) -> ClusterResult:
         """The same result under another label (for :func:`compare`)."""
         if not isinstance(label, str) or not label:
             raise TypeError(f"label must be a non-empty str; got {label!r}")
@@ -107,7 +110,7 @@ class ClusterResult:
     # -- plots ----------------------------------------------------------------------------
     def plot_cdf(self, ax=None, unit="h", **kwargs):
         """The empirical CDF of the finished jobs' JCT (log x axis). Returns the Axes."""
-        from ..plot import get_ax
+        from ..core.plot import get_ax
 
         ax = get_ax(ax)
         x = np.sort(self.finished["jct_s"].to_numpy(float)) / _scale(unit)
@@ -120,7 +123,7 @@ class ClusterResult:
 
     def plot_usage(self, ax=None, unit="h"):
         """GPUs used and the capacity over time. Returns the Axes."""
-        from ..plot import get_ax
+        from ..core.plot import get_ax
 
         ax = get_ax(ax)
         u = self.usage
@@ -185,7 +188,7 @@ class ClusterComparison:
 
     def plot(self, ax=None, unit="h"):
         """JCT CDFs of every result on one Axes. Returns the Axes."""
-        from ..plot import get_ax
+        from ..core.plot import get_ax
 
         ax = get_ax(ax)
         for r in self.results:
@@ -195,18 +198,20 @@ class ClusterComparison:
 
     def plot_breakdown(self, ax=None, unit="h"):
         """Stacked bars of the mean JCT terms per result. Returns the Axes."""
-        from ..jct import JCT
+        from ..core.jct import JCT
 
         rows = self.breakdown()
         jcts = [JCT(**{t: float(row[t]) for t in TERMS}, label=str(label)) for label, row in rows.iterrows()]
         return JCT.plot_many(jcts, ax=ax, unit=unit)
 
     def _repr_html_(self) -> str:
-        return html_card(f"{len(self.results)} cluster simulations", {"labels": ", ".join(r.label for r in self.results)}, self.table)
+        return html_card(
+            f"{len(self.results)} cluster simulations", {"labels": ", ".join(r.label for r in self.results)}, self.table
+        )
 
 
 def compare(*results: ClusterResult) -> ClusterComparison:
-    """Compare results of :func:`~pipeswift_lab.cluster.simulate` (distinct labels; see :meth:`ClusterResult.relabel`)."""
+    """Compare results of :func:`~pipeswift_lab.cluster.simulator` (distinct labels; see :meth:`ClusterResult.relabel`)."""
     if not results:
         raise ValueError("compare needs at least one ClusterResult")
     for r in results:

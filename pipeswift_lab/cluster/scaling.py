@@ -5,12 +5,12 @@ runs on other counts. :class:`ScalingModel` predicts, for every GPU count ``n``,
 pipeline configuration of a profiled model (``P`` stages × ``D`` replicas) and from it:
 
 * ``speed[n]`` — samples per ms at a fixed global batch: the 1F1B step of the slowest
-  stage of the balanced :func:`~pipeswift_lab.partition` (closed form,
-  :func:`~pipeswift_lab.analytic.step_ms`) plus the ring all-reduce of its gradients over
-  ``D`` replicas (:func:`~pipeswift_lab.costs.allreduce_ms`);
-* ``assembly_s[n]`` — :class:`~pipeswift_lab.costs.AssemblyModel` of that ``(P, D)``;
+  stage of the balanced :func:`~pipeswift_lab.partitioning.balance` (closed form,
+  :func:`~pipeswift_lab.core.analytic.step_ms`) plus the ring all-reduce of its gradients over
+  ``D`` replicas (:func:`~pipeswift_lab.core.costs.allreduce_ms`);
+* ``assembly_s[n]`` — :class:`~pipeswift_lab.core.costs.AssemblyModel` of that ``(P, D)``;
 * ``save_s[n]``, ``restore_s[n]``, ``cleanup_s[n]`` —
-  :class:`~pipeswift_lab.costs.CheckpointModel` of its largest stage shard (parameters
+  :class:`~pipeswift_lab.core.costs.CheckpointModel` of its largest stage shard (parameters
   plus Adam's two moments).
 
 :func:`profile_library` is the small library of synthetic profiles a job gets when it
@@ -22,14 +22,15 @@ in flight), so the largest model cannot run on one GPU. Any measured :class:`~pi
 be given per job instead (``meta["global_batch"]`` and ``meta["batch_size"]`` are used
 when present).
 """
+
 from __future__ import annotations
 
 import math
 
-from ..analytic import step_ms
-from ..costs import AssemblyModel, CheckpointModel, allreduce_ms
-from ..partition import OPTIMIZER_STATE_FACTOR, partition
-from ..profile import Profile
+from ..core.analytic import step_ms
+from ..core.costs import AssemblyModel, CheckpointModel, allreduce_ms
+from ..partitioning.balance import OPTIMIZER_STATE_FACTOR, partition
+from ..profiling.measure import Profile
 
 #: Effective training throughput of one GPU assumed by the library (bf16, ~40% of a
 #: 125 TFLOP/s V100-class peak): 50 TFLOP/s.
@@ -54,8 +55,13 @@ def _decoder(name: str, blocks: int, hidden: int, seq: int, vocab: int, microbat
     params = [head_params] + [block_params] * blocks + [head_params]
     names = ["wte"] + [f"h.{i}" for i in range(blocks)] + ["lm_head"]
     return Profile.synthetic(
-        fwd_ms=fwd, bwd_ms=[2 * f for f in fwd], name=names, params=params, param_bytes=[4 * p for p in params],
-        activation_bytes=[2 * tokens * hidden] + [block_activation] * blocks + [2 * tokens * vocab], output_bytes=2 * tokens * hidden,
+        fwd_ms=fwd,
+        bwd_ms=[2 * f for f in fwd],
+        name=names,
+        params=params,
+        param_bytes=[4 * p for p in params],
+        activation_bytes=[2 * tokens * hidden] + [block_activation] * blocks + [2 * tokens * vocab],
+        output_bytes=2 * tokens * hidden,
         meta={"model": name, "batch_size": microbatch, "global_batch": global_batch, "seq": seq},
     )
 
@@ -88,9 +94,17 @@ class ScalingModel:
     smaller configuration, its extra GPUs idle: ``speed`` never decreases with ``n``.
     """
 
-    def __init__(self, profile: Profile, assembly: AssemblyModel | None = None, checkpoint: CheckpointModel | None = None, memory_bytes: float = MEMORY_PER_GPU_BYTES):
+    def __init__(
+        self,
+        profile: Profile,
+        assembly: AssemblyModel | None = None,
+        checkpoint: CheckpointModel | None = None,
+        memory_bytes: float = MEMORY_PER_GPU_BYTES,
+    ):
         if not isinstance(profile, Profile):
-            raise TypeError(f"profile must be a pipeswift_lab.Profile or a library name; got {type(profile).__name__} {profile!r}")
+            raise TypeError(
+                f"profile must be a pipeswift_lab.Profile or a library name; got {type(profile).__name__} {profile!r}"
+            )
         self.profile = profile
         self.assembly = assembly or AssemblyModel()
         self.checkpoint = checkpoint or CheckpointModel()
@@ -116,7 +130,12 @@ class ScalingModel:
                 return None
             slowest = max(range(P), key=lambda s: part.stage_ms[s])
             shard = max(part.stage_param_bytes) * (1.0 + OPTIMIZER_STATE_FACTOR["adam"])
-            self._stage[P] = (part.stage_fwd_ms[slowest], part.stage_bwd_ms[slowest], max(part.stage_param_bytes), shard)
+            self._stage[P] = (
+                part.stage_fwd_ms[slowest],
+                part.stage_bwd_ms[slowest],
+                max(part.stage_param_bytes),
+                shard,
+            )
         return self._stage[P]
 
     def step_ms(self, P: int, D: int) -> float:
@@ -128,7 +147,9 @@ class ScalingModel:
             return math.inf
         m = math.ceil(self.global_batch / (D * self.microbatch))
         fwd, bwd, grad_bytes, _ = stage
-        return step_ms(P, m, "1F1B", fwd_ms=fwd, bwd_ms=bwd) + allreduce_ms(grad_bytes, D, DP_BANDWIDTH_GBps, DP_LATENCY_MS)
+        return step_ms(P, m, "1F1B", fwd_ms=fwd, bwd_ms=bwd) + allreduce_ms(
+            grad_bytes, D, DP_BANDWIDTH_GBps, DP_LATENCY_MS
+        )
 
     def ensure(self, n: int) -> None:
         """Fill the tables up to ``n`` GPUs."""

@@ -13,6 +13,7 @@ attribution with any copy (``README.md`` in this folder, also :data:`PHILLY_ATTR
 The files are read with :mod:`importlib.resources`, so they load from an installed
 wheel as well as from a source checkout.
 """
+
 from __future__ import annotations
 
 import numbers
@@ -38,7 +39,9 @@ def data_path(name: str = PHILLY_FILE):
     """The :mod:`importlib.resources` Traversable of a shipped data file (``philly_jobs.csv``, ``README.md``)."""
     path = resources.files(__name__).joinpath(name)
     if not path.is_file():
-        available = sorted(p.name for p in resources.files(__name__).iterdir() if p.is_file() and not p.name.endswith((".py", ".pyc")))
+        available = sorted(
+            p.name for p in resources.files(__name__).iterdir() if p.is_file() and not p.name.endswith((".py", ".pyc"))
+        )
         raise FileNotFoundError(f"{name!r} is not shipped in {__name__}; available: {available}")
     return path
 
@@ -84,7 +87,9 @@ def philly_jobs(window=None, sample=None, seed=0) -> pd.DataFrame:
         if isinstance(sample, bool) or not isinstance(sample, numbers.Integral) or sample < 0:
             raise ValueError(f"sample={sample!r} is invalid; give a number of jobs >= 0 (or None for all)")
         if sample > len(df):
-            raise ValueError(f"sample={sample} exceeds the {len(df)} jobs in the trace{' window' if window is not None else ''}; give at most {len(df)}")
+            raise ValueError(
+                f"sample={sample} exceeds the {len(df)} jobs in the trace{' window' if window is not None else ''}; give at most {len(df)}"
+            )
         rng = np.random.default_rng(seed)
         keep = np.sort(rng.choice(len(df), size=int(sample), replace=False))
         df = df.iloc[keep].reset_index(drop=True)
@@ -97,7 +102,9 @@ def _check_window(window) -> tuple[float, float]:
         start, end = window
         start, end = float(start), float(end)
     except (TypeError, ValueError):
-        raise TypeError(f"window must be a (start_s, end_s) pair of seconds since the first submission; got {window!r}") from None
+        raise TypeError(
+            f"window must be a (start_s, end_s) pair of seconds since the first submission; got {window!r}"
+        ) from None
     if not (np.isfinite(start) and np.isfinite(end)) or start < 0 or end <= start:
         raise ValueError(f"window={window!r} is invalid; it must be (start_s, end_s) with 0 <= start_s < end_s, finite")
     return start, end

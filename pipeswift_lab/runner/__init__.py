@@ -2,7 +2,6 @@
 
 * :func:`run` — launch a partitioned model on one process per rank and measure it;
 * :class:`RunResult` — the measured timeline, step times, losses, JCT and final parameters;
-* :func:`compare` — a predicted (simulated) Timeline against a measured one;
 * :class:`RunSpec`, :func:`load_spec`, :func:`load_result` — the same run under ``torchrun``;
 * :class:`RunError` — why a run failed, naming the rank;
 * :func:`load_checkpoint`, :func:`latest_checkpoint`, :class:`Checkpoint` — the run's DCP checkpoints;
@@ -10,8 +9,8 @@
 * :func:`signal_at` — rehearse a preemption or a crash: a real signal to a worker at a chosen step;
   :func:`write_fault` — a checkpoint writer failing as a full or read-only disk does.
 """
+
 from .checkpoint import Checkpoint, CheckpointError, latest_checkpoint, load_checkpoint
-from .compare import Comparison, compare
 from .errors import RunError
 from .faults import signal_at, write_fault
 from .job import run
@@ -19,6 +18,22 @@ from .planned import global_batch_of, run_arguments
 from .result import RunResult, load_result
 from .spec import DEFAULT_LR, RunSpec, default_optimizer, load_spec, make_spec
 
-__all__ = ["run", "RunResult", "compare", "Comparison", "RunError", "RunSpec", "load_spec", "load_result", "make_spec",
-           "default_optimizer", "DEFAULT_LR", "Checkpoint", "CheckpointError", "load_checkpoint", "latest_checkpoint", "signal_at", "write_fault",
-           "run_arguments", "global_batch_of"]
+__all__ = [
+    "run",
+    "RunResult",
+    "RunError",
+    "RunSpec",
+    "load_spec",
+    "load_result",
+    "make_spec",
+    "default_optimizer",
+    "DEFAULT_LR",
+    "Checkpoint",
+    "CheckpointError",
+    "load_checkpoint",
+    "latest_checkpoint",
+    "signal_at",
+    "write_fault",
+    "run_arguments",
+    "global_batch_of",
+]

@@ -6,6 +6,7 @@ suffix ``.out``), copies the spec to ``DIR/spec.pkl`` and prints a summary. Read
 back with ``pipeswift_lab.runner.load_result(DIR)``. ``pipeswift_lab.run`` starts this same
 command through torch's elastic agent (with ``--from-run``).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -18,7 +19,9 @@ def main(argv=None) -> int:
     """Parse the command line and run this process's rank; returns the exit status."""
     parser = argparse.ArgumentParser(prog="python -m pipeswift_lab.runner", description=__doc__.splitlines()[0])
     parser.add_argument("spec", help="spec file written by pipeswift_lab.run(..., save_spec=PATH)")
-    parser.add_argument("--out", default=None, help="directory for the per-rank files and result.pt (default: SPEC.out)")
+    parser.add_argument(
+        "--out", default=None, help="directory for the per-rank files and result.pt (default: SPEC.out)"
+    )
     parser.add_argument("--progress", action="store_true", help="write the steps done to OUT/progress")
     parser.add_argument("--from-run", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--caller-pid", type=int, default=None, help=argparse.SUPPRESS)
@@ -28,7 +31,7 @@ def main(argv=None) -> int:
 
     from torch.distributed.elastic.multiprocessing.errors import record
 
-    from . import worker
+    from .rank import worker
 
     record(worker.main)(spec_path, out, progress=args.progress, caller_pid=args.caller_pid)
     if not args.from_run and int(os.environ.get("RANK", "0")) == 0:
@@ -46,7 +49,7 @@ def exit_now(code: int) -> None:
     """Flush what this process wrote, then leave without interpreter teardown (``os._exit``).
 
     A rank's results are on disk by now; see [Note: the process group outlives its destroy] in
-    :mod:`pipeswift_lab.runner.worker` for why a finished rank does not run the interpreter's shutdown.
+    :mod:`pipeswift_lab.runner.rank.worker` for why a finished rank does not run the interpreter's shutdown.
     """
     import logging
     import sys

@@ -20,6 +20,7 @@ part-way leaves a ``.tmp-`` directory that is never loaded and is removed by the
 load, a checkpoint whose files do not match their checksums is skipped with a warning naming
 the file, and the previous complete one is used.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -36,7 +37,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from .._display import html_card, text_card
+from ..core.display import html_card, text_card
 
 MANIFEST = "manifest.json"
 FORMAT = "pipeswift_lab.checkpoint"
@@ -117,10 +118,13 @@ class Checkpoint:
 
         metadata = FileSystemReader(str(self.path)).read_metadata()
         prefix = MODEL + "."
-        return {k[len(prefix):]: tuple(m.size) for k, m in metadata.state_dict_metadata.items()
-                if k.startswith(prefix) and isinstance(m, TensorStorageMetadata)}
+        return {
+            k[len(prefix) :]: tuple(m.size)
+            for k, m in metadata.state_dict_metadata.items()
+            if k.startswith(prefix) and isinstance(m, TensorStorageMetadata)
+        }
 
-    def state_dict(self) -> "OrderedDict[str, object]":
+    def state_dict(self) -> OrderedDict[str, object]:
         """The full model's state (CPU tensors), keyed and ordered like the saved model's ``state_dict()``."""
         import torch
         import torch.distributed.checkpoint as dcp
@@ -131,7 +135,7 @@ class Checkpoint:
         model = {}
         for key, meta in metadata.state_dict_metadata.items():
             if key.startswith(prefix) and isinstance(meta, TensorStorageMetadata):
-                model[key[len(prefix):]] = torch.empty(tuple(meta.size), dtype=meta.properties.dtype)
+                model[key[len(prefix) :]] = torch.empty(tuple(meta.size), dtype=meta.properties.dtype)
         with warnings.catch_warnings():  # DCP notes that it loads in one process: that is the intent here
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
             dcp.load({MODEL: model}, checkpoint_id=str(self.path), no_dist=True)
@@ -150,9 +154,19 @@ class Checkpoint:
 
     def _summary(self) -> dict:
         m = self.manifest
-        return {"step": self.step, "of_steps": m.get("steps"), "P": m.get("P"), "v": m.get("v"), "m": m.get("m"),
-                "schedule": m.get("schedule"), "optimizer": m.get("optimizer"), "files": len(m["files"]), "bytes": self.bytes,
-                "kind": m.get("kind"), "path": str(self.path)}
+        return {
+            "step": self.step,
+            "of_steps": m.get("steps"),
+            "P": m.get("P"),
+            "v": m.get("v"),
+            "m": m.get("m"),
+            "schedule": m.get("schedule"),
+            "optimizer": m.get("optimizer"),
+            "files": len(m["files"]),
+            "bytes": self.bytes,
+            "kind": m.get("kind"),
+            "path": str(self.path),
+        }
 
     def _repr_html_(self) -> str:
         return html_card(f"Checkpoint at step {self.step}", self._summary(), self.df)
@@ -174,8 +188,10 @@ def _read_manifest(path: Path) -> dict:
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         raise CheckpointError(f"{str(manifest_path)!r} is not a pipeswift_lab checkpoint manifest")
     if manifest.get("version") != VERSION:
-        raise CheckpointError(f"{str(manifest_path)!r} is a checkpoint of format version {manifest.get('version')}; "
-                              f"this pipeswift_lab reads version {VERSION}")
+        raise CheckpointError(
+            f"{str(manifest_path)!r} is a checkpoint of format version {manifest.get('version')}; "
+            f"this pipeswift_lab reads version {VERSION}"
+        )
     for key in ("step", "files"):
         if key not in manifest:
             raise CheckpointError(f"the manifest {str(manifest_path)!r} lacks {key!r}")
@@ -195,7 +211,9 @@ def verify(path) -> Checkpoint:
         if not file.is_file():
             raise CheckpointError(f"checkpoint {str(path)!r}: file {name} listed in the manifest is missing")
         if file.stat().st_size != info["bytes"] or sha256_of(file) != info["sha256"]:
-            raise CheckpointError(f"checkpoint {str(path)!r}: file {name} does not match its SHA-256 in the manifest (corrupt or changed)")
+            raise CheckpointError(
+                f"checkpoint {str(path)!r}: file {name} does not match its SHA-256 in the manifest (corrupt or changed)"
+            )
     return Checkpoint(path, manifest)
 
 
@@ -258,7 +276,9 @@ def load_checkpoint(path) -> Checkpoint:
     found = latest_checkpoint(path)
     if found is None:
         names = sorted(p.name for p in path.iterdir())[:5]
-        raise CheckpointError(f"{str(path)!r} holds no complete checkpoint (no step-*/{MANIFEST}); it contains {names or 'nothing'}")
+        raise CheckpointError(
+            f"{str(path)!r} holds no complete checkpoint (no step-*/{MANIFEST}); it contains {names or 'nothing'}"
+        )
     return found
 
 
@@ -277,7 +297,10 @@ def check_same_model(checkpoint: Checkpoint, model) -> None:
     if extra:
         parts.append(f"only in the checkpoint: {extra[:8]}{' ...' if len(extra) > 8 else ''}")
     if shapes:
-        parts.append("shapes differ: " + ", ".join(f"{k} {list(saved[k])} in the checkpoint vs {list(own[k])} in the model" for k in shapes[:8]))
+        parts.append(
+            "shapes differ: "
+            + ", ".join(f"{k} {list(saved[k])} in the checkpoint vs {list(own[k])} in the model" for k in shapes[:8])
+        )
     raise CheckpointError(f"checkpoint {str(checkpoint.path)!r} is of another model; " + "; ".join(parts))
 
 
@@ -300,8 +323,9 @@ def rng_states(device) -> dict:
     return states
 
 
-def save_rank_state(tmp_dir: Path, rank: int, module, optimizer, device, group, step: int | None = None,
-                    fault: dict | None = None) -> dict:
+def save_rank_state(
+    tmp_dir: Path, rank: int, module, optimizer, device, group, step: int | None = None, fault: dict | None = None
+) -> dict:
     """Write this rank's layers, optimizer state and RNG states into ``tmp_dir`` with DCP (a collective).
 
     ``fault`` is a :func:`~pipeswift_lab.runner.faults.write_fault` the run carries, matched against ``step`` (steps done).
@@ -345,7 +369,9 @@ def restore_rank_state(path: Path, rank: int, module, optimizer, device, group, 
     if restore_rng:
         state[RNG] = {f"rank{rank}": {k: torch.empty_like(v) for k, v in rng_states(device).items()}}
     dcp.load(state, storage_reader=dcp.FileSystemReader(str(path)), process_group=group)
-    set_state_dict(module, optimizer, model_state_dict=state[MODEL], optim_state_dict=state[OPTIM], options=_state_options())
+    set_state_dict(
+        module, optimizer, model_state_dict=state[MODEL], optim_state_dict=state[OPTIM], options=_state_options()
+    )
     if restore_rng:
         saved = state[RNG][f"rank{rank}"]
         torch.set_rng_state(saved["cpu"])

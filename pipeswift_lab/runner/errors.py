@@ -6,6 +6,7 @@ exit code (from torch's elastic agent) and its stderr; one that hangs is asked f
 fails its peers usually fail next with communication errors (a closed gloo connection), so
 the diagnosis prefers a rank that died or raised something else over one that lost its peer.
 """
+
 from __future__ import annotations
 
 import glob
@@ -15,11 +16,23 @@ import signal
 from pathlib import Path
 
 #: Substrings of a traceback's last line that mark a rank failing *because a peer failed*.
-_PEER_ERRORS = ("Connection closed by peer", "Connection reset by peer", "DistNetworkError", "DistBackendError",
-                "Broken pipe", "Socket Timeout", "Timed out waiting", "ECONNRESET", "EPIPE", "gloo")
+_PEER_ERRORS = (
+    "Connection closed by peer",
+    "Connection reset by peer",
+    "DistNetworkError",
+    "DistBackendError",
+    "Broken pipe",
+    "Socket Timeout",
+    "Timed out waiting",
+    "ECONNRESET",
+    "EPIPE",
+    "gloo",
+)
 #: Function names at the top of a rank's stack that mean "waiting for a peer".
-_WAITING = re.compile(r"in (_wait_batch_p2p|wait|barrier|recv|irecv|send|gather_object|all_gather\w*|broadcast\w*|_recv_meta|"
-                      r"recv_object_list|send_object_list|_store_based_barrier|init_process_group|rendezvous\w*|_warmup_\w+)\b")
+_WAITING = re.compile(
+    r"in (_wait_batch_p2p|wait|barrier|recv|irecv|send|gather_object|all_gather\w*|broadcast\w*|_recv_meta|"
+    r"recv_object_list|send_object_list|_store_based_barrier|init_process_group|rendezvous\w*|_warmup_\w+)\b"
+)
 
 
 class RunError(RuntimeError):
@@ -63,8 +76,10 @@ def _last_line(text: str) -> str:
     return lines[-1].strip() if lines else ""
 
 
-_CHAIN = re.compile(r"\n\s*(?:The above exception was the direct cause of the following exception:|"
-                    r"During handling of the above exception, another exception occurred:)\s*\n")
+_CHAIN = re.compile(
+    r"\n\s*(?:The above exception was the direct cause of the following exception:|"
+    r"During handling of the above exception, another exception occurred:)\s*\n"
+)
 
 
 def _exception_line(segment: str) -> str:
@@ -116,8 +131,14 @@ def _waiting(stack: str) -> bool:
 def _raised(r, errors, exitcodes, pids) -> RunError:
     others = sorted(set(errors) - {r})
     note = f"\n(ranks {others} failed after it)" if others else ""
-    return RunError(f"rank {r} raised {exception_summary(errors[r])}{note}\n\nTraceback of rank {r}:\n{errors[r]}",
-                    reason="raised", rank=r, traceback=errors[r], exitcodes=exitcodes, pids=pids)
+    return RunError(
+        f"rank {r} raised {exception_summary(errors[r])}{note}\n\nTraceback of rank {r}:\n{errors[r]}",
+        reason="raised",
+        rank=r,
+        traceback=errors[r],
+        exitcodes=exitcodes,
+        pids=pids,
+    )
 
 
 def failed_step(run_dir: Path) -> int | None:
@@ -131,7 +152,9 @@ def failed_step(run_dir: Path) -> int | None:
         fields = line.split()
         if len(fields) == 4 and fields[0].isdigit() and fields[1].isdigit():
             done[int(fields[0])] = max(done.get(int(fields[0]), -1), int(fields[1]))
-    attempts = sorted(int(p.stem.removeprefix("attempt")) for p in run_dir.glob("attempt*.json") if p.stem[7:].isdigit())
+    attempts = sorted(
+        int(p.stem.removeprefix("attempt")) for p in run_dir.glob("attempt*.json") if p.stem[7:].isdigit()
+    )
     latest = max(attempts + list(done), default=None)
     if latest is None:
         return None
@@ -170,8 +193,14 @@ def _diagnose(run_dir: Path, P: int, timeout_s: float, timed_out: bool, agent_er
         return os.path.getmtime(run_dir / f"rank{r}.error")
 
     # a rank that ended without a traceback, and not because the launcher stopped it: it died
-    silent = [r for r in sorted(started) if r not in errors and not (run_dir / f"rank{r}.done").exists()
-              and r not in told_to_stop and exitcodes.get(r) != 0]
+    silent = [
+        r
+        for r in sorted(started)
+        if r not in errors
+        and not (run_dir / f"rank{r}.done").exists()
+        and r not in told_to_stop
+        and exitcodes.get(r) != 0
+    ]
     died = [r for r in silent if exitcodes.get(r) is not None] + [r for r in silent if exitcodes.get(r) is None]
     killed = [r for r in died if (exitcodes.get(r) or 0) < 0]
 
@@ -195,7 +224,12 @@ def _diagnose(run_dir: Path, P: int, timeout_s: float, timed_out: bool, agent_er
         return RunError(
             f"rank {r} died: it {how} without a Python traceback (os._exit, a signal or a crash in native code).{note}"
             + (f"\nLast lines of its stderr:\n{tail}" if tail else ""),
-            reason="died", rank=r, traceback=tail, exitcodes=exitcodes, pids=pids)
+            reason="died",
+            rank=r,
+            traceback=tail,
+            exitcodes=exitcodes,
+            pids=pids,
+        )
 
     if errors and not timed_out:
         return _raised(sorted(errors, key=mtime)[0], errors, exitcodes, pids)
@@ -209,19 +243,35 @@ def _diagnose(run_dir: Path, P: int, timeout_s: float, timed_out: bool, agent_er
             lines.append(f"ranks {not_started} had not started the runner yet (start-up is slower than the timeout?)")
         rank = busy[0] if len(busy) == 1 else None
         if busy:
-            lines.append(f"rank{'s' if len(busy) > 1 else ''} {', '.join(map(str, busy))} hung in "
-                         f"{'their' if len(busy) > 1 else 'its'} own work; the others were waiting for a peer.")
+            lines.append(
+                f"rank{'s' if len(busy) > 1 else ''} {', '.join(map(str, busy))} hung in "
+                f"{'their' if len(busy) > 1 else 'its'} own work; the others were waiting for a peer."
+            )
         for r, s in stacks.items():
-            lines.append(f"\nStack of rank {r}{' (waiting for a peer)' if r not in busy and s.strip() else ''}:\n{s.strip() or '(no stack dump)'}")
-        return RunError("\n".join(lines), reason="hung", rank=rank, traceback=stacks.get(rank, "") if rank is not None else "",
-                        stacks=stacks, exitcodes=exitcodes, pids=pids)
+            lines.append(
+                f"\nStack of rank {r}{' (waiting for a peer)' if r not in busy and s.strip() else ''}:\n{s.strip() or '(no stack dump)'}"
+            )
+        return RunError(
+            "\n".join(lines),
+            reason="hung",
+            rank=rank,
+            traceback=stacks.get(rank, "") if rank is not None else "",
+            stacks=stacks,
+            exitcodes=exitcodes,
+            pids=pids,
+        )
 
     tails = "\n".join(f"\nstderr of rank {r}:\n{stderr_tail(run_dir, r)}" for r in range(P) if stderr_tail(run_dir, r))
     detail = f"{type(agent_error).__name__}: {agent_error}" if agent_error is not None else "no result was written"
     never = sorted(set(range(P)) - started)
     if never:  # the cause first, in one line; the launcher's report (torch's ChildFailedError dump) in .traceback
-        return RunError(f"ranks {never} never reached the runner: their processes failed while starting; the error is on this "
-                        "process's stderr and the launcher's report in RunError.traceback (forked workers first re-import "
-                        f"the __main__ module of a script: a script must call run() under `if __name__ == \"__main__\":`).{tails}",
-                        reason="launch", traceback=detail, exitcodes=exitcodes, pids=pids)
+        return RunError(
+            f"ranks {never} never reached the runner: their processes failed while starting; the error is on this "
+            "process's stderr and the launcher's report in RunError.traceback (forked workers first re-import "
+            f'the __main__ module of a script: a script must call run() under `if __name__ == "__main__":`).{tails}',
+            reason="launch",
+            traceback=detail,
+            exitcodes=exitcodes,
+            pids=pids,
+        )
     return RunError(f"the launch failed: {detail}{tails}", reason="launch", exitcodes=exitcodes, pids=pids)

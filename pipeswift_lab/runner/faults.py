@@ -12,6 +12,7 @@ does, when it saves the checkpoint of ``step`` steps done. Permissions cannot st
 tests run as root, so the fault is injected in the writer: the run's spec carries it to the
 workers (``JobOptions.write_fault``) and the writer raises the ``OSError`` before it writes a byte.
 """
+
 from __future__ import annotations
 
 import errno as _errno
@@ -21,7 +22,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
-from .._checks import check_int
+from ..core.checks import check_int
 
 
 @dataclass(frozen=True)
@@ -34,8 +35,11 @@ class SignalAt:
     sig: int
 
     def __call__(self, step: int):
-        if (step == self.step and os.environ.get("RANK") == str(self.rank)
-                and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"):
+        if (
+            step == self.step
+            and os.environ.get("RANK") == str(self.rank)
+            and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+        ):
             os.kill(os.getpid(), self.sig)
         if callable(self.data):
             return self.data(step)
@@ -62,7 +66,9 @@ def signal_at(data, step: int, rank: int = 0, sig="SIGTERM") -> SignalAt:
     if not isinstance(sig, int):
         raise TypeError(f"sig must be a signal name or signal.Signals; got {type(sig).__name__}")
     if not (callable(data) or isinstance(data, (tuple, list))):
-        raise TypeError(f"data must be an (inputs, targets) batch, a callable(step) or a list of batches; got {type(data).__name__}")
+        raise TypeError(
+            f"data must be an (inputs, targets) batch, a callable(step) or a list of batches; got {type(data).__name__}"
+        )
     return SignalAt(data, step, rank, int(sig))
 
 

@@ -1,6 +1,6 @@
 """``run()``: a training job on real pipeline workers, from a notebook cell, surviving what a cluster does to it.
 
-The job loop above :func:`~pipeswift_lab.runner.launch.launch`: it checks every argument
+The job loop above :func:`~pipeswift_lab.runner.launcher.launch`: it checks every argument
 (checkpoint options and the checkpoint to resume from included) before any process starts,
 launches the workers (torch's elastic agent restarts them after a crash when
 ``max_restarts >= 1``; they resume from the newest complete checkpoint), turns SIGTERM to the
@@ -9,6 +9,7 @@ attempt did (steps, checkpoints, restores) to measure the JCT terms a cluster ad
 (the final save and teardown) and preemption loss (periodic save stalls, steps redone,
 recovery and restore time).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -25,21 +26,31 @@ from pathlib import Path
 
 import pandas as pd
 
-from .._checks import check_int, check_time
+from ..core.checks import check_int, check_time
 from . import checkpoint as ckpt
 from .errors import RunError
 from .faults import active_write_fault
-from .launch import Preemption, launch
+from .launcher import Preemption, launch
+from .rank.train_loop import CHECKPOINTS_LOG, STEPS_LOG
 from .result import RunResult, build_result
 from .spec import ON_NONFINITE, JobOptions, make_data_source, make_spec
-from .train_loop import CHECKPOINTS_LOG, STEPS_LOG
 
 _RUN_DIR_PREFIX = "pipeswift_run_"
 _OWNER_FILE = "owner.pid"
 
 
-def job_options(model, steps, checkpoint_dir=None, checkpoint_every=None, keep=2, resume_from=None, max_restarts=0,
-                mtbf_s=None, preempt_grace_s=30, on_nonfinite="raise"):
+def job_options(
+    model,
+    steps,
+    checkpoint_dir=None,
+    checkpoint_every=None,
+    keep=2,
+    resume_from=None,
+    max_restarts=0,
+    mtbf_s=None,
+    preempt_grace_s=30,
+    on_nonfinite="raise",
+):
     """Check the job arguments of :func:`run`; return ``(JobOptions, resume Checkpoint or None, max_restarts)``.
 
     Everything that can be known before launch raises ``TypeError``/``ValueError`` (a
@@ -48,30 +59,42 @@ def job_options(model, steps, checkpoint_dir=None, checkpoint_every=None, keep=2
     """
     if checkpoint_dir is not None:
         if not isinstance(checkpoint_dir, (str, os.PathLike)):
-            raise TypeError(f"checkpoint_dir must be a path (str or os.PathLike) or None; got {type(checkpoint_dir).__name__}")
+            raise TypeError(
+                f"checkpoint_dir must be a path (str or os.PathLike) or None; got {type(checkpoint_dir).__name__}"
+            )
         if Path(checkpoint_dir).exists() and not Path(checkpoint_dir).is_dir():
             raise ValueError(f"checkpoint_dir={str(checkpoint_dir)!r} exists and is not a directory")
         checkpoint_dir = str(Path(checkpoint_dir).resolve())
     if checkpoint_every is not None:
         if checkpoint_every == "auto":
             if mtbf_s is None:
-                raise ValueError("checkpoint_every='auto' takes the Young/Daly interval sqrt(2*save_s*mtbf_s) and needs mtbf_s "
-                                 "(the job's mean time between failures, in seconds)")
+                raise ValueError(
+                    "checkpoint_every='auto' takes the Young/Daly interval sqrt(2*save_s*mtbf_s) and needs mtbf_s "
+                    "(the job's mean time between failures, in seconds)"
+                )
         elif isinstance(checkpoint_every, str):
-            raise ValueError(f"checkpoint_every={checkpoint_every!r} is not valid; use an int (every N steps), 'auto' or None")
+            raise ValueError(
+                f"checkpoint_every={checkpoint_every!r} is not valid; use an int (every N steps), 'auto' or None"
+            )
         else:
             checkpoint_every = check_int("checkpoint_every", checkpoint_every, minimum=1)
         if checkpoint_dir is None:
-            raise ValueError(f"checkpoint_every={checkpoint_every!r} needs checkpoint_dir: where should the checkpoints go?")
+            raise ValueError(
+                f"checkpoint_every={checkpoint_every!r} needs checkpoint_dir: where should the checkpoints go?"
+            )
     keep = check_int("keep", keep, minimum=1)
     max_restarts = check_int("max_restarts", max_restarts, minimum=0)
     if max_restarts and checkpoint_dir is None:
-        raise ValueError(f"max_restarts={max_restarts} restarts the workers from the newest checkpoint and needs checkpoint_dir")
+        raise ValueError(
+            f"max_restarts={max_restarts} restarts the workers from the newest checkpoint and needs checkpoint_dir"
+        )
     if mtbf_s is not None:
         mtbf_s = check_time("mtbf_s", mtbf_s, allow_zero=False)
         if checkpoint_every != "auto":
-            raise ValueError(f"mtbf_s={mtbf_s:g} is used only to choose the interval of checkpoint_every='auto'; "
-                             f"checkpoint_every is {checkpoint_every!r}")
+            raise ValueError(
+                f"mtbf_s={mtbf_s:g} is used only to choose the interval of checkpoint_every='auto'; "
+                f"checkpoint_every is {checkpoint_every!r}"
+            )
     preempt_grace_s = check_time("preempt_grace_s", preempt_grace_s, allow_zero=False)
     if preempt_grace_s > 1e6:
         raise ValueError(f"preempt_grace_s={preempt_grace_s:g} is invalid; it must be at most 1e6 seconds")
@@ -83,16 +106,28 @@ def job_options(model, steps, checkpoint_dir=None, checkpoint_every=None, keep=2
         ckpt.check_same_model(resume, model)
         resume = ckpt.Checkpoint(resume.path.resolve(), resume.manifest)  # workers may run in another directory
         if steps <= resume.step:
-            raise ValueError(f"steps={steps} is the job's total, but the checkpoint {str(resume.path)!r} is already at step "
-                             f"{resume.step}: give steps > {resume.step} to train on")
+            raise ValueError(
+                f"steps={steps} is the job's total, but the checkpoint {str(resume.path)!r} is already at step "
+                f"{resume.step}: give steps > {resume.step} to train on"
+            )
     if checkpoint_dir is not None and resume is None and Path(checkpoint_dir).is_dir():
         earlier = ckpt.complete_checkpoints(checkpoint_dir)
         if earlier:
-            raise ValueError(f"checkpoint_dir={checkpoint_dir!r} already holds checkpoints of an earlier run (newest "
-                             f"{earlier[0].name}): pass resume_from={checkpoint_dir!r} to continue that job, or use an empty directory")
-    options = JobOptions(checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every, keep=keep,
-                         resume_from=str(resume.path) if resume else None, mtbf_s=mtbf_s, on_nonfinite=on_nonfinite,
-                         preempt_grace_s=preempt_grace_s, run_id=uuid.uuid4().hex, write_fault=active_write_fault())
+            raise ValueError(
+                f"checkpoint_dir={checkpoint_dir!r} already holds checkpoints of an earlier run (newest "
+                f"{earlier[0].name}): pass resume_from={checkpoint_dir!r} to continue that job, or use an empty directory"
+            )
+    options = JobOptions(
+        checkpoint_dir=checkpoint_dir,
+        checkpoint_every=checkpoint_every,
+        keep=keep,
+        resume_from=str(resume.path) if resume else None,
+        mtbf_s=mtbf_s,
+        on_nonfinite=on_nonfinite,
+        preempt_grace_s=preempt_grace_s,
+        run_id=uuid.uuid4().hex,
+        write_fault=active_write_fault(),
+    )
     return options, resume, max_restarts
 
 
@@ -101,8 +136,10 @@ def _check_optimizer(spec, resume) -> None:
     probe = spec.optimizer([p for p in spec.model.parameters()])
     own = type(probe).__module__ + "." + type(probe).__qualname__
     if saved and saved != own:
-        raise ValueError(f"the checkpoint {str(resume.path)!r} holds the state of a {saved} optimizer, but optimizer makes a {own}; "
-                         "resume with the same optimizer class")
+        raise ValueError(
+            f"the checkpoint {str(resume.path)!r} holds the state of a {saved} optimizer, but optimizer makes a {own}; "
+            "resume with the same optimizer class"
+        )
 
 
 def clean_stale_run_dirs() -> list[str]:
@@ -152,7 +189,9 @@ def read_history(run_dir: Path) -> dict:
                 steps.append(tuple(int(x) for x in parts))
     checkpoints = []
     if (run_dir / CHECKPOINTS_LOG).exists():
-        checkpoints = [json.loads(line) for line in (run_dir / CHECKPOINTS_LOG).read_text().splitlines() if line.strip()]
+        checkpoints = [
+            json.loads(line) for line in (run_dir / CHECKPOINTS_LOG).read_text().splitlines() if line.strip()
+        ]
     attempts = {}
     for path in run_dir.glob("attempt*.json"):
         info = json.loads(path.read_text())
@@ -160,16 +199,45 @@ def read_history(run_dir: Path) -> dict:
     return {"steps": steps, "checkpoints": checkpoints, "attempts": attempts}
 
 
-def run(model, data, loss_fn, partition, m, *, schedule=None, steps=10, optimizer=None, nprocs=None, backend=None, devices=None,
-        timeout_s=300, progress=True, save_spec=None, instrument=True, seed=0, start_method="forkserver", checkpoint_dir=None,
-        checkpoint_every=None, keep=2, resume_from=None, max_restarts=0, mtbf_s=None, preempt_grace_s=30,
-        on_nonfinite="raise", resize_at=None, partitions=None, profile=None, rebalance_every=None, D=1) -> RunResult:
+def run(
+    model,
+    data,
+    loss_fn,
+    partition,
+    m,
+    *,
+    schedule=None,
+    steps=10,
+    optimizer=None,
+    nprocs=None,
+    backend=None,
+    devices=None,
+    timeout_s=300,
+    progress=True,
+    save_spec=None,
+    instrument=True,
+    seed=0,
+    start_method="forkserver",
+    checkpoint_dir=None,
+    checkpoint_every=None,
+    keep=2,
+    resume_from=None,
+    max_restarts=0,
+    mtbf_s=None,
+    preempt_grace_s=30,
+    on_nonfinite="raise",
+    resize_at=None,
+    partitions=None,
+    profile=None,
+    rebalance_every=None,
+    D=1,
+) -> RunResult:
     """Train ``model`` for ``steps`` steps as a real pipeline on ``torch.distributed.pipelining`` and measure it.
 
     * ``model`` — an ``nn.Sequential`` (stage ``s`` is its children ``partition.bounds[s]``), or
       any model torch's tracer can split: the first layer name of each stage (a Partition
       from ``profile(model, x, layers=[...])``) becomes a split point of
-      ``torch.distributed.pipelining.pipeline`` (see :mod:`~pipeswift_lab.runner.tracer`;
+      ``torch.distributed.pipelining.pipeline`` (see :mod:`~pipeswift_lab.runner.stages.traced`;
       tied weights across stages are refused).
     * ``data`` — an ``(inputs, targets)`` batch used every step, a ``callable(step) -> (inputs,
       targets)`` (called with torch's RNG seeded to ``seed + step``, so ranks agree), or an
@@ -203,7 +271,7 @@ def run(model, data, loss_fn, partition, m, *, schedule=None, steps=10, optimize
     * ``instrument`` — record every compute action (False: step times only, the overhead baseline).
     * ``seed`` — ``torch.manual_seed`` on every rank before the first step.
     * ``start_method`` — ``"forkserver"`` (warm workers) or ``"subprocess"`` (cold interpreters,
-      as under torchrun); see :mod:`~pipeswift_lab.runner.launch`.
+      as under torchrun); see :mod:`~pipeswift_lab.runner.launcher`.
 
     Surviving a shared cluster (see :mod:`~pipeswift_lab.runner.checkpoint` for the files):
 
@@ -243,7 +311,7 @@ def run(model, data, loss_fn, partition, m, *, schedule=None, steps=10, optimize
     exit when this process dies. Returns a :class:`RunResult`. Raises ``TypeError``/``ValueError``
     before any process starts for what can be checked in advance.
     """
-    from .launch import START_METHODS, check_main_guard
+    from .launcher import START_METHODS, check_main_guard
     from .segments import combine, plan_segments
 
     launch_ns = time.time_ns()
@@ -258,16 +326,40 @@ def run(model, data, loss_fn, partition, m, *, schedule=None, steps=10, optimize
         for name, value in (("resize_at", resize_at), ("partitions", partitions), ("rebalance_every", rebalance_every)):
             if value is not None:
                 raise ValueError(f"D={D} replicas cannot be combined with {name}={value!r} yet; use D=1 for {name}")
-    job, resume, max_restarts = job_options(model, steps_checked, checkpoint_dir, checkpoint_every, keep, resume_from,
-                                            max_restarts, mtbf_s, preempt_grace_s, on_nonfinite)
-    data = make_data_source(data, steps_checked, check_int("seed", seed))  # once: every segment's spec reads the same batches
+    job, resume, max_restarts = job_options(
+        model,
+        steps_checked,
+        checkpoint_dir,
+        checkpoint_every,
+        keep,
+        resume_from,
+        max_restarts,
+        mtbf_s,
+        preempt_grace_s,
+        on_nonfinite,
+    )
+    data = make_data_source(
+        data, steps_checked, check_int("seed", seed)
+    )  # once: every segment's spec reads the same batches
     first_step = resume.step if resume is not None else 0
     planned = plan_segments(model, partition, steps_checked, first_step, resize_at, partitions, profile, m, schedule)
     rebalance = _rebalance_plan(rebalance_every, profile, partition, m, steps_checked, instrument)
-    common = dict(steps=steps, optimizer=optimizer, nprocs=nprocs, backend=backend, devices=devices, timeout_s=timeout_s,
-                  instrument=instrument, seed=seed, D=D)
+    common = dict(
+        steps=steps,
+        optimizer=optimizer,
+        nprocs=nprocs,
+        backend=backend,
+        devices=devices,
+        timeout_s=timeout_s,
+        instrument=instrument,
+        seed=seed,
+        D=D,
+    )
     # every planned segment's spec, built and checked once before anything starts
-    specs = {seg.start_step: make_spec(model, data, loss_fn, seg.partition, m, schedule=schedule, job=job, **common) for seg in planned}
+    specs = {
+        seg.start_step: make_spec(model, data, loss_fn, seg.partition, m, schedule=schedule, job=job, **common)
+        for seg in planned
+    }
     first_spec = specs[planned[0].start_step]
     if resume is not None:
         _check_optimizer(first_spec, resume)
@@ -279,7 +371,9 @@ def run(model, data, loss_fn, partition, m, *, schedule=None, steps=10, optimize
     changes = len(planned) > 1 or rebalance is not None
     results, reasons = [], []
     with tempfile.TemporaryDirectory(prefix=_RUN_DIR_PREFIX) as tmp:
-        (Path(tmp) / _OWNER_FILE).write_text(str(os.getpid()))  # a later run() removes the directory if this process dies
+        (Path(tmp) / _OWNER_FILE).write_text(
+            str(os.getpid())
+        )  # a later run() removes the directory if this process dies
         root = job.checkpoint_dir or str(Path(tmp) / "checkpoints")
         current, start, reason, seg_launch_ns = planned[0].partition, first_step, "start", launch_ns
         current_spec = first_spec
@@ -288,21 +382,40 @@ def run(model, data, loss_fn, partition, m, *, schedule=None, steps=10, optimize
             end = next((seg.start_step for seg in planned if seg.start_step > start), steps_checked)
             is_last = end >= steps_checked
             seg_job = dataclasses.replace(
-                job, checkpoint_dir=root if changes else job.checkpoint_dir, resume_from=resume_path, launch_ns=seg_launch_ns,
+                job,
+                checkpoint_dir=root if changes else job.checkpoint_dir,
+                resume_from=resume_path,
+                launch_ns=seg_launch_ns,
                 final_kind=("final" if job.checkpoint_dir else None) if is_last else "resize",
-                rebalance=dataclasses.replace(rebalance, cost_s=_last_switch_cost(results)) if rebalance is not None else None)
+                rebalance=dataclasses.replace(rebalance, cost_s=_last_switch_cost(results))
+                if rebalance is not None
+                else None,
+            )
             if current_spec is not None:
                 spec = dataclasses.replace(current_spec, job=seg_job, steps=end)
             else:  # a rebalanced partition: new stages, checked before launch
-                spec = make_spec(model, data, loss_fn, current, m, schedule=schedule, job=seg_job, **{**common, "steps": end})
+                spec = make_spec(
+                    model, data, loss_fn, current, m, schedule=schedule, job=seg_job, **{**common, "steps": end}
+                )
             run_dir = Path(tmp) / f"segment{len(results)}"
             run_dir.mkdir()
             (run_dir / _OWNER_FILE).write_text(str(os.getpid()))
             spec_path = spec.save(run_dir / "spec.pkl")
             desc = f"{spec.plan.schedule} P={spec.P} m={spec.m}" + (f" (segment {len(results)})" if changes else "")
             with _sigterm_to(preemption):
-                gathered = launch(spec_path, run_dir, spec.world_size, deadline, spec.timeout_s, spec.steps, progress, desc, start_method,
-                                  max_restarts=max_restarts, preemption=preemption)
+                gathered = launch(
+                    spec_path,
+                    run_dir,
+                    spec.world_size,
+                    deadline,
+                    spec.timeout_s,
+                    spec.steps,
+                    progress,
+                    desc,
+                    start_method,
+                    max_restarts=max_restarts,
+                    preemption=preemption,
+                )
             history = read_history(run_dir)
             seg_end_ns = time.time_ns()
             result = build_result(spec, gathered, seg_launch_ns, seg_end_ns, history=history)
@@ -323,10 +436,14 @@ def run(model, data, loss_fn, partition, m, *, schedule=None, steps=10, optimize
     if result.status == "nonfinite":
         info = result.meta["nonfinite"]
         standing = result.checkpoint or "none was saved"
-        err = RunError(f"step {info['step']}: the loss on rank {info['rank']} (the last stage's) is {info['loss']}, not finite; "
-                       f"training stopped before that step's update (on_nonfinite='raise'). Last good checkpoint: {standing}. "
-                       "Use on_nonfinite='skip' to drop such steps, or lower the learning rate.",
-                       reason="nonfinite", rank=info["rank"], step=info["step"])
+        err = RunError(
+            f"step {info['step']}: the loss on rank {info['rank']} (the last stage's) is {info['loss']}, not finite; "
+            f"training stopped before that step's update (on_nonfinite='raise'). Last good checkpoint: {standing}. "
+            "Use on_nonfinite='skip' to drop such steps, or lower the learning rate.",
+            reason="nonfinite",
+            rank=info["rank"],
+            step=info["step"],
+        )
         err.result = result
         raise err
     return result
@@ -340,24 +457,45 @@ def _rebalance_plan(rebalance_every, profile, partition, m, steps, instrument):
 
     every = check_int("rebalance_every", rebalance_every, minimum=1)
     if profile is None:
-        raise ValueError("rebalance_every needs profile=... (the Profile the partition came from) to compare measured stage times with")
+        raise ValueError(
+            "rebalance_every needs profile=... (the Profile the partition came from) to compare measured stage times with"
+        )
     if not instrument:
         raise ValueError("rebalance_every needs the measured stage times: use instrument=True")
     table = profile.df if hasattr(profile, "df") else profile
     if not isinstance(table, pd.DataFrame):
-        raise TypeError(f"profile must be a pipeswift_lab.Profile or a per-layer DataFrame; got {type(profile).__name__}")
+        raise TypeError(
+            f"profile must be a pipeswift_lab.Profile or a per-layer DataFrame; got {type(profile).__name__}"
+        )
     if len(table) != partition.bounds[-1][1]:
-        raise ValueError(f"profile has {len(table)} layers but the partition cuts {partition.bounds[-1][1]}; pass the profile it came from")
-    kwargs = {"schedule": partition.schedule, "v": partition.v, "m": m, "mem_per_gpu_bytes": partition.mem_per_gpu_bytes,
-              "optimizer": partition.optimizer, "link": partition.link}
+        raise ValueError(
+            f"profile has {len(table)} layers but the partition cuts {partition.bounds[-1][1]}; pass the profile it came from"
+        )
+    kwargs = {
+        "schedule": partition.schedule,
+        "v": partition.v,
+        "m": m,
+        "mem_per_gpu_bytes": partition.mem_per_gpu_bytes,
+        "optimizer": partition.optimizer,
+        "link": partition.link,
+    }
     return RebalancePlan(every=every, profile=table.reset_index(drop=True), partition_kwargs=kwargs, job_steps=steps)
 
 
 def _rebalanced(profile, current, bounds, m):
-    from ..partition import Partition
+    from ..partitioning.balance import Partition
 
-    return Partition.from_bounds(profile, [tuple(b) for b in bounds], v=current.v, schedule=current.schedule, link=current.link, m=m,
-                                 optimizer=current.optimizer, mem_per_gpu_bytes=current.mem_per_gpu_bytes, method="rebalanced")
+    return Partition.from_bounds(
+        profile,
+        [tuple(b) for b in bounds],
+        v=current.v,
+        schedule=current.schedule,
+        link=current.link,
+        m=m,
+        optimizer=current.optimizer,
+        mem_per_gpu_bytes=current.mem_per_gpu_bytes,
+        method="rebalanced",
+    )
 
 
 def _last_switch_cost(results) -> float | None:

@@ -16,6 +16,7 @@ local run binds its sockets to ``127.0.0.1`` itself:
 Multi-node launches (``torchrun``) keep torch's c10d rendezvous: it binds where the user says,
 and belongs on a trusted network.
 """
+
 from __future__ import annotations
 
 import datetime
@@ -42,8 +43,15 @@ def loopback_store(timeout_s: float = 300.0):
     except OSError:
         listener.close()
         raise
-    return TCPStore(LOOPBACK, port, is_master=True, multi_tenant=True, master_listen_fd=listener.detach(), wait_for_workers=False,
-                    timeout=datetime.timedelta(seconds=max(1.0, float(timeout_s))))
+    return TCPStore(
+        LOOPBACK,
+        port,
+        is_master=True,
+        multi_tenant=True,
+        master_listen_fd=listener.detach(),
+        wait_for_workers=False,
+        timeout=datetime.timedelta(seconds=max(1.0, float(timeout_s))),
+    )
 
 
 def _create_handler(params):
@@ -61,8 +69,16 @@ def _create_handler(params):
     backend, store = create_backend(params)
     settings = create_handler(store, backend, params).settings
     return LoopbackRendezvousHandler.from_backend(
-        settings.run_id, store, backend, settings.min_nodes, settings.max_nodes, params.local_addr, settings.timeout,
-        keep_alive_interval=int(settings.keep_alive_interval.total_seconds()), keep_alive_max_attempt=settings.keep_alive_max_attempt)
+        settings.run_id,
+        store,
+        backend,
+        settings.min_nodes,
+        settings.max_nodes,
+        params.local_addr,
+        settings.timeout,
+        keep_alive_interval=int(settings.keep_alive_interval.total_seconds()),
+        keep_alive_max_attempt=settings.keep_alive_max_attempt,
+    )
 
 
 def loopback_rendezvous() -> str:

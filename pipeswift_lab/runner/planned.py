@@ -5,6 +5,7 @@ samples under a schedule; :func:`run_arguments` turns one of them into what ``ru
 so a ranked row runs as is: ``run(model, data, loss_fn, **run_arguments(plan, plan.config(i)), steps=...)``.
 The global batch of ``data`` must be ``microbatch_size * m * D``.
 """
+
 from __future__ import annotations
 
 

@@ -9,6 +9,7 @@ only when it is larger. This is the measurement-driven re-partitioning of adapti
 systems (e.g. the re-profiling loop of PipeDream, Narayanan et al., SOSP 2019), restricted to
 moving stage boundaries.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -17,8 +18,20 @@ import numpy as np
 import pandas as pd
 
 #: Columns of ``RunResult.rebalances``: one row per decision, taken or not.
-REBALANCE_COLUMNS = ("step", "taken", "old_bounds", "new_bounds", "measured_stage_ms", "profiled_stage_ms", "predicted_step_ms_old",
-                     "predicted_step_ms_new", "remaining_steps", "predicted_gain_s", "cost_s", "reason")
+REBALANCE_COLUMNS = (
+    "step",
+    "taken",
+    "old_bounds",
+    "new_bounds",
+    "measured_stage_ms",
+    "profiled_stage_ms",
+    "predicted_step_ms_old",
+    "predicted_step_ms_new",
+    "remaining_steps",
+    "predicted_gain_s",
+    "cost_s",
+    "reason",
+)
 
 
 @dataclass(frozen=True)
@@ -52,8 +65,8 @@ def decide(plan: RebalancePlan, bounds, measured_stage_ms, step: int, cost_s: fl
     balanced partition of the rescaled profile differs and its predicted saving over the
     remaining steps exceeds ``cost_s``.
     """
-    from ..partition import Partition, partition
-    from ..simulate import simulate_step_ms
+    from ..partitioning.balance import Partition, partition
+    from ..simulation.simulator import simulate_step_ms
 
     kw = dict(plan.partition_kwargs)
     m = kw.pop("m")
@@ -65,13 +78,26 @@ def decide(plan: RebalancePlan, bounds, measured_stage_ms, step: int, cost_s: fl
     scaled = rescaled_profile(plan.profile, bounds, ratios)
     current = Partition.from_bounds(scaled, list(bounds), m=m, **kw)
     remaining = plan.job_steps - step
-    row = {"step": step, "old_bounds": bounds, "measured_stage_ms": tuple(float(x) for x in measured_stage_ms),
-           "profiled_stage_ms": tuple(profiled), "remaining_steps": remaining, "cost_s": float(cost_s)}
+    row = {
+        "step": step,
+        "old_bounds": bounds,
+        "measured_stage_ms": tuple(float(x) for x in measured_stage_ms),
+        "profiled_stage_ms": tuple(profiled),
+        "remaining_steps": remaining,
+        "cost_s": float(cost_s),
+    }
     try:
         balanced = partition(scaled, current.P, method="balanced", m=m, **kw)
     except ValueError as exc:  # e.g. no split of the rescaled profile fits memory
-        return {**row, "taken": False, "new_bounds": bounds, "predicted_step_ms_old": float("nan"),
-                "predicted_step_ms_new": float("nan"), "predicted_gain_s": 0.0, "reason": f"no balanced partition: {exc}"}
+        return {
+            **row,
+            "taken": False,
+            "new_bounds": bounds,
+            "predicted_step_ms_old": float("nan"),
+            "predicted_step_ms_new": float("nan"),
+            "predicted_gain_s": 0.0,
+            "reason": f"no balanced partition: {exc}",
+        }
     old_ms = simulate_step_ms(current, m)
     new_ms = simulate_step_ms(balanced, m)
     gain_s = max(0.0, (old_ms - new_ms) / 1e3 * remaining)
@@ -79,24 +105,39 @@ def decide(plan: RebalancePlan, bounds, measured_stage_ms, step: int, cost_s: fl
     if new_bounds == bounds:
         taken, reason = False, "the balanced partition of the measured times is the current one"
     elif gain_s <= cost_s:
-        taken, reason = False, f"predicted saving {gain_s:.3g} s over {remaining} steps does not pay the {cost_s:.3g} s reconfiguration"
+        taken, reason = (
+            False,
+            f"predicted saving {gain_s:.3g} s over {remaining} steps does not pay the {cost_s:.3g} s reconfiguration",
+        )
     else:
-        taken, reason = True, f"predicted saving {gain_s:.3g} s over {remaining} steps exceeds the {cost_s:.3g} s reconfiguration"
-    return {**row, "taken": taken, "new_bounds": new_bounds, "predicted_step_ms_old": old_ms, "predicted_step_ms_new": new_ms,
-            "predicted_gain_s": gain_s, "reason": reason}
+        taken, reason = (
+            True,
+            f"predicted saving {gain_s:.3g} s over {remaining} steps exceeds the {cost_s:.3g} s reconfiguration",
+        )
+    return {
+        **row,
+        "taken": taken,
+        "new_bounds": new_bounds,
+        "predicted_step_ms_old": old_ms,
+        "predicted_step_ms_new": new_ms,
+        "predicted_gain_s": gain_s,
+        "reason": reason,
+    }
 
 
 def measured_stage_ms(records, stages, first_step: int, last_step: int) -> dict[int, float]:
     """Each of ``stages``' measured compute per step over steps ``first_step .. last_step - 1``, from an ActionRecorder's rows."""
     import torch
 
-    from .instrument import COMPUTE_CODES
+    from .rank.instrument import COMPUTE_CODES
 
     rows = torch.as_tensor(records).to("cpu")
     out = {s: 0.0 for s in stages}
     n = max(1, last_step - first_step)
     if len(rows):  # the window's compute rows only: a decision costs its window, not the whole run so far
-        keep = (rows[:, 0] >= first_step) & (rows[:, 0] < last_step) & torch.isin(rows[:, 1], torch.tensor(COMPUTE_CODES))
+        keep = (
+            (rows[:, 0] >= first_step) & (rows[:, 0] < last_step) & torch.isin(rows[:, 1], torch.tensor(COMPUTE_CODES))
+        )
         rows = rows[keep]
     for _step, _kind, stage, _mb, start, end in rows.tolist():
         if stage in out:

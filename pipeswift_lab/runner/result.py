@@ -1,4 +1,5 @@
 """What a real run measured: :class:`RunResult` (timeline, step times, losses, JCT, final parameters)."""
+
 from __future__ import annotations
 
 from collections import OrderedDict
@@ -8,14 +9,24 @@ from pathlib import Path
 import pandas as pd
 import torch
 
-from .._display import html_card, text_card
-from ..jct import JCT
-from .instrument import KINDS
-from .worker import RESULT_FILE
+from ..core.display import html_card, text_card
+from ..core.jct import JCT
+from .rank.instrument import KINDS
+from .rank.worker import RESULT_FILE
 
 #: Columns of ``RunResult.checkpoints``: one row per committed checkpoint.
-CHECKPOINT_COLUMNS = ("step", "path", "bytes", "largest_rank_bytes", "largest_rank_state_bytes", "save_ms", "blocking_ms", "kind",
-                      "attempt", "interval_steps")
+CHECKPOINT_COLUMNS = (
+    "step",
+    "path",
+    "bytes",
+    "largest_rank_bytes",
+    "largest_rank_state_bytes",
+    "save_ms",
+    "blocking_ms",
+    "kind",
+    "attempt",
+    "interval_steps",
+)
 #: Timeline columns, in the simulator's order.
 TIMELINE_COLUMNS = ("step", "rank", "stage", "microbatch", "kind", "start_ms", "end_ms")
 
@@ -79,7 +90,9 @@ class RunResult:
     _state: dict = field(default_factory=dict, compare=False, repr=False)
     status: str = "completed"
     first_step: int = 0
-    checkpoints: pd.DataFrame = field(default_factory=lambda: pd.DataFrame(columns=list(CHECKPOINT_COLUMNS)), compare=False, repr=False)
+    checkpoints: pd.DataFrame = field(
+        default_factory=lambda: pd.DataFrame(columns=list(CHECKPOINT_COLUMNS)), compare=False, repr=False
+    )
     checkpoint: str | None = None
     restarts: int = 0
     steps_redone: int = 0
@@ -104,7 +117,7 @@ class RunResult:
             return float("nan")
         return float(per_step.iloc[1:].median() if len(per_step) > 1 else per_step.iloc[0])
 
-    def state_dict(self) -> "OrderedDict[str, torch.Tensor]":
+    def state_dict(self) -> OrderedDict[str, torch.Tensor]:
         """The final parameters and buffers from every rank, keyed and ordered like ``model.state_dict()`` (CPU tensors)."""
         return OrderedDict((k, self._state[k]) for k in self.meta["state_keys"])
 
@@ -115,14 +128,14 @@ class RunResult:
 
     @property
     def steady_step(self) -> int:
-        """The step :attr:`steady_step_ms` is taken from: the median step after the first (see :data:`~pipeswift_lab.runner.compare.MEASURED_STEP`)."""
-        from .compare import steady_step_index
+        """The step :attr:`steady_step_ms` is taken from: the median step after the first (see :data:`~pipeswift_lab.fidelity.comparison.MEASURED_STEP`)."""
+        from ..simulation.steady import steady_step_index
 
         return self.first_step + steady_step_index(self.step_ms)
 
     @property
     def steady_step_ms(self) -> float:
-        """The measured step: :data:`~pipeswift_lab.runner.compare.MEASURED_STEP` (``compare``, ``calibrate`` and the report use it).
+        """The measured step: :data:`~pipeswift_lab.fidelity.comparison.MEASURED_STEP` (``compare``, ``calibrate`` and the report use it).
 
         The whole step (first rank starting it to the last rank finishing it, optimizer step
         included) of the median step after the first, which warms up allocators and
@@ -143,7 +156,7 @@ class RunResult:
         ``segment`` and each segment gets its own ``"all"`` row before the whole run's
         (``segment`` = -1); "the 100-step mean and variance after every change" is one call.
         """
-        from .._checks import check_int
+        from ..core.checks import check_int
 
         window = check_int("window", window, minimum=1)
         offset = self.first_step  # step numbers, for a run resumed at a later step
@@ -152,19 +165,29 @@ class RunResult:
 
         def stats(name, part, segment):
             std = float(part.std(ddof=1)) if len(part) > 1 else float("nan")
-            return {"segment": segment, "window": name, "first_step": int(part.index[0]), "last_step": int(part.index[-1]),
-                    "steps": len(part), "mean_ms": float(part.mean()), "std_ms": std, "cv": std / float(part.mean()),
-                    "p50_ms": float(part.median()), "p95_ms": float(part.quantile(0.95)), "max_ms": float(part.max())}
+            return {
+                "segment": segment,
+                "window": name,
+                "first_step": int(part.index[0]),
+                "last_step": int(part.index[-1]),
+                "steps": len(part),
+                "mean_ms": float(part.mean()),
+                "std_ms": std,
+                "cv": std / float(part.mean()),
+                "p50_ms": float(part.median()),
+                "p95_ms": float(part.quantile(0.95)),
+                "max_ms": float(part.max()),
+            }
 
         rows, kept = [], []
         for seg, begin in enumerate(starts):
             end = starts[seg + 1] if seg + 1 < len(starts) else offset + len(self.step_ms)
-            part = steps.loc[begin:end - 1]
+            part = steps.loc[begin : end - 1]
             part = part.iloc[1:] if len(part) > 1 else part
             if part.empty:
                 continue
             kept.append(part)
-            rows += [stats(k, part.iloc[i:i + window], seg) for k, i in enumerate(range(0, len(part), window))]
+            rows += [stats(k, part.iloc[i : i + window], seg) for k, i in enumerate(range(0, len(part), window))]
             if len(starts) > 1:
                 rows.append(stats("all", part, seg))
         rows.append(stats("all", pd.concat(kept), -1 if len(starts) > 1 else 0))
@@ -180,7 +203,9 @@ class RunResult:
     @property
     def df(self) -> pd.DataFrame:
         """One row per measured step: ``step``, ``step_ms``, ``loss``."""
-        return pd.DataFrame({"step": list(self.measured_steps), "step_ms": list(self.step_ms), "loss": list(self.losses)})
+        return pd.DataFrame(
+            {"step": list(self.measured_steps), "step_ms": list(self.step_ms), "loss": list(self.losses)}
+        )
 
     @property
     def assembly_phases(self) -> pd.DataFrame:
@@ -191,7 +216,7 @@ class RunResult:
         """Gantt chart of the measured timeline (one step, by default the median-time one after the first). Returns the Axes."""
         if not self.instrumented:
             raise ValueError("this run was not instrumented (instrument=False): there is no timeline to plot")
-        from .compare import pick_step
+        from ..simulation.steady import pick_step
 
         step = pick_step(self, step)
         return self.timeline.plot(ax=ax, step=step)
@@ -205,11 +230,21 @@ class RunResult:
         out.update({"device": f"{self.device_type} ({self.backend})", "steady_step_ms": self.steady_step_ms})
         if self.D > 1:
             out["allreduce_ms"] = self.allreduce_ms
-        out.update({
-                    "final_loss": self.losses[-1] if self.losses else float("nan"), "jct_total_s": self.jct.total_s,
-                    "assembly_s": self.jct.assembly_s, "training_s": self.jct.training_s, "cleanup_s": self.jct.cleanup_s})
+        out.update(
+            {
+                "final_loss": self.losses[-1] if self.losses else float("nan"),
+                "jct_total_s": self.jct.total_s,
+                "assembly_s": self.jct.assembly_s,
+                "training_s": self.jct.training_s,
+                "cleanup_s": self.jct.cleanup_s,
+            }
+        )
         if self.checkpoint is not None or self.jct.preemption_loss_s:
-            out.update(preemption_loss_s=self.jct.preemption_loss_s, checkpoints=len(self.checkpoints), checkpoint=self.checkpoint)
+            out.update(
+                preemption_loss_s=self.jct.preemption_loss_s,
+                checkpoints=len(self.checkpoints),
+                checkpoint=self.checkpoint,
+            )
         if self.restarts:
             out.update(restarts=self.restarts, steps_redone=self.steps_redone, recovery_s=self.recovery_s)
         if self.skipped_steps:
@@ -217,12 +252,13 @@ class RunResult:
         return out
 
     def _repr_html_(self) -> str:
-        from .._display import noise_warning
+        from ..core.display import noise_warning
 
         status = "" if self.status == "completed" else f" ({self.status} at step {self.first_step + len(self.step_ms)})"
         cv = float(self.step_stats().iloc[-1]["cv"]) if len(self.step_ms) > 2 else float("nan")
-        return html_card(f"RunResult: {self.schedule}, P={self.P}, m={self.m}, {self.steps} steps{status}", self._summary(),
-                         self.df) + noise_warning(cv, "the measured step after the warm-up")
+        return html_card(
+            f"RunResult: {self.schedule}, P={self.P}, m={self.m}, {self.steps} steps{status}", self._summary(), self.df
+        ) + noise_warning(cv, "the measured step after the warm-up")
 
     def __str__(self) -> str:
         return text_card(f"RunResult {self.schedule} P={self.P} m={self.m}", self._summary())
@@ -237,12 +273,20 @@ def _timeline_frame(ranks: list[dict], t0_ns: int) -> pd.DataFrame:
         if len(rows) == 0:
             continue
         rows = rows.to(torch.int64)
-        frames.append(pd.DataFrame({
-            "step": rows[:, 0].numpy(), "rank": payload.get("pp_rank", payload["rank"]), "stage": rows[:, 2].numpy(),
-            "microbatch": rows[:, 3].numpy(), "kind": [KINDS[k] for k in rows[:, 1].tolist()],
-            "start_ms": (rows[:, 4] - t0_ns).numpy() / 1e6, "end_ms": (rows[:, 5] - t0_ns).numpy() / 1e6,
-            "replica": payload.get("replica", 0),
-        }))
+        frames.append(
+            pd.DataFrame(
+                {
+                    "step": rows[:, 0].numpy(),
+                    "rank": payload.get("pp_rank", payload["rank"]),
+                    "stage": rows[:, 2].numpy(),
+                    "microbatch": rows[:, 3].numpy(),
+                    "kind": [KINDS[k] for k in rows[:, 1].tolist()],
+                    "start_ms": (rows[:, 4] - t0_ns).numpy() / 1e6,
+                    "end_ms": (rows[:, 5] - t0_ns).numpy() / 1e6,
+                    "replica": payload.get("replica", 0),
+                }
+            )
+        )
     if not frames:
         df = pd.DataFrame({c: pd.Series(dtype="int64") for c in TIMELINE_COLUMNS[:4]})
         df["kind"] = pd.Series(dtype=object)
@@ -296,14 +340,16 @@ def _history_terms(history: dict) -> dict:
     return {"restarts": restarts, "steps_redone": redone, "redone_s": redone_s, "recovery_s": recovery_s}
 
 
-def build_result(spec, gathered: dict, launch_ns: int, end_ns: int, launched_by: str = "run", history: dict | None = None) -> RunResult:
+def build_result(
+    spec, gathered: dict, launch_ns: int, end_ns: int, launched_by: str = "run", history: dict | None = None
+) -> RunResult:
     """Assemble a :class:`RunResult` from what rank 0 gathered (``result.pt``) and what every attempt logged.
 
     ``launch_ns`` is the wall-clock launch (``run`` entry; under torchrun the earliest rank's
     process start) and ``end_ns`` when the result was complete (``run`` return; under
     torchrun rank 0 after the gather). ``history`` is :func:`~pipeswift_lab.runner.job.read_history`.
     """
-    from ..timeline import Timeline
+    from ..simulation.timeline import Timeline
 
     history = history or {}
     ranks = sorted(gathered["ranks"], key=lambda p: p["rank"])
@@ -332,15 +378,23 @@ def build_result(spec, gathered: dict, launch_ns: int, end_ns: int, launched_by:
     terms = _history_terms(history)
     restored = [p.get("restored") for p in ranks if p.get("restored")]
     attempt0 = attempts.get(0, {})
-    restore0_s = attempt0.get("restore_ms", 0.0) / 1e3 if attempts else (max(r["restore_ms"] for r in restored) / 1e3 if restored else 0.0)
+    restore0_s = (
+        attempt0.get("restore_ms", 0.0) / 1e3
+        if attempts
+        else (max(r["restore_ms"] for r in restored) / 1e3 if restored else 0.0)
+    )
     first_start = min([t0] + [start for _, _, start, _ in history.get("steps", [])])
     checkpoints = pd.DataFrame(history.get("checkpoints", []), columns=list(CHECKPOINT_COLUMNS))
     final_kinds = checkpoints["kind"].isin(["final", "preempt"]) if len(checkpoints) else pd.Series(dtype=bool)
     periodic_stall_s = float(checkpoints.loc[~final_kinds, "blocking_ms"].sum() / 1e3) if len(checkpoints) else 0.0
 
-    milestones = [("launch", launch_ns), ("processes started", latest("process_start_ns")),
-                  ("runner entered (python + torch imported)", latest("entered_ns")),
-                  ("process groups and stages ready", latest("ready_ns")), ("first step started", t0)]
+    milestones = [
+        ("launch", launch_ns),
+        ("processes started", latest("process_start_ns")),
+        ("runner entered (python + torch imported)", latest("entered_ns")),
+        ("process groups and stages ready", latest("ready_ns")),
+        ("first step started", t0),
+    ]
     milestones = [(name, ns) for name, ns in milestones if ns is not None]
     phases = [(f"{a} -> {b}", (nb - na) / 1e9) for (a, na), (b, nb) in zip(milestones, milestones[1:])]
     wall_s = (end_ns - launch_ns) / 1e9
@@ -348,12 +402,30 @@ def build_result(spec, gathered: dict, launch_ns: int, end_ns: int, launched_by:
     cleanup_s = (end_ns - t_end) / 1e9
     preemption_s = restore0_s + periodic_stall_s + terms["redone_s"] + terms["recovery_s"]
     training_s = max(0.0, wall_s - assembly_s - cleanup_s - preemption_s)
-    jct = JCT(queue_s=0.0, assembly_s=assembly_s, training_s=training_s, cleanup_s=cleanup_s, preemption_loss_s=preemption_s,
-              label=f"measured {spec.plan.schedule} P={spec.P}" + (f" D={spec.D}" if spec.D > 1 else "") + f" m={spec.m}")
-    ranks_df = pd.DataFrame([{
-        "rank": p["rank"], "pp_rank": p.get("pp_rank", p["rank"]), "replica": p.get("replica", 0), "pid": p["pid"], "host": p["host"], "device": p["device"], "stages": tuple(p["stages"]),
-        "threads": p["threads"], "ready_ms": (p["ready_ns"] - t0) / 1e6,
-    } for p in ranks])
+    jct = JCT(
+        queue_s=0.0,
+        assembly_s=assembly_s,
+        training_s=training_s,
+        cleanup_s=cleanup_s,
+        preemption_loss_s=preemption_s,
+        label=f"measured {spec.plan.schedule} P={spec.P}" + (f" D={spec.D}" if spec.D > 1 else "") + f" m={spec.m}",
+    )
+    ranks_df = pd.DataFrame(
+        [
+            {
+                "rank": p["rank"],
+                "pp_rank": p.get("pp_rank", p["rank"]),
+                "replica": p.get("replica", 0),
+                "pid": p["pid"],
+                "host": p["host"],
+                "device": p["device"],
+                "stages": tuple(p["stages"]),
+                "threads": p["threads"],
+                "ready_ms": (p["ready_ns"] - t0) / 1e6,
+            }
+            for p in ranks
+        ]
+    )
     df = _timeline_frame(ranks, t0) if spec.instrument else None
     if df is not None:
         df = df[df["step"] < first_step + n].reset_index(drop=True)
@@ -363,27 +435,71 @@ def build_result(spec, gathered: dict, launch_ns: int, end_ns: int, launched_by:
         standing = str(checkpoints["path"].iloc[-1])
     if standing is None and restored:
         standing = restored[0]["path"]
-    meta = {"run": "measured", "launched_by": launched_by, "state_keys": tuple(spec.state_keys), "bounds": spec.plan.bounds,
-            "stage_to_rank": spec.plan.stage_to_rank, "clock": "wall clock (time.time_ns) via a per-rank perf_counter offset",
-            "t0_ns": t0, "launch_ns": launch_ns, "end_ns": end_ns, "rebalances": list(first.get("rebalances") or []),
-            "new_bounds": first.get("new_bounds"),
-            "step_start_ms": tuple((x - t0) / 1e6 for x in starts), "assembly_phases": phases,
-            "nonfinite": last.get("nonfinite"),
-            "resumed_from": restored[0]["path"] if restored else None, "rng_restored": bool(restored and restored[0]["rng_restored"]),
-            "restore_bytes": max((r["bytes"] for r in restored), default=0), "redone_s": terms["redone_s"],
-            "checkpoint_interval_steps": next((p.get("interval_steps") for p in ranks if p.get("interval_steps")), None),
-            "job": spec.job, **spec.meta}
+    meta = {
+        "run": "measured",
+        "launched_by": launched_by,
+        "state_keys": tuple(spec.state_keys),
+        "bounds": spec.plan.bounds,
+        "stage_to_rank": spec.plan.stage_to_rank,
+        "clock": "wall clock (time.time_ns) via a per-rank perf_counter offset",
+        "t0_ns": t0,
+        "launch_ns": launch_ns,
+        "end_ns": end_ns,
+        "rebalances": list(first.get("rebalances") or []),
+        "new_bounds": first.get("new_bounds"),
+        "step_start_ms": tuple((x - t0) / 1e6 for x in starts),
+        "assembly_phases": phases,
+        "nonfinite": last.get("nonfinite"),
+        "resumed_from": restored[0]["path"] if restored else None,
+        "rng_restored": bool(restored and restored[0]["rng_restored"]),
+        "restore_bytes": max((r["bytes"] for r in restored), default=0),
+        "redone_s": terms["redone_s"],
+        "checkpoint_interval_steps": next((p.get("interval_steps") for p in ranks if p.get("interval_steps")), None),
+        "job": spec.job,
+        **spec.meta,
+    }
     timeline = None
     if df is not None:
-        timeline = Timeline(df, source="measured", meta={"schedule": spec.plan.schedule, "P": spec.P, "D": spec.D, "v": spec.plan.v, "m": spec.m,
-                                                          "stage_to_rank": list(spec.plan.stage_to_rank),
-                                                          "step_start_ms": list(meta["step_start_ms"])})
-    return RunResult(timeline=timeline, step_ms=tuple((e - b) / 1e6 for b, e in zip(starts, ends)),
-                     losses=tuple(last["losses"][:n]), jct=jct, schedule=spec.plan.schedule, P=spec.P, v=spec.plan.v, m=spec.m,
-                     steps=spec.steps, backend=spec.backend, device_type=spec.device_type, instrumented=spec.instrument,
-                     ranks=ranks_df, meta=meta, _state=state, status=status, first_step=first_step, checkpoints=checkpoints,
-                     checkpoint=standing, restarts=terms["restarts"], steps_redone=terms["steps_redone"],
-                     recovery_s=terms["recovery_s"], restore_s=restore0_s, skipped_steps=tuple(first.get("skipped_steps", ())), D=spec.D)
+        timeline = Timeline(
+            df,
+            source="measured",
+            meta={
+                "schedule": spec.plan.schedule,
+                "P": spec.P,
+                "D": spec.D,
+                "v": spec.plan.v,
+                "m": spec.m,
+                "stage_to_rank": list(spec.plan.stage_to_rank),
+                "step_start_ms": list(meta["step_start_ms"]),
+            },
+        )
+    return RunResult(
+        timeline=timeline,
+        step_ms=tuple((e - b) / 1e6 for b, e in zip(starts, ends)),
+        losses=tuple(last["losses"][:n]),
+        jct=jct,
+        schedule=spec.plan.schedule,
+        P=spec.P,
+        v=spec.plan.v,
+        m=spec.m,
+        steps=spec.steps,
+        backend=spec.backend,
+        device_type=spec.device_type,
+        instrumented=spec.instrument,
+        ranks=ranks_df,
+        meta=meta,
+        _state=state,
+        status=status,
+        first_step=first_step,
+        checkpoints=checkpoints,
+        checkpoint=standing,
+        restarts=terms["restarts"],
+        steps_redone=terms["steps_redone"],
+        recovery_s=terms["recovery_s"],
+        restore_s=restore0_s,
+        skipped_steps=tuple(first.get("skipped_steps", ())),
+        D=spec.D,
+    )
 
 
 def read_gathered(out_dir) -> dict:

@@ -6,6 +6,7 @@ adds one whenever a rebalance pays. Between two segments every rank saves (a ``r
 ``rebalance`` checkpoint), the workers stop, and the next segment's workers start and restore
 by name; :func:`combine` joins the segments' measurements on one clock.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -13,11 +14,24 @@ from dataclasses import dataclass
 
 import pandas as pd
 
-from .._checks import check_int
+from ..core.checks import check_int
 
 #: Columns of ``RunResult.segments``.
-SEGMENT_COLUMNS = ("segment", "reason", "first_step", "last_step", "P", "v", "schedule", "bounds", "save_s", "teardown_s",
-                   "assembly_s", "restore_s", "restore_bytes")
+SEGMENT_COLUMNS = (
+    "segment",
+    "reason",
+    "first_step",
+    "last_step",
+    "P",
+    "v",
+    "schedule",
+    "bounds",
+    "save_s",
+    "teardown_s",
+    "assembly_s",
+    "restore_s",
+    "restore_bytes",
+)
 
 
 @dataclass(frozen=True)
@@ -28,7 +42,9 @@ class PlannedSegment:
     partition: object
 
 
-def plan_segments(model, partition, steps: int, first_step: int, resize_at, partitions, profile, m, schedule) -> list[PlannedSegment]:
+def plan_segments(
+    model, partition, steps: int, first_step: int, resize_at, partitions, profile, m, schedule
+) -> list[PlannedSegment]:
     """The segments ``resize_at``/``partitions`` ask for, each partition made and checked before launch.
 
     ``resize_at={step: P}`` partitions ``profile`` for each new P with the first partition's
@@ -45,23 +61,38 @@ def plan_segments(model, partition, steps: int, first_step: int, resize_at, part
         return planned
     name = "resize_at" if resize_at is not None else "partitions"
     if not isinstance(changes, dict) or not changes:
-        raise TypeError(f"{name} must be a non-empty dict {{step: {'P' if resize_at is not None else 'Partition'}}}; got {changes!r}")
+        raise TypeError(
+            f"{name} must be a non-empty dict {{step: {'P' if resize_at is not None else 'Partition'}}}; got {changes!r}"
+        )
     if resize_at is not None and profile is None:
-        raise ValueError("resize_at needs profile=... (the Profile the partitions come from) to partition the model for each new P")
-    from ..partition import partition as make_partition
+        raise ValueError(
+            "resize_at needs profile=... (the Profile the partitions come from) to partition the model for each new P"
+        )
+    from ..partitioning.balance import partition as make_partition
 
     for step in sorted(changes):
         step_i = check_int(f"{name} step", step)
         if not first_step < step_i < steps:
-            raise ValueError(f"{name} step {step_i} is outside the job's steps ({first_step}, {steps}): a change must come after "
-                             f"step {first_step} and before the last step {steps}")
+            raise ValueError(
+                f"{name} step {step_i} is outside the job's steps ({first_step}, {steps}): a change must come after "
+                f"step {first_step} and before the last step {steps}"
+            )
         value = changes[step]
         if resize_at is not None:
             P = check_int(f"resize_at[{step_i}]", value, minimum=1)
             first = partition
             try:
-                new = make_partition(profile, P, method="balanced", v=first.v, schedule=first.schedule, link=first.link,
-                                     mem_per_gpu_bytes=first.mem_per_gpu_bytes, optimizer=first.optimizer, m=m)
+                new = make_partition(
+                    profile,
+                    P,
+                    method="balanced",
+                    v=first.v,
+                    schedule=first.schedule,
+                    link=first.link,
+                    mem_per_gpu_bytes=first.mem_per_gpu_bytes,
+                    optimizer=first.optimizer,
+                    m=m,
+                )
             except ValueError as exc:
                 raise ValueError(f"resize_at[{step_i}]={P}: {exc}") from None
         else:
@@ -83,12 +114,23 @@ def segments_table(results, reasons) -> pd.DataFrame:
     rows = []
     for i, (result, reason) in enumerate(zip(results, reasons)):
         save_s = _boundary_save_s(result)
-        rows.append({
-            "segment": i, "reason": reason, "first_step": result.first_step, "last_step": result.first_step + len(result.step_ms) - 1,
-            "P": result.P, "v": result.v, "schedule": result.schedule, "bounds": tuple(result.meta["bounds"]), "save_s": save_s,
-            "teardown_s": max(0.0, result.jct.cleanup_s - save_s), "assembly_s": result.jct.assembly_s, "restore_s": result.restore_s,
-            "restore_bytes": int(result.meta.get("restore_bytes", 0)),
-        })
+        rows.append(
+            {
+                "segment": i,
+                "reason": reason,
+                "first_step": result.first_step,
+                "last_step": result.first_step + len(result.step_ms) - 1,
+                "P": result.P,
+                "v": result.v,
+                "schedule": result.schedule,
+                "bounds": tuple(result.meta["bounds"]),
+                "save_s": save_s,
+                "teardown_s": max(0.0, result.jct.cleanup_s - save_s),
+                "assembly_s": result.jct.assembly_s,
+                "restore_s": result.restore_s,
+                "restore_bytes": int(result.meta.get("restore_bytes", 0)),
+            }
+        )
     return pd.DataFrame(rows, columns=list(SEGMENT_COLUMNS))
 
 
@@ -100,8 +142,8 @@ def combine(results, reasons):
     its start-up and restore as assembly (restore) or preemption loss, as they happened; the
     final parameters, ranks and P are the last segment's.
     """
-    from ..jct import JCT
-    from ..timeline import Timeline
+    from ..core.jct import JCT
+    from ..simulation.timeline import Timeline
     from .rebalance import REBALANCE_COLUMNS
 
     first, last = results[0], results[-1]
@@ -117,22 +159,47 @@ def combine(results, reasons):
             frames.append(df)
     timeline = None
     if frames and len(frames) == len(results):
-        timeline = Timeline(pd.concat(frames, ignore_index=True), source="measured",
-                            meta={**last.timeline.meta, "segments": len(results), "P": max(r.P for r in results),
-                                  "P_by_segment": [r.P for r in results]})
+        timeline = Timeline(
+            pd.concat(frames, ignore_index=True),
+            source="measured",
+            meta={
+                **last.timeline.meta,
+                "segments": len(results),
+                "P": max(r.P for r in results),
+                "P_by_segment": [r.P for r in results],
+            },
+        )
     switch_restore_s = sum(r.restore_s for r in results[1:])  # a change's restore is part of its re-assembly
-    jct = JCT(assembly_s=sum(r.jct.assembly_s for r in results) + switch_restore_s, training_s=sum(r.jct.training_s for r in results),
-              cleanup_s=sum(r.jct.cleanup_s for r in results),
-              preemption_loss_s=sum(r.jct.preemption_loss_s for r in results) - switch_restore_s,
-              label=last.jct.label if len(results) == 1 else f"measured {len(results)} segments, P " + "→".join(str(r.P) for r in results))
+    jct = JCT(
+        assembly_s=sum(r.jct.assembly_s for r in results) + switch_restore_s,
+        training_s=sum(r.jct.training_s for r in results),
+        cleanup_s=sum(r.jct.cleanup_s for r in results),
+        preemption_loss_s=sum(r.jct.preemption_loss_s for r in results) - switch_restore_s,
+        label=last.jct.label
+        if len(results) == 1
+        else f"measured {len(results)} segments, P " + "→".join(str(r.P) for r in results),
+    )
     rebalances = [row for r in results for row in r.meta.get("rebalances", [])]
-    meta = {**last.meta, "step_start_ms": tuple(x + (r.meta["t0_ns"] - t0) / 1e6 for r in results for x in r.meta["step_start_ms"]),
-            "t0_ns": t0, "launch_ns": first.meta["launch_ns"]}
+    meta = {
+        **last.meta,
+        "step_start_ms": tuple(x + (r.meta["t0_ns"] - t0) / 1e6 for r in results for x in r.meta["step_start_ms"]),
+        "t0_ns": t0,
+        "launch_ns": first.meta["launch_ns"],
+    }
     return dataclasses.replace(
-        last, timeline=timeline, step_ms=tuple(x for r in results for x in r.step_ms), losses=tuple(x for r in results for x in r.losses),
-        jct=jct, first_step=first.first_step, meta=meta,
+        last,
+        timeline=timeline,
+        step_ms=tuple(x for r in results for x in r.step_ms),
+        losses=tuple(x for r in results for x in r.losses),
+        jct=jct,
+        first_step=first.first_step,
+        meta=meta,
         checkpoints=pd.concat([r.checkpoints.assign(segment=i) for i, r in enumerate(results)], ignore_index=True),
-        restarts=sum(r.restarts for r in results), steps_redone=sum(r.steps_redone for r in results),
-        recovery_s=sum(r.recovery_s for r in results), restore_s=first.restore_s,
-        skipped_steps=tuple(x for r in results for x in r.skipped_steps), segments=segments_table(results, reasons),
-        rebalances=pd.DataFrame(rebalances, columns=list(REBALANCE_COLUMNS)))
+        restarts=sum(r.restarts for r in results),
+        steps_redone=sum(r.steps_redone for r in results),
+        recovery_s=sum(r.recovery_s for r in results),
+        restore_s=first.restore_s,
+        skipped_steps=tuple(x for r in results for x in r.skipped_steps),
+        segments=segments_table(results, reasons),
+        rebalances=pd.DataFrame(rebalances, columns=list(REBALANCE_COLUMNS)),
+    )

@@ -9,6 +9,7 @@ in any module that is not an installed package are pickled *by value*
 (``cloudpickle.register_pickle_by_value``), so workers never need to import the caller's code;
 torch, pipeswift_lab and other installed packages are pickled by reference.
 """
+
 from __future__ import annotations
 
 import functools
@@ -18,16 +19,17 @@ import json
 import os
 import sys
 import sysconfig
+from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch import nn
 
-from .._checks import check_int, check_time
-from .stages import StagePlan, TensorSpec, boundary_specs, check_shared_parameters, plan_stages
+from ..core.checks import check_int, check_time
+from .stages.sequential import StagePlan, TensorSpec, boundary_specs, check_shared_parameters, plan_stages
 
 #: Learning rate of the default optimizer factory (plain SGD, no momentum).
 DEFAULT_LR = 0.01
@@ -79,8 +81,10 @@ class DataSource:
             try:
                 batch = self.value(step)
             except Exception as exc:  # noqa: BLE001 - re-raised naming the argument
-                raise ValueError(f"data({step}) raised {type(exc).__name__}: {exc} (data, a callable, is called as "
-                                 f"data(step) -> (inputs, targets) on every rank)") from exc
+                raise ValueError(
+                    f"data({step}) raised {type(exc).__name__}: {exc} (data, a callable, is called as "
+                    f"data(step) -> (inputs, targets) on every rank)"
+                ) from exc
             return _check_batch(batch, f"data({step})")
 
 
@@ -94,7 +98,9 @@ def _check_batch(batch, where: str) -> tuple[torch.Tensor, torch.Tensor]:
         if t.dim() == 0:
             raise ValueError(f"{where}: {name} is a 0-d tensor; it needs a batch dimension to split into micro-batches")
     if inputs.shape[0] != targets.shape[0]:
-        raise ValueError(f"{where}: inputs have batch size {inputs.shape[0]} but targets {targets.shape[0]}; they must match")
+        raise ValueError(
+            f"{where}: inputs have batch size {inputs.shape[0]} but targets {targets.shape[0]}; they must match"
+        )
     return inputs, targets
 
 
@@ -105,8 +111,10 @@ def make_data_source(data, steps: int, seed: int) -> DataSource:
     if isinstance(data, (tuple, list)) and len(data) == 2 and all(isinstance(t, torch.Tensor) for t in data):
         return DataSource("batch", _check_batch(tuple(data), "data"), seed)
     if isinstance(data, (tuple, list)) and data and all(isinstance(t, torch.Tensor) for t in data):
-        raise TypeError(f"data holds {len(data)} tensor{'s' if len(data) != 1 else ''}; give one (inputs, targets) pair, "
-                        f"a callable(step) -> (inputs, targets) or an iterable of such pairs")
+        raise TypeError(
+            f"data holds {len(data)} tensor{'s' if len(data) != 1 else ''}; give one (inputs, targets) pair, "
+            f"a callable(step) -> (inputs, targets) or an iterable of such pairs"
+        )
     if callable(data):
         return DataSource("callable", data, seed)
     if isinstance(data, torch.Tensor) or not hasattr(data, "__iter__"):
@@ -138,10 +146,14 @@ class JobOptions:
     on_nonfinite: str = "raise"  # "raise", "skip" or "ignore" (see ON_NONFINITE)
     preempt_grace_s: float = 30.0  # after SIGTERM, seconds to finish the step and save before being killed
     run_id: str | None = None  # written into every manifest: restarts and retention see only this run's checkpoints
-    final_kind: str | None = "final"  # the save at the last step: "final", "resize" before a reconfiguration, None: none
+    final_kind: str | None = (
+        "final"  # the save at the last step: "final", "resize" before a reconfiguration, None: none
+    )
     rebalance: Any = None  # a runner.rebalance.RebalancePlan: decide every N steps whether to move stage boundaries
     launch_ns: int | None = None  # wall clock when this segment's launch began (the measured assembly starts there)
-    write_fault: dict | None = None  # a runner.faults.write_fault in force when run() was called: the writer fails as asked
+    write_fault: dict | None = (
+        None  # a runner.faults.write_fault in force when run() was called: the writer fails as asked
+    )
 
 
 @dataclass(frozen=True)
@@ -166,7 +178,9 @@ class RunSpec:
     timeout_s: float = 300.0  # the whole run, and every collective's timeout in the workers
     job: JobOptions = JobOptions()  # checkpoints, resume, non-finite losses
     meta: dict = field(default_factory=dict, compare=False)
-    traced: Any = None  # a runner.tracer.TracedPlan for a model that is not an nn.Sequential; None: children are the layers
+    traced: Any = (
+        None  # a runner.tracer.TracedPlan for a model that is not an nn.Sequential; None: children are the layers
+    )
     D: int = 1  # data-parallel replicas of the pipeline; world size P * D, global rank = replica * P + pipeline rank
 
     @property
@@ -194,8 +208,13 @@ class RunSpec:
         path.parent.mkdir(parents=True, exist_ok=True)
         with _pickled_by_value(self._code_objects()):
             payload = cloudpickle.dumps(self)
-        header = {"format": _FORMAT, "version": _VERSION, "pipeswift_lab": __version__,
-                  "sha256": hashlib.sha256(payload).hexdigest(), "bytes": len(payload)}
+        header = {
+            "format": _FORMAT,
+            "version": _VERSION,
+            "pipeswift_lab": __version__,
+            "sha256": hashlib.sha256(payload).hexdigest(),
+            "bytes": len(payload),
+        }
         path.write_bytes(SPEC_MAGIC + json.dumps(header).encode() + b"\n" + payload)
         return path
 
@@ -223,10 +242,12 @@ def load_spec(path) -> RunSpec:
         raise FileNotFoundError(f"spec file {str(path)!r} does not exist")
     data = path.read_bytes()
     header = spec_header(path, data)
-    payload = data[data.index(b"\n") + 1:]
+    payload = data[data.index(b"\n") + 1 :]
     if len(payload) != header["bytes"] or hashlib.sha256(payload).hexdigest() != header["sha256"]:
-        raise ValueError(f"spec file {str(path)!r}: its payload ({len(payload)} bytes) does not match the checksum in its header "
-                         f"({header['bytes']} bytes): it was changed or cut short after it was written; nothing was unpickled")
+        raise ValueError(
+            f"spec file {str(path)!r}: its payload ({len(payload)} bytes) does not match the checksum in its header "
+            f"({header['bytes']} bytes): it was changed or cut short after it was written; nothing was unpickled"
+        )
     return pickle.loads(payload)
 
 
@@ -244,11 +265,13 @@ def spec_header(path, data: bytes | None = None) -> dict:
     line = data[:_HEADER_MAX_BYTES].split(b"\n", 1)[0]
     where = f"spec file {str(path)!r}"
     if not line.startswith(SPEC_MAGIC):
-        raise ValueError(f"{where} has no pipeswift_lab spec header: it is not a spec written by run(..., save_spec=path) "
-                         "by this version of pipeswift_lab; nothing was unpickled (a spec is a pickle and runs code when loaded: "
-                         "load only specs you wrote)")
+        raise ValueError(
+            f"{where} has no pipeswift_lab spec header: it is not a spec written by run(..., save_spec=path) "
+            "by this version of pipeswift_lab; nothing was unpickled (a spec is a pickle and runs code when loaded: "
+            "load only specs you wrote)"
+        )
     try:
-        header = json.loads(line[len(SPEC_MAGIC):])
+        header = json.loads(line[len(SPEC_MAGIC) :])
         if not isinstance(header, dict):
             raise ValueError("not a JSON object")
     except ValueError as exc:
@@ -256,8 +279,10 @@ def spec_header(path, data: bytes | None = None) -> dict:
     want = {"format": _FORMAT, "version": _VERSION, "pipeswift_lab": __version__}
     wrong = {key: header.get(key) for key, value in want.items() if header.get(key) != value}
     if wrong:
-        raise ValueError(f"{where}: its header says {wrong}, this pipeswift_lab reads {want}; save the spec again with this "
-                         "version; nothing was unpickled")
+        raise ValueError(
+            f"{where}: its header says {wrong}, this pipeswift_lab reads {want}; save the spec again with this "
+            "version; nothing was unpickled"
+        )
     if not isinstance(header.get("sha256"), str) or not isinstance(header.get("bytes"), int):
         raise ValueError(f"{where}: its header has no payload checksum (sha256, bytes); nothing was unpickled")
     return header
@@ -337,10 +362,14 @@ def resolve_devices(P: int, backend, devices, what: str | None = None) -> tuple[
         for d in devices:
             dev = torch.device(d) if not isinstance(d, int) else torch.device("cuda", d)
             if dev.type != "cuda" or dev.index is None:
-                raise ValueError(f"devices={list(devices)!r}: every entry must be a CUDA device index or 'cuda:i'; got {d!r}")
+                raise ValueError(
+                    f"devices={list(devices)!r}: every entry must be a CUDA device index or 'cuda:i'; got {d!r}"
+                )
             indices.append(dev.index)
         if len(indices) != P:
-            raise ValueError(f"devices={list(devices)!r} lists {len(indices)} devices but the partition has P={P} ranks")
+            raise ValueError(
+                f"devices={list(devices)!r} lists {len(indices)} devices but the partition has P={P} ranks"
+            )
         if len(set(indices)) != len(indices):
             raise ValueError(f"devices={list(devices)!r} repeats a GPU; each rank needs its own")
         device_type, indices = "cuda", tuple(indices)
@@ -351,11 +380,15 @@ def resolve_devices(P: int, backend, devices, what: str | None = None) -> tuple[
         if n_gpus == 0:
             raise ValueError(f"devices={devices!r} asks for CUDA but torch sees no GPU here; use devices='cpu'")
         if max(indices) >= n_gpus:
-            raise ValueError(f"P={P} ranks need GPUs {list(indices)} but this machine has {n_gpus} (cuda device_count); "
-                             "use fewer ranks or devices='cpu'")
+            raise ValueError(
+                f"P={P} ranks need GPUs {list(indices)} but this machine has {n_gpus} (cuda device_count); "
+                "use fewer ranks or devices='cpu'"
+            )
         backend = backend or "nccl"
         if backend != "nccl":
-            raise ValueError(f"backend={backend!r} cannot send CUDA tensors between stages; use backend='nccl' with GPUs")
+            raise ValueError(
+                f"backend={backend!r} cannot send CUDA tensors between stages; use backend='nccl' with GPUs"
+            )
         return backend, "cuda", indices
     backend = backend or "gloo"
     if backend != "gloo":
@@ -373,15 +406,32 @@ def resolve_devices(P: int, backend, devices, what: str | None = None) -> tuple[
 MAX_TIMEOUT_S = 1e9
 
 
-def make_spec(model, data, loss_fn, partition, m, *, schedule=None, steps=10, optimizer=None, nprocs=None, backend=None,
-              devices=None, timeout_s=300.0, instrument=True, seed=0, job: JobOptions | None = None, D=1) -> RunSpec:
+def make_spec(
+    model,
+    data,
+    loss_fn,
+    partition,
+    m,
+    *,
+    schedule=None,
+    steps=10,
+    optimizer=None,
+    nprocs=None,
+    backend=None,
+    devices=None,
+    timeout_s=300.0,
+    instrument=True,
+    seed=0,
+    job: JobOptions | None = None,
+    D=1,
+) -> RunSpec:
     """Check every argument of :func:`pipeswift_lab.run` and build the :class:`RunSpec` (no process is started).
 
     Raises ``TypeError``/``ValueError`` for anything that would fail in the workers and can be
     known here: schedule rules, ``m`` not dividing the batch, too many ranks for the machine,
     stages whose shapes do not chain, a loss that does not take the last stage's output.
     """
-    from .. import schedules as _schedules
+    from ..simulation import schedules as _schedules
 
     plan = plan_stages(model, partition, schedule)
     D = check_int("D", D, minimum=1)
@@ -390,26 +440,34 @@ def make_spec(model, data, loss_fn, partition, m, *, schedule=None, steps=10, op
     seed = check_int("seed", seed)
     timeout_s = check_time("timeout_s", timeout_s, allow_zero=False)
     if timeout_s > MAX_TIMEOUT_S:
-        raise ValueError(f"timeout_s={timeout_s:g} is more than the {MAX_TIMEOUT_S:g} s (about 31 years) the workers' process groups "
-                         f"and stores can wait (a longer timeout overflows torch's clock); give timeout_s <= {MAX_TIMEOUT_S:g}")
+        raise ValueError(
+            f"timeout_s={timeout_s:g} is more than the {MAX_TIMEOUT_S:g} s (about 31 years) the workers' process groups "
+            f"and stores can wait (a longer timeout overflows torch's clock); give timeout_s <= {MAX_TIMEOUT_S:g}"
+        )
     if not isinstance(instrument, bool):
         raise TypeError(f"instrument must be a bool; got {type(instrument).__name__} {instrument!r}")
     if nprocs is not None:
         nprocs = check_int("nprocs", nprocs, minimum=1)
         if nprocs != plan.P * D:
             what = f"the partition's P={plan.P}" if D == 1 else f"P*D={plan.P}*{D}"
-            raise ValueError(f"nprocs={nprocs} differs from {what}; one process runs each rank, so nprocs must be {plan.P * D} (or None)")
+            raise ValueError(
+                f"nprocs={nprocs} differs from {what}; one process runs each rank, so nprocs must be {plan.P * D} (or None)"
+            )
     _schedules.validate(plan.P, m, plan.schedule, plan.v)
     if not callable(loss_fn):
         raise TypeError(f"loss_fn must be callable as loss_fn(outputs, targets); got {type(loss_fn).__name__}")
     optimizer = default_optimizer if optimizer is None else optimizer
     if not callable(optimizer):
-        raise TypeError(f"optimizer must be a factory such as `lambda params: torch.optim.SGD(params, lr=0.1)`; got {type(optimizer).__name__}")
+        raise TypeError(
+            f"optimizer must be a factory such as `lambda params: torch.optim.SGD(params, lr=0.1)`; got {type(optimizer).__name__}"
+        )
     try:
         probe = optimizer([p for p in model.parameters()])
     except Exception as exc:  # noqa: BLE001 - re-raised naming the argument
-        raise ValueError(f"optimizer(params) raised {type(exc).__name__}: {exc} (optimizer is a factory called with each rank's "
-                         f"parameters, e.g. `lambda params: torch.optim.SGD(params, lr=0.1)`)") from exc
+        raise ValueError(
+            f"optimizer(params) raised {type(exc).__name__}: {exc} (optimizer is a factory called with each rank's "
+            f"parameters, e.g. `lambda params: torch.optim.SGD(params, lr=0.1)`)"
+        ) from exc
     if not isinstance(probe, torch.optim.Optimizer):
         raise TypeError(f"optimizer(params) must return a torch.optim.Optimizer; it returned {type(probe).__name__}")
     del probe
@@ -417,38 +475,74 @@ def make_spec(model, data, loss_fn, partition, m, *, schedule=None, steps=10, op
     if sequential:
         check_shared_parameters(model, plan)
     if D > 1 and plan.schedule in DP_UNSUPPORTED:
-        raise ValueError(f"D={D} replicas with schedule={plan.schedule!r} is not supported: its split input/weight backward "
-                         f"bypasses DDP's gradient sync; use one of GPipe, 1F1B, Interleaved1F1B, LoopedBFS with D > 1")
+        raise ValueError(
+            f"D={D} replicas with schedule={plan.schedule!r} is not supported: its split input/weight backward "
+            f"bypasses DDP's gradient sync; use one of GPipe, 1F1B, Interleaved1F1B, LoopedBFS with D > 1"
+        )
 
-    backend, device_type, indices = resolve_devices(plan.P * D, backend, devices, what=f"P*D={plan.P}*{D}" if D > 1 else None)
+    backend, device_type, indices = resolve_devices(
+        plan.P * D, backend, devices, what=f"P*D={plan.P}*{D}" if D > 1 else None
+    )
 
     source = make_data_source(data, steps, seed)
     inputs, targets = source.batch(0)
     global_batch = inputs.shape[0]
     if global_batch % D:
         divisors = [d for d in range(1, global_batch + 1) if global_batch % d == 0]
-        raise ValueError(f"D={D} does not divide the global batch size {global_batch} of data (each replica reads an equal slice); "
-                         f"use a D in {divisors}")
+        raise ValueError(
+            f"D={D} does not divide the global batch size {global_batch} of data (each replica reads an equal slice); "
+            f"use a D in {divisors}"
+        )
     batch_size = global_batch // D
     if batch_size % m:
         divisors = [d for d in range(1, batch_size + 1) if batch_size % d == 0]
-        where = f"the batch size {batch_size} of data" if D == 1 else f"each replica's batch {batch_size} (global batch {global_batch} / D={D})"
+        where = (
+            f"the batch size {batch_size} of data"
+            if D == 1
+            else f"each replica's batch {batch_size} (global batch {global_batch} / D={D})"
+        )
         raise ValueError(f"m={m} does not divide {where}; use an m in {divisors}")
     inputs_mb, targets_mb = inputs[: batch_size // m], targets[: batch_size // m]
     if sequential:
         boundaries, traced = boundary_specs(model, plan, inputs_mb, targets_mb, loss_fn), None
         layer_names = [name for name, _ in model.named_children()]
     else:
-        from .tracer import check_traceable
+        from .stages.traced import check_traceable
 
         boundaries = ()  # torch's traced stages know their boundary shapes from the graph
         traced = check_traceable(model, partition, plan.n_stages, inputs_mb, targets_mb, loss_fn)
         layer_names = [str(name) for stage in partition.layer_names for name in stage]
     threads = max(1, available_cores() // (plan.P * D)) if device_type == "cpu" else None
-    meta = {"torch_version": torch.__version__, "batch_size": int(global_batch), "replica_batch_size": int(batch_size), "D": D, "microbatch_size": int(batch_size // m),
-            "placement": [list(range(d * plan.P, (d + 1) * plan.P)) for d in range(D)],
-            "n_layers": len(layer_names), "cores": available_cores(), "layer_names": layer_names}
-    return RunSpec(model=model, loss_fn=loss_fn, data=source, optimizer=optimizer, plan=plan, m=m, steps=steps,
-                   backend=backend, device_type=device_type, devices=indices, threads_per_rank=threads,
-                   boundaries=boundaries, state_keys=tuple(model.state_dict().keys()), instrument=instrument,
-                   seed=seed, timeout_s=timeout_s, job=job if job is not None else JobOptions(), meta=meta, traced=traced, D=D)
+    meta = {
+        "torch_version": torch.__version__,
+        "batch_size": int(global_batch),
+        "replica_batch_size": int(batch_size),
+        "D": D,
+        "microbatch_size": int(batch_size // m),
+        "placement": [list(range(d * plan.P, (d + 1) * plan.P)) for d in range(D)],
+        "n_layers": len(layer_names),
+        "cores": available_cores(),
+        "layer_names": layer_names,
+    }
+    return RunSpec(
+        model=model,
+        loss_fn=loss_fn,
+        data=source,
+        optimizer=optimizer,
+        plan=plan,
+        m=m,
+        steps=steps,
+        backend=backend,
+        device_type=device_type,
+        devices=indices,
+        threads_per_rank=threads,
+        boundaries=boundaries,
+        state_keys=tuple(model.state_dict().keys()),
+        instrument=instrument,
+        seed=seed,
+        timeout_s=timeout_s,
+        job=job if job is not None else JobOptions(),
+        meta=meta,
+        traced=traced,
+        D=D,
+    )

@@ -1,0 +1,152 @@
+"""Bytes of training state per parameter: weights, gradients, master weights and optimizer state.
+
+Memory that does not depend on the micro-batches is, per parameter (Rajbhandari et al.,
+*ZeRO: Memory Optimizations Toward Training Trillion Parameter Models*, SC 2020, §3.1;
+``k`` optimizer states of 4 bytes each: Adam/AdamW ``k = 2``, SGD with momentum ``k = 1``,
+plain SGD ``k = 0``):
+
+=====================  =======  =====  ======  ==========  ===============  ==================
+precision              weights  grads  master  optimizer   Adam (k=2)       Adam, D replicas
+=====================  =======  =====  ======  ==========  ===============  ==================
+``"fp32"``             4        4      0       4k          16               16
+``"bf16-mixed"``       2        2      4       4k          16               16
+``"bf16-mixed-zero1"`` 2        2      4/D     4k/D        16 at D=1        4 + 12/D
+=====================  =======  =====  ======  ==========  ===============  ==================
+
+* ``"fp32"`` — everything in fp32.
+* ``"bf16-mixed"`` — bf16 weights and gradients for compute, an fp32 master copy and fp32
+  moments for the update (Megatron-LM, DeepSpeed). Mixed precision does **not** halve the
+  state: Adam still takes 16 bytes per parameter. (torch's autocast keeps fp32 weights and
+  gradients and fp32 moments: 4 + 4 + 8, also 16.)
+* ``"bf16-mixed-zero1"`` — as ``"bf16-mixed"``, with the fp32 master and the moments sharded
+  over the ``D`` data-parallel replicas of a stage (ZeRO stage 1, ``torch``'s
+  ``ZeroRedundancyOptimizer``): ``2 + 2 + (4 + 4k) / D``.
+
+``None`` (the default of :func:`~pipeswift_lab.partitioning.balance.partition` and
+:func:`~pipeswift_lab.plan`) keeps the profile's own bytes: ``param_bytes * (2 + k)``, exact
+when training runs in the dtype the model was profiled in with moments of that dtype (an fp32
+profile gives 16 bytes per parameter with Adam; a bf16 profile only 8, which is not how bf16
+is trained — name a precision for those).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+
+from .checks import check_int
+
+#: Optimizer states kept per parameter: Adam/AdamW keep ``exp_avg`` and ``exp_avg_sq``,
+#: SGD with momentum one buffer, plain SGD nothing.
+OPTIMIZER_STATES = {"adam": 2, "adamw": 2, "sgd_momentum": 1, "sgd": 0}
+
+#: Per precision: bytes per parameter of weights, gradients, fp32 master weights, one
+#: optimizer state, and whether master and states are sharded over the replicas (ZeRO-1).
+PRECISIONS = {
+    "fp32": {"weight_bytes": 4, "grad_bytes": 4, "master_bytes": 0, "state_bytes": 4, "sharded": False},
+    "bf16-mixed": {"weight_bytes": 2, "grad_bytes": 2, "master_bytes": 4, "state_bytes": 4, "sharded": False},
+    "bf16-mixed-zero1": {"weight_bytes": 2, "grad_bytes": 2, "master_bytes": 4, "state_bytes": 4, "sharded": True},
+}
+
+
+def check_precision(precision):
+    """Return ``precision`` if it is ``None`` or a name in :data:`PRECISIONS`; raise ``ValueError`` otherwise."""
+    if precision is not None and precision not in PRECISIONS:
+        raise ValueError(
+            f"precision={precision!r} is not known; valid precisions are {list(PRECISIONS)} or None (the profile's own param_bytes)"
+        )
+    return precision
+
+
+def _check_optimizer(optimizer):
+    if optimizer not in OPTIMIZER_STATES:
+        raise ValueError(f"optimizer={optimizer!r} is not known; valid optimizers are {list(OPTIMIZER_STATES)}")
+    return optimizer
+
+
+def bytes_per_param(precision, optimizer="adam", dp=1) -> float:
+    """Bytes of weights + gradients + master weights + optimizer state per parameter on one GPU.
+
+    ``dp`` is the number of data-parallel replicas the ``"bf16-mixed-zero1"`` optimizer state
+    is sharded over (ignored by the others). Returns a float: 16.0 for ``("fp32", "adam")``
+    and ``("bf16-mixed", "adam")``, ``4 + 12 / dp`` for ``("bf16-mixed-zero1", "adam")``.
+    """
+    row = _parts(precision, optimizer, dp)
+    return row["weight_bytes"] + row["grad_bytes"] + row["master_bytes"] + row["optimizer_bytes"]
+
+
+def checkpoint_bytes_per_param(precision, optimizer="adam", dp=1) -> float:
+    """Bytes per parameter a checkpoint of one GPU holds: everything but the gradients. Returns a float."""
+    row = _parts(precision, optimizer, dp)
+    return row["weight_bytes"] + row["master_bytes"] + row["optimizer_bytes"]
+
+
+def grad_bytes_per_param(precision) -> float:
+    """Bytes per parameter of the gradients the data-parallel replicas reduce. Returns a float."""
+    check_precision(precision)
+    if precision is None:
+        raise ValueError("precision=None has no fixed gradient size; it is the profile's param_bytes")
+    return float(PRECISIONS[precision]["grad_bytes"])
+
+
+def _parts(precision, optimizer, dp):
+    if check_precision(precision) is None:
+        raise ValueError(
+            "precision=None counts the profile's param_bytes, not a fixed size per parameter; name one of "
+            f"{list(PRECISIONS)}"
+        )
+    k = OPTIMIZER_STATES[_check_optimizer(optimizer)]
+    dp = check_int("dp", dp, minimum=1)
+    spec = PRECISIONS[precision]
+    shards = dp if spec["sharded"] else 1
+    return {
+        "weight_bytes": float(spec["weight_bytes"]),
+        "grad_bytes": float(spec["grad_bytes"]),
+        "master_bytes": spec["master_bytes"] / shards,
+        "optimizer_bytes": k * spec["state_bytes"] / shards,
+    }
+
+
+def precision_table(optimizer="adam", dp=1) -> pd.DataFrame:
+    """One row per precision: ``weight_bytes``, ``grad_bytes``, ``master_bytes``, ``optimizer_bytes`` and ``total_bytes`` per parameter.
+
+    ``dp`` is the replica count the ZeRO-1 option shards over. Returns a DataFrame indexed by precision.
+    """
+    rows = {p: _parts(p, optimizer, dp) for p in PRECISIONS}
+    df = pd.DataFrame(rows).T
+    df["total_bytes"] = df.sum(axis=1)
+    df.index.name = "precision"
+    return df
+
+
+def state_bytes(params, param_bytes, precision, optimizer="adam", dp=1):
+    """Per layer, bytes of weights, gradients and optimizer state; returns a numpy array, or None if unknown.
+
+    With ``precision=None`` it is ``param_bytes * (2 + k)``; with a named precision it is
+    ``params * bytes_per_param(precision, optimizer, dp)`` and the profile needs a ``params`` column.
+    """
+    k = OPTIMIZER_STATES[_check_optimizer(optimizer)]
+    if check_precision(precision) is None:
+        return None if param_bytes is None else np.asarray(param_bytes, dtype=float) * (2.0 + k)
+    if params is None:
+        raise ValueError(f"precision={precision!r} counts bytes per parameter, but the profile has no 'params' column")
+    params = np.asarray(params, dtype=float)
+    if param_bytes is not None:
+        missing = np.flatnonzero((params == 0) & (np.asarray(param_bytes, dtype=float) > 0))
+        if len(missing):
+            raise ValueError(
+                f"precision={precision!r} counts bytes per parameter, but layer {int(missing[0])} has params=0 and param_bytes > 0; give the 'params' column"
+            )
+    return params * bytes_per_param(precision, optimizer, dp)
+
+
+__all__ = [
+    "OPTIMIZER_STATES",
+    "PRECISIONS",
+    "bytes_per_param",
+    "checkpoint_bytes_per_param",
+    "check_precision",
+    "grad_bytes_per_param",
+    "precision_table",
+    "state_bytes",
+]

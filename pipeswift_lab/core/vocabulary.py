@@ -1,0 +1,149 @@
+"""The vocabulary of ``torch.distributed.pipelining`` that every room speaks: schedule names, action kinds, how
+many chunks a schedule places per rank by default, and on which rank each stage sits.
+"""
+
+from __future__ import annotations
+
+from .checks import check_int
+
+#: Schedule names, spelled as ``torch.distributed.pipelining`` spells them.
+SCHEDULES = (
+    "GPipe",
+    "1F1B",
+    "Interleaved1F1B",
+    "LoopedBFS",
+    "InterleavedZeroBubble",
+    "ZBVZeroBubble",
+    "DualPipeV",
+)
+#: Schedules that place one stage on every rank (``v == 1``), run by torch's single-chunk runtime.
+SINGLE_CHUNK_SCHEDULES = ("GPipe", "1F1B")
+#: Schedules that place several stages ("chunks", ``v``) on every rank.
+MULTI_CHUNK_SCHEDULES = ("Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
+#: Schedules whose chunks go to ranks in a V shape and need exactly two per rank.
+V_SHAPE_SCHEDULES = ("ZBVZeroBubble", "DualPipeV")
+
+
+def default_v(schedule: str) -> int:
+    """Chunks per rank when none is given: 1 for the single-chunk schedules, 2 for the others."""
+    return 1 if schedule not in MULTI_CHUNK_SCHEDULES else 2
+
+
+#: Schedules that split the backward into input-grad (I) and weight-grad (W).
+ZERO_BUBBLE_SCHEDULES = ("InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
+
+#: Action kinds, as ``torch.distributed.pipelining`` names them: forward, full backward, input-grad, weight-grad ...
+COMPUTE_KINDS = ("F", "B", "I", "W")
+#: ... and the transfers between ranks.
+COMM_KINDS = ("SEND_F", "RECV_F", "SEND_B", "RECV_B")
+#: ... and the gradient all-reduce across data-parallel replicas (torch's ``REDUCE_GRAD``), measured when D > 1.
+REDUCE_KINDS = ("REDUCE_GRAD",)
+#: Every action kind a Timeline row may hold.
+KINDS = COMPUTE_KINDS + COMM_KINDS + REDUCE_KINDS
+
+_BY_LOWER = {name.lower(): name for name in SCHEDULES}
+
+
+def canonical_schedule(schedule: str) -> str:
+    """Return the canonical spelling of ``schedule`` (case-insensitive match)."""
+    if not isinstance(schedule, str):
+        raise TypeError(f"schedule must be a str, one of {list(SCHEDULES)}; got {type(schedule).__name__} {schedule!r}")
+    key = schedule.lower().replace("_", "").replace("-", "")
+    if key == "schedule1f1b":
+        key = "1f1b"
+    for prefix in ("schedule",):
+        if key.startswith(prefix) and key[len(prefix) :] in _BY_LOWER:
+            key = key[len(prefix) :]
+    if key not in _BY_LOWER:
+        raise ValueError(
+            f"schedule={schedule!r} is not known; valid schedules are {list(SCHEDULES)} (case-insensitive)"
+        )
+    return _BY_LOWER[key]
+
+
+def check_schedule_v(schedule: str, v: int) -> tuple[str, int]:
+    """Validate the chunks-per-rank ``v`` a schedule allows; return ``(schedule, v)``.
+
+    Single-stage schedules need ``v=1``, V-shape schedules exactly ``v=2``, and the
+    other multi-chunk schedules any ``v >= 1`` (torch accepts one chunk per rank too).
+    """
+    schedule = canonical_schedule(schedule)
+    v = check_int("v", v, minimum=1)
+    if schedule in SINGLE_CHUNK_SCHEDULES and v != 1:
+        raise ValueError(f"v={v} is not allowed for schedule={schedule!r}, which runs one stage per rank; use v=1")
+    if schedule in V_SHAPE_SCHEDULES and v != 2:
+        raise ValueError(
+            f"v={v} is not allowed for schedule={schedule!r}, which places exactly 2 stages per rank in a V; use v=2"
+        )
+    return schedule, v
+
+
+#: torch's class of every multi-chunk schedule.
+TORCH_CLASS = {
+    "Interleaved1F1B": "ScheduleInterleaved1F1B",
+    "LoopedBFS": "ScheduleLoopedBFS",
+    "InterleavedZeroBubble": "ScheduleInterleavedZeroBubble",
+    "ZBVZeroBubble": "ScheduleZBVZeroBubble",
+    "DualPipeV": "ScheduleDualPipeV",
+}
+
+
+def accepts(P, m, schedule="1F1B", v=1) -> bool:
+    """Whether torch's ``schedule`` takes ``P`` ranks, ``m`` micro-batches and ``v`` chunks per rank (:func:`validate` without the error)."""
+    try:
+        validate(P, m, schedule, v)
+    except ValueError:
+        return False
+    return True
+
+
+def validate(P, m, schedule="1F1B", v=1) -> tuple[str, int]:
+    """Check ``(P, m, schedule, v)`` against torch's own rules; return ``(schedule, v)`` canonical.
+
+    The rules are those the torch schedule constructors enforce:
+
+    * ``1F1B``: ``m >= P`` (``Schedule1F1B`` needs as many micro-batches as stages);
+    * ``Interleaved1F1B`` and ``InterleavedZeroBubble``: ``m`` must be a multiple of the number
+      of rounds ``max(1, m // P)``;
+    * ``DualPipeV``: ``m >= 2 * P`` (as many micro-batches as its ``2P`` stages);
+    * ``ZBVZeroBubble`` and ``DualPipeV`` need ``v == 2``; ``GPipe`` and ``1F1B`` ``v == 1``.
+
+    Raises ``ValueError`` naming ``P``, ``m``, ``v`` and the rule.
+    """
+    P = check_int("P", P, minimum=1)
+    m = check_int("m", m, minimum=1)
+    schedule, v = check_schedule_v(schedule, v)
+    where = f"schedule={schedule!r} with P={P}, m={m}, v={v}"
+    if schedule == "1F1B" and m < P:
+        raise ValueError(
+            f"{where}: torch's Schedule1F1B needs m >= P (at least as many micro-batches as stages); use m >= {P}"
+        )
+    if schedule in ("Interleaved1F1B", "InterleavedZeroBubble"):
+        rounds = max(1, m // P)
+        if m % rounds:
+            lower = next(k for k in range(m - 1, 0, -1) if k % max(1, k // P) == 0)
+            upper = next(k for k in range(m + 1, 2 * m + P + 1) if k % max(1, k // P) == 0)
+            raise ValueError(
+                f"{where}: torch's {TORCH_CLASS[schedule]} needs m to be a multiple of its number of rounds "
+                f"max(1, m // P) = {rounds}; m={m} is not (the nearest valid m are {lower} and {upper})"
+            )
+    if schedule == "DualPipeV" and m < 2 * P:
+        raise ValueError(
+            f"{where}: torch's ScheduleDualPipeV needs m >= 2*P = {2 * P} (at least as many micro-batches as its {2 * P} stages)"
+        )
+    return schedule, v
+
+
+def stage_to_rank(P, v=1, schedule=None) -> tuple[int, ...]:
+    """Rank of every stage, in stage order: round-robin ``s % P``, or a V for ZBV/DualPipeV.
+
+    In the V shape (``v == 2``), rank ``r`` holds stages ``r`` and ``2P - 1 - r``
+    (torch's ``generate_stage_to_rank_mapping(style="v")``).
+    """
+    P = check_int("P", P, minimum=1)
+    v = check_int("v", v, minimum=1)
+    if schedule is not None:
+        schedule, v = check_schedule_v(schedule, v)
+    if schedule in V_SHAPE_SCHEDULES:
+        return tuple(s if s < P else 2 * P - 1 - s for s in range(2 * P))
+    return tuple(s % P for s in range(P * v))

@@ -1,0 +1,20 @@
+"""Fidelity: reads measured runs (:class:`~pipeswift_lab.runner.RunResult` values), returns how far predictions are.
+
+:func:`compare` puts a simulated Timeline beside a measured one; :func:`calibrate` fits the simulator's free terms
+(runtime overhead, link, weight-gradient share) on measured runs and returns a :class:`Calibration` to pass back::
+
+    cal = psl.calibrate([run_a, run_b, run_c])
+    psl.simulate(part, m=8, calibration=cal)
+    psl.compare(psl.simulate(part, m=8), run_a).errors
+
+Modules: :mod:`.comparison`, :mod:`.replays` (a measured step re-run through the simulator), :mod:`.calibrator`
+and :mod:`.fitting`. This room never imports the runner: runs are values.
+"""
+
+from __future__ import annotations
+
+from .calibrator import Calibration, CalibrationWarning, calibrate
+from .comparison import Comparison, compare
+from .replays import replay
+
+__all__ = ["Calibration", "CalibrationWarning", "Comparison", "calibrate", "compare", "replay"]

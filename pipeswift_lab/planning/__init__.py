@@ -1,0 +1,19 @@
+"""Planning: reads a Profile, the GPUs, the steps to train and their availability; returns a :class:`Plan`.
+
+Every configuration ``(P, D, m, schedule)`` ranked by job completion time: queue, assembly, training, cleanup and
+what preemption costs, with branch-and-bound over the configurations::
+
+    p = psl.plan(prof, gpus=16, steps=20_000, global_batch=64)
+    p.best, p.table.head()
+    p.config(0)   # the arguments of psl.run for the best row
+
+Modules: :mod:`.planner` (:func:`plan`, :class:`Plan`), :mod:`.steps` (the job's inputs and each candidate's
+costs), :mod:`.search` (per-micro-batch costs and partitions), :mod:`.strategies` (grow, shrink),
+:mod:`.quantiles` (JCT quantiles under failures).
+"""
+
+from __future__ import annotations
+
+from .planner import Plan, PlannedConfig, plan
+
+__all__ = ["Plan", "PlannedConfig", "plan"]

@@ -1,0 +1,145 @@
+"""The planner's tail: the JCT a job finishes within with probability ``q`` (the p95 job), by Monte Carlo.
+
+Two random processes lengthen a job beyond its expected JCT:
+
+* **step-time dispersion.** The training term is ``steps * step``; the step varies with a
+  coefficient of variation ``step_cv`` (fitted by :func:`~pipeswift_lab.fidelity.calibrator.calibrate`
+  or given). It is taken as *persistent* over the job: each sample draws one job-long
+  speed ``1 + step_cv * Z`` (``Z`` standard normal, clipped at zero), the conservative
+  reading of run-to-run and machine-to-machine spread. Steps that varied independently
+  would shrink it by ``sqrt(steps)``, to nothing for long jobs.
+* **failures.** Preemptions arrive as a Poisson process with rate ``gpus / mtbf_s`` in
+  wall-clock time (MTBF per GPU, as :func:`~pipeswift_lab.core.costs.preemption_loss_s`). The job
+  checkpoints every ``tau`` seconds of work (Young/Daly's ``sqrt(2 C MTBF)``), paying ``C``
+  each time; a failure loses the work since the last completed checkpoint and costs the
+  restart ``R`` (re-assembly plus restore). Each sample replays this until the work is
+  done. Its mean matches the closed form the planner's expected ``preemption_loss_s`` uses
+  (half an interval redone per failure) up to the closed form's fixed-point approximation.
+
+The queue, assembly and cleanup terms are deterministic. Every configuration uses the same
+random numbers (a fixed ``seed``), so rankings do not move by sampling noise.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pandas as pd
+
+from ..core.checks import check_int, check_time
+from ..core.costs import young_daly_interval_s
+
+#: Monte Carlo samples per configuration.
+DEFAULT_SAMPLES = 2000
+#: Seed of the common random numbers.
+DEFAULT_SEED = 0
+
+
+def quantile_column(quantile: float) -> str:
+    """The Plan.table column of a quantile: ``total_s_p95`` for 0.95."""
+    return f"total_s_p{100 * quantile:g}"
+
+
+def check_quantile(quantile, objective):
+    """Validate ``quantile`` and ``objective``; return ``(quantile or None, objective column)``."""
+    if not isinstance(objective, str):
+        raise TypeError(
+            f"objective must be 'mean' or a quantile name such as 'p95'; got {type(objective).__name__} {objective!r}"
+        )
+    if objective != "mean":
+        try:
+            implied = float(objective[1:]) / 100 if objective.startswith("p") else math.nan
+        except ValueError:
+            implied = math.nan
+        if not 0 < implied < 1:
+            raise ValueError(
+                f"objective={objective!r} is invalid; use 'mean' (expected JCT) or 'p95' (or another 'pNN', the JCT at that quantile)"
+            )
+        if quantile is None:
+            quantile = implied
+        elif not math.isclose(quantile, implied):
+            raise ValueError(
+                f"objective={objective!r} ranks by the {implied:g} quantile but quantile={quantile}; give matching values"
+            )
+    if quantile is not None:
+        quantile = check_time("quantile", quantile, allow_zero=False)
+        if quantile >= 1:
+            raise ValueError(f"quantile={quantile} is invalid; it is a probability in (0, 1), e.g. 0.95")
+    column = "total_s" if objective == "mean" else quantile_column(quantile)
+    return quantile, column
+
+
+def training_samples(training_s: float, steps_cv: float, z: np.ndarray) -> np.ndarray:
+    """Training seconds per sample: ``training_s * max(0, 1 + step_cv * z)``."""
+    return training_s * np.clip(1.0 + steps_cv * z, 0.0, None)
+
+
+def failure_wall_s(
+    work_s: np.ndarray, checkpoint_s: float, restart_s: float, job_mtbf_s: float, rng, max_failures=100_000
+) -> np.ndarray:
+    """Wall seconds to finish ``work_s`` of training (one value per sample) under Poisson failures.
+
+    Checkpoints every Young/Daly interval of work, each costing ``checkpoint_s``; a failure
+    (mean time between them ``job_mtbf_s``) loses the work since the last checkpoint and
+    costs ``restart_s``. Returns ``inf`` for samples still unfinished after ``max_failures``.
+    """
+    tau = young_daly_interval_s(checkpoint_s, job_mtbf_s)
+    remaining = np.asarray(work_s, float).copy()
+    wall = np.zeros_like(remaining)
+    active = remaining > 0
+    for _ in range(max_failures):
+        if not active.any():
+            return wall
+        idx = np.flatnonzero(active)
+        rem = remaining[idx]
+        failure = rng.exponential(job_mtbf_s, len(idx))
+        if tau > 0:
+            saves = np.maximum(np.ceil(rem / tau) - 1.0, 0.0)  # no checkpoint after the last piece of work
+            finish = rem + saves * checkpoint_s
+            kept = np.minimum(np.floor(failure / (tau + checkpoint_s)) * tau, rem)
+        else:  # free checkpoints: every second of work is kept
+            finish = rem
+            kept = np.minimum(failure, rem)
+        done = failure >= finish
+        wall[idx[done]] += finish[done]
+        lost = idx[~done]
+        wall[lost] += failure[~done] + restart_s
+        remaining[lost] -= kept[~done]
+        active[idx[done]] = False
+    wall[active] = math.inf
+    return wall
+
+
+def jct_quantile(
+    rows: pd.DataFrame,
+    quantile: float,
+    step_cv: float = 0.0,
+    mtbf_s=None,
+    checkpoint=None,
+    samples: int = DEFAULT_SAMPLES,
+    seed: int = DEFAULT_SEED,
+) -> pd.Series:
+    """The JCT at ``quantile`` of each planner row (seconds), by Monte Carlo (see the module docstring).
+
+    ``rows`` needs ``queue_s``, ``assembly_s``, ``cleanup_s``, ``training_s``, ``gpus`` and,
+    with ``mtbf_s``, ``_shard_bytes`` (what a checkpoint writes per rank); ``checkpoint`` is
+    the :class:`~pipeswift_lab.core.costs.CheckpointModel` the plan used.
+    """
+    step_cv = check_time("step_cv", step_cv)
+    samples = check_int("samples", samples, minimum=10)
+    out = []
+    for _, row in rows.iterrows():
+        rng = np.random.default_rng(seed)  # common random numbers across configurations
+        z = rng.standard_normal(samples)
+        work = training_samples(float(row["training_s"]), step_cv, z)
+        if mtbf_s is not None:
+            shard = float(row["_shard_bytes"])
+            restart = float(row["assembly_s"]) + checkpoint.restore_s(shard)
+            work = failure_wall_s(work, checkpoint.save_s(shard), restart, mtbf_s / float(row["gpus"]), rng)
+        fixed = float(row["queue_s"]) + float(row["assembly_s"]) + float(row["cleanup_s"])
+        out.append(fixed + float(np.quantile(work, quantile)))
+    return pd.Series(out, index=rows.index, dtype=float)
+
+
+__all__ = ["check_quantile", "failure_wall_s", "jct_quantile", "quantile_column", "training_samples"]

@@ -1,0 +1,323 @@
+"""The planner's search machinery: per-layer costs at any micro-batch size, and the evaluator that
+partitions and simulates configurations, sharing work across replicas and micro-batch sizes.
+
+Used by :func:`pipeswift_lab.planning.planner.plan`.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from dataclasses import dataclass, field
+from functools import cached_property
+
+import pandas as pd
+
+from ..core.analytic import inflight_microbatches
+from ..core.checks import check_int
+from ..core.precision import state_bytes
+from ..core.vocabulary import stage_to_rank
+from ..partitioning.balance import Partition, no_fit_head
+from ..partitioning.bottleneck import Infeasible
+from ..partitioning.layers import _MEM_RTOL, _Layers, _split, rank_totals
+from ..simulation.simulator import simulate_step_ms
+
+
+class MicrobatchCosts:
+    """Per-layer costs at any micro-batch size, from one or more profiles.
+
+    With one profile taken at micro-batch size ``b0``, times and bytes scale in proportion
+    to ``b / b0``. With profiles at several sizes, each layer's times are interpolated
+    piecewise-linearly in ``b`` (and extrapolated along the end segments, never below
+    zero), which captures the fixed per-micro-batch cost that makes small micro-batches
+    slow; bytes stay proportional to ``b`` from the nearest profile.
+    """
+
+    def __init__(self, profile):
+        profiles = list(profile) if isinstance(profile, (list, tuple)) else [profile]
+        if not profiles:
+            raise ValueError("profile is empty; give a Profile or a list of Profiles at different micro-batch sizes")
+        by_size = {}
+        for i, prof in enumerate(profiles):
+            df = prof.df if hasattr(prof, "df") else prof
+            if not isinstance(df, pd.DataFrame):
+                raise TypeError(
+                    f"profile must be a pipeswift_lab.Profile, a per-layer DataFrame or a list of Profiles; got {type(prof).__name__}"
+                )
+            meta = getattr(prof, "meta", {}) or {}
+            if not meta.get("batch_size"):
+                warnings.warn(
+                    f"profile{'' if len(profiles) == 1 else f'[{i}]'} has no meta['batch_size']: it is planned as if profiled at "
+                    f"micro-batch size 1 (layer times and activations scale from there); set Profile.meta['batch_size'] "
+                    f"(Profile.synthetic(..., meta={{'batch_size': b}})) to the size it was taken at",
+                    UserWarning, stacklevel=3,
+                )  # fmt: skip
+            size = meta.get("batch_size") or 1
+            size = check_int(
+                "profile.meta['batch_size']",
+                int(size) if isinstance(size, float) and size.is_integer() else size,
+                minimum=1,
+            )
+            if size in by_size:
+                raise ValueError(f"two profiles have micro-batch size {size}; give one profile per size")
+            by_size[size] = (df.reset_index(drop=True), str(meta.get("device", "cuda")).split(":")[0])
+        self.sizes = sorted(by_size)
+        self.tables = {b: by_size[b][0] for b in self.sizes}
+        self.device = by_size[self.sizes[0]][1]
+        lengths = {len(t) for t in self.tables.values()}
+        if len(lengths) != 1:
+            raise ValueError(
+                f"profiles have different layer counts {sorted(lengths)}; profile the same model at each size"
+            )
+        self.n_layers = lengths.pop()
+        self.proportional = len(self.sizes) == 1
+        self._cache = {}
+
+    @property
+    def b0(self) -> int:
+        """The smallest profiled micro-batch size."""
+        return self.sizes[0]
+
+    def table(self, b: int) -> pd.DataFrame:
+        """Per-layer DataFrame at micro-batch size ``b``."""
+        if b not in self._cache:
+            nearest = min(self.sizes, key=lambda size: (abs(size - b), size))
+            df = self.tables[nearest].copy()
+            for col in ("activation_bytes", "output_bytes"):
+                if col in df.columns:
+                    df[col] = df[col] * (b / nearest)
+            for col in ("fwd_ms", "bwd_ms", "wgrad_ms"):
+                if col in df.columns:
+                    df[col] = self._time(col, b)
+            self._cache[b] = df
+        return self._cache[b]
+
+    def _time(self, col, b):
+        if self.proportional:
+            return self.tables[self.b0][col] * (b / self.b0)
+        sizes = self.sizes
+        hi = next((i for i, size in enumerate(sizes) if size >= b), len(sizes) - 1)
+        hi = max(hi, 1)
+        b1, b2 = sizes[hi - 1], sizes[hi]
+        t1, t2 = self.tables[b1][col], self.tables[b2][col]
+        return (t1 + (t2 - t1) * (b - b1) / (b2 - b1)).clip(lower=0.0)
+
+
+class Evaluator:
+    """Partitions and simulates configurations, sharing work across candidates.
+
+    When costs scale in proportion to the micro-batch size and there is no link, the
+    balanced bounds do not depend on ``b`` and the simulated step scales with it, so
+    each ``(P, m, schedule, v)`` is partitioned and simulated once. The search stays on
+    per-stage sums cached by their bounds; a :class:`~pipeswift_lab.Partition` is built only
+    for a configuration that is simulated. Memory-capped splits are cached by what the cap
+    depends on (``P``, ``v``, placement, micro-batch size, the in-flight count of each rank),
+    so configurations that differ only in ``m`` or ``D`` but hold as much share one.
+    """
+
+    def __init__(self, costs: MicrobatchCosts, link, mem_limit, optimizer, calibration=None, precision=None):
+        self.costs, self.link, self.mem_limit, self.optimizer, self.precision = (
+            costs,
+            link,
+            mem_limit,
+            optimizer,
+            precision,
+        )
+        self.calibration = calibration  # fixed per-action costs do not scale with b: no sharing across sizes
+        self.shared = costs.proportional and link is None and calibration is None
+        self._sims, self._layers, self._bounds, self._capped, self._stages, self._inflight = {}, {}, {}, {}, {}, {}
+
+    def layers(self, b):
+        """The per-layer arrays at micro-batch size ``b`` (cached)."""
+        if b not in self._layers:
+            self._layers[b] = _Layers(self.costs.table(b))
+        return self._layers[b]
+
+    def split(self, P, m, b, schedule, v, D=1) -> Split:
+        """The balanced split of ``P`` ranks at micro-batch size ``b`` (the fastest that fits memory), unsimulated.
+
+        ``D`` is the replica count a ZeRO-1 ``precision`` shards the optimizer state over.
+        ``P``, ``m``, ``schedule`` and ``v`` must already be valid together.
+
+        Raises ``ValueError`` when no split fits ``mem_per_gpu_bytes``.
+        """
+        base = self.costs.b0 if self.shared else b
+        dp = (
+            D if self.precision is not None and self.precision.endswith("zero1") else 1
+        )  # only ZeRO-1 state depends on D
+        placement, inflight_by_rank = self._placement(P, m, schedule, v)
+        key = (P, v, schedule, base)
+        if key not in self._bounds:
+            self._bounds[key] = _split(
+                self.layers(base), P, v, schedule, schedule, "balanced", self.link, m, self.optimizer, None
+            )
+        bounds = self._bounds[key]
+        stages = self._stage_sums(base, bounds, dp)
+        inflight = [inflight_by_rank[r] for r in placement]
+        scale = b / base
+        mem = _rank_memory(stages, placement, inflight, P, scale)
+        if self.mem_limit is not None and max(mem) > self.mem_limit:
+            # no split can beat the average rank: static state plus the fewest in-flight activations
+            static = sum(stages.state_bytes)
+            activations = min(inflight) * sum(stages.activation_bytes) * scale
+            if (static + activations) / P > self.mem_limit:
+                raise ValueError(
+                    f"needs at least {(static + activations) / P / 2**30:.3g} GiB per GPU on average > mem_per_gpu_bytes={self.mem_limit:.4g}"
+                )
+            # the time-balanced split does not fit at this micro-batch size: take the fastest split that does
+            bounds = self._capped_bounds(P, m, b, schedule, v, dp, tuple(inflight_by_rank))
+            base, scale = b, 1.0
+            stages = self._stage_sums(b, bounds, dp)
+            mem = _rank_memory(stages, placement, inflight, P, 1.0)
+        busiest = max(rank_totals(stages.stage_ms, placement, P))
+        bound = m * busiest * scale
+        if (
+            self.calibration is not None
+        ):  # calibrated actions take at least scale(P) x profiled, plus non-negative costs
+            bound = bound * self.calibration.scale(P) + self.calibration.step_overhead_ms(schedule)
+        build = (self.layers(base), bounds, v, schedule, m, D)
+        return Split(P, bounds, m, schedule, v, base, scale, max(mem), _rank_max(stages.param_bytes, placement, P),
+                     _rank_max(stages.params, placement, P), bound, self, build)  # fmt: skip
+
+    def partition(self, layers, bounds, v, schedule, m, D) -> Partition:
+        """The :class:`~pipeswift_lab.Partition` of a split (built when it is simulated)."""
+        return Partition.from_bounds(
+            layers,
+            bounds,
+            v=v,
+            schedule=schedule,
+            m=m,
+            optimizer=self.optimizer,
+            link=self.link,
+            precision=self.precision,
+            dp=D,
+        )
+
+    def simulate(self, split: Split) -> tuple[float, float]:
+        """``(pipeline_ms, bubble_ratio)`` of a split; the bubble is ``1 - m * sum(stage fwd+bwd) / (P * step)``.
+
+        With a calibration the step is the calibrated span plus the runtime's per-step overhead.
+        """
+        key = (split.P, split.m, split.schedule, split.v, split.bounds, split.base)
+        if key not in self._sims:
+            self._sims[key] = self._timed(split.part, split.m, split.schedule, split.v)
+        step, bubble = self._sims[key]
+        return step * split.scale, bubble
+
+    def _timed(self, part, m, schedule, v):
+        step = simulate_step_ms(part, m, schedule, v=v, link=self.link, calibration=self.calibration)
+        busy = m * sum(part.stage_ms)
+        if self.calibration is not None:
+            step += self.calibration.step_overhead_ms(schedule)
+            busy *= self.calibration.scale(part.P)
+        return step, (1.0 - busy / (part.P * step) if step > 0 else 0.0)
+
+    def _placement(self, P, m, schedule, v):
+        key = (P, m, schedule, v)
+        if key not in self._inflight:
+            self._inflight[key] = (stage_to_rank(P, v, schedule), inflight_microbatches(P, m, schedule, v=v))
+        return self._inflight[key]
+
+    def _stage_sums(self, b, bounds, dp) -> _StageSums:
+        key = (b, bounds, dp)
+        if key not in self._stages:
+            layers = self.layers(b)
+
+            def sums(values):
+                return (
+                    tuple(float(values[a:e].sum()) for a, e in bounds)
+                    if values is not None
+                    else tuple(math.nan for _ in bounds)
+                )
+
+            state = state_bytes(layers.params, layers.param_bytes, self.precision, self.optimizer, dp)
+            params = tuple(int(round(x)) for x in sums(layers.params)) if layers.params is not None else sums(None)
+            fwd, bwd = sums(layers.fwd), sums(layers.bwd)
+            self._stages[key] = _StageSums(
+                tuple(f + w for f, w in zip(fwd, bwd)),
+                sums(state),
+                sums(layers.activation_bytes),
+                sums(layers.param_bytes),
+                params,
+            )
+        return self._stages[key]
+
+    def _capped_bounds(self, P, m, b, schedule, v, dp, inflight_by_rank):
+        """The fastest split at size ``b`` that fits the cap; raises ``ValueError`` when none does.
+
+        Cached by what the memory windows depend on, so ``m`` values with the same in-flight
+        counts share one search.
+        """
+        key = (P, v, schedule, b, dp, inflight_by_rank)
+        if key not in self._capped:
+            layers = self.layers(b)
+            try:
+                bounds = _split(
+                    layers,
+                    P,
+                    v,
+                    schedule,
+                    schedule,
+                    "balanced",
+                    self.link,
+                    m,
+                    self.optimizer,
+                    self.mem_limit,
+                    self.precision,
+                    dp,
+                )
+                placement, inflight = self._placement(P, m, schedule, v)
+                stages = self._stage_sums(b, bounds, dp)
+                need = _rank_memory(stages, placement, [inflight[r] for r in placement], P, 1.0)
+                self._capped[key] = bounds if max(need) <= self.mem_limit * (1 + _MEM_RTOL) else None
+            except Infeasible:
+                self._capped[key] = None
+        if self._capped[key] is None:
+            raise ValueError(no_fit_head(self.mem_limit, "balanced", P, v))
+        return self._capped[key]
+
+
+@dataclass(frozen=True)
+class _StageSums:
+    """Per-stage sums of a split's layers, the numbers the search needs before building a Partition."""
+
+    stage_ms: tuple  # forward + backward per micro-batch
+    state_bytes: tuple  # weights + gradients + optimizer state
+    activation_bytes: tuple  # saved per micro-batch
+    param_bytes: tuple
+    params: tuple  # NaN where the profile has no params column
+
+
+@dataclass(frozen=True)
+class Split:
+    """A balanced split at one micro-batch size, with what the planner needs before simulating it."""
+
+    P: int
+    bounds: tuple
+    m: int
+    schedule: str
+    v: int
+    base: int  # micro-batch size the split's times are for
+    scale: float  # b / base: the step scales by it
+    peak_mem_bytes: float
+    rank_param_bytes: float  # the most parameter bytes one rank holds
+    rank_params: float  # the most parameters one rank holds (NaN when the profile does not count them)
+    lower_bound_ms: float  # m times the busiest rank's compute: no pipeline step is shorter
+    evaluator: Evaluator = field(repr=False, compare=False)
+    build: tuple = field(repr=False, compare=False)  # the arguments of Evaluator.partition
+
+    @cached_property
+    def part(self) -> Partition:
+        """The :class:`~pipeswift_lab.Partition` of this split (built on first use)."""
+        return self.evaluator.partition(*self.build)
+
+
+def _rank_memory(stages, placement, inflight, P, scale):
+    per_stage = [
+        state + act * held * scale for state, act, held in zip(stages.state_bytes, stages.activation_bytes, inflight)
+    ]
+    return rank_totals(per_stage, placement, P)
+
+
+def _rank_max(per_stage, placement, P) -> float:
+    return max(rank_totals(per_stage, placement, P))

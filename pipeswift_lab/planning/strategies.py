@@ -1,0 +1,142 @@
+"""The planner's strategies for a job whose GPUs come and go: grow when more free up, shrink when some are taken.
+
+Both take the simulated, feasible ``start`` rows of :func:`pipeswift_lab.planning.planner.plan` (one
+configuration held from start to end) and build rows of a job that changes configuration
+once, paying the change as :func:`pipeswift_lab.runner.run` measures it (``resize_at``): a
+checkpoint save on the old configuration, a new assembly and a restore on the new one
+(``costs.CheckpointModel`` and ``costs.AssemblyModel``, both calibratable from
+``RunResult.segments``). The steps done before the change are kept; the partial step it cuts
+short is lost. Neither is weighed with ``mtbf_s`` (the preemption term of a job that changes
+shape mid-way is not modelled).
+"""
+
+from __future__ import annotations
+
+import math
+
+import pandas as pd
+
+from ..core.display import hours
+from ..core.jct import TERMS
+
+
+def _label(row) -> str:
+    return f"P{int(row['P'])}×D{int(row['D'])} m{int(row['m'])} b{int(row['microbatch_size'])} {row['schedule']}"
+
+
+def _move_s(old, new, assembly, checkpoint) -> float:
+    return (
+        checkpoint.save_s(old["_shard_bytes"])
+        + assembly.seconds(int(new["P"]), int(new["D"]))
+        + checkpoint.restore_s(new["_shard_bytes"])
+    )
+
+
+def _switch(old, new, t_switch, steps, assembly, checkpoint, strategy, queue_s):
+    """A row: ``old`` from its start until ``t_switch`` (seconds from now), then ``new`` to the end; None if it never trains on ``old``."""
+    trained_s = t_switch - queue_s - old["assembly_s"]
+    first_steps = trained_s / (old["step_ms"] / 1000.0)
+    if first_steps >= steps:
+        return None
+    done = max(0, math.floor(first_steps))
+    lost = max(0.0, trained_s - done * old["step_ms"] / 1000.0)
+    row = new.to_dict()
+    row.update(
+        strategy=strategy, queue_s=queue_s,
+        assembly_s=old["assembly_s"] + _move_s(old, new, assembly, checkpoint) + lost,
+        training_s=done * old["step_ms"] / 1000.0 + (steps - done) * new["step_ms"] / 1000.0,
+        preemption_loss_s=0.0,
+    )  # fmt: skip
+    row["total_s"] = sum(row[term] for term in TERMS)
+    return row
+
+
+def grow_rows(feasible, availability, assembly, checkpoint, steps, mtbf_s) -> pd.DataFrame:
+    """Start on the best configuration free now; when more GPUs free up, move to the best one there.
+
+    One row per later availability level with more GPUs than the start.
+    """
+    now = feasible[(feasible["queue_s"] == 0) & (feasible["strategy"] == "start")]
+    if now.empty or len(availability.points) < 2 or mtbf_s is not None:
+        return feasible.iloc[0:0]
+    small = now.loc[now["total_s"].idxmin()]
+    rows = []
+    for t, free in availability.points[1:]:
+        later = feasible[
+            (feasible["gpus"] <= min(n for tt, n in availability.points if tt >= t))
+            & (feasible["gpus"] > small["gpus"])
+        ]
+        if later.empty:
+            continue
+        big = later.loc[later["training_s"].idxmin()]
+        row = _switch(small, big, t, steps, assembly, checkpoint, f"grow at {hours(t)} from {_label(small)}", 0.0)
+        if row is not None and t > small["assembly_s"]:
+            rows.append(row)
+    return pd.DataFrame(rows, columns=feasible.columns)
+
+
+def first_drop(availability, gpus: int, start_s: float, end_s: float):
+    """``(time_s, free)`` of the first availability point in ``(start_s, end_s)`` with fewer than ``gpus`` free, or None."""
+    for t, free in availability.points:
+        if start_s < t < end_s and free < gpus:
+            return t, free
+    return None
+
+
+def split_by_drops(feasible, availability):
+    """``(kept, lost)``: ``start`` rows that keep their GPUs to the end, and those whose GPUs are taken mid-run.
+
+    A lost row's ``reason`` says when and to how many GPUs availability drops; it is no longer
+    feasible as planned (the shrink strategy may rescue it).
+    """
+    lost_index, reasons = [], {}
+    for index, row in feasible.iterrows():
+        if row["strategy"] != "start":
+            continue
+        end = row["queue_s"] + row["assembly_s"] + row["training_s"] + row["cleanup_s"] + row["preemption_loss_s"]
+        drop = first_drop(availability, int(row["gpus"]), row["queue_s"], end)
+        if drop is not None:
+            lost_index.append(index)
+            reasons[index] = (
+                f"its {int(row['gpus'])} GPUs are not all free until it ends: availability drops to "
+                f"{drop[1]} at {hours(drop[0])} (see the shrink strategy)"
+            )
+    lost = feasible.loc[lost_index].assign(feasible=False, total_s=math.nan)
+    if len(lost):
+        lost["reason"] = [reasons[i] for i in lost.index]
+    return feasible.drop(index=lost_index), lost
+
+
+def shrink_rows(lost, feasible, availability, assembly, checkpoint, steps, mtbf_s) -> pd.DataFrame:
+    """For each configuration whose GPUs are taken mid-run: run until the drop, then continue on the best that fits.
+
+    "Best" is the fewest remaining training seconds among the feasible configurations on at
+    most the GPUs that stay free from the drop on. One row per rescued configuration (the
+    best few of them, by JCT), named ``shrink at <time> from <configuration>``.
+    """
+    if lost.empty or mtbf_s is not None:
+        return feasible.iloc[0:0]
+    candidates = feasible[feasible["strategy"] == "start"]
+    rows = []
+    for _, old in lost.iterrows():
+        end = old["queue_s"] + old["assembly_s"] + old["training_s"] + old["cleanup_s"]
+        t_drop, _ = first_drop(availability, int(old["gpus"]), old["queue_s"], end)
+        stays = min(n for t, n in availability.points if t >= t_drop)
+        fits = candidates[candidates["gpus"] <= stays]
+        if fits.empty:
+            continue
+        new = fits.loc[fits["training_s"].idxmin()]
+        row = _switch(
+            old,
+            new,
+            t_drop,
+            steps,
+            assembly,
+            checkpoint,
+            f"shrink at {hours(t_drop)} from {_label(old)}",
+            old["queue_s"],
+        )
+        if row is not None:
+            rows.append(row)
+    out = pd.DataFrame(rows, columns=feasible.columns)
+    return out.sort_values("total_s", kind="stable").head(8)

@@ -1,0 +1,18 @@
+"""Profiling: reads an ``nn.Module`` and a sample batch, returns a :class:`Profile` (one row per layer).
+
+Each layer's forward, backward and weight-gradient time, its activation and parameter bytes, measured with hooks
+on the real model (CUDA events on a GPU, ``perf_counter`` on the CPU)::
+
+    import pipeswift_lab as psl
+    prof = psl.profile(model, (inputs, targets), loss_fn=loss_fn)
+    prof.layers[["name", "forward_ms", "backward_ms", "params_bytes"]]
+
+Modules: :mod:`.measure` (:func:`profile`, :func:`profile_step`, :class:`Profile`), :mod:`.hooks` (the per-layer
+recorder and clocks), :mod:`.units` (which modules count as layers).
+"""
+
+from __future__ import annotations
+
+from .measure import Profile, profile, profile_step
+
+__all__ = ["Profile", "profile", "profile_step"]

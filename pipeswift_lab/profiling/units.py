@@ -1,0 +1,158 @@
+"""The model-side helpers of :func:`pipeswift_lab.profiling.measure.profile`: which submodules are the units
+(:func:`select_units`), where a failing forward was (:func:`locate_failure`), and giving the
+model back as it was (:func:`preserved_state`), on its one device (:func:`model_device`).
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import traceback
+from contextlib import contextmanager
+
+import torch
+from torch import nn
+
+
+def locate_failure(model: nn.Module, exc: BaseException) -> str:
+    """Describe the innermost submodule of ``model`` on ``exc``'s traceback: name, type, input and weight shapes."""
+    names = {id(m): n for n, m in model.named_modules()}
+    found = None
+    for frame, _ in traceback.walk_tb(exc.__traceback__):
+        owner = frame.f_locals.get("self")
+        if isinstance(owner, nn.Module) and id(owner) in names:
+            found = (owner, frame)
+    if found is None:
+        return "outside the model's modules"
+    module, frame = found
+    code = frame.f_code
+    arg_names = code.co_varnames[1 : code.co_argcount + code.co_kwonlyargcount]
+    inputs = {a: list(v.shape) for a in arg_names if isinstance(v := frame.f_locals.get(a), torch.Tensor)}
+    name = names[id(module)] or "<model>"
+    weights = {n: list(p.shape) for n, p in module.named_parameters(recurse=False)}
+    text = f"layer {name!r} ({type(module).__name__}) with input shapes {inputs}"
+    return text + (f" and parameter shapes {weights}" if weights else "")
+
+
+# -- units ---------------------------------------------------------------------------------
+def _match(pattern: str, name: str) -> bool:
+    """Glob match by dotted segment: ``*`` never crosses a ``.`` (``"blocks.*"`` is not ``"blocks.0.mlp"``)."""
+    parts, segments = pattern.split("."), name.split(".")
+    return len(parts) == len(segments) and all(fnmatch.fnmatchcase(s, p) for p, s in zip(parts, segments))
+
+
+def _listing(names: list[str], limit: int = 30) -> str:
+    shown = ", ".join(repr(n) for n in names[:limit])
+    return shown + (f", … ({len(names) - limit} more)" if len(names) > limit else "")
+
+
+def select_units(model: nn.Module, layers) -> list[tuple[str, nn.Module]]:
+    """Resolve ``layers`` (None, or names / dotted glob patterns) to ``[(name, module), ...]``.
+
+    ``None`` takes the children of an ``nn.Sequential``. Raises ``ValueError`` for a pattern
+    that matches nothing (listing the names at that depth), for units that contain each
+    other, and for ``None`` on a model that is not an ``nn.Sequential``.
+    """
+    if layers is None:
+        children = list(model.named_children())
+        if not isinstance(model, nn.Sequential):
+            hint = [f"{n}.*" if isinstance(m, (nn.ModuleList, nn.Sequential)) else n for n, m in children]
+            raise ValueError(
+                f"layers=None takes the children of an nn.Sequential, but model is a {type(model).__name__}; "
+                f"pass layers= a list of submodule names or glob patterns, e.g. layers={hint}"
+            )
+        if not children:
+            raise ValueError("layers=None found no children in this nn.Sequential; it has no layers to profile")
+        units = children
+    else:
+        if isinstance(layers, str):
+            layers = [layers]
+        if not isinstance(layers, (list, tuple)):
+            raise TypeError(
+                f"layers must be None or a list of submodule names / glob patterns; got {type(layers).__name__} {layers!r}"
+            )
+        if not layers:
+            raise ValueError(
+                "layers=[] is invalid; give at least one submodule name or glob pattern, or None for an nn.Sequential"
+            )
+        modules = [(n, m) for n, m in model.named_modules() if n]
+        units, taken = [], set()
+        for pattern in layers:
+            if not isinstance(pattern, str):
+                raise TypeError(
+                    f"layers entries must be str names or glob patterns; got {type(pattern).__name__} {pattern!r}"
+                )
+            matched = [(n, m) for n, m in modules if n == pattern or _match(pattern, n)]
+            if not matched:
+                depth = pattern.count(".") + 1
+                at_depth = [n for n, _ in modules if n.count(".") + 1 == depth] or [n for n, _ in modules]
+                raise ValueError(
+                    f"layers pattern {pattern!r} matches no submodule of the {type(model).__name__}; available names: {_listing(at_depth)}"
+                )
+            for n, m in matched:
+                if id(m) not in taken:
+                    taken.add(id(m))
+                    units.append((n, m))
+    for i, (name_a, a) in enumerate(units):
+        inside_a = {id(m) for m in a.modules()}
+        for name_b, b in units[i + 1 :]:
+            if id(b) in inside_a or id(a) in {id(m) for m in b.modules()}:
+                outer, inner = (name_a, name_b) if id(b) in inside_a else (name_b, name_a)
+                raise ValueError(
+                    f"layers overlap: {inner!r} is inside {outer!r}; choose units that do not contain each other"
+                )
+    return units
+
+
+# -- state ---------------------------------------------------------------------------------
+@contextmanager
+def preserved_state(model: nn.Module, device: torch.device):
+    """Restore ``model`` on exit exactly as it was: training flags, gradients, buffers, RNG.
+
+    Parameters are not changed by a forward and backward; gradients are restored as the
+    same objects; buffers (e.g. BatchNorm running statistics) as the same objects with their
+    values; the CPU (and the device's CUDA) random state is forked.
+    """
+    training = [(m, m.training) for m in model.modules()]
+    grads = [(p, p.grad) for p in model.parameters()]
+    buffers = [
+        (m, name, b, b.detach().clone()) for m in model.modules() for name, b in m._buffers.items() if b is not None
+    ]
+    cuda_devices = (
+        [device.index if device.index is not None else torch.cuda.current_device()] if device.type == "cuda" else []
+    )
+    try:
+        with torch.random.fork_rng(devices=cuda_devices):
+            yield
+    finally:
+        for m, flag in training:
+            m.training = flag
+        for p, g in grads:
+            p.grad = g
+        with torch.no_grad():
+            for m, name, b, saved in buffers:
+                m._buffers[name] = b
+                if not torch.equal(b, saved):
+                    b.copy_(saved)
+
+
+def move_to_device(obj, device):
+    """``obj`` with its tensors (also inside tuples, lists and dicts) moved to ``device``."""
+    if isinstance(obj, torch.Tensor):
+        return obj.to(device)
+    if isinstance(obj, tuple):
+        return tuple(move_to_device(x, device) for x in obj)
+    if isinstance(obj, list):
+        return [move_to_device(x, device) for x in obj]
+    if isinstance(obj, dict):
+        return {k: move_to_device(v, device) for k, v in obj.items()}
+    return obj
+
+
+def model_device(model: nn.Module) -> torch.device:
+    """The one device holding ``model``'s parameters."""
+    devices = {p.device for p in model.parameters()}
+    if len(devices) > 1:
+        raise ValueError(
+            f"model has parameters on several devices {sorted(map(str, devices))}; the profiler times one device"
+        )
+    return devices.pop()

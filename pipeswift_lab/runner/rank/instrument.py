@@ -1,0 +1,202 @@
+"""Timing every compute action a torch pipeline schedule executes, at a cost of two clock reads.
+
+torch's schedules run every action through three ``PipelineStage`` methods:
+``forward_one_chunk`` (``F``), ``backward_one_chunk`` (``B`` with ``full_backward=True``,
+``I`` input-grad with ``full_backward=False``) and ``backward_weight_one_chunk`` (``W``).
+:class:`ActionRecorder` wraps those methods on the stage *instances* (torch's classes are
+untouched) and appends ``(step, kind, stage, microbatch, start, end)`` to a list.
+
+* CPU: ``time.perf_counter_ns`` before and after the call.
+* CUDA: a ``torch.cuda.Event`` pair per action, resolved after the step (one synchronize per
+  step) against an event recorded at the step start, so kernels are timed where they run.
+
+The last stage's ``F`` is extended to cover the loss, which torch computes right after that
+forward (``_maybe_compute_loss``): it is compute the rank does, not idle time.
+
+With data-parallel replicas (a stage module wrapped in ``DistributedDataParallel``), a DDP
+communication hook (``register_comm_hook``, torch's own ``allreduce_hook`` inside) stamps each
+gradient bucket's all-reduce from its launch to its completion; a step's buckets make one
+``REDUCE_GRAD`` action per stage (torch's name for the cross-micro-batch gradient reduction),
+from the first bucket's launch to the last one's end. It overlaps the last backward, which
+launches buckets as their gradients become ready, and includes waiting for the slower replica.
+
+Clock alignment: every rank turns its ``perf_counter_ns`` stamps into wall-clock nanoseconds
+(``time.time_ns``) through one offset measured at start-up (:func:`wall_offset_ns`). On one
+machine all ranks read the same clock, so their timelines line up exactly; across machines
+they line up as well as the hosts' clocks are synchronized (NTP, typically < 1 ms).
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from ...core.vocabulary import COMPUTE_KINDS, REDUCE_KINDS
+
+#: Action kinds recorded, by code (the row's kind column): the compute kinds, then the gradient all-reduce.
+KINDS = COMPUTE_KINDS + REDUCE_KINDS
+_F, _B, _I, _W, _R = range(5)
+#: Codes of the compute kinds (what a stage's busy time sums).
+COMPUTE_CODES = (_F, _B, _I, _W)
+
+
+def wall_offset_ns(samples: int = 7) -> int:
+    """``time.time_ns() - time.perf_counter_ns()``, from the tightest of ``samples`` bracketed reads."""
+    best = None
+    for _ in range(samples):
+        a = time.perf_counter_ns()
+        wall = time.time_ns()
+        b = time.perf_counter_ns()
+        if best is None or b - a < best[0]:
+            best = (b - a, wall - (a + b) // 2)
+    return best[1]
+
+
+class ActionRecorder:
+    """Wraps the stages of one rank and records their compute actions (and, for DDP-wrapped stage modules, their
+    gradient all-reduce as ``REDUCE_GRAD``), step by step.
+
+    ``enabled=False`` leaves the stages untouched (the baseline of the overhead benchmark).
+    ``rows()`` returns the records as an int64 tensor ``[n, 6]``: step, kind code, stage,
+    micro-batch, start and end in wall-clock ns.
+    """
+
+    def __init__(self, stages, schedule, device: torch.device, enabled: bool = True):
+        self.enabled = enabled
+        self.cuda = torch.device(device).type == "cuda"
+        self.step = 0
+        self._records: list = []
+        self._pending: list = []  # CUDA: (step, kind, stage, mb, start_event, end_event)
+        self._offset = wall_offset_ns()
+        self._step_event = None
+        self._step_host_ns = 0
+        self._reduce_spans: dict = {}  # (step, stage) -> [first bucket launch, bucket ends, micro-batch]
+        self._backward_mb: dict = {}  # stage -> the micro-batch of its backward now running
+        if not enabled:
+            return
+        for stage in stages:
+            self._wrap(stage)
+            self._watch_reduce(stage)
+        self._wrap_loss(schedule)
+
+    # --- clocks -------------------------------------------------------------------------
+    def now_ns(self) -> int:
+        """Wall-clock ns from ``perf_counter_ns`` and the start-up offset."""
+        return time.perf_counter_ns() + self._offset
+
+    def start_step(self, step: int) -> int:
+        """Mark the start of ``step``; returns its wall-clock start in ns (CUDA: after a synchronize)."""
+        self.step = step
+        if self.cuda:  # pragma: no cover - needs a GPU
+            torch.cuda.synchronize()
+            self._step_event = torch.cuda.Event(enable_timing=True)
+            self._step_event.record()
+        self._step_host_ns = self.now_ns()
+        return self._step_host_ns
+
+    def end_step(self) -> int:
+        """Mark the end of the current step; returns its wall-clock end in ns (CUDA: resolves the events)."""
+        for (step, stage), (t0, ends, mb) in self._reduce_spans.items():
+            if ends:  # DDP waits for every bucket inside the last backward, so each span has ended
+                # CUDA: buckets finish in launch order on one stream, so the last callback's event ends the span
+                self._add(_R, stage, mb, t0, ends[-1] if self.cuda else max(ends), step=step)
+        self._reduce_spans.clear()
+        if self.cuda:  # pragma: no cover - needs a GPU
+            torch.cuda.synchronize()
+            base = self._step_event
+            for step, kind, stage, mb, ev0, ev1 in self._pending:
+                start = self._step_host_ns + int(base.elapsed_time(ev0) * 1e6)
+                end = self._step_host_ns + int(base.elapsed_time(ev1) * 1e6)
+                self._records.append((step, kind, stage, mb, start, end))
+            self._pending.clear()
+        return self.now_ns()
+
+    # --- wrapping ---------------------------------------------------------------------------
+    def _stamp(self):
+        if self.cuda:  # pragma: no cover - needs a GPU
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        return time.perf_counter_ns()
+
+    def _add(self, kind, stage, mb, t0, t1, step=None):
+        step = self.step if step is None else step
+        if self.cuda:  # pragma: no cover - needs a GPU
+            self._pending.append((step, kind, stage, mb, t0, t1))
+        else:
+            self._records.append((step, kind, stage, mb, t0 + self._offset, t1 + self._offset))
+
+    def _wrap(self, stage):
+        index = stage.stage_index
+        forward, backward, weight = stage.forward_one_chunk, stage.backward_one_chunk, stage.backward_weight_one_chunk
+        stamp, add = self._stamp, self._add
+
+        def forward_one_chunk(fwd_chunk_id, *args, **kwargs):
+            t0 = stamp()
+            out = forward(fwd_chunk_id, *args, **kwargs)
+            add(_F, index, fwd_chunk_id, t0, stamp())
+            return out
+
+        def backward_one_chunk(bwd_chunk_id, loss=None, full_backward=True, last_backward=False):
+            self._backward_mb[index] = bwd_chunk_id
+            t0 = stamp()
+            out = backward(bwd_chunk_id, loss=loss, full_backward=full_backward, last_backward=last_backward)
+            add(_B if full_backward else _I, index, bwd_chunk_id, t0, stamp())
+            return out
+
+        def backward_weight_one_chunk(bwd_chunk_id, last_backward=False):
+            t0 = stamp()
+            out = weight(bwd_chunk_id, last_backward=last_backward)
+            add(_W, index, bwd_chunk_id, t0, stamp())
+            return out
+
+        stage.forward_one_chunk = forward_one_chunk
+        stage.backward_one_chunk = backward_one_chunk
+        stage.backward_weight_one_chunk = backward_weight_one_chunk
+
+    def _watch_reduce(self, stage):
+        """Time the gradient all-reduce of a DDP-wrapped stage module through a comm hook (no-op otherwise)."""
+        from torch.nn.parallel import DistributedDataParallel
+
+        ddp = getattr(stage, "submod", None)
+        if not isinstance(ddp, DistributedDataParallel):
+            return
+        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+        index, stamp, spans = stage.stage_index, self._stamp, self._reduce_spans
+
+        def timed_allreduce(group, bucket):
+            key = (self.step, index)
+            if key not in spans:
+                spans[key] = [stamp(), [], self._backward_mb.get(index, 0)]
+            ends = spans[key][1]
+
+            def finished(fut):
+                ends.append(stamp())  # list.append is atomic: gloo may complete buckets on two threads at once
+                return fut.value()
+
+            return allreduce_hook(group, bucket).then(finished)
+
+        ddp.register_comm_hook(ddp.process_group, timed_allreduce)
+
+    def _wrap_loss(self, schedule):
+        compute = schedule._maybe_compute_loss
+        pending, records, stamp = self._pending, self._records, self._stamp
+
+        def _maybe_compute_loss(stage, output, target_mbs, mb_index, *args, **kwargs):
+            out = compute(stage, output, target_mbs, mb_index, *args, **kwargs)
+            if stage.is_last:
+                rows = pending if self.cuda else records
+                if rows and rows[-1][1] == _F and rows[-1][2] == stage.stage_index and rows[-1][3] == mb_index:
+                    end = stamp() if self.cuda else stamp() + self._offset
+                    rows[-1] = rows[-1][:5] + (end,)
+            return out
+
+        schedule._maybe_compute_loss = _maybe_compute_loss
+
+    def rows(self) -> torch.Tensor:
+        """The records so far as an int64 tensor ``[n, 6]`` (step, kind code, stage, microbatch, start_ns, end_ns)."""
+        if not self._records:
+            return torch.zeros((0, 6), dtype=torch.int64)
+        return torch.tensor(self._records, dtype=torch.int64)

@@ -1,0 +1,329 @@
+"""What every rank runs: process group, its stages, torch's schedule, the steps, the gather.
+
+One entry point, :func:`main`, serves every launch: ``run()`` calls it through torch's
+elastic agent (:func:`entry`, in processes forked from a warm server, or as the command
+``python -m pipeswift_lab.runner SPEC --out DIR``), and ``torchrun ... -m pipeswift_lab.runner
+SPEC`` runs that same command on one or many machines. The rank, world
+size and local rank come from the environment torch's launchers set (``RANK``,
+``WORLD_SIZE``, ``LOCAL_RANK``).
+
+Files a rank writes in ``DIR``: ``rank{r}.pid`` at start; ``rank{r}.done`` when it finished (JSON: the OS threads left after teardown);
+``rank{r}.error`` (the traceback) if it raises; ``rank{r}.stacks`` (every thread's stack, via ``faulthandler``) when the launcher
+sends ``SIGUSR1`` to a rank it believes hung; ``progress`` (steps done, from the rank holding
+the last stage, when asked); ``result.pt`` from rank 0 with what every rank measured.
+"""
+
+from __future__ import annotations
+
+import datetime
+import faulthandler
+import gc
+import importlib
+import json
+import os
+import signal
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+from .train_loop import train
+
+RESULT_FILE = "result.pt"
+#: torch modules every rank imports before its process group exists. See [Note: the process group outlives its
+#: destroy]. The fork server preloads them too.
+DISTRIBUTED_MODULES = (
+    "torch.distributed.pipelining",
+    "torch.distributed.checkpoint",
+    "torch.distributed.checkpoint.state_dict",
+    "torch.distributed.device_mesh",
+    "torch.nn.parallel",
+)
+#: Name prefixes of the OS threads a gloo process group runs (its work loops and its TCP event loop).
+GLOO_THREADS = ("pt_gloo", "gloo_")
+#: Seconds a rank that failed because a peer died waits before exiting, so the peer's death is reported first.
+PEER_FAILURE_DELAY_S = 1.0
+#: Seconds between two checks that the caller is still alive.
+WATCHDOG_PERIOD_S = 0.5
+
+
+def process_start_ns() -> int | None:
+    """Wall-clock start of this process in ns, from ``/proc`` (Linux, ~10 ms resolution); None elsewhere."""
+    try:
+        with open("/proc/self/stat") as f:
+            start_ticks = int(f.read().rsplit(")", 1)[1].split()[19])  # field 22: starttime, ticks since boot
+        with open("/proc/uptime") as f:
+            uptime_s = float(f.read().split()[0])
+        now = time.time_ns()
+        return now - int((uptime_s - start_ticks / os.sysconf("SC_CLK_TCK")) * 1e9)
+    except (OSError, ValueError, IndexError):  # pragma: no cover - not Linux
+        return None
+
+
+def _env_int(name: str) -> int:
+    if name not in os.environ:
+        raise RuntimeError(
+            f"environment variable {name} is not set: start the runner with torchrun "
+            "(`torchrun --nproc-per-node P -m pipeswift_lab.runner SPEC`) or pipeswift_lab.run(...)"
+        )
+    return int(os.environ[name])
+
+
+def main(spec_path, out_dir, progress: bool = False, caller_pid: int | None = None) -> None:
+    """Run this process's rank of the spec at ``spec_path``; write its files into ``out_dir``.
+
+    ``caller_pid`` is the process that called ``run()``: the worker exits when it dies.
+
+    Writes ``rank{r}.error`` with the traceback before re-raising anything the rank raises.
+    """
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    rank = _env_int("RANK")
+    watchdog = None
+    gc.freeze()  # what is loaded by now (torch, pandas, ...) lives to the end: the teardown's collection skips it
+    for stale in ("error", "done", "sigterm"):  # left by an earlier attempt of this run (elastic restarts)
+        (out_dir / f"rank{rank}.{stale}").unlink(missing_ok=True)
+    (out_dir / f"rank{rank}.pid").write_text(str(os.getpid()))
+    if caller_pid is not None:
+        watchdog = start_caller_watchdog(int(caller_pid))
+    stacks = open(out_dir / f"rank{rank}.stacks", "w")  # noqa: SIM115 - kept open for faulthandler
+    faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
+    try:
+        from ..spec import load_spec
+
+        run_rank(load_spec(spec_path), out_dir, progress=progress)
+        (out_dir / f"rank{rank}.done").write_text(json.dumps({"threads_after_teardown": os_threads()}))
+    except BaseException:
+        text = traceback.format_exc()
+        (out_dir / f"rank{rank}.error").write_text(text)
+        if _lost_a_peer(text):
+            # Let the elastic agent see the peer that died first, with its exit signal, before this
+            # consequence of it: the agent reports only the first failure it observes.
+            time.sleep(PEER_FAILURE_DELAY_S)
+        raise
+    finally:
+        if watchdog is not None:
+            watchdog.set()
+
+
+def os_threads() -> list[str]:
+    """Names of this process's live OS threads (``/proc/self/task/*/comm``; empty where there is no ``/proc``)."""
+    names = []
+    try:
+        tasks = os.listdir("/proc/self/task")
+    except OSError:  # pragma: no cover - not Linux
+        return names
+    for task in tasks:
+        try:
+            with open(f"/proc/self/task/{task}/comm") as f:
+                names.append(f.read().strip())
+        except OSError:  # the thread ended meanwhile
+            continue
+    return sorted(names)
+
+
+def _lost_a_peer(traceback_text: str) -> bool:
+    from ..errors import exception_summary, is_peer_error
+
+    return is_peer_error(exception_summary(traceback_text))
+
+
+def _caller_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # pragma: no cover - the pid was reused by another user's process
+        return False
+    return True
+
+
+def start_caller_watchdog(caller_pid: int) -> threading.Event:
+    """Exit this worker when the process that called ``run()`` dies (a notebook kernel restarted or killed).
+
+    Without it, workers forked from the fork server outlive their caller: they finish training
+    and then block forever in the gather, holding CPUs or GPUs. A daemon thread checks the
+    caller's pid (handed over by ``run()``; not used under torchrun, whose agent watches its
+    own workers) every ``WATCHDOG_PERIOD_S`` and SIGKILLs this process when it is gone.
+    Returns the event that stops it, set when the rank's work is over.
+    """
+    import threading
+
+    stop = threading.Event()
+
+    def watch():
+        while not stop.wait(WATCHDOG_PERIOD_S):
+            if not _caller_alive(caller_pid):
+                os.kill(os.getpid(), signal.SIGKILL)
+
+    threading.Thread(target=watch, name="pipeswift-caller-watchdog", daemon=True).start()
+    return stop
+
+
+def entry(spec_path, out_dir, progress: bool = False, caller_pid: int | None = None) -> None:
+    """:func:`main` under torch elastic's ``@record`` (error file for the agent); the callable ``run()`` launches."""
+    from torch.distributed.elastic.multiprocessing.errors import record
+
+    record(main)(spec_path, out_dir, progress, caller_pid)
+
+
+def _device(spec, local_rank: int) -> torch.device:
+    if spec.device_type == "cuda":  # pragma: no cover - needs GPUs
+        device = torch.device("cuda", spec.devices[local_rank])
+        torch.cuda.set_device(device)
+        return device
+    return torch.device("cpu")
+
+
+class Topology:
+    """Where this process sits in the ``("dp", "pp")`` mesh: global ``rank``, pipeline rank ``pp_rank``, ``replica``.
+
+    With ``D == 1`` there is no mesh: ``pp_rank == rank``, ``replica == 0`` and both groups are
+    None (the default group). With ``D > 1`` the world is a 2-D ``DeviceMesh`` of shape
+    ``(D, P)``: replica ``d`` is the global ranks ``d*P .. d*P+P-1`` (its stages talk point to
+    point inside ``pp_group``); ``dp_group`` holds the ``D`` copies of this rank's stages,
+    whose gradients DDP averages.
+    """
+
+    def __init__(self, rank: int, P: int, D: int, device_type: str):
+        self.rank, self.P, self.D = rank, P, D
+        self.pp_rank, self.replica = rank % P, rank // P
+        self.pp_group = self.dp_group = None
+        if D > 1:
+            from torch.distributed.device_mesh import init_device_mesh
+
+            mesh = init_device_mesh(device_type, (D, P), mesh_dim_names=("dp", "pp"))
+            self.pp_group, self.dp_group = mesh.get_group("pp"), mesh.get_group("dp")
+
+
+def _build_stages(spec, topo, device):
+    from torch.distributed.pipelining import PipelineStage
+
+    from ..stages.sequential import stage_module
+
+    plan = spec.plan
+    if spec.traced is not None:
+        from ..stages.traced import build_traced_stages
+
+        return build_traced_stages(spec, topo.pp_rank, device, group=topo.pp_group, dp_group=topo.dp_group)
+    stages = []
+    for s in plan.stages_of(topo.pp_rank):
+        module = stage_module(spec.model, plan.bounds[s]).to(device)
+        if topo.dp_group is not None:
+            from torch.nn.parallel import DistributedDataParallel
+
+            # PipelineStage runs the micro-batches' backwards under no_sync() and all-reduces at the last one
+            module = DistributedDataParallel(
+                module, process_group=topo.dp_group, device_ids=[device] if device.type == "cuda" else None
+            )
+        in_spec, out_spec = spec.boundaries[s]
+        stages.append(
+            PipelineStage(
+                module,
+                s,
+                plan.n_stages,
+                device,
+                input_args=in_spec.empty(device),
+                output_args=out_spec.empty(device),
+                group=topo.pp_group,
+            )
+        )
+    return stages
+
+
+def _schedule(spec, stages):
+    from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
+
+    cls = get_schedule_class(spec.plan.schedule)
+    if issubclass(cls, PipelineScheduleSingle):
+        return cls(stages[0], n_microbatches=spec.m, loss_fn=spec.loss_fn)
+    schedule = cls(stages, n_microbatches=spec.m, loss_fn=spec.loss_fn)
+    mapping = tuple(schedule.stage_index_to_group_rank[s] for s in range(spec.plan.n_stages))
+    if mapping != spec.plan.stage_to_rank:
+        raise RuntimeError(
+            f"torch's {cls.__name__} places stages on ranks {list(mapping)}, the plan on {list(spec.plan.stage_to_rank)}"
+        )
+    return schedule
+
+
+def _attempt_store(rank: int, world: int, timeout):
+    """The launcher's c10d store (``env://``, as ``init_process_group`` would open it) under a per-attempt prefix.
+
+    After an elastic restart the workers meet in the same store as the attempt before; without
+    the prefix a new rank can read a dead rank's gloo address and fail to connect.
+    """
+    import torch.distributed as dist
+
+    from .train_loop import attempt_number
+
+    store, _, _ = next(dist.rendezvous("env://", rank, world, timeout=timeout))
+    store.set_timeout(timeout)
+    return dist.PrefixStore(f"pipeswift/attempt{attempt_number()}", store)
+
+
+def run_rank(spec, out_dir: Path, progress: bool = False) -> None:
+    """Train ``spec.steps`` steps on this rank, then gather every rank's measurements to rank 0."""
+    import numpy  # noqa: F401 - gloo pipelining needs numpy at run time (recv_object_list)
+    import torch.distributed as dist
+
+    proc_start = process_start_ns()
+    entered = time.time_ns()
+    for name in DISTRIBUTED_MODULES:  # before init_process_group: see [Note: the process group outlives its destroy]
+        importlib.import_module(name)
+    rank, world, local_rank = _env_int("RANK"), _env_int("WORLD_SIZE"), int(os.environ.get("LOCAL_RANK", 0))
+    if world != spec.world_size:
+        raise RuntimeError(
+            f"the spec has P={spec.P} x D={spec.D} = {spec.world_size} ranks but the launcher started WORLD_SIZE={world}; "
+            f"use --nproc-per-node {spec.world_size} on one machine (or --nnodes D --nproc-per-node P)"
+        )
+    if spec.threads_per_rank is not None:
+        torch.set_num_threads(spec.threads_per_rank)
+    device = _device(spec, local_rank)
+    timeout = datetime.timedelta(seconds=spec.timeout_s)
+    store = _attempt_store(rank, world, timeout)
+    if spec.backend == "nccl":  # pragma: no cover - needs GPUs
+        dist.init_process_group("nccl", store=store, rank=rank, world_size=world, timeout=timeout, device_id=device)
+        gather_group = dist.new_group(backend="gloo", timeout=timeout)
+    else:
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timeout)
+        gather_group = None
+    topo = None
+    try:
+        topo = Topology(rank, spec.P, spec.D, device.type)
+        gathered = train(
+            spec, topo, world, device, out_dir, progress, gather_group, proc_start, entered, _build_stages, _schedule
+        )
+        if rank == 0:
+            result = {"format": "pipeswift_lab.run", "ranks": gathered, "gathered_ns": time.time_ns()}
+            tmp = out_dir / (RESULT_FILE + ".tmp")
+            torch.save(result, tmp)
+            os.replace(tmp, out_dir / RESULT_FILE)
+        # no rank tears its connections down while a peer (another node's replica) may still use them: a gloo
+        # pair closed under a peer's pending operation aborts that peer
+        dist.barrier(group=gather_group)
+    finally:
+        topo = gather_group = None  # the mesh's groups, and through the stages DDP's, go with the default one
+        gc.collect()  # stage modules in reference cycles hold DDP reducers, which hold their groups
+        dist.destroy_process_group()
+
+
+# [Note: the process group outlives its destroy]
+# Cold workers (``start_method="subprocess"``, torchrun) used to abort now and then *after* a successful run:
+# "terminate called without an active exception", SIGABRT from C++ with no Python frame. The cause is the order
+# of two imports. ``torch.distributed.nn.functional`` writes ``group=group.WORLD`` as the default argument of
+# ten collectives (``broadcast``, ``all_reduce``, ...), evaluated when the module is first imported. It is
+# imported by ``torch.distributed.pipelining``, which a rank used to import lazily, after
+# ``init_process_group``: the default process group then sat in ten functions' ``__defaults__`` for the rest
+# of the process, ``destroy_process_group`` dropped only the registry's reference, and the gloo group's three
+# C++ threads (two ``pt_gloo_runloop`` work loops and the ``gloo_tcp_loop`` socket loop) kept running into
+# interpreter shutdown. There the group is freed (or not) while modules are torn down and, at ``exit()``,
+# static destructors run, racing its own threads and the peers closing their sockets: the rare abort. The
+# fork server never showed it, as it imports ``pipelining`` before any group exists and its children leave
+# through ``os._exit``.
+# So: (1) every rank imports DISTRIBUTED_MODULES before ``init_process_group``, and its teardown drops the
+# mesh's groups and collects the stage modules' reference cycles, which hold DDP's reducers and their groups
+# (``gc.freeze()`` at start keeps that collection to the run's own objects: 0.01 s instead of 0.5 s); ``rank{r}.done`` records the
+# threads left after teardown (tests check no gloo thread is among them); (2) the command line exits through
+# ``os._exit`` once its output is flushed (``pipeswift_lab.runner.__main__``), as multiprocessing's children
+# do, so no teardown race can turn a finished run into a failed one.

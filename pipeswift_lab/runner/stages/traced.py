@@ -1,0 +1,262 @@
+"""Any model torch can split: pipeline stages of a model that is not an ``nn.Sequential``.
+
+A Partition made from a profile taken with ``layers=[...]`` names the first layer of every
+stage (``partition.layer_names[s][0]``). Those names become split points for torch's
+tracing frontend, ``torch.distributed.pipelining.pipeline(model, (micro_batch,),
+split_spec={name: SplitPoint.BEGINNING})``: ``torch.export`` traces one forward and cuts
+the graph before each named submodule. Stage ``s`` is the traced submodule
+``pipe.get_stage_module(s)``; its ``state_dict`` keys are the original model's FQNs
+(torch unflattens the traced hierarchy), so checkpoints and ``RunResult.state_dict()`` are
+keyed like ``model.state_dict()``.
+
+Everything that can fail is tried before launch (:func:`check_traceable`): split names that
+are not submodules, a forward ``torch.export`` cannot trace (its message, plus what to do),
+and **tied weights across stages**, which are refused: torch's tracer gives each stage its
+own copy of a shared parameter, so the copies would drift apart silently. Untie them
+(``head.weight = nn.Parameter(embed.weight.detach().clone())``) or choose a partition that
+keeps both users in one stage.
+
+The workers trace again from the same model and micro-batch (tracing is deterministic), so
+no traced graph travels in the spec.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+
+@dataclass(frozen=True)
+class TracedPlan:
+    """What the workers need to re-trace: ``split_names`` (first layer of stages 1..n-1) and an example micro-batch."""
+
+    split_names: tuple[str, ...]
+    example: torch.Tensor  # one micro-batch of inputs (the shapes every step has)
+
+
+def split_names(model: nn.Module, partition, n_stages: int) -> tuple[str, ...]:
+    """The split points of ``partition``: the first layer name of every stage but the first, checked against ``model``.
+
+    Raises ``ValueError`` when the partition carries no layer names, or a name is not a
+    submodule of ``model`` (listing the names that are).
+    """
+    names = getattr(partition, "layer_names", None)
+    if not names or len(names) != n_stages or any(not stage for stage in names):
+        raise ValueError(
+            f"model is a {type(model).__name__}, not an nn.Sequential: the runner splits it at the first layer of each stage, "
+            "so partition must carry layer names (a Partition made from profile(model, x, layers=[...]))"
+        )
+    modules = dict(model.named_modules())
+    firsts = tuple(str(stage[0]) for stage in names[1:])
+    for s, name in enumerate(firsts, start=1):
+        if name not in modules or not name:
+            nearby = [n for n in modules if n and n.count(".") == name.count(".")][:12]
+            listing = f"names at that depth: {nearby}" if nearby else "it has no submodules"
+            raise ValueError(
+                f"partition stage {s} starts at layer {name!r}, which is not a submodule of the {type(model).__name__} "
+                f"({listing}); was the partition made from a profile of another model? A model that is not an nn.Sequential "
+                "is split at the layer names of a profile taken with layers=[...]"
+            )
+    if len(set(firsts)) != len(firsts):
+        raise ValueError(
+            f"partition split points {list(firsts)} repeat a layer; every stage must start at its own submodule"
+        )
+    return firsts
+
+
+def trace(model: nn.Module, example: torch.Tensor, names: tuple[str, ...]):
+    """``torch.distributed.pipelining.pipeline(model, (example,), split_spec={name: BEGINNING})``; return the ``Pipe``.
+
+    Raises ``ValueError`` with the tracer's message and what to do when the model cannot be
+    traced or cut there.
+    """
+    from torch.distributed.pipelining import SplitPoint, pipeline
+
+    spec = {name: SplitPoint.BEGINNING for name in names}
+    modules = dict(model.named_modules())
+    saved = {
+        name: {k: modules[name].__dict__[k] for k in ("forward", "_orig_forward") if k in modules[name].__dict__}
+        for name in names
+        if name in modules
+    }
+    hooks = [
+        modules[name].register_forward_pre_hook(_contiguous_inputs, with_kwargs=True)
+        for name in names
+        if name in modules
+    ]
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            pipe = pipeline(model, (example,), split_spec=spec)
+    except Exception as exc:  # noqa: BLE001 - re-raised with what to do
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        raise ValueError(
+            f"torch's pipeline tracer cannot split the {type(model).__name__} at {list(names)}: {type(exc).__name__}: {first}. "
+            "The model must be traceable by torch.export (no data-dependent Python control flow, no unsupported ops) and "
+            "each split name must be a submodule called once in forward; make the model's forward export-friendly, "
+            "or wrap its layers in an nn.Sequential"
+        ) from exc
+    finally:
+        for hook in hooks:
+            hook.remove()
+        _restore_forwards(modules, saved)
+    if pipe.num_stages != len(names) + 1:
+        raise ValueError(
+            f"torch's pipeline tracer made {pipe.num_stages} stages from the split points {list(names)}, not {len(names) + 1}: "
+            "a split name is not called in forward, or is called more than once"
+        )
+    return pipe
+
+
+def _restore_forwards(modules, saved) -> None:
+    """Undo torch's ``annotate_split_points``, which wraps each split module's ``forward`` in place (a second trace would recurse)."""
+    for name, attrs in saved.items():
+        mod = modules[name]
+        for key in ("forward", "_orig_forward"):
+            mod.__dict__.pop(key, None)
+        mod.__dict__.update(attrs)
+
+
+def check_tied(model: nn.Module, stage_keys: list[set]) -> None:
+    """Raise ``ValueError`` if a parameter shared under several names lands in more than one stage (``stage_keys``: each
+    traced stage's ``state_dict`` keys)."""
+    groups: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        groups.setdefault(id(p), []).append(name)
+    tied = [names for names in groups.values() if len(names) > 1]
+    for names in tied:
+        stages = sorted({s for s, keys in enumerate(stage_keys) for n in names if n in keys})
+        if len(stages) > 1:
+            raise ValueError(
+                f"parameters {names} are one tensor (tied weights) used by stages {stages}; torch's tracer gives each stage its "
+                "own copy, which would drift apart. Untie them, e.g. model.head.weight = nn.Parameter(model.embed.weight.detach().clone()), "
+                "or choose split points that keep every user of the tensor in one stage"
+            )
+
+
+def check_traceable(
+    model: nn.Module, partition, n_stages: int, inputs_mb: torch.Tensor, targets_mb, loss_fn
+) -> TracedPlan:
+    """Trace ``model`` at the partition's split points on one micro-batch, before launch; return the :class:`TracedPlan`.
+
+    Also checks tied weights, that the traced stages hold every key of ``model.state_dict()``,
+    and that ``loss_fn`` takes the model's output. Raises ``ValueError`` naming what is wrong.
+    """
+    names = split_names(model, partition, n_stages)
+    example = inputs_mb.detach().clone()
+    pipe = trace(model, example, names)
+    stage_keys = [set(pipe.get_stage_module(s).state_dict()) for s in range(pipe.num_stages)]
+    check_tied(model, stage_keys)
+    held = set().union(*stage_keys)
+    missing = [k for k in model.state_dict() if k not in held]
+    if missing:
+        raise ValueError(
+            f"the traced stages do not hold {missing[:8]} of model.state_dict(); the runner cannot return or checkpoint them"
+        )
+    with torch.no_grad():
+        out = model(example)
+    if not isinstance(out, torch.Tensor):
+        raise ValueError(f"model must return a single tensor (the loss_fn's input); it returned a {type(out).__name__}")
+    try:
+        loss = loss_fn(out, targets_mb)
+    except Exception as exc:  # noqa: BLE001
+        raise ValueError(
+            f"loss_fn(outputs, targets) raised {type(exc).__name__}: {exc} (given the model's output "
+            f"{tuple(out.shape)} and targets {tuple(targets_mb.shape)})"
+        ) from exc
+    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+        raise ValueError(f"loss_fn returned {type(loss).__name__}, not a scalar tensor")
+    return TracedPlan(names, example)
+
+
+def _contiguous_inputs(module, args, kwargs):
+    """Make what enters a split module contiguous, in the stage before the split (traced into the graph).
+
+    torch's point-to-point send and receive need contiguous tensors, and the traced stage
+    allocates its receive buffers with the traced strides: a transposed view (a ViT's patch
+    tokens) crossing a boundary must become contiguous before the cut, so the graph's
+    metadata says what is really sent.
+    """
+
+    def contiguous(value):
+        return value.contiguous() if isinstance(value, torch.Tensor) else value
+
+    return tuple(contiguous(a) for a in args), {k: contiguous(v) for k, v in kwargs.items()}
+
+
+def build_traced_stages(spec, rank: int, device, group=None, dp_group=None) -> list:
+    """This pipeline rank's ``_PipelineStage`` objects, re-traced from the spec's model and example micro-batch.
+
+    ``group`` is the pipeline's process group (None: the default group); with ``dp_group``
+    each stage module is wrapped in ``DistributedDataParallel`` over the replicas.
+    """
+    traced = spec.traced
+    pipe = trace(spec.model, traced.example, traced.split_names)
+    stages = []
+    for s in spec.plan.stages_of(rank):
+        stage = pipe.build_stage(s, device, group)
+        if dp_group is not None:
+            stage.submod = _traced_ddp(stage.submod, dp_group, device)
+        _skip_self_warmup(stage)
+        stages.append(stage)
+    return stages
+
+
+def _traced_ddp(submod, dp_group, device):
+    """``DistributedDataParallel`` around a traced stage module, still showing its ``graph`` (torch's traced stage reads it)."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    class TracedDDP(DistributedDataParallel):
+        @property
+        def graph(self):
+            return self.module.graph
+
+    return TracedDDP(
+        submod, process_group=dp_group, device_ids=[device] if torch.device(device).type == "cuda" else None
+    )
+
+
+def _skip_self_warmup(stage) -> None:
+    """Drop the warm-up sends and receives a traced stage would make to its own rank.
+
+    torch's traced ``_PipelineStage`` warms its neighbours up with dummy send/recv pairs to the
+    ranks of stages ``s-1`` and ``s+1``; under a V placement (ZBVZeroBubble, DualPipeV) one of
+    them is the stage's own rank, and gloo cannot send to itself ("Pair is not connected").
+    The real transfers between two stages of one rank are local and never use those pairs.
+    """
+    warmup = stage._get_init_p2p_neighbors_ops
+
+    def neighbours_but_self():
+        return [op for op in warmup() if getattr(op, "group_peer", None) != stage.group_rank]
+
+    stage._get_init_p2p_neighbors_ops = neighbours_but_self
+
+
+def merged_module(submods) -> nn.Module:
+    """One module holding the parameters and buffers of ``submods`` under their own FQNs (shared, not copied).
+
+    Traced stages of one rank share top-level names (``blocks`` in stage 0 and stage 1); the
+    merge builds fresh containers so that ``state_dict()`` keys are the original model's.
+    """
+    root = nn.Module()
+    for sub in submods:
+        _merge(root, sub)
+    return root
+
+
+def _merge(dst: nn.Module, src: nn.Module) -> None:
+    for name, p in src._parameters.items():
+        if p is not None:
+            dst.register_parameter(name, p)
+    for name, b in src._buffers.items():
+        if b is not None:
+            dst.register_buffer(name, b, persistent=name not in src._non_persistent_buffers_set)
+    for name, child in src._modules.items():
+        if child is None:
+            continue
+        if name not in dst._modules:
+            dst.add_module(name, nn.Module())
+        _merge(dst._modules[name], child)

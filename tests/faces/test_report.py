@@ -1,0 +1,46 @@
+"""Report sections that can be built alone (the whole report is built by tests/test_cli.py)."""
+
+import time
+
+import pandas as pd
+
+from pipeswift_lab.faces.report import SECTIONS, build_report
+from pipeswift_lab.faces.report.cluster import section_cluster
+
+
+def test_cluster_section_is_in_the_report_and_fast(tmp_path):
+    assert section_cluster in SECTIONS
+    start = time.perf_counter()
+    result = build_report(tmp_path / "rep", sections=[section_cluster], quick=True, progress=False)
+    assert time.perf_counter() - start < 30  # a few seconds on a quiet machine; generous for a shared one
+    page = result.path.read_text()
+    assert "Philly trace" in page and "Jeon et al." in page and "data:image/png;base64," in page
+    table = pd.read_csv(tmp_path / "rep" / "cluster_policies.csv")
+    assert table["policy"].tolist() == ["static", "elastic", "preemptive"]
+    assert (table["finished"] == table["jobs"]).all()
+    breakdown = pd.read_csv(tmp_path / "rep" / "cluster_breakdown.csv")
+    terms = ["queue_s", "assembly_s", "training_s", "cleanup_s", "preemption_loss_s"]
+    assert ((breakdown[terms].sum(axis=1) - breakdown["jct_s"]).abs() < 1e-6 * breakdown["jct_s"]).all()
+    assert any(line.startswith("cluster days 42-43 on 256 GPUs: mean JCT static") for line in result.summary)
+
+
+def test_tables_scroll_hide_empty_columns_and_print_zero(tmp_path):
+    from pipeswift_lab.faces.report.builder import _table_html
+
+    table = pd.DataFrame(
+        {"P": [1, 2], "bubble_ratio": [-2.220446049250313e-16, 0.25], "peak_bytes": [float("nan")] * 2}
+    )
+    page = _table_html(table)
+    assert page.startswith("<div class='wide'>")  # the page's CSS scrolls .wide sideways
+    assert "peak_bytes</th>" not in page and "No values here for peak_bytes (see the CSV)" in page
+    assert "e-16" not in page and "<td>0</td>" in page and "<td>0.25</td>" in page
+
+
+def test_model_sections_read_as_a_reader_would(tmp_path):
+    from pipeswift_lab.faces.report.model import section_bubbles, section_jct_example
+
+    result = build_report(tmp_path / "rep", sections=[section_bubbles, section_jct_example], quick=True, progress=False)
+    page = result.path.read_text()
+    assert "the interleaved schedule (right, v=2)" in page and ".wide {" in page
+    example = pd.read_csv(tmp_path / "rep" / "jct_example.csv")
+    assert "config" not in example.columns and example.columns[0] == "label"  # the label once, not twice

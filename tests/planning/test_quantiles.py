@@ -1,0 +1,87 @@
+"""The p95 job: the Monte Carlo tail of the planner, against closed forms, and a ranking that flips."""
+
+import numpy as np
+import pandas as pd
+import pytest
+
+import pipeswift_lab as psl
+from pipeswift_lab.core.costs import preemption_loss_s
+from pipeswift_lab.planning.quantiles import check_quantile, failure_wall_s, jct_quantile, quantile_column
+
+
+def test_without_failures_the_quantile_is_the_normal_one():
+    rows = pd.DataFrame(
+        {"queue_s": [100.0], "assembly_s": [20.0], "cleanup_s": [5.0], "training_s": [1000.0], "gpus": [4]}
+    )
+    q = jct_quantile(rows, 0.95, step_cv=0.1, samples=20_000)
+    # persistent dispersion: the p95 job trains 1 + 1.645 * cv times as long
+    assert q.iloc[0] == pytest.approx(125 + 1000 * (1 + 1.6449 * 0.1), rel=0.01)
+    assert jct_quantile(rows, 0.95, step_cv=0.0).iloc[0] == pytest.approx(1125.0)
+    assert (
+        jct_quantile(rows, 0.95, step_cv=0.1, samples=500).iloc[0]
+        == jct_quantile(rows, 0.95, step_cv=0.1, samples=500).iloc[0]
+    )  # fixed seed
+
+
+def test_failure_monte_carlo_mean_matches_the_closed_form():
+    rng = np.random.default_rng(1)
+    work, save, restart, mtbf = 50_000.0, 30.0, 120.0, 5_000.0
+    wall = failure_wall_s(np.full(20_000, work), save, restart, mtbf, rng)
+    expected = work + preemption_loss_s(work, save, restart, mtbf)
+    # the closed form redoes half an interval per failure and solves wall as a fixed point: a few percent apart
+    assert wall.mean() == pytest.approx(expected, rel=0.05)
+    assert np.quantile(wall, 0.95) > wall.mean() > work
+    # free checkpoints lose only the restarts
+    free = failure_wall_s(np.full(5_000, work), 0.0, restart, mtbf, np.random.default_rng(2))
+    assert free.mean() == pytest.approx(work / (1 - restart / mtbf), rel=0.03)
+
+
+def test_bad_quantile_arguments():
+    assert check_quantile(None, "mean") == (None, "total_s")
+    assert check_quantile(None, "p95") == (0.95, "total_s_p95")
+    assert quantile_column(0.995) == "total_s_p99.5"
+    with pytest.raises(ValueError, match="quantile=1.5 is invalid"):
+        check_quantile(1.5, "mean")
+    with pytest.raises(ValueError, match="objective='fastest' is invalid"):
+        check_quantile(None, "fastest")
+    with pytest.raises(ValueError, match="objective='p95' ranks by the 0.95 quantile but quantile=0.9"):
+        check_quantile(0.9, "p95")
+
+
+def test_p95_ranking_differs_from_the_mean_ranking():
+    """Growing from 2 GPUs now to 8 in ten minutes has the shortest expected JCT; waiting ten minutes for 8 the shortest p95.
+
+    Growing swaps 600 s of certain queue for about 400 s more training (the first ten minutes
+    run on 2 GPUs). The queue is the same in every outcome, but the training term's spread
+    grows with its length, so at p95 the longer training costs more than the queue it saves.
+    """
+    prof = psl.Profile.synthetic(fwd_ms=[1.0] * 8, bwd_ms=[2.0] * 8, meta={"batch_size": 1})
+    kwargs = dict(
+        gpus=8,
+        global_batch=64,
+        steps=20_000,
+        availability=[(0, 2), (600, 8)],
+        schedules=["1F1B"],
+        microbatch_sizes=[1],
+        step_cv=0.3,
+        progress=False,
+    )
+    by_mean = psl.plan(prof, quantile=0.95, **kwargs)
+    by_p95 = psl.plan(prof, objective="p95", **kwargs)
+    assert (
+        "total_s_p95" in by_mean.table.columns
+        and by_mean.table.columns.get_loc("total_s_p95") == by_mean.table.columns.get_loc("total_s") + 1
+    )
+    grow, wait = by_mean.best, by_p95.best
+    assert grow.strategy.startswith("grow") and wait.strategy == "start" and wait.queue_s == 600
+    rows = by_mean.feasible.set_index(by_mean.feasible.apply(lambda r: (r["strategy"], r["P"], r["D"], r["m"]), axis=1))
+    g, w = (
+        rows.loc[[(grow.strategy, grow.P, grow.D, grow.m)]].iloc[0],
+        rows.loc[[("start", wait.P, wait.D, wait.m)]].iloc[0],
+    )
+    assert g["total_s"] < w["total_s"] and g["total_s_p95"] > w["total_s_p95"]
+    assert g["training_s"] > w["training_s"]  # the reason: more training time, a wider tail
+    assert (by_p95.feasible["total_s_p95"].diff().dropna() >= 0).all()  # ranked by it
+    # without dispersion (and no failures) the quantile is the mean and both rankings agree
+    flat = psl.plan(prof, objective="p95", **{**kwargs, "step_cv": 0.0})
+    assert flat.best.label == grow.label and (flat.feasible["total_s_p95"] == flat.feasible["total_s"]).all()

@@ -1,0 +1,549 @@
+"""Tests for pipeswift_lab.profiling.measure: in-place per-layer timing, memory, state, persistence, bad input.
+
+Timing logic is checked with layers that sleep a known time in forward and (through a
+custom autograd Function) in backward; sleeps never return early, so lower bounds are
+exact and upper bounds allow for scheduling noise on a shared machine.
+"""
+
+import math
+import time
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+import torch.nn.functional as F
+from sleep_layers import Sleep, SleepBackward  # noqa: E402
+from torch import nn
+
+from pipeswift_lab.profiling.measure import COLUMNS, Profile, profile, profile_step, select_units
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+SLACK_MS = 25.0  # scheduler noise allowed above a sleep (this machine is shared; sleeps wake up late)
+
+
+class Residual(nn.Module):
+    """Embedding, ModuleList of residual sleeping blocks, in-place ReLU, LM head tied to the embedding,
+    and a keyword-only argument in forward."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = nn.Embedding(10, 8)
+        self.blocks = nn.ModuleList([Sleep(0.040, 0.0), Sleep(0.0, 0.050)])
+        self.act = nn.ReLU(inplace=True)
+        self.head = nn.Linear(8, 10, bias=False)
+        self.head.weight = self.embed.weight  # tied
+
+    def forward(self, tokens, *, scale=1.0):
+        x = self.embed(tokens)
+        for block in self.blocks:
+            x = self.act(x + block(x))
+        return self.head(x) * scale
+
+
+def within(measured, expected_ms):
+    return expected_ms - 0.5 <= measured <= expected_ms + SLACK_MS
+
+
+@pytest.fixture(scope="module")
+def sleepy():
+    torch.manual_seed(0)
+    model = nn.Sequential(Sleep(0.040, 0.010), Sleep(0.005, 0.050))
+    return model, torch.randn(4, 8)
+
+
+@pytest.fixture(scope="module")
+def sleepy_profile(sleepy):
+    model, x = sleepy
+    return profile(model, x, repeats=3, warmup=1, progress=False)
+
+
+# -- timing attribution ---------------------------------------------------------------------
+def test_sequential_sleeps_are_attributed_to_their_layers(sleepy_profile):
+    df = sleepy_profile.df
+    assert list(df.columns[: len(COLUMNS)]) == list(COLUMNS)
+    assert sleepy_profile.layer_names == ("0", "1") and sleepy_profile.n_layers == 2
+    assert list(df["type"]) == ["Sleep", "Sleep"] and list(df["calls"]) == [1, 1]
+    for got, want in zip(df["fwd_ms"], (40, 5)):
+        assert within(got, want), (got, want)
+    for got, want in zip(df["bwd_ms"], (10, 50)):
+        assert within(got, want), (got, want)
+    assert np.allclose(df["total_ms"], df["fwd_ms"] + df["bwd_ms"])
+    assert sleepy_profile.total_ms == pytest.approx(df["total_ms"].sum())
+    assert 0.7 < sleepy_profile.coverage <= 1.1
+    assert 0 <= sleepy_profile.cv < 0.5
+    assert len(sleepy_profile.step_samples_ms) == 3
+    assert sleepy_profile.meta["repeats"] == 3 and sleepy_profile.meta["warmup"] == 1
+    assert sleepy_profile.meta["batch_shape"] == [4, 8] and sleepy_profile.meta["batch_size"] == 4
+    assert sleepy_profile.meta["device"] == "cpu" and sleepy_profile.meta["timer"] == "perf_counter_ns"
+    assert sleepy_profile.meta["dtype"] == "float32" and sleepy_profile.meta["torch_version"] == torch.__version__
+    assert df["peak_bytes"].isna().all()  # CUDA only
+
+
+def test_residual_modulelist_tied_kwargs_inplace_model():
+    model = Residual()
+    tokens = torch.randint(0, 10, (4, 5), generator=torch.Generator().manual_seed(0))
+    prof = profile(
+        model,
+        tokens,
+        layers=["embed", "blocks.*", "act", "head"],
+        sample_kwargs={"scale": 2.0},
+        repeats=3,
+        warmup=1,
+        progress=False,
+    )
+    df = prof.df.set_index("name")
+    # rows in execution order; the in-place ReLU runs after each block
+    assert prof.layer_names == ("embed", "blocks.0", "act", "blocks.1", "head")
+    assert df.loc["act", "calls"] == 2 and df.loc["blocks.0", "calls"] == 1
+    assert within(df.loc["blocks.0", "fwd_ms"], 40) and within(df.loc["blocks.1", "fwd_ms"], 0)
+    assert within(df.loc["blocks.0", "bwd_ms"], 0) and within(df.loc["blocks.1", "bwd_ms"], 50)
+    # the tied weight's gradient accumulation runs after the embedding's backward: it must not stretch
+    # the head's window over the blocks' backward (50 ms)
+    for name in ("head", "embed", "act"):
+        assert df.loc[name, "bwd_ms"] < SLACK_MS and df.loc[name, "fwd_ms"] < SLACK_MS
+    # tied weight counted in both units (each pipeline stage holds a copy); meta counts it once
+    assert df.loc["head", "params"] == 80 and df.loc["embed", "params"] == 80
+    assert prof.meta["model_params"] == 80 + 2 * 72
+    # in-place ReLU saves its (4, 5, 8) float32 result on each call; output is (4, 5, 8)
+    assert df.loc["act", "activation_bytes"] == 2 * 4 * 5 * 8 * 4
+    assert df.loc["act", "output_bytes"] == 2 * 4 * 5 * 8 * 4
+    assert df.loc["head", "output_bytes"] == 4 * 5 * 10 * 4
+    assert prof.meta["model"] == "Residual"
+
+
+def test_glue_between_units_is_not_attributed_to_them():
+    class Glued(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+
+        def forward(self, x):
+            time.sleep(0.040)  # forward glue
+            x = SleepBackward.apply(self.a(x), 0.0)
+            x = SleepBackward.apply(x, 0.050)  # backward glue between a and b
+            return self.b(x)
+
+    prof = profile(Glued(), torch.randn(4, 8), layers=["a", "b"], repeats=3, warmup=1, progress=False)
+    assert (prof.df["fwd_ms"] < SLACK_MS).all() and (prof.df["bwd_ms"] < SLACK_MS).all()
+    assert prof.step_ms > 90 - 0.5
+    assert prof.coverage < 0.4
+
+
+def test_shared_block_called_twice_adds_its_calls():
+    class Twice(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.block = Sleep(0.020, 0.015)
+            self.out = nn.Linear(8, 2)
+
+        def forward(self, x):
+            return self.out(self.block(self.block(x)))
+
+    prof = profile(Twice(), torch.randn(2, 8), layers=["block", "out"], repeats=3, warmup=1, progress=False)
+    row = prof.df.set_index("name").loc["block"]
+    assert row["calls"] == 2
+    assert within(row["fwd_ms"], 40) and within(row["bwd_ms"], 30)
+
+
+def test_units_are_ordered_by_execution_not_registration():
+    class Reversed(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.last, self.first = nn.Linear(4, 2), nn.Linear(3, 4)
+
+        def forward(self, x):
+            return self.last(self.first(x))
+
+    prof = profile(Reversed(), torch.randn(2, 3), layers=["last", "first"], repeats=1, warmup=0, progress=False)
+    assert prof.layer_names == ("first", "last")
+    assert list(prof.df["params"]) == [16, 10] and list(prof.df["param_bytes"]) == [64, 40]
+
+
+def test_activation_and_output_bytes_are_measured_exactly():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(inplace=True), nn.Linear(32, 4))
+    prof = profile(model, torch.randn(8, 16), repeats=1, warmup=0, progress=False)
+    # Linear saves its input (weights are parameters, excluded); in-place ReLU saves its result,
+    # the same storage the last Linear saves as its input
+    assert list(prof.df["activation_bytes"]) == [8 * 16 * 4, 8 * 32 * 4, 8 * 32 * 4]
+    assert list(prof.df["output_bytes"]) == [8 * 32 * 4, 8 * 32 * 4, 8 * 4 * 4]
+    assert list(prof.df["params"]) == [16 * 32 + 32, 0, 32 * 4 + 4]
+
+
+def test_loss_fn_and_target_are_used():
+    calls = []
+
+    def loss_fn(output, target):
+        calls.append((tuple(output.shape), tuple(target.shape)))
+        time.sleep(0.06)  # the loss is outside the layers: it lowers coverage
+        return F.mse_loss(output, target)
+
+    model = nn.Sequential(Sleep(0.005, 0.005, width=3))
+    prof = profile(
+        model, torch.randn(2, 3), target=torch.randn(2, 3), loss_fn=loss_fn, repeats=2, warmup=1, progress=False
+    )
+    assert calls == [((2, 3), (2, 3))] * 3
+    assert prof.meta["loss"] == "loss_fn"
+    assert prof.coverage < 0.5
+
+
+def test_inplace_modification_of_a_saved_tensor_is_still_detected():
+    class Bad(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+
+        def forward(self, x):
+            a = self.lin(x).sigmoid()
+            a.mul_(2)  # sigmoid saved its output: autograd must refuse
+            return a
+
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        profile(nn.Sequential(Bad()), torch.randn(2, 4), repeats=1, warmup=0, progress=False)
+
+
+def test_profile_step_attributes_a_custom_step():
+    torch.manual_seed(0)
+    model = nn.Sequential(Sleep(0.020, 0.020), nn.Linear(8, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = torch.randn(4, 8)
+    runs = []
+    before = model[1].weight.detach().clone()
+
+    def step():
+        opt.zero_grad()
+        model(x).pow(2).mean().backward()
+        opt.step()
+        time.sleep(0.040)  # outside the model
+        runs.append(1)
+
+    prof = profile_step(model, step, repeats=3, warmup=2, progress=False)
+    assert len(runs) == 5 and not torch.equal(model[1].weight, before)  # it really trains
+    assert prof.meta["source"] == "step" and prof.meta["batch_shape"] == [4, 8]
+    first = prof.df.iloc[0]
+    assert within(first["fwd_ms"], 20) and within(first["bwd_ms"], 20)
+    assert 0.3 < prof.coverage < 0.6  # about 40 ms of 80
+
+
+# -- the model comes back untouched -------------------------------------------------------------
+def test_model_state_is_restored_exactly():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8), nn.Dropout(0.5), nn.ReLU(inplace=True), nn.Linear(8, 3))
+    model[0].bias.requires_grad_(False)
+    model.eval()
+    model[2].train()  # mixed flags
+    x = torch.randn(5, 6)
+    model(x).sum().backward()  # existing gradients
+    seen = []
+    model[4].register_forward_hook(lambda m, a, o: seen.append(1))
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    grads = {name: p.grad for name, p in model.named_parameters()}
+    grad_values = {name: None if g is None else g.clone() for name, g in grads.items()}
+    flags = [m.training for m in model.modules()]
+    requires = [p.requires_grad for p in model.parameters()]
+    buffers = {name: b for name, b in model.named_buffers()}
+    hooks = [
+        (len(m._forward_hooks), len(m._forward_pre_hooks), len(m._backward_hooks), len(m._backward_pre_hooks))
+        for m in model.modules()
+    ]
+    rng = torch.get_rng_state()
+
+    profile(model, x, repeats=2, warmup=1, progress=False)
+
+    assert all(torch.equal(v, state[k]) for k, v in model.state_dict().items())
+    for name, p in model.named_parameters():
+        assert p.grad is grads[name]
+        assert (p.grad is None) or torch.equal(p.grad, grad_values[name])
+    assert [m.training for m in model.modules()] == flags
+    assert [p.requires_grad for p in model.parameters()] == requires
+    assert all(b is buffers[name] for name, b in model.named_buffers())
+    assert [
+        (len(m._forward_hooks), len(m._forward_pre_hooks), len(m._backward_hooks), len(m._backward_pre_hooks))
+        for m in model.modules()
+    ] == hooks
+    assert torch.equal(torch.get_rng_state(), rng)
+    assert len(seen) == 3  # the user's hook ran during the steps and is still there
+    model(x)
+    assert len(seen) == 4
+    # no saved-tensor hooks left behind: autograd's own in-place check works again
+    a = torch.randn(3, requires_grad=True).sigmoid()
+    a.mul_(2)
+    with pytest.raises(RuntimeError, match="inplace"):
+        a.sum().backward()
+
+
+def test_state_is_restored_after_a_failure():
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(5, 2))
+    model.eval()
+    with pytest.raises(ValueError):
+        profile(model, torch.randn(2, 4), progress=False)
+    assert not model.training and not model[0].training
+    assert all(len(m._forward_hooks) == 0 and len(m._forward_pre_hooks) == 0 for m in model.modules())
+    assert all(p.grad is None for p in model.parameters())
+
+
+# -- persistence and display ------------------------------------------------------------------
+def test_csv_round_trip_keeps_df_and_meta(sleepy_profile, tmp_path):
+    path = tmp_path / "p.csv"
+    sleepy_profile.to_csv(path)
+    back = Profile.read_csv(path)
+    assert back == sleepy_profile
+    assert (
+        back.meta == sleepy_profile.meta and back.coverage == sleepy_profile.coverage and back.cv == sleepy_profile.cv
+    )
+    assert back.layer_names == ("0", "1")  # digit names stay strings
+    assert back.df["peak_bytes"].isna().all()
+
+
+def test_synthetic_round_trip_with_awkward_names(tmp_path):
+    prof = Profile.synthetic(
+        fwd_ms=[1, 2.5], bwd_ms=[2, 5.125], name=["NA", "a,b#c"], activation_bytes=[1e6, 10], wgrad_ms=[1, 2]
+    )
+    path = tmp_path / "s.csv"
+    prof.to_csv(path)
+    back = Profile.read_csv(path)
+    assert back == prof and back.layer_names == ("NA", "a,b#c")
+    assert list(back.df["activation_bytes"]) == [1_000_000, 10] and list(back.df["wgrad_ms"]) == [1.0, 2.0]
+
+
+def test_synthetic_defaults():
+    prof = Profile.synthetic(fwd_ms=[1, 2, 3], bwd_ms=[2, 4, 6], param_bytes=[10, 20, 30], output_bytes=64)
+    df = prof.df
+    assert prof.n_layers == 3 and prof.layer_names == ("layer_0", "layer_1", "layer_2")
+    assert list(df["type"]) == ["synthetic"] * 3 and list(df["layer"]) == [0, 1, 2]
+    assert list(df["total_ms"]) == [3.0, 6.0, 9.0] and prof.total_ms == 18.0
+    assert list(df["params"]) == [0, 0, 0] and list(df["param_bytes"]) == [10, 20, 30]
+    assert list(df["output_bytes"]) == [64, 64, 64] and list(df["activation_bytes"]) == [0, 0, 0]
+    assert list(df["fwd_ms_iqr"]) == [0.0] * 3 and df["peak_bytes"].isna().all()
+    assert math.isnan(prof.coverage) and math.isnan(prof.cv) and math.isnan(prof.step_ms)
+    assert prof.meta == {"source": "synthetic"}
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, message",
+    [
+        (dict(fwd_ms=[1, 2], bwd_ms=[1]), ValueError, "fwd_ms has 2 layers but bwd_ms has 1"),
+        (dict(fwd_ms=[1, -2], bwd_ms=[1, 1]), ValueError, r"fwd_ms\[1\]=-2.0 is invalid; it must be >= 0"),
+        (
+            dict(fwd_ms=[1, float("nan")], bwd_ms=[1, 1]),
+            ValueError,
+            r"fwd_ms\[1\]=nan is invalid; it must be a finite number",
+        ),
+        (dict(fwd_ms=[1], bwd_ms=[float("inf")]), ValueError, "finite"),
+        (dict(fwd_ms=[], bwd_ms=[]), ValueError, r"fwd_ms=\[\] is invalid"),
+        (dict(fwd_ms=3, bwd_ms=[1]), TypeError, "fwd_ms must be a sequence"),
+        (
+            dict(fwd_ms=[1], bwd_ms=[1], param_bytes=[1, 2]),
+            ValueError,
+            "param_bytes has 2 values but the profile has 1 layers",
+        ),
+        (dict(fwd_ms=[1], bwd_ms=[1], activation_bytes=[1.5]), ValueError, "activation_bytes counts whole units"),
+        (dict(fwd_ms=[1], bwd_ms=[1], wgrad_ms=[2]), ValueError, r"wgrad_ms\[0\]=2.0 exceeds bwd_ms\[0\]=1.0"),
+        (dict(fwd_ms=[1], bwd_ms=[1], total_ms=[2]), ValueError, "total_ms is derived"),
+        (dict(fwd_ms=[1, 1], bwd_ms=[1, 1], name=["a", "a"]), ValueError, "name must be distinct"),
+    ],
+)
+def test_synthetic_bad_input(kwargs, error, message):
+    with pytest.raises(error, match=message):
+        Profile.synthetic(**kwargs)
+
+
+def test_read_csv_refuses_other_files(tmp_path):
+    path = tmp_path / "plain.csv"
+    pd.DataFrame({"a": [1]}).to_csv(path, index=False)
+    with pytest.raises(ValueError, match="is not a Profile CSV"):
+        Profile.read_csv(path)
+
+
+def test_profile_rejects_incomplete_frames():
+    with pytest.raises(ValueError, match=r"missing the Profile columns \['name', 'type', 'fwd_ms'"):
+        Profile(pd.DataFrame({"layer": [0]}))
+    with pytest.raises(ValueError, match=r"df\['layer'\] must be 0..1 in order; got \[1, 0\]"):
+        Profile(Profile.synthetic(fwd_ms=[1, 2], bwd_ms=[1, 2]).df.assign(layer=[1, 0]))
+    minimal = Profile(Profile.synthetic(fwd_ms=[1, 2], bwd_ms=[1, 2]).df.drop(columns="calls"))  # calls is optional
+    assert minimal.total_ms == 6.0
+
+
+def test_plot_and_html(sleepy_profile):
+    import matplotlib.pyplot as plt
+
+    ax = sleepy_profile.plot()
+    assert len(ax.patches) == 2 * sleepy_profile.n_layers  # forward and backward bars
+    assert [t.get_text() for t in ax.get_xticklabels()] == ["0", "1"]
+    assert len(ax.figure.axes) == 2  # the memory twin axis
+    assert "coverage" in ax.get_title()
+    plt.close(ax.figure)
+    html = sleepy_profile._repr_html_()
+    assert "coverage" in html and "fwd_ms" in html and "Sleep" in html
+    assert "coverage" in repr(sleepy_profile)
+
+
+# -- bad input --------------------------------------------------------------------------------
+class NotSequential(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Linear(4, 4)
+        self.blocks = nn.ModuleList([nn.Linear(4, 4) for _ in range(2)])
+        self.head = nn.Linear(4, 2)
+        self.unused = nn.Linear(4, 4)
+
+    def forward(self, x):
+        x = self.embed(x)
+        for block in self.blocks:
+            x = x + block(x)
+        return self.head(x)
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, message",
+    [
+        (
+            dict(layers=None),
+            ValueError,
+            r"layers=None takes the children of an nn.Sequential, but model is a NotSequential; .*layers=\['embed', 'blocks\.\*', 'head', 'unused'\]",
+        ),
+        (
+            dict(layers=["blocks.*", "tail"]),
+            ValueError,
+            r"layers pattern 'tail' matches no submodule of the NotSequential; available names: 'embed', 'blocks', 'head', 'unused'",
+        ),
+        (dict(layers=["blocks.9"]), ValueError, r"available names: 'blocks.0', 'blocks.1'"),
+        (dict(layers=["blocks", "blocks.0"]), ValueError, r"layers overlap: 'blocks.0' is inside 'blocks'"),
+        (dict(layers=["embed", "unused"]), ValueError, r"layers \['unused'\] never ran in the step"),
+        (dict(layers=[]), ValueError, r"layers=\[\] is invalid"),
+        (dict(layers=[3]), TypeError, "layers entries must be str"),
+        (dict(layers="embed", repeats=0), ValueError, "repeats=0 is invalid; it must be >= 1"),
+        (dict(layers="embed", repeats=2.0), TypeError, "repeats must be an integer"),
+        (dict(layers="embed", warmup=-1), ValueError, "warmup=-1 is invalid; it must be >= 0"),
+        (dict(layers="embed", target=torch.zeros(2)), ValueError, "target was given without loss_fn"),
+        (dict(layers="embed", loss_fn="mse"), TypeError, "loss_fn must be callable"),
+        (
+            dict(layers="embed", loss_fn=lambda out: out * 2),
+            ValueError,
+            r"loss_fn must return a scalar tensor; it returned shape \[2, 2\]",
+        ),
+        (
+            dict(layers="embed", loss_fn=F.cross_entropy, target=torch.zeros(3, dtype=torch.long)),
+            ValueError,
+            r"loss_fn failed on the model output \(shapes \[\[2, 2\]\]\) and target \(shapes \[\[3\]\]\): ValueError: Expected input batch_size \(2\) to match target batch_size \(3\)",
+        ),
+        (
+            dict(layers="embed", device="meta"),
+            ValueError,
+            "device='meta' is not supported by the profiler; use a 'cpu' or 'cuda' device",
+        ),
+        (dict(layers="embed", progress="yes"), TypeError, "progress must be True or False"),
+    ],
+)
+def test_bad_input_messages(kwargs, error, message):
+    with pytest.raises(error, match=message):
+        profile(NotSequential(), torch.randn(2, 4), **{"warmup": 0, "repeats": 1, **kwargs})
+
+
+def test_sample_that_does_not_fit_names_layer_and_shapes():
+    model = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(30, 4))
+    message = (
+        r"the sample does not fit the model: RuntimeError at layer '2' \(Linear\) with input shapes \{'input': \[8, 32\]\} "
+        r"and parameter shapes \{'weight': \[4, 30\], 'bias': \[4\]\}; sample shapes \[\[8, 16\]\]"
+    )
+    with pytest.raises(ValueError, match=message):
+        profile(model, torch.randn(8, 16), progress=False)
+
+
+def test_sample_failure_inside_a_unit_names_the_inner_layer():
+    model = NotSequential()
+    model.blocks[1] = nn.Sequential(nn.Linear(4, 3), nn.Linear(5, 4))
+    with pytest.raises(
+        ValueError, match=r"in unit 'blocks.1' at layer 'blocks.1.1' \(Linear\) with input shapes \{'input': \[2, 3\]\}"
+    ):
+        profile(model, torch.randn(2, 4), layers=["embed", "blocks.*", "head"], progress=False)
+
+
+def test_model_without_trainable_parameters_is_refused():
+    model = nn.Sequential(nn.Linear(2, 2), nn.ReLU())
+    model.requires_grad_(False)
+    with pytest.raises(ValueError, match=r"model \(Sequential\) has no trainable parameters"):
+        profile(model, torch.randn(1, 2))
+
+
+def test_other_bad_calls():
+    with pytest.raises(TypeError, match="model must be a torch.nn.Module; got function"):
+        profile(lambda x: x, torch.randn(1))
+    with pytest.raises(ValueError, match="profile needs a sample input"):
+        profile(nn.Sequential(nn.Linear(2, 2)))
+    with pytest.raises(TypeError, match="step must be a callable"):
+        profile_step(nn.Sequential(nn.Linear(2, 2)), 3)
+
+
+def test_select_units_glob_stays_within_a_segment():
+    model = NotSequential()
+    model.blocks[0] = nn.Sequential(nn.Linear(4, 4))
+    assert [n for n, _ in select_units(model, ["blocks.*"])] == ["blocks.0", "blocks.1"]
+    assert [n for n, _ in select_units(model, ["*"])] == ["embed", "blocks", "head", "unused"]
+    assert [n for n, _ in select_units(nn.Sequential(nn.Linear(1, 1), nn.ReLU()), None)] == ["0", "1"]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA path: needs a GPU")
+def test_cuda_path_uses_events_and_reports_peak_memory():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(256, 1024), nn.ReLU(), nn.Linear(1024, 256)).cuda()
+    prof = profile(model, torch.randn(64, 256, device="cuda"), repeats=3, warmup=1, progress=False)
+    assert prof.meta["timer"] == "cuda_events" and prof.meta["device"].startswith("cuda")
+    assert (prof.df["fwd_ms"] > 0).all() and (prof.df["bwd_ms"] > 0).all()
+    assert prof.df["peak_bytes"].notna().all() and (prof.df["peak_bytes"] >= 0).all()
+    assert 0.3 < prof.coverage < 1.5
+
+
+def test_one_noise_rule_for_profile_cards_and_the_report():
+    from pipeswift_lab.core.display import NOISE_CV, noise_note, noise_warning
+
+    assert noise_note(NOISE_CV) == "" and noise_note(float("nan")) == ""
+    note = noise_note(0.25, "the profiled step")
+    assert "the profiled step varied by 25%" in note and "pin threads" in note and "nothing else on the machine" in note
+    assert noise_warning(0.25).startswith("<p><strong>Noisy machine:</strong>")
+    noisy = Profile.synthetic(fwd_ms=[1.0], bwd_ms=[2.0])
+    assert "Noisy machine" not in noisy._repr_html_()  # NaN cv: nothing measured
+    noisy = Profile(noisy.df, meta={**noisy.meta, "step_ms_samples": [10.0, 20.0, 10.0]})
+    assert noisy.cv > NOISE_CV
+    assert noise_warning(noisy.cv, "the profiled step") in noisy._repr_html_() and "Noisy machine" in repr(noisy)
+
+
+@pytest.mark.parametrize(
+    "column, value, message",
+    [
+        (
+            "fwd_ms",
+            float("nan"),
+            r"df\['fwd_ms'\] of layer 1 \('layer_1'\) is nan; each value must be a finite number >= 0",
+        ),
+        ("bwd_ms", -1.0, r"df\['bwd_ms'\] of layer 1 \('layer_1'\) is -1.0; each value must be a finite number >= 0"),
+        ("fwd_ms", "fast", r"df\['fwd_ms'\] of layer 1 \('layer_1'\) is 'fast'"),
+        ("param_bytes", -5, r"df\['param_bytes'\] of layer 1 \('layer_1'\) is -5; each value must be a number >= 0"),
+    ],
+)
+def test_profile_refuses_bad_layer_values(column, value, message):
+    good = Profile.synthetic(fwd_ms=[1.0, 2.0], bwd_ms=[2.0, 4.0])
+    df = good.df.copy()
+    df[column] = df[column].astype(object)
+    df.loc[1, column] = value
+    with pytest.raises(ValueError, match=message):
+        Profile(df)
+
+
+def test_read_csv_refuses_empty_and_negative_times(tmp_path):
+    path = tmp_path / "p.csv"
+    Profile.synthetic(fwd_ms=[1.0, 2.0], bwd_ms=[2.0, 4.0], meta={"batch_size": 2}).to_csv(path)
+    lines = path.read_text().splitlines()
+    header = lines[1].split(",")
+    for value, message in (("", r"is nan; each value must be a finite number >= 0"), ("-3", r"is -3.0; each value")):
+        row = lines[2].split(",")
+        row[header.index("fwd_ms")] = value
+        path.write_text("\n".join(lines[:2] + [",".join(row)] + lines[3:]) + "\n")
+        with pytest.raises(ValueError, match=r"df\['fwd_ms'\] of layer 0 .*" + message):
+            Profile.read_csv(path)
+    path.write_text("\n".join(lines[:2]) + "\n")  # the header alone: no layers
+    with pytest.raises(ValueError, match="df has no rows"):
+        Profile.read_csv(path)

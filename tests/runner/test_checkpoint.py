@@ -1,0 +1,186 @@
+"""Checkpoint files: DCP state keyed by the model's names, an atomic commit, checksums, retention.
+
+The saver here is a real one-process gloo group writing with the same functions the workers
+use; the kill test SIGKILLs a real saving process at random moments and checks that what is
+left is either the previous checkpoint or the new one, never a corrupt one.
+"""
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+from pipeswift_lab.runner import Checkpoint, CheckpointError, latest_checkpoint, load_checkpoint
+from pipeswift_lab.runner import checkpoint as ckpt
+
+pytestmark = pytest.mark.processes  # starts worker processes: `pytest -m "not processes"` skips it
+
+SAVER = textwrap.dedent("""
+    import os, sys, torch, torch.distributed as dist
+    from pathlib import Path
+    from torch import nn
+    from pipeswift_lab.runner import checkpoint as ckpt
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[3], RANK="0", WORLD_SIZE="1")
+    dist.init_process_group("gloo")
+    root, steps = Path(sys.argv[1]), int(sys.argv[2])
+    model = nn.Sequential(nn.Linear(64, 256), nn.Linear(256, 64))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    for step in range(1, steps + 1):
+        with torch.no_grad():
+            for p in model.parameters():
+                p.fill_(float(step))
+        tmp = ckpt.new_tmp_dir(root, step)
+        part = ckpt.save_rank_state(tmp, 0, model, opt, torch.device("cpu"), None)
+        ckpt.commit(tmp, {"step": step, "state_keys": list(model.state_dict())}, [part], keep=2)
+        print(step, flush=True)
+    dist.destroy_process_group()
+""")
+
+
+def save_steps(root, steps, port):
+    """Run the saver for ``steps`` checkpoints in a fresh process; return it (not waited for)."""
+    return subprocess.Popen(
+        [sys.executable, "-c", SAVER, str(root), str(steps), str(port)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
+
+
+def free_port():
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def three_saves(tmp_path_factory):
+    root = tmp_path_factory.mktemp("ckpt")
+    proc = save_steps(root, 3, free_port())
+    proc.wait(timeout=120)
+    assert proc.returncode == 0
+    return root
+
+
+def test_layout_manifest_and_retention(three_saves):
+    names = sorted(p.name for p in three_saves.iterdir())
+    assert names == ["step-00000002", "step-00000003"]  # keep=2, no .tmp- left
+    latest = latest_checkpoint(three_saves)
+    assert isinstance(latest, Checkpoint) and latest.step == 3
+    manifest = json.loads((latest.path / "manifest.json").read_text())
+    assert set(manifest["files"]) == {".metadata", "__0_0.distcp"}
+    assert all(len(info["sha256"]) == 64 for info in manifest["files"].values())
+    df = latest.df
+    assert list(df.columns) == ["name", "bytes", "sha_ok"] and df["sha_ok"].all()
+    assert latest.bytes == df["bytes"].sum() > 64 * 256 * 4
+
+
+def test_state_dict_has_model_keys_and_values(three_saves):
+    latest = load_checkpoint(three_saves)
+    state = latest.state_dict()
+    assert list(state) == ["0.weight", "0.bias", "1.weight", "1.bias"]
+    assert all(torch.equal(t, torch.full_like(t, 3.0)) for t in state.values())
+    model = nn.Sequential(nn.Linear(64, 256), nn.Linear(256, 64))
+    latest.load_into(model)
+    assert torch.equal(model[1].bias, torch.full((64,), 3.0))
+    assert load_checkpoint(three_saves / "step-00000002").step == 2
+
+
+def test_corrupt_file_is_skipped_with_a_warning_naming_it(tmp_path, three_saves):
+    import shutil
+
+    root = tmp_path / "copy"
+    shutil.copytree(three_saves, root)
+    data = root / "step-00000003" / "__0_0.distcp"
+    raw = bytearray(data.read_bytes())
+    raw[len(raw) // 2] ^= 0xFF
+    data.write_bytes(bytes(raw))
+    with pytest.warns(UserWarning, match=r"__0_0\.distcp does not match its SHA-256"):
+        latest = latest_checkpoint(root)
+    assert latest.step == 2
+    with pytest.raises(CheckpointError, match="does not match its SHA-256"):
+        load_checkpoint(root / "step-00000003")
+
+
+def test_uncommitted_and_foreign_directories_are_never_loaded(tmp_path, three_saves):
+    import shutil
+
+    root = tmp_path / "copy"
+    shutil.copytree(three_saves, root)
+    (root / "step-00000009").mkdir()  # a directory without a manifest: not a checkpoint
+    (root / ".tmp-step-00000010-deadbeef").mkdir()
+    assert latest_checkpoint(root).step == 3
+    with pytest.raises(CheckpointError, match="no manifest.json"):
+        load_checkpoint(root / "step-00000009")
+
+
+@pytest.mark.parametrize(
+    "content, match", [(None, "does not exist"), ("file", "not a directory"), ("empty", "holds no complete checkpoint")]
+)
+def test_bad_paths(tmp_path, content, match):
+    path = tmp_path / "x"
+    if content == "file":
+        path.write_text("x")
+    elif content == "empty":
+        path.mkdir()
+    with pytest.raises(CheckpointError, match=match):
+        load_checkpoint(path)
+    with pytest.raises(TypeError, match="path must be"):
+        load_checkpoint(3)
+
+
+def test_unreadable_manifest(tmp_path, three_saves):
+    import shutil
+
+    root = tmp_path / "copy"
+    shutil.copytree(three_saves, root)
+    (root / "step-00000003" / "manifest.json").write_text("{not json")
+    with pytest.raises(CheckpointError, match="cannot be read"):
+        load_checkpoint(root / "step-00000003")
+
+
+def test_another_model_lists_names_and_shapes(three_saves):
+    latest = load_checkpoint(three_saves)
+    other = nn.Sequential(nn.Linear(64, 128), nn.Linear(128, 64), nn.Linear(64, 2))
+    with pytest.raises(CheckpointError) as info:
+        latest.load_into(other)
+    message = str(info.value)
+    assert "not in the checkpoint: ['2.bias', '2.weight']" in message
+    assert "0.weight [256, 64] in the checkpoint vs [128, 64] in the model" in message
+
+
+def test_kill_during_save_never_leaves_a_corrupt_checkpoint(tmp_path):
+    """SIGKILL a saving process at random moments: the newest complete checkpoint always verifies and holds its step."""
+    rng = random.Random(0)
+    root = tmp_path / "kill"
+    killed_mid_save = 0
+    for trial in range(6):
+        proc = save_steps(root, 10_000, free_port())
+        assert proc.stdout.readline().strip()  # at least one save committed
+        time.sleep(rng.uniform(0.0, 0.3))
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+        killed_mid_save += any(p.name.startswith(".tmp-") for p in root.iterdir())
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # a checksum mismatch would warn
+            latest = latest_checkpoint(root)
+        assert latest is not None
+        state = latest.state_dict()
+        assert all(torch.equal(t, torch.full_like(t, float(latest.step))) for t in state.values())
+    assert killed_mid_save >= 1, "no kill landed during a save; the trial says nothing"
+
+
+def test_step_dir_names():
+    assert ckpt.step_dir_name(12) == "step-00000012"
+    assert os.path.basename(ckpt.new_tmp_dir("/r", 12)).startswith(".tmp-step-00000012-")

@@ -1,0 +1,13 @@
+"""The fault campaign in small: one trial of every fault kind, every check held (the 100-trial one: benchmarks/bench_faults.py)."""
+
+import pytest
+from fault_campaign import CHECKS, KINDS, campaign
+
+pytestmark = pytest.mark.processes  # starts worker processes: `pytest -m "not processes"` skips it
+
+
+def test_one_trial_of_every_fault_kind_passes_every_check():
+    rows = campaign(len(KINDS), seed=19, progress=False)
+    assert list(rows["kind"]) == list(KINDS)
+    failed = rows[~rows[list(CHECKS)].all(axis=1)]
+    assert failed.empty, failed.to_dict("records")

@@ -1,0 +1,82 @@
+"""The action recorder: what it records from a stage's methods, and that switching it off changes nothing."""
+
+import time
+from types import SimpleNamespace
+
+import torch
+from sleep_layers import SLACK_MS
+
+from pipeswift_lab.runner.rank.instrument import KINDS, ActionRecorder, wall_offset_ns
+
+
+class FakeStage:
+    """The three PipelineStage methods torch's schedules call, each sleeping 2 ms."""
+
+    def __init__(self, index, is_last):
+        self.stage_index, self.is_last = index, is_last
+
+    def forward_one_chunk(self, fwd_chunk_id, args, kwargs=None, save_forward_output=True):
+        time.sleep(0.002)
+        return ("out", fwd_chunk_id)
+
+    def backward_one_chunk(self, bwd_chunk_id, loss=None, full_backward=True, last_backward=False):
+        time.sleep(0.002)
+
+    def backward_weight_one_chunk(self, bwd_chunk_id, last_backward=False):
+        time.sleep(0.002)
+
+
+def fake_schedule():
+    def _maybe_compute_loss(stage, output, target_mbs, mb_index, loss_kwargs=None):
+        time.sleep(0.003 if stage.is_last else 0)
+
+    return SimpleNamespace(_maybe_compute_loss=_maybe_compute_loss)
+
+
+def test_records_every_kind_with_wall_clock_times_and_folds_the_loss_into_the_last_forward():
+    first, last = FakeStage(0, False), FakeStage(3, True)
+    schedule = fake_schedule()
+    rec = ActionRecorder([first, last], schedule, torch.device("cpu"))
+    before = time.time_ns()
+    start = rec.start_step(5)
+    assert first.forward_one_chunk(0, ()) == ("out", 0)
+    schedule._maybe_compute_loss(first, None, None, 0)
+    last.forward_one_chunk(1, ())
+    schedule._maybe_compute_loss(last, None, None, 1)
+    last.backward_one_chunk(1, loss=None, full_backward=False)
+    last.backward_weight_one_chunk(1)
+    first.backward_one_chunk(0)
+    end = rec.end_step()
+    rows = rec.rows()
+    assert rows.dtype == torch.int64 and rows.shape == (5, 6)
+    assert [(int(r[0]), KINDS[int(r[1])], int(r[2]), int(r[3])) for r in rows] == [
+        (5, "F", 0, 0),
+        (5, "F", 3, 1),
+        (5, "I", 3, 1),
+        (5, "W", 3, 1),
+        (5, "B", 0, 0),
+    ]
+    ms = (rows[:, 5] - rows[:, 4]).double() / 1e6
+    assert (
+        2.0 <= ms[0] < 2.0 + SLACK_MS and 5.0 <= ms[1] < 5.0 + SLACK_MS
+    )  # the last stage's F covers its loss (2 + 3 ms)
+    assert before - 5_000_000 <= start <= rows[0, 4] and rows[-1, 5] <= end <= time.time_ns() + 5_000_000
+    assert (rows[1:, 4] >= rows[:-1, 5]).all()
+
+
+def test_switched_off_it_leaves_the_stages_alone():
+    stage = FakeStage(0, True)
+    original = stage.forward_one_chunk
+    rec = ActionRecorder([stage], fake_schedule(), torch.device("cpu"), enabled=False)
+    assert stage.forward_one_chunk == original and "forward_one_chunk" not in vars(stage)
+    rec.start_step(0)
+    stage.forward_one_chunk(0, ())
+    rec.end_step()
+    assert rec.rows().shape == (0, 6)
+
+
+def test_wall_offset_maps_perf_counter_onto_the_wall_clock():
+    offset = wall_offset_ns()
+    assert (
+        abs(time.perf_counter_ns() + offset - time.time_ns()) < SLACK_MS * 1e6
+    )  # the shared slack of a loaded machine
