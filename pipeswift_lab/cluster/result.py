@@ -41,9 +41,7 @@ class ClusterResult:
     stats: dict = field(repr=False)
 
     @classmethod
-    def from_cluster(
-        cls, cluster, profile_names, policy, capacity, checkpoint_every_s, wall_s, seed
-    ) -> ClusterResult:
+    def from_cluster(cls, cluster, profile_names, policy, capacity, checkpoint_every_s, wall_s, seed) -> ClusterResult:
         """Collect a finished :class:`~pipeswift_lab.cluster.engine.Cluster` into a result."""
         rows = []
         for job, profile in zip(cluster.jobs, profile_names):

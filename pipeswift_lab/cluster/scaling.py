@@ -29,7 +29,8 @@ import math
 
 from ..core.analytic import step_ms
 from ..core.costs import AssemblyModel, CheckpointModel, allreduce_ms
-from ..partitioning.balance import OPTIMIZER_STATE_FACTOR, partition
+from ..core.precision import OPTIMIZER_STATES
+from ..partitioning.balance import partition
 from ..profiling.measure import Profile
 
 #: Effective training throughput of one GPU assumed by the library (bf16, ~40% of a
@@ -129,7 +130,7 @@ class ScalingModel:
                 self._stage[P] = None
                 return None
             slowest = max(range(P), key=lambda s: part.stage_ms[s])
-            shard = max(part.stage_param_bytes) * (1.0 + OPTIMIZER_STATE_FACTOR["adam"])
+            shard = max(part.stage_param_bytes) * (1.0 + OPTIMIZER_STATES["adam"])
             self._stage[P] = (
                 part.stage_fwd_ms[slowest],
                 part.stage_bwd_ms[slowest],

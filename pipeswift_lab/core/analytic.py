@@ -34,8 +34,6 @@ micro-batch (all its chunks together), ``bwd_ms`` its whole backward, split as
 
 from __future__ import annotations
 
-import warnings
-
 from .checks import check_int, check_time, check_wgrad_fraction
 from .vocabulary import SINGLE_CHUNK_SCHEDULES, ZERO_BUBBLE_SCHEDULES, check_schedule_v
 
@@ -66,34 +64,14 @@ def _check_pm(P, m):
     return check_int("P", P, minimum=1), check_int("m", m, minimum=1)
 
 
-def _wgrad_ms(bwd_ms, wgrad_fraction, wgrad_ms, where):
-    """The weight-grad part of ``bwd_ms``: ``wgrad_fraction * bwd_ms`` (``wgrad_ms``, its old spelling, still works)."""
-    if wgrad_ms is None:
-        fraction = DEFAULT_WGRAD_FRACTION if wgrad_fraction is None else check_wgrad_fraction(wgrad_fraction)
-        return fraction * bwd_ms
-    if wgrad_fraction is not None:
-        raise TypeError(f"{where}() got both wgrad_fraction and wgrad_ms (its old form); give wgrad_fraction only")
-    warnings.warn(
-        f"{where}(wgrad_ms=...) is replaced by wgrad_fraction=wgrad_ms/bwd_ms, as in simulate() and sweep(); "
-        "the old form will go",
-        DeprecationWarning,
-        stacklevel=4,
-    )
-    wgrad_ms = check_time("wgrad_ms", wgrad_ms)
-    if wgrad_ms > bwd_ms:
-        raise ValueError(
-            f"wgrad_ms={wgrad_ms} is invalid; it is the weight-grad part of bwd_ms={bwd_ms} and must be <= it"
-        )
-    return wgrad_ms
-
-
-def _bubble_time_over_unit(P, m, schedule, v, fwd_ms, bwd_ms, wgrad_fraction, wgrad_ms=None, where="bubble_ratio"):
+def _bubble_time_over_unit(P, m, schedule, v, fwd_ms, bwd_ms, wgrad_fraction):
     """Return ``(bubble_ms, compute_ms)`` of one step on the busiest rank."""
     P, m = _check_pm(P, m)
     schedule, v = check_schedule_v(schedule, v)
     fwd_ms = check_time("fwd_ms", fwd_ms)
     bwd_ms = check_time("bwd_ms", bwd_ms)
-    wgrad_ms = _wgrad_ms(bwd_ms, wgrad_fraction, wgrad_ms, where)
+    fraction = DEFAULT_WGRAD_FRACTION if wgrad_fraction is None else check_wgrad_fraction(wgrad_fraction)
+    wgrad_ms = fraction * bwd_ms
     if fwd_ms + bwd_ms == 0:
         raise ValueError("fwd_ms + bwd_ms must be > 0; a step with no compute has no bubble ratio")
     compute_ms = m * (fwd_ms + bwd_ms)
@@ -108,7 +86,7 @@ def _bubble_time_over_unit(P, m, schedule, v, fwd_ms, bwd_ms, wgrad_fraction, wg
     return bubble_ms, compute_ms
 
 
-def bubble_overhead(P, m, schedule="1F1B", *, v=1, fwd_ms=1.0, bwd_ms=2.0, wgrad_fraction=None, wgrad_ms=None) -> float:
+def bubble_overhead(P, m, schedule="1F1B", *, v=1, fwd_ms=1.0, bwd_ms=2.0, wgrad_fraction=None) -> float:
     """Bubble time over ideal compute time of one step (Megatron-LM's convention).
 
     Returns ``(P-1)/m`` for GPipe and 1F1B, ``(P-1)/(v*m)`` for Interleaved1F1B and
@@ -116,16 +94,13 @@ def bubble_overhead(P, m, schedule="1F1B", *, v=1, fwd_ms=1.0, bwd_ms=2.0, wgrad
     with ``k=1`` for InterleavedZeroBubble (ZB-H1) and ``k=2`` for ZBVZeroBubble and
     DualPipeV (ZB-V / ZB1P), where ``W = wgrad_fraction * bwd_ms`` and ``I = bwd_ms - W``.
     ``fwd_ms``, ``bwd_ms`` and ``wgrad_fraction`` only matter for the zero-bubble family;
-    ``wgrad_fraction`` defaults to :data:`DEFAULT_WGRAD_FRACTION` (``wgrad_ms=``, the old
-    way to give it, is deprecated).
+    ``wgrad_fraction`` defaults to :data:`DEFAULT_WGRAD_FRACTION`.
     """
-    bubble_ms, compute_ms = _bubble_time_over_unit(
-        P, m, schedule, v, fwd_ms, bwd_ms, wgrad_fraction, wgrad_ms, "bubble_overhead"
-    )
+    bubble_ms, compute_ms = _bubble_time_over_unit(P, m, schedule, v, fwd_ms, bwd_ms, wgrad_fraction)
     return bubble_ms / compute_ms
 
 
-def bubble_ratio(P, m, schedule="1F1B", *, v=1, fwd_ms=1.0, bwd_ms=2.0, wgrad_fraction=None, wgrad_ms=None) -> float:
+def bubble_ratio(P, m, schedule="1F1B", *, v=1, fwd_ms=1.0, bwd_ms=2.0, wgrad_fraction=None) -> float:
     """Share of one step that a stage sits idle (GPipe's convention).
 
     Returns ``(P-1)/(m+P-1)`` for GPipe and 1F1B, ``(P-1)/(v*m+P-1)`` for the
@@ -136,9 +111,7 @@ def bubble_ratio(P, m, schedule="1F1B", *, v=1, fwd_ms=1.0, bwd_ms=2.0, wgrad_fr
     >>> round(bubble_ratio(8, 16), 3), round(bubble_ratio(4, 16), 3)
     (0.304, 0.158)
     """
-    bubble_ms, compute_ms = _bubble_time_over_unit(
-        P, m, schedule, v, fwd_ms, bwd_ms, wgrad_fraction, wgrad_ms, "bubble_ratio"
-    )
+    bubble_ms, compute_ms = _bubble_time_over_unit(P, m, schedule, v, fwd_ms, bwd_ms, wgrad_fraction)
     return bubble_ms / (bubble_ms + compute_ms)
 
 
@@ -158,15 +131,13 @@ def bubble_summary(P, m, schedule="1F1B", *, v=1) -> dict:
     }
 
 
-def step_ms(P, m, schedule="1F1B", *, v=1, fwd_ms=1.0, bwd_ms=2.0, wgrad_fraction=None, wgrad_ms=None) -> float:
+def step_ms(P, m, schedule="1F1B", *, v=1, fwd_ms=1.0, bwd_ms=2.0, wgrad_fraction=None) -> float:
     """Closed-form step time with equal stages and free communication: compute plus bubble.
 
     ``fwd_ms`` and ``bwd_ms`` are one rank's forward and backward of one micro-batch;
     ``wgrad_fraction`` as in :func:`bubble_overhead`.
     """
-    bubble_ms, compute_ms = _bubble_time_over_unit(
-        P, m, schedule, v, fwd_ms, bwd_ms, wgrad_fraction, wgrad_ms, "step_ms"
-    )
+    bubble_ms, compute_ms = _bubble_time_over_unit(P, m, schedule, v, fwd_ms, bwd_ms, wgrad_fraction)
     return bubble_ms + compute_ms
 
 

@@ -93,5 +93,5 @@ def check_choice(name: str, value: Any, choices: Iterable[str] | type[E]) -> str
     if not isinstance(value, str):
         raise TypeError(f"{name} must be a str, one of {valid}; got {type(value).__name__} {value!r}")
     if value not in valid:
-        raise ValueError(f"{name}={value!r} is not one of {valid}")
+        raise ValueError(f"{name}={value!r} is not known; valid values are {valid}")
     return value

@@ -85,3 +85,9 @@ def distinct_hours(a: float, b: float) -> tuple[str, str]:
         if text_a != text_b:
             break
     return text_a, text_b
+
+
+def first_line(exc: BaseException) -> str:
+    """The first line of an exception's message, or its type's name when the message is empty."""
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__

@@ -34,7 +34,7 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
-from .checks import check_int
+from .checks import check_choice, check_int
 
 #: Optimizer states kept per parameter: Adam/AdamW keep ``exp_avg`` and ``exp_avg_sq``,
 #: SGD with momentum one buffer, plain SGD nothing.
@@ -58,26 +58,25 @@ def check_precision(precision):
     return precision
 
 
-def _check_optimizer(optimizer):
-    if optimizer not in OPTIMIZER_STATES:
-        raise ValueError(f"optimizer={optimizer!r} is not known; valid optimizers are {list(OPTIMIZER_STATES)}")
-    return optimizer
+def check_optimizer(optimizer: str) -> str:
+    """Return ``optimizer`` if it is one of :data:`OPTIMIZER_STATES` (the one table of optimizer state per parameter)."""
+    return check_choice("optimizer", optimizer, OPTIMIZER_STATES)
 
 
-def bytes_per_param(precision, optimizer="adam", dp=1) -> float:
+def bytes_per_param(precision, optimizer="adam", D=1) -> float:
     """Bytes of weights + gradients + master weights + optimizer state per parameter on one GPU.
 
-    ``dp`` is the number of data-parallel replicas the ``"bf16-mixed-zero1"`` optimizer state
+    ``D`` is the number of data-parallel replicas the ``"bf16-mixed-zero1"`` optimizer state
     is sharded over (ignored by the others). Returns a float: 16.0 for ``("fp32", "adam")``
-    and ``("bf16-mixed", "adam")``, ``4 + 12 / dp`` for ``("bf16-mixed-zero1", "adam")``.
+    and ``("bf16-mixed", "adam")``, ``4 + 12 / D`` for ``("bf16-mixed-zero1", "adam")``.
     """
-    row = _parts(precision, optimizer, dp)
+    row = _parts(precision, optimizer, D)
     return row["weight_bytes"] + row["grad_bytes"] + row["master_bytes"] + row["optimizer_bytes"]
 
 
-def checkpoint_bytes_per_param(precision, optimizer="adam", dp=1) -> float:
+def checkpoint_bytes_per_param(precision, optimizer="adam", D=1) -> float:
     """Bytes per parameter a checkpoint of one GPU holds: everything but the gradients. Returns a float."""
-    row = _parts(precision, optimizer, dp)
+    row = _parts(precision, optimizer, D)
     return row["weight_bytes"] + row["master_bytes"] + row["optimizer_bytes"]
 
 
@@ -89,16 +88,16 @@ def grad_bytes_per_param(precision) -> float:
     return float(PRECISIONS[precision]["grad_bytes"])
 
 
-def _parts(precision, optimizer, dp):
+def _parts(precision, optimizer, D):
     if check_precision(precision) is None:
         raise ValueError(
             "precision=None counts the profile's param_bytes, not a fixed size per parameter; name one of "
             f"{list(PRECISIONS)}"
         )
-    k = OPTIMIZER_STATES[_check_optimizer(optimizer)]
-    dp = check_int("dp", dp, minimum=1)
+    k = OPTIMIZER_STATES[check_optimizer(optimizer)]
+    D = check_int("D", D, minimum=1)
     spec = PRECISIONS[precision]
-    shards = dp if spec["sharded"] else 1
+    shards = D if spec["sharded"] else 1
     return {
         "weight_bytes": float(spec["weight_bytes"]),
         "grad_bytes": float(spec["grad_bytes"]),
@@ -107,25 +106,25 @@ def _parts(precision, optimizer, dp):
     }
 
 
-def precision_table(optimizer="adam", dp=1) -> pd.DataFrame:
+def precision_table(optimizer="adam", D=1) -> pd.DataFrame:
     """One row per precision: ``weight_bytes``, ``grad_bytes``, ``master_bytes``, ``optimizer_bytes`` and ``total_bytes`` per parameter.
 
-    ``dp`` is the replica count the ZeRO-1 option shards over. Returns a DataFrame indexed by precision.
+    ``D`` is the replica count the ZeRO-1 option shards over. Returns a DataFrame indexed by precision.
     """
-    rows = {p: _parts(p, optimizer, dp) for p in PRECISIONS}
+    rows = {p: _parts(p, optimizer, D) for p in PRECISIONS}
     df = pd.DataFrame(rows).T
     df["total_bytes"] = df.sum(axis=1)
     df.index.name = "precision"
     return df
 
 
-def state_bytes(params, param_bytes, precision, optimizer="adam", dp=1):
+def state_bytes(params, param_bytes, precision, optimizer="adam", D=1):
     """Per layer, bytes of weights, gradients and optimizer state; returns a numpy array, or None if unknown.
 
     With ``precision=None`` it is ``param_bytes * (2 + k)``; with a named precision it is
-    ``params * bytes_per_param(precision, optimizer, dp)`` and the profile needs a ``params`` column.
+    ``params * bytes_per_param(precision, optimizer, D)`` and the profile needs a ``params`` column.
     """
-    k = OPTIMIZER_STATES[_check_optimizer(optimizer)]
+    k = OPTIMIZER_STATES[check_optimizer(optimizer)]
     if check_precision(precision) is None:
         return None if param_bytes is None else np.asarray(param_bytes, dtype=float) * (2.0 + k)
     if params is None:
@@ -137,7 +136,7 @@ def state_bytes(params, param_bytes, precision, optimizer="adam", dp=1):
             raise ValueError(
                 f"precision={precision!r} counts bytes per parameter, but layer {int(missing[0])} has params=0 and param_bytes > 0; give the 'params' column"
             )
-    return params * bytes_per_param(precision, optimizer, dp)
+    return params * bytes_per_param(precision, optimizer, D)
 
 
 __all__ = [

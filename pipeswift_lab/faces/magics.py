@@ -24,17 +24,14 @@ from __future__ import annotations
 import functools
 import shlex
 
+from ..core.display import first_line
+
 __all__ = ["load_ipython_extension"]
 
 
 def load_ipython_extension(ipython) -> None:
     """Register ``%pipeswift_profile`` on the IPython shell ``ipython`` (called by ``%load_ext``)."""
     ipython.register_magics(_magics_class()(ipython))
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return text.splitlines()[0] if text else type(exc).__name__
 
 
 @functools.cache
@@ -121,11 +118,11 @@ def _magics_class():
             except UsageError:
                 raise
             except _CellError as err:
-                raise UsageError(f"the cell raised {type(err.exc).__name__}: {_first_line(err.exc)}") from None
+                raise UsageError(f"the cell raised {type(err.exc).__name__}: {first_line(err.exc)}") from None
             except (ValueError, TypeError) as exc:
-                raise UsageError(_first_line(exc)) from None
+                raise UsageError(first_line(exc)) from None
             except RuntimeError as exc:
-                raise UsageError(f"{type(exc).__name__}: {_first_line(exc)}") from None
+                raise UsageError(f"{type(exc).__name__}: {first_line(exc)}") from None
             if args.variable is not None:
                 self.shell.user_ns[args.variable] = result
             if not args.quiet:
@@ -137,7 +134,7 @@ def _magics_class():
                 return self.shell.ev(expression)
             except Exception as exc:
                 raise UsageError(
-                    f"{what} {expression!r} could not be evaluated in the notebook: {type(exc).__name__}: {_first_line(exc)}"
+                    f"{what} {expression!r} could not be evaluated in the notebook: {type(exc).__name__}: {first_line(exc)}"
                 ) from None
 
     return PipeswiftMagics

@@ -27,16 +27,15 @@ micro-batches its rank holds in flight under the schedule
 (:func:`pipeswift_lab.core.analytic.inflight_microbatches`, which needs ``m``). The training state
 is set by ``precision`` (:mod:`pipeswift_lab.core.precision`): ``None`` counts the profile's own
 bytes, ``param_bytes * (2 + k)`` — weights, gradients and ``k`` copies of optimizer state
-(:data:`OPTIMIZER_STATE_FACTOR`: Adam/AdamW keep two moments, ``k = 2``; plain SGD ``k = 0``;
+(:data:`OPTIMIZER_STATES`: Adam/AdamW keep two moments, ``k = 2``; plain SGD ``k = 0``;
 SGD with momentum ``k = 1``); ``"fp32"`` and ``"bf16-mixed"`` count ``params`` times 16 bytes
-with Adam, ``"bf16-mixed-zero1"`` ``4 + 12 / dp`` bytes (the master weights and moments
-sharded over ``dp`` data-parallel replicas).
+with Adam, ``"bf16-mixed-zero1"`` ``4 + 12 / D`` bytes (the master weights and moments
+sharded over ``D`` data-parallel replicas).
 """
 
 from __future__ import annotations
 
 import math
-import warnings
 from dataclasses import dataclass
 
 import numpy as np
@@ -46,14 +45,12 @@ from ..core.analytic import inflight_microbatches
 from ..core.checks import check_int, check_time
 from ..core.display import html_card, text_card
 from ..core.link import Link, check_link
-from ..core.precision import check_precision, state_bytes
+from ..core.precision import OPTIMIZER_STATES, check_optimizer, check_precision, state_bytes
 from ..core.vocabulary import stage_to_rank as _stage_to_rank
 from .bottleneck import Infeasible, MinMaxSplit
-from .layers import (  # noqa: F401 - OPTIMIZER_STATE_FACTOR, _MEM_RTOL, _Layers and _split re-exported
+from .layers import (  # noqa: F401 - OPTIMIZER_STATES, _MEM_RTOL, _Layers and _split re-exported
     _MEM_RTOL,
-    OPTIMIZER_STATE_FACTOR,
     _check_bounds,
-    _check_optimizer,
     _DoesNotFit,
     _Layers,
     _memory_windows,
@@ -104,9 +101,9 @@ class Partition:
     m: int | None = None
     optimizer: str = "adam"
     link: Link | None = None
-    mem_limit_bytes: float | None = None  # the cap it was split under (the mem_per_gpu_bytes argument)
+    mem_per_gpu_bytes: float | None = None  # the cap it was split under
     precision: str | None = None
-    dp: int = 1
+    D: int = 1  # data-parallel replicas the optimizer state is sharded over (ZeRO-1)
     stage_state_bytes: tuple = ()  # weights + gradients + optimizer state of each stage (bytes)
 
     # ---- construction
@@ -124,8 +121,7 @@ class Partition:
         mem_per_gpu_bytes=None,
         method="manual",
         precision=None,
-        dp=1,
-        mem_limit_bytes=None,
+        D=1,
     ) -> Partition:
         """Build a Partition from explicit ``bounds``: ``[(start, end), ...]``, one per stage.
 
@@ -133,7 +129,7 @@ class Partition:
         stage, and their number must be a multiple of ``v`` (``P = len(bounds) // v``).
         ``m`` (default ``P``) and ``schedule`` set the in-flight micro-batches of the memory
         estimate; with ``mem_per_gpu_bytes`` every rank must fit or a ``ValueError`` names the
-        stage that does not. ``precision`` and ``dp`` set the bytes of training state per
+        stage that does not. ``precision`` and ``D`` set the bytes of training state per
         parameter (see :func:`partition`). Returns the Partition.
         """
         layers = profile if isinstance(profile, _Layers) else _Layers(profile)
@@ -146,10 +142,10 @@ class Partition:
         P = len(bounds) // v
         schedule, v, mem_schedule = _resolve_placement(P, v, schedule)
         m = _resolve_m(P, m, schedule, v)
-        optimizer = _check_optimizer(optimizer)
-        precision, dp = check_precision(precision), check_int("dp", dp, minimum=1)
+        optimizer = check_optimizer(optimizer)
+        precision, D = check_precision(precision), check_int("D", D, minimum=1)
         link = check_link(link)
-        mem_per_gpu_bytes = memory_cap(mem_per_gpu_bytes, mem_limit_bytes, "Partition.from_bounds")
+        mem_per_gpu_bytes = memory_cap(mem_per_gpu_bytes)
         placement = _stage_to_rank(P, v, schedule)
         inflight_by_rank = inflight_microbatches(P, m, mem_schedule, v=v)
         inflight = tuple(inflight_by_rank[r] for r in placement)
@@ -171,7 +167,7 @@ class Partition:
         comm = _stage_comm_ms(bounds, layers, link)
         stage_param_bytes = sums(layers.param_bytes)
         stage_act = sums(layers.activation_bytes)
-        stage_state = sums(state_bytes(layers.params, layers.param_bytes, precision, optimizer, dp))
+        stage_state = sums(state_bytes(layers.params, layers.param_bytes, precision, optimizer, D))
         mem = tuple(sb + ab * f for sb, ab, f in zip(stage_state, stage_act, inflight))
         part = cls(
             bounds=bounds,
@@ -196,9 +192,9 @@ class Partition:
             m=m,
             optimizer=optimizer,
             link=link,
-            mem_limit_bytes=mem_per_gpu_bytes,
+            mem_per_gpu_bytes=mem_per_gpu_bytes,
             precision=precision,
-            dp=dp,
+            D=D,
             stage_state_bytes=stage_state,
         )
         if mem_per_gpu_bytes is not None:
@@ -220,11 +216,6 @@ class Partition:
                 )
 
     # ---- derived values
-    @property
-    def mem_per_gpu_bytes(self) -> float | None:
-        """The memory cap per GPU the partition was made under (``None``: none); the same as ``mem_limit_bytes``."""
-        return self.mem_limit_bytes
-
     @property
     def n_stages(self) -> int:
         """Number of stages, ``P * v``."""
@@ -272,7 +263,7 @@ class Partition:
         state = f"{self.optimizer} state" + (
             ""
             if self.precision is None
-            else f" ({self.precision}" + (f", dp={self.dp})" if self.precision.endswith("zero1") else ")")
+            else f" ({self.precision}" + (f", D={self.D})" if self.precision.endswith("zero1") else ")")
         )
         return (
             f"stage {s} (layers {a}..{b - 1}: {span}, rank {self.stage_to_rank[s]}) needs {self.stage_mem_bytes[s]:.6g} bytes = "
@@ -378,19 +369,8 @@ class Partition:
     __str__ = __repr__
 
 
-def memory_cap(mem_per_gpu_bytes, mem_limit_bytes=None, where="partition"):
-    """The memory cap per GPU (bytes) from ``mem_per_gpu_bytes`` or its deprecated name ``mem_limit_bytes``; ``None`` for no cap."""
-    if mem_limit_bytes is not None:
-        if mem_per_gpu_bytes is not None:
-            raise TypeError(
-                f"{where}() got both mem_per_gpu_bytes and mem_limit_bytes (its old name); give mem_per_gpu_bytes only"
-            )
-        warnings.warn(
-            f"{where}(mem_limit_bytes=...) is renamed mem_per_gpu_bytes, as in plan(); the old name will go",
-            DeprecationWarning,
-            stacklevel=3,
-        )
-        mem_per_gpu_bytes = mem_limit_bytes
+def memory_cap(mem_per_gpu_bytes: float | None) -> float | None:
+    """The memory cap per GPU in bytes, checked: a finite number > 0, or ``None`` for no cap."""
     return None if mem_per_gpu_bytes is None else check_time("mem_per_gpu_bytes", mem_per_gpu_bytes, allow_zero=False)
 
 
@@ -406,8 +386,7 @@ def partition(
     optimizer="adam",
     m=None,
     precision=None,
-    dp=1,
-    mem_limit_bytes=None,
+    D=1,
 ) -> Partition:
     """Split a profiled model into ``P * v`` contiguous stages; return a :class:`Partition`.
 
@@ -421,14 +400,13 @@ def partition(
     transfers to the balanced objective. With ``mem_per_gpu_bytes`` (per rank; with ``v > 1``
     each stage gets ``mem_per_gpu_bytes / v``), ``"balanced"`` returns the best split that
     fits, and every method raises ``ValueError`` naming the stage that cannot fit and the
-    smallest P that would (``mem_limit_bytes=``, its old name, still works with a
-    ``DeprecationWarning``). ``optimizer`` is one of :data:`OPTIMIZER_STATE_FACTOR`.
+    smallest P that would. ``optimizer`` is one of :data:`OPTIMIZER_STATES`.
 
     ``precision`` sets the bytes of training state per parameter (with Adam):
     ``None`` (default) — the profile's own ``param_bytes * 4`` (16 B/param for an fp32
     profile); ``"fp32"`` — 16 B/param; ``"bf16-mixed"`` — 16 B/param (bf16 weights and
-    gradients, fp32 master weights and moments); ``"bf16-mixed-zero1"`` — ``4 + 12 / dp``
-    B/param, the master weights and moments sharded over ``dp`` data-parallel replicas
+    gradients, fp32 master weights and moments); ``"bf16-mixed-zero1"`` — ``4 + 12 / D``
+    B/param, the master weights and moments sharded over ``D`` data-parallel replicas
     (ZeRO-1). Named precisions need a ``params`` column. See :mod:`pipeswift_lab.core.precision`.
     """
     layers = profile if isinstance(profile, _Layers) else _Layers(profile)
@@ -440,14 +418,14 @@ def partition(
         what = f"P={P}" if v == 1 else f"P*v={P}*{v}={P * v} stages"
         raise ValueError(f"{what} exceeds the {layers.n} profiled layers; every stage needs at least one layer")
     m = _resolve_m(P, m, schedule, v)
-    optimizer = _check_optimizer(optimizer)
-    precision, dp = check_precision(precision), check_int("dp", dp, minimum=1)
-    state_bytes(layers.params, layers.param_bytes, precision, optimizer, dp)  # a named precision needs params
+    optimizer = check_optimizer(optimizer)
+    precision, D = check_precision(precision), check_int("D", D, minimum=1)
+    state_bytes(layers.params, layers.param_bytes, precision, optimizer, D)  # a named precision needs params
     link = check_link(link)
-    mem_per_gpu_bytes = memory_cap(mem_per_gpu_bytes, mem_limit_bytes, "partition")
+    mem_per_gpu_bytes = memory_cap(mem_per_gpu_bytes)
     try:
         bounds = _split(
-            layers, P, v, schedule, mem_schedule, method, link, m, optimizer, mem_per_gpu_bytes, precision, dp
+            layers, P, v, schedule, mem_schedule, method, link, m, optimizer, mem_per_gpu_bytes, precision, D
         )
         return Partition.from_bounds(
             layers,
@@ -460,7 +438,7 @@ def partition(
             mem_per_gpu_bytes=mem_per_gpu_bytes,
             method=method,
             precision=precision,
-            dp=dp,
+            D=D,
         )
     except (Infeasible, _DoesNotFit):
         pass
@@ -475,7 +453,7 @@ def partition(
         optimizer=optimizer,
         method=method,
         precision=precision,
-        dp=dp,
+        D=D,
     )
     raise ValueError(_memory_error(layers, free, mem_per_gpu_bytes, method, link))
 
@@ -497,7 +475,7 @@ def _memory_error(layers, part: Partition, limit, method, link) -> str:
                     part.optimizer,
                     limit,
                     part.precision,
-                    part.dp,
+                    part.D,
                 )
                 zeros = np.zeros(layers.n + 1)
                 if MinMaxSplit(zeros, zeros, P2 * part.v, windows).reach(0.0) is None:
@@ -516,7 +494,7 @@ def _memory_error(layers, part: Partition, limit, method, link) -> str:
                     mem_per_gpu_bytes=limit,
                     method=method,
                     precision=part.precision,
-                    dp=part.dp,
+                    D=part.D,
                 )
             smallest = P2
             break
@@ -537,4 +515,4 @@ def no_fit_head(limit, method, P, v) -> str:
     return f"mem_per_gpu_bytes={limit:.6g}: no {method} split into P={P} ranks fits{share}"
 
 
-__all__ = ["METHODS", "OPTIMIZER_STATE_FACTOR", "Partition", "partition"]
+__all__ = ["METHODS", "OPTIMIZER_STATES", "Partition", "partition"]

@@ -20,10 +20,6 @@ from ..core.vocabulary import stage_to_rank as _stage_to_rank
 from ..core.vocabulary import validate as _validate_schedule
 from .bottleneck import MinMaxSplit
 
-#: Optimizer state per parameter byte: Adam/AdamW keep ``exp_avg`` and ``exp_avg_sq``
-#: (2x), SGD with momentum one buffer (1x), plain SGD nothing.
-OPTIMIZER_STATE_FACTOR = {"adam": 2.0, "adamw": 2.0, "sgd_momentum": 1.0, "sgd": 0.0}
-
 #: Relative tolerance of memory comparisons (prefix sums and direct sums round differently).
 _MEM_RTOL = 1e-9
 
@@ -93,12 +89,6 @@ def _resolve_placement(P, v, schedule):
         return None, v, ("1F1B" if v == 1 else "Interleaved1F1B")
     schedule, v = check_schedule_v(schedule, v)
     return schedule, v, schedule
-
-
-def _check_optimizer(optimizer):
-    if optimizer not in OPTIMIZER_STATE_FACTOR:
-        raise ValueError(f"optimizer={optimizer!r} is not known; valid optimizers are {list(OPTIMIZER_STATE_FACTOR)}")
-    return optimizer
 
 
 def _resolve_m(P, m, schedule, v):
@@ -177,7 +167,7 @@ class _DoesNotFit(ValueError):
     """A rank of a given split exceeds the memory cap."""
 
 
-def _memory_windows(layers: _Layers, P, v, schedule, mem_schedule, m, optimizer, limit, precision=None, dp=1):
+def _memory_windows(layers: _Layers, P, v, schedule, mem_schedule, m, optimizer, limit, precision=None, D=1):
     """Per stage index: the smallest start allowed for each end under the memory cap (None if no cap)."""
     if limit is None:
         return None
@@ -187,9 +177,7 @@ def _memory_windows(layers: _Layers, P, v, schedule, mem_schedule, m, optimizer,
         )
     placement = _stage_to_rank(P, v, schedule)
     inflight = inflight_microbatches(P, m, mem_schedule, v=v)
-    static = np.concatenate(
-        [[0.0], np.cumsum(state_bytes(layers.params, layers.param_bytes, precision, optimizer, dp))]
-    )
+    static = np.concatenate([[0.0], np.cumsum(state_bytes(layers.params, layers.param_bytes, precision, optimizer, D))])
     act = np.concatenate([[0.0], np.cumsum(layers.activation_bytes)])
     budget = limit / v  # a rank's v stages share its memory; each stage gets an equal share
     out = []
@@ -199,7 +187,7 @@ def _memory_windows(layers: _Layers, P, v, schedule, mem_schedule, m, optimizer,
     return out
 
 
-def _split(layers: _Layers, P, v, schedule, mem_schedule, method, link, m, optimizer, limit, precision=None, dp=1):
+def _split(layers: _Layers, P, v, schedule, mem_schedule, method, link, m, optimizer, limit, precision=None, D=1):
     K = P * v
     if method == "uniform":
         return _uniform_bounds(layers.n, K)
@@ -207,13 +195,13 @@ def _split(layers: _Layers, P, v, schedule, mem_schedule, method, link, m, optim
         if layers.params is None:
             raise ValueError("method='params' needs a 'params' column in the profile")
         cost = np.concatenate([[0.0], np.cumsum(layers.params)])
-        U, D = cost, cost
+        up, down = cost, cost
     else:  # balanced
         c = _transfer_ms_array(layers, link)
         S = np.concatenate([[0.0], np.cumsum(layers.fwd + layers.bwd)])
         out = np.concatenate([[0.0], c[:-1], [0.0]])  # out[b]: activation leaving a stage that ends at b < L
         gin = np.concatenate([[0.0], c[:-1], [0.0]])  # gin[a]: gradient a stage starting at a > 0 sends back
-        U, D = S + out, S - gin
-    windows = _memory_windows(layers, P, v, schedule, mem_schedule, m, optimizer, limit, precision, dp)
-    bounds, _ = MinMaxSplit(U, D, K, windows).solve()
+        up, down = S + out, S - gin
+    windows = _memory_windows(layers, P, v, schedule, mem_schedule, m, optimizer, limit, precision, D)
+    bounds, _ = MinMaxSplit(up, down, K, windows).solve()
     return bounds

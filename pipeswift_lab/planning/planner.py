@@ -186,7 +186,7 @@ class Plan:
         return partition(
             self.costs.table(config.microbatch_size), config.P, "balanced", v=config.v, schedule=config.schedule, m=config.m,
             optimizer=self.inputs["optimizer"], link=self.inputs["link"], mem_per_gpu_bytes=self.inputs["mem_per_gpu_bytes"],
-            precision=self.inputs.get("precision"), dp=config.D,
+            precision=self.inputs.get("precision"), D=config.D,
         )  # fmt: skip
 
     def run_arguments(self, row) -> dict:

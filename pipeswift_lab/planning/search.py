@@ -142,7 +142,7 @@ class Evaluator:
         Raises ``ValueError`` when no split fits ``mem_per_gpu_bytes``.
         """
         base = self.costs.b0 if self.shared else b
-        dp = (
+        shards = (
             D if self.precision is not None and self.precision.endswith("zero1") else 1
         )  # only ZeRO-1 state depends on D
         placement, inflight_by_rank = self._placement(P, m, schedule, v)
@@ -152,7 +152,7 @@ class Evaluator:
                 self.layers(base), P, v, schedule, schedule, "balanced", self.link, m, self.optimizer, None
             )
         bounds = self._bounds[key]
-        stages = self._stage_sums(base, bounds, dp)
+        stages = self._stage_sums(base, bounds, shards)
         inflight = [inflight_by_rank[r] for r in placement]
         scale = b / base
         mem = _rank_memory(stages, placement, inflight, P, scale)
@@ -165,9 +165,9 @@ class Evaluator:
                     f"needs at least {(static + activations) / P / 2**30:.3g} GiB per GPU on average > mem_per_gpu_bytes={self.mem_limit:.4g}"
                 )
             # the time-balanced split does not fit at this micro-batch size: take the fastest split that does
-            bounds = self._capped_bounds(P, m, b, schedule, v, dp, tuple(inflight_by_rank))
+            bounds = self._capped_bounds(P, m, b, schedule, v, shards, tuple(inflight_by_rank))
             base, scale = b, 1.0
-            stages = self._stage_sums(b, bounds, dp)
+            stages = self._stage_sums(b, bounds, shards)
             mem = _rank_memory(stages, placement, inflight, P, 1.0)
         busiest = max(rank_totals(stages.stage_ms, placement, P))
         bound = m * busiest * scale
@@ -190,7 +190,7 @@ class Evaluator:
             optimizer=self.optimizer,
             link=self.link,
             precision=self.precision,
-            dp=D,
+            D=D,
         )
 
     def simulate(self, split: Split) -> tuple[float, float]:
@@ -218,8 +218,8 @@ class Evaluator:
             self._inflight[key] = (stage_to_rank(P, v, schedule), inflight_microbatches(P, m, schedule, v=v))
         return self._inflight[key]
 
-    def _stage_sums(self, b, bounds, dp) -> _StageSums:
-        key = (b, bounds, dp)
+    def _stage_sums(self, b, bounds, D) -> _StageSums:
+        key = (b, bounds, D)
         if key not in self._stages:
             layers = self.layers(b)
 
@@ -230,7 +230,7 @@ class Evaluator:
                     else tuple(math.nan for _ in bounds)
                 )
 
-            state = state_bytes(layers.params, layers.param_bytes, self.precision, self.optimizer, dp)
+            state = state_bytes(layers.params, layers.param_bytes, self.precision, self.optimizer, D)
             params = tuple(int(round(x)) for x in sums(layers.params)) if layers.params is not None else sums(None)
             fwd, bwd = sums(layers.fwd), sums(layers.bwd)
             self._stages[key] = _StageSums(
@@ -242,13 +242,13 @@ class Evaluator:
             )
         return self._stages[key]
 
-    def _capped_bounds(self, P, m, b, schedule, v, dp, inflight_by_rank):
+    def _capped_bounds(self, P, m, b, schedule, v, D, inflight_by_rank):
         """The fastest split at size ``b`` that fits the cap; raises ``ValueError`` when none does.
 
         Cached by what the memory windows depend on, so ``m`` values with the same in-flight
         counts share one search.
         """
-        key = (P, v, schedule, b, dp, inflight_by_rank)
+        key = (P, v, schedule, b, D, inflight_by_rank)
         if key not in self._capped:
             layers = self.layers(b)
             try:
@@ -264,10 +264,10 @@ class Evaluator:
                     self.optimizer,
                     self.mem_limit,
                     self.precision,
-                    dp,
+                    D,
                 )
                 placement, inflight = self._placement(P, m, schedule, v)
-                stages = self._stage_sums(b, bounds, dp)
+                stages = self._stage_sums(b, bounds, D)
                 need = _rank_memory(stages, placement, [inflight[r] for r in placement], P, 1.0)
                 self._capped[key] = bounds if max(need) <= self.mem_limit * (1 + _MEM_RTOL) else None
             except Infeasible:

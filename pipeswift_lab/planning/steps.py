@@ -22,9 +22,8 @@ from ..core.analytic import bubble_ratio
 from ..core.costs import allreduce_ms, preemption_loss_s, young_daly_interval_s
 from ..core.display import distinct_hours, hours
 from ..core.jct import TERMS
-from ..core.precision import checkpoint_bytes_per_param, grad_bytes_per_param
+from ..core.precision import OPTIMIZER_STATES, checkpoint_bytes_per_param, grad_bytes_per_param
 from ..core.vocabulary import SINGLE_CHUNK_SCHEDULES, validate
-from ..partitioning.balance import OPTIMIZER_STATE_FACTOR
 from .quantiles import jct_quantile, quantile_column
 from .strategies import first_drop, grow_rows, shrink_rows, split_by_drops
 
@@ -118,7 +117,7 @@ def bound_configs(combos, job: Job, evaluator) -> tuple[list[dict], list[tuple]]
             continue
         rank_param_bytes = split.rank_param_bytes
         if job.precision is None:
-            grad_bytes, shard_bytes = rank_param_bytes, rank_param_bytes * (1.0 + OPTIMIZER_STATE_FACTOR[job.optimizer])
+            grad_bytes, shard_bytes = rank_param_bytes, rank_param_bytes * (1.0 + OPTIMIZER_STATES[job.optimizer])
         else:
             grad_bytes = split.rank_params * grad_bytes_per_param(job.precision)
             shard_bytes = split.rank_params * checkpoint_bytes_per_param(job.precision, job.optimizer, d)

@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from ..core.checks import check_int, check_time, nonnegative_column
-from ..core.display import html_card, noise_note, noise_warning, text_card
+from ..core.display import first_line, html_card, noise_note, noise_warning, text_card
 from .hooks import LayerRecorder, current_unit, iter_tensors, make_clock, shapes
 from .units import locate_failure, model_device, move_to_device, preserved_state, select_units
 
@@ -382,7 +382,7 @@ def _loss_of(output, target, loss_fn):
         except Exception as exc:
             raise ValueError(
                 f"loss_fn failed on the model output (shapes {shapes(output)}) and target (shapes {shapes(target)}): "
-                f"{type(exc).__name__}: {_first_line(exc)}"
+                f"{type(exc).__name__}: {first_line(exc)}"
             ) from exc
     else:
         floats = [t for t in iter_tensors(output) if t.is_floating_point() or t.is_complex()]
@@ -399,11 +399,6 @@ def _loss_of(output, target, loss_fn):
             "the loss does not depend on any trainable parameter (it has no grad_fn); check requires_grad and torch.no_grad()"
         )
     return loss
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return text.splitlines()[0] if text else ""
 
 
 def profile(
@@ -490,7 +485,7 @@ def profile(
             )
             raise ValueError(
                 f"the sample does not fit the model: {type(exc).__name__}{unit_text} at {where}; "
-                f"sample shapes {shapes(args)}{' and ' + str({k: shapes(v) for k, v in kwargs.items()}) if kwargs else ''}: {_first_line(exc)}"
+                f"sample shapes {shapes(args)}{' and ' + str({k: shapes(v) for k, v in kwargs.items()}) if kwargs else ''}: {first_line(exc)}"
             ) from exc
         loss = _loss_of(output, target, loss_fn)
         loss.backward()

@@ -101,7 +101,6 @@ def sweep(
     progress=True,
     calibration=None,
     precision=None,
-    mem_limit_bytes=None,
 ) -> pd.DataFrame:
     """Simulate every combination of ``P`` x ``m`` x ``schedules`` x ``methods`` (x ``v``).
 
@@ -117,12 +116,12 @@ def sweep(
     ``step_ms`` is the whole predicted step: the calibrated action span plus the runtime's
     per-step overhead (:func:`~pipeswift_lab.fidelity.calibrator.whole_step_ms`). ``mem_per_gpu_bytes``
     caps each rank's memory, as in :func:`~pipeswift_lab.partitioning.balance.partition` and
-    :func:`~pipeswift_lab.plan` (``mem_limit_bytes=``, its old name, warns and still works).
+    :func:`~pipeswift_lab.plan`.
     """
     from .calibration import check_calibration, whole_step_ms
 
     calibration = check_calibration(calibration)
-    mem_per_gpu_bytes = memory_cap(mem_per_gpu_bytes, mem_limit_bytes, "sweep")
+    mem_per_gpu_bytes = memory_cap(mem_per_gpu_bytes)
     layers = _Layers(profile)
     Ps = [check_int("P", p, minimum=1) for p in _as_list("P", P, "int")]
     ms = [check_int("m", x, minimum=1) for x in _as_list("m", m, "int")]

@@ -136,11 +136,11 @@ def test_type_errors():
 
 def test_one_way_to_give_the_weight_gradient_share_and_one_default_schedule():
     zb = dict(v=2, fwd_ms=1, bwd_ms=2)
-    with pytest.warns(DeprecationWarning, match=r"bubble_ratio\(wgrad_ms=...\) is replaced by wgrad_fraction"):
-        old = analytic.bubble_ratio(4, 8, "ZBVZeroBubble", **zb, wgrad_ms=0.5)
-    assert old == analytic.bubble_ratio(4, 8, "ZBVZeroBubble", **zb, wgrad_fraction=0.25)
-    with pytest.raises(TypeError, match="got both wgrad_fraction and wgrad_ms"):
-        analytic.step_ms(4, 8, "ZBVZeroBubble", **zb, wgrad_fraction=0.25, wgrad_ms=0.5)
+    with pytest.raises(TypeError, match="unexpected keyword argument 'wgrad_ms'"):
+        analytic.bubble_ratio(4, 8, "ZBVZeroBubble", **zb, wgrad_ms=0.5)
+    assert analytic.bubble_ratio(4, 8, "ZBVZeroBubble", **zb, wgrad_fraction=0.25) < analytic.bubble_ratio(
+        4, 8, "ZBVZeroBubble", **zb, wgrad_fraction=0.1
+    )
     with pytest.raises(TypeError, match="positional"):
         analytic.bubble_ratio(4, 8, "Interleaved1F1B", 2)  # keyword-only after (P, m, schedule)
     assert analytic.bubble_ratio(4, 8) == analytic.bubble_ratio(4, 8, "1F1B")

@@ -30,7 +30,7 @@ def bf16_profile(params_per_layer=1e9, layers=4):
 
 
 @pytest.mark.parametrize(
-    "precision, optimizer, dp, want",
+    "precision, optimizer, D, want",
     [
         ("fp32", "adam", 1, 16.0),  # 4 weights + 4 grads + 4 + 4 moments
         ("bf16-mixed", "adam", 1, 16.0),  # 2 + 2 + 4 master + 4 + 4 moments: not 8
@@ -43,18 +43,18 @@ def bf16_profile(params_per_layer=1e9, layers=4):
         ("bf16-mixed", "sgd", 1, 8.0),  # the master copy stays
     ],
 )
-def test_bytes_per_param(precision, optimizer, dp, want):
-    assert bytes_per_param(precision, optimizer, dp) == pytest.approx(want)
+def test_bytes_per_param(precision, optimizer, D, want):
+    assert bytes_per_param(precision, optimizer, D) == pytest.approx(want)
 
 
 def test_table_and_checkpoint_bytes():
     table = precision_table()
     assert list(table.index) == list(PRECISIONS)
     assert table["total_bytes"].tolist() == [16.0, 16.0, 16.0]
-    assert precision_table(dp=4).loc["bf16-mixed-zero1", "total_bytes"] == pytest.approx(7.0)
+    assert precision_table(D=4).loc["bf16-mixed-zero1", "total_bytes"] == pytest.approx(7.0)
     assert checkpoint_bytes_per_param("fp32") == 12.0  # weights + moments, no gradients
     assert checkpoint_bytes_per_param("bf16-mixed") == 14.0
-    assert checkpoint_bytes_per_param("bf16-mixed-zero1", dp=4) == pytest.approx(2 + 3.0)
+    assert checkpoint_bytes_per_param("bf16-mixed-zero1", D=4) == pytest.approx(2 + 3.0)
 
 
 def test_none_keeps_the_profiles_param_bytes():
@@ -71,7 +71,7 @@ def test_partition_counts_bf16_mixed_at_16_bytes_per_parameter():
     assert mixed.stage_state_bytes == (2 * 16e9,) * 2
     assert mixed.stage_mem_bytes[0] - old.stage_mem_bytes[0] == pytest.approx(2 * 8e9)
     assert partition(prof, 2, m=2, precision="fp32").stage_state_bytes == mixed.stage_state_bytes
-    zero = partition(prof, 2, m=2, precision="bf16-mixed-zero1", dp=4)
+    zero = partition(prof, 2, m=2, precision="bf16-mixed-zero1", D=4)
     assert zero.stage_state_bytes == (2e9 * 7.0,) * 2
     assert zero.df["state_bytes"].tolist() == [14e9, 14e9]
 
@@ -81,7 +81,7 @@ def test_memory_cap_uses_the_precision():
     with pytest.raises(ValueError, match=r"bf16-mixed\)"):  # 2 layers x 16 GB per rank do not fit 20 GB
         partition(prof, 2, m=2, precision="bf16-mixed", mem_per_gpu_bytes=20 * GB)
     partition(prof, 2, m=2, mem_per_gpu_bytes=20 * GB)  # the 8 B/param count fits, wrongly
-    partition(prof, 2, m=2, precision="bf16-mixed-zero1", dp=8, mem_per_gpu_bytes=20 * GB)  # 2 + 2 + 1.5 B/param fits
+    partition(prof, 2, m=2, precision="bf16-mixed-zero1", D=8, mem_per_gpu_bytes=20 * GB)  # 2 + 2 + 1.5 B/param fits
 
 
 def test_sweep_peak_memory_follows_the_precision():
@@ -111,7 +111,7 @@ def test_plan_rejects_what_does_not_fit_in_bf16_mixed_and_zero1_fits_it():
     fits = {d for d in (1, 2, 4) if 2 * (4 + 12 / d) * GB + 4e6 <= 20 * GB}
     assert set(zero.feasible.D) == fits == {4}
     part = zero.partition_of(zero.best)
-    assert part.precision == "bf16-mixed-zero1" and part.dp == zero.best.D
+    assert part.precision == "bf16-mixed-zero1" and part.D == zero.best.D
 
 
 def test_plan_allreduce_and_checkpoint_follow_the_precision():
@@ -128,7 +128,7 @@ def test_plan_allreduce_and_checkpoint_follow_the_precision():
     "kwargs, message",
     [
         (dict(precision="fp16"), "precision='fp16' is not known; valid precisions are"),
-        (dict(precision="bf16-mixed-zero1", dp=0), "dp"),
+        (dict(precision="bf16-mixed-zero1", D=0), "D"),
         (dict(precision="bf16-mixed", optimizer="lion"), "optimizer='lion' is not known"),
     ],
 )

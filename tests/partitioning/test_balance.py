@@ -10,7 +10,8 @@ from hypothesis import strategies as st
 
 from pipeswift_lab import analytic, models
 from pipeswift_lab.core.link import Link
-from pipeswift_lab.partitioning.balance import OPTIMIZER_STATE_FACTOR, Partition, partition
+from pipeswift_lab.core.precision import OPTIMIZER_STATES
+from pipeswift_lab.partitioning.balance import Partition, partition
 from pipeswift_lab.profiling.measure import Profile, profile
 
 matplotlib.use("Agg")
@@ -117,7 +118,7 @@ def test_memory_per_stage_by_hand():
     assert part.stage_mem_bytes[0] == 6000 * 4 + 110 * 4
     sgd = partition(prof, 4, method="uniform", schedule="1F1B", m=8, optimizer="sgd")
     assert sgd.stage_mem_bytes[0] == 6000 * 2 + 110 * 4
-    assert OPTIMIZER_STATE_FACTOR["sgd_momentum"] == 1.0
+    assert OPTIMIZER_STATES["sgd_momentum"] == 1.0
     assert part.rank_mem_bytes == part.stage_mem_bytes
     df = part.df
     assert df["mem_bytes"].tolist() == list(part.stage_mem_bytes)
@@ -290,11 +291,10 @@ def test_bottleneck_shortcut_for_prefix_sums_matches_the_range_maximum():
                 slow.solve()
 
 
-def test_old_cap_name_still_works_with_a_deprecation_warning():
+def test_the_memory_cap_has_one_name():
     prof = Profile.synthetic(fwd_ms=[1.0] * 4, bwd_ms=[2.0] * 4, param_bytes=[100.0] * 4, activation_bytes=[10.0] * 4)
-    new = partition(prof, 2, mem_per_gpu_bytes=1e6)
-    with pytest.warns(DeprecationWarning, match=r"partition\(mem_limit_bytes=...\) is renamed mem_per_gpu_bytes"):
-        old = partition(prof, 2, mem_limit_bytes=1e6)
-    assert old == new and old.mem_per_gpu_bytes == old.mem_limit_bytes == 1e6
-    with pytest.raises(TypeError, match="got both mem_per_gpu_bytes and mem_limit_bytes"):
-        partition(prof, 2, mem_per_gpu_bytes=1e6, mem_limit_bytes=1e6)
+    assert partition(prof, 2, mem_per_gpu_bytes=1e6).mem_per_gpu_bytes == 1e6
+    with pytest.raises(TypeError, match="unexpected keyword argument 'mem_limit_bytes'"):
+        partition(prof, 2, mem_limit_bytes=1e6)
+    with pytest.raises(ValueError, match="mem_per_gpu_bytes=0.0 is invalid"):
+        partition(prof, 2, mem_per_gpu_bytes=0)

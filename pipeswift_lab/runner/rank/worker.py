@@ -22,6 +22,7 @@ import importlib
 import json
 import os
 import signal
+import threading
 import time
 import traceback
 from pathlib import Path
@@ -148,8 +149,6 @@ def start_caller_watchdog(caller_pid: int) -> threading.Event:
     own workers) every ``WATCHDOG_PERIOD_S`` and SIGKILLs this process when it is gone.
     Returns the event that stops it, set when the rank's work is over.
     """
-    import threading
-
     stop = threading.Event()
 
     def watch():
