@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Sequence
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -19,8 +20,8 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv=None) -> int:
-    """Run the command line; return the exit status."""
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line on ``argv`` (default: ``sys.argv[1:]``); return the exit status."""
     parser = _parser()
     args = parser.parse_args(argv)
     if args.command is None:

@@ -57,13 +57,17 @@ def jupyterlab(tmp_path):
     shutil.copy(ROOT / NOTEBOOK, served / NOTEBOOK)
     port, token = _free_port(), secrets.token_hex(16)
     # the suite sets MPLBACKEND=Agg for itself; a kernel started by a person has the inline backend
-    env = {**{k: v for k, v in os.environ.items() if k != "MPLBACKEND"}, "TQDM_DISABLE": "1", "JUPYTER_RUNTIME_DIR": str(tmp_path / "runtime"), "PYTHONPATH": os.pathsep.join(
-        [str(ROOT)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])}  # fmt: skip
-    server = subprocess.Popen(
-        [sys.executable, "-m", "jupyter", "lab", "--no-browser", "--ip=127.0.0.1", f"--port={port}", f"--IdentityProvider.token={token}",
-         f"--ServerApp.root_dir={served}", "--ServerApp.open_browser=False", "--LabApp.news_url=", "--ServerApp.allow_root=True"],
-        env=env, stdout=open(tmp_path / "lab.log", "wb"), stderr=subprocess.STDOUT,
-    )  # fmt: skip
+    python_path = [str(ROOT)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    env = {
+        **{k: v for k, v in os.environ.items() if k != "MPLBACKEND"},
+        "TQDM_DISABLE": "1",
+        "JUPYTER_RUNTIME_DIR": str(tmp_path / "runtime"),
+        "PYTHONPATH": os.pathsep.join(python_path),
+    }
+    command = [sys.executable, "-m", "jupyter", "lab", "--no-browser", "--ip=127.0.0.1", f"--port={port}"]
+    command += [f"--IdentityProvider.token={token}", f"--ServerApp.root_dir={served}", "--ServerApp.open_browser=False"]
+    command += ["--LabApp.news_url=", "--ServerApp.allow_root=True"]
+    server = subprocess.Popen(command, env=env, stdout=open(tmp_path / "lab.log", "wb"), stderr=subprocess.STDOUT)
     base = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 60
@@ -112,10 +116,14 @@ def test_notebook_04_explorer_renders_and_responds_in_jupyterlab(jupyterlab):
             metrics = page.locator(".widget-html", has_text="bubble_ratio").first
             # the cell after the explorer sets P=4, Interleaved1F1B through the Python object: the page must follow
             page.wait_for_function(
-                "() => [...document.querySelectorAll('.widget-html')].some(e => e.innerText.includes('Interleaved1F1B') && e.innerText.includes('P=4'))",
+                "() => [...document.querySelectorAll('.widget-html')]"
+                ".some(e => e.innerText.includes('Interleaved1F1B') && e.innerText.includes('P=4'))",
                 timeout=300_000,
             )
-            idle = "() => { const e = document.querySelector('.jp-Notebook-ExecutionIndicator'); return e && e.dataset.status === 'idle'; }"
+            idle = (
+                "() => { const e = document.querySelector('.jp-Notebook-ExecutionIndicator'); "
+                "return e && e.dataset.status === 'idle'; }"
+            )
             page.wait_for_function(idle, timeout=300_000)  # every cell has run and the explorer has drawn
             page.wait_for_timeout(1000)
             assert "Loading widget" not in page.content()
@@ -128,9 +136,12 @@ def test_notebook_04_explorer_renders_and_responds_in_jupyterlab(jupyterlab):
             slider.locator("[role=slider]").first.focus()
             page.keyboard.press("ArrowRight")  # P 4 -> 5: re-partitioned and re-simulated
             page.wait_for_function(
-                "(old) => [...document.querySelectorAll('.widget-html')].some(e => e.innerText.includes('bubble_ratio') && e.innerText !== old && e.innerText.includes('P=5'))",
-                arg=before_text, timeout=120_000,
-            )  # fmt: skip
+                "(old) => [...document.querySelectorAll('.widget-html')]"
+                ".some(e => e.innerText.includes('bubble_ratio') && e.innerText !== old "
+                "&& e.innerText.includes('P=5'))",
+                arg=before_text,
+                timeout=120_000,
+            )
             page.wait_for_function(
                 "(old) => { const i = document.querySelector('.widget-output img'); return i && i.src !== old; }",
                 arg=before_chart,

@@ -7,7 +7,7 @@ import torch
 from IPython.core.error import UsageError
 from IPython.testing.globalipapp import get_ipython
 from IPython.utils.capture import capture_output
-from sleep_layers import Sleep  # noqa: E402
+from sleep_layers import Sleep
 from torch import nn
 
 import pipeswift_lab.faces.magics
@@ -118,7 +118,8 @@ def test_display_unless_quiet(shell):
         ("-n 0 model x", r"repeats=0 is invalid; it must be >= 1"),
         (
             "-n 1 -w 0 tower x",
-            r"layers=None takes the children of an nn.Sequential, but model is a Tower; .*layers=\['blocks\.\*', 'head'\]",
+            r"layers=None takes the children of an nn.Sequential, but model is a Tower; "
+            r".*layers=\['blocks\.\*', 'head'\]",
         ),
         (
             "-n 1 --layers blocks.*,tail tower x",
@@ -126,7 +127,8 @@ def test_display_unless_quiet(shell):
         ),
         (
             "-n 1 -w 0 model torch.randn(4,3)",
-            r"the sample does not fit the model: RuntimeError in unit '0' at layer '0.lin' \(Linear\) with input shapes \{'input': \[4, 3\]\}",
+            r"the sample does not fit the model: RuntimeError in unit '0' at layer '0.lin' \(Linear\) "
+            r"with input shapes \{'input': \[4, 3\]\}",
         ),
         ("-n 1 --target y model x", r"--target needs --loss"),
         ("-n 1 -v 1x model x", r"-v '1x' is not a valid Python name"),

@@ -3,6 +3,7 @@
 import time
 
 import pandas as pd
+import pytest
 
 from pipeswift_lab.faces.report import SECTIONS, build_report
 from pipeswift_lab.faces.report.cluster import section_cluster
@@ -44,3 +45,9 @@ def test_model_sections_read_as_a_reader_would(tmp_path):
     assert "the interleaved schedule (right, v=2)" in page and ".wide {" in page
     example = pd.read_csv(tmp_path / "rep" / "jct_example.csv")
     assert "config" not in example.columns and example.columns[0] == "label"  # the label once, not twice
+
+
+def test_sections_must_be_section_functions(tmp_path):
+    with pytest.raises(TypeError, match=r"sections\[1\] must be a section function.*got str 'cluster'"):
+        build_report(tmp_path / "rep", sections=[section_cluster, "cluster"], quick=True, progress=False)
+    assert not (tmp_path / "rep").exists()  # refused before anything is written

@@ -117,7 +117,8 @@ def test_explorers_use_a_calibration():
     )
     prof = Profile.synthetic(fwd_ms=[1, 2, 3, 4, 1, 1], bwd_ms=[2, 4, 6, 8, 2, 2])
     explorer = pipeline_explorer(prof, P=2, m=4, calibration=cal)
-    # every action doubles and pays 0.5 ms; the 1F1B step is (m + P - 1) x (2 x 18 + 2 x 0.5), plus 10 ms of runtime per step
+    # every action doubles and pays 0.5 ms; the 1F1B step is (m + P - 1) x (2 x 18 + 2 x 0.5),
+    # plus 10 ms of runtime per step
     assert explorer.result["step_ms"] == pytest.approx(5 * (2 * 18 + 1.0) + 10.0)
     assert "calibrated step" in explorer._numbers.value
     planner = planner_explorer(
@@ -157,3 +158,12 @@ def test_valid_microbatches_follow_torch_rules():
     interleaved = valid_microbatches(4, "Interleaved1F1B")
     assert 8 in interleaved and 9 not in interleaved and 10 in interleaved  # m a multiple of max(1, m // P)
     assert valid_microbatches(40, "DualPipeV")[0] == 80  # beyond the usual 64: what the schedule needs
+
+
+def test_pipeline_explorer_refuses_an_unknown_method_by_name():
+    from pipeswift_lab import Profile
+    from pipeswift_lab.faces.widgets import pipeline_explorer
+
+    prof = Profile.synthetic(fwd_ms=[1, 2, 3, 4], bwd_ms=[2, 4, 6, 8])
+    with pytest.raises(ValueError, match=r"method='fast' is not known; valid values are \['uniform'"):
+        pipeline_explorer(prof, method="fast")

@@ -5,7 +5,7 @@ checkpoint and plan it, and replay the shipped cluster trace; every table is wri
 
     import pipeswift_lab as psl
     result = psl.report.build_report("pipeswift-report", quick=True)
-    result.path   # pipeswift-report/index.html
+    result.path   # the page: <absolute path>/pipeswift-report/report.html; result.csv_paths: its tables
 
 Modules: :mod:`.builder` (:func:`build_report`), :mod:`.base` (the shared context), and the sections of
 :mod:`.model`, :mod:`.runs` and :mod:`.cluster`.
@@ -14,7 +14,7 @@ Modules: :mod:`.builder` (:func:`build_report`), :mod:`.base` (the shared contex
 from __future__ import annotations
 
 from .base import ReportContext, Section, reference_profile, reference_setup
-from .builder import SECTIONS, ReportResult, build_report
+from .builder import SECTIONS, ReportResult, SectionFunction, build_report
 from .cluster import CLUSTER_GPUS, CLUSTER_WINDOW_DAYS
 
 __all__ = [
@@ -24,6 +24,7 @@ __all__ = [
     "ReportContext",
     "ReportResult",
     "Section",
+    "SectionFunction",
     "build_report",
     "reference_profile",
     "reference_setup",

@@ -10,11 +10,14 @@ shared inputs (the reference model, its profile) once, on first use. The section
 from __future__ import annotations
 
 import html
+import os
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from .base import ReportContext
+from .base import ReportContext, Section
 from .cluster import section_cluster
 from .model import (
     section_bubbles,
@@ -26,8 +29,16 @@ from .model import (
 )
 from .runs import section_checkpoints, section_elastic, section_run
 
+if TYPE_CHECKING:
+    import pandas as pd
+
+__all__ = ["SECTIONS", "ReportResult", "SectionFunction", "build_report"]
+
+#: A section function: it reads the shared context and returns its :class:`Section`.
+SectionFunction = Callable[[ReportContext], Section]
+
 #: Sections in report order. Later capabilities append theirs.
-SECTIONS = [
+SECTIONS: list[SectionFunction] = [
     section_bubbles,
     section_jct_example,
     section_profile,
@@ -41,60 +52,106 @@ SECTIONS = [
 ]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class ReportResult:
     """Where the report was written, what it holds and how long it took."""
 
     path: Path
-    csv_paths: tuple
-    summary: tuple
+    """The page, ``<out>/report.html`` (an absolute path)."""
+    csv_paths: tuple[Path, ...]
+    """Every table of the page as a CSV file beside it, in page order."""
+    summary: tuple[str, ...]
+    """The sections' short text lines, as printed by ``pipeswift-lab report``."""
     seconds: float
+    """How long the build took, in seconds."""
 
     def __str__(self) -> str:
         lines = [f"report: {self.path}", f"tables: {len(self.csv_paths)} CSV files in {self.path.parent}"]
         return "\n".join(lines + [f"  {line}" for line in self.summary] + [f"built in {self.seconds:.1f} s"])
 
 
-def build_report(out="pipeswift-report", sections=None, quick=False, progress=True) -> ReportResult:
+def build_report(
+    out: str | os.PathLike[str] = "pipeswift-report",
+    sections: Sequence[SectionFunction] | None = None,
+    quick: bool = False,
+    progress: bool = True,
+) -> ReportResult:
     """Build the HTML report under directory ``out``; return a :class:`ReportResult`.
 
     ``sections`` is a list of section functions (default :data:`SECTIONS`); ``quick``
-    shrinks the measured work for tests and CI.
+    shrinks the measured work for tests and CI. The page is ``<out>/report.html`` and
+    every table is written beside it as ``<out>/<name>.csv``.
     """
     import matplotlib
 
     matplotlib.use("Agg", force=True)
-    import matplotlib.pyplot as plt
 
-    from ...core.plot import figure_to_data_uri
     from ...core.progress import progress_bar
 
     start = time.perf_counter()
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
+    chosen = _check_sections(sections)
+    folder = Path(out)
+    folder.mkdir(parents=True, exist_ok=True)
     ctx = ReportContext(quick=quick, progress=progress)
-    parts, csv_paths, summary = [], [], []
-    for make in progress_bar(sections or SECTIONS, desc="report", progress=progress):
+    parts: list[str] = []
+    csv_paths: list[Path] = []
+    summary: list[str] = []
+    for make in progress_bar(chosen, desc="report", progress=progress):
         section = make(ctx)
-        body = [f"<h2>{html.escape(section.title)}</h2>", section.intro_html]
-        for fig in section.figures:
-            body.append(f"<img alt='{html.escape(section.title)}' src='{figure_to_data_uri(fig)}'/>")
-            plt.close(fig)
-        for name, table in section.tables.items():
-            path = out / f"{name}.csv"
-            table.to_csv(path, index=False)
-            csv_paths.append(path)
-            body.append(f"<h3>{html.escape(name)} <small>(<a href='{path.name}'>{path.name}</a>)</small></h3>")
-            body.append(_table_html(table))
-        parts.append("<section>" + "\n".join(body) + "</section>")
+        parts.append(_section_html(section, folder, csv_paths))
         summary.extend(section.summary)
+    path = _write_page(folder, parts)
+    return ReportResult(
+        path=path.resolve(),
+        csv_paths=tuple(csv_paths),
+        summary=tuple(summary),
+        seconds=time.perf_counter() - start,
+    )
+
+
+def _check_sections(sections: Sequence[SectionFunction] | None) -> list[SectionFunction]:
+    """The section functions to run: :data:`SECTIONS` by default; anything not callable is refused up front."""
+    if sections is None:
+        return list(SECTIONS)
+    chosen = list(sections)
+    for i, make in enumerate(chosen):
+        if not callable(make):
+            raise TypeError(
+                f"sections[{i}] must be a section function, f(ctx: ReportContext) -> Section (e.g. one of SECTIONS); "
+                f"got {type(make).__name__} {make!r}"
+            )
+    return chosen or list(SECTIONS)
+
+
+def _section_html(section: Section, folder: Path, csv_paths: list[Path]) -> str:
+    """One section as HTML: heading, intro, figures (then closed) and tables (each also written as CSV into
+    ``folder``, its path appended to ``csv_paths``)."""
+    import matplotlib.pyplot as plt
+
+    from ...core.plot import figure_to_data_uri
+
+    body = [f"<h2>{html.escape(section.title)}</h2>", section.intro_html]
+    for fig in section.figures:
+        body.append(f"<img alt='{html.escape(section.title)}' src='{figure_to_data_uri(fig)}'/>")
+        plt.close(fig)
+    for name, table in section.tables.items():
+        path = folder / f"{name}.csv"
+        table.to_csv(path, index=False)
+        csv_paths.append(path)
+        body.append(f"<h3>{html.escape(name)} <small>(<a href='{path.name}'>{path.name}</a>)</small></h3>")
+        body.append(_table_html(table))
+    return "<section>" + "\n".join(body) + "</section>"
+
+
+def _write_page(folder: Path, parts: list[str]) -> Path:
+    """Write the sections' HTML into ``folder/report.html``; return its path."""
     page = _PAGE.format(body="\n".join(parts), generated=time.strftime("%Y-%m-%d %H:%M:%S"))
-    path = out / "report.html"
+    path = folder / "report.html"
     path.write_text(page, encoding="utf-8")
-    return ReportResult(path.resolve(), tuple(csv_paths), tuple(summary), time.perf_counter() - start)
+    return path
 
 
-def _table_html(table) -> str:
+def _table_html(table: pd.DataFrame) -> str:
     """A table for the page: columns with no value at all left out (the CSV keeps them), rounding noise
     around zero printed as 0, inside a box that scrolls sideways instead of cutting wide tables off."""
     shown = table.loc[:, [c for c in table.columns if not table[c].isna().all()]] if len(table) else table

@@ -2,7 +2,14 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from .base import ReportContext, Section
+
+if TYPE_CHECKING:
+    import pandas as pd
+
+__all__ = ["CLUSTER_GPUS", "CLUSTER_WINDOW_DAYS", "POLICIES", "section_cluster"]
 
 #: The cluster section's default window of the Philly trace (days since its first job) and cluster size.
 CLUSTER_WINDOW_DAYS, CLUSTER_GPUS = (42, 44), 256
@@ -21,9 +28,7 @@ def section_cluster(ctx: ReportContext) -> Section:
     jobs = philly_jobs(window=(days[0] * 86_400.0, days[1] * 86_400.0))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        results = [
-            cluster.simulate(jobs, CLUSTER_GPUS, policy=p, progress=False) for p in ("static", "elastic", "preemptive")
-        ]
+        results = [cluster.simulate(jobs, CLUSTER_GPUS, policy=p, progress=False) for p in POLICIES]
     comparison = cluster.compare(*results)
     fig, (left, right) = plt.subplots(1, 2, figsize=(12, 3.8))
     comparison.plot(ax=left)
@@ -31,43 +36,54 @@ def section_cluster(ctx: ReportContext) -> Section:
     fig.tight_layout()
     table = comparison.table
     by = table.set_index("policy")
-    unfinished = int(table["unfinished"].sum())
-    intro = (
-        f"<p>The Philly trace (Jeon et al., ATC 2019; as derived for Pollux, OSDI 2021), days {days[0]}–{days[1]}: "
-        f"{len(jobs):,} jobs replayed on {CLUSTER_GPUS} GPUs by <code>psl.cluster.simulate</code>. <em>static</em> runs each "
-        f"job on exactly the GPUs it asked for (FIFO with EASY backfilling); <em>elastic</em> shrinks and grows pipelines, "
-        f"paying checkpoint, re-assembly and restore for each change; <em>preemptive</em> is Tiresias's two-queue "
-        f"least-attained-service. Mean JCT: static {by.loc['static', 'mean_jct_s'] / 3600:.3g} h, elastic "
-        f"{by.loc['elastic', 'mean_jct_s'] / 3600:.3g} h, preemptive {by.loc['preemptive', 'mean_jct_s'] / 3600:.3g} h; "
-        f"median JCT {by.loc['static', 'p50_jct_s'] / 3600:.3g}, {by.loc['elastic', 'p50_jct_s'] / 3600:.3g} and "
-        f"{by.loc['preemptive', 'p50_jct_s'] / 3600:.3g} h. "
-        + (
-            f"{unfinished} jobs did not finish ({len(caught)} warnings).</p>"
-            if unfinished
-            else "Every job finished.</p>"
-        )
-    )
-    columns = [
-        "policy",
-        "jobs",
-        "finished",
-        "mean_jct_s",
-        "p50_jct_s",
-        "p95_jct_s",
-        "p99_jct_s",
-        "mean_queue_s",
-        "utilization",
-        "restarts",
-        "mean_jct_vs_first",
-    ]
     summary = [
         f"cluster days {days[0]}-{days[1]} on {CLUSTER_GPUS} GPUs: mean JCT "
         + ", ".join(f"{p} {by.loc[p, 'mean_jct_s'] / 3600:.2f} h" for p in by.index)
     ]
     return Section(
-        "A shared cluster: the Philly trace under three policies",
-        intro,
-        [fig],
-        {"cluster_policies": table[columns], "cluster_breakdown": comparison.breakdown().reset_index(names="policy")},
-        summary,
+        title="A shared cluster: the Philly trace under three policies",
+        intro_html=_intro(days, len(jobs), by, unfinished=int(table["unfinished"].sum()), warned=len(caught)),
+        figures=[fig],
+        tables={
+            "cluster_policies": table[_COLUMNS],
+            "cluster_breakdown": comparison.breakdown().reset_index(names="policy"),
+        },
+        summary=summary,
+    )
+
+
+#: The policies compared, in the table's order.
+POLICIES = ("static", "elastic", "preemptive")
+
+_COLUMNS = [
+    "policy",
+    "jobs",
+    "finished",
+    "mean_jct_s",
+    "p50_jct_s",
+    "p95_jct_s",
+    "p99_jct_s",
+    "mean_queue_s",
+    "utilization",
+    "restarts",
+    "mean_jct_vs_first",
+]
+
+
+def _intro(days: tuple[int, int], n_jobs: int, by: pd.DataFrame, *, unfinished: int, warned: int) -> str:
+    """The section's text: the trace, the three policies and their mean and median JCT (``by`` is indexed by policy)."""
+
+    def hours(policy: str, column: str) -> float:
+        return by.loc[policy, column] / 3600
+
+    return (
+        f"<p>The Philly trace (Jeon et al., ATC 2019; as derived for Pollux, OSDI 2021), days {days[0]}–{days[1]}: "
+        f"{n_jobs:,} jobs replayed on {CLUSTER_GPUS} GPUs by <code>psl.cluster.simulate</code>. <em>static</em> "
+        "runs each job on exactly the GPUs it asked for (FIFO with EASY backfilling); <em>elastic</em> shrinks and "
+        "grows pipelines, paying checkpoint, re-assembly and restore for each change; <em>preemptive</em> is "
+        "Tiresias's two-queue least-attained-service. "
+        f"Mean JCT: static {hours('static', 'mean_jct_s'):.3g} h, elastic {hours('elastic', 'mean_jct_s'):.3g} h, "
+        f"preemptive {hours('preemptive', 'mean_jct_s'):.3g} h; median JCT {hours('static', 'p50_jct_s'):.3g}, "
+        f"{hours('elastic', 'p50_jct_s'):.3g} and {hours('preemptive', 'p50_jct_s'):.3g} h. "
+        + (f"{unfinished} jobs did not finish ({warned} warnings).</p>" if unfinished else "Every job finished.</p>")
     )

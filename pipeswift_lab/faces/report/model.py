@@ -2,13 +2,29 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
+
 import pandas as pd
 
 from ...core import analytic
 from ...core.display import noise_warning
 from ...core.jct import JCT
 from ...core.vocabulary import SINGLE_CHUNK_SCHEDULES, default_v
-from .base import ReportContext, Section, reference_profile
+from .base import ReportContext, Section, figure_of, reference_profile
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
+
+    from ...profiling.measure import Profile
+
+__all__ = [
+    "section_bubbles",
+    "section_jct_example",
+    "section_partition",
+    "section_plan",
+    "section_profile",
+    "section_timeline",
+]
 
 
 def section_bubbles(ctx: ReportContext) -> Section:
@@ -32,12 +48,15 @@ def section_bubbles(ctx: ReportContext) -> Section:
     intro = (
         "<p>Two conventions of the pipeline bubble are in use. <code>bubble_ratio</code> is the share of a step a "
         "stage sits idle, (P−1)/(m+P−1) for GPipe and 1F1B (left). <code>bubble_overhead</code> is bubble time over "
-        "ideal compute, (P−1)/m for GPipe and 1F1B and (P−1)/(v·m) for the interleaved schedule (right, v=2). A larger m shrinks both, "
-        "but every extra micro-batch lengthens the step's compute and, for GPipe, the activations held.</p>"
+        "ideal compute, (P−1)/m for GPipe and 1F1B and (P−1)/(v·m) for the interleaved schedule (right, v=2). "
+        "A larger m shrinks both, but every extra micro-batch lengthens the step's compute and, for GPipe, "
+        "the activations held.</p>"
     )
     worked = table[(table.schedule == "GPipe")].set_index(["P", "m"])["bubble_ratio"]
     summary = [f"bubble_ratio(P=8, m=16) = {worked[(8, 16)]:.3f}; bubble_ratio(P=4, m=16) = {worked[(4, 16)]:.3f}"]
-    return Section("Pipeline bubbles", intro, [fig], {"bubbles": table}, summary)
+    return Section(
+        title="Pipeline bubbles", intro_html=intro, figures=[fig], tables={"bubbles": table}, summary=summary
+    )
 
 
 def section_jct_example(ctx: ReportContext) -> Section:
@@ -55,19 +74,9 @@ def section_jct_example(ctx: ReportContext) -> Section:
     jcts, rows = [], []
     for label, P, m, queue_s, assembly_s in configs:
         per_rank_ms = sample_ms * global_batch / m / P  # one micro-batch through one rank's layers
-        step = analytic.step_ms(P, m, "1F1B", fwd_ms=per_rank_ms / 3, bwd_ms=2 * per_rank_ms / 3)
-        jct = JCT(queue_s=queue_s, assembly_s=assembly_s, training_s=steps * step / 1000, cleanup_s=120.0, label=label)
+        jct, row = _example_job(label, P, m, per_rank_ms, steps=steps, queue_s=queue_s, assembly_s=assembly_s)
         jcts.append(jct)
-        rows.append(
-            {
-                "label": label,
-                "P": P,
-                "m": m,
-                "step_ms": step,
-                "bubble_ratio": analytic.bubble_ratio(P, m, "1F1B"),
-                **jct.as_row(),
-            }
-        )
+        rows.append(row)
     fig, ax = plt.subplots(figsize=(9, 2.6))
     JCT.plot_many(jcts, ax=ax)
     fig.tight_layout()
@@ -81,12 +90,30 @@ def section_jct_example(ctx: ReportContext) -> Section:
     a, b = jcts
     summary = [f"JCT {a.label}: {a.total_s / 3600:.2f} h vs {b.label}: {b.total_s / 3600:.2f} h"]
     return Section(
-        "Job completion time, not bubble",
-        intro,
-        [fig],
-        {"jct_example": table, "jct_compare": JCT.compare(*jcts)},
-        summary,
+        title="Job completion time, not bubble",
+        intro_html=intro,
+        figures=[fig],
+        tables={"jct_example": table, "jct_compare": JCT.compare(*jcts)},
+        summary=summary,
     )
+
+
+def _example_job(
+    label: str, P: int, m: int, per_rank_ms: float, *, steps: int, queue_s: float, assembly_s: float
+) -> tuple[JCT, dict[str, Any]]:
+    """One configuration of the JCT example: its JCT (1F1B closed-form step, backward twice the forward, 120 s of
+    cleanup) and its table row."""
+    step = analytic.step_ms(P, m, "1F1B", fwd_ms=per_rank_ms / 3, bwd_ms=2 * per_rank_ms / 3)
+    jct = JCT(queue_s=queue_s, assembly_s=assembly_s, training_s=steps * step / 1000, cleanup_s=120.0, label=label)
+    row = {
+        "label": label,
+        "P": P,
+        "m": m,
+        "step_ms": step,
+        "bubble_ratio": analytic.bubble_ratio(P, m, "1F1B"),
+        **jct.as_row(),
+    }
+    return jct, row
 
 
 def section_profile(ctx: ReportContext) -> Section:
@@ -98,7 +125,8 @@ def section_profile(ctx: ReportContext) -> Section:
     outside = (
         "the rest is the loss and the glue between layers"
         if prof.coverage <= 1
-        else "over 100% means the layers' medians were taken in slower repeats than the step's median: the machine is busy"
+        else "over 100% means the layers' medians were taken in slower repeats than the step's median: "
+        "the machine is busy"
     )
     intro = (
         f"<p>The reference GPT ({prof.n_layers} layers, batch shape {prof.meta.get('batch_shape')}) profiled in place "
@@ -108,9 +136,12 @@ def section_profile(ctx: ReportContext) -> Section:
         f"the LM head hold the most parameters.</p>" + noise_warning(prof.cv, "the profiled step")
     )
     summary = [
-        f"profile: {prof.n_layers} layers, step {prof.step_ms:.1f} ms, coverage {prof.coverage:.0%}, cv {prof.cv:.1%}, heaviest {heaviest}"
+        f"profile: {prof.n_layers} layers, step {prof.step_ms:.1f} ms, coverage {prof.coverage:.0%}, "
+        f"cv {prof.cv:.1%}, heaviest {heaviest}"
     ]
-    return Section("Per-layer profile", intro, [ax.figure], {"profile": df}, summary)
+    return Section(
+        title="Per-layer profile", intro_html=intro, figures=[figure_of(ax)], tables={"profile": df}, summary=summary
+    )
 
 
 def section_partition(ctx: ReportContext) -> Section:
@@ -140,34 +171,25 @@ def section_partition(ctx: ReportContext) -> Section:
     )
     table = pd.concat([uniform.df.assign(method="uniform"), balanced.df.assign(method="balanced")], ignore_index=True)
     summary = [
-        f"partition P={P}: slowest stage uniform {uniform.bottleneck_ms:.4g} ms, balanced {balanced.bottleneck_ms:.4g} ms"
+        f"partition P={P}: slowest stage uniform {uniform.bottleneck_ms:.4g} ms, "
+        f"balanced {balanced.bottleneck_ms:.4g} ms"
     ]
-    return Section("Stages: uniform vs balanced", intro, [fig], {"partition": table}, summary)
+    return Section(
+        title="Stages: uniform vs balanced",
+        intro_html=intro,
+        figures=[fig],
+        tables={"partition": table},
+        summary=summary,
+    )
 
 
 def section_timeline(ctx: ReportContext) -> Section:
     """Every schedule simulated on the balanced split, and the m sweep as training time."""
-    import matplotlib.pyplot as plt
-
-    from ...partitioning.balance import partition
-    from ...simulation.simulator import simulate
     from ...simulation.sweeps import sweep
 
     prof = reference_profile(ctx)
     P, m = 2, 4
-    figs, rows = [], []
-    schedules = ("GPipe", "1F1B", "Interleaved1F1B", "ZBVZeroBubble", "DualPipeV")
-    fig, axes = plt.subplots(len(schedules), 1, figsize=(11, 1.6 * len(schedules) + 1), sharex=True)
-    for ax, schedule in zip(axes, schedules):
-        v = default_v(schedule)
-        tl = simulate(partition(prof, P, v=v, schedule=schedule, m=m), m, schedule)
-        tl.plot(ax=ax)
-        ax.set_title(f"{schedule}: step {tl.step_ms:.3g} ms, bubble_ratio {tl.bubble_ratio:.3f}", fontsize="small")
-        rows.append(
-            {"schedule": schedule, "v": v, "P": P, "m": m, "step_ms": tl.step_ms, "bubble_ratio": tl.bubble_ratio}
-        )
-    fig.tight_layout()
-    figs.append(fig)
+    fig, rows = _schedules_simulated(prof, P, m, ("GPipe", "1F1B", "Interleaved1F1B", "ZBVZeroBubble", "DualPipeV"))
     table = sweep(
         prof,
         P=[2, 3],
@@ -186,7 +208,37 @@ def section_timeline(ctx: ReportContext) -> Section:
     )
     best = min(rows, key=lambda r: r["step_ms"])
     summary = [f"simulated P={P}, m={m}: fastest schedule {best['schedule']} at {best['step_ms']:.3g} ms per step"]
-    return Section("Schedules simulated", intro, figs, {"schedules": pd.DataFrame(rows), "sweep": table}, summary)
+    return Section(
+        title="Schedules simulated",
+        intro_html=intro,
+        figures=[fig],
+        tables={"schedules": pd.DataFrame(rows), "sweep": table},
+        summary=summary,
+    )
+
+
+def _schedules_simulated(
+    prof: Profile, P: int, m: int, schedules: tuple[str, ...]
+) -> tuple[Figure, list[dict[str, Any]]]:
+    """Each of ``schedules`` simulated on the balanced split of ``prof`` (``v`` as the schedule needs): a figure
+    of their Gantt charts, one above the other, and one row per schedule."""
+    import matplotlib.pyplot as plt
+
+    from ...partitioning.balance import partition
+    from ...simulation.simulator import simulate
+
+    rows: list[dict[str, Any]] = []
+    fig, axes = plt.subplots(len(schedules), 1, figsize=(11, 1.6 * len(schedules) + 1), sharex=True)
+    for ax, schedule in zip(axes, schedules):
+        v = default_v(schedule)
+        tl = simulate(partition(prof, P, v=v, schedule=schedule, m=m), m, schedule)
+        tl.plot(ax=ax)
+        ax.set_title(f"{schedule}: step {tl.step_ms:.3g} ms, bubble_ratio {tl.bubble_ratio:.3f}", fontsize="small")
+        rows.append(
+            {"schedule": schedule, "v": v, "P": P, "m": m, "step_ms": tl.step_ms, "bubble_ratio": tl.bubble_ratio}
+        )
+    fig.tight_layout()
+    return fig, rows
 
 
 def section_plan(ctx: ReportContext) -> Section:
@@ -216,14 +268,22 @@ def section_plan(ctx: ReportContext) -> Section:
         f"<p>The planner weighs every configuration of the profiled GPT on {gpus} devices like this machine's CPU (a "
         f"what-if: the devices are hypothetical, the layer times measured; "
         f"4 free now, 8 in 30 minutes), each with room for half of the model "
-        f"(<code>mem_per_gpu_bytes</code> = {cap / 2**20:.3g} MiB, half of the {whole / 2**20:.3g} MiB its Adam state and one "
-        f"micro-batch's activations take), so it must be pipelined; "
+        f"(<code>mem_per_gpu_bytes</code> = {cap / 2**20:.3g} MiB, half of the {whole / 2**20:.3g} MiB its Adam "
+        f"state and one micro-batch's activations take), so it must be pipelined; "
         f"{steps:,} steps of {global_batch} sequences: P ranks × D replicas, micro-batch "
         f"size and count, schedule, with queue, assembly"
         + (" (calibrated on the measured run above)" if calibration else "")
         + f", training, cleanup and the option to start small and grow. {result.explain()}</p>"
     )
+    bubble_best = result.bubble_best
     summary = [
-        f"plan: best {best.label}, JCT {best.total_s / 3600:.2f} h; bubble-best {result.bubble_best.label} {result.bubble_best.total_s / 3600:.2f} h"
+        f"plan: best {best.label}, JCT {best.total_s / 3600:.2f} h; "
+        f"bubble-best {bubble_best.label} {bubble_best.total_s / 3600:.2f} h"
     ]
-    return Section("The JCT planner", intro, [ax.figure], {"plan_top": result.top(15)}, summary)
+    return Section(
+        title="The JCT planner",
+        intro_html=intro,
+        figures=[figure_of(ax)],
+        tables={"plan_top": result.top(15)},
+        summary=summary,
+    )

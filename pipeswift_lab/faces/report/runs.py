@@ -3,137 +3,262 @@
 from __future__ import annotations
 
 import html
+import warnings
+from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pandas as pd
 
 from ...core.display import noise_warning
 from ...core.jct import JCT
-from .base import ReportContext, Section, reference_profile, reference_setup
+from .base import ReportContext, Section, measure_setup, reference_profile, reference_setup
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
+
+    from ...fidelity.calibrator import Calibration
+    from ...fidelity.comparison import Comparison
+    from ...models import ReferenceSetup
+    from ...partitioning.balance import Partition
+    from ...profiling.measure import Profile
+    from ...runner.result import RunResult
+
+__all__ = ["RUN_CASES", "CalibratedRuns", "section_checkpoints", "section_elastic", "section_run"]
+
+#: The measured-run section's runs, as ``(schedule, v)``: the first two (one per runtime, single-chunk and
+#: multi-chunk) are calibrated on, the last (GPipe) is held out.
+RUN_CASES = (("1F1B", 1), ("Interleaved1F1B", 2), ("GPipe", 1))
+
+
+@dataclass(frozen=True, kw_only=True)
+class CalibratedRuns:
+    """What the measured-run section measured and fitted: the runs, the calibration and its errors."""
+
+    P: int
+    """Ranks of every run."""
+    m: int
+    """Micro-batches per step of every run."""
+    microbatch: int
+    """Sequences per micro-batch (the profile is one micro-batch)."""
+    profile: Profile
+    """One micro-batch profiled with the threads each rank gets."""
+    runs: dict[str, RunResult]
+    """schedule -> its measured run, in :data:`RUN_CASES` order."""
+    calibration: Calibration
+    """The simulator calibrated on the 1F1B and Interleaved1F1B runs."""
+    errors: pd.DataFrame
+    """Every run's error before and after calibration (:meth:`Calibration.error`), with ``in_fit``."""
+    comparison: Comparison
+    """The calibrated prediction of the 1F1B run against its measurement."""
+    caught: list[warnings.WarningMessage]
+    """The calibration's warnings (a parameter kept its default), shown on the page."""
+
+    @property
+    def result(self) -> RunResult:
+        """The 1F1B run: the one the page plots and the planner's assembly is calibrated on."""
+        return self.runs["1F1B"]
 
 
 def section_run(ctx: ReportContext) -> Section:
-    """The reference GPT run for real at P=2 on CPU processes, the simulator calibrated on these runs, its error before and after."""
-    import warnings
+    """The reference GPT run for real at P=2 on CPU processes, the simulator calibrated on these runs, its error
+    before and after."""
+    measured = _calibrated_runs(ctx, P=2, m=2)
+    result = ctx.get("run", lambda: measured.result)  # the planner section calibrates its assembly on this run
+    tables = {
+        "run_steps": result.df,
+        "run_vs_simulation": measured.comparison.df,
+        "run_jct": JCT.table(result.jct),
+        "calibration": measured.calibration.df,
+        "calibration_error": measured.errors,
+        "run_step_stats": result.step_stats(),
+    }
+    return Section(
+        title="Real pipeline runs, measured, and the simulator calibrated on them",
+        intro_html=_run_intro(measured),
+        figures=[_run_figure(measured)],
+        tables=tables,
+        summary=[_run_summary(measured)],
+    )
 
-    import matplotlib.pyplot as plt
-    import torch
 
-    from ...fidelity import comparison as compare
+def _calibrated_runs(ctx: ReportContext, *, P: int, m: int) -> CalibratedRuns:
+    """Profile one micro-batch as a rank sees it, run every case of :data:`RUN_CASES`, calibrate on the first two
+    and compare the calibrated prediction of the 1F1B run with its measurement."""
     from ...fidelity.calibrator import CalibrationWarning, calibrate
+    from ...fidelity.comparison import compare
     from ...partitioning.balance import partition
-    from ...profiling.measure import profile
-    from ...runner import run
-    from ...runner.spec import available_cores
     from ...simulation.simulator import simulate
-    from ...simulation.steady import MEASURED_STEP
 
     setup = reference_setup(ctx)
-    P, m = 2, 2
-    # profile one micro-batch with the threads each rank will have, so the prediction sees what a rank sees
     microbatch = setup.inputs.shape[0] // m
-    threads = torch.get_num_threads()
-    torch.set_num_threads(max(1, available_cores() // P))
-    try:
-        repeats, warmup = (3, 1) if ctx.quick else (10, 3)
-        prof = profile(
-            setup.model,
-            setup.inputs[:microbatch],
-            target=setup.targets[:microbatch],
-            loss_fn=setup.loss_fn,
-            warmup=warmup,
-            repeats=repeats,
-            progress=False,
-        )
-    finally:
-        torch.set_num_threads(threads)
-    # two runs to calibrate on (one per runtime: single-chunk 1F1B, multi-chunk Interleaved1F1B), one held out (GPipe)
-    cases = (("1F1B", 1), ("Interleaved1F1B", 2), ("GPipe", 1))
-    parts, runs = {}, {}
-    for schedule, v in cases:
-        parts[schedule] = partition(prof, P, v=v, schedule=schedule, m=m)
-        runs[schedule] = run(
-            setup.model,
-            (setup.inputs, setup.targets),
-            setup.loss_fn,
-            parts[schedule],
-            m,
-            steps=3 if ctx.quick else 8,
-            progress=False,
-        )
-    result = ctx.get("run", lambda: runs["1F1B"])
+    prof = _rank_profile(setup, microbatch, P, quick=ctx.quick)
+    parts = {schedule: partition(prof, P, v=v, schedule=schedule, m=m) for schedule, v in RUN_CASES}
+    runs = {schedule: _run(setup, parts[schedule], m, steps=3 if ctx.quick else 8) for schedule, _ in RUN_CASES}
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", CalibrationWarning)
         cal = calibrate([runs["1F1B"], runs["Interleaved1F1B"]], prof)
-    errors = cal.error([runs[s] for s, _ in cases])
-    comparison = compare(simulate(parts["1F1B"], m, calibration=cal), result)
+    return CalibratedRuns(
+        P=P,
+        m=m,
+        microbatch=microbatch,
+        profile=prof,
+        runs=runs,
+        calibration=cal,
+        errors=cal.error(list(runs.values())),
+        comparison=compare(simulate(parts["1F1B"], m, calibration=cal), runs["1F1B"]),
+        caught=caught,
+    )
+
+
+def _rank_profile(setup: ReferenceSetup, microbatch: int, P: int, *, quick: bool) -> Profile:
+    """One micro-batch profiled with the threads each of ``P`` ranks will have, so the prediction sees what a rank
+    sees."""
+    import torch
+
+    from ...runner.spec import available_cores
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(max(1, available_cores() // P))
+    try:
+        return measure_setup(setup, quick=quick, samples=microbatch)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _run(setup: ReferenceSetup, part: Partition, m: int, *, steps: int) -> RunResult:
+    """The reference job run for real on ``part`` (no progress bar)."""
+    from ...runner import run
+
+    return run(setup.model, (setup.inputs, setup.targets), setup.loss_fn, part, m, steps=steps, progress=False)
+
+
+def _run_figure(measured: CalibratedRuns) -> Figure:
+    """The 1F1B run's Gantt chart against its prediction, its JCT, and every run predicted against measured."""
+    import matplotlib.pyplot as plt
+
     fig, axes = plt.subplot_mosaic(
         [["gantt", "gantt"], ["jct", "scatter"]], figsize=(11, 8.5), gridspec_kw={"height_ratios": [3, 2.6]}
     )
-    comparison.plot(ax=axes["gantt"])
-    result.jct.plot(ax=axes["jct"], unit="s")
-    cal.plot([runs[s] for s, _ in cases], ax=axes["scatter"])
+    measured.comparison.plot(ax=axes["gantt"])
+    measured.result.jct.plot(ax=axes["jct"], unit="s")
+    measured.calibration.plot(list(measured.runs.values()), ax=axes["scatter"])
     fig.tight_layout()
-    jct = result.jct
+    return fig
+
+
+def _run_intro(measured: CalibratedRuns) -> str:
+    """The measured-run section's text: the runs, the errors before and after calibration, where the error comes
+    from, the JCT phases and any noise or calibration warning."""
+    from ...simulation.steady import MEASURED_STEP
+
+    P, m, errors, comparison = measured.P, measured.m, measured.errors, measured.comparison
+    jct = measured.result.jct
     held = errors[~errors["in_fit"]].iloc[0]
     fitted = errors[errors["in_fit"]]
     parts_ms = comparison.decomposition.set_index("component")["ms"]
-    step_cv = max(float(r.step_stats().iloc[-1]["cv"]) for r in runs.values())
-    intro = (
+    step_cv = max(float(r.step_stats().iloc[-1]["cv"]) for r in measured.runs.values())
+    return (
         f"<p>The reference GPT cut in P={P} balanced stages, run for real with torch.distributed.pipelining on {P} CPU "
-        f"processes (gloo), m={m} micro-batches of {microbatch} sequences, three times: 1F1B and Interleaved1F1B to "
-        f"calibrate the simulator on, GPipe held out. The profile is one micro-batch taken with the threads each rank "
-        f"gets. The measured step is, everywhere in this report, the {MEASURED_STEP}.</p>"
+        f"processes (gloo), m={m} micro-batches of {measured.microbatch} sequences, three times: 1F1B and "
+        f"Interleaved1F1B to calibrate the simulator on, GPipe held out. The profile is one micro-batch taken with the "
+        f"threads each rank gets. The measured step is, everywhere in this report, the {MEASURED_STEP}.</p>"
         f"<p>Before calibration the profile predicts the two fitted runs with errors of "
         f"{', '.join(f'{e:+.0%}' for e in fitted['rel_error_before'])} and the held-out GPipe run with "
         f"{held['rel_error_before']:+.0%}; after, {', '.join(f'{e:+.0%}' for e in fitted['rel_error_after'])} and "
         f"{held['rel_error_after']:+.0%} (held out). The calibration's parameters are in the table "
         f"<code>calibration</code>; <code>calibration_error</code> has every number. On the 1F1B run the calibrated "
         f"prediction is {comparison.step_ms[0]:.4g} ms against {comparison.step_ms[1]:.4g} ms measured; replaying the "
-        f"measured action durations gives {comparison.replayed_step_ms:.4g} ms, so {parts_ms['durations']:+.3g} ms of the "
-        f"error come from the predicted durations and {parts_ms['schedule and communication model']:+.3g} ms from the "
-        f"schedule and communication model. The 1F1B run's JCT phases: assembly {jct.assembly_s:.3g} s (processes, "
-        f"rendezvous, stages), training {jct.training_s:.3g} s, cleanup {jct.cleanup_s:.3g} s.</p>"
-        + "".join(f"<p><em>{html.escape(str(w.message))}</em></p>" for w in caught)
-        + noise_warning(prof.cv, "the profiled step")
+        f"measured action durations gives {comparison.replayed_step_ms:.4g} ms, so {parts_ms['durations']:+.3g} ms "
+        f"of the error come from the predicted durations and {parts_ms['schedule and communication model']:+.3g} ms "
+        f"from the schedule and communication model. The 1F1B run's JCT phases: assembly {jct.assembly_s:.3g} s "
+        f"(processes, rendezvous, stages), training {jct.training_s:.3g} s, cleanup {jct.cleanup_s:.3g} s.</p>"
+        + "".join(f"<p><em>{html.escape(str(w.message))}</em></p>" for w in measured.caught)
+        + noise_warning(measured.profile.cv, "the profiled step")
         + noise_warning(step_cv, "the measured step after the warm-up (the noisiest of the three runs)")
     )
-    summary = [
-        f"measured runs P={P} m={m}: median |error| {errors['rel_error_before'].abs().median():.0%} before calibration, "
-        f"{errors['rel_error_after'].abs().median():.0%} after; held-out GPipe {held['rel_error_before']:+.0%} -> {held['rel_error_after']:+.0%}; "
-        f"assembly {jct.assembly_s:.3g} s"
-    ]
-    tables = {
-        "run_steps": result.df,
-        "run_vs_simulation": comparison.df,
-        "run_jct": JCT.table(jct),
-        "calibration": cal.df,
-        "calibration_error": errors,
-        "run_step_stats": result.step_stats(),
-    }
-    return Section("Real pipeline runs, measured, and the simulator calibrated on them", intro, [fig], tables, summary)
+
+
+def _run_summary(measured: CalibratedRuns) -> str:
+    """The measured-run section's line for the terminal."""
+    errors = measured.errors
+    held = errors[~errors["in_fit"]].iloc[0]
+    return (
+        f"measured runs P={measured.P} m={measured.m}: median |error| "
+        f"{errors['rel_error_before'].abs().median():.0%} before calibration, "
+        f"{errors['rel_error_after'].abs().median():.0%} after; "
+        f"held-out GPipe {held['rel_error_before']:+.0%} -> {held['rel_error_after']:+.0%}; "
+        f"assembly {measured.result.jct.assembly_s:.3g} s"
+    )
 
 
 def section_checkpoints(ctx: ReportContext) -> Section:
     """A job preempted at 70% of its steps, resumed from its checkpoint, against restarting it from zero."""
-    import shutil
-    import tempfile
-
-    import matplotlib.pyplot as plt
-
     from ...core.costs import CheckpointModel
     from ...partitioning.balance import partition
-    from ...runner import run, signal_at
 
-    setup = reference_setup(ctx)
     P, m = 2, 2
     steps = 10 if ctx.quick else 20
     stop_at = int(0.7 * steps) - 1  # SIGTERM while this step's batch is fetched: this step finishes, then all save
     part = partition(reference_profile(ctx), P)
+    preempted, resumed, restarted = _preempt_resume_restart(reference_setup(ctx), part, m, steps, stop_at)
+    same = all(a.equal(b) for a, b in zip(resumed.state_dict().values(), restarted.state_dict().values()))
+    resume_jct, restart_jct = _resume_vs_restart(preempted, resumed, restarted)
+    model = CheckpointModel.calibrate([preempted, resumed])
+    table = pd.concat(
+        [preempted.checkpoints.assign(run="preempted"), resumed.checkpoints.assign(run="resumed")], ignore_index=True
+    )
+    table = table[["run", "step", "kind", "bytes", "largest_rank_state_bytes", "save_ms", "blocking_ms"]]
+    done = preempted.first_step + len(preempted.step_ms)
+    intro = (
+        f"<p>The reference GPT on P={P} CPU ranks, a job of {steps} steps with a checkpoint every "
+        f"{max(1, steps // 4)} steps (torch.distributed.checkpoint, one file per rank, committed atomically with a "
+        f"checksummed manifest). A SIGTERM (a cluster's preemption notice) reached rank 0 during step {stop_at}: every "
+        f"rank finished that step and all saved at step {done}. Resuming there trained "
+        f"{resumed.steps - resumed.first_step} more steps and ended {'bitwise equal to' if same else 'DIFFERENT from'} "
+        f"the job run without interruption. Against restarting from zero, the measured JCT of the whole job was "
+        f"{resume_jct.total_s:.3g} s vs {restart_jct.total_s:.3g} s; the work the restart throws away is the "
+        f"preempted run's {preempted.jct.training_s:.3g} s of training. Saves stalled the job a median "
+        f"{table['blocking_ms'].median():.3g} ms and the restore took {resumed.restore_s * 1e3:.3g} ms; "
+        "<code>CheckpointModel.calibrate</code> turns these into the planner's checkpoint costs (a fixed part plus "
+        "bytes over a bandwidth).</p>"
+    )
+    summary = [
+        f"checkpoints: preempted at step {done}/{steps}, resumed {'bitwise equal' if same else 'NOT EQUAL'}; JCT "
+        f"resume {resume_jct.total_s:.3g} s vs restart {restart_jct.total_s:.3g} s"
+    ]
+    costs = pd.DataFrame(
+        [
+            {"parameter": name, "value": getattr(model, name)}
+            for name in ("save_latency_s", "write_GBps", "restore_latency_s", "read_GBps", "teardown_s")
+        ]
+    )
+    return Section(
+        title="Checkpoints, preemption and resume",
+        intro_html=intro,
+        figures=[_jct_figure(resume_jct, restart_jct)],
+        tables={
+            "checkpoints": table,
+            "resume_vs_restart": JCT.table(resume_jct, restart_jct),
+            "checkpoint_model": costs,
+        },
+        summary=summary,
+    )
+
+
+def _preempt_resume_restart(
+    setup: ReferenceSetup, part: Partition, m: int, steps: int, stop_at: int
+) -> tuple[RunResult, RunResult, RunResult]:
+    """Three real runs of ``steps`` steps: one preempted by a SIGTERM at step ``stop_at`` (checkpointing every
+    quarter), one resumed from its checkpoint, and one run from zero without interruption."""
+    import shutil
+    import tempfile
+
+    from ...runner import run, signal_at
+
     batch = (setup.inputs, setup.targets)
     root = Path(tempfile.mkdtemp(prefix="pipeswift_report_ckpt_"))
     try:
-        common = dict(steps=steps, progress=False)
         preempted = run(
             setup.model,
             signal_at(batch, stop_at, rank=0),
@@ -142,15 +267,29 @@ def section_checkpoints(ctx: ReportContext) -> Section:
             m,
             checkpoint_dir=root,
             checkpoint_every=max(1, steps // 4),
-            **common,
+            steps=steps,
+            progress=False,
         )
         resumed = run(
-            setup.model, batch, setup.loss_fn, part, m, resume_from=root, checkpoint_dir=root / "resumed", **common
+            setup.model,
+            batch,
+            setup.loss_fn,
+            part,
+            m,
+            resume_from=root,
+            checkpoint_dir=root / "resumed",
+            steps=steps,
+            progress=False,
         )
-        restarted = run(setup.model, batch, setup.loss_fn, part, m, **common)
+        restarted = run(setup.model, batch, setup.loss_fn, part, m, steps=steps, progress=False)
     finally:
         shutil.rmtree(root, ignore_errors=True)
-    same = all(a.equal(b) for a, b in zip(resumed.state_dict().values(), restarted.state_dict().values()))
+    return preempted, resumed, restarted
+
+
+def _resume_vs_restart(preempted: RunResult, resumed: RunResult, restarted: RunResult) -> tuple[JCT, JCT]:
+    """The whole job's JCT both ways: the preempted run plus its resumption, and the preempted run thrown away
+    (its training counted as preemption loss) plus a run from zero."""
     lost = preempted.jct
     resume_jct = JCT(
         assembly_s=lost.assembly_s + resumed.jct.assembly_s,
@@ -166,50 +305,21 @@ def section_checkpoints(ctx: ReportContext) -> Section:
         preemption_loss_s=lost.preemption_loss_s + lost.training_s + restarted.jct.preemption_loss_s,
         label="restart from zero",
     )
+    return resume_jct, restart_jct
+
+
+def _jct_figure(resume_jct: JCT, restart_jct: JCT) -> Figure:
+    """The two ways' JCT breakdowns side by side, in seconds."""
+    import matplotlib.pyplot as plt
+
     fig, ax = plt.subplots(figsize=(9, 3))
     resume_jct.plot(restart_jct, ax=ax, unit="s")
     fig.tight_layout()
-    model = CheckpointModel.calibrate([preempted, resumed])
-    table = pd.concat(
-        [preempted.checkpoints.assign(run="preempted"), resumed.checkpoints.assign(run="resumed")], ignore_index=True
-    )
-    table = table[["run", "step", "kind", "bytes", "largest_rank_state_bytes", "save_ms", "blocking_ms"]]
-    done = preempted.first_step + len(preempted.step_ms)
-    intro = (
-        f"<p>The reference GPT on P={P} CPU ranks, a job of {steps} steps with a checkpoint every {max(1, steps // 4)} steps "
-        f"(torch.distributed.checkpoint, one file per rank, committed atomically with a checksummed manifest). A SIGTERM "
-        f"(a cluster's preemption notice) reached rank 0 during step {stop_at}: every rank finished that step and all saved "
-        f"at step {done}. Resuming there trained {resumed.steps - resumed.first_step} more steps and ended "
-        f"{'bitwise equal to' if same else 'DIFFERENT from'} the job run without interruption. Against restarting from zero, "
-        f"the measured JCT of the whole job was {resume_jct.total_s:.3g} s vs {restart_jct.total_s:.3g} s; the work the restart "
-        f"throws away is the preempted run's {lost.training_s:.3g} s of training. Saves stalled the job a median "
-        f"{table['blocking_ms'].median():.3g} ms and the restore took {resumed.restore_s * 1e3:.3g} ms; "
-        "<code>CheckpointModel.calibrate</code> turns these into the planner's checkpoint costs (a fixed part plus bytes over "
-        "a bandwidth).</p>"
-    )
-    summary = [
-        f"checkpoints: preempted at step {done}/{steps}, resumed {'bitwise equal' if same else 'NOT EQUAL'}; JCT "
-        f"resume {resume_jct.total_s:.3g} s vs restart {restart_jct.total_s:.3g} s"
-    ]
-    costs = pd.DataFrame(
-        [
-            {"parameter": name, "value": getattr(model, name)}
-            for name in ("save_latency_s", "write_GBps", "restore_latency_s", "read_GBps", "teardown_s")
-        ]
-    )
-    return Section(
-        "Checkpoints, preemption and resume",
-        intro,
-        [fig],
-        {"checkpoints": table, "resume_vs_restart": JCT.table(resume_jct, restart_jct), "checkpoint_model": costs},
-        summary,
-    )
+    return fig
 
 
 def section_elastic(ctx: ReportContext) -> Section:
     """The reference GPT resized P=2→4→2 within one job: what each change of configuration cost, measured."""
-    import matplotlib.pyplot as plt
-
     from ...partitioning.balance import partition
     from ...runner import run
 
@@ -230,17 +340,50 @@ def section_elastic(ctx: ReportContext) -> Section:
         profile=prof,
     )
     seg = result.segments
+    costs = _reconfiguration_costs(seg)
+    changes = " and ".join(f"{c:.3g} s" for c in costs["reconfiguration_s"])
+    intro = (
+        f"<p>One job of {steps} steps that starts on 2 CPU ranks, moves to 4 at step {third} and back to 2 at step "
+        f"{2 * third} (<code>run(resize_at=...)</code>): at each change every rank checkpoints, the workers stop, the "
+        "model is re-partitioned for the new P from the profile and new workers restore by name. Each change cost "
+        f"{changes} (save, teardown, new workers, restore), against a first start of "
+        f"{seg['assembly_s'].iloc[0]:.3g} s; the job's JCT counts them as cleanup and assembly, as they happened. "
+        "On this 2-core machine 4 ranks share the cores, so their steps are no faster: the section shows the "
+        "mechanics and their cost, not a speed-up.</p>"
+    )
+    summary = [
+        "elastic: P 2->4->2 in one job, changes cost " + ", ".join(f"{c:.3g} s" for c in costs["reconfiguration_s"])
+    ]
+    return Section(
+        title="Elastic P within one job",
+        intro_html=intro,
+        figures=[_segments_figure(result, steps)],
+        tables={"elastic_segments": seg.drop(columns=["bounds"]), "elastic_changes": costs},
+        summary=summary,
+    )
+
+
+def _segments_figure(result: RunResult, steps: int) -> Figure:
+    """The measured step time of each of ``steps`` steps, one line per segment (configuration) of the job."""
+    import matplotlib.pyplot as plt
+
     fig, ax = plt.subplots(figsize=(9, 3))
     df = result.df.merge(pd.DataFrame({"step": range(steps)}), on="step")
-    for row in seg.itertuples():
+    for row in result.segments.itertuples():
         part_df = df[(df["step"] >= row.first_step) & (df["step"] <= row.last_step)]
         ax.plot(part_df["step"], part_df["step_ms"], marker="o", label=f"segment {row.segment}: P={row.P}")
     ax.set_xlabel("step")
     ax.set_ylabel("measured step (ms)")
     ax.legend(frameon=False)
     fig.tight_layout()
+    return fig
+
+
+def _reconfiguration_costs(seg: pd.DataFrame) -> pd.DataFrame:
+    """One row per change of configuration between consecutive segments ``seg``: the old one's save and teardown,
+    the new one's assembly and restore, and their sum ``reconfiguration_s``."""
     changes = [(seg.iloc[i - 1], seg.iloc[i]) for i in range(1, len(seg))]
-    costs = pd.DataFrame(
+    return pd.DataFrame(
         [
             {
                 "change": f"P={a.P} -> P={b.P} at step {b.first_step}",
@@ -252,24 +395,4 @@ def section_elastic(ctx: ReportContext) -> Section:
             }
             for a, b in changes
         ]
-    )
-    intro = (
-        f"<p>One job of {steps} steps that starts on 2 CPU ranks, moves to 4 at step {third} and back to 2 at step {2 * third} "
-        "(<code>run(resize_at=...)</code>): at each change every rank checkpoints, the workers stop, the model is re-partitioned "
-        "for the new P from the profile and new workers restore by name. Each change cost "
-        + " and ".join(f"{c:.3g} s" for c in costs["reconfiguration_s"])
-        + " (save, teardown, new workers, restore), against a first start of "
-        f"{seg['assembly_s'].iloc[0]:.3g} s; the job's JCT counts them as cleanup and assembly, as they happened. On this 2-core "
-        "machine 4 ranks share the cores, so their steps are no faster: the section shows the mechanics and their cost, "
-        "not a speed-up.</p>"
-    )
-    summary = [
-        "elastic: P 2->4->2 in one job, changes cost " + ", ".join(f"{c:.3g} s" for c in costs["reconfiguration_s"])
-    ]
-    return Section(
-        "Elastic P within one job",
-        intro,
-        [fig],
-        {"elastic_segments": seg.drop(columns=["bounds"]), "elastic_changes": costs},
-        summary,
     )
