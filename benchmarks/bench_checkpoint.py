@@ -56,7 +56,8 @@ def plain_io(nbytes: int, directory: Path, repeats: int = 5) -> tuple[float, flo
 
 
 def _killer(root: Path, nth: int, delay_s: float, done: threading.Event, outcome: dict) -> None:
-    """SIGKILL rank 1 of this process's running job ``delay_s`` after its ``nth`` save starts (a ``.tmp-`` directory appears)."""
+    """SIGKILL rank 1 of this process's running job ``delay_s`` after its ``nth`` save starts (a ``.tmp-`` directory
+    appears)."""
     me = str(os.getpid())
     seen = set()
     while not done.is_set():

@@ -106,7 +106,8 @@ def main(argv=None):
     print(table.to_string(index=False))
     print(
         f"\nPollux (OSDI '21) anchor: elastic scheduling cut average JCT by {POLLUX_LOW:.0%}-{POLLUX_HIGH:.0%} "
-        "against earlier schedulers. 'reached vs' names the baselines our elastic policy beats by at least 37% on a window."
+        "against earlier schedulers. 'reached vs' names the baselines our elastic policy beats by at least 37% "
+        "on a window."
     )
 
 

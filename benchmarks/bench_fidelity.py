@@ -38,7 +38,8 @@ import torch
 
 MICROBATCH = 4
 STEPS = 16
-ROUNDS = 2  # every configuration is run this many times, in rounds; its measured step is the mean of the runs' steady_step_ms
+#: Every configuration is run this many times, in rounds; its measured step is the mean of the runs' steady_step_ms.
+ROUNDS = 2
 P2 = [
     (s, v, m) for s, v in (("GPipe", 1), ("1F1B", 1), ("Interleaved1F1B", 2), ("ZBVZeroBubble", 2)) for m in (2, 4, 8)
 ]
@@ -170,7 +171,8 @@ if __name__ == "__main__":
     b, a = held["rel_error_before"].abs(), held["rel_error_after"].abs()
     print(f"\nheld-out runs: {len(held)} (calibrated on {int(table['in_fit'].sum())})")
     print(
-        f"median |rel error| before {b.median():.1%}, after {a.median():.1%}; max before {b.max():.1%}, after {a.max():.1%}"
+        f"median |rel error| before {b.median():.1%}, after {a.median():.1%}; "
+        f"max before {b.max():.1%}, after {a.max():.1%}"
     )
     print(f"Spearman rank correlation predicted vs measured (held out): before {rho_b:.2f}, after {rho_a:.2f}")
     print(
@@ -184,6 +186,7 @@ if __name__ == "__main__":
     )
     if len(noise):
         print(
-            f"noise floor: the same configuration's two runs differ by a median {noise.median():.1%} (max {noise.max():.1%})"
+            f"noise floor: the same configuration's two runs differ by a median {noise.median():.1%} "
+            f"(max {noise.max():.1%})"
         )
     print(f"{time.time() - start:.0f} s")

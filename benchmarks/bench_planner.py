@@ -60,9 +60,10 @@ def large_search():
     exhaustive_s = time.perf_counter() - start
     table = result.table
     print(
-        f"96 layers, 1,024 GPUs, all schedules: {len(table):,} configurations weighed, {int(table['feasible'].sum()):,} feasible, "
-        f"{len(result.feasible):,} simulated, in {seconds:.1f} s (goal < {GOAL_S:.0f} s: {'met' if seconds < GOAL_S else 'MISSED'}; "
-        f"{BEFORE_S:.0f} s before the search kept to per-stage sums, cached capped splits and skipped unread error text)"
+        f"96 layers, 1,024 GPUs, all schedules: {len(table):,} configurations weighed, "
+        f"{int(table['feasible'].sum()):,} feasible, {len(result.feasible):,} simulated, in {seconds:.1f} s "
+        f"(goal < {GOAL_S:.0f} s: {'met' if seconds < GOAL_S else 'MISSED'}; {BEFORE_S:.0f} s before the search kept "
+        "to per-stage sums, cached capped splits and skipped unread error text)"
     )
     print(f"best: {result.best.label}, JCT {result.best.total_s / 3600:.2f} h")
     same = everything.best.label == result.best.label and everything.best.total_s == result.best.total_s
@@ -86,8 +87,17 @@ def cpu_agreement():
         for b in (2, 8)
     ]
     global_batch = 16
-    result = plan(profiles, gpus=2, global_batch=global_batch, steps=100, P=[2], microbatch_sizes=[2, 4, 8],
-                  schedules=["GPipe", "1F1B", "Interleaved1F1B", "ZBVZeroBubble"], exhaustive=True, progress=False)  # fmt: skip
+    result = plan(
+        profiles,
+        gpus=2,
+        global_batch=global_batch,
+        steps=100,
+        P=[2],
+        microbatch_sizes=[2, 4, 8],
+        schedules=["GPipe", "1F1B", "Interleaved1F1B", "ZBVZeroBubble"],
+        exhaustive=True,
+        progress=False,
+    )
     grid = result.feasible[result.feasible["D"] == 1].reset_index(drop=True)
     batch = (torch.randn(global_batch, 4), torch.randn(global_batch, 4))
     measured, wall = [], []

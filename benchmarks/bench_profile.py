@@ -86,7 +86,10 @@ def main() -> None:
         f"torch {torch.__version__}, {torch.get_num_threads()} threads, {os.cpu_count()} CPUs, "
         f"batch {args.batch_size}, warmup {args.warmup}, repeats {args.repeats}, 3 rounds"
     )
-    header = f"{'model':<6}{'layers':>7}{'step_ms':>9}{'plain_s':>9}{'profile_s':>10}{'overhead':>9}{'coverage':>9}{'step_cv':>8}{'total_cv':>9}"
+    header = (
+        f"{'model':<6}{'layers':>7}{'step_ms':>9}{'plain_s':>9}{'profile_s':>10}{'overhead':>9}{'coverage':>9}"
+        f"{'step_cv':>8}{'total_cv':>9}"
+    )
     print(header)
     print("-" * len(header))
     for name in args.models.split(","):

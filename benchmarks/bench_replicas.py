@@ -82,6 +82,7 @@ def measured_dp_link():
 def main() -> pd.DataFrame:
     import pipeswift_lab as psl
     from pipeswift_lab.fidelity.calibrator import CalibrationWarning
+    from pipeswift_lab.planning.planner import DEFAULT_DP_LINK
     from pipeswift_lab.runner import run, run_arguments
 
     setup = psl.models.reference("mlp", batch_size=2 * M * MICROBATCH, widths=WIDTHS)
@@ -137,9 +138,9 @@ def main() -> pd.DataFrame:
     measured_ar = out["measured_step_ms"].iloc[1] - out["measured_step_ms"].iloc[0]
     print(out.to_string(index=False))
     print(
-        f"all-reduce: measured {out['measured_allreduce_ms'].iloc[1]:.3g} ms (REDUCE_GRAD actions), {measured_ar:.3g} ms "
-        f"(D=2 step - D=1 step), vs the ring model's {float(row['allreduce_ms']):.3g} ms over the default dp_link "
-        f"({psl.planner.DEFAULT_DP_LINK})"
+        f"all-reduce: measured {out['measured_allreduce_ms'].iloc[1]:.3g} ms (REDUCE_GRAD actions), "
+        f"{measured_ar:.3g} ms (D=2 step - D=1 step), vs the ring model's {float(row['allreduce_ms']):.3g} ms "
+        f"over the default dp_link ({DEFAULT_DP_LINK})"
     )
     link, times = measured_dp_link()
     print("gloo all-reduce here, 2 processes: " + ", ".join(f"{k / 2**20:g} MiB {v:.3g} ms" for k, v in times.items()))
@@ -165,7 +166,8 @@ def main() -> pd.DataFrame:
             (replanned["P"] == 2) & (replanned["D"] == 2) & (replanned["m"] == M) & replanned["simulated"]
         ].iloc[0]
         print(
-            f"planner {label}: all-reduce {float(again['allreduce_ms']):.3g} ms, D=2 step {float(again['step_ms']):.3g} ms "
+            f"planner {label}: all-reduce {float(again['allreduce_ms']):.3g} ms, "
+            f"D=2 step {float(again['step_ms']):.3g} ms "
             f"(measured {out['measured_allreduce_ms'].iloc[1]:.3g} ms and {out['measured_step_ms'].iloc[1]:.3g} ms)"
         )
     return out

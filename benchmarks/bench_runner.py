@@ -143,6 +143,7 @@ if __name__ == "__main__":
     with pd.option_context("display.width", 200, "display.max_columns", 20, "display.float_format", "{:.3g}".format):
         print(table.to_string(index=False))
     print(
-        f"\nmedian |rel_error| {table['rel_error'].abs().median():.1%}; median overhead {table['overhead'].median():+.1%}; "
+        f"\nmedian |rel_error| {table['rel_error'].abs().median():.1%}; "
+        f"median overhead {table['overhead'].median():+.1%}; "
         f"{time.time() - start:.0f} s"
     )

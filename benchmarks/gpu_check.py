@@ -57,7 +57,8 @@ def profiler_cuda_events() -> str:
     df = prof.df
     assert (df["fwd_ms"] > 0).all() and (df["bwd_ms"] > 0).all(), "a layer timed at 0 ms"
     assert "peak_bytes" in df and (df["peak_bytes"] > 0).any(), "no CUDA peak memory reported"
-    return f"fwd {df['fwd_ms'].sum():.3f} ms, bwd {df['bwd_ms'].sum():.3f} ms, peak {df['peak_bytes'].max() / 2**20:.1f} MiB"
+    peak_mib = df["peak_bytes"].max() / 2**20
+    return f"fwd {df['fwd_ms'].sum():.3f} ms, bwd {df['bwd_ms'].sum():.3f} ms, peak {peak_mib:.1f} MiB"
 
 
 def max_memory_allocated() -> str:

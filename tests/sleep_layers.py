@@ -21,7 +21,8 @@ class SleepBackward(torch.autograd.Function):
 
 
 class SleepProduct(torch.autograd.Function):
-    """``x * weight``, sleeping ``fwd_s`` in forward and ``bwd_s`` in backward (a layer with a known time and a gradient)."""
+    """``x * weight``, sleeping ``fwd_s`` in forward and ``bwd_s`` in backward (a layer with a known time and a
+    gradient)."""
 
     @staticmethod
     def forward(ctx, x, weight, fwd_s, bwd_s):
@@ -38,7 +39,8 @@ class SleepProduct(torch.autograd.Function):
 
 
 class _SleepOneGrad(torch.autograd.Function):
-    """``x * weight`` whose backward gives one gradient only (``wrt`` is ``"input"`` or ``"weight"``), sleeping ``seconds``."""
+    """``x * weight`` whose backward gives one gradient only (``wrt`` is ``"input"`` or ``"weight"``), sleeping
+    ``seconds``."""
 
     @staticmethod
     def forward(ctx, x, weight, seconds, wrt):

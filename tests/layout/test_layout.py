@@ -120,3 +120,22 @@ def test_every_package_says_what_it_reads_and_returns():
             package = importlib.import_module(name)
             assert package.__doc__ and len(package.__doc__.strip()) > 80, name
             assert isinstance(getattr(package, "__all__", None), list), name
+
+
+#: ``pipeswift_lab.__all__`` before the rooms: every name stays importable from the top level.
+PUBLIC_BEFORE_THE_ROOMS = (
+    "SCHEDULES Checkpoint Comparison ClusterResult JCT Link Partition Plan Profile RunError RunResult ScheduleDeadlock "
+    "Timeline Calibration activation_memory_bytes bubble_overhead bubble_ratio cluster calibrate compare costs data "
+    "inflight_microbatches latest_checkpoint load_checkpoint models precision partition plan profile profile_step run "
+    "simulate step_ms sweep widgets report runner"
+).split()
+
+
+def test_the_public_surface_stays():
+    import pipeswift_lab as psl
+
+    missing = [name for name in PUBLIC_BEFORE_THE_ROOMS if not hasattr(psl, name)]
+    assert missing == []
+    assert set(psl.__all__) <= set(dir(psl))
+    assert callable(psl.simulate) and callable(psl.cluster.simulate) and callable(psl.fidelity.compare)
+    assert psl.widgets.__name__ == "pipeswift_lab.faces.widgets" and psl.report.__name__ == "pipeswift_lab.faces.report"
