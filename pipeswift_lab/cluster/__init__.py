@@ -1,5 +1,11 @@
 """Trace-driven simulation of a shared GPU cluster, measured as job completion time.
 
+Reads a job trace, the GPUs and a policy; returns a :class:`ClusterResult`::
+
+    static = psl.cluster.simulate(psl.data.philly_jobs(), 256, policy="static")
+    elastic = psl.cluster.simulate(psl.data.philly_jobs(), 256, policy="elastic")
+    psl.cluster.compare(static, elastic).table
+
 ``psl.cluster.simulate(jobs, gpus, policy)`` replays a job trace (e.g.
 :func:`pipeswift_lab.data.philly_jobs`) on a cluster of ``gpus`` under a scheduling policy
 and returns a :class:`ClusterResult`: every job's JCT split into queue, assembly,
@@ -8,8 +14,9 @@ training, cleanup and preemption loss, the GPUs in use over time, and a summary.
 
 Modules: :mod:`.inputs` (checking jobs and capacity), :mod:`.scaling` (a job's speed and
 costs on any GPU count, from a profile and the cost models), :mod:`.engine` (the event
-heap, segments and the JCT accounting), :mod:`.policies` (static, elastic, preemptive, and
-the :class:`Policy` base for custom ones), :mod:`.simulate`, :mod:`.result`.
+heap, :class:`~.engine.ClusterJob` segments and the JCT accounting), :mod:`.policies` (static, elastic,
+preemptive, and the :class:`Policy` base for custom ones), :mod:`.simulator` (:func:`simulate`: check, resolve,
+replay, close), :mod:`.result` (:class:`ClusterResult`, :func:`compare`).
 """
 
 from __future__ import annotations

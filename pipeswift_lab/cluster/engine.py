@@ -23,24 +23,45 @@ from __future__ import annotations
 import heapq
 import math
 from bisect import bisect_left, insort
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+if TYPE_CHECKING:
+    from .policies import Policy
+    from .scaling import ScalingModel
+
+__all__ = ["CAPACITY", "DEMOTE", "FINISH", "Cluster", "ClusterJob"]
 
 #: Event kinds, in the order they are handled at one instant: GPUs freed first, then
 #: capacity changes, then priority changes, then arrivals (read from the sorted jobs).
 FINISH, CAPACITY, DEMOTE = 0, 1, 2
 
 
-class Job:
-    """One job's state while it is simulated (``__slots__`` for speed)."""
+class ClusterJob:
+    """One job's state while the cluster is simulated (``__slots__`` for speed); a policy reads and orders these."""
 
     __slots__ = (
-        "idx", "name", "submit", "gpus", "min_gpus", "max_gpus", "priority", "model", "ref_speed",
-        "work", "has_state", "state", "n", "version", "seg_start", "seg_A", "seg_L", "seg_R", "seg_k", "seg_C",
-        "seg_save", "seg_end", "wait_since", "queue", "assembly", "training", "cleanup", "loss", "lost_work",
-        "restarts", "resizes", "preemptions", "start", "end", "held_min", "held_max",
-        "attained", "reason", "key",
-    )  # fmt: skip
+        *("idx", "name", "submit", "gpus", "min_gpus", "max_gpus", "priority", "model", "ref_speed", "work"),
+        *("has_state", "state", "n", "version", "wait_since", "reason", "key"),
+        *("seg_start", "seg_A", "seg_L", "seg_R", "seg_k", "seg_C", "seg_save", "seg_end"),  # the running segment
+        *("queue", "assembly", "training", "cleanup", "loss", "lost_work"),  # the JCT terms so far
+        *("restarts", "resizes", "preemptions", "start", "end", "held_min", "held_max", "attained"),
+    )
 
-    def __init__(self, idx, name, submit, gpus, min_gpus, max_gpus, priority, model):
+    def __init__(
+        self,
+        *,
+        idx: int,
+        name: str,
+        submit: float,
+        gpus: int,
+        min_gpus: int,
+        max_gpus: int,
+        priority: float,
+        model: ScalingModel,
+    ) -> None:
         self.idx, self.name, self.submit, self.gpus = idx, name, submit, gpus
         self.min_gpus, self.max_gpus, self.priority, self.model = min_gpus, max_gpus, priority, model
         self.ref_speed = 0.0
@@ -59,14 +80,15 @@ class Job:
         self.held_min, self.held_max = 0, 0
         self.attained = 0.0  # GPU-seconds held so far
         self.reason = ""
-        self.key = None
+        self.key: Any = None  # the policy's queue_key while queued
 
     def wall_s(self, n: int) -> float:
         """Seconds of training left on ``n`` GPUs (no checkpoints)."""
         return self.work * self.ref_speed / self.model.speed[n]
 
     def runtime_s(self, n: int, interval: float) -> float:
-        """Predicted seconds from a start on ``n`` GPUs to the end: assembly, restore, training, checkpoints, cleanup."""
+        """Predicted seconds from a start on ``n`` GPUs to the end: assembly, restore, training, checkpoints and
+        cleanup."""
         m = self.model
         R = self.wall_s(n)
         k = max(0, math.ceil(R / interval) - 1) if interval < math.inf and R > 0 else 0
@@ -88,22 +110,31 @@ class Cluster:
     ``ends`` the running jobs' predicted ends, sorted, for reservations.
     """
 
-    def __init__(self, jobs, capacity, interval_s, policy):
+    def __init__(
+        self,
+        jobs: Sequence[ClusterJob],
+        capacity: Sequence[tuple[float, int]],
+        interval_s: float | None,
+        policy: Policy,
+        *,
+        seed: int = 0,
+    ) -> None:
         self.jobs = jobs
         self.capacity_points = capacity
         self.capacity = capacity[0][1]
         self.used = 0
-        self.queue = []
-        self.running = {}
-        self.ends = []
-        self.heap = []
+        self.queue: list[tuple[Any, int]] = []
+        self.running: dict[int, ClusterJob] = {}
+        self.ends: list[tuple[float, int]] = []
+        self.heap: list[tuple[float, int, int, int, int]] = []
         self.seq = 0
         self.interval = interval_s if interval_s is not None else math.inf
         self.policy = policy
         self.now = 0.0
-        self.usage = []  # (time_s, gpus_used, capacity)
+        self.usage: list[tuple[float, int, int]] = []  # (time_s, gpus_used, capacity)
         self.events = 0
         self.dirty = False  # the queue changed since the last schedule
+        self.rng = np.random.default_rng(seed)  # the generator a policy may draw from (seeded by simulate's seed=)
 
     # -- events -------------------------------------------------------------------------
     def push(self, t: float, kind: int, idx: int, version: int = 0) -> None:
@@ -117,7 +148,7 @@ class Cluster:
         return self.capacity - self.used
 
     # -- queue ----------------------------------------------------------------------------
-    def enqueue(self, job: Job, t: float) -> None:
+    def enqueue(self, job: ClusterJob, t: float) -> None:
         """Put ``job`` in the queue at its policy key; it holds no GPU from ``t``."""
         job.state = "queued"
         job.wait_since = t
@@ -125,13 +156,13 @@ class Cluster:
         insort(self.queue, (job.key, job.idx))
         self.dirty = True
 
-    def dequeue(self, job: Job) -> None:
+    def dequeue(self, job: ClusterJob) -> None:
         """Take ``job`` out of the queue."""
         i = bisect_left(self.queue, (job.key, job.idx))
         del self.queue[i]
 
     # -- segments -------------------------------------------------------------------------
-    def start(self, job: Job, n: int, t: float, resize_save_s: float = 0.0) -> None:
+    def start(self, job: ClusterJob, n: int, t: float, resize_save_s: float = 0.0) -> None:
         """Start a segment of ``job`` on ``n`` GPUs at ``t`` (the job must hold none and not be queued)."""
         m = job.model
         if n < 1 or m.speed[n] <= 0:
@@ -157,7 +188,7 @@ class Cluster:
         self.push(job.seg_end, FINISH, job.idx, job.version)
         self.policy.on_start(self, job, t)
 
-    def _release(self, job: Job, t: float) -> None:
+    def _release(self, job: ClusterJob, t: float) -> None:
         self.used -= job.n
         job.attained += job.n * (t - job.seg_start)
         i = bisect_left(self.ends, (job.seg_end, job.idx))
@@ -166,7 +197,7 @@ class Cluster:
         job.n = 0
         job.version += 1
 
-    def finish(self, job: Job, t: float) -> None:
+    def finish(self, job: ClusterJob, t: float) -> None:
         """The segment reached its end: the job is done."""
         job.assembly += job.seg_A
         job.loss += job.seg_L + job.seg_k * job.seg_save
@@ -176,7 +207,7 @@ class Cluster:
         self._release(job, t)
         job.state, job.end = "done", t
 
-    def stop(self, job: Job, t: float, voluntary: bool) -> None:
+    def stop(self, job: ClusterJob, t: float, voluntary: bool) -> None:
         """End the running segment of ``job`` at ``t`` early and charge what it did.
 
         ``voluntary`` (a resize): the training done is checkpointed and kept. Otherwise (a
@@ -222,14 +253,14 @@ class Cluster:
             job.has_state = True  # the resize writes a checkpoint of the training so far
         self._release(job, t)
 
-    def preempt(self, job: Job, t: float) -> None:
+    def preempt(self, job: ClusterJob, t: float) -> None:
         """Stop ``job`` involuntarily and put it back in the queue."""
         self.stop(job, t, voluntary=False)
         job.preemptions += 1
         job.restarts += 1
         self.enqueue(job, t)
 
-    def resize(self, job: Job, n: int, t: float) -> None:
+    def resize(self, job: ClusterJob, n: int, t: float) -> None:
         """Checkpoint ``job`` and restart it on ``n`` GPUs at once (paying save, assembly and restore)."""
         save = job.model.save_s[job.n] if job.in_training(t) else 0.0  # nothing new to save before training
         self.stop(job, t, voluntary=True)

@@ -29,48 +29,51 @@ they end before then or fit in the GPUs it will not need.
 
 from __future__ import annotations
 
-import math
+from collections.abc import Hashable
 
-from .engine import DEMOTE, Cluster, Job
+from ..core.checks import check_choice, check_time
+from .engine import DEMOTE, Cluster, ClusterJob
+
+__all__ = ["POLICIES", "Elastic", "Policy", "Preemptive", "Static", "get_policy"]
 
 
 class Policy:
     """FIFO with EASY backfilling, each job on exactly the GPUs it asked for. Subclass to change."""
 
     #: Name in results and tables.
-    name = "policy"
+    name: str = "policy"
     #: The most queued jobs a pass examines after the head blocks (None: all), as Slurm's ``bf_max_job_test``.
-    depth = None
+    depth: int | None = None
 
     def reset(self, cluster: Cluster) -> None:
         """Called once before a simulation starts: clear any state from an earlier run."""
 
-    def queue_key(self, job: Job):
+    def queue_key(self, job: ClusterJob) -> Hashable:
         """Sort key of a queued job (smaller first). Default: submission order."""
         return (job.idx,)
 
-    def smallest(self, job: Job) -> int:
+    def smallest(self, job: ClusterJob) -> int:
         """The fewest GPUs ``job`` can run on under this policy."""
         return job.gpus
 
-    def size(self, cluster: Cluster, job: Job, free: int, t: float) -> int:
+    def size(self, cluster: Cluster, job: ClusterJob, free: int, t: float) -> int:
         """GPUs to start ``job`` on now with ``free`` GPUs free (0: keep it queued)."""
         return job.gpus if job.gpus <= free else 0
 
-    def on_start(self, cluster: Cluster, job: Job, t: float) -> None:
+    def on_start(self, cluster: Cluster, job: ClusterJob, t: float) -> None:
         """Called after every segment start."""
 
-    def on_event(self, cluster: Cluster, job: Job, kind: int, t: float) -> None:
+    def on_event(self, cluster: Cluster, job: ClusterJob, kind: int, t: float) -> None:
         """Called for policy events (e.g. a priority change) the policy scheduled itself."""
 
-    def blocked(self, cluster: Cluster, job: Job, t: float) -> bool:
+    def blocked(self, cluster: Cluster, job: ClusterJob, t: float) -> bool:
         """The head ``job`` cannot start; return True if the policy made it start anyway."""
         return False
 
     def rebalance(self, cluster: Cluster, t: float) -> None:
         """After admissions: grow or shrink running jobs."""
 
-    def victims(self, cluster: Cluster, deficit: int, t: float) -> list:
+    def victims(self, cluster: Cluster, deficit: int, t: float) -> list[ClusterJob]:
         """Running jobs to preempt when the capacity drops ``deficit`` GPUs below those in use.
 
         Default: the lowest priority first, then the most recently started (least work lost).
@@ -120,7 +123,7 @@ class Policy:
                 cluster.dequeue(job)
                 cluster.start(job, n, t)
 
-    def reserve(self, job: Job) -> int:
+    def reserve(self, job: ClusterJob) -> int:
         """GPUs the blocked head of the queue reserves (default: :meth:`smallest`)."""
         return self.smallest(job)
 
@@ -146,27 +149,23 @@ class Preemptive(Policy):
 
     name = "preemptive"
 
-    def __init__(self, threshold_gpu_s: float = 3600.0):
-        if not (isinstance(threshold_gpu_s, (int, float)) and threshold_gpu_s > 0 and math.isfinite(threshold_gpu_s)):
-            raise ValueError(
-                f"threshold_gpu_s={threshold_gpu_s!r} is invalid; it must be a finite number of GPU-seconds > 0"
-            )
-        self.threshold_gpu_s = float(threshold_gpu_s)
+    def __init__(self, threshold_gpu_s: float = 3600.0) -> None:
+        self.threshold_gpu_s = check_time("threshold_gpu_s", threshold_gpu_s, allow_zero=False)
         self.las = True  # set by simulate: False when the jobs carry their own priority
 
-    def queue_key(self, job: Job):
+    def queue_key(self, job: ClusterJob) -> Hashable:
         return (-job.priority, job.idx)
 
-    def on_start(self, cluster: Cluster, job: Job, t: float) -> None:
+    def on_start(self, cluster: Cluster, job: ClusterJob, t: float) -> None:
         if self.las and job.priority > 0:
             left = self.threshold_gpu_s - job.attained
             cluster.push(t + max(0.0, left) / job.n, DEMOTE, job.idx, job.version)
 
-    def on_event(self, cluster: Cluster, job: Job, kind: int, t: float) -> None:
+    def on_event(self, cluster: Cluster, job: ClusterJob, kind: int, t: float) -> None:
         if kind == DEMOTE and job.state == "running":
             job.priority = 0.0
 
-    def blocked(self, cluster: Cluster, job: Job, t: float) -> bool:
+    def blocked(self, cluster: Cluster, job: ClusterJob, t: float) -> bool:
         need = job.gpus - cluster.free
         lower = sorted(
             (j for j in cluster.running.values() if j.priority < job.priority),
@@ -209,27 +208,27 @@ class Elastic(Policy):
 
     name = "elastic"
 
-    def __init__(self, gain_factor: float = 2.0):
-        if not (isinstance(gain_factor, (int, float)) and gain_factor >= 1 and math.isfinite(gain_factor)):
+    def __init__(self, gain_factor: float = 2.0) -> None:
+        self.gain_factor = check_time("gain_factor", gain_factor)
+        if self.gain_factor < 1:
             raise ValueError(f"gain_factor={gain_factor!r} is invalid; it must be a finite number >= 1")
-        self.gain_factor = float(gain_factor)
-        self.growable = set()
+        self.growable: set[int] = set()
 
     def reset(self, cluster: Cluster) -> None:
-        self.growable = set()
+        self.growable.clear()
 
-    def smallest(self, job: Job) -> int:
+    def smallest(self, job: ClusterJob) -> int:
         return job.min_gpus
 
     @staticmethod
-    def target(job: Job) -> int:
+    def target(job: ClusterJob) -> int:
         """The GPUs a job aims for: its request, within its ``min_gpus``…``max_gpus``."""
         return min(max(job.gpus, job.min_gpus), job.max_gpus)
 
-    def reserve(self, job: Job) -> int:
+    def reserve(self, job: ClusterJob) -> int:
         return self.target(job)
 
-    def size(self, cluster: Cluster, job: Job, free: int, t: float) -> int:
+    def size(self, cluster: Cluster, job: ClusterJob, free: int, t: float) -> int:
         if free < job.min_gpus:
             return 0
         target = self.target(job)
@@ -241,11 +240,11 @@ class Elastic(Policy):
         interval = cluster.interval
         return n if t + job.runtime_s(n, interval) < wait + job.runtime_s(target, interval) else 0
 
-    def on_start(self, cluster: Cluster, job: Job, t: float) -> None:
+    def on_start(self, cluster: Cluster, job: ClusterJob, t: float) -> None:
         if job.n < job.max_gpus:
             self.growable.add(job.idx)
 
-    def _cost(self, job: Job, n: int) -> float:
+    def _cost(self, job: ClusterJob, n: int) -> float:
         m = job.model
         return m.save_s[job.n] + m.assembly_s[n] + m.restore_s[n]
 
@@ -295,17 +294,17 @@ class Elastic(Policy):
 
 
 #: Built-in policies by name.
-POLICIES = {"static": Static, "elastic": Elastic, "preemptive": Preemptive}
+POLICIES: dict[str, type[Policy]] = {"static": Static, "elastic": Elastic, "preemptive": Preemptive}
 
 
-def get_policy(policy) -> Policy:
-    """A :class:`Policy` instance from a name in :data:`POLICIES` or an instance (returned as is)."""
+def get_policy(policy: str | Policy | type[Policy]) -> Policy:
+    """A :class:`Policy` instance from a name in :data:`POLICIES` (any case), a :class:`Policy` subclass
+    (instantiated) or an instance (returned as is). Raises ``ValueError`` for an unknown name listing the known
+    ones, ``TypeError`` for anything else."""
     if isinstance(policy, Policy):
         return policy
     if isinstance(policy, type) and issubclass(policy, Policy):
         return policy()
     if isinstance(policy, str) and policy.lower() in POLICIES:
-        return POLICIES[policy.lower()]()
-    raise ValueError(
-        f"policy={policy!r} is not known; use one of {list(POLICIES)} or a pipeswift_lab.cluster.Policy instance"
-    )
+        policy = policy.lower()
+    return POLICIES[check_choice("policy", policy, POLICIES)]()

@@ -3,19 +3,32 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pandas as pd
 
+from ..core.checks import check_choice
 from ..core.display import html_card, text_card
 from ..core.jct import TERMS
 
+if TYPE_CHECKING:
+    from matplotlib.axes import Axes
+
+    from .engine import Cluster, ClusterJob
+    from .policies import Policy
+
+__all__ = ["JOB_COLUMNS", "UNITS", "ClusterComparison", "ClusterResult", "compare"]
+
 #: Columns of :attr:`ClusterResult.jobs`, in order.
 JOB_COLUMNS = (
-    "name", "submit_s", "gpus", "profile", "priority", "start_s", "end_s", *TERMS, "jct_s", "lost_work_s",
-    "restarts", "resizes", "preemptions", "min_gpus_held", "max_gpus_held", "finished", "reason",
-)  # fmt: skip
+    *("name", "submit_s", "gpus", "profile", "priority", "start_s", "end_s", *TERMS, "jct_s", "lost_work_s"),
+    *("restarts", "resizes", "preemptions", "min_gpus_held", "max_gpus_held", "finished", "reason"),
+)
+#: Time units of the plots: seconds per unit.
+UNITS = {"s": 1.0, "min": 60.0, "h": 3600.0}
 
 
 @dataclass(frozen=True, eq=False)
@@ -37,23 +50,22 @@ class ClusterResult:
     jobs: pd.DataFrame = field(repr=False)
     usage: pd.DataFrame = field(repr=False)
     label: str
-    inputs: dict = field(repr=False)
-    stats: dict = field(repr=False)
+    inputs: dict[str, Any] = field(repr=False)
+    stats: dict[str, Any] = field(repr=False)
 
     @classmethod
-    def from_cluster(cls, cluster, profile_names, policy, capacity, checkpoint_every_s, wall_s, seed) -> ClusterResult:
+    def from_cluster(
+        cls,
+        cluster: Cluster,
+        profile_names: Sequence[str],
+        policy: Policy,
+        capacity: Sequence[tuple[float, int]],
+        checkpoint_every_s: float | None,
+        wall_s: float,
+        seed: int,
+    ) -> ClusterResult:
         """Collect a finished :class:`~pipeswift_lab.cluster.engine.Cluster` into a result."""
-        rows = []
-        for job, profile in zip(cluster.jobs, profile_names):
-            finished = job.state == "done"
-            rows.append(
-                (
-                    job.name, job.submit, job.gpus, profile, job.priority, job.start, job.end if finished else math.nan,
-                    job.queue, job.assembly, job.training, job.cleanup, job.loss,
-                    (job.end - job.submit) if finished else math.nan, job.lost_work,
-                    job.restarts, job.resizes, job.preemptions, job.held_min, job.held_max, finished, job.reason,
-                )
-            )  # fmt: skip
+        rows = [_job_row(job, profile) for job, profile in zip(cluster.jobs, profile_names)]
         jobs = pd.DataFrame(rows, columns=list(JOB_COLUMNS))
         usage = pd.DataFrame(cluster.usage, columns=["time_s", "gpus_used", "capacity"])
         inputs = {"policy": policy.name, "checkpoint_every_s": checkpoint_every_s, "seed": seed, "capacity": capacity}
@@ -85,28 +97,36 @@ class ClusterResult:
         return float((u["gpus_used"].to_numpy(float) * dt).sum() / cap) if cap > 0 else math.nan
 
     @property
-    def summary(self) -> dict:
+    def summary(self) -> dict[str, Any]:
         """Mean, p50, p95, p99 JCT (s) of the finished jobs, mean queue, makespan, utilization, events, wall time."""
         jct = self.finished["jct_s"].to_numpy(float)
         pct = np.percentile(jct, [50, 95, 99]) if len(jct) else [math.nan] * 3
         events, wall = self.stats["events"], self.stats["wall_s"]
         makespan = float(self.finished["end_s"].max() - self.jobs["submit_s"].min()) if len(jct) else math.nan
         return {
-            "policy": self.label, "jobs": len(self.jobs), "finished": int(len(jct)), "unfinished": int(len(self.jobs) - len(jct)),
-            "mean_jct_s": float(jct.mean()) if len(jct) else math.nan, "p50_jct_s": float(pct[0]),
-            "p95_jct_s": float(pct[1]), "p99_jct_s": float(pct[2]),
+            "policy": self.label,
+            "jobs": len(self.jobs),
+            "finished": int(len(jct)),
+            "unfinished": int(len(self.jobs) - len(jct)),
+            "mean_jct_s": float(jct.mean()) if len(jct) else math.nan,
+            "p50_jct_s": float(pct[0]),
+            "p95_jct_s": float(pct[1]),
+            "p99_jct_s": float(pct[2]),
             "mean_queue_s": float(self.finished["queue_s"].mean()) if len(jct) else math.nan,
-            "makespan_s": makespan, "utilization": self.utilization,
-            "restarts": int(self.jobs["restarts"].sum()), "events": events, "wall_s": wall,
+            "makespan_s": makespan,
+            "utilization": self.utilization,
+            "restarts": int(self.jobs["restarts"].sum()),
+            "events": events,
+            "wall_s": wall,
             "events_per_s": events / wall if wall > 0 else math.nan,
-        }  # fmt: skip
+        }
 
     def breakdown(self) -> pd.DataFrame:
         """Mean seconds per finished job of each JCT term (one row), with ``jct_s``."""
         return self.finished[[*TERMS, "jct_s"]].mean().to_frame(self.label).T
 
     # -- plots ----------------------------------------------------------------------------
-    def plot_cdf(self, ax=None, unit="h", **kwargs):
+    def plot_cdf(self, ax: Axes | None = None, unit: str = "h", **kwargs: Any) -> Axes:
         """The empirical CDF of the finished jobs' JCT (log x axis). Returns the Axes."""
         from ..core.plot import get_ax
 
@@ -119,7 +139,7 @@ class ClusterResult:
         ax.set_ylim(0, 1.0)
         return ax
 
-    def plot_usage(self, ax=None, unit="h"):
+    def plot_usage(self, ax: Axes | None = None, unit: str = "h") -> Axes:
         """GPUs used and the capacity over time. Returns the Axes."""
         from ..core.plot import get_ax
 
@@ -133,7 +153,7 @@ class ClusterResult:
         ax.legend(loc="upper right", fontsize="small")
         return ax
 
-    def plot(self, ax=None, unit="h"):
+    def plot(self, ax: Axes | None = None, unit: str = "h") -> Axes:
         """The JCT CDF; with ``ax=None``, also the utilization over time in a second panel.
 
         Returns the Axes of the CDF (the usage panel is ``ax.figure.axes[1]``).
@@ -161,17 +181,25 @@ class ClusterResult:
 
 
 def _scale(unit: str) -> float:
-    scale = {"s": 1.0, "min": 60.0, "h": 3600.0}
-    if unit not in scale:
-        raise ValueError(f"unit={unit!r} is not valid; use one of {list(scale)}")
-    return scale[unit]
+    """Seconds per ``unit`` (one of :data:`UNITS`)."""
+    return UNITS[check_choice("unit", unit, UNITS)]
+
+
+def _job_row(job: ClusterJob, profile: str) -> tuple[Any, ...]:
+    """One row of :attr:`ClusterResult.jobs`, in the order of :data:`JOB_COLUMNS`."""
+    finished = job.state == "done"
+    end = job.end if finished else math.nan
+    terms = (job.queue, job.assembly, job.training, job.cleanup, job.loss)
+    counts = (job.restarts, job.resizes, job.preemptions, job.held_min, job.held_max)
+    identity = (job.name, job.submit, job.gpus, profile, job.priority, job.start, end)
+    return (*identity, *terms, end - job.submit, job.lost_work, *counts, finished, job.reason)
 
 
 @dataclass(frozen=True, eq=False)
 class ClusterComparison:
     """Several :class:`ClusterResult` side by side: ``table`` (one summary row each), CDFs, breakdowns."""
 
-    results: tuple = field(repr=False)
+    results: tuple[ClusterResult, ...] = field(repr=False)
 
     @property
     def table(self) -> pd.DataFrame:
@@ -184,7 +212,7 @@ class ClusterComparison:
         """Mean seconds per finished job of each JCT term, one row per result."""
         return pd.concat([r.breakdown() for r in self.results])
 
-    def plot(self, ax=None, unit="h"):
+    def plot(self, ax: Axes | None = None, unit: str = "h") -> Axes:
         """JCT CDFs of every result on one Axes. Returns the Axes."""
         from ..core.plot import get_ax
 
@@ -194,7 +222,7 @@ class ClusterComparison:
         ax.legend(loc="lower right", fontsize="small")
         return ax
 
-    def plot_breakdown(self, ax=None, unit="h"):
+    def plot_breakdown(self, ax: Axes | None = None, unit: str = "h") -> Axes:
         """Stacked bars of the mean JCT terms per result. Returns the Axes."""
         from ..core.jct import JCT
 
@@ -209,7 +237,8 @@ class ClusterComparison:
 
 
 def compare(*results: ClusterResult) -> ClusterComparison:
-    """Compare results of :func:`~pipeswift_lab.cluster.simulator` (distinct labels; see :meth:`ClusterResult.relabel`)."""
+    """Compare results of :func:`~pipeswift_lab.cluster.simulate` (distinct labels; see
+    :meth:`ClusterResult.relabel`)."""
     if not results:
         raise ValueError("compare needs at least one ClusterResult")
     for r in results:

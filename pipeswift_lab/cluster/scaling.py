@@ -27,11 +27,23 @@ from __future__ import annotations
 
 import math
 
+import pandas as pd
+
 from ..core.analytic import step_ms
 from ..core.costs import AssemblyModel, CheckpointModel, allreduce_ms
 from ..core.precision import OPTIMIZER_STATES
 from ..partitioning.balance import partition
 from ..profiling.measure import Profile
+
+__all__ = [
+    "DP_BANDWIDTH_GBps",
+    "DP_LATENCY_MS",
+    "LIBRARY_FLOPS_PER_MS",
+    "MEMORY_PER_GPU_BYTES",
+    "ScalingModel",
+    "default_profile",
+    "profile_library",
+]
 
 #: Effective training throughput of one GPU assumed by the library (bf16, ~40% of a
 #: 125 TFLOP/s V100-class peak): 50 TFLOP/s.
@@ -67,7 +79,7 @@ def _decoder(name: str, blocks: int, hidden: int, seq: int, vocab: int, microbat
     )
 
 
-def profile_library() -> dict:
+def profile_library() -> dict[str, Profile]:
     """The library: ``{"gpt-small": Profile, "gpt-medium": Profile, "gpt-xl": Profile}``.
 
     GPT-2 small (12 blocks, h=768, 124M parameters; micro-batch 8 × 1,024 tokens, global
@@ -101,7 +113,7 @@ class ScalingModel:
         assembly: AssemblyModel | None = None,
         checkpoint: CheckpointModel | None = None,
         memory_bytes: float = MEMORY_PER_GPU_BYTES,
-    ):
+    ) -> None:
         if not isinstance(profile, Profile):
             raise TypeError(
                 f"profile must be a pipeswift_lab.Profile or a library name; got {type(profile).__name__} {profile!r}"
@@ -113,8 +125,11 @@ class ScalingModel:
         self.microbatch = int(profile.meta.get("batch_size") or 1)
         self.global_batch = int(profile.meta.get("global_batch") or self.microbatch * 64)
         self.n_layers = profile.n_layers
-        self._stage = {}  # P -> (fwd_ms, bwd_ms, shard_bytes) of the slowest stage of the balanced split
-        self.speed, self.P, self.D = [0.0], [0], [0]
+        # P -> (fwd_ms, bwd_ms, grad_bytes, shard_bytes) of the slowest stage of the balanced split (None: none fits)
+        self._stage: dict[int, tuple[float, float, float, float] | None] = {}
+        self.speed: list[float] = [0.0]
+        self.P: list[int] = [0]
+        self.D: list[int] = [0]
         self.assembly_s, self.save_s, self.restore_s, self.cleanup_s = [0.0], [0.0], [0.0], [0.0]
 
     @property
@@ -122,7 +137,7 @@ class ScalingModel:
         """The most GPUs any configuration uses: ``layers × global_batch / micro-batch``."""
         return self.n_layers * max(1, self.global_batch // self.microbatch)
 
-    def _stage_of(self, P: int):
+    def _stage_of(self, P: int) -> tuple[float, float, float, float] | None:
         if P not in self._stage:
             try:
                 part = partition(self.profile, P, mem_per_gpu_bytes=self.memory_bytes)
@@ -165,7 +180,8 @@ class ScalingModel:
                     self._append(0.0, 0, 0, math.nan)
                     continue
                 step, P, D = self.global_batch / self.speed[-1], self.P[-1], self.D[-1]  # extra GPUs idle
-            self._append(self.global_batch / step, P, D, self._stage_of(P)[3])
+            stage = self._stage_of(P)  # found: P fits, or it is the last count's, which fits
+            self._append(self.global_batch / step, P, D, stage[3] if stage is not None else math.nan)
 
     @property
     def min_gpus(self) -> int:
@@ -173,7 +189,7 @@ class ScalingModel:
         self.ensure(self.n_layers)
         return next((n for n in range(1, len(self.speed)) if self.speed[n] > 0), 0)
 
-    def _append(self, speed, P, D, shard):
+    def _append(self, speed: float, P: int, D: int, shard: float) -> None:
         self.speed.append(speed)
         self.P.append(P)
         self.D.append(D)
@@ -186,16 +202,19 @@ class ScalingModel:
         self.restore_s.append(self.checkpoint.restore_s(shard))
         self.cleanup_s.append(self.checkpoint.cleanup_s(shard))
 
-    def table(self, n: int):
+    def table(self, n: int) -> pd.DataFrame:
         """The tables up to ``n`` GPUs as a DataFrame (``gpus``, ``P``, ``D``, ``speed_samples_per_s``, costs)."""
-        import pandas as pd
-
         self.ensure(n)
+        rows = slice(1, n + 1)
         return pd.DataFrame(
             {
-                "gpus": range(1, n + 1), "P": self.P[1:n + 1], "D": self.D[1:n + 1],
-                "speed_samples_per_s": [s * 1e3 for s in self.speed[1:n + 1]],
-                "assembly_s": self.assembly_s[1:n + 1], "save_s": self.save_s[1:n + 1],
-                "restore_s": self.restore_s[1:n + 1], "cleanup_s": self.cleanup_s[1:n + 1],
+                "gpus": range(1, n + 1),
+                "P": self.P[rows],
+                "D": self.D[rows],
+                "speed_samples_per_s": [s * 1e3 for s in self.speed[rows]],
+                "assembly_s": self.assembly_s[rows],
+                "save_s": self.save_s[rows],
+                "restore_s": self.restore_s[rows],
+                "cleanup_s": self.cleanup_s[rows],
             }
-        )  # fmt: skip
+        )

@@ -7,9 +7,10 @@ what preemption costs, with branch-and-bound over the configurations::
     p.best, p.table.head()
     p.config(0)   # the arguments of psl.run for the best row
 
-Modules: :mod:`.planner` (:func:`plan`, :class:`Plan`), :mod:`.steps` (the job's inputs and each candidate's
-costs), :mod:`.search` (per-micro-batch costs and partitions), :mod:`.strategies` (grow, shrink),
-:mod:`.quantiles` (JCT quantiles under failures).
+Modules: :mod:`.planner` (:func:`plan`, the steps in order), :mod:`.inputs` (:class:`PlanInputs`, the arguments
+checked once), :mod:`.steps` (enumerate, bound, branch and bound, rank), :mod:`.search` (per-micro-batch costs and
+partitions), :mod:`.strategies` (grow, shrink), :mod:`.quantiles` (JCT quantiles under failures), :mod:`.result`
+(:class:`Plan`, :class:`PlannedConfig`).
 """
 
 from __future__ import annotations

@@ -23,12 +23,13 @@ random numbers (a fixed ``seed``), so rankings do not move by sampling noise.
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import numpy as np
 import pandas as pd
 
-from ..core.checks import check_int, check_time
-from ..core.costs import young_daly_interval_s
+from ..core.checks import check_choice, check_fraction, check_int, check_time
+from ..core.costs import CheckpointModel, young_daly_interval_s
 
 #: Monte Carlo samples per configuration.
 DEFAULT_SAMPLES = 2000
@@ -41,33 +42,48 @@ def quantile_column(quantile: float) -> str:
     return f"total_s_p{100 * quantile:g}"
 
 
-def check_quantile(quantile, objective):
-    """Validate ``quantile`` and ``objective``; return ``(quantile or None, objective column)``."""
-    if not isinstance(objective, str):
-        raise TypeError(
-            f"objective must be 'mean' or a quantile name such as 'p95'; got {type(objective).__name__} {objective!r}"
+#: The objectives an error message names; any other ``"pNN"`` with ``0 < NN < 100`` (the JCT at that quantile) is
+#: accepted too.
+OBJECTIVES = ("mean", "p50", "p90", "p95", "p99")
+
+
+def check_quantile(quantile: Any, objective: Any) -> tuple[float | None, str]:
+    """Validate ``quantile`` and ``objective``; return ``(quantile or None, the Plan.table column ranked by)``.
+
+    ``objective`` is ``"mean"`` (the expected JCT) or ``"pNN"`` (the JCT at quantile ``NN / 100``), which sets
+    ``quantile`` when it is None and must agree with it otherwise.
+    """
+    if quantile is not None:
+        quantile = check_fraction("quantile", quantile, allow_zero=False, allow_one=False)
+    implied = objective_quantile(objective)
+    if implied is None:
+        return quantile, "total_s"
+    if quantile is None:
+        quantile = implied
+    elif not math.isclose(quantile, implied):
+        raise ValueError(
+            f"objective={objective!r} ranks by the {implied:g} quantile but quantile={quantile}; give matching values"
         )
-    if objective != "mean":
+    return quantile, quantile_column(quantile)
+
+
+def objective_quantile(objective: Any) -> float | None:
+    """The quantile ``objective`` ranks by: None for ``"mean"``, 0.95 for ``"p95"``.
+
+    Raises ``TypeError`` for a non-string and ``ValueError`` for an unknown name (:func:`check_choice`).
+    """
+    if isinstance(objective, str) and objective.startswith("p"):
         try:
-            implied = float(objective[1:]) / 100 if objective.startswith("p") else math.nan
+            implied = float(objective[1:]) / 100
         except ValueError:
             implied = math.nan
-        if not 0 < implied < 1:
-            raise ValueError(
-                f"objective={objective!r} is invalid; use 'mean' (expected JCT) or 'p95' (or another 'pNN', the JCT at that quantile)"
-            )
-        if quantile is None:
-            quantile = implied
-        elif not math.isclose(quantile, implied):
-            raise ValueError(
-                f"objective={objective!r} ranks by the {implied:g} quantile but quantile={quantile}; give matching values"
-            )
-    if quantile is not None:
-        quantile = check_time("quantile", quantile, allow_zero=False)
-        if quantile >= 1:
-            raise ValueError(f"quantile={quantile} is invalid; it is a probability in (0, 1), e.g. 0.95")
-    column = "total_s" if objective == "mean" else quantile_column(quantile)
-    return quantile, column
+        if 0 < implied < 1:
+            return implied
+    try:
+        check_choice("objective", objective, OBJECTIVES)
+    except ValueError as error:
+        raise ValueError(f"{error}, or another 'pNN' (the JCT at that quantile, 0 < NN < 100)") from None
+    return None
 
 
 def training_samples(training_s: float, steps_cv: float, z: np.ndarray) -> np.ndarray:
@@ -76,7 +92,12 @@ def training_samples(training_s: float, steps_cv: float, z: np.ndarray) -> np.nd
 
 
 def failure_wall_s(
-    work_s: np.ndarray, checkpoint_s: float, restart_s: float, job_mtbf_s: float, rng, max_failures=100_000
+    work_s: np.ndarray,
+    checkpoint_s: float,
+    restart_s: float,
+    job_mtbf_s: float,
+    rng: np.random.Generator,
+    max_failures: int = 100_000,
 ) -> np.ndarray:
     """Wall seconds to finish ``work_s`` of training (one value per sample) under Poisson failures.
 
@@ -115,8 +136,8 @@ def jct_quantile(
     rows: pd.DataFrame,
     quantile: float,
     step_cv: float = 0.0,
-    mtbf_s=None,
-    checkpoint=None,
+    mtbf_s: float | None = None,
+    checkpoint: CheckpointModel | None = None,
     samples: int = DEFAULT_SAMPLES,
     seed: int = DEFAULT_SEED,
 ) -> pd.Series:
@@ -124,10 +145,11 @@ def jct_quantile(
 
     ``rows`` needs ``queue_s``, ``assembly_s``, ``cleanup_s``, ``training_s``, ``gpus`` and,
     with ``mtbf_s``, ``_shard_bytes`` (what a checkpoint writes per rank); ``checkpoint`` is
-    the :class:`~pipeswift_lab.core.costs.CheckpointModel` the plan used.
+    the :class:`~pipeswift_lab.core.costs.CheckpointModel` the plan used (None: the default one).
     """
     step_cv = check_time("step_cv", step_cv)
     samples = check_int("samples", samples, minimum=10)
+    checkpoint = checkpoint or CheckpointModel()
     out = []
     for _, row in rows.iterrows():
         rng = np.random.default_rng(seed)  # common random numbers across configurations
@@ -142,4 +164,12 @@ def jct_quantile(
     return pd.Series(out, index=rows.index, dtype=float)
 
 
-__all__ = ["check_quantile", "failure_wall_s", "jct_quantile", "quantile_column", "training_samples"]
+__all__ = [
+    "OBJECTIVES",
+    "check_quantile",
+    "failure_wall_s",
+    "jct_quantile",
+    "objective_quantile",
+    "quantile_column",
+    "training_samples",
+]

@@ -8,19 +8,29 @@ from __future__ import annotations
 
 import math
 import warnings
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
+from typing import Any
 
+import numpy as np
 import pandas as pd
 
 from ..core.analytic import inflight_microbatches
 from ..core.checks import check_int
+from ..core.link import Link
 from ..core.precision import state_bytes
 from ..core.vocabulary import stage_to_rank
 from ..partitioning.balance import Partition, no_fit_head
 from ..partitioning.bottleneck import Infeasible
 from ..partitioning.layers import _MEM_RTOL, _Layers, _split, rank_totals
+from ..simulation.calibration import SimulatorCalibration
 from ..simulation.simulator import simulate_step_ms
+
+__all__ = ["Evaluator", "MicrobatchCosts", "Split"]
+
+#: Stage bounds of a split: ``((first_layer, end_layer), ...)``, one pair per stage.
+Bounds = tuple[tuple[int, int], ...]
 
 
 class MicrobatchCosts:
@@ -33,34 +43,16 @@ class MicrobatchCosts:
     slow; bytes stay proportional to ``b`` from the nearest profile.
     """
 
-    def __init__(self, profile):
+    def __init__(self, profile: Any) -> None:
         profiles = list(profile) if isinstance(profile, (list, tuple)) else [profile]
         if not profiles:
             raise ValueError("profile is empty; give a Profile or a list of Profiles at different micro-batch sizes")
-        by_size = {}
+        by_size: dict[int, tuple[pd.DataFrame, str]] = {}
         for i, prof in enumerate(profiles):
-            df = prof.df if hasattr(prof, "df") else prof
-            if not isinstance(df, pd.DataFrame):
-                raise TypeError(
-                    f"profile must be a pipeswift_lab.Profile, a per-layer DataFrame or a list of Profiles; got {type(prof).__name__}"
-                )
-            meta = getattr(prof, "meta", {}) or {}
-            if not meta.get("batch_size"):
-                warnings.warn(
-                    f"profile{'' if len(profiles) == 1 else f'[{i}]'} has no meta['batch_size']: it is planned as if profiled at "
-                    f"micro-batch size 1 (layer times and activations scale from there); set Profile.meta['batch_size'] "
-                    f"(Profile.synthetic(..., meta={{'batch_size': b}})) to the size it was taken at",
-                    UserWarning, stacklevel=3,
-                )  # fmt: skip
-            size = meta.get("batch_size") or 1
-            size = check_int(
-                "profile.meta['batch_size']",
-                int(size) if isinstance(size, float) and size.is_integer() else size,
-                minimum=1,
-            )
+            size, table, device = _profiled(prof, "profile" if len(profiles) == 1 else f"profile[{i}]")
             if size in by_size:
                 raise ValueError(f"two profiles have micro-batch size {size}; give one profile per size")
-            by_size[size] = (df.reset_index(drop=True), str(meta.get("device", "cuda")).split(":")[0])
+            by_size[size] = (table, device)
         self.sizes = sorted(by_size)
         self.tables = {b: by_size[b][0] for b in self.sizes}
         self.device = by_size[self.sizes[0]][1]
@@ -71,7 +63,7 @@ class MicrobatchCosts:
             )
         self.n_layers = lengths.pop()
         self.proportional = len(self.sizes) == 1
-        self._cache = {}
+        self._cache: dict[int, pd.DataFrame] = {}
 
     @property
     def b0(self) -> int:
@@ -92,7 +84,7 @@ class MicrobatchCosts:
             self._cache[b] = df
         return self._cache[b]
 
-    def _time(self, col, b):
+    def _time(self, col: str, b: int) -> pd.Series:
         if self.proportional:
             return self.tables[self.b0][col] * (b / self.b0)
         sizes = self.sizes
@@ -115,25 +107,34 @@ class Evaluator:
     so configurations that differ only in ``m`` or ``D`` but hold as much share one.
     """
 
-    def __init__(self, costs: MicrobatchCosts, link, mem_limit, optimizer, calibration=None, precision=None):
-        self.costs, self.link, self.mem_limit, self.optimizer, self.precision = (
-            costs,
-            link,
-            mem_limit,
-            optimizer,
-            precision,
-        )
+    def __init__(
+        self,
+        costs: MicrobatchCosts,
+        *,
+        link: Link | None,
+        mem_per_gpu_bytes: float | None,
+        optimizer: str,
+        calibration: SimulatorCalibration | None = None,
+        precision: str | None = None,
+    ) -> None:
+        self.costs, self.link, self.optimizer, self.precision = costs, link, optimizer, precision
+        self.mem_per_gpu_bytes = mem_per_gpu_bytes
         self.calibration = calibration  # fixed per-action costs do not scale with b: no sharing across sizes
         self.shared = costs.proportional and link is None and calibration is None
-        self._sims, self._layers, self._bounds, self._capped, self._stages, self._inflight = {}, {}, {}, {}, {}, {}
+        self._sims: dict[tuple, tuple[float, float]] = {}
+        self._layers: dict[int, _Layers] = {}
+        self._bounds: dict[tuple, Bounds] = {}
+        self._capped: dict[tuple, Bounds | None] = {}
+        self._stages: dict[tuple, _StageSums] = {}
+        self._inflight: dict[tuple, tuple[tuple[int, ...], list[float]]] = {}
 
-    def layers(self, b):
+    def layers(self, b: int) -> _Layers:
         """The per-layer arrays at micro-batch size ``b`` (cached)."""
         if b not in self._layers:
             self._layers[b] = _Layers(self.costs.table(b))
         return self._layers[b]
 
-    def split(self, P, m, b, schedule, v, D=1) -> Split:
+    def split(self, P: int, m: int, b: int, schedule: str, v: int, D: int = 1) -> Split:
         """The balanced split of ``P`` ranks at micro-batch size ``b`` (the fastest that fits memory), unsimulated.
 
         ``D`` is the replica count a ZeRO-1 ``precision`` shards the optimizer state over.
@@ -142,44 +143,42 @@ class Evaluator:
         Raises ``ValueError`` when no split fits ``mem_per_gpu_bytes``.
         """
         base = self.costs.b0 if self.shared else b
-        shards = (
-            D if self.precision is not None and self.precision.endswith("zero1") else 1
-        )  # only ZeRO-1 state depends on D
+        zero1 = self.precision is not None and self.precision.endswith("zero1")
+        shards = D if zero1 else 1  # only ZeRO-1 state depends on D
         placement, inflight_by_rank = self._placement(P, m, schedule, v)
-        key = (P, v, schedule, base)
-        if key not in self._bounds:
-            self._bounds[key] = _split(
-                self.layers(base), P, v, schedule, schedule, "balanced", self.link, m, self.optimizer, None
-            )
-        bounds = self._bounds[key]
-        stages = self._stage_sums(base, bounds, shards)
         inflight = [inflight_by_rank[r] for r in placement]
+        bounds = self._balanced_bounds(P, m, schedule, v, base)
+        stages = self._stage_sums(base, bounds, shards)
         scale = b / base
         mem = _rank_memory(stages, placement, inflight, P, scale)
-        if self.mem_limit is not None and max(mem) > self.mem_limit:
-            # no split can beat the average rank: static state plus the fewest in-flight activations
-            static = sum(stages.state_bytes)
-            activations = min(inflight) * sum(stages.activation_bytes) * scale
-            if (static + activations) / P > self.mem_limit:
-                raise ValueError(
-                    f"needs at least {(static + activations) / P / 2**30:.3g} GiB per GPU on average > mem_per_gpu_bytes={self.mem_limit:.4g}"
-                )
+        limit = self.mem_per_gpu_bytes
+        if limit is not None and max(mem) > limit:
             # the time-balanced split does not fit at this micro-batch size: take the fastest split that does
-            bounds = self._capped_bounds(P, m, b, schedule, v, shards, tuple(inflight_by_rank))
+            _check_average_fits(stages, inflight, P, scale, limit)
+            bounds = self._capped_bounds(P, m, b, schedule, v, shards, tuple(inflight_by_rank), limit)
             base, scale = b, 1.0
             stages = self._stage_sums(b, bounds, shards)
             mem = _rank_memory(stages, placement, inflight, P, 1.0)
-        busiest = max(rank_totals(stages.stage_ms, placement, P))
-        bound = m * busiest * scale
-        if (
-            self.calibration is not None
-        ):  # calibrated actions take at least scale(P) x profiled, plus non-negative costs
+        bound = m * max(rank_totals(stages.stage_ms, placement, P)) * scale
+        if self.calibration is not None:  # calibrated actions take at least scale(P) x profiled, plus fixed costs
             bound = bound * self.calibration.scale(P) + self.calibration.step_overhead_ms(schedule)
-        build = (self.layers(base), bounds, v, schedule, m, D)
-        return Split(P, bounds, m, schedule, v, base, scale, max(mem), _rank_max(stages.param_bytes, placement, P),
-                     _rank_max(stages.params, placement, P), bound, self, build)  # fmt: skip
+        return Split(
+            P=P,
+            bounds=bounds,
+            m=m,
+            schedule=schedule,
+            v=v,
+            base=base,
+            scale=scale,
+            peak_mem_bytes=max(mem),
+            rank_param_bytes=_rank_max(stages.param_bytes, placement, P),
+            rank_params=_rank_max(stages.params, placement, P),
+            lower_bound_ms=bound,
+            evaluator=self,
+            build=(self.layers(base), bounds, v, schedule, m, D),
+        )
 
-    def partition(self, layers, bounds, v, schedule, m, D) -> Partition:
+    def partition(self, layers: _Layers, bounds: Bounds, v: int, schedule: str, m: int, D: int) -> Partition:
         """The :class:`~pipeswift_lab.Partition` of a split (built when it is simulated)."""
         return Partition.from_bounds(
             layers,
@@ -204,7 +203,7 @@ class Evaluator:
         step, bubble = self._sims[key]
         return step * split.scale, bubble
 
-    def _timed(self, part, m, schedule, v):
+    def _timed(self, part: Partition, m: int, schedule: str, v: int) -> tuple[float, float]:
         step = simulate_step_ms(part, m, schedule, v=v, link=self.link, calibration=self.calibration)
         busy = m * sum(part.stage_ms)
         if self.calibration is not None:
@@ -212,38 +211,57 @@ class Evaluator:
             busy *= self.calibration.scale(part.P)
         return step, (1.0 - busy / (part.P * step) if step > 0 else 0.0)
 
-    def _placement(self, P, m, schedule, v):
+    def _placement(self, P: int, m: int, schedule: str, v: int) -> tuple[tuple[int, ...], list[float]]:
+        """``(rank of each stage, micro-batches in flight on each rank)`` (cached)."""
         key = (P, m, schedule, v)
         if key not in self._inflight:
             self._inflight[key] = (stage_to_rank(P, v, schedule), inflight_microbatches(P, m, schedule, v=v))
         return self._inflight[key]
 
-    def _stage_sums(self, b, bounds, D) -> _StageSums:
+    def _balanced_bounds(self, P: int, m: int, schedule: str, v: int, b: int) -> Bounds:
+        """The time-balanced split at micro-batch size ``b``, memory not considered (cached)."""
+        key = (P, v, schedule, b)
+        if key not in self._bounds:
+            layers = self.layers(b)
+            self._bounds[key] = _split(layers, P, v, schedule, schedule, "balanced", self.link, m, self.optimizer, None)
+        return self._bounds[key]
+
+    def _stage_sums(self, b: int, bounds: Bounds, D: int) -> _StageSums:
+        """Per-stage sums of the layers at micro-batch size ``b`` (cached)."""
         key = (b, bounds, D)
         if key not in self._stages:
-            layers = self.layers(b)
+            layers: Any = self.layers(b)  # its optional columns (params, param_bytes, ...) are set by name
 
-            def sums(values):
-                return (
-                    tuple(float(values[a:e].sum()) for a, e in bounds)
-                    if values is not None
-                    else tuple(math.nan for _ in bounds)
-                )
+            def sums(values: np.ndarray | None) -> tuple[float, ...]:
+                if values is None:
+                    return tuple(math.nan for _ in bounds)
+                return tuple(float(values[a:e].sum()) for a, e in bounds)
 
             state = state_bytes(layers.params, layers.param_bytes, self.precision, self.optimizer, D)
             params = tuple(int(round(x)) for x in sums(layers.params)) if layers.params is not None else sums(None)
             fwd, bwd = sums(layers.fwd), sums(layers.bwd)
             self._stages[key] = _StageSums(
-                tuple(f + w for f, w in zip(fwd, bwd)),
-                sums(state),
-                sums(layers.activation_bytes),
-                sums(layers.param_bytes),
-                params,
+                stage_ms=tuple(f + w for f, w in zip(fwd, bwd)),
+                state_bytes=sums(state),
+                activation_bytes=sums(layers.activation_bytes),
+                param_bytes=sums(layers.param_bytes),
+                params=params,
             )
         return self._stages[key]
 
-    def _capped_bounds(self, P, m, b, schedule, v, D, inflight_by_rank):
-        """The fastest split at size ``b`` that fits the cap; raises ``ValueError`` when none does.
+    def _capped_bounds(
+        self,
+        P: int,
+        m: int,
+        b: int,
+        schedule: str,
+        v: int,
+        D: int,
+        inflight_by_rank: tuple[float, ...],
+        limit: float,
+    ) -> Bounds:
+        """The fastest split at size ``b`` that fits the cap ``limit`` (``mem_per_gpu_bytes``); raises ``ValueError``
+        when none does.
 
         Cached by what the memory windows depend on, so ``m`` values with the same in-flight
         counts share one search.
@@ -253,58 +271,66 @@ class Evaluator:
             layers = self.layers(b)
             try:
                 bounds = _split(
-                    layers,
-                    P,
-                    v,
-                    schedule,
-                    schedule,
-                    "balanced",
-                    self.link,
-                    m,
-                    self.optimizer,
-                    self.mem_limit,
-                    self.precision,
-                    D,
+                    layers, P, v, schedule, schedule, "balanced", self.link, m, self.optimizer, limit, self.precision, D
                 )
                 placement, inflight = self._placement(P, m, schedule, v)
                 stages = self._stage_sums(b, bounds, D)
                 need = _rank_memory(stages, placement, [inflight[r] for r in placement], P, 1.0)
-                self._capped[key] = bounds if max(need) <= self.mem_limit * (1 + _MEM_RTOL) else None
+                self._capped[key] = bounds if max(need) <= limit * (1 + _MEM_RTOL) else None
             except Infeasible:
                 self._capped[key] = None
-        if self._capped[key] is None:
-            raise ValueError(no_fit_head(self.mem_limit, "balanced", P, v))
-        return self._capped[key]
+        capped = self._capped[key]
+        if capped is None:
+            raise ValueError(no_fit_head(limit, "balanced", P, v))
+        return capped
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class _StageSums:
     """Per-stage sums of a split's layers, the numbers the search needs before building a Partition."""
 
-    stage_ms: tuple  # forward + backward per micro-batch
-    state_bytes: tuple  # weights + gradients + optimizer state
-    activation_bytes: tuple  # saved per micro-batch
-    param_bytes: tuple
-    params: tuple  # NaN where the profile has no params column
+    stage_ms: tuple[float, ...]
+    """Forward + backward per micro-batch."""
+    state_bytes: tuple[float, ...]
+    """Weights + gradients + optimizer state."""
+    activation_bytes: tuple[float, ...]
+    """Saved for the backward, per micro-batch in flight."""
+    param_bytes: tuple[float, ...]
+    """Bytes of the parameters."""
+    params: tuple[float, ...]
+    """Parameters (whole numbers; NaN where the profile has no ``params`` column)."""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Split:
     """A balanced split at one micro-batch size, with what the planner needs before simulating it."""
 
     P: int
-    bounds: tuple
+    """Ranks."""
+    bounds: Bounds
+    """``(first_layer, end_layer)`` of each of the ``P * v`` stages."""
     m: int
+    """Micro-batches per step."""
     schedule: str
+    """The schedule's name."""
     v: int
-    base: int  # micro-batch size the split's times are for
-    scale: float  # b / base: the step scales by it
+    """Stages (chunks) per rank."""
+    base: int
+    """The micro-batch size the split's times are for."""
+    scale: float
+    """``b / base``: the step scales by it."""
     peak_mem_bytes: float
-    rank_param_bytes: float  # the most parameter bytes one rank holds
-    rank_params: float  # the most parameters one rank holds (NaN when the profile does not count them)
-    lower_bound_ms: float  # m times the busiest rank's compute: no pipeline step is shorter
+    """The most memory one rank holds."""
+    rank_param_bytes: float
+    """The most parameter bytes one rank holds."""
+    rank_params: float
+    """The most parameters one rank holds (NaN when the profile does not count them)."""
+    lower_bound_ms: float
+    """``m`` times the busiest rank's compute: no pipeline step is shorter."""
     evaluator: Evaluator = field(repr=False, compare=False)
-    build: tuple = field(repr=False, compare=False)  # the arguments of Evaluator.partition
+    """The evaluator that builds the :class:`~pipeswift_lab.Partition` on first use."""
+    build: tuple[_Layers, Bounds, int, str, int, int] = field(repr=False, compare=False)
+    """The arguments of :meth:`Evaluator.partition`."""
 
     @cached_property
     def part(self) -> Partition:
@@ -312,12 +338,48 @@ class Split:
         return self.evaluator.partition(*self.build)
 
 
-def _rank_memory(stages, placement, inflight, P, scale):
+def _profiled(prof: Any, name: str) -> tuple[int, pd.DataFrame, str]:
+    """``(micro-batch size, per-layer table, device type)`` of one profile; warns when it has no batch size."""
+    df = prof.df if hasattr(prof, "df") else prof
+    if not isinstance(df, pd.DataFrame):
+        raise TypeError(
+            f"profile must be a pipeswift_lab.Profile, a per-layer DataFrame or a list of Profiles; "
+            f"got {type(prof).__name__}"
+        )
+    meta = getattr(prof, "meta", {}) or {}
+    if not meta.get("batch_size"):
+        warnings.warn(
+            f"{name} has no meta['batch_size']: it is planned as if profiled at micro-batch size 1 (layer times and "
+            f"activations scale from there); set Profile.meta['batch_size'] "
+            f"(Profile.synthetic(..., meta={{'batch_size': b}})) to the size it was taken at",
+            UserWarning,
+            stacklevel=5,  # _profiled, MicrobatchCosts, check_plan_inputs, plan, the caller
+        )
+    size = meta.get("batch_size") or 1
+    size = int(size) if isinstance(size, float) and size.is_integer() else size
+    size = check_int("profile.meta['batch_size']", size, minimum=1)
+    return size, df.reset_index(drop=True), str(meta.get("device", "cuda")).split(":")[0]
+
+
+def _check_average_fits(stages: _StageSums, inflight: list[float], P: int, scale: float, limit: float) -> None:
+    """Raise ``ValueError`` when not even the average rank fits ``limit``: no split can beat it (static state plus
+    the fewest in-flight activations)."""
+    static = sum(stages.state_bytes)
+    activations = min(inflight) * sum(stages.activation_bytes) * scale
+    average = (static + activations) / P
+    if average > limit:
+        raise ValueError(f"needs at least {average / 2**30:.3g} GiB per GPU on average > mem_per_gpu_bytes={limit:.4g}")
+
+
+def _rank_memory(
+    stages: _StageSums, placement: Sequence[int], inflight: Sequence[float], P: int, scale: float
+) -> list[float]:
+    """Per rank, the memory its stages hold: state plus the activations of the micro-batches in flight."""
     per_stage = [
         state + act * held * scale for state, act, held in zip(stages.state_bytes, stages.activation_bytes, inflight)
     ]
     return rank_totals(per_stage, placement, P)
 
 
-def _rank_max(per_stage, placement, P) -> float:
+def _rank_max(per_stage: Sequence[float], placement: Sequence[int], P: int) -> float:
     return max(rank_totals(per_stage, placement, P))

@@ -13,18 +13,22 @@ shape mid-way is not modelled).
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import pandas as pd
 
+from ..core.costs import AssemblyModel, Availability, CheckpointModel
 from ..core.display import hours
 from ..core.jct import TERMS
 
+__all__ = ["first_drop", "grow_rows", "shrink_rows", "split_by_drops"]
 
-def _label(row) -> str:
+
+def _label(row: pd.Series) -> str:
     return f"P{int(row['P'])}×D{int(row['D'])} m{int(row['m'])} b{int(row['microbatch_size'])} {row['schedule']}"
 
 
-def _move_s(old, new, assembly, checkpoint) -> float:
+def _move_s(old: pd.Series, new: pd.Series, assembly: AssemblyModel, checkpoint: CheckpointModel) -> float:
     return (
         checkpoint.save_s(old["_shard_bytes"])
         + assembly.seconds(int(new["P"]), int(new["D"]))
@@ -32,8 +36,18 @@ def _move_s(old, new, assembly, checkpoint) -> float:
     )
 
 
-def _switch(old, new, t_switch, steps, assembly, checkpoint, strategy, queue_s):
-    """A row: ``old`` from its start until ``t_switch`` (seconds from now), then ``new`` to the end; None if it never trains on ``old``."""
+def _switch(
+    old: pd.Series,
+    new: pd.Series,
+    t_switch: float,
+    steps: int,
+    assembly: AssemblyModel,
+    checkpoint: CheckpointModel,
+    strategy: str,
+    queue_s: float,
+) -> dict[str, Any] | None:
+    """A row: ``old`` from its start until ``t_switch`` (seconds from now), then ``new`` to the end; None if it never
+    trains on ``old``."""
     trained_s = t_switch - queue_s - old["assembly_s"]
     first_steps = trained_s / (old["step_ms"] / 1000.0)
     if first_steps >= steps:
@@ -42,16 +56,24 @@ def _switch(old, new, t_switch, steps, assembly, checkpoint, strategy, queue_s):
     lost = max(0.0, trained_s - done * old["step_ms"] / 1000.0)
     row = new.to_dict()
     row.update(
-        strategy=strategy, queue_s=queue_s,
+        strategy=strategy,
+        queue_s=queue_s,
         assembly_s=old["assembly_s"] + _move_s(old, new, assembly, checkpoint) + lost,
         training_s=done * old["step_ms"] / 1000.0 + (steps - done) * new["step_ms"] / 1000.0,
         preemption_loss_s=0.0,
-    )  # fmt: skip
+    )
     row["total_s"] = sum(row[term] for term in TERMS)
     return row
 
 
-def grow_rows(feasible, availability, assembly, checkpoint, steps, mtbf_s) -> pd.DataFrame:
+def grow_rows(
+    feasible: pd.DataFrame,
+    availability: Availability,
+    assembly: AssemblyModel,
+    checkpoint: CheckpointModel,
+    steps: int,
+    mtbf_s: float | None,
+) -> pd.DataFrame:
     """Start on the best configuration free now; when more GPUs free up, move to the best one there.
 
     One row per later availability level with more GPUs than the start.
@@ -61,7 +83,7 @@ def grow_rows(feasible, availability, assembly, checkpoint, steps, mtbf_s) -> pd
         return feasible.iloc[0:0]
     small = now.loc[now["total_s"].idxmin()]
     rows = []
-    for t, free in availability.points[1:]:
+    for t, _free in availability.points[1:]:
         later = feasible[
             (feasible["gpus"] <= min(n for tt, n in availability.points if tt >= t))
             & (feasible["gpus"] > small["gpus"])
@@ -75,15 +97,16 @@ def grow_rows(feasible, availability, assembly, checkpoint, steps, mtbf_s) -> pd
     return pd.DataFrame(rows, columns=feasible.columns)
 
 
-def first_drop(availability, gpus: int, start_s: float, end_s: float):
-    """``(time_s, free)`` of the first availability point in ``(start_s, end_s)`` with fewer than ``gpus`` free, or None."""
+def first_drop(availability: Availability, gpus: int, start_s: float, end_s: float) -> tuple[float, int] | None:
+    """``(time_s, free)`` of the first availability point in ``(start_s, end_s)`` with fewer than ``gpus`` free, or
+    None."""
     for t, free in availability.points:
         if start_s < t < end_s and free < gpus:
             return t, free
     return None
 
 
-def split_by_drops(feasible, availability):
+def split_by_drops(feasible: pd.DataFrame, availability: Availability) -> tuple[pd.DataFrame, pd.DataFrame]:
     """``(kept, lost)``: ``start`` rows that keep their GPUs to the end, and those whose GPUs are taken mid-run.
 
     A lost row's ``reason`` says when and to how many GPUs availability drops; it is no longer
@@ -107,7 +130,15 @@ def split_by_drops(feasible, availability):
     return feasible.drop(index=lost_index), lost
 
 
-def shrink_rows(lost, feasible, availability, assembly, checkpoint, steps, mtbf_s) -> pd.DataFrame:
+def shrink_rows(
+    lost: pd.DataFrame,
+    feasible: pd.DataFrame,
+    availability: Availability,
+    assembly: AssemblyModel,
+    checkpoint: CheckpointModel,
+    steps: int,
+    mtbf_s: float | None,
+) -> pd.DataFrame:
     """For each configuration whose GPUs are taken mid-run: run until the drop, then continue on the best that fits.
 
     "Best" is the fewest remaining training seconds among the feasible configurations on at
@@ -120,7 +151,10 @@ def shrink_rows(lost, feasible, availability, assembly, checkpoint, steps, mtbf_
     rows = []
     for _, old in lost.iterrows():
         end = old["queue_s"] + old["assembly_s"] + old["training_s"] + old["cleanup_s"]
-        t_drop, _ = first_drop(availability, int(old["gpus"]), old["queue_s"], end)
+        drop = first_drop(availability, int(old["gpus"]), old["queue_s"], end)
+        if drop is None:  # every lost row has a drop (split_by_drops found it)
+            continue
+        t_drop = drop[0]
         stays = min(n for t, n in availability.points if t >= t_drop)
         fits = candidates[candidates["gpus"] <= stays]
         if fits.empty:

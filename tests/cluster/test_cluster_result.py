@@ -69,7 +69,7 @@ def test_plots_take_ax_and_return_axes(results):
     assert comp.plot(ax=mine) is mine and len(mine.get_lines()) >= 3
     _, mine = plt.subplots()
     assert comp.plot_breakdown(ax=mine) is mine
-    with pytest.raises(ValueError, match="unit='d' is not valid"):
+    with pytest.raises(ValueError, match="unit='d' is not known; valid values are"):
         r.plot_cdf(unit="d")
     plt.close("all")
 

@@ -63,7 +63,7 @@ def test_unsorted_submissions_are_sorted_and_said_so():
         ([], ValueError, "empty capacity series"),
         ([(0, 8), (10, -2)], ValueError, r"gpus\[1\] gpus=-2 is invalid; a capacity must be >= 0"),
         ([(0, 8), (10, 2.5)], TypeError, r"gpus\[1\] gpus=2.5 is invalid; it must be a whole number"),
-        ([(0, 8), (-1, 4)], ValueError, r"gpus\[1\] time_s=-1 is invalid"),
+        ([(0, 8), (-1, 4)], ValueError, r"gpus\[1\] time_s=-1.0 is invalid; it must be >= 0"),
         ([(0, 8), (0, 4)], ValueError, "strictly increasing"),
         ([(0, 8, 1)], ValueError, "is not a .time_s, gpus. pair"),
         ([(0, 0)], ValueError, "0 at every time"),
@@ -82,9 +82,17 @@ def test_capacity_forms_agree():
     assert check_capacity([(50, 4)]) == ((0.0, 4), (50.0, 4))  # the first count holds before its time
 
 
-@pytest.mark.parametrize("every", [0, -5, float("inf"), "60"])
-def test_bad_checkpoint_interval(every):
-    with pytest.raises(ValueError, match="checkpoint_every_s=.* is invalid"):
+@pytest.mark.parametrize(
+    "every, error, message",
+    [
+        (0, ValueError, "checkpoint_every_s=0.0 is invalid; it must be > 0"),
+        (-5, ValueError, "checkpoint_every_s=-5.0 is invalid; it must be > 0"),
+        (float("inf"), ValueError, "checkpoint_every_s=inf is invalid; it must be a finite number"),
+        ("60", TypeError, "checkpoint_every_s must be a real number; got str '60'"),
+    ],
+)
+def test_bad_checkpoint_interval(every, error, message):
+    with pytest.raises(error, match=message):
         cluster.simulate(table(), 4, checkpoint_every_s=every, progress=False)
 
 

@@ -153,5 +153,5 @@ def test_policy_lookup_and_bad_arguments():
         get_policy("fastest")
     with pytest.raises(ValueError, match="gain_factor=0.5 is invalid"):
         cluster.Elastic(gain_factor=0.5)
-    with pytest.raises(ValueError, match="threshold_gpu_s=-1 is invalid"):
+    with pytest.raises(ValueError, match="threshold_gpu_s=-1.0 is invalid; it must be > 0"):
         cluster.Preemptive(threshold_gpu_s=-1)

@@ -1,4 +1,5 @@
-"""The planner's grow and shrink strategies: a job whose GPUs come and go changes configuration once, paying the move."""
+"""The planner's grow and shrink strategies: a job whose GPUs come and go changes configuration once, paying the
+move."""
 
 import math
 
@@ -60,8 +61,11 @@ def test_measured_moves_feed_the_shrink_rows():
     slow_disk = CheckpointModel(write_GBps=0.01, read_GBps=0.01, teardown_s=1.0)
     fast = plan(model_profile(), steps=2_000_000, availability=[(0, 8), (3600, 4)], **KW)
     slow = plan(model_profile(), steps=2_000_000, availability=[(0, 8), (3600, 4)], checkpoint=slow_disk, **KW)
-    pick = lambda r: r.feasible[r.feasible["strategy"].str.startswith("shrink")]["assembly_s"].min()  # noqa: E731
-    assert pick(slow) > pick(fast)
+
+    def shrink_assembly_s(result):
+        return result.feasible[result.feasible["strategy"].str.startswith("shrink")]["assembly_s"].min()
+
+    assert shrink_assembly_s(slow) > shrink_assembly_s(fast)
 
 
 def test_first_drop():

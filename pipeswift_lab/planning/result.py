@@ -1,0 +1,271 @@
+"""What :func:`~pipeswift_lab.planning.planner.plan` returns: a :class:`Plan` (every configuration weighed, ranked),
+whose rows read as :class:`PlannedConfig` values."""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import pandas as pd
+
+from ..core.display import hours, html_card, text_card
+from ..core.jct import JCT, TERMS
+from ..partitioning.balance import Partition, partition
+from .search import MicrobatchCosts
+
+if TYPE_CHECKING:
+    from matplotlib.axes import Axes
+
+__all__ = ["Plan", "PlannedConfig"]
+
+
+@dataclass(frozen=True)
+class PlannedConfig:
+    """One configuration and its predicted JCT terms (seconds) and step."""
+
+    P: int
+    D: int
+    m: int
+    microbatch_size: int
+    schedule: str
+    v: int
+    queue_s: float
+    assembly_s: float
+    training_s: float
+    cleanup_s: float
+    preemption_loss_s: float
+    step_ms: float
+    bubble_ratio: float
+    peak_mem_bytes: float
+    strategy: str = "start"
+
+    @property
+    def total_s(self) -> float:
+        """The predicted JCT."""
+        return self.queue_s + self.assembly_s + self.training_s + self.cleanup_s + self.preemption_loss_s
+
+    @property
+    def gpus(self) -> int:
+        """GPUs used: ``P * D``."""
+        return self.P * self.D
+
+    @property
+    def label(self) -> str:
+        """A short name: ``P4×D2 m16 1F1B``."""
+        v = f" v{self.v}" if self.v > 1 else ""
+        prefix = "" if self.strategy == "start" else f"{self.strategy}: "
+        return f"{prefix}P{self.P}×D{self.D} m{self.m} b{self.microbatch_size} {self.schedule}{v}"
+
+    @property
+    def jct(self) -> JCT:
+        """The predicted :class:`~pipeswift_lab.JCT`."""
+        return JCT(
+            self.queue_s, self.assembly_s, self.training_s, self.cleanup_s, self.preemption_loss_s, label=self.label
+        )
+
+    @classmethod
+    def from_row(cls, row: pd.Series) -> PlannedConfig:
+        """The configuration of a row of :attr:`Plan.table`."""
+        ints = ("P", "D", "m", "microbatch_size", "v")
+        floats = ("step_ms", "bubble_ratio", "peak_mem_bytes", *TERMS)
+        values: dict[str, Any] = {k: int(row[k]) for k in ints} | {k: float(row[k]) for k in floats}
+        return cls(**values, schedule=str(row["schedule"]), strategy=str(row["strategy"]))
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Every configuration the planner weighed, ranked by predicted JCT.
+
+    * ``table`` — one row per configuration: the simulated feasible ones ranked by
+      ``total_s``, then the feasible ones the branch and bound did not simulate (``simulated``
+      False), ranked after them by ``jct_lower_bound_s`` (column ``ranked_by`` names what each
+      ``rank`` is by), then the unranked rejected ones with their ``reason``; the JCT terms in the columns
+      ``queue_s``, ``assembly_s``, ``training_s``, ``cleanup_s``, ``preemption_loss_s``,
+      ``total_s``, and ``step_ms``, ``bubble_ratio``, ``peak_mem_bytes``; with ``quantile=0.95``
+      also ``total_s_p95`` (the JCT at that quantile), and with ``objective="p95"`` ranked by it;
+    * ``best`` — the shortest JCT, a :class:`PlannedConfig`;
+    * ``throughput_best`` — the shortest training term; ``bubble_best`` — the smallest bubble.
+    """
+
+    table: pd.DataFrame = field(repr=False)
+    inputs: dict[str, Any] = field(repr=False)
+    costs: MicrobatchCosts | None = field(default=None, repr=False, compare=False)
+    """The per-layer costs the plan used (what :meth:`partition_of` splits)."""
+
+    @property
+    def feasible(self) -> pd.DataFrame:
+        """The feasible, simulated rows, ranked by predicted JCT."""
+        return self.table[self.table["feasible"] & self.table["simulated"]]
+
+    def config(self, row: pd.Series | Hashable) -> PlannedConfig:
+        """The :class:`PlannedConfig` of a row of :attr:`table` (a Series or a row label)."""
+        if not isinstance(row, pd.Series):
+            row = self.table.loc[row]
+        if not (row["feasible"] and row["simulated"]):
+            raise ValueError(f"row {row.name} has no predicted JCT ({row['reason'] or 'not simulated'})")
+        return PlannedConfig.from_row(row)
+
+    @property
+    def best(self) -> PlannedConfig:
+        """The configuration with the shortest predicted JCT (at the plan's ``objective``: the mean, or a quantile
+        such as p95)."""
+        return PlannedConfig.from_row(self.feasible.iloc[0])
+
+    @property
+    def throughput_best(self) -> PlannedConfig:
+        """The start-now-or-wait configuration with the shortest training term (the highest throughput)."""
+        rows = self.feasible[self.feasible["strategy"] == "start"]
+        return PlannedConfig.from_row(rows.loc[rows["training_s"].idxmin()])
+
+    @property
+    def bubble_best(self) -> PlannedConfig:
+        """The smallest simulated bubble (ties: shorter JCT) on as many GPUs as the best, among configurations that
+        pipeline (P > 1).
+
+        The search always simulates, on the best's GPU count, the configuration with the
+        smallest closed-form bubble (ties: the most micro-batch chunks), the one a
+        bubble-minded choice would make, so that what choosing by the bubble costs is shown.
+        """
+        start = self.feasible[self.feasible["strategy"] == "start"]
+        rows = start[(start["P"] > 1) & (start["gpus"] == self.best.gpus)]
+        if rows.empty:
+            rows = start[start["P"] > 1]
+        if rows.empty:
+            rows = start
+        return PlannedConfig.from_row(rows.sort_values(["bubble_ratio", "total_s"], kind="stable").iloc[0])
+
+    def partition_of(self, config: PlannedConfig | pd.Series) -> Partition:
+        """The balanced :class:`~pipeswift_lab.Partition` of a configuration (a :class:`PlannedConfig` or a table
+        row), ready for :func:`pipeswift_lab.run`."""
+        if isinstance(config, pd.Series):
+            config = PlannedConfig.from_row(config)
+        if not isinstance(config, PlannedConfig):
+            raise TypeError(f"config must be a PlannedConfig or a row of Plan.table; got {type(config).__name__}")
+        if self.costs is None:
+            raise ValueError("this Plan holds no costs (Plan.costs is None); plan again to split its configurations")
+        return partition(
+            self.costs.table(config.microbatch_size),
+            config.P,
+            "balanced",
+            v=config.v,
+            schedule=config.schedule,
+            m=config.m,
+            optimizer=self.inputs["optimizer"],
+            link=self.inputs["link"],
+            mem_per_gpu_bytes=self.inputs["mem_per_gpu_bytes"],
+            precision=self.inputs.get("precision"),
+            D=config.D,
+        )
+
+    def run_arguments(self, row: PlannedConfig | pd.Series | Hashable) -> dict[str, Any]:
+        """``{"partition", "m", "schedule", "D"}`` of a ranked row (a label, a row of :attr:`table` or a
+        :class:`PlannedConfig`): the keyword arguments :func:`pipeswift_lab.run` takes, so a planned configuration
+        runs as is with a global batch of ``microbatch_size * m * D`` samples:
+        ``psl.run(model, data, loss_fn, **plan.run_arguments(0), steps=...)``."""
+        config = row if isinstance(row, PlannedConfig) else self.config(row)
+        return {
+            "partition": self.partition_of(config),
+            "m": int(config.m),
+            "schedule": config.schedule,
+            "D": int(config.D),
+        }
+
+    def top(self, n: int = 5) -> pd.DataFrame:
+        """The ``n`` best feasible rows."""
+        return self.feasible.head(n)
+
+    def explain(self) -> str:
+        """A few sentences on why the best configuration beats the bubble-best and the throughput-best."""
+        best = self.best
+        out = [
+            f"Best: {best.label} on {best.gpus} GPUs finishes in {hours(best.total_s)} "
+            f"(queue {hours(best.queue_s)}, training {hours(best.training_s)}, step {best.step_ms:.4g} ms, "
+            f"bubble {best.bubble_ratio:.1%})."
+        ]
+        if best.P == 1:
+            out.append(self._why_no_pipeline(best))
+        for name, other in (("bubble-best", self.bubble_best), ("throughput-best", self.throughput_best)):
+            out.append(_versus(best, name, other))
+        return " ".join(out)
+
+    def _why_no_pipeline(self, best: PlannedConfig) -> str:
+        """Why one stage (pure data parallelism) wins: it fits memory and has no bubble; what the best pipeline
+        costs."""
+        cap = self.inputs.get("mem_per_gpu_bytes")
+        if cap:
+            fits = (
+                f"the whole model fits one GPU ({best.peak_mem_bytes / 2**30:.3g} GiB of the "
+                f"mem_per_gpu_bytes={cap:.4g} cap)"
+            )
+        else:
+            fits = "no memory cap is given (mem_per_gpu_bytes=None), so the whole model is taken to fit one GPU"
+        piped = self.feasible[(self.feasible["P"] > 1) & (self.feasible["strategy"] == "start")]
+        text = (
+            f"No pipeline (P=1, {best.D} data-parallel replicas) wins because {fits}, and a pipeline only adds a "
+            f"bubble and stage transfers"
+        )
+        if piped.empty:
+            return text + "."
+        other = PlannedConfig.from_row(piped.sort_values("total_s", kind="stable").iloc[0])
+        return (
+            f"{text}: the best pipelined configuration, {other.label}, takes {hours(other.total_s)} "
+            f"({hours(other.total_s - best.total_s)} longer)."
+        )
+
+    def plot(self, ax: Axes | None = None, n: int = 5, unit: str = "h") -> Axes:
+        """Stacked JCT bars of the ``n`` best configurations, the throughput-best and the bubble-best (marked).
+        Returns the Axes."""
+        configs = [PlannedConfig.from_row(r) for _, r in self.top(n).iterrows()]
+        marks: dict[str, list[str]] = {}
+        for name, extra in (("throughput-best", self.throughput_best), ("bubble-best", self.bubble_best)):
+            if extra.label not in {c.label for c in configs}:
+                configs.append(extra)
+            marks.setdefault(extra.label, []).append(name)
+        jcts = [
+            JCT(
+                **{t: getattr(c, t) for t in TERMS},
+                label=c.label + (f"  [{', '.join(marks[c.label])}]" if c.label in marks else ""),
+            )
+            for c in configs
+        ]
+        ax = JCT.plot_many(jcts, ax=ax, unit=unit)
+        ax.set_title("predicted JCT: best configurations vs throughput-best and bubble-best")
+        return ax
+
+    def _summary(self) -> dict[str, Any]:
+        best = self.best
+        weighed = (
+            f"{len(self.feasible)} simulated, {int(self.table['feasible'].sum())} feasible, {len(self.table)} weighed"
+        )
+        return {
+            "best": best.label,
+            "JCT": hours(best.total_s),
+            "step_ms": best.step_ms,
+            "bubble_ratio": best.bubble_ratio,
+            "configurations": weighed,
+        }
+
+    def _repr_html_(self) -> str:
+        return html_card("Plan", self._summary(), self.top(10)) + f"<p>{self.explain()}</p>"
+
+    def __str__(self) -> str:
+        return text_card("Plan", self._summary())
+
+    def __repr__(self) -> str:
+        return f"Plan(best={self.best.label!r}, total_s={self.best.total_s:.6g}, configurations={len(self.table)})"
+
+
+def _versus(best: PlannedConfig, name: str, other: PlannedConfig) -> str:
+    """One sentence on what ``other`` (the bubble-best or the throughput-best) loses against ``best``."""
+    if other.label == best.label:
+        return f"The best is also the {name} configuration."
+    diffs = {t: getattr(other, t) - getattr(best, t) for t in TERMS}
+    worst = max(diffs, key=lambda t: diffs[t])
+    gain = [f"{t.removesuffix('_s')} {hours(-d)} shorter" for t, d in diffs.items() if d < -0.005 * best.total_s]
+    return (
+        f"The {name} {other.label} (bubble {other.bubble_ratio:.1%}, step {other.step_ms:.4g} ms) takes "
+        f"{hours(other.total_s)}, {hours(other.total_s - best.total_s)} longer: its {worst.removesuffix('_s')} "
+        f"term is {hours(diffs[worst])} longer"
+        + (f"; its gains ({', '.join(gain)}) do not make up for it." if gain else ".")
+    )
