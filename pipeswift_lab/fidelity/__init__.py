@@ -7,8 +7,9 @@
     psl.simulate(part, m=8, calibration=cal)
     psl.compare(psl.simulate(part, m=8), run_a).errors
 
-Modules: :mod:`.comparison`, :mod:`.replays` (a measured step re-run through the simulator), :mod:`.calibrator`
-and :mod:`.fitting`. This room never imports the runner: runs are values.
+Modules: :mod:`.comparison`, :mod:`.replays` (a measured step re-run through the simulator), :mod:`.calibrator`,
+:mod:`.measurements` (what calibration reads from the runs) and :mod:`.fitting` (its fits). This room never imports
+the runner: runs are values.
 """
 
 from __future__ import annotations

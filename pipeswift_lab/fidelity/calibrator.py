@@ -44,30 +44,21 @@ stated default with a warning naming it; the rest are fitted.
 
 from __future__ import annotations
 
-import math
 import warnings
+from collections.abc import Sequence
 from dataclasses import replace
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pandas as pd
 
-from ..core.display import NOISE_CV, noise_note  # noqa: F401 - the noise rule, public here
-from ..core.vocabulary import COMPUTE_KINDS
+from ..core.display import NOISE_CV, noise_note
 from ..simulation.calibration import RUNTIMES, SimulatorCalibration, check_calibration, runtime_of, whole_step_ms
-from .fitting import (
-    _check_runs,
-    _first,
-    _fit_compute,
-    _fit_transfer,
-    _minimize_scalar,
-    _model_of,
-    _partition_of,
-    _profile_table,
-    _profiled_durations,
-    _run_key,
-    _steady,
-    _transfer_gaps,
-)  # fmt: skip
+from .fitting import fit_compute, fit_gaps, fit_step_cv, fit_step_overhead, fit_transfer
+from .measurements import Run, check_runs, measure_runs, model_of, partition_of, profile_table, run_key
+
+if TYPE_CHECKING:
+    from matplotlib.axes import Axes
 
 
 class CalibrationWarning(UserWarning):
@@ -79,8 +70,9 @@ class Calibration(SimulatorCalibration):
     on any runs (:meth:`error`, :meth:`plot`). ``df`` lists every parameter: ``parameter``, ``value``, ``unit``,
     ``how`` (how it was fitted, from how many samples, or why it kept its default)."""
 
-    def error(self, runs) -> pd.DataFrame:
-        """Per run: the measured step (:attr:`RunResult.steady_step_ms`), the prediction before and after calibration, both relative errors.
+    def error(self, runs: Run | Sequence[Run]) -> pd.DataFrame:
+        """Per run: the measured step (:attr:`RunResult.steady_step_ms`), the prediction before and after
+        calibration, both relative errors.
 
         Columns: ``run`` (index in ``runs``), ``schedule``, ``P``, ``v``, ``m``, ``in_fit``
         (whether the run was one this calibration was fitted on: ``False`` is the held-out
@@ -90,11 +82,11 @@ class Calibration(SimulatorCalibration):
         """
         from ..simulation.simulator import simulate
 
-        runs = _check_runs(runs, self.meta.get("model"))
+        runs = check_runs(runs, self.meta.get("model"))
         fitted = set(self.meta.get("runs", ()))
         rows = []
         for i, run in enumerate(runs):
-            part = _partition_of(run, self.profile_table, self.profile_batch_size, i)
+            part = partition_of(run, self.profile_table, self.profile_batch_size, i)
             measured = float(run.steady_step_ms)
             before = simulate(part, run.m, schedule=run.schedule).step_ms
             after = whole_step_ms(simulate(part, run.m, schedule=run.schedule, calibration=self))
@@ -105,7 +97,7 @@ class Calibration(SimulatorCalibration):
                     "P": run.P,
                     "v": run.v,
                     "m": run.m,
-                    "in_fit": _run_key(run) in fitted,
+                    "in_fit": run_key(run) in fitted,
                     "measured_step_ms": measured,
                     "predicted_before_ms": before,
                     "predicted_after_ms": after,
@@ -115,8 +107,9 @@ class Calibration(SimulatorCalibration):
             )
         return pd.DataFrame(rows)
 
-    def plot(self, runs, ax=None):
-        """Predicted against measured step of ``runs``, before (hollow) and after (filled) calibration, with the y = x line. Returns the Axes."""
+    def plot(self, runs: Run | Sequence[Run], ax: Axes | None = None) -> Axes:
+        """Predicted against measured step of ``runs``, before (hollow) and after (filled) calibration, with the
+        y = x line. Returns the Axes."""
         from ..core.plot import get_ax
 
         table = self.error(runs)
@@ -155,9 +148,7 @@ class Calibration(SimulatorCalibration):
 
 
 # --------------------------------------------------------------------------- fitting
-
-
-def calibrate(runs, profile) -> Calibration:
+def calibrate(runs: Run | Sequence[Run], profile: Any) -> Calibration:
     """Fit the simulator to measured runs of one model; return a :class:`Calibration`.
 
     ``runs`` is one or more :class:`~pipeswift_lab.runner.RunResult` of the same model (any
@@ -169,131 +160,41 @@ def calibrate(runs, profile) -> Calibration:
     A parameter the runs cannot determine keeps a stated default and a
     :class:`CalibrationWarning` names it.
     """
-    from ..simulation.simulator import simulate_step_ms
-
-    runs = _check_runs(runs)
-    table, batch_size = _profile_table(profile)
-    parts = [_partition_of(run, table, batch_size, i) for i, run in enumerate(runs)]
-    how: dict = {}
+    runs = check_runs(runs)
+    table, batch_size = profile_table(profile)
+    parts = [partition_of(run, table, batch_size, i) for i, run in enumerate(runs)]
+    how: dict[str, str] = {}
     missing: list[str] = []
-
-    # 1. compute scale per P and the fixed cost per action: least squares over (run, stage, kind) medians
-    samples = []  # (P, profiled, measured)
-    spans, overheads, gaps, cvs = [], {k: [] for k in RUNTIMES}, [], []
-    for run, part in zip(runs, parts):
-        steady = _steady(run)
-        df = run.timeline.df
-        df = df[df["step"].isin(steady) & df["kind"].isin(COMPUTE_KINDS)]
-        if df.empty:
-            raise ValueError(f"the run {run.schedule} P={run.P} m={run.m} has no measured actions in steps {steady}")
-        profiled = _profiled_durations(part)
-        med = (df["end_ms"] - df["start_ms"]).groupby([df["stage"], df["kind"]]).median()
-        last = len(part.stage_fwd_ms) - 1
-        samples += [
-            (run.P, profiled[(int(s), k)], float(d), int(s) == last and k == "F", int(s) == last and k in ("B", "I"))
-            for (s, k), d in med.items()
-        ]
-        span = df.groupby("step")["end_ms"].max() - df.groupby("step")["start_ms"].min()
-        spans.append(float(span.median()))
-        overheads[runtime_of(run.schedule)] += [
-            run.step_ms[k - _first(run)] - span[k] for k in steady if k in span.index
-        ]
-        gaps += _transfer_gaps(df, part)
-        cv = float(run.step_stats().iloc[-1]["cv"])  # the dispersion the noise rule reads too
-        if math.isfinite(cv):
-            cvs.append(cv)
-    scale, action_ms, loss_ms = _fit_compute(samples, how, missing)
-
-    # 2. transfers from the idle receivers' gaps
-    latency_ms, bandwidth = _fit_transfer(gaps, how, missing)
-
-    # 3. per-step overhead per runtime
-    step_overhead = {}
-    for kind in RUNTIMES:
-        values = overheads[kind]
-        name = f"step_overhead_ms[{kind}]"
-        if values:
-            step_overhead[kind] = max(0.0, float(np.median(values)))
-            how[name] = f"median over {len(values)} steps of the step time minus its first-to-last action span"
-        else:
-            step_overhead[kind] = math.nan
-            how[name] = f"not fitted: no run of a {kind} schedule; predicted as 0"
-            missing.append(name)
-
-    # 4. step dispersion
-    if cvs:
-        step_cv = float(np.median(cvs))
-        how["step_cv"] = f"median over {len(cvs)} runs of std/mean of the steps after the first"
-    else:
-        step_cv = math.nan
-        how["step_cv"] = "not fitted: no run has 2 or more steps after the warm-up step"
-        missing.append("step_cv")
-
-    cal = Calibration(
-        scale,
-        action_ms,
-        loss_ms,
-        {},
-        step_overhead,
-        latency_ms,
-        bandwidth,
-        step_cv,
-        how,
-        table,
-        batch_size,
-        {"runs": tuple(_run_key(r) for r in runs), "model": _model_of(runs[0])},
+    measured = measure_runs(runs, parts)
+    scale, action_ms, loss_ms = fit_compute(measured.samples, how, missing)
+    latency_ms, bandwidth = fit_transfer(measured.gaps, how, missing)
+    closed_form = Calibration(
+        compute_scale=scale,
+        action_ms=action_ms,
+        loss_ms=loss_ms,
+        gap={},
+        step_overhead=fit_step_overhead(measured.overheads, how, missing),
+        latency_ms=latency_ms,
+        bandwidth_GBps=bandwidth,
+        step_cv=fit_step_cv(measured.cvs, how, missing),
+        profile_table=table,
+        profile_batch_size=batch_size,
+        meta={"runs": tuple(run_key(r) for r in runs), "model": model_of(runs[0])},
     )
+    cal = replace(fit_gaps(closed_form, runs, parts, measured.spans, how, missing), how=how)
+    _warn_missing(missing)
+    return cal
 
-    # 5. the runtime's gap between actions, per runtime, and its scale per P: joint least squares of the relative
-    #    span error over all runs (the rest fixed), by coordinate descent
-    P_ref = min(run.P for run in runs)
-    kinds = [k for k in RUNTIMES if any(runtime_of(run.schedule) == k for run in runs)]
-    for kind in RUNTIMES:
-        if kind not in kinds:
-            how[f"gap_ms[{kind}]"] = f"not fitted: no run of a {kind} schedule; predicted as 0"
-            missing.append(f"gap_ms[{kind}]")
-    other_Ps = sorted({run.P for run in runs} - {P_ref})
-    values = {("gap", k): 0.0 for k in kinds}
-    values.update({("scale", P): 1.0 for P in other_Ps})
 
-    def trial(values):
-        return replace(
-            cal,
-            gap={k: values[("gap", k)] for k in kinds},
-            gap_scale={P_ref: 1.0, **{P: values[("scale", P)] for P in other_Ps}} if other_Ps else {},
-        )
-
-    def loss(values):
-        t = trial(values)
-        err = [
-            (simulate_step_ms(part, run.m, run.schedule, calibration=t) - span) / span
-            for run, part, span in zip(runs, parts, spans)
-        ]
-        return float(np.sum(np.square(err)))
-
-    upper_gap = max(spans) / min(2 * run.m * run.v for run in runs)
-    bounds = {key: (0.0, upper_gap) if key[0] == "gap" else (0.25, 8.0) for key in values}
-    for _ in range(3 if len(values) > 1 else 1):
-        for key in values:
-            values[key] = _minimize_scalar(lambda x, key=key: loss({**values, key: x}), *bounds[key])
-    for kind in kinds:
-        n = sum(runtime_of(run.schedule) == kind for run in runs)
-        how[f"gap_ms[{kind}]"] = (
-            f"least squares of the relative error of the simulated action span against the measured median span, "
-            f"jointly over all {len(runs)} runs ({n} of them {kind}; searched in [0, {upper_gap:.3g}] ms), at P={P_ref}"
-        )
-    for P in other_Ps:
-        n = sum(run.P == P for run in runs)
-        how[f"gap_scale[P={P}]"] = f"the same least squares, jointly; {n} runs at P={P} (searched in [0.25, 8])"
-    cal = replace(trial(values), how=how)
+def _warn_missing(missing: list[str]) -> None:
+    """One :class:`CalibrationWarning` naming every parameter the runs cannot determine."""
     if missing:
         warnings.warn(
-            f"calibrate: the runs cannot determine {', '.join(missing)}; see Calibration.df 'how' for the default used. "
-            f"Add runs that vary what they need (e.g. a run of the other runtime, other stage sizes).",
+            f"calibrate: the runs cannot determine {', '.join(missing)}; see Calibration.df 'how' for the default "
+            "used. Add runs that vary what they need (e.g. a run of the other runtime, other stage sizes).",
             CalibrationWarning,
-            stacklevel=2,
+            stacklevel=3,
         )
-    return cal
 
 
 __all__ = [
@@ -301,9 +202,10 @@ __all__ = [
     "Calibration",
     "CalibrationWarning",
     "RUNTIMES",
+    "SimulatorCalibration",
     "calibrate",
-    "noise_note",
     "check_calibration",
+    "noise_note",
     "runtime_of",
     "whole_step_ms",
 ]

@@ -25,6 +25,7 @@ kind, and for the pipeline:
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pandas as pd
@@ -32,10 +33,18 @@ import pandas as pd
 from ..core.display import html_card, text_card
 from ..core.vocabulary import COMPUTE_KINDS
 from ..simulation.steady import MEASURED_STEP, first_step, pick_step, timeline_of
+from ..simulation.timeline import Timeline
+
+if TYPE_CHECKING:
+    from matplotlib.axes import Axes
+
+#: A metric's key: ``(metric, rank)``, rank None for a whole-pipeline metric.
+MetricKey = tuple[str, "int | None"]
 
 
 def _one_step(df: pd.DataFrame, step: int) -> pd.DataFrame:
-    """The compute actions of ``step``, shifted to start at 0; of replica 0 only when the Timeline has several (D > 1)."""
+    """The compute actions of ``step``, shifted to start at 0; of replica 0 only when the Timeline has several
+    (D > 1)."""
     out = df[(df["step"] == step) & df["kind"].isin(COMPUTE_KINDS) & (df["replica"] == 0)].copy()
     if out.empty:
         raise ValueError(f"step {step} has no compute actions")
@@ -45,12 +54,13 @@ def _one_step(df: pd.DataFrame, step: int) -> pd.DataFrame:
     return out
 
 
-def _metrics(df: pd.DataFrame, ranks) -> dict:
+def _metrics(df: pd.DataFrame, ranks: list[int]) -> dict[MetricKey, float]:
     """Step time, bubble, per-rank busy/idle (the Timeline's own definitions) and mean action durations."""
-    from ..simulation.timeline import Timeline
-
     timeline = Timeline(df, meta={"P": len(ranks)} if ranks == list(range(len(ranks))) else {})
-    out = {("span_ms", None): timeline.step_ms, ("bubble_ratio", None): timeline.bubble_ratio}
+    out: dict[MetricKey, float] = {
+        ("span_ms", None): timeline.step_ms,
+        ("bubble_ratio", None): timeline.bubble_ratio,
+    }
     by_rank = timeline.idle_by_rank.set_index("rank")
     for r in ranks:
         out[("busy_ms", r)] = float(by_rank.loc[r, "busy_ms"])
@@ -61,7 +71,7 @@ def _metrics(df: pd.DataFrame, ranks) -> dict:
     return out
 
 
-@dataclass(frozen=True, repr=False)
+@dataclass(frozen=True, repr=False, kw_only=True)
 class Comparison:
     """A predicted and a measured step side by side (see the module docstring for the metrics).
 
@@ -69,15 +79,22 @@ class Comparison:
     ``measured``, ``rel_error``.
     """
 
-    predicted: object
-    measured: object
+    predicted: Timeline
+    """The predicted Timeline."""
+    measured: Timeline
+    """The measured Timeline."""
     predicted_step: int
+    """The predicted step compared (its first)."""
     measured_step: int
+    """The measured step compared (:func:`~pipeswift_lab.simulation.steady.pick_step`)."""
     df: pd.DataFrame
-    replayed: object = None  # the replayed Timeline (None when the measured timeline does not name its schedule)
-    statistic: str = MEASURED_STEP  # what the measured step_ms is
+    """Every metric, predicted against measured."""
+    replayed: Timeline | None = None
+    """The replayed Timeline (None when the measured timeline does not name its schedule)."""
+    statistic: str = MEASURED_STEP
+    """What the measured ``step_ms`` is."""
 
-    def _value(self, metric, column):
+    def _value(self, metric: str, column: str) -> float:
         row = self.df[(self.df["metric"] == metric) & self.df["rank"].isna()]
         return float(row[column].iloc[0])
 
@@ -115,8 +132,9 @@ class Comparison:
         """``(predicted, measured)`` idle share of ``P x step`` (GPipe's convention)."""
         return self._value("bubble_ratio", "predicted"), self._value("bubble_ratio", "measured")
 
-    def plot(self, ax=None):
-        """Both Gantt charts on one Axes: one row per rank, predicted bars outlined above, measured bars filled below. Returns the Axes."""
+    def plot(self, ax: Axes | None = None) -> Axes:
+        """Both Gantt charts on one Axes: one row per rank, predicted bars outlined above, measured bars filled
+        below. Returns the Axes."""
         from matplotlib.patches import Patch
 
         from ..core.plot import KIND_COLORS, get_ax
@@ -125,34 +143,17 @@ class Comparison:
         meas = _one_step(timeline_of(self.measured, "measured").df, self.measured_step)
         ranks = sorted(set(pred["rank"]) | set(meas["rank"]))
         ax = get_ax(ax, figsize=(9.0, 0.9 + 0.8 * len(ranks)))
-        for df, offset, filled in ((pred, -0.21, False), (meas, 0.21, True)):
-            for row in df.itertuples(index=False):
-                color = KIND_COLORS.get(row.kind, "#999999")
-                ax.broken_barh(
-                    [(row.start_ms, row.end_ms - row.start_ms)],
-                    (row.rank + offset - 0.19, 0.38),
-                    facecolors=color if filled else "none",
-                    edgecolors=color if not filled else "white",
-                    linewidth=1.2 if not filled else 0.4,
-                    alpha=0.9,
-                )
-                if row.end_ms - row.start_ms > 0.04 * max(pred["end_ms"].max(), meas["end_ms"].max()):
-                    ax.text(
-                        (row.start_ms + row.end_ms) / 2,
-                        row.rank + offset,
-                        f"{row.microbatch}",
-                        ha="center",
-                        va="center",
-                        fontsize=7,
-                        color="white" if filled else color,
-                    )
+        label_ms = 0.04 * max(pred["end_ms"].max(), meas["end_ms"].max())  # bars wider than this get their number
+        _draw_step(ax, pred, offset=-0.21, filled=False, label_ms=label_ms)
+        _draw_step(ax, meas, offset=0.21, filled=True, label_ms=label_ms)
         ax.set_yticks(ranks)
         ax.set_yticklabels([f"rank {r}" for r in ranks])
         ax.set_ylim(max(ranks) + 0.6, min(ranks) - 0.6)
         ax.set_xlabel("ms since the step started")
         p, m = self.step_ms
         ax.set_title(
-            f"predicted (outline, above) {p:.1f} ms vs measured (filled, below) {m:.1f} ms: error {self.step_rel_error:+.1%}"
+            f"predicted (outline, above) {p:.1f} ms vs measured (filled, below) {m:.1f} ms: "
+            f"error {self.step_rel_error:+.1%}"
         )
         kinds = [k for k in COMPUTE_KINDS if k in set(pred["kind"]) | set(meas["kind"])]
         ax.legend(
@@ -163,7 +164,7 @@ class Comparison:
         )
         return ax
 
-    def _summary(self) -> dict:
+    def _summary(self) -> dict[str, Any]:
         p, m = self.step_ms
         bp, bm = self.bubble_ratio
         return {
@@ -186,8 +187,32 @@ class Comparison:
     __repr__ = __str__
 
 
-def compare(predicted, measured, *, step=None) -> Comparison:
-    """Compare a predicted Timeline (its step 0) with a measured one (``step``, default the median step after the first).
+def _draw_step(ax: Axes, df: pd.DataFrame, *, offset: float, filled: bool, label_ms: float) -> None:
+    """One side's bars on its half of each rank's row: outlined (predicted) or filled (measured), numbered when wider
+    than ``label_ms``."""
+    from ..core.plot import KIND_COLORS
+
+    for row in df.itertuples(index=False):
+        color = KIND_COLORS.get(row.kind, "#999999")
+        ax.broken_barh(
+            [(row.start_ms, row.end_ms - row.start_ms)],
+            (row.rank + offset - 0.19, 0.38),
+            facecolors=color if filled else "none",
+            edgecolors=color if not filled else "white",
+            linewidth=1.2 if not filled else 0.4,
+            alpha=0.9,
+        )
+        if row.end_ms - row.start_ms > label_ms:
+            center = (row.start_ms + row.end_ms) / 2
+            text_color = "white" if filled else color
+            ax.text(
+                center, row.rank + offset, f"{row.microbatch}", ha="center", va="center", fontsize=7, color=text_color
+            )
+
+
+def compare(predicted: Any, measured: Any, *, step: int | None = None) -> Comparison:
+    """Compare a predicted Timeline (its step 0) with a measured one (``step``, default the median step after the
+    first).
 
     ``predicted``: a Timeline or anything with ``.timeline`` (a simulation result);
     ``measured``: a :class:`~pipeswift_lab.runner.RunResult` or a Timeline. The two must have
@@ -204,37 +229,62 @@ def compare(predicted, measured, *, step=None) -> Comparison:
         raise ValueError(f"predicted has ranks {pred_ranks} but measured {meas_ranks}; compare runs of the same P")
     pm, mm = _metrics(pred, pred_ranks), _metrics(meas, meas_ranks)
     overhead = float(pred_tl.meta.get("step_overhead_ms", 0.0) or 0.0)
+    measured_step_ms, statistic = _measured_step(measured, meas_tl, meas_step, mm[("span_ms", None)], step)
+    replayed = _replay(pred_tl, meas_tl, meas_step, overhead)
+    replayed_ms = replayed.step_ms + overhead if replayed is not None else np.nan
+    return Comparison(
+        predicted=pred_tl,
+        measured=meas_tl,
+        predicted_step=pred_step,
+        measured_step=meas_step,
+        df=_table(pm, mm, pm[("span_ms", None)] + overhead, measured_step_ms, replayed_ms),
+        replayed=replayed,
+        statistic=statistic,
+    )
+
+
+def _measured_step(
+    measured: Any, meas_tl: Timeline, meas_step: int, span_ms: float, step: int | None
+) -> tuple[float, str]:
+    """The measured step (ms) and what it is: a RunResult's whole step, else the Timeline's action span."""
     whole = getattr(measured, "step_ms", None) if measured is not meas_tl else None
     if whole:
-        measured_step_ms, statistic = float(whole[meas_step - first_step(measured)]), MEASURED_STEP
-    else:
-        measured_step_ms, statistic = (
-            mm[("span_ms", None)],
-            "action span (first action start to last action end) of the "
-            + ("median step after the first" if step is None else f"step {meas_step}")
-            + "; a bare Timeline has no whole step",
-        )
-    replayed, replayed_ms = None, np.nan
-    if all(k in meas_tl.meta for k in ("schedule", "P", "m", "v")):
-        from .replays import replay
+        return float(whole[meas_step - first_step(measured)]), MEASURED_STEP
+    which = "median step after the first" if step is None else f"step {meas_step}"
+    return (
+        span_ms,
+        f"action span (first action start to last action end) of the {which}; a bare Timeline has no whole step",
+    )
 
-        transfer = pred_tl.meta.get("stage_transfer_ms")
-        stages = int(meas_tl.meta["P"]) * int(meas_tl.meta["v"])
-        replayed = replay(
-            meas_tl,
-            meas_step,
-            transfer_ms=transfer if transfer is not None and len(transfer) == stages else None,
-            step_overhead_ms=overhead,
-            gap_ms=float(pred_tl.meta.get("gap_ms", 0.0) or 0.0),
-        )
-        replayed_ms = replayed.step_ms + overhead
+
+def _replay(pred_tl: Timeline, meas_tl: Timeline, meas_step: int, overhead: float) -> Timeline | None:
+    """The measured step replayed with the prediction's transfers, gap and overhead (None when the measured timeline
+    does not name its schedule, P, m and v)."""
+    if not all(k in meas_tl.meta for k in ("schedule", "P", "m", "v")):
+        return None
+    from .replays import replay
+
+    transfer = pred_tl.meta.get("stage_transfer_ms")
+    stages = int(meas_tl.meta["P"]) * int(meas_tl.meta["v"])
+    return replay(
+        meas_tl,
+        meas_step,
+        transfer_ms=transfer if transfer is not None and len(transfer) == stages else None,
+        step_overhead_ms=overhead,
+        gap_ms=float(pred_tl.meta.get("gap_ms", 0.0) or 0.0),
+    )
+
+
+def _table(
+    pm: dict[MetricKey, float],
+    mm: dict[MetricKey, float],
+    predicted_step_ms: float,
+    measured_step_ms: float,
+    replayed_ms: float,
+) -> pd.DataFrame:
+    """:attr:`Comparison.df`: the step, the replayed step, then every metric of either side, with relative errors."""
     rows = [
-        {
-            "metric": "step_ms",
-            "rank": None,
-            "predicted": pm[("span_ms", None)] + overhead,
-            "measured": measured_step_ms,
-        },
+        {"metric": "step_ms", "rank": None, "predicted": predicted_step_ms, "measured": measured_step_ms},
         {"metric": "replayed_step_ms", "rank": None, "predicted": replayed_ms, "measured": measured_step_ms},
     ]
     for key in list(pm) + [k for k in mm if k not in pm]:
@@ -246,12 +296,7 @@ def compare(predicted, measured, *, step=None) -> Comparison:
         (p - m) / m if np.isfinite(m) and m != 0 else np.nan for p, m in zip(df["predicted"], df["measured"])
     ]
     df["rank"] = df["rank"].astype("Int64")
-    return Comparison(
-        predicted=pred_tl,
-        measured=meas_tl,
-        predicted_step=pred_step,
-        measured_step=meas_step,
-        df=df,
-        replayed=replayed,
-        statistic=statistic,
-    )
+    return df
+
+
+__all__ = ["MEASURED_STEP", "Comparison", "compare"]

@@ -1,168 +1,33 @@
-"""The fitting machinery of :func:`pipeswift_lab.fidelity.calibrator.calibrate`: checking the runs, the partition each ran,
-and the least-squares and median fits of the model's parameters (the model is stated in :mod:`pipeswift_lab.fidelity.calibrator`).
+"""The fits behind :func:`pipeswift_lab.fidelity.calibrator.calibrate`: the least-squares and median fits of the
+model's parameters (the model is stated in :mod:`pipeswift_lab.fidelity.calibrator`) from what
+:mod:`pipeswift_lab.fidelity.measurements` read in the runs.
+
+Every fit takes ``how`` (parameter -> how it was fitted) and ``missing`` (the parameters the runs cannot determine) and
+adds to them; :func:`~pipeswift_lab.fidelity.calibrator.calibrate` publishes both.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Sequence
+from dataclasses import replace
+from typing import Any, TypeVar
 
 import numpy as np
-import pandas as pd
 
-from ..core.analytic import backward_parts
 from ..core.link import fit_latency_bandwidth
+from ..partitioning.balance import Partition
+from ..simulation.calibration import RUNTIMES, SimulatorCalibration, runtime_of
+from .measurements import Run, Sample
 
-# --------------------------------------------------------------------------- inputs
-
-
-def _run_key(run) -> tuple:
-    """A run's identity: configuration and its measured step times."""
-    return (run.schedule, int(run.P), int(run.v), int(run.m), tuple(round(float(t), 6) for t in run.step_ms))
-
-
-def _model_of(run) -> tuple:
-    meta = getattr(run, "meta", {}) or {}
-    return (meta.get("n_layers"), tuple(meta.get("state_keys", ())))
+#: A calibration of any class (:func:`fit_gaps` returns one of the class it is given).
+C = TypeVar("C", bound=SimulatorCalibration)
 
 
-def _check_runs(runs, model=None) -> list:
-    """Validate ``runs``: RunResults of one model, each with a measured Timeline."""
-    if not isinstance(runs, (list, tuple)):
-        runs = [runs]
-    runs = list(runs)
-    if not runs:
-        raise ValueError("runs is empty; give one or more RunResults (psl.run(...)) of the same model")
-    for i, run in enumerate(runs):
-        needed = ("timeline", "step_ms", "schedule", "P", "v", "m", "meta")
-        if not all(hasattr(run, a) for a in needed):
-            raise TypeError(f"runs[{i}] must be a pipeswift_lab.RunResult (from psl.run); got {type(run).__name__}")
-        if run.timeline is None or not getattr(run, "instrumented", True):
-            raise ValueError(
-                f"runs[{i}] ({run.schedule} P={run.P} m={run.m}) has no Timeline: it ran with instrument=False; "
-                f"calibration needs the measured actions, rerun it with instrument=True (the default)"
-            )
-        if "bounds" not in run.meta:
-            raise ValueError(
-                f"runs[{i}] has no stage bounds in its meta; calibrate needs RunResults from psl.run or load_result"
-            )
-        if getattr(run, "D", 1) > 1:
-            raise ValueError(
-                f"runs[{i}] ({run.schedule} P={run.P} m={run.m}) ran D={run.D} replicas; calibrate fits one pipeline "
-                f"(its compute scale is per P ranks sharing the machine, and the model has no all-reduce term), so give "
-                f"it D=1 runs; the all-reduce of a replicated run is measured in RunResult.allreduce_ms"
-            )
-    first = _model_of(runs[0]) if model is None else (model[0], tuple(model[1]))
-    for i, run in enumerate(runs):
-        other = _model_of(run)
-        if other != first:
-            if other[0] != first[0]:
-                detail = f"{other[0]} layers against {first[0]}"
-            else:
-                diff = sorted(set(other[1]) ^ set(first[1]))
-                detail = f"parameters differ, e.g. {diff[:3]}"
-            whose = "runs[0]" if model is None else "the runs this calibration was fitted on"
-            raise ValueError(
-                f"runs[{i}] ({run.schedule} P={run.P} m={run.m}) is a run of a different model than {whose} ({detail}); "
-                f"calibrate each model on its own runs"
-            )
-    return runs
-
-
-def _profile_table(profile):
-    """``(per-layer DataFrame, micro-batch size or None)`` of a Profile or a per-layer DataFrame."""
-    df = getattr(profile, "df", profile)
-    if not isinstance(df, pd.DataFrame) or not {"fwd_ms", "bwd_ms"} <= set(df.columns):
-        raise TypeError(
-            f"profile must be a pipeswift_lab.Profile or a per-layer DataFrame with fwd_ms and bwd_ms; got {type(profile).__name__}"
-        )
-    meta = getattr(profile, "meta", {}) or {}
-    size = meta.get("batch_size")
-    return df.reset_index(drop=True), (int(size) if size else None)
-
-
-def _partition_of(run, table: pd.DataFrame, batch_size, index: int):
-    """The Partition a run executed, with the profile's times (scaled to the run's micro-batch size when both are known)."""
-    from ..partitioning.balance import Partition
-
-    n_run = run.meta.get("n_layers")
-    bounds = [tuple(int(x) for x in b) for b in run.meta["bounds"]]
-    if (n_run is not None and n_run != len(table)) or bounds[-1][1] != len(table):
-        raise ValueError(
-            f"the profile has {len(table)} layers but runs[{index}] ({run.schedule} P={run.P} m={run.m}) partitioned a model of "
-            f"{n_run if n_run is not None else bounds[-1][1]} layers (stage bounds {bounds}); profile the model the runs trained"
-        )
-    keys = run.meta.get("state_keys") or ()
-    if keys and {"name", "params"} <= set(table.columns):
-        unknown = [
-            str(n)
-            for n, p in zip(table["name"], table["params"])
-            if p > 0 and not any(k.startswith(f"{n}.") for k in keys)
-        ]
-        if unknown:
-            raise ValueError(
-                f"the profile's layers {unknown[:3]} hold parameters but the model of runs[{index}] has no such layer "
-                f"(its parameters: {list(keys)[:3]}...); profile the model the runs trained"
-            )
-    mb = run.meta.get("microbatch_size")
-    if batch_size and mb and int(mb) != batch_size:
-        table = table.copy()
-        for col in ("fwd_ms", "bwd_ms", "wgrad_ms", "activation_bytes", "output_bytes"):
-            if col in table.columns:
-                table[col] = table[col] * (int(mb) / batch_size)
-    return Partition.from_bounds(table, bounds, v=run.v, schedule=run.schedule, m=run.m)
-
-
-def _first(run) -> int:
-    """Step number of ``run.step_ms[0]`` (a resumed run's measured steps start later)."""
-    return int(getattr(run, "first_step", 0) or 0)
-
-
-def _steady(run) -> list[int]:
-    """Step numbers after the warm-up (the first measured) step; the only one if there is one."""
-    n, first = len(run.step_ms), _first(run)
-    return list(range(first + 1, first + n)) if n > 1 else [first]
-
-
-def _profiled_durations(part) -> dict:
-    """``{(stage, kind): profiled ms}`` as the simulator splits a backward (:func:`~pipeswift_lab.core.analytic.backward_parts`)."""
-    bwd = list(part.stage_bwd_ms)
-    igrad, wgrad = backward_parts(bwd, part.stage_wgrad_ms)
-    out = {}
-    for s, f in enumerate(part.stage_fwd_ms):
-        out.update({(s, "F"): f, (s, "B"): bwd[s], (s, "I"): igrad[s], (s, "W"): wgrad[s]})
-    return out
-
-
-def _transfer_gaps(df: pd.DataFrame, part) -> list[tuple[float, float]]:
-    """``(bytes, gap_ms)`` for every cross-rank hand-off whose receiver sat idle before the data was sent."""
-    placement = list(part.stage_to_rank)
-    S = len(placement)
-    out = []
-    for _, step in df.groupby("step"):
-        step = step.sort_values(["rank", "start_ms"], kind="stable")
-        prev_end = step.groupby("rank")["end_ms"].shift(1).fillna(-math.inf).to_numpy()
-        by_key = {
-            (int(s), int(i), k): (st, en)
-            for s, i, k, st, en in zip(
-                step["stage"], step["microbatch"], step["kind"], step["start_ms"], step["end_ms"]
-            )
-        }
-        for s, i, k, start, ready in zip(step["stage"], step["microbatch"], step["kind"], step["start_ms"], prev_end):
-            s, i = int(s), int(i)
-            if k == "F" and s > 0 and placement[s - 1] != placement[s]:
-                sender, boundary = by_key.get((s - 1, i, "F")), s - 1
-            elif k in ("B", "I") and s < S - 1 and placement[s + 1] != placement[s]:
-                sender = by_key.get((s + 1, i, "B")) or by_key.get((s + 1, i, "I"))
-                boundary = s
-            else:
-                continue
-            if sender is None or ready > sender[1]:
-                continue  # the receiver was still busy when the data was sent: the gap is a queue, not a transfer
-            out.append((float(part.stage_output_bytes[boundary]), float(start - sender[1])))
-    return out
-
-
-def _fit_compute(samples, how, missing):
+# --------------------------------------------------------------------------- fitting
+def fit_compute(
+    samples: Sequence[Sample], how: dict[str, str], missing: list[str]
+) -> tuple[dict[int, float], float, tuple[float, float]]:
     """``({P: scale}, action_ms, (loss_fwd_ms, loss_bwd_ms))`` by least squares, the additive costs kept >= 0.
 
     ``measured = scale[P] * profiled + action_ms + loss_fwd_ms [last-stage F] + loss_bwd_ms [last-stage B/I]``;
@@ -179,10 +44,9 @@ def _fit_compute(samples, how, missing):
             raise ValueError(
                 f"the profile gives 0 ms to every action of the runs at P={P}; a scale cannot be fitted from it"
             )
-    n = len(samples)
     scale_cols = [np.where(P_arr == P, x, 0.0) for P in Ps]
     extra = {
-        "action_ms": np.ones(n),
+        "action_ms": np.ones(len(samples)),
         "loss_fwd_ms": np.array([row[3] for row in samples], float),
         "loss_bwd_ms": np.array([row[4] for row in samples], float),
     }
@@ -190,44 +54,24 @@ def _fit_compute(samples, how, missing):
     if np.ptp(x) <= 0.05 * np.max(x):
         active.remove("action_ms")
         how["action_ms"] = (
-            "not fitted: every profiled action has the same duration, so a fixed cost and a scale cannot be told apart; 0"
+            "not fitted: every profiled action has the same duration, so a fixed cost and a scale cannot be told "
+            "apart; 0"
         )
         missing.append("action_ms")
-    values = {}
-    while True:
-        design = np.column_stack(scale_cols + [extra[k] for k in active])
-        coef, *_ = np.linalg.lstsq(design, y, rcond=None)
-        values = dict(zip(active, coef[len(Ps) :]))
-        if np.any(coef[: len(Ps)] <= 0) and active:
-            # measured times do not grow with profiled ones here (noise, or actions too alike): a slope <= 0 is no
-            # scale; drop the additive costs one by one (the fixed cost first) down to the proportional model,
-            # measured = scale * profiled, whose slope is positive (every measured and some profiled time is)
-            dropped = active.pop(0)
-            how[dropped] = (
-                f"not fitted: with it the least-squares scale came out {min(coef[: len(Ps)]):.3g} (measured times do not "
-                "grow with profiled ones), so 0 and the scale fitted closer to the origin"
-            )
-            missing.append(dropped)
-            continue
-        negative = [k for k in active if values[k] < 0]
-        if not negative:
-            break
-        worst = min(negative, key=lambda k: values[k])
-        how[worst] = f"least squares gave {values[worst]:.3g} ms; a cost cannot be negative, so 0 and the rest refitted"
-        active.remove(worst)
-    for k in active:
+    scales, values = _physical_least_squares(scale_cols, extra, active, y, how, missing)
+    for k in values:
         what = {
             "action_ms": "intercept",
             "loss_fwd_ms": "offset of the last stage's F",
             "loss_bwd_ms": "offset of the last stage's B/I",
         }[k]
-        how[k] = f"least squares {what} over {n} (run, stage, kind) median action times"
+        how[k] = f"least squares {what} over {len(samples)} (run, stage, kind) median action times"
     out = {}
-    for P, s in zip(Ps, coef[: len(Ps)]):
-        k = int(np.sum(P_arr == P))
-        out[int(P)] = float(s)
+    for P, scale in zip(Ps, scales):
+        out[int(P)] = float(scale)
         how[f"compute_scale[P={P}]"] = (
-            f"least squares slope of measured against profiled action time over {k} (run, stage, kind) medians at P={P}"
+            f"least squares slope of measured against profiled action time over {int(np.sum(P_arr == P))} "
+            f"(run, stage, kind) medians at P={P}"
         )
     return (
         out,
@@ -236,7 +80,42 @@ def _fit_compute(samples, how, missing):
     )
 
 
-def _fit_transfer(gaps, how, missing):
+def _physical_least_squares(
+    scale_cols: list[np.ndarray],
+    extra: dict[str, np.ndarray],
+    active: list[str],
+    y: np.ndarray,
+    how: dict[str, str],
+    missing: list[str],
+) -> tuple[np.ndarray, dict[str, float]]:
+    """``(scales, {cost: value})`` of ``y`` on the scale columns and the ``active`` additive costs, refitted without
+    a negative cost (the most negative set to 0 first) and, while a scale is ``<= 0``, without the additive costs one
+    by one (``action_ms`` first). ``active`` is consumed."""
+    n_scales = len(scale_cols)
+    while True:
+        design = np.column_stack(scale_cols + [extra[k] for k in active])
+        coef, *_ = np.linalg.lstsq(design, y, rcond=None)
+        values = dict(zip(active, coef[n_scales:]))
+        if np.any(coef[:n_scales] <= 0) and active:
+            # measured times do not grow with profiled ones here (noise, or actions too alike): a slope <= 0 is no
+            # scale; drop the additive costs one by one (the fixed cost first) down to the proportional model,
+            # measured = scale * profiled, whose slope is positive (every measured and some profiled time is)
+            dropped = active.pop(0)
+            how[dropped] = (
+                f"not fitted: with it the least-squares scale came out {min(coef[:n_scales]):.3g} (measured times do "
+                "not grow with profiled ones), so 0 and the scale fitted closer to the origin"
+            )
+            missing.append(dropped)
+            continue
+        negative = [k for k in active if values[k] < 0]
+        if not negative:
+            return coef[:n_scales], {k: float(v) for k, v in values.items()}
+        worst = min(negative, key=lambda k: values[k])
+        how[worst] = f"least squares gave {values[worst]:.3g} ms; a cost cannot be negative, so 0 and the rest refitted"
+        active.remove(worst)
+
+
+def fit_transfer(gaps: Sequence[tuple[float, float]], how: dict[str, str], missing: list[str]) -> tuple[float, float]:
     """``(latency_ms, bandwidth_GBps)`` from ``(bytes, gap_ms)`` hand-offs to idle receivers."""
     if not gaps:
         how["latency_ms"] = "not fitted: no hand-off between ranks reached an idle receiver; 0"
@@ -250,7 +129,8 @@ def _fit_transfer(gaps, how, missing):
         if line is not None:
             intercept, slope = line
             how["latency_ms"] = (
-                f"least squares intercept of gap = latency + bytes/bandwidth over {len(gaps)} hand-offs to idle receivers"
+                f"least squares intercept of gap = latency + bytes/bandwidth over {len(gaps)} hand-offs to idle "
+                "receivers"
             )
             how["bandwidth_GBps"] = (
                 f"inverse least squares slope over the same {len(gaps)} hand-offs ({len(np.unique(nbytes))} sizes)"
@@ -266,7 +146,7 @@ def _fit_transfer(gaps, how, missing):
     return latency, math.inf
 
 
-def _minimize_scalar(f, lo, hi, grid=24, iterations=30) -> float:
+def minimize_scalar(f: Callable[[float], float], lo: float, hi: float, grid: int = 24, iterations: int = 30) -> float:
     """The minimizer of ``f`` on ``[lo, hi]``: a grid, then golden-section search around its best point."""
     xs = np.linspace(lo, hi, grid + 1)
     values = [f(x) for x in xs]
@@ -286,3 +166,111 @@ def _minimize_scalar(f, lo, hi, grid=24, iterations=30) -> float:
             fd = f(d)
     best = (a + b) / 2
     return float(min([(values[k], xs[k]), (f(best), best)])[1])
+
+
+def fit_step_overhead(overheads: dict[str, list[float]], how: dict[str, str], missing: list[str]) -> dict[str, float]:
+    """Per runtime kind, the median time a step spends outside its action span (NaN for a kind no run used)."""
+    out = {}
+    for kind in RUNTIMES:
+        values = overheads[kind]
+        name = f"step_overhead_ms[{kind}]"
+        if values:
+            out[kind] = max(0.0, float(np.median(values)))
+            how[name] = f"median over {len(values)} steps of the step time minus its first-to-last action span"
+        else:
+            out[kind] = math.nan
+            how[name] = f"not fitted: no run of a {kind} schedule; predicted as 0"
+            missing.append(name)
+    return out
+
+
+def fit_step_cv(cvs: Sequence[float], how: dict[str, str], missing: list[str]) -> float:
+    """The step dispersion: the median over runs of their coefficient of variation (NaN with none)."""
+    if cvs:
+        how["step_cv"] = f"median over {len(cvs)} runs of std/mean of the steps after the first"
+        return float(np.median(cvs))
+    how["step_cv"] = "not fitted: no run has 2 or more steps after the warm-up step"
+    missing.append("step_cv")
+    return math.nan
+
+
+def fit_gaps(
+    cal: C,
+    runs: Sequence[Run],
+    parts: Sequence[Partition],
+    spans: Sequence[float],
+    how: dict[str, str],
+    missing: list[str],
+) -> C:
+    """``cal`` with the runtime's gap between actions per runtime kind, and its scale per P, fitted.
+
+    Joint least squares of the relative error of the simulated action span against the measured median ``spans``
+    over all runs, everything else fixed, by coordinate descent (each parameter by :func:`minimize_scalar`; three
+    rounds when there are several). Returns a copy of ``cal`` (of its class).
+    """
+    from ..simulation.simulator import simulate_step_ms
+
+    P_ref = min(run.P for run in runs)
+    kinds = [k for k in RUNTIMES if any(runtime_of(run.schedule) == k for run in runs)]
+    for kind in RUNTIMES:
+        if kind not in kinds:
+            how[f"gap_ms[{kind}]"] = f"not fitted: no run of a {kind} schedule; predicted as 0"
+            missing.append(f"gap_ms[{kind}]")
+    other_Ps = sorted({run.P for run in runs} - {P_ref})
+    values: dict[tuple[str, Any], float] = {("gap", k): 0.0 for k in kinds}
+    values.update({("scale", P): 1.0 for P in other_Ps})
+
+    def trial(values: dict[tuple[str, Any], float]) -> C:
+        return replace(
+            cal,
+            gap={k: values[("gap", k)] for k in kinds},
+            gap_scale={P_ref: 1.0, **{P: values[("scale", P)] for P in other_Ps}} if other_Ps else {},
+        )
+
+    def loss(values: dict[tuple[str, Any], float]) -> float:
+        t = trial(values)
+        err = [
+            (simulate_step_ms(part, run.m, run.schedule, calibration=t) - span) / span
+            for run, part, span in zip(runs, parts, spans)
+        ]
+        return float(np.sum(np.square(err)))
+
+    upper_gap = max(spans) / min(2 * run.m * run.v for run in runs)
+    bounds = {key: (0.0, upper_gap) if key[0] == "gap" else (0.25, 8.0) for key in values}
+    for _ in range(3 if len(values) > 1 else 1):
+        for key in values:
+            values[key] = minimize_scalar(_along(loss, values, key), *bounds[key])
+    _note_gaps(runs, kinds, other_Ps, P_ref, upper_gap, how)
+    return trial(values)
+
+
+def _note_gaps(
+    runs: Sequence[Run], kinds: list[str], other_Ps: list[int], P_ref: int, upper_gap: float, how: dict[str, str]
+) -> None:
+    """How :func:`fit_gaps` fitted each gap and gap scale."""
+    for kind in kinds:
+        n = sum(runtime_of(run.schedule) == kind for run in runs)
+        how[f"gap_ms[{kind}]"] = (
+            f"least squares of the relative error of the simulated action span against the measured median span, "
+            f"jointly over all {len(runs)} runs ({n} of them {kind}; searched in [0, {upper_gap:.3g}] ms), at P={P_ref}"
+        )
+    for P in other_Ps:
+        n = sum(run.P == P for run in runs)
+        how[f"gap_scale[P={P}]"] = f"the same least squares, jointly; {n} runs at P={P} (searched in [0.25, 8])"
+
+
+def _along(
+    loss: Callable[[dict[tuple[str, Any], float]], float], values: dict[tuple[str, Any], float], key: tuple[str, Any]
+) -> Callable[[float], float]:
+    """``loss`` as a function of the parameter ``key`` alone, the others held at ``values`` (as they are now)."""
+    return lambda x: loss({**values, key: x})
+
+
+__all__ = [
+    "fit_compute",
+    "fit_gaps",
+    "fit_step_cv",
+    "fit_step_overhead",
+    "fit_transfer",
+    "minimize_scalar",
+]

@@ -9,12 +9,21 @@ is left between a prediction and the replay is what the predicted durations miss
 
 from __future__ import annotations
 
-from ..core.vocabulary import canonical_schedule
-from ..simulation.engine import _KIND_NAMES, _lowered, _lowered_table, _rows_frame, _run, duration_index
+from collections.abc import Sequence
+
+from ..core.vocabulary import COMPUTE_KINDS, canonical_schedule
+from ..simulation.engine import duration_index, execute, lowered, lowered_table, rows_frame
 from ..simulation.timeline import Timeline
 
 
-def replay(measured, step, *, transfer_ms=None, step_overhead_ms=0.0, gap_ms=0.0) -> Timeline:
+def replay(
+    measured: Timeline,
+    step: int,
+    *,
+    transfer_ms: Sequence[float] | None = None,
+    step_overhead_ms: float = 0.0,
+    gap_ms: float = 0.0,
+) -> Timeline:
     """Re-simulate one measured step with its own measured action durations; return the replayed Timeline.
 
     ``measured`` is a measured :class:`~pipeswift_lab.simulation.timeline.Timeline` whose ``meta`` names
@@ -32,12 +41,13 @@ def replay(measured, step, *, transfer_ms=None, step_overhead_ms=0.0, gap_ms=0.0
     missing = [k for k in ("schedule", "P", "m", "v") if k not in meta]
     if missing:
         raise ValueError(
-            f"measured timeline meta lacks {missing}; replay needs the schedule, P, m and v a RunResult's timeline records"
+            f"measured timeline meta lacks {missing}; replay needs the schedule, P, m and v a RunResult's timeline "
+            "records"
         )
     schedule, P, m, v = canonical_schedule(meta["schedule"]), int(meta["P"]), int(meta["m"]), int(meta["v"])
     S = P * v
     df = measured.df
-    df = df[(df["step"] == step) & df["kind"].isin(_KIND_NAMES) & (df["replica"] == 0)]
+    df = df[(df["step"] == step) & df["kind"].isin(COMPUTE_KINDS) & (df["replica"] == 0)]
     if df.empty:
         raise ValueError(f"step={step} has no compute actions in the measured timeline")
     dur = (df["end_ms"] - df["start_ms"]).to_numpy(float)
@@ -49,10 +59,10 @@ def replay(measured, step, *, transfer_ms=None, step_overhead_ms=0.0, gap_ms=0.0
     transfer = list(transfer_ms) if transfer_ms is not None else zeros
     if len(transfer) != S:
         raise ValueError(f"transfer_ms has {len(transfer)} values; give one per stage ({S})")
-    run = _run(_lowered(P, m, schedule, v), P, m, S, (zeros, zeros, zeros, zeros), transfer, any(transfer), per_action)
+    run = execute(lowered(P, m, schedule, v), P, m, S, (zeros,) * 4, transfer, any(transfer), per_action)
     out = dict(meta)
     out.update({"replayed_step": int(step), "step_overhead_ms": float(step_overhead_ms)})
-    return Timeline(_rows_frame(_lowered_table(P, m, schedule, v), run), source="simulated", meta=out)
+    return Timeline(rows_frame(lowered_table(P, m, schedule, v), run), source="simulated", meta=out)
 
 
 __all__ = ["replay"]

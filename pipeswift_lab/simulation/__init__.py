@@ -7,24 +7,31 @@ lasting what the profile measured::
     tl.step_ms, tl.bubble_ratio
     psl.sweep(prof, P=[2, 4], m=[4, 8, 16]).plot()
 
-Modules: :mod:`.schedules` (per-rank orders), :mod:`.simulator` (:func:`simulate`), :mod:`.engine` (the event
-loop), :mod:`.timeline` and :mod:`.schema` (the :class:`Timeline` type), :mod:`.sweeps` (:func:`sweep`).
+Modules: :mod:`.schedules` (per-rank orders), :mod:`.reconciliation` (:func:`reconcile`: which schedule, ``v`` and
+placement a partition runs under), :mod:`.simulator` (:func:`simulate`), :mod:`.engine` (the event loop),
+:mod:`.timeline` and :mod:`.schema` (the :class:`Timeline` type), :mod:`.gantt` and :mod:`.chrome_trace` (its chart
+and trace export), :mod:`.sweeps` (:func:`sweep` and its :class:`Sweep`), :mod:`.calibration` (the calibration value
+the simulator applies) and :mod:`.steady` (which measured step is "the measured step").
 """
 
 from __future__ import annotations
 
 from .engine import ScheduleDeadlock
+from .reconciliation import Reconciled, reconcile
 from .schedules import compute_orders
 from .simulator import simulate, simulate_step_ms
-from .sweeps import explore, plot_sweep, sweep
+from .sweeps import Sweep, explore, plot_sweep, sweep
 from .timeline import Timeline
 
 __all__ = [
+    "Reconciled",
     "ScheduleDeadlock",
+    "Sweep",
     "Timeline",
     "compute_orders",
     "explore",
     "plot_sweep",
+    "reconcile",
     "simulate",
     "simulate_step_ms",
     "sweep",

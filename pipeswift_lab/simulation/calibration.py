@@ -10,14 +10,23 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from os import PathLike
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
-import numpy as np
 import pandas as pd
 
 from ..core.display import html_card, text_card
 from ..core.vocabulary import MULTI_CHUNK_SCHEDULES, canonical_schedule
+from .schema import jsonable
+
+if TYPE_CHECKING:
+    from .timeline import Timeline
+
+#: Per-kind per-stage durations ``(fwd, bwd, igrad, wgrad)``, one sequence per kind with one entry per stage.
+Durations = tuple[Sequence[float], ...]
 
 #: Runtime kinds with a per-step overhead of their own.
 RUNTIMES = ("single-chunk", "multi-chunk")
@@ -25,25 +34,28 @@ _FORMAT = "pipeswift_lab.calibration/1"
 
 
 def runtime_of(schedule: str) -> str:
-    """``"multi-chunk"`` for schedules torch runs with ``_PipelineScheduleRuntime``, ``"single-chunk"`` for GPipe and 1F1B."""
+    """``"multi-chunk"`` for schedules torch runs with ``_PipelineScheduleRuntime``, ``"single-chunk"`` for GPipe and
+    1F1B."""
     return "multi-chunk" if canonical_schedule(schedule) in MULTI_CHUNK_SCHEDULES else "single-chunk"
 
 
-def whole_step_ms(timeline) -> float:
-    """A simulated Timeline's whole step: its action span plus ``meta["step_overhead_ms"]`` (0 without a calibration)."""
+def whole_step_ms(timeline: Timeline) -> float:
+    """A simulated Timeline's whole step (ms): its action span plus ``meta["step_overhead_ms"]`` (0 without a
+    calibration)."""
     return float(timeline.step_ms) + float(timeline.meta.get("step_overhead_ms", 0.0) or 0.0)
 
 
-def check_calibration(calibration):
+def check_calibration(calibration: Any) -> SimulatorCalibration | None:
     """Return ``calibration`` if it is a :class:`Calibration` or None; raise ``TypeError`` otherwise."""
     if calibration is not None and not isinstance(calibration, SimulatorCalibration):
         raise TypeError(
-            f"calibration must be a Calibration (from psl.calibrate(runs, profile)) or None; got {type(calibration).__name__}"
+            "calibration must be a Calibration (from psl.calibrate(runs, profile)) or None; "
+            f"got {type(calibration).__name__}"
         )
     return calibration
 
 
-@dataclass(frozen=True, repr=False)
+@dataclass(frozen=True, repr=False, kw_only=True)
 class SimulatorCalibration:
     """The fitted parameters (see :mod:`pipeswift_lab.fidelity.calibrator`) and the profile they apply to: what
     :func:`~pipeswift_lab.simulation.simulate` applies. :func:`~pipeswift_lab.fidelity.calibrate` returns the
@@ -53,27 +65,42 @@ class SimulatorCalibration:
     fitted, from how many samples, or why it kept its default).
     """
 
-    compute_scale: dict  # number of co-running ranks P -> measured / profiled action time
-    action_ms: float  # fixed cost inside every action, ms
-    loss_ms: tuple  # (forward, backward) extra ms of the last stage: the loss, which the profile does not time
-    gap: dict  # runtime kind -> ms between consecutive actions of a rank
-    step_overhead: dict  # runtime kind -> ms a step spends outside its action span
-    latency_ms: float  # per transfer, ms
-    bandwidth_GBps: float  # inf when not fitted (transfers take latency_ms only)
-    step_cv: float  # coefficient of variation of the step after warm-up (nan when not fitted)
-    how: dict = field(default_factory=dict, compare=False)  # parameter -> how it was fitted
-    profile_table: pd.DataFrame = field(default=None, compare=False)  # per-layer profile the runs were predicted from
-    profile_batch_size: int | None = None  # micro-batch size of that profile (None: use it as is)
-    meta: dict = field(default_factory=dict, compare=False)  # runs fitted on (their keys), model fingerprint
-    gap_scale: dict = field(default_factory=dict)  # P -> factor on gap_ms (1 at the smallest fitted P; none given: 1)
+    compute_scale: dict[int, float]
+    """Number of co-running ranks P -> measured / profiled action time."""
+    action_ms: float
+    """Fixed cost inside every action, ms."""
+    loss_ms: tuple[float, float]
+    """(forward, backward) extra ms of the last stage: the loss, which the profile does not time."""
+    gap: dict[str, float]
+    """Runtime kind (:data:`RUNTIMES`) -> ms between consecutive actions of a rank."""
+    step_overhead: dict[str, float]
+    """Runtime kind -> ms a step spends outside its action span."""
+    latency_ms: float
+    """Per transfer, ms."""
+    bandwidth_GBps: float
+    """GB/s of a transfer; inf when not fitted (transfers take ``latency_ms`` only)."""
+    step_cv: float
+    """Coefficient of variation of the step after warm-up (nan when not fitted)."""
+    how: dict[str, str] = field(default_factory=dict, compare=False)
+    """Parameter -> how it was fitted (default: empty)."""
+    profile_table: pd.DataFrame | None = field(default=None, compare=False)
+    """Per-layer profile the runs were predicted from (default None)."""
+    profile_batch_size: int | None = None
+    """Micro-batch size of that profile (None: use it as is)."""
+    meta: dict[str, Any] = field(default_factory=dict, compare=False)
+    """Runs fitted on (their keys, ``"runs"``), model fingerprint (``"model"``)."""
+    gap_scale: dict[int, float] = field(default_factory=dict)
+    """P -> factor on ``gap_ms`` (1 at the smallest fitted P; none given: 1)."""
 
     # ------------------------------------------------------------------ applying it
     def scale(self, P: int) -> float:
-        """The compute scale for ``P`` co-running ranks: the fitted one, else that of the nearest fitted P (ties: the larger)."""
+        """The compute scale for ``P`` co-running ranks: the fitted one, else that of the nearest fitted P (ties: the
+        larger)."""
         return float(self.compute_scale[_nearest(self.compute_scale, P)])
 
     def gap_ms(self, schedule: str, P: int | None = None) -> float:
-        """Calibrated time between consecutive actions of a rank under ``schedule``'s runtime with ``P`` ranks (0 when not fitted).
+        """Calibrated ms between consecutive actions of a rank under ``schedule``'s runtime with ``P`` ranks (0 when
+        not fitted).
 
         ``gap_ms[runtime] * gap_scale[P]``, the scale of the nearest fitted P (ties: the larger); 1 without ``P``.
         """
@@ -84,8 +111,9 @@ class SimulatorCalibration:
             return float(value)
         return float(value) * float(self.gap_scale[_nearest(self.gap_scale, P)])
 
-    def action_durations(self, durations, P: int, schedule: str):
-        """Per-kind per-stage durations ``(fwd, bwd, igrad, wgrad)`` as a calibrated run of ``P`` ranks under ``schedule`` takes them."""
+    def action_durations(self, durations: Durations, P: int, schedule: str) -> tuple[list[float], ...]:
+        """Per-kind per-stage durations ``(fwd, bwd, igrad, wgrad)`` as a calibrated run of ``P`` ranks under
+        ``schedule`` takes them."""
         s, gap = self.scale(P), self.gap_ms(schedule, P)
         # the runtime's gap comes with the actions that communicate (F, B, I send or receive); a W follows its I locally
         out = [
@@ -97,7 +125,7 @@ class SimulatorCalibration:
         out[2][-1] += loss_b
         return tuple(out)
 
-    def transfer_ms(self, nbytes) -> list[float]:
+    def transfer_ms(self, nbytes: Sequence[float]) -> list[float]:
         """Calibrated ms of a transfer of each boundary's ``nbytes``: ``latency_ms + bytes / bandwidth``."""
         bw = self.bandwidth_GBps
         return [self.latency_ms + (0.0 if not math.isfinite(bw) else float(b) / (bw * 1e6)) for b in nbytes]
@@ -135,7 +163,7 @@ class SimulatorCalibration:
         )
 
     # ------------------------------------------------------------------ files
-    def save(self, path) -> str:
+    def save(self, path: str | PathLike[str]) -> str:
         """Write the calibration (parameters, how, the profile table) as JSON to ``path``; return the path."""
         data = {
             "format": _FORMAT,
@@ -151,13 +179,13 @@ class SimulatorCalibration:
             "how": dict(self.how),
             "profile_table": None if self.profile_table is None else self.profile_table.to_dict(orient="list"),
             "profile_batch_size": self.profile_batch_size,
-            "meta": _jsonable(self.meta),
+            "meta": jsonable(self.meta),
         }
         Path(path).write_text(json.dumps(data, indent=1), encoding="utf-8")
         return str(path)
 
     @classmethod
-    def load(cls, path) -> SimulatorCalibration:
+    def load(cls, path: str | PathLike[str]) -> SimulatorCalibration:
         """Read a calibration written by :meth:`save`."""
         data = json.loads(Path(path).read_text(encoding="utf-8"))
         if not isinstance(data, dict) or data.get("format") != _FORMAT:
@@ -167,24 +195,25 @@ class SimulatorCalibration:
         if "model" in meta:
             meta["model"] = _tuples(meta["model"])
         table = None if data["profile_table"] is None else pd.DataFrame(data["profile_table"])
+        loss_fwd, loss_bwd = (float(x) for x in data["loss_ms"])
         return cls(
-            {int(k): float(v) for k, v in data["compute_scale"].items()},
-            float(data["action_ms"]),
-            tuple(float(x) for x in data["loss_ms"]),
-            {k: float(v) for k, v in data["gap"].items()},
-            {k: float(v) for k, v in data["step_overhead"].items()},
-            float(data["latency_ms"]),
-            float(data["bandwidth_GBps"]),
-            float(data["step_cv"]),
-            dict(data["how"]),
-            table,
-            data["profile_batch_size"],
-            meta,
-            {int(k): float(v) for k, v in data.get("gap_scale", {}).items()},
+            compute_scale={int(k): float(v) for k, v in data["compute_scale"].items()},
+            action_ms=float(data["action_ms"]),
+            loss_ms=(loss_fwd, loss_bwd),
+            gap={k: float(v) for k, v in data["gap"].items()},
+            step_overhead={k: float(v) for k, v in data["step_overhead"].items()},
+            latency_ms=float(data["latency_ms"]),
+            bandwidth_GBps=float(data["bandwidth_GBps"]),
+            step_cv=float(data["step_cv"]),
+            how=dict(data["how"]),
+            profile_table=table,
+            profile_batch_size=data["profile_batch_size"],
+            meta=meta,
+            gap_scale={int(k): float(v) for k, v in data.get("gap_scale", {}).items()},
         )
 
     # ------------------------------------------------------------------ display
-    def _summary(self) -> dict:
+    def _summary(self) -> dict[str, Any]:
         scales = ", ".join(f"P={P}: {v:.3g}x" for P, v in sorted(self.compute_scale.items()))
         return {
             "runs": len(self.meta.get("runs", ())),
@@ -206,26 +235,14 @@ class SimulatorCalibration:
     __repr__ = __str__
 
 
-def _nearest(fitted: dict, P: int) -> int:
+def _nearest(fitted: dict[int, float], P: int) -> int:
     """``P`` when fitted, else the nearest fitted P (ties: the larger)."""
     return P if P in fitted else min(fitted, key=lambda k: (abs(k - P), -k))
 
 
-def _tuples(value):
+def _tuples(value: Any) -> Any:
     """JSON lists back to (nested) tuples."""
     return tuple(_tuples(v) for v in value) if isinstance(value, (list, tuple)) else value
-
-
-def _jsonable(value):
-    if isinstance(value, dict):
-        return {str(k): _jsonable(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_jsonable(v) for v in value]
-    if isinstance(value, (np.integer,)):
-        return int(value)
-    if isinstance(value, (np.floating,)):
-        return float(value)
-    return value
 
 
 __all__ = ["RUNTIMES", "SimulatorCalibration", "check_calibration", "runtime_of", "whole_step_ms"]

@@ -1,30 +1,38 @@
 """The simulator's engine: lowering torch's action order to wait / compute / fire operations, and running them.
 
-:func:`_lowered` turns ``(P, m, schedule, v)`` into one operation list per rank (cached: it
-depends on no duration); :func:`_run` executes them with durations and transfer times, each
+:func:`lowered` turns ``(P, m, schedule, v)`` into one operation list per rank (cached: it
+depends on no duration); :func:`execute` runs them with durations and transfer times, each
 rank running until it waits on a signal not yet produced, so the run is linear in the number
-of actions; :func:`_rows_frame` turns the result into a Timeline table. The communication
+of actions; :func:`rows_frame` turns the result into a Timeline table. The communication
 semantics of each torch runtime are described in :mod:`pipeswift_lab.simulation.simulator`.
 """
 
 from __future__ import annotations
 
 import operator
+from collections.abc import Sequence
 from functools import lru_cache
+from typing import Any
 
 import numpy as np
 import pandas as pd
 
 from ..core.vocabulary import COMPUTE_KINDS, stage_to_rank
-from .schedules import action_groups
+from .schedules import Groups, action_groups
+
+#: One operation of a rank (see the table below): a tuple whose first item is _WAIT, _COMPUTE or _FIRE.
+Op = tuple[Any, ...]
+#: One operation list per rank.
+Ops = tuple[tuple[Op, ...], ...]
+#: :func:`execute`'s result: ``(started, signal, comm_rows)``.
+Run = tuple[list[float], list[Any], list[tuple[Any, ...]]]
 
 _WAIT, _COMPUTE, _FIRE = 0, 1, 2
-_KIND_NAMES = COMPUTE_KINDS
 # signal families: 0 forward done, 1 input-grad done (B or I), 2 weight-grad done,
 # 3 activation arrived at stage s+1, 4 gradient arrived at stage s-1
 _F_DONE, _G_DONE, _W_DONE, _ACT_ARRIVED, _GRAD_ARRIVED = range(5)
 _DONE_FAMILY = {"F": _F_DONE, "B": _G_DONE, "I": _G_DONE, "W": _W_DONE}  # B and I both deliver the input gradient
-_KIND_CODE = {k: i for i, k in enumerate(_KIND_NAMES)}
+_KIND_CODE = {k: i for i, k in enumerate(COMPUTE_KINDS)}
 
 
 class ScheduleDeadlock(RuntimeError):
@@ -43,28 +51,30 @@ class ScheduleDeadlock(RuntimeError):
 
 
 def duration_index(kind: str, stage: int, S: int) -> int:
-    """Where the engine looks an action's duration up: ``kind_code * S + stage`` (kind codes in :data:`COMPUTE_KINDS` order)."""
+    """Where the engine looks an action's duration up: ``kind_code * S + stage`` (kind codes in
+    :data:`~pipeswift_lab.core.vocabulary.COMPUTE_KINDS` order)."""
     return _KIND_CODE[kind] * S + stage
 
 
 class _Lowering:
     """Signals, waits and sends of actions for one ``(P, m, placement)``."""
 
-    def __init__(self, P, m, S, placement):
+    def __init__(self, P: int, m: int, S: int, placement: Sequence[int]) -> None:
         self.P, self.m, self.S, self.placement = P, m, S, placement
         self.SM = S * m
         self.cross_prev = [s > 0 and placement[s - 1] != placement[s] for s in range(S)]
         self.cross_next = [s < S - 1 and placement[s + 1] != placement[s] for s in range(S)]
 
-    def compute(self, kind, s, i):
+    def compute(self, kind: str, s: int, i: int) -> Op:
+        """The compute operation of ``kind`` on stage ``s``, micro-batch ``i`` (without its waits)."""
         done = _DONE_FAMILY[kind] * self.SM + s * self.m + i
         return (_COMPUTE, done, duration_index(kind, s, self.S), s, i, kind)
 
-    def action(self, kind, s, i):
+    def action(self, kind: str, s: int, i: int) -> tuple[Op, ...]:
         """An action's waits, then its compute."""
         return (*self.waits(kind, s, i), self.compute(kind, s, i))
 
-    def waits(self, kind, s, i):
+    def waits(self, kind: str, s: int, i: int) -> tuple[Op, ...]:
         """The signals an action needs before it may start."""
         SM, base, m = self.SM, s * self.m + i, self.m
         if kind == "F":
@@ -80,7 +90,7 @@ class _Lowering:
             (_WAIT, (_GRAD_ARRIVED if self.cross_next[s] else _G_DONE) * SM + base + m),
         )
 
-    def sends(self, kind, s, i):
+    def sends(self, kind: str, s: int, i: int) -> tuple[Op, ...]:
         """The transfers an action starts, as fire operations (none within a rank)."""
         if kind == "F":
             if self.cross_next[s]:
@@ -90,8 +100,9 @@ class _Lowering:
         return ()
 
 
-def _lower(groups, schedule, P, m, S, placement):
-    """Lower every rank's order to a list of wait / compute / fire operations."""
+def lower(groups: Groups, schedule: str, P: int, m: int, S: int, placement: Sequence[int]) -> Ops:
+    """Lower every rank's order (``groups``, as :func:`~pipeswift_lab.simulation.schedules.action_groups` gives it)
+    to a tuple of wait / compute / fire operations; returns one tuple per rank."""
     low = _Lowering(P, m, S, placement)
     ops = []
     for rank in range(P):
@@ -111,9 +122,11 @@ def _lower(groups, schedule, P, m, S, placement):
     return tuple(ops)
 
 
-def _fuse_waits(out):
-    """Fold the waits just before a compute into it (``op[6]``): one engine step per action instead of one per signal."""
-    fused, pending = [], []
+def _fuse_waits(out: list[Op]) -> tuple[Op, ...]:
+    """Fold the waits just before a compute into it (``op[6]``): one engine step per action instead of one per
+    signal."""
+    fused: list[Op] = []
+    pending: list[int] = []
     for op in out:
         if op[0] == _WAIT:
             pending.append(op[1])
@@ -129,14 +142,16 @@ def _fuse_waits(out):
 
 
 @lru_cache(maxsize=64)
-def _lowered(P, m, schedule, v):
+def lowered(P: int, m: int, schedule: str, v: int) -> Ops:
+    """The lowered operations of ``(P, m, schedule, v)`` with torch's placement (cached: they hold no duration)."""
     placement = stage_to_rank(P, v, schedule)
-    return _lower(action_groups(P, m, schedule, v), schedule, P, m, P * v, placement)
+    return lower(action_groups(P, m, schedule, v), schedule, P, m, P * v, placement)
 
 
-def _gpipe_ops(rank, m, low):
+def _gpipe_ops(rank: int, m: int, low: _Lowering) -> list[Op]:
     """``ScheduleGPipe._step_microbatches``: receive, compute, send; all forward sends done before the backward."""
-    out, sent = [], []
+    out: list[Op] = []
+    sent: list[Op] = []
     for i in range(m):
         out += low.action("F", rank, i)
         for send in low.sends("F", rank, i):
@@ -149,18 +164,18 @@ def _gpipe_ops(rank, m, low):
     return out
 
 
-def _blocking(sends) -> tuple:
+def _blocking(sends: tuple[Op, ...]) -> tuple[Op, ...]:
     """Sends fused with the next receive in one blocking batch: each fired, then waited for until it has arrived."""
     return tuple(op for send in sends for op in (send, (_WAIT, send[1])))
 
 
-def _one_f_one_b_ops(rank, P, m, low):
+def _one_f_one_b_ops(rank: int, P: int, m: int, low: _Lowering) -> list[Op]:
     """``Schedule1F1B._step_microbatches`` with its blocking waits on sends."""
-    out = []
+    out: list[Op] = []
     s = rank
     warmup = min(m, P - s)
-    prev_send = None
-    deferred = ()
+    prev_send: Op | None = None
+    deferred: tuple[Op, ...] = ()
     for k in range(warmup):
         out += low.action("F", s, k)
         if prev_send is not None:  # _wait_batch_p2p(send_work): the previous forward's send
@@ -174,7 +189,7 @@ def _one_f_one_b_ops(rank, P, m, low):
         else:
             deferred = sends  # fused with the first backward's receive
     fwd, bwd = warmup, 0
-    bwd_sends = ()
+    bwd_sends: tuple[Op, ...] = ()
     while True:
         out += _blocking(deferred) + low.action("B", s, bwd)  # fwd_sends + bwd_recvs in one blocking batch
         bwd_sends = low.sends("B", s, bwd)
@@ -201,23 +216,31 @@ def _one_f_one_b_ops(rank, P, m, low):
 
 
 # --------------------------------------------------------------------------- engine
-def _run(ops, P, m, S, durations, transfer, with_comm_rows, per_action=None):
+def execute(
+    ops: Ops,
+    P: int,
+    m: int,
+    S: int,
+    durations: Sequence[Sequence[float]],
+    transfer: Sequence[float],
+    with_comm_rows: bool,
+    per_action: dict[tuple[int, int], float] | None = None,
+) -> Run:
     """Execute the per-rank operation lists; return ``(started, signal, comm_rows)``.
 
     A compute action's start is ``started[done]`` and its end ``signal[done]`` (``done`` its
-    completion signal, see :func:`_compute_table`); ``comm_rows`` are the transfer rows
+    completion signal, see :func:`compute_table`); ``comm_rows`` are the transfer rows
     ``(rank, stage, mb, kind, start, end)`` when ``with_comm_rows``. ``durations`` is ``(fwd,
     bwd, igrad, wgrad)``, one list per kind with one entry per stage; ``per_action``
     optionally overrides single actions: ``{(kind_code * S + stage, microbatch): ms}``.
     """
     dur = [d for per_kind in durations for d in per_kind]  # flat, indexed kind_code * S + stage
-    plain = per_action is None
-    signal = [None] * (5 * S * m)
+    signal: list[Any] = [None] * (5 * S * m)
     started = [0.0] * (5 * S * m)
     waiting: dict[int, list[int]] = {}
     pc = [0] * P
     clock = [0.0] * P
-    rows = []
+    rows: list[tuple[Any, ...]] = []
     append = rows.append
     work = list(range(P - 1, -1, -1))
     while work:
@@ -235,7 +258,7 @@ def _run(ops, P, m, S, durations, transfer, with_comm_rows, per_action=None):
                     if value > t:
                         t = value
                 else:
-                    end = t + (dur[op[2]] if plain else per_action.get((op[2], op[4]), dur[op[2]]))
+                    end = t + (dur[op[2]] if per_action is None else per_action.get((op[2], op[4]), dur[op[2]]))
                     done = op[1]
                     started[done] = t
                     signal[done] = end
@@ -273,7 +296,7 @@ def _run(ops, P, m, S, durations, transfer, with_comm_rows, per_action=None):
     return started, signal, rows
 
 
-def _compute_table(ops) -> dict:
+def compute_table(ops: Ops) -> dict[str, Any]:
     """The compute actions of lowered ``ops``, rank by rank in execution order, as numpy arrays.
 
     ``rank``, ``stage``, ``mb``, ``kind`` (object array of names) and ``done`` (completion
@@ -292,12 +315,14 @@ def _compute_table(ops) -> dict:
 
 
 @lru_cache(maxsize=64)
-def _lowered_table(P, m, schedule, v) -> dict:
-    return _compute_table(_lowered(P, m, schedule, v))
+def lowered_table(P: int, m: int, schedule: str, v: int) -> dict[str, Any]:
+    """:func:`compute_table` of :func:`lowered` (cached with it)."""
+    return compute_table(lowered(P, m, schedule, v))
 
 
-def _rows_frame(table, run) -> pd.DataFrame:
-    """The Timeline table of one simulated step: the compute actions of ``table``, timed by ``run`` (:func:`_run`'s output)."""
+def rows_frame(table: dict[str, Any], run: Run) -> pd.DataFrame:
+    """The Timeline table of one simulated step: the compute actions of ``table``, timed by ``run`` (:func:`execute`'s
+    output)."""
     started, signal, comm = run
     pick = table["done"]
     # copies: the table is cached with the order, and a Timeline's columns may be edited by its user
@@ -317,7 +342,7 @@ def _rows_frame(table, run) -> pd.DataFrame:
     return pd.DataFrame(cols)
 
 
-def _describe_signal(sid, S, m):
+def _describe_signal(sid: int, S: int, m: int) -> str:
     family, rest = divmod(sid, S * m)
     s, i = divmod(rest, m)
     return {
@@ -329,7 +354,7 @@ def _describe_signal(sid, S, m):
     }[family]
 
 
-def _deadlock_message(ops, pc, stuck, S, m, signal):
+def _deadlock_message(ops: Ops, pc: list[int], stuck: list[int], S: int, m: int, signal: list[Any]) -> str:
     parts = []
     for r in stuck[:6]:
         op = ops[r][pc[r]]
@@ -339,3 +364,18 @@ def _deadlock_message(ops, pc, stuck, S, m, signal):
         parts.append(f"rank {r} waits for {_describe_signal(sid, S, m)} before {action}")
     more = f" (and {len(stuck) - 6} more ranks)" if len(stuck) > 6 else ""
     return "the pipeline order deadlocks: " + "; ".join(parts) + more
+
+
+__all__ = [
+    "Op",
+    "Ops",
+    "Run",
+    "ScheduleDeadlock",
+    "compute_table",
+    "duration_index",
+    "execute",
+    "lower",
+    "lowered",
+    "lowered_table",
+    "rows_frame",
+]

@@ -36,12 +36,18 @@ from __future__ import annotations
 
 import logging
 from functools import cache, lru_cache
+from typing import Any
 
 from ..core.vocabulary import COMPUTE_KINDS, MULTI_CHUNK_SCHEDULES, check_schedule_v, validate
 from ..core.vocabulary import TORCH_CLASS as _TORCH_CLASS
 
+#: One compute action: ``(kind, stage, microbatch)``.
+Action = tuple[str, int, int]
+#: Per rank, its groups of actions (one torch action each: a single action, or an ``OVERLAP_F_B``'s two).
+Groups = tuple[tuple[tuple[Action, ...], ...], ...]
 
-def compute_orders(P, m, schedule="1F1B", v=1) -> dict[int, list[tuple[str, int, int]]]:
+
+def compute_orders(P: int, m: int, schedule: str = "1F1B", v: int = 1) -> dict[int, list[Action]]:
     """The compute actions of every rank in the order torch's runtime executes them.
 
     Returns ``{rank: [(kind, stage, microbatch), ...]}`` for ranks ``0..P-1``, with ``kind``
@@ -53,7 +59,7 @@ def compute_orders(P, m, schedule="1F1B", v=1) -> dict[int, list[tuple[str, int,
     return {rank: [a for group in rank_groups for a in group] for rank, rank_groups in enumerate(groups)}
 
 
-def action_groups(P, m, schedule="1F1B", v=1) -> tuple[tuple[tuple[tuple[str, int, int], ...], ...], ...]:
+def action_groups(P: int, m: int, schedule: str = "1F1B", v: int = 1) -> Groups:
     """Like :func:`compute_orders` but grouped as torch schedules them, as nested tuples.
 
     ``result[rank]`` is a tuple of groups; a group is one torch action: a single compute
@@ -65,7 +71,7 @@ def action_groups(P, m, schedule="1F1B", v=1) -> tuple[tuple[tuple[tuple[str, in
 
 
 @lru_cache(maxsize=256)
-def _action_groups(P: int, m: int, schedule: str, v: int):
+def _action_groups(P: int, m: int, schedule: str, v: int) -> Groups:
     if schedule == "GPipe":
         return tuple(_gpipe_rank(r, P, m) for r in range(P))
     if schedule == "1F1B":
@@ -73,12 +79,12 @@ def _action_groups(P: int, m: int, schedule: str, v: int):
     return _torch_multi_chunk(P, m, schedule, v)
 
 
-def _gpipe_rank(rank: int, P: int, m: int):
+def _gpipe_rank(rank: int, P: int, m: int) -> tuple[tuple[Action, ...], ...]:
     """``ScheduleGPipe._step_microbatches``: every forward, then every backward, in order."""
     return tuple(((k, rank, i),) for k in ("F", "B") for i in range(m))
 
 
-def _one_f_one_b_rank(rank: int, P: int, m: int):
+def _one_f_one_b_rank(rank: int, P: int, m: int) -> tuple[tuple[Action, ...], ...]:
     """``Schedule1F1B._step_microbatches``: ``min(m, P - rank)`` warm-up forwards, then 1B1F, then cool-down."""
     stage = rank  # one stage per rank
     warmup = min(m, P - stage)
@@ -106,7 +112,7 @@ class _OrderStage:
     an autospec'd ``PipelineStage``.)
     """
 
-    def __init__(self, group_size: int, num_stages: int):
+    def __init__(self, group_size: int, num_stages: int) -> None:
         self.group_rank = 0
         self.group_size = group_size
         self.num_stages = num_stages
@@ -115,19 +121,19 @@ class _OrderStage:
 
 
 @cache
-def _order_only_class(schedule: str):
+def _order_only_class(schedule: str) -> type:
     """A subclass of torch's schedule class that computes ``pipeline_order`` but skips the comm lowering."""
     from torch.distributed.pipelining import schedules as torch_schedules
 
     base = getattr(torch_schedules, _TORCH_CLASS[schedule])
 
-    def _prepare_schedule_with_comms(self, actions, format="compute_only"):  # noqa: A002 - torch's name
+    def _prepare_schedule_with_comms(self: Any, actions: Any, format: str = "compute_only") -> None:
         self.pipeline_order_with_comms = None
 
     return type(f"_OrderOnly{base.__name__}", (base,), {"_prepare_schedule_with_comms": _prepare_schedule_with_comms})
 
 
-def torch_schedule(P: int, m: int, schedule: str, v: int, lowered: bool = False):
+def torch_schedule(P: int, m: int, schedule: str, v: int, lowered: bool = False) -> Any:
     """Instantiate torch's multi-chunk schedule class for ``(P, m, v)`` with stand-in stages.
 
     With ``lowered=True`` torch's full class runs, including the lowering to
@@ -157,7 +163,7 @@ def torch_schedule(P: int, m: int, schedule: str, v: int, lowered: bool = False)
         logger.setLevel(level)
 
 
-def _torch_multi_chunk(P: int, m: int, schedule: str, v: int):
+def _torch_multi_chunk(P: int, m: int, schedule: str, v: int) -> Groups:
     instance = torch_schedule(P, m, schedule, v)
     out = []
     for rank in range(P):
@@ -171,7 +177,8 @@ def _torch_multi_chunk(P: int, m: int, schedule: str, v: int):
                 kind = sub.computation_type.value
                 if kind not in COMPUTE_KINDS:
                     raise ValueError(
-                        f"torch's {schedule} order holds action {sub!r} of kind {kind!r}, which the simulator does not model"
+                        f"torch's {schedule} order holds action {sub!r} of kind {kind!r}, which the simulator does "
+                        "not model"
                     )
                 group.append((kind, int(sub.stage_index), int(sub.microbatch_index)))
             groups.append(tuple(group))
@@ -179,4 +186,4 @@ def _torch_multi_chunk(P: int, m: int, schedule: str, v: int):
     return tuple(out)
 
 
-__all__ = ["action_groups", "compute_orders", "torch_schedule"]
+__all__ = ["Action", "Groups", "action_groups", "compute_orders", "torch_schedule"]

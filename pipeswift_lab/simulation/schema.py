@@ -1,6 +1,11 @@
-"""The Timeline table's schema: checking and normalizing a DataFrame of actions (see :class:`pipeswift_lab.Timeline`)."""
+"""The Timeline table's schema: checking and normalizing a DataFrame of actions (see :class:`pipeswift_lab.Timeline`),
+and the JSON form of the ``meta`` dicts written beside it (Timeline CSV and Chrome trace, calibration files).
+"""
 
 from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 import pandas as pd
@@ -14,7 +19,30 @@ COLUMNS = ("step", "rank", "stage", "microbatch", "kind", "start_ms", "end_ms")
 OPTIONAL_COLUMNS = ("segment", "replica")
 
 
-def normalize(df) -> pd.DataFrame:
+def normalize(df: pd.DataFrame) -> pd.DataFrame:
+    """``df`` checked against :data:`COLUMNS` and :data:`OPTIONAL_COLUMNS`: integer ids, known kinds, finite times that
+    do not run backwards, ``replica`` added as 0 when absent, rows sorted by step, rank and start. Returns a new frame;
+    raises ``TypeError``/``ValueError`` naming the column and the first bad value."""
+    _check_columns(df)
+    if "replica" not in df.columns:
+        df = df.assign(replica=np.zeros(len(df), np.int64))
+    present = COLUMNS + tuple(c for c in OPTIONAL_COLUMNS if c in df.columns)
+    cols = {c: _int_column(df, c) for c in ("step", "rank", "stage", "microbatch") + present[len(COLUMNS) :]}
+    cols["kind"] = _kind_column(df)
+    cols.update({c: _time_column(df, c) for c in ("start_ms", "end_ms")})
+    if (cols["end_ms"] < cols["start_ms"]).any():
+        i = int(np.flatnonzero(cols["end_ms"] < cols["start_ms"])[0])
+        raise ValueError(
+            f"Timeline row {i} ({ {c: cols[c][i] for c in COLUMNS} }) ends before it starts (end_ms < start_ms)"
+        )
+    order = np.lexsort((cols["end_ms"], cols["start_ms"], cols["rank"], cols["step"]))
+    if not np.array_equal(order, np.arange(len(order))):
+        cols = {c: v[order] for c, v in cols.items()}
+    return pd.DataFrame({c: cols[c] for c in present})
+
+
+def _check_columns(df: pd.DataFrame) -> None:
+    """A DataFrame with the columns of :data:`COLUMNS`, maybe :data:`OPTIONAL_COLUMNS`, none else, and rows."""
     if not isinstance(df, pd.DataFrame):
         raise TypeError(f"df must be a pandas DataFrame with columns {list(COLUMNS)}; got {type(df).__name__}")
     missing = [c for c in COLUMNS if c not in df.columns]
@@ -26,38 +54,58 @@ def normalize(df) -> pd.DataFrame:
         )
     if len(df) == 0:
         raise ValueError("Timeline df has no rows")
-    if "replica" not in df.columns:
-        df = df.assign(replica=np.zeros(len(df), np.int64))
-    present = COLUMNS + tuple(c for c in OPTIONAL_COLUMNS if c in df.columns)
-    cols = {}
-    for c in ("step", "rank", "stage", "microbatch") + present[len(COLUMNS) :]:
-        values = df[c].to_numpy()
-        if values.dtype.kind not in "iu":
-            numeric = pd.to_numeric(df[c], errors="coerce").to_numpy(dtype=float)
-            bad = ~np.isfinite(numeric) | (numeric % 1 != 0)
-            if bad.any():
-                raise ValueError(f"Timeline column {c!r} must hold integers >= 0; got {df[c].to_numpy()[bad][0]!r}")
-            values = numeric
-        values = values.astype(np.int64)
-        if (values < 0).any():
-            raise ValueError(f"Timeline column {c!r} must hold integers >= 0; got {int(values[values < 0][0])}")
-        cols[c] = values
+
+
+def _int_column(df: pd.DataFrame, c: str) -> np.ndarray:
+    """Column ``c`` as int64, every value a whole number >= 0."""
+    values = df[c].to_numpy()
+    if values.dtype.kind not in "iu":
+        numeric = pd.to_numeric(df[c], errors="coerce").to_numpy(dtype=float)
+        bad = ~np.isfinite(numeric) | (numeric % 1 != 0)
+        if bad.any():
+            raise ValueError(f"Timeline column {c!r} must hold integers >= 0; got {df[c].to_numpy()[bad][0]!r}")
+        values = numeric
+    values = values.astype(np.int64)
+    if (values < 0).any():
+        raise ValueError(f"Timeline column {c!r} must hold integers >= 0; got {int(values[values < 0][0])}")
+    return values
+
+
+def _kind_column(df: pd.DataFrame) -> np.ndarray:
+    """The ``kind`` column as an object array, every value one of :data:`~pipeswift_lab.core.vocabulary.KINDS`."""
     kind = df["kind"].to_numpy(dtype=object)
     bad_kinds = sorted(set(pd.unique(kind).tolist()) - set(KINDS), key=str)
     if bad_kinds:
         raise ValueError(f"Timeline column 'kind' holds {bad_kinds}; valid kinds are {list(KINDS)}")
-    cols["kind"] = kind
-    for c in ("start_ms", "end_ms"):
-        values = pd.to_numeric(df[c], errors="coerce").to_numpy(dtype=float)
-        if not np.isfinite(values).all():
-            raise ValueError(f"Timeline column {c!r} must hold finite numbers; got {values[~np.isfinite(values)][0]!r}")
-        cols[c] = values
-    if (cols["end_ms"] < cols["start_ms"]).any():
-        i = int(np.flatnonzero(cols["end_ms"] < cols["start_ms"])[0])
-        raise ValueError(
-            f"Timeline row {i} ({ {c: cols[c][i] for c in COLUMNS} }) ends before it starts (end_ms < start_ms)"
-        )
-    order = np.lexsort((cols["end_ms"], cols["start_ms"], cols["rank"], cols["step"]))
-    if not np.array_equal(order, np.arange(len(order))):
-        cols = {c: v[order] for c, v in cols.items()}
-    return pd.DataFrame({c: cols[c] for c in present})
+    return kind
+
+
+def _time_column(df: pd.DataFrame, c: str) -> np.ndarray:
+    """Column ``c`` as finite floats (ms)."""
+    values = pd.to_numeric(df[c], errors="coerce").to_numpy(dtype=float)
+    if not np.isfinite(values).all():
+        raise ValueError(f"Timeline column {c!r} must hold finite numbers; got {values[~np.isfinite(values)][0]!r}")
+    return values
+
+
+def device_index(replicas: Sequence[int], ranks: Sequence[int], replica: Any, rank: Any) -> np.ndarray:
+    """The device row of each (replica, rank): its replica's position times the number of ranks, plus its rank's
+    position (without replicas, the rank's position). ``replicas`` and ``ranks`` are sorted; returns an int array."""
+    return np.searchsorted(replicas, replica) * len(ranks) + np.searchsorted(ranks, rank)
+
+
+def jsonable(value: Any) -> Any:
+    """``value`` (a ``meta`` dict, nested) with only JSON types: keys as strings, tuples as lists, numpy scalars and
+    arrays as Python numbers and lists, anything else JSON cannot hold as its ``str``. Returns the converted value."""
+    if isinstance(value, dict):
+        return {str(k): jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [jsonable(v) for v in value]
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if hasattr(value, "tolist"):  # numpy scalars and arrays, pandas Series
+        return jsonable(value.tolist())
+    return str(value)
+
+
+__all__ = ["COLUMNS", "OPTIONAL_COLUMNS", "device_index", "jsonable", "normalize"]

@@ -40,77 +40,133 @@ from __future__ import annotations
 
 import math
 import numbers
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
 
 import pandas as pd
 
 from ..core.analytic import DEFAULT_WGRAD_FRACTION, backward_parts
 from ..core.checks import check_int, check_wgrad_fraction, nonnegative_column
-from ..core.link import check_link
-from ..core.vocabulary import SINGLE_CHUNK_SCHEDULES, V_SHAPE_SCHEDULES, canonical_schedule, stage_to_rank, validate
+from ..core.link import Link, check_link
+from ..core.vocabulary import COMPUTE_KINDS
 from ..partitioning.balance import Partition
-from .engine import (  # noqa: F401 - _KIND_NAMES and ScheduleDeadlock re-exported
-    _KIND_NAMES,
-    ScheduleDeadlock,
-    _compute_table,
-    _lower,
-    _lowered,
-    _lowered_table,
-    _rows_frame,
-    _run,
-)
+from .calibration import SimulatorCalibration, check_calibration
+from .engine import ScheduleDeadlock, compute_table, execute, lower, lowered, lowered_table, rows_frame
+from .reconciliation import Reconciled, reconcile
 from .timeline import Timeline
 
 
+@dataclass(frozen=True, kw_only=True)
 class _Stages:
-    """Per-stage inputs of the simulator, as plain lists."""
+    """Per-stage inputs of the simulator, as plain lists in stage order."""
 
-    def __init__(self, fwd, bwd, wgrad, out_bytes, act_bytes, P, v, schedule, placement):
-        self.fwd, self.bwd, self.wgrad = fwd, bwd, wgrad
-        self.out_bytes, self.act_bytes = out_bytes, act_bytes
-        self.P, self.v, self.schedule, self.placement = P, v, schedule, placement
-        self.S = len(fwd)
+    fwd: list[float]
+    """Forward ms."""
+    bwd: list[float]
+    """Whole backward ms."""
+    wgrad: list[float] | None
+    """Weight-grad part of the backward (ms); None when the profile has no split."""
+    out_bytes: list[float] | None
+    """Bytes of the activation leaving each stage; None when unknown (then no link can be given)."""
+    act_bytes: list[float] | None
+    """Activation bytes saved per micro-batch; None when unknown."""
+
+    @property
+    def S(self) -> int:
+        """Number of stages."""
+        return len(self.fwd)
 
 
-def _from_partition(part: Partition, schedule, v):
-    if schedule is None:
-        schedule = part.schedule or ("1F1B" if part.v == 1 else "Interleaved1F1B")
-    schedule = canonical_schedule(schedule)
-    if v is not None and check_int("v", v, minimum=1) != part.v:
-        raise ValueError(
-            f"v={v} does not match the partition's v={part.v}; the stages per rank are fixed when partitioning: "
-            f"re-partition with partition(profile, {part.P}, v={v}, schedule={schedule!r}), or leave v=None"
+@dataclass(frozen=True, kw_only=True)
+class _Setup:
+    """What one simulation runs: the reconciled shape, the stages and every duration, checked."""
+
+    shape: Reconciled
+    """Schedule, P, v and the placement (:func:`~pipeswift_lab.simulation.reconciliation.reconcile`)."""
+    m: int
+    """Micro-batches, checked against torch's rules."""
+    stages: _Stages
+    """The per-stage inputs."""
+    link: Link | None
+    """The link transfers take (None: the calibration's fitted transfers, or none)."""
+    durations: tuple[Sequence[float], ...]
+    """Per-kind per-stage durations ``(fwd, bwd, igrad, wgrad)`` the engine runs, calibrated when asked."""
+    transfer: list[float]
+    """ms of a transfer across each stage boundary (0 without a link or calibration)."""
+    split_source: str
+    """Where the weight-grad share of the backward came from (``meta["wgrad_split"]``)."""
+    calibration: SimulatorCalibration | None
+    """The calibration applied, or None."""
+
+
+def _setup(
+    partition: Partition | pd.DataFrame,
+    m: int,
+    schedule: str | None,
+    v: int | None,
+    link: Link | None,
+    wgrad_fraction: float | None,
+    calibration: SimulatorCalibration | None,
+) -> _Setup:
+    """Validate :func:`simulate`'s arguments and resolve what the engine runs (durations, transfers).
+
+    With a ``calibration`` (:class:`~pipeswift_lab.fidelity.calibrator.Calibration`) the durations are
+    its calibrated ones and, when no ``link`` is given, its fitted transfers are used.
+    """
+    if not isinstance(partition, (Partition, pd.DataFrame)):
+        raise TypeError(
+            f"partition must be a pipeswift_lab.Partition or a per-stage DataFrame; got {type(partition).__name__}"
         )
-    if schedule in SINGLE_CHUNK_SCHEDULES and part.v != 1:
-        raise ValueError(
-            f"schedule={schedule!r} runs one stage per rank but the partition has v={part.v}; re-partition with partition(profile, {part.P}, v=1)"
-        )
-    if schedule in V_SHAPE_SCHEDULES and part.v != 2:
-        raise ValueError(
-            f"schedule={schedule!r} places 2 stages per rank in a V but the partition has v={part.v}; "
-            f"re-partition with partition(profile, {part.P}, v=2, schedule={schedule!r})"
-        )
-    expected = stage_to_rank(part.P, part.v, schedule)
-    if tuple(part.stage_to_rank) != expected:
-        raise ValueError(
-            f"schedule={schedule!r} places stages on ranks as {list(expected)} but the partition (schedule={part.schedule!r}) "
-            f"places them as {list(part.stage_to_rank)}; partition with schedule={schedule!r}"
-        )
-    act = None if any(math.isnan(x) for x in part.stage_activation_bytes) else list(part.stage_activation_bytes)
-    wgrad = list(part.stage_wgrad_ms) if part.stage_wgrad_ms is not None else None
-    return _Stages(
-        list(part.stage_fwd_ms),
-        list(part.stage_bwd_ms),
-        wgrad,
-        list(part.stage_output_bytes),
-        act,
-        part.P,
-        part.v,
-        schedule,
-        tuple(part.stage_to_rank),
+    shape = reconcile(partition, schedule, v=v, m=m)
+    stages = _from_partition(partition) if isinstance(partition, Partition) else _from_table(partition)
+    link = check_link(link)
+    if link is not None and stages.out_bytes is None and stages.S > 1:
+        raise ValueError("link is given but the stage table has no 'output_bytes' column (bytes leaving each stage)")
+    wgrad, split_source = _weight_grad(stages, wgrad_fraction)
+    durations: tuple[Sequence[float], ...] = (stages.fwd, stages.bwd, *backward_parts(stages.bwd, wgrad))
+    out_bytes = stages.out_bytes if stages.out_bytes is not None else [0.0] * stages.S
+    transfer = [link.transfer_ms(b) for b in out_bytes] if link is not None else [0.0] * stages.S
+    calibration = check_calibration(calibration)
+    if calibration is not None:
+        durations = calibration.action_durations(durations, shape.P, shape.schedule)
+        if link is None:
+            transfer = calibration.transfer_ms(out_bytes)
+    return _Setup(
+        shape=shape,
+        m=check_int("m", m, minimum=1),
+        stages=stages,
+        link=link,
+        durations=durations,
+        transfer=transfer,
+        split_source=split_source,
+        calibration=calibration,
     )
 
 
-def _column(df, col, required=True):
+def _from_partition(part: Partition) -> _Stages:
+    act = None if any(math.isnan(x) for x in part.stage_activation_bytes) else list(part.stage_activation_bytes)
+    return _Stages(
+        fwd=list(part.stage_fwd_ms),
+        bwd=list(part.stage_bwd_ms),
+        wgrad=list(part.stage_wgrad_ms) if part.stage_wgrad_ms is not None else None,
+        out_bytes=list(part.stage_output_bytes),
+        act_bytes=act,
+    )
+
+
+def _from_table(df: pd.DataFrame) -> _Stages:
+    return _Stages(
+        fwd=_column(df, "fwd_ms"),
+        bwd=_column(df, "bwd_ms"),
+        wgrad=_column(df, "wgrad_ms", required=False),
+        out_bytes=_column(df, "output_bytes", required=False),
+        act_bytes=_column(df, "activation_bytes", required=False),
+    )
+
+
+def _column(df: pd.DataFrame, col: str, required: bool = True) -> Any:
+    """A per-stage column as a list of floats (None when absent and not ``required``)."""
     if col not in df.columns:
         if required:
             raise ValueError(
@@ -120,99 +176,58 @@ def _column(df, col, required=True):
     values, bad = nonnegative_column(df[col])
     if bad:
         raise ValueError(
-            f"stage table column {col!r}: stage {bad[0]} has {bad[1]!r}; values must be finite numbers >= 0 (ms or bytes)"
+            f"stage table column {col!r}: stage {bad[0]} has {bad[1]!r}; values must be finite numbers >= 0 "
+            "(ms or bytes)"
         )
     return values.tolist()
 
 
-def _from_table(df: pd.DataFrame, schedule, v):
-    schedule = canonical_schedule(schedule or "1F1B")
-    if v is None:
-        if schedule in SINGLE_CHUNK_SCHEDULES:
-            v = 1
-        elif schedule in V_SHAPE_SCHEDULES:
-            v = 2
-        else:
-            raise ValueError(
-                f"schedule={schedule!r} with a stage table needs v (stages per rank); the table has {len(df)} stages = P*v"
-            )
-    v = check_int("v", v, minimum=1)
-    if len(df) == 0 or len(df) % v:
-        raise ValueError(
-            f"the stage table has {len(df)} rows; with v={v} it needs P*v rows (a positive multiple of {v})"
-        )
-    P = len(df) // v
-    fwd, bwd = _column(df, "fwd_ms"), _column(df, "bwd_ms")
-    wgrad = _column(df, "wgrad_ms", required=False)
-    out_bytes = _column(df, "output_bytes", required=False)
-    act = _column(df, "activation_bytes", required=False)
-    return _Stages(fwd, bwd, wgrad, out_bytes, act, P, v, schedule, None)
-
-
-def _prepare(partition, m, schedule, v, link, wgrad_fraction, calibration=None):
-    """Validate :func:`simulate`'s arguments; return the stage table and per-kind durations.
-
-    With a ``calibration`` (:class:`~pipeswift_lab.fidelity.calibrator.Calibration`) the durations are
-    its calibrated ones and, when no ``link`` is given, its fitted transfers are used.
-    """
-    if isinstance(partition, Partition):
-        st = _from_partition(partition, schedule, v)
-    elif isinstance(partition, pd.DataFrame):
-        st = _from_table(partition, schedule, v)
-    else:
-        raise TypeError(
-            f"partition must be a pipeswift_lab.Partition or a per-stage DataFrame; got {type(partition).__name__}"
-        )
-    m = check_int("m", m, minimum=1)
-    schedule, v = validate(st.P, m, st.schedule, st.v)
-    placement = st.placement or stage_to_rank(st.P, v, schedule)
-    link = check_link(link)
-    if link is not None and st.out_bytes is None and st.S > 1:
-        raise ValueError("link is given but the stage table has no 'output_bytes' column (bytes leaving each stage)")
+def _weight_grad(stages: _Stages, wgrad_fraction: float | None) -> tuple[list[float] | None, str]:
+    """The weight-grad ms of every stage (None: :func:`~pipeswift_lab.core.analytic.backward_parts`' default share)
+    and where it came from."""
     if wgrad_fraction is not None:
         wgrad_fraction = check_wgrad_fraction(wgrad_fraction)
-        wgrad = [wgrad_fraction * b for b in st.bwd]
-        split_source = f"wgrad_fraction={wgrad_fraction:g}"
-    elif st.wgrad is not None:
-        wgrad = st.wgrad
-        for s, (w, b) in enumerate(zip(wgrad, st.bwd)):
+        return [wgrad_fraction * b for b in stages.bwd], f"wgrad_fraction={wgrad_fraction:g}"
+    if stages.wgrad is not None:
+        for s, (w, b) in enumerate(zip(stages.wgrad, stages.bwd)):
             if w > b * (1 + 1e-12):
                 raise ValueError(f"stage {s}: wgrad_ms={w} exceeds bwd_ms={b}; it is a part of it")
-        split_source = "profile wgrad_ms"
-    else:
-        wgrad = None  # backward_parts' default share
-        split_source = f"DEFAULT_WGRAD_FRACTION={DEFAULT_WGRAD_FRACTION:g}"
-    transfer = [0.0] * st.S
-    if link is not None:
-        transfer = [link.transfer_ms(b) for b in st.out_bytes]
-    durations = (st.fwd, st.bwd, *backward_parts(st.bwd, wgrad))  # the first stage: I = 0, W = its whole backward
-    if calibration is not None:
-        from .calibration import check_calibration
-
-        calibration = check_calibration(calibration)
-        durations = calibration.action_durations(durations, st.P, schedule or st.schedule)
-        if link is None:
-            transfer = calibration.transfer_ms(st.out_bytes if st.out_bytes is not None else [0.0] * st.S)
-    if tuple(placement) != stage_to_rank(st.P, v, schedule):  # pragma: no cover - guarded in _from_partition
-        raise ValueError(f"stage placement {list(placement)} is not the one schedule={schedule!r} runs")
-    return st, m, schedule, v, placement, link, durations, transfer, split_source
+        return stages.wgrad, "profile wgrad_ms"
+    return None, f"DEFAULT_WGRAD_FRACTION={DEFAULT_WGRAD_FRACTION:g}"
 
 
-def simulate_step_ms(partition, m, schedule=None, *, v=None, link=None, wgrad_fraction=None, calibration=None) -> float:
+def simulate_step_ms(
+    partition: Partition | pd.DataFrame,
+    m: int,
+    schedule: str | None = None,
+    *,
+    v: int | None = None,
+    link: Link | None = None,
+    wgrad_fraction: float | None = None,
+    calibration: SimulatorCalibration | None = None,
+) -> float:
     """The simulated step time (ms) alone: :func:`simulate`'s ``step_ms`` without building the Timeline.
 
     For searches over many configurations (the planner); takes the same arguments. Like
     ``Timeline.step_ms`` it is the action span: with a ``calibration``, add
     ``calibration.step_overhead_ms(schedule)`` for the whole step.
     """
-    st, m, schedule, v, placement, link, durations, transfer, _ = _prepare(
-        partition, m, schedule, v, link, wgrad_fraction, calibration
-    )
-    _, signal, _ = _run(_lowered(st.P, m, schedule, v), st.P, m, st.S, durations, transfer, False)
-    return max(_lowered_table(st.P, m, schedule, v)["done"](signal))
+    setup = _setup(partition, m, schedule, v, link, wgrad_fraction, calibration)
+    sh, m = setup.shape, setup.m
+    _, signal, _ = execute(lowered(sh.P, m, sh.schedule, sh.v), sh.P, m, sh.S, setup.durations, setup.transfer, False)
+    return max(lowered_table(sh.P, m, sh.schedule, sh.v)["done"](signal))
 
 
-def simulate(partition, m, schedule=None, *, v=None, link=None, wgrad_fraction=None, calibration=None) -> Timeline:
+def simulate(
+    partition: Partition | pd.DataFrame,
+    m: int,
+    schedule: str | None = None,
+    *,
+    v: int | None = None,
+    link: Link | None = None,
+    wgrad_fraction: float | None = None,
+    calibration: SimulatorCalibration | None = None,
+) -> Timeline:
     """Simulate one training step of ``m`` micro-batches; return the predicted :class:`Timeline`.
 
     ``partition`` is a :class:`~pipeswift_lab.partitioning.balance.Partition`, or a DataFrame with one
@@ -237,34 +252,45 @@ def simulate(partition, m, schedule=None, *, v=None, link=None, wgrad_fraction=N
     the whole predicted step is ``step_ms + meta["step_overhead_ms"]``
     (:func:`~pipeswift_lab.fidelity.calibrator.whole_step_ms`).
     """
-    st, m, schedule, v, placement, link, durations, transfer, split_source = _prepare(
-        partition, m, schedule, v, link, wgrad_fraction, calibration
-    )
-    run = _run(_lowered(st.P, m, schedule, v), st.P, m, st.S, durations, transfer, link is not None or any(transfer))
-    df = _rows_frame(_lowered_table(st.P, m, schedule, v), run)
-    meta = {
-        "schedule": schedule,
-        "P": st.P,
-        "m": m,
-        "v": v,
-        "stage_to_rank": list(placement),
+    setup = _setup(partition, m, schedule, v, link, wgrad_fraction, calibration)
+    sh, m = setup.shape, setup.m
+    comm_rows = setup.link is not None or any(setup.transfer)
+    run = execute(lowered(sh.P, m, sh.schedule, sh.v), sh.P, m, sh.S, setup.durations, setup.transfer, comm_rows)
+    return Timeline(rows_frame(lowered_table(sh.P, m, sh.schedule, sh.v), run), meta=_meta(setup))
+
+
+def _meta(setup: _Setup) -> dict[str, Any]:
+    """The simulated Timeline's ``meta``: the configuration, the stage inputs and the calibration's terms."""
+    sh, st, cal = setup.shape, setup.stages, setup.calibration
+    meta: dict[str, Any] = {
+        "schedule": sh.schedule,
+        "P": sh.P,
+        "m": setup.m,
+        "v": sh.v,
+        "stage_to_rank": list(sh.placement),
         "stage_fwd_ms": list(st.fwd),
         "stage_bwd_ms": list(st.bwd),
-        "wgrad_split": split_source,
-        "link": link.as_dict() if link is not None else None,
-        "step_overhead_ms": calibration.step_overhead_ms(schedule) if calibration is not None else 0.0,
+        "wgrad_split": setup.split_source,
+        "link": setup.link.as_dict() if setup.link is not None else None,
+        "step_overhead_ms": cal.step_overhead_ms(sh.schedule) if cal is not None else 0.0,
     }
-    if any(transfer):
-        meta["stage_transfer_ms"] = list(transfer)
-    if calibration is not None:
-        meta["calibration"] = calibration.label
-        meta["gap_ms"] = calibration.gap_ms(schedule, st.P)
+    if any(setup.transfer):
+        meta["stage_transfer_ms"] = list(setup.transfer)
+    if cal is not None:
+        meta["calibration"] = cal.label
+        meta["gap_ms"] = cal.gap_ms(sh.schedule, sh.P)
     if st.act_bytes is not None:
         meta["stage_activation_bytes"] = list(st.act_bytes)
-    return Timeline(df, source="simulated", meta=meta)
+    return meta
 
 
-def simulate_order(orders, stage_table, m, link=None, placement=None) -> Timeline:
+def simulate_order(
+    orders: dict[int, list[tuple[str, int, int]]],
+    stage_table: pd.DataFrame,
+    m: int,
+    link: Link | None = None,
+    placement: Sequence[int] | None = None,
+) -> Timeline:
     """Simulate a hand-written order with the multi-chunk runtime's semantics (async sends).
 
     ``orders`` is ``{rank: [(kind, stage, microbatch), ...]}``; ``stage_table`` a per-stage
@@ -275,45 +301,55 @@ def simulate_order(orders, stage_table, m, link=None, placement=None) -> Timelin
     if not isinstance(orders, dict) or not orders:
         raise TypeError("orders must be a non-empty dict {rank: [(kind, stage, microbatch), ...]}")
     m = check_int("m", m, minimum=1)
-    P = len(orders)
+    P, S = len(orders), len(stage_table)
     if sorted(orders) != list(range(P)):
         raise ValueError(f"orders must have ranks 0..{P - 1} as keys; got {sorted(orders)}")
-    S = len(stage_table)
-    if placement is None:
-        found = {}
-        for r, acts in orders.items():
-            for kind, s, i in acts:
-                found.setdefault(s, r)
-        if sorted(found) != list(range(S)):
-            raise ValueError(f"orders cover stages {sorted(found)} but the stage table has {S} stages")
-        placement = tuple(found[s] for s in range(S))
-    seen = {}
-    for r, acts in orders.items():
-        for kind, s, i in acts:
-            if kind not in _KIND_NAMES or not (0 <= s < S) or not isinstance(i, numbers.Integral) or not (0 <= i < m):
-                raise ValueError(
-                    f"orders[{r}] holds {(kind, s, i)!r}; actions are (kind in {list(_KIND_NAMES)}, stage < {S}, microbatch < {m})"
-                )
-            family = "B/I" if kind in ("B", "I") else kind  # a backward is a full B, or an I then a W
-            if (family, s, i) in seen:
-                raise ValueError(
-                    f"orders[{r}] holds {(kind, s, i)!r} but orders[{seen[(family, s, i)]}] already runs the "
-                    f"{'backward (B or I)' if family == 'B/I' else kind} of stage {s}, micro-batch {i}; each runs once"
-                )
-            seen[(family, s, i)] = r
-    fwd, bwd = _column(stage_table, "fwd_ms"), _column(stage_table, "bwd_ms")
-    wgrad = _column(stage_table, "wgrad_ms", required=False)
-    out_bytes = _column(stage_table, "output_bytes", required=False)
+    placement = tuple(placement) if placement is not None else _placement_of(orders, S)
+    _check_orders(orders, m, S)
+    stages = _from_table(stage_table)
     link = check_link(link)
-    transfer = [link.transfer_ms(b) for b in out_bytes] if (link is not None and out_bytes is not None) else [0.0] * S
-    durations = (fwd, bwd, *backward_parts(bwd, wgrad))
-    groups = [tuple((a,) for a in orders[r]) for r in range(P)]
-    ops = _lower(groups, "custom", P, m, S, placement)
-    df = _rows_frame(_compute_table(ops), _run(ops, P, m, S, durations, transfer, link is not None))
-    meta = {"schedule": "custom", "P": P, "m": m, "stage_to_rank": list(placement)}
+    if link is not None and stages.out_bytes is not None:
+        transfer = [link.transfer_ms(b) for b in stages.out_bytes]
+    else:
+        transfer = [0.0] * S
+    durations = (stages.fwd, stages.bwd, *backward_parts(stages.bwd, stages.wgrad))
+    ops = lower(tuple(tuple((a,) for a in orders[r]) for r in range(P)), "custom", P, m, S, placement)
+    df = rows_frame(compute_table(ops), execute(ops, P, m, S, durations, transfer, link is not None))
+    meta: dict[str, Any] = {"schedule": "custom", "P": P, "m": m, "stage_to_rank": list(placement)}
     if S % P == 0:
         meta["v"] = S // P
     return Timeline(df, source="simulated", meta=meta)
 
 
-__all__ = ["ScheduleDeadlock", "simulate", "simulate_order"]
+def _placement_of(orders: dict[int, list[tuple[str, int, int]]], S: int) -> tuple[int, ...]:
+    """The rank of each stage: the first rank whose order holds it."""
+    found: dict[int, int] = {}
+    for r, acts in orders.items():
+        for _, s, _ in acts:
+            found.setdefault(s, r)
+    if sorted(found) != list(range(S)):
+        raise ValueError(f"orders cover stages {sorted(found)} but the stage table has {S} stages")
+    return tuple(found[s] for s in range(S))
+
+
+def _check_orders(orders: dict[int, list[tuple[str, int, int]]], m: int, S: int) -> None:
+    """Every action known and in range, and every forward and backward piece run once."""
+    seen: dict[tuple[str, int, int], int] = {}
+    for r, acts in orders.items():
+        for kind, s, i in acts:
+            if kind not in COMPUTE_KINDS or not (0 <= s < S) or not isinstance(i, numbers.Integral) or not 0 <= i < m:
+                raise ValueError(
+                    f"orders[{r}] holds {(kind, s, i)!r}; actions are (kind in {list(COMPUTE_KINDS)}, stage < {S}, "
+                    f"microbatch < {m})"
+                )
+            family = "B/I" if kind in ("B", "I") else kind  # a backward is a full B, or an I then a W
+            if (family, s, i) in seen:
+                piece = "backward (B or I)" if family == "B/I" else kind
+                raise ValueError(
+                    f"orders[{r}] holds {(kind, s, i)!r} but orders[{seen[(family, s, i)]}] already runs the "
+                    f"{piece} of stage {s}, micro-batch {i}; each runs once"
+                )
+            seen[(family, s, i)] = r
+
+
+__all__ = ["ScheduleDeadlock", "simulate", "simulate_order", "simulate_step_ms"]

@@ -7,6 +7,9 @@ median-time step is taken, which a single descheduled step cannot move.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import Any
+
 import pandas as pd
 
 from ..core.checks import check_int
@@ -18,13 +21,14 @@ MEASURED_STEP = (
 )
 
 
-def first_step(obj) -> int:
+def first_step(obj: Any) -> int:
     """The step number of ``obj.step_ms[0]``: 0, or where a resumed run started (``RunResult.first_step``)."""
     return int(getattr(obj, "first_step", 0) or 0)
 
 
-def steady_step_index(times) -> int:
-    """Index of the step :data:`MEASURED_STEP` picks from per-step ``times``: the median after the first (lower middle for an even count)."""
+def steady_step_index(times: Sequence[float] | pd.Series) -> int:
+    """Index of the step :data:`MEASURED_STEP` picks from per-step ``times``: the median after the first (lower
+    middle for an even count)."""
     times = pd.Series(list(times), index=range(len(times))) if not isinstance(times, pd.Series) else times
     if times.empty:
         raise ValueError("there are no steps to pick the measured step from")
@@ -33,12 +37,14 @@ def steady_step_index(times) -> int:
     return int(order.index[(len(order) - 1) // 2])
 
 
-def timeline_of(obj, name):
+def timeline_of(obj: Any, name: str) -> Any:
+    """``obj``'s Timeline: ``obj`` itself or its ``.timeline``; ``TypeError`` naming ``name`` otherwise."""
     timeline = getattr(obj, "timeline", obj)
     df = getattr(timeline, "df", None)
     if not isinstance(df, pd.DataFrame) or not {"step", "rank", "kind", "start_ms", "end_ms"} <= set(df.columns):
         raise TypeError(
-            f"{name} must be a Timeline or have a .timeline (a RunResult, a simulation result); got {type(obj).__name__}"
+            f"{name} must be a Timeline or have a .timeline (a RunResult, a simulation result); "
+            f"got {type(obj).__name__}"
         )
     return timeline
 
@@ -48,8 +54,9 @@ def _step_spans(df: pd.DataFrame) -> pd.Series:
     return grouped["end_ms"].max() - grouped["start_ms"].min()
 
 
-def pick_step(measured, step=None) -> int:
-    """The measured step to show: ``step`` if given, else the median-time step after the first (the only one if there is one)."""
+def pick_step(measured: Any, step: int | None = None) -> int:
+    """The measured step to show: ``step`` if given, else the median-time step after the first (the only one if
+    there is one)."""
     timeline = timeline_of(measured, "measured")
     df = timeline.df
     step_ms = getattr(measured, "step_ms", None) if measured is not timeline else None

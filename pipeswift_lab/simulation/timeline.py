@@ -31,13 +31,20 @@ import json
 import math
 from dataclasses import dataclass, field
 from functools import cached_property
+from os import PathLike
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pandas as pd
 
+from ..core.checks import check_choice
 from ..core.display import html_card, text_card
 from ..core.vocabulary import COMPUTE_KINDS, KINDS
-from .schema import COLUMNS, OPTIONAL_COLUMNS, normalize  # noqa: F401 - the schema, re-exported
+from .chrome_trace import write_chrome_trace
+from .schema import COLUMNS, OPTIONAL_COLUMNS, device_index, jsonable, normalize
+
+if TYPE_CHECKING:
+    from matplotlib.axes import Axes
 
 #: ``source`` values.
 SOURCES = ("simulated", "measured")
@@ -59,9 +66,8 @@ class Timeline:
     source: str = "simulated"
     meta: dict = field(default_factory=dict)
 
-    def __post_init__(self):
-        if self.source not in SOURCES:
-            raise ValueError(f"source={self.source!r} is not valid; use one of {list(SOURCES)}")
+    def __post_init__(self) -> None:
+        check_choice("source", self.source, SOURCES)
         meta = {} if self.meta is None else self.meta
         if not isinstance(meta, dict):
             raise TypeError(f"meta must be a dict or None; got {type(meta).__name__}")
@@ -86,12 +92,12 @@ class Timeline:
         """Data-parallel replicas present (``[0]`` for a simulation or a run with D=1)."""
         return sorted(int(r) for r in self.df["replica"].unique())
 
-    def _lane(self, replica, rank) -> np.ndarray:
-        """The device row of each (replica, rank): replica position * ranks + rank position (the rank's position without replicas)."""
-        return np.searchsorted(self.replicas, replica) * len(self.ranks) + np.searchsorted(self.ranks, rank)
+    def _lane(self, replica: Any, rank: Any) -> np.ndarray:
+        """The device row of each (replica, rank) (:func:`~pipeswift_lab.simulation.schema.device_index`)."""
+        return device_index(self.replicas, self.ranks, replica, rank)
 
     @cached_property
-    def _arrays(self):
+    def _arrays(self) -> dict[str, np.ndarray]:
         df = self.df
         return {
             "replica": df["replica"].to_numpy(np.int64),
@@ -180,7 +186,7 @@ class Timeline:
 
     # ------------------------------------------------------------------ in flight
     @cached_property
-    def _held(self):
+    def _held(self) -> dict[str, np.ndarray]:
         """Per held micro-batch chunk, numpy arrays ``step, rank, stage, acquire, release, replica``."""
         a = self._arrays
         c = a["compute"]
@@ -223,7 +229,7 @@ class Timeline:
             "replica": replica[is_f][first],
         }
 
-    def _peak(self, stage_weight) -> pd.Series:
+    def _peak(self, stage_weight: np.ndarray) -> pd.Series:
         """Per rank, the peak over time, steps (and replicas) of the summed weights of held chunks.
 
         ``stage_weight`` is an array indexed by stage. Releases sort before acquisitions at
@@ -272,7 +278,8 @@ class Timeline:
 
     @cached_property
     def peak_activation_bytes(self) -> pd.Series:
-        """Per rank (Series indexed by rank): peak bytes of activations held, from ``meta["stage_activation_bytes"]``."""
+        """Per rank (Series indexed by rank): peak bytes of activations held, weighted by
+        ``meta["stage_activation_bytes"]``."""
         stage_bytes = self.meta.get("stage_activation_bytes")
         n_stages = int(self.df["stage"].max()) + 1
         if (
@@ -287,115 +294,22 @@ class Timeline:
         return self._peak(np.asarray(stage_bytes, dtype=float)).rename("peak_activation_bytes")
 
     # ------------------------------------------------------------------ display
-    def plot(self, ax=None, step=None, labels=True, comms=True):
+    def plot(self, ax: Axes | None = None, step: int | None = None, labels: bool = True, comms: bool = True) -> Axes:
         """Gantt chart: one row per rank, compute bars colored by kind, idle time left empty.
 
         ``step`` picks one step of a multi-step timeline (times then start at that step's
         start); None draws all steps. Micro-batch numbers label bars wide enough to hold them;
         with several stages per rank, later chunks are drawn lighter. Transfers (``SEND_*``)
         and the gradient all-reduce (``REDUCE_GRAD``) show as thin bars under the rank's row
-        when ``comms``. With several replicas every (replica, rank) gets a row. Returns the Axes.
+        when ``comms``. With several replicas every (replica, rank) gets a row. Returns the Axes
+        (:func:`~pipeswift_lab.simulation.gantt.plot_timeline`).
         """
-        from ..core.plot import KIND_COLORS, get_ax
+        from .gantt import plot_timeline
 
-        df = self.df
-        offset = 0.0
-        if step is not None:
-            if step not in self.steps:
-                raise ValueError(f"step={step!r} is not in this timeline; steps are {self.steps}")
-            df = df[df["step"] == step]
-            offset = float(df["start_ms"].min())
-        ranks, replicas = self.ranks, self.replicas
-        # one row per device: replica d's rank r at row d * P + r
-        row_names = (
-            [f"replica {d} rank {r}" for d in replicas for r in ranks]
-            if len(replicas) > 1
-            else [f"rank {r}" for r in ranks]
-        )
-        rank = self._lane(df["replica"].to_numpy(np.int64), df["rank"].to_numpy(np.int64))
-        ax = get_ax(ax, figsize=(9.0, 0.45 * len(row_names) + 1.4))
-        start = df["start_ms"].to_numpy(float) - offset
-        end = df["end_ms"].to_numpy(float) - offset
-        kind = df["kind"].to_numpy(object)
-        stage = df["stage"].to_numpy(np.int64)
-        mb = df["microbatch"].to_numpy(np.int64)
-        lo, hi = (float(start.min()), float(end.max())) if len(df) else (0.0, 1.0)
-        span = hi - lo if hi > lo else 1.0
-        chunk = self._chunk_index()
-        n_compute = int(np.isin(kind, COMPUTE_KINDS).sum())
-        for k in COMPUTE_KINDS:
-            sel = kind == k
-            if not sel.any():
-                continue
-            alpha = np.where([chunk.get(int(s), 0) == 0 for s in stage[sel]], 1.0, 0.6)
-            bars = ax.barh(
-                rank[sel],
-                end[sel] - start[sel],
-                left=start[sel],
-                height=0.8,
-                color=KIND_COLORS[k],
-                edgecolor="white",
-                linewidth=0.4,
-                label=k,
-            )
-            for bar, al in zip(bars, alpha):
-                bar.set_alpha(al)
-        if comms:
-            for k in ("SEND_F", "SEND_B", "REDUCE_GRAD"):
-                sel = kind == k
-                if sel.any():
-                    ax.barh(
-                        rank[sel] + 0.47,
-                        end[sel] - start[sel],
-                        left=start[sel],
-                        height=0.12,
-                        color=KIND_COLORS[k],
-                        label=k,
-                    )
-        if labels and 0 < n_compute <= 800:
-            fig_width_px = ax.get_figure().get_size_inches()[0] * ax.get_figure().dpi * 0.8
-            for i in np.flatnonzero(np.isin(kind, COMPUTE_KINDS)):
-                text = str(mb[i])
-                width_px = (end[i] - start[i]) / span * fig_width_px
-                if width_px >= 7 * len(text) + 4:
-                    ax.text((start[i] + end[i]) / 2, rank[i], text, ha="center", va="center", fontsize=7, color="white")
-        ax.set_yticks(range(len(row_names)), row_names)
-        ax.set_ylim(len(row_names) - 0.2 if row_names else 1, -0.6)
-        ax.set_xlim(lo, lo + span * 1.01)
-        ax.set_xlabel("time since step start (ms)" if step is not None else "time (ms)")
-        title = self.meta.get("schedule", "")
-        details = ", ".join(
-            f"{k}={self.meta[k]}" for k in ("P", "D", "m", "v") if k in self.meta and (k != "D" or self.meta[k] != 1)
-        )
-        step_text = f"{self.step_ms:,.0f}" if self.step_ms >= 100 else f"{self.step_ms:.3g}"
-        ax.set_title(
-            f"{self.source} {title} ({details}): step {step_text} ms, bubble {self.bubble_ratio:.1%}".replace("  ", " ")
-        )
-        if any(chunk.get(int(s), 0) > 0 for s in stage):
-            from matplotlib.patches import Patch
+        return plot_timeline(self, ax, step=step, labels=labels, comms=comms)
 
-            handles, names = ax.get_legend_handles_labels()
-            handles.append(
-                Patch(facecolor="grey", alpha=0.6, edgecolor="white", label="lighter: the rank's later chunk")
-            )
-            ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize="small", frameon=False)
-        else:
-            ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize="small", frameon=False)
-        ax.grid(axis="y", visible=False)
-        return ax
-
-    def _chunk_index(self) -> dict[int, int]:
-        """Position of each stage among its rank's stages (0 for the first chunk)."""
-        a = self._arrays
-        pairs = sorted(set(zip(a["rank"].tolist(), a["stage"].tolist())))
-        out, seen = {}, {}
-        for r, s in pairs:
-            out[s] = seen.get(r, 0)
-            seen[r] = seen.get(r, 0) + 1
-        return out
-
-    def _summary(self) -> dict:
-        out = {"source": self.source}
+    def _summary(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"source": self.source}
         for k in ("schedule", "P", "m", "v"):
             if k in self.meta:
                 out[k] = self.meta[k]
@@ -419,7 +333,7 @@ class Timeline:
         return text_card("Timeline", self._summary())
 
     # ------------------------------------------------------------------ export
-    def to_chrome_trace(self, path) -> str:
+    def to_chrome_trace(self, path: str | PathLike[str]) -> str:
         """Write Chrome trace JSON (Perfetto, chrome://tracing) to ``path``; return the path.
 
         One process per rank (``pid`` = rank; ``replica * P + rank`` with several replicas) with
@@ -427,126 +341,19 @@ class Timeline:
         action is an ``"X"`` event (``ts``/``dur`` in µs).
         Flow events (``"s"`` → ``"f"``) join each ``SEND_*`` to its ``RECV_*``; without
         transfer rows they join each cross-rank dependency (``F`` to the next stage's ``F``,
-        the backward to the previous stage's backward).
+        the backward to the previous stage's backward) (:mod:`~pipeswift_lab.simulation.chrome_trace`).
         """
-        events = []
-        names = self._process_names()
-        for pid, name in names.items():
-            events.append({"ph": "M", "name": "process_name", "pid": pid, "args": {"name": name}})
-            events.append({"ph": "M", "name": "thread_name", "pid": pid, "tid": 0, "args": {"name": "compute"}})
-            events.append({"ph": "M", "name": "thread_name", "pid": pid, "tid": 1, "args": {"name": "transfer"}})
-        a = self._arrays
-        pids = self._pids()
-        for i in range(len(self.df)):
-            kind = a["kind"][i]
-            tid = 0 if kind in COMPUTE_KINDS else 1
-            events.append(
-                {
-                    "ph": "X",
-                    "name": f"{kind}{a['mb'][i]} s{a['stage'][i]}",
-                    "cat": kind,
-                    "pid": int(pids[i]),
-                    "tid": tid,
-                    "ts": float(a["start"][i]) * 1e3,
-                    "dur": float(a["end"][i] - a["start"][i]) * 1e3,
-                    "args": {"step": int(a["step"][i]), "stage": int(a["stage"][i]), "microbatch": int(a["mb"][i])},
-                }
-            )
-        for flow_id, (src, dst) in enumerate(self._flows()):
-            events.append(
-                {
-                    "ph": "s",
-                    "id": flow_id,
-                    "name": "transfer",
-                    "cat": "flow",
-                    "pid": src[0],
-                    "tid": src[1],
-                    "ts": src[2],
-                }
-            )
-            events.append(
-                {
-                    "ph": "f",
-                    "bp": "e",
-                    "id": flow_id,
-                    "name": "transfer",
-                    "cat": "flow",
-                    "pid": dst[0],
-                    "tid": dst[1],
-                    "ts": dst[2],
-                }
-            )
-        with open(path, "w") as fh:
-            json.dump(
-                {
-                    "traceEvents": events,
-                    "displayTimeUnit": "ms",
-                    "otherData": {"source": self.source, **_jsonable(self.meta)},
-                },
-                fh,
-            )
-        return str(path)
+        return write_chrome_trace(self, path)
 
-    def _process_names(self) -> dict[int, str]:
-        if len(self.replicas) == 1:
-            return {r: f"rank {r}" for r in self.ranks}
-        P = max(self.ranks) + 1
-        return {d * P + r: f"replica {d} rank {r}" for d in self.replicas for r in self.ranks}
-
-    def _pids(self) -> np.ndarray:
-        a = self._arrays
-        return a["rank"] if len(self.replicas) == 1 else a["replica"] * (max(self.ranks) + 1) + a["rank"]
-
-    def _flows(self):
-        """Pairs ``((pid, tid, ts_us), (pid, tid, ts_us))`` for the flow arrows."""
-        a = self._arrays
-        df = pd.DataFrame(
-            {
-                "step": a["step"],
-                "rank": self._pids(),
-                "replica": a["replica"],
-                "stage": a["stage"],
-                "mb": a["mb"],
-                "kind": a["kind"],
-                "start": a["start"],
-                "end": a["end"],
-            }
-        )
-        out = []
-        sends = df[df["kind"].isin(["SEND_F", "SEND_B"])]
-        if len(sends):
-            recvs = df[df["kind"].isin(["RECV_F", "RECV_B"])].set_index(["step", "replica", "kind", "stage", "mb"])
-            for row in sends.itertuples(index=False):
-                target = ("RECV_F", row.stage + 1) if row.kind == "SEND_F" else ("RECV_B", row.stage - 1)
-                key = (row.step, row.replica, target[0], target[1], row.mb)
-                if key in recvs.index:
-                    rec = recvs.loc[[key]].iloc[0]
-                    out.append(((int(row.rank), 1, row.start * 1e3), (int(rec["rank"]), 1, float(rec["end"]) * 1e3)))
-            return out
-        comp = df[df["kind"].isin(COMPUTE_KINDS)]
-        done = {}
-        for row in comp.itertuples(index=False):
-            done[(row.step, row.replica, "F" if row.kind == "F" else "G", row.stage, row.mb)] = row
-        for row in comp.itertuples(index=False):
-            if row.kind == "F":
-                src = done.get((row.step, row.replica, "F", row.stage - 1, row.mb))
-            elif row.kind in ("B", "I"):
-                src = done.get((row.step, row.replica, "G", row.stage + 1, row.mb))
-            else:
-                src = None
-            if src is not None and src.rank != row.rank:
-                out.append(((int(src.rank), 0, src.end * 1e3), (int(row.rank), 0, row.start * 1e3)))
-        return out
-
-    def to_csv(self, path) -> str:
+    def to_csv(self, path: str | PathLike[str]) -> str:
         """Write the rows as CSV, with ``source`` and ``meta`` in a first comment line; return the path."""
         with open(path, "w", newline="") as fh:
-            fh.write(_CSV_HEADER + json.dumps({"source": self.source, "meta": _jsonable(self.meta)}) + "\n")
+            fh.write(_CSV_HEADER + json.dumps({"source": self.source, "meta": jsonable(self.meta)}) + "\n")
             self.df.to_csv(fh, index=False)
         return str(path)
 
     @classmethod
-    def read_csv(cls, path) -> Timeline:
+    def read_csv(cls, path: str | PathLike[str]) -> Timeline:
         """Read a Timeline written by :meth:`to_csv` (a plain CSV with the columns works too, as simulated)."""
         with open(path) as fh:
             first = fh.readline()
@@ -558,7 +365,7 @@ class Timeline:
         return cls(df, source=source, meta=meta)
 
 
-def _group_running_max(end, new_group):
+def _group_running_max(end: np.ndarray, new_group: np.ndarray) -> np.ndarray:
     """For each row, the largest ``end`` of the earlier rows of its group (-inf for a group's first row)."""
     out = np.empty_like(end)
     starts = np.flatnonzero(new_group)
@@ -570,7 +377,7 @@ def _group_running_max(end, new_group):
     return out
 
 
-def _merged_lengths(group, start, end, size):
+def _merged_lengths(group: np.ndarray, start: np.ndarray, end: np.ndarray, size: int) -> np.ndarray:
     """Total length of the union of intervals per group (rows sorted by group, then start)."""
     total = np.zeros(size)
     i, n = 0, len(group)
@@ -587,10 +394,6 @@ def _merged_lengths(group, start, end, size):
         total[g] += cur_e - cur_s
         i = j
     return total
-
-
-def _jsonable(meta: dict) -> dict:
-    return json.loads(json.dumps(meta, default=lambda x: x.tolist() if hasattr(x, "tolist") else str(x)))
 
 
 __all__ = ["OPTIONAL_COLUMNS", "COLUMNS", "COMPUTE_KINDS", "KINDS", "SOURCES", "Timeline"]

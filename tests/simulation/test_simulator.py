@@ -154,16 +154,25 @@ def test_1f1b_with_a_link_serializes_transfers_as_torchs_fused_batches():
     compute = tl.df[tl.df["kind"].isin(["F", "B"])]
     got = {(r.rank, r.kind, r.microbatch): (r.start_ms, r.end_ms) for r in compute.itertuples()}
     assert got == {
-        (0, "F", 0): (0.0, 1.0), (0, "F", 1): (1.0, 2.0), (0, "B", 0): (5.0, 7.0), (0, "B", 1): (8.5, 10.5),
-        (1, "F", 0): (1.5, 2.5), (1, "B", 0): (2.5, 4.5), (1, "F", 1): (5.0, 6.0), (1, "B", 1): (6.0, 8.0),
-    }  # fmt: skip
+        (0, "F", 0): (0.0, 1.0),
+        (0, "F", 1): (1.0, 2.0),
+        (0, "B", 0): (5.0, 7.0),
+        (0, "B", 1): (8.5, 10.5),
+        (1, "F", 0): (1.5, 2.5),
+        (1, "B", 0): (2.5, 4.5),
+        (1, "F", 1): (5.0, 6.0),
+        (1, "B", 1): (6.0, 8.0),
+    }
     assert tl.step_ms == 10.5
     sends = tl.df[tl.df["kind"].str.startswith("SEND")]
     recvs = tl.df[tl.df["kind"].str.startswith("RECV")]
     assert len(sends) == len(recvs) == 4
     assert set(zip(sends["kind"], sends["rank"], sends["start_ms"], sends["end_ms"])) == {
-        ("SEND_F", 0, 1.0, 1.5), ("SEND_F", 0, 2.0, 2.5), ("SEND_B", 1, 4.5, 5.0), ("SEND_B", 1, 8.0, 8.5),
-    }  # fmt: skip
+        ("SEND_F", 0, 1.0, 1.5),
+        ("SEND_F", 0, 2.0, 2.5),
+        ("SEND_B", 1, 4.5, 5.0),
+        ("SEND_B", 1, 8.0, 8.5),
+    }
     assert set(zip(recvs["kind"], recvs["rank"], recvs["stage"])) == {("RECV_F", 1, 1), ("RECV_B", 0, 0)}
 
 

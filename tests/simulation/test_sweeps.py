@@ -92,7 +92,7 @@ def test_v_values_and_memory_caps():
     ]
     assert not df[(df.schedule == "ZBVZeroBubble") & (df.v == 4)]["feasible"].iloc[0]
     capped = sweep(prof, P=[2, 4], m=[4], mem_per_gpu_bytes=40_000, progress=False)
-    assert capped.set_index("P").loc[2, "feasible"] == False  # noqa: E712 - numpy bool
+    assert not capped.set_index("P").loc[2, "feasible"]
     assert "mem_per_gpu_bytes=40000" in capped.set_index("P").loc[2, "reason"]
     assert capped.set_index("P").loc[4, "feasible"]
 
@@ -106,7 +106,7 @@ def test_a_link_slows_every_configuration():
 
 def test_bad_sweep_arguments():
     prof = gpt_like()
-    with pytest.raises(ValueError, match="methods holds 'fastest'"):
+    with pytest.raises(ValueError, match="methods='fastest' is not known"):
         sweep(prof, methods=["fastest"], progress=False)
     with pytest.raises(ValueError, match="schedule='Zigzag'"):
         sweep(prof, schedules=["Zigzag"], progress=False)
@@ -175,3 +175,34 @@ def test_one_progress_switch_everywhere(monkeypatch):
     for value, off in (("1", True), ("true", True), ("0", False), ("no", False), ("", False)):
         monkeypatch.setenv("TQDM_DISABLE", value)
         assert progress_off() is off and progress_bar(range(3), desc="x").disable is off
+
+
+def test_a_sweep_is_a_result_that_reads_as_its_table():
+    from pipeswift_lab.simulation import Sweep
+
+    result = sweep(gpt_like(), P=[2, 4], m=[4, 8], schedules=["1F1B", "GPipe"], steps=10, progress=False)
+    assert isinstance(result, Sweep) and list(result.df.columns) == list(SWEEP_COLUMNS)
+    assert len(result) == 8 and list(result) == list(SWEEP_COLUMNS) and "step_ms" in result
+    assert result["step_ms"].equals(result.df["step_ms"]) and result.iloc[0]["P"] == 2
+    one = result[result.schedule == "1F1B"]
+    assert len(one) == 4 and set(one["schedule"]) == {"1F1B"}
+    result["per_mb_ms"] = result["step_ms"] / result["m"]  # a column assigned goes to the table
+    assert "per_mb_ms" in result.df.columns
+    assert result.feasible.equals(result.df[result.df["feasible"]])
+    assert result.meta["steps"] == 10 and result.meta["calibration"] is None
+    assert "Sweep of 8 configurations" in result._repr_html_() and "fastest" in repr(result)
+    with pytest.raises(AttributeError):
+        _ = result.no_such_attribute
+
+
+def test_sweep_plot_filters_by_keyword_and_plot_sweep_takes_either():
+    result = sweep(gpt_like(), P=[2, 4], m=[4, 8], schedules=["1F1B", "GPipe"], progress=False)
+    with pytest.raises(ValueError, match=r"filter the table by \['schedule'\] first \(e.g. .plot\(schedule=...\)\)"):
+        result.plot()
+    ax = result.plot(schedule="GPipe", value="bubble_ratio")
+    assert len(ax.texts) == 4 and ax.get_title() == "bubble_ratio (schedule=GPipe, method=balanced)"
+    gpipe = result[result.schedule == "GPipe"]
+    assert plot_sweep(gpipe).get_title() == "step_ms (schedule=GPipe, method=balanced)"
+    assert len(plot_sweep(sweep(gpt_like(), P=[2], m=[4], progress=False)).texts) == 1
+    with pytest.raises(ValueError, match="column 'stage'"):
+        result.plot(stage=1)

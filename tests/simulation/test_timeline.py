@@ -72,16 +72,21 @@ def test_in_flight_counts_chunks_until_their_last_backward():
     # one rank, two stages (v=2): mb 0 of stage 0 is held 0-10, stage 1's 1-6 (its W ends at 6)
     df = pd.DataFrame(
         [
-            (0, 0, 0, 0, "F", 0.0, 1.0), (0, 0, 1, 0, "F", 1.0, 2.0), (0, 0, 1, 0, "I", 2.0, 3.0),
-            (0, 0, 0, 1, "F", 3.0, 4.0), (0, 0, 1, 0, "W", 5.0, 6.0), (0, 0, 0, 0, "B", 8.0, 10.0), (0, 0, 0, 1, "B", 10.0, 12.0),
+            (0, 0, 0, 0, "F", 0.0, 1.0),
+            (0, 0, 1, 0, "F", 1.0, 2.0),
+            (0, 0, 1, 0, "I", 2.0, 3.0),
+            (0, 0, 0, 1, "F", 3.0, 4.0),
+            (0, 0, 1, 0, "W", 5.0, 6.0),
+            (0, 0, 0, 0, "B", 8.0, 10.0),
+            (0, 0, 0, 1, "B", 10.0, 12.0),
         ],
         columns=COLUMNS,
-    )  # fmt: skip
+    )
     tl = Timeline(df, meta={"v": 2, "stage_activation_bytes": [100.0, 7.0]})
     assert tl.peak_inflight.tolist() == [1.5]  # three chunks at 3-6 ms, each 1/2
     assert tl.peak_activation_bytes.tolist() == [207.0]
     with pytest.raises(ValueError, match="stage_activation_bytes"):
-        Timeline(df).peak_activation_bytes
+        _ = Timeline(df).peak_activation_bytes
 
 
 def test_release_and_acquire_at_the_same_time_do_not_add_up():
