@@ -26,7 +26,7 @@ from .partitioning import Partition, partition
 from .planning import Plan, plan
 from .profiling import Profile, profile, profile_step
 from .runner import Checkpoint, RunError, RunResult, latest_checkpoint, load_checkpoint, run
-from .simulation import ScheduleDeadlock, Timeline, compute_orders, explore, simulate, sweep  # noqa: F401 - importable
+from .simulation import ScheduleDeadlock, Sweep, Timeline, compute_orders, explore, simulate, sweep  # noqa: F401 - importable
 
 __version__ = "0.1.0"
 
@@ -67,6 +67,7 @@ __all__ = [
     "RunError",
     "RunResult",
     "ScheduleDeadlock",
+    "Sweep",
     "Timeline",
     "activation_memory_bytes",
     "analytic",
