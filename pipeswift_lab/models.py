@@ -17,21 +17,47 @@ profiling, partitioning and real runs need no downloads:
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .core.checks import check_int
+from .core.checks import check_choice, check_int
+
+__all__ = [
+    "REFERENCE_MODELS",
+    "ClassifierHead",
+    "LMHead",
+    "PatchEmbedding",
+    "ReferenceSetup",
+    "TokenPositionEmbedding",
+    "TransformerBlock",
+    "classification_loss",
+    "gpt",
+    "gpt_batch",
+    "lm_loss",
+    "mlp",
+    "mlp_batch",
+    "mse_loss",
+    "reference",
+    "vit",
+    "vit_batch",
+]
+
+#: The names :func:`reference` knows.
+REFERENCE_MODELS: tuple[str, ...] = ("gpt", "vit", "mlp")
+
+_Device = torch.device | str | None
 
 
 class TransformerBlock(nn.Module):
     """Pre-LN block: ``x + attn(ln(x))`` then ``x + mlp(ln(x))``; input and output ``(B, T, d)``."""
 
-    def __init__(self, d_model: int, n_heads: int, mlp_ratio: int = 4, causal: bool = True):
+    def __init__(self, d_model: int, n_heads: int, mlp_ratio: int = 4, causal: bool = True) -> None:
         super().__init__()
         if d_model % n_heads:
             raise ValueError(f"d_model={d_model} must be divisible by n_heads={n_heads}")
@@ -56,7 +82,7 @@ class TransformerBlock(nn.Module):
 class TokenPositionEmbedding(nn.Module):
     """Token ids ``(B, T)`` to hidden states ``(B, T, d)``: token plus learned position embedding."""
 
-    def __init__(self, vocab_size: int, seq_len: int, d_model: int):
+    def __init__(self, vocab_size: int, seq_len: int, d_model: int) -> None:
         super().__init__()
         self.token = nn.Embedding(vocab_size, d_model)
         self.position = nn.Embedding(seq_len, d_model)
@@ -69,7 +95,7 @@ class TokenPositionEmbedding(nn.Module):
 class LMHead(nn.Module):
     """Final LayerNorm and the vocabulary projection: ``(B, T, d)`` to logits ``(B, T, vocab)``."""
 
-    def __init__(self, d_model: int, vocab_size: int):
+    def __init__(self, d_model: int, vocab_size: int) -> None:
         super().__init__()
         self.norm = nn.LayerNorm(d_model)
         self.proj = nn.Linear(d_model, vocab_size, bias=False)
@@ -81,7 +107,7 @@ class LMHead(nn.Module):
 class PatchEmbedding(nn.Module):
     """Images ``(B, C, H, W)`` to patch tokens ``(B, N, d)`` with learned positions."""
 
-    def __init__(self, image_size: int, patch_size: int, channels: int, d_model: int):
+    def __init__(self, image_size: int, patch_size: int, channels: int, d_model: int) -> None:
         super().__init__()
         if image_size % patch_size:
             raise ValueError(f"image_size={image_size} must be divisible by patch_size={patch_size}")
@@ -95,7 +121,7 @@ class PatchEmbedding(nn.Module):
 class ClassifierHead(nn.Module):
     """LayerNorm, mean over tokens, linear classifier: ``(B, N, d)`` to logits ``(B, classes)``."""
 
-    def __init__(self, d_model: int, num_classes: int):
+    def __init__(self, d_model: int, num_classes: int) -> None:
         super().__init__()
         self.norm = nn.LayerNorm(d_model)
         self.fc = nn.Linear(d_model, num_classes)
@@ -104,12 +130,12 @@ class ClassifierHead(nn.Module):
         return self.fc(self.norm(x).mean(dim=1))
 
 
-def _build(layers: list[tuple[str, nn.Module]], device, dtype) -> nn.Sequential:
+def _build(layers: Sequence[tuple[str, nn.Module]], device: _Device, dtype: torch.dtype | None) -> nn.Sequential:
     return nn.Sequential(OrderedDict(layers)).to(device=device, dtype=dtype)
 
 
 @contextmanager
-def _seeded(seed):
+def _seeded(seed: int | None) -> Iterator[None]:
     """Build under ``torch.manual_seed(seed)`` (unless None) and restore the caller's RNG afterwards."""
     with torch.random.fork_rng(devices=[]):
         if seed is not None:
@@ -118,7 +144,15 @@ def _seeded(seed):
 
 
 def gpt(
-    vocab_size=8192, seq_len=64, d_model=128, n_layers=4, n_heads=4, mlp_ratio=4, device=None, dtype=None, seed=0
+    vocab_size: int = 8192,
+    seq_len: int = 64,
+    d_model: int = 128,
+    n_layers: int = 4,
+    n_heads: int = 4,
+    mlp_ratio: int = 4,
+    device: _Device = None,
+    dtype: torch.dtype | None = None,
+    seed: int | None = 0,
 ) -> nn.Sequential:
     """A GPT-style language model as ``nn.Sequential``: ``embed``, ``block_0`` … ``block_{n-1}``, ``head``.
 
@@ -136,24 +170,24 @@ def gpt(
     ):
         check_int(name, value, minimum=1)
     with _seeded(seed):
-        layers = [("embed", TokenPositionEmbedding(vocab_size, seq_len, d_model))]
+        layers: list[tuple[str, nn.Module]] = [("embed", TokenPositionEmbedding(vocab_size, seq_len, d_model))]
         layers += [(f"block_{i}", TransformerBlock(d_model, n_heads, mlp_ratio, causal=True)) for i in range(n_layers)]
         layers.append(("head", LMHead(d_model, vocab_size)))
         return _build(layers, device, dtype)
 
 
 def vit(
-    image_size=32,
-    patch_size=4,
-    channels=3,
-    d_model=128,
-    n_layers=4,
-    n_heads=4,
-    mlp_ratio=4,
-    num_classes=100,
-    device=None,
-    dtype=None,
-    seed=0,
+    image_size: int = 32,
+    patch_size: int = 4,
+    channels: int = 3,
+    d_model: int = 128,
+    n_layers: int = 4,
+    n_heads: int = 4,
+    mlp_ratio: int = 4,
+    num_classes: int = 100,
+    device: _Device = None,
+    dtype: torch.dtype | None = None,
+    seed: int | None = 0,
 ) -> nn.Sequential:
     """A vision transformer as ``nn.Sequential``: ``patch_embed``, ``block_0`` … ``block_{n-1}``, ``head``.
 
@@ -170,13 +204,20 @@ def vit(
     ):
         check_int(name, value, minimum=1)
     with _seeded(seed):
-        layers = [("patch_embed", PatchEmbedding(image_size, patch_size, channels, d_model))]
+        layers: list[tuple[str, nn.Module]] = [
+            ("patch_embed", PatchEmbedding(image_size, patch_size, channels, d_model))
+        ]
         layers += [(f"block_{i}", TransformerBlock(d_model, n_heads, mlp_ratio, causal=False)) for i in range(n_layers)]
         layers.append(("head", ClassifierHead(d_model, num_classes)))
         return _build(layers, device, dtype)
 
 
-def mlp(widths=(64, 256, 256, 256, 10), device=None, dtype=None, seed=0) -> nn.Sequential:
+def mlp(
+    widths: Sequence[int] = (64, 256, 256, 256, 10),
+    device: _Device = None,
+    dtype: torch.dtype | None = None,
+    seed: int | None = 0,
+) -> nn.Sequential:
     """A stack of ``Linear`` layers, ReLU between them: ``layer_0`` … ``layer_{k-1}`` for ``k = len(widths)-1``.
 
     ``widths`` lists the feature sizes from input to output.
@@ -187,23 +228,31 @@ def mlp(widths=(64, 256, 256, 256, 10), device=None, dtype=None, seed=0) -> nn.S
     for i, w in enumerate(widths):
         check_int(f"widths[{i}]", w, minimum=1)
     with _seeded(seed):
-        layers = []
+        layers: list[tuple[str, nn.Module]] = []
         for i, (n_in, n_out) in enumerate(zip(widths[:-1], widths[1:])):
             last = i == len(widths) - 2
-            layer = nn.Linear(n_in, n_out) if last else nn.Sequential(nn.Linear(n_in, n_out), nn.ReLU())
+            layer: nn.Module = nn.Linear(n_in, n_out) if last else nn.Sequential(nn.Linear(n_in, n_out), nn.ReLU())
             layers.append((f"layer_{i}", layer))
         return _build(layers, device, dtype)
 
 
-def gpt_batch(batch_size=8, seq_len=64, vocab_size=8192, device=None, seed=0) -> tuple[torch.Tensor, torch.Tensor]:
-    """Synthetic next-token data: ``(tokens, targets)``, both ``(batch_size, seq_len)`` int64, targets shifted by one."""
+def gpt_batch(
+    batch_size: int = 8, seq_len: int = 64, vocab_size: int = 8192, device: _Device = None, seed: int = 0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Synthetic next-token data: ``(tokens, targets)``, both ``(batch_size, seq_len)`` int64, targets shifted by
+    one."""
     g = torch.Generator().manual_seed(seed)
     stream = torch.randint(0, vocab_size, (batch_size, seq_len + 1), generator=g)
     return stream[:, :-1].to(device), stream[:, 1:].to(device)
 
 
 def vit_batch(
-    batch_size=8, image_size=32, channels=3, num_classes=100, device=None, seed=0
+    batch_size: int = 8,
+    image_size: int = 32,
+    channels: int = 3,
+    num_classes: int = 100,
+    device: _Device = None,
+    seed: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Synthetic images ``(batch_size, channels, image_size, image_size)`` and int64 labels ``(batch_size,)``."""
     g = torch.Generator().manual_seed(seed)
@@ -212,12 +261,14 @@ def vit_batch(
     return images.to(device), labels.to(device)
 
 
-def mlp_batch(batch_size=8, widths=(64, 256, 256, 256, 10), device=None, seed=0) -> tuple[torch.Tensor, torch.Tensor]:
+def mlp_batch(
+    batch_size: int = 8, widths: Sequence[int] = (64, 256, 256, 256, 10), device: _Device = None, seed: int = 0
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Synthetic regression data: inputs ``(batch_size, widths[0])`` and targets ``(batch_size, widths[-1])``."""
     g = torch.Generator().manual_seed(seed)
-    return torch.randn(batch_size, widths[0], generator=g).to(device), torch.randn(
-        batch_size, widths[-1], generator=g
-    ).to(device)
+    inputs = torch.randn(batch_size, widths[0], generator=g)
+    targets = torch.randn(batch_size, widths[-1], generator=g)
+    return inputs.to(device), targets.to(device)
 
 
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -246,27 +297,31 @@ class ReferenceSetup:
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
-def reference(name="gpt", batch_size=8, device=None, seed=0, **model_kwargs) -> ReferenceSetup:
-    """Return a :class:`ReferenceSetup` for ``name`` in ``{"gpt", "vit", "mlp"}``.
+def reference(
+    name: str = "gpt", batch_size: int = 8, device: _Device = None, seed: int = 0, **model_kwargs: Any
+) -> ReferenceSetup:
+    """Return a :class:`ReferenceSetup` for ``name`` in :data:`REFERENCE_MODELS` (``"gpt"``, ``"vit"``, ``"mlp"``).
 
     ``model_kwargs`` go to the model builder; the batch is shaped to match them.
     """
     check_int("batch_size", batch_size, minimum=1)
+    name = check_choice("name", name, REFERENCE_MODELS, noun="reference models")
     if name == "gpt":
         model = gpt(device=device, seed=seed, **model_kwargs)
-        emb = model.embed
+        emb = cast(TokenPositionEmbedding, model.embed)
         inputs, targets = gpt_batch(batch_size, emb.position.num_embeddings, emb.token.num_embeddings, device, seed)
         return ReferenceSetup(name, model, inputs, targets, lm_loss)
     if name == "vit":
         model = vit(device=device, seed=seed, **model_kwargs)
-        conv = model.patch_embed.conv
-        n_patches = model.patch_embed.position.shape[1]
-        image_size = int(round(n_patches**0.5)) * conv.kernel_size[0]
-        inputs, targets = vit_batch(batch_size, image_size, conv.in_channels, model.head.fc.out_features, device, seed)
+        patches = cast(PatchEmbedding, model.patch_embed)
+        head = cast(ClassifierHead, model.head)
+        kernel = cast(tuple[int, int], patches.conv.kernel_size)
+        image_size = int(round(patches.position.shape[1] ** 0.5)) * kernel[0]
+        inputs, targets = vit_batch(
+            batch_size, image_size, patches.conv.in_channels, head.fc.out_features, device, seed
+        )
         return ReferenceSetup(name, model, inputs, targets, classification_loss)
-    if name == "mlp":
-        model = mlp(device=device, seed=seed, **model_kwargs)
-        widths = model_kwargs.get("widths", (64, 256, 256, 256, 10))
-        inputs, targets = mlp_batch(batch_size, widths, device, seed)
-        return ReferenceSetup(name, model, inputs, targets, mse_loss)
-    raise ValueError(f"name={name!r} is not a reference model; valid names are ['gpt', 'vit', 'mlp']")
+    model = mlp(device=device, seed=seed, **model_kwargs)
+    widths = model_kwargs.get("widths", (64, 256, 256, 256, 10))
+    inputs, targets = mlp_batch(batch_size, widths, device, seed)
+    return ReferenceSetup(name, model, inputs, targets, mse_loss)

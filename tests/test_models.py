@@ -63,7 +63,11 @@ def test_device_and_dtype():
             ValueError,
             "image_size=30 must be divisible by patch_size=4",
         ),
-        (lambda: models.reference("resnet"), ValueError, "name='resnet' is not a reference model"),
+        (
+            lambda: models.reference("resnet"),
+            ValueError,
+            r"name='resnet' is not known; valid reference models are \['gpt', 'vit', 'mlp'\]",
+        ),
         (lambda: models.reference("gpt", batch_size=0), ValueError, "batch_size=0 is invalid"),
     ],
 )

@@ -34,6 +34,9 @@ micro-batch (all its chunks together), ``bwd_ms`` its whole backward, split as
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import Any
+
 from .checks import check_int, check_time, check_wgrad_fraction
 from .vocabulary import SINGLE_CHUNK_SCHEDULES, ZERO_BUBBLE_SCHEDULES, check_schedule_v
 
@@ -45,13 +48,14 @@ DEFAULT_WGRAD_FRACTION = 0.5
 _ZB_WGRAD_MULTIPLIER = {"InterleavedZeroBubble": 1.0, "ZBVZeroBubble": 2.0, "DualPipeV": 2.0}
 
 
-def backward_parts(bwd_ms, wgrad_ms=None) -> tuple[list[float], list[float]]:
-    """Per stage, the ``(input-grad I, weight-grad W)`` durations of a backward split as a zero-bubble schedule runs it.
+def backward_parts(bwd_ms: Sequence[float], wgrad_ms: Sequence[float] | None = None) -> tuple[list[float], list[float]]:
+    """Per stage, the ``(input-grad I, weight-grad W)`` durations of a backward split as a zero-bubble schedule runs
+    it.
 
-    ``I = bwd - wgrad`` and ``W = wgrad`` (``wgrad_ms=None``: :data:`DEFAULT_WGRAD_FRACTION` of ``bwd``), except on the first stage: its input is the data, which needs no
-    gradient, so torch's input-grad pass has nothing to compute there and its weight-grad pass runs the stage's
-    whole backward (``I = 0``, ``W = bwd``; measured on this machine: ``I`` 0.02 ms). The one place this rule lives
-    (the simulator and the calibration's fit use it).
+    ``I = bwd - wgrad`` and ``W = wgrad`` (``wgrad_ms=None``: :data:`DEFAULT_WGRAD_FRACTION` of ``bwd``), except on
+    the first stage: its input is the data, which needs no gradient, so torch's input-grad pass has nothing to compute
+    there and its weight-grad pass runs the stage's whole backward (``I = 0``, ``W = bwd``; measured on this machine:
+    ``I`` 0.02 ms). The one place this rule lives (the simulator and the calibration's fit use it).
     """
     wgrad = [DEFAULT_WGRAD_FRACTION * b for b in bwd_ms] if wgrad_ms is None else list(wgrad_ms)
     igrad = [max(0.0, b - w) for b, w in zip(bwd_ms, wgrad)]
@@ -60,11 +64,13 @@ def backward_parts(bwd_ms, wgrad_ms=None) -> tuple[list[float], list[float]]:
     return igrad, wgrad
 
 
-def _check_pm(P, m):
+def _check_pm(P: int, m: int) -> tuple[int, int]:
     return check_int("P", P, minimum=1), check_int("m", m, minimum=1)
 
 
-def _bubble_time_over_unit(P, m, schedule, v, fwd_ms, bwd_ms, wgrad_fraction):
+def _bubble_time_over_unit(
+    P: int, m: int, schedule: str, v: int, fwd_ms: float, bwd_ms: float, wgrad_fraction: float | None
+) -> tuple[float, float]:
     """Return ``(bubble_ms, compute_ms)`` of one step on the busiest rank."""
     P, m = _check_pm(P, m)
     schedule, v = check_schedule_v(schedule, v)
@@ -86,7 +92,16 @@ def _bubble_time_over_unit(P, m, schedule, v, fwd_ms, bwd_ms, wgrad_fraction):
     return bubble_ms, compute_ms
 
 
-def bubble_overhead(P, m, schedule="1F1B", *, v=1, fwd_ms=1.0, bwd_ms=2.0, wgrad_fraction=None) -> float:
+def bubble_overhead(
+    P: int,
+    m: int,
+    schedule: str = "1F1B",
+    *,
+    v: int = 1,
+    fwd_ms: float = 1.0,
+    bwd_ms: float = 2.0,
+    wgrad_fraction: float | None = None,
+) -> float:
     """Bubble time over ideal compute time of one step (Megatron-LM's convention).
 
     Returns ``(P-1)/m`` for GPipe and 1F1B, ``(P-1)/(v*m)`` for Interleaved1F1B and
@@ -100,7 +115,16 @@ def bubble_overhead(P, m, schedule="1F1B", *, v=1, fwd_ms=1.0, bwd_ms=2.0, wgrad
     return bubble_ms / compute_ms
 
 
-def bubble_ratio(P, m, schedule="1F1B", *, v=1, fwd_ms=1.0, bwd_ms=2.0, wgrad_fraction=None) -> float:
+def bubble_ratio(
+    P: int,
+    m: int,
+    schedule: str = "1F1B",
+    *,
+    v: int = 1,
+    fwd_ms: float = 1.0,
+    bwd_ms: float = 2.0,
+    wgrad_fraction: float | None = None,
+) -> float:
     """Share of one step that a stage sits idle (GPipe's convention).
 
     Returns ``(P-1)/(m+P-1)`` for GPipe and 1F1B, ``(P-1)/(v*m+P-1)`` for the
@@ -115,7 +139,7 @@ def bubble_ratio(P, m, schedule="1F1B", *, v=1, fwd_ms=1.0, bwd_ms=2.0, wgrad_fr
     return bubble_ms / (bubble_ms + compute_ms)
 
 
-def bubble_summary(P, m, schedule="1F1B", *, v=1) -> dict:
+def bubble_summary(P: int, m: int, schedule: str = "1F1B", *, v: int = 1) -> dict[str, Any]:
     """Both bubble conventions and rank 0's in-flight micro-batches for one setting, as a flat dict.
 
     Keys: ``P``, ``m``, ``schedule``, ``v``, ``bubble_ratio``, ``bubble_overhead``, ``inflight_rank0``.
@@ -131,7 +155,16 @@ def bubble_summary(P, m, schedule="1F1B", *, v=1) -> dict:
     }
 
 
-def step_ms(P, m, schedule="1F1B", *, v=1, fwd_ms=1.0, bwd_ms=2.0, wgrad_fraction=None) -> float:
+def step_ms(
+    P: int,
+    m: int,
+    schedule: str = "1F1B",
+    *,
+    v: int = 1,
+    fwd_ms: float = 1.0,
+    bwd_ms: float = 2.0,
+    wgrad_fraction: float | None = None,
+) -> float:
     """Closed-form step time with equal stages and free communication: compute plus bubble.
 
     ``fwd_ms`` and ``bwd_ms`` are one rank's forward and backward of one micro-batch;
@@ -141,7 +174,7 @@ def step_ms(P, m, schedule="1F1B", *, v=1, fwd_ms=1.0, bwd_ms=2.0, wgrad_fractio
     return bubble_ms + compute_ms
 
 
-def inflight_microbatches(P, m, schedule="1F1B", *, v=1) -> list[float]:
+def inflight_microbatches(P: int, m: int, schedule: str = "1F1B", *, v: int = 1) -> list[float]:
     """Peak number of micro-batches whose activations a rank holds, one entry per rank.
 
     Counted in whole-rank micro-batches: with ``v`` chunks per rank a chunk's activations
@@ -176,7 +209,9 @@ def inflight_microbatches(P, m, schedule="1F1B", *, v=1) -> list[float]:
     return [c / v for c in chunks]
 
 
-def activation_memory_bytes(P, m, activation_bytes, schedule="1F1B", *, v=1) -> list[float]:
+def activation_memory_bytes(
+    P: int, m: int, activation_bytes: float | Sequence[float], schedule: str = "1F1B", *, v: int = 1
+) -> list[float]:
     """Peak activation memory of each rank: in-flight micro-batches times bytes per micro-batch.
 
     ``activation_bytes`` is what one rank saves for backward per micro-batch (a

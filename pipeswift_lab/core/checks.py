@@ -10,9 +10,21 @@ import math
 import numbers
 from collections.abc import Iterable
 from enum import Enum
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any
 
-E = TypeVar("E", bound=Enum)
+if TYPE_CHECKING:
+    import numpy as np
+    import pandas as pd
+
+__all__ = [
+    "check_choice",
+    "check_flag",
+    "check_fraction",
+    "check_int",
+    "check_time",
+    "check_wgrad_fraction",
+    "nonnegative_column",
+]
 
 
 def check_int(name: str, value: Any, minimum: int | None = None, maximum: int | None = None) -> int:
@@ -27,18 +39,70 @@ def check_int(name: str, value: Any, minimum: int | None = None, maximum: int | 
     return value
 
 
+def check_time(name: str, value: Any, allow_zero: bool = True) -> float:
+    """Return ``value`` as a finite float that is ``>= 0`` (``> 0`` if not ``allow_zero``)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a real number; got {type(value).__name__} {value!r}")
+    number = float(value)
+    if math.isnan(number) or math.isinf(number):
+        raise ValueError(f"{name}={number} is invalid; it must be a finite number")
+    if number < 0 or (number == 0 and not allow_zero):
+        bound = ">= 0" if allow_zero else "> 0"
+        raise ValueError(f"{name}={number} is invalid; it must be {bound}")
+    return number
+
+
+def check_fraction(name: str, value: Any, *, allow_zero: bool = True, allow_one: bool = True) -> float:
+    """Return ``value`` as a float in ``[0, 1]`` (``(0, ...`` without ``allow_zero``, ``..., 1)`` without
+    ``allow_one``)."""
+    number = check_time(name, value, allow_zero=allow_zero)
+    if number > 1 or (number == 1 and not allow_one):
+        bound = "<= 1" if allow_one else "< 1"
+        raise ValueError(f"{name}={number} is invalid; it is a fraction and must be {bound}")
+    return number
+
+
 def check_wgrad_fraction(value: Any) -> float:
     """Return ``wgrad_fraction`` (the weight-gradient share of a backward) as a float in ``[0, 1]``."""
-    value = check_time("wgrad_fraction", value)
-    if value > 1:
-        raise ValueError(f"wgrad_fraction={value} is invalid; it is a share of the backward, in [0, 1]")
+    number = check_time("wgrad_fraction", value)
+    if number > 1:
+        raise ValueError(f"wgrad_fraction={number} is invalid; it is a share of the backward, in [0, 1]")
+    return number
+
+
+def check_flag(name: str, value: Any) -> bool:
+    """Return ``value`` if it is a bool; refuse ``0``/``1``/strings, which read as flags but hide typos."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be True or False; got {type(value).__name__} {value!r}")
     return value
 
 
-def nonnegative_column(column, allow_missing: bool = False):
-    """``(values, first_bad)`` of a pandas Series of per-layer or per-stage numbers: ``values`` as a float array, and
-    ``first_bad = (position, given value)`` of the first entry that is not a finite number >= 0 (with ``allow_missing``,
-    an empty entry, NaN or None, is allowed), else None. The caller names the table in its message."""
+def check_choice(
+    name: str, value: Any, choices: Iterable[str] | type[Enum], *, noun: str = "values", hint: str = ""
+) -> str:
+    """Return ``value`` if it is one of ``choices`` (strings, or a ``StrEnum`` class whose values are the choices).
+
+    The one check of every argument that names an option (``on_nonfinite``, ``objective``, ``method``,
+    ``start_method``, a policy name, ...): ``TypeError`` for a non-string, ``ValueError`` listing the valid spellings
+    (``"x='y' is not known; valid {noun} are [...]{hint}"``). A ``StrEnum`` member is accepted as its value.
+    """
+    valid = [str(c.value) for c in choices] if isinstance(choices, type) else [str(c) for c in choices]
+    if isinstance(value, Enum):
+        value = value.value
+    if not isinstance(value, str):
+        raise TypeError(f"{name} must be a str, one of {valid}; got {type(value).__name__} {value!r}")
+    if value not in valid:
+        raise ValueError(f"{name}={value!r} is not known; valid {noun} are {valid}{hint}")
+    return value
+
+
+def nonnegative_column(column: pd.Series, allow_missing: bool = False) -> tuple[np.ndarray, tuple[int, Any] | None]:
+    """``(values, first_bad)`` of a pandas Series of per-layer or per-stage numbers.
+
+    ``values`` is the column as a float array; ``first_bad = (position, given value)`` names the first entry that is
+    not a finite number >= 0 (with ``allow_missing``, an empty entry, NaN or None, is allowed), else it is None. The
+    caller names the table in its message.
+    """
     import numpy as np
     import pandas as pd
 
@@ -49,49 +113,3 @@ def nonnegative_column(column, allow_missing: bool = False):
         return values, None
     given = column.iloc[int(bad[0])]
     return values, (int(bad[0]), given.item() if hasattr(given, "item") else given)
-
-
-def check_time(name: str, value: Any, allow_zero: bool = True) -> float:
-    """Return ``value`` as a finite float that is ``>= 0`` (``> 0`` if not ``allow_zero``)."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(f"{name} must be a real number; got {type(value).__name__} {value!r}")
-    value = float(value)
-    if math.isnan(value) or math.isinf(value):
-        raise ValueError(f"{name}={value} is invalid; it must be a finite number")
-    if value < 0 or (value == 0 and not allow_zero):
-        bound = ">= 0" if allow_zero else "> 0"
-        raise ValueError(f"{name}={value} is invalid; it must be {bound}")
-    return value
-
-
-def check_fraction(name: str, value: Any, *, allow_zero: bool = True, allow_one: bool = True) -> float:
-    """Return ``value`` as a float in ``[0, 1]`` (``(0, ...`` without ``allow_zero``, ``..., 1)`` without ``allow_one``)."""
-    value = check_time(name, value, allow_zero=allow_zero)
-    if value > 1 or (value == 1 and not allow_one):
-        bound = "<= 1" if allow_one else "< 1"
-        raise ValueError(f"{name}={value} is invalid; it is a fraction and must be {bound}")
-    return value
-
-
-def check_flag(name: str, value: Any) -> bool:
-    """Return ``value`` if it is a bool; refuse ``0``/``1``/strings, which read as flags but hide typos."""
-    if not isinstance(value, bool):
-        raise TypeError(f"{name} must be True or False; got {type(value).__name__} {value!r}")
-    return value
-
-
-def check_choice(name: str, value: Any, choices: Iterable[str] | type[E]) -> str:
-    """Return ``value`` if it is one of ``choices`` (strings, or a ``StrEnum`` class whose values are the choices).
-
-    The one check of every argument that names an option (``on_nonfinite``, ``objective``, ``method``,
-    ``start_method``, a policy name, ...): ``TypeError`` for a non-string, ``ValueError`` listing the valid spellings.
-    A ``StrEnum`` member is accepted as its value.
-    """
-    valid = [str(c.value) for c in choices] if isinstance(choices, type) else [str(c) for c in choices]
-    if isinstance(value, Enum):
-        value = value.value
-    if not isinstance(value, str):
-        raise TypeError(f"{name} must be a str, one of {valid}; got {type(value).__name__} {value!r}")
-    if value not in valid:
-        raise ValueError(f"{name}={value!r} is not known; valid values are {valid}")
-    return value

@@ -17,7 +17,9 @@ Every default is stated here and every model can be calibrated or replaced:
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from .checks import check_int, check_time
 
@@ -30,9 +32,9 @@ class Availability:
     hours on. After the last point the last count holds.
     """
 
-    points: tuple
+    points: tuple[tuple[float, int], ...]
 
-    def __init__(self, points):
+    def __init__(self, points: Iterable[Sequence[float]] | Availability) -> None:
         if isinstance(points, Availability):
             points = points.points
         try:
@@ -100,7 +102,7 @@ class AssemblyModel:
     per_stage_s: float = 2.0
     per_gpu_s: float = 0.25
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         for name in ("base_s", "per_stage_s", "per_gpu_s"):
             object.__setattr__(self, name, check_time(name, getattr(self, name)))
 
@@ -109,7 +111,7 @@ class AssemblyModel:
         return self.base_s + self.per_stage_s * P + self.per_gpu_s * P * D
 
     @classmethod
-    def calibrate(cls, measurements) -> AssemblyModel:
+    def calibrate(cls, measurements: Iterable[Any]) -> AssemblyModel:
         """Fit ``base_s`` and ``per_stage_s`` to measured ``(P, assembly_s)`` pairs (or RunResults).
 
         A RunResult counts once per segment (``RunResult.segments``: each configuration's P and
@@ -163,14 +165,15 @@ class CheckpointModel:
     save_latency_s: float = 0.0
     restore_latency_s: float = 0.0
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         for name in ("write_GBps", "read_GBps"):
             object.__setattr__(self, name, check_time(name, getattr(self, name), allow_zero=False))
         for name in ("teardown_s", "save_latency_s", "restore_latency_s"):
             object.__setattr__(self, name, check_time(name, getattr(self, name)))
 
     def save_s(self, largest_stage_bytes: float) -> float:
-        """Seconds to write a checkpoint whose largest stage shard (parameters + optimizer state) has ``largest_stage_bytes``."""
+        """Seconds to write a checkpoint whose largest stage shard (parameters + optimizer state) has
+        ``largest_stage_bytes``."""
         return self.save_latency_s + check_time("largest_stage_bytes", largest_stage_bytes) / (self.write_GBps * 1e9)
 
     def restore_s(self, largest_stage_bytes: float) -> float:
@@ -182,8 +185,9 @@ class CheckpointModel:
         return self.save_s(largest_stage_bytes) + self.teardown_s
 
     @classmethod
-    def calibrate(cls, runs) -> CheckpointModel:
-        """Fit the model to what real runs measured (``RunResult``s of ``run(..., checkpoint_dir=...)`` or with resizes).
+    def calibrate(cls, runs: Any) -> CheckpointModel:
+        """Fit the model to what real runs measured (``RunResult``s of ``run(..., checkpoint_dir=...)``, or with
+        resizes): one ``RunResult`` or an iterable of them.
 
         * saves — every committed checkpoint of ``RunResult.checkpoints``: the largest rank's
           state bytes (``largest_rank_state_bytes``, the tensors, as the planner counts a
@@ -202,11 +206,58 @@ class CheckpointModel:
         import warnings
         from statistics import median
 
-        runs = [runs] if hasattr(runs, "checkpoints") else list(runs)
-        for i, run in enumerate(runs):
-            if not hasattr(run, "checkpoints") or not hasattr(run, "jct"):
-                raise TypeError(f"runs[{i}] must be a RunResult; got {type(run).__name__}")
-        saves, restores, teardown = [], [], []
+        samples = _CheckpointSamples.of(_as_runs(runs))
+        if not samples.saves:
+            raise ValueError(
+                "CheckpointModel.calibrate needs runs that saved checkpoints (run(..., checkpoint_dir=...)); "
+                "none of the runs given did"
+            )
+        default = cls()
+        save_latency, write = _latency_bandwidth(samples.saves, default.write_GBps)
+        if samples.restores:
+            restore_latency, read = _latency_bandwidth(samples.restores, default.read_GBps)
+        else:
+            warnings.warn(
+                f"nothing was restored, so read_GBps keeps its default {default.read_GBps} GB/s; calibrate with a "
+                "run(..., resume_from=...) or a resize to measure it",
+                UserWarning,
+                stacklevel=2,
+            )
+            restore_latency, read = default.restore_latency_s, default.read_GBps
+        return cls(
+            write_GBps=write,
+            read_GBps=read,
+            teardown_s=median(samples.teardown) if samples.teardown else default.teardown_s,
+            save_latency_s=save_latency,
+            restore_latency_s=restore_latency,
+        )
+
+
+def _as_runs(runs: Any) -> list[Any]:
+    """``runs`` (one ``RunResult`` or an iterable of them) as a list, each checked to be a RunResult."""
+    runs = [runs] if hasattr(runs, "checkpoints") else list(runs)
+    for i, run in enumerate(runs):
+        if not hasattr(run, "checkpoints") or not hasattr(run, "jct"):
+            raise TypeError(f"runs[{i}] must be a RunResult; got {type(run).__name__}")
+    return runs
+
+
+@dataclass(frozen=True, kw_only=True)
+class _CheckpointSamples:
+    """What runs measured of their checkpoints, the samples :meth:`CheckpointModel.calibrate` fits."""
+
+    saves: list[tuple[float, float]]
+    """``(largest rank's state bytes, seconds the save stalled training)`` of every committed checkpoint."""
+    restores: list[tuple[float, float]]
+    """``(bytes the largest rank loaded, seconds)`` of every restore."""
+    teardown: list[float]
+    """Per run with a final save, its cleanup seconds beyond that save's stall."""
+
+    @classmethod
+    def of(cls, runs: list[Any]) -> _CheckpointSamples:
+        saves: list[tuple[float, float]] = []
+        restores: list[tuple[float, float]] = []
+        teardown: list[float] = []
         for run in runs:
             table = run.checkpoints
             size = "largest_rank_state_bytes" if "largest_rank_state_bytes" in table else "largest_rank_bytes"
@@ -221,33 +272,10 @@ class CheckpointModel:
                 else [(run.meta.get("restore_bytes", 0), run.restore_s)]
             )
             restores += [(float(b), float(t)) for b, t in pairs if t > 0 and b]
-        if not saves:
-            raise ValueError(
-                "CheckpointModel.calibrate needs runs that saved checkpoints (run(..., checkpoint_dir=...)); "
-                "none of the runs given did"
-            )
-        default = cls()
-        save_latency, write = _latency_bandwidth(saves, default.write_GBps)
-        if restores:
-            restore_latency, read = _latency_bandwidth(restores, default.read_GBps)
-        else:
-            warnings.warn(
-                f"nothing was restored, so read_GBps keeps its default {default.read_GBps} GB/s; calibrate with a "
-                "run(..., resume_from=...) or a resize to measure it",
-                UserWarning,
-                stacklevel=2,
-            )
-            restore_latency, read = default.restore_latency_s, default.read_GBps
-        return cls(
-            write_GBps=write,
-            read_GBps=read,
-            teardown_s=median(teardown) if teardown else default.teardown_s,
-            save_latency_s=save_latency,
-            restore_latency_s=restore_latency,
-        )
+        return cls(saves=saves, restores=restores, teardown=teardown)
 
 
-def _latency_bandwidth(samples, default_GBps: float) -> tuple[float, float]:
+def _latency_bandwidth(samples: Sequence[tuple[float, float]], default_GBps: float) -> tuple[float, float]:
     """``(latency_s, GBps)`` of ``seconds = latency + bytes / (GBps * 1e9)`` fitted to ``(bytes, seconds)`` samples.
 
     Least squares when the sizes differ by 10% or more and the fit is physical (positive

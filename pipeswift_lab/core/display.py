@@ -4,21 +4,24 @@ from __future__ import annotations
 
 import html
 import math
+from collections.abc import Mapping
+from typing import Any
 
 import pandas as pd
 
 
-def format_value(value) -> str:
+def format_value(value: Any) -> str:
     """Human-readable form of a summary value (floats to 4 significant digits)."""
     if isinstance(value, float):
         return f"{value:.4g}"
     return str(value)
 
 
-def html_card(title: str, summary: dict, df: pd.DataFrame | None = None, max_rows: int = 20) -> str:
+def html_card(title: str, summary: Mapping[str, Any], df: pd.DataFrame | None = None, max_rows: int = 20) -> str:
     """Return HTML with ``title``, the ``summary`` key/value pairs and the first ``max_rows`` rows of ``df``."""
+    cell = "style='text-align:left'"
     items = "".join(
-        f"<tr><th style='text-align:left'>{html.escape(str(k))}</th><td style='text-align:left'>{html.escape(format_value(v))}</td></tr>"
+        f"<tr><th {cell}>{html.escape(str(k))}</th><td {cell}>{html.escape(format_value(v))}</td></tr>"
         for k, v in summary.items()
     )
     out = [f"<div class='pipeswift'><strong>{html.escape(title)}</strong>", f"<table>{items}</table>"]
@@ -37,13 +40,14 @@ NOISE_CV = 0.10
 
 
 def noise_note(cv: float, what: str = "the step") -> str:
-    """The noise warning as text when ``cv`` exceeds :data:`NOISE_CV` (else ``""``): what varied, by how much, and what to do."""
+    """The noise warning as text when ``cv`` exceeds :data:`NOISE_CV` (else ``""``): what varied, by how much, and
+    what to do."""
     if not (cv > NOISE_CV):  # NaN: nothing measured, nothing to warn about
         return ""
     return (
-        f"Noisy machine: {what} varied by {cv:.0%} (std / mean; the rule is {NOISE_CV:.0%}), so predictions built on it and "
-        f"their errors against measured runs are that uncertain. Run with nothing else on the machine, pin threads "
-        f"(torch.set_num_threads), take more repeats or steps, and compare medians."
+        f"Noisy machine: {what} varied by {cv:.0%} (std / mean; the rule is {NOISE_CV:.0%}), so predictions built "
+        f"on it and their errors against measured runs are that uncertain. Run with nothing else on the machine, "
+        f"pin threads (torch.set_num_threads), take more repeats or steps, and compare medians."
     )
 
 
@@ -56,7 +60,7 @@ def noise_warning(cv: float, what: str = "the step") -> str:
     return f"<p><strong>{html.escape(head)}:</strong> {html.escape(rest)}</p>"
 
 
-def text_card(title: str, summary: dict) -> str:
+def text_card(title: str, summary: Mapping[str, Any]) -> str:
     """Plain-text form of :func:`html_card`'s summary, for ``__repr__`` and the CLI."""
     width = max((len(str(k)) for k in summary), default=0)
     lines = [title] + [f"  {str(k).ljust(width)}  {format_value(v)}" for k, v in summary.items()]

@@ -7,15 +7,20 @@ bubble ratio only speak to the training term.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, fields
+from typing import TYPE_CHECKING, Any
 
 import pandas as pd
 
-from .checks import check_time
+from .checks import check_choice, check_time
 from .display import html_card, text_card
 
+if TYPE_CHECKING:
+    from matplotlib.axes import Axes
+
 #: JCT terms in the order they happen, with their column names.
-TERMS = ("queue_s", "assembly_s", "training_s", "cleanup_s", "preemption_loss_s")
+TERMS: tuple[str, ...] = ("queue_s", "assembly_s", "training_s", "cleanup_s", "preemption_loss_s")
 
 
 @dataclass(frozen=True)
@@ -38,7 +43,7 @@ class JCT:
     preemption_loss_s: float = 0.0
     label: str = "job"
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         for term in TERMS:
             object.__setattr__(self, term, check_time(term, getattr(self, term)))
         if not isinstance(self.label, str):
@@ -67,11 +72,11 @@ class JCT:
             }
         )
 
-    def as_row(self) -> dict:
+    def as_row(self) -> dict[str, Any]:
         """The terms and ``total_s`` as a flat dict, with ``label``."""
         return {"label": self.label, **{t: getattr(self, t) for t in TERMS}, "total_s": self.total_s}
 
-    def replace(self, **changes) -> JCT:
+    def replace(self, **changes: Any) -> JCT:
         """A copy with some terms changed."""
         values = {f.name: getattr(self, f.name) for f in fields(self)}
         values.update(changes)
@@ -109,14 +114,13 @@ class JCT:
         return out.reset_index()
 
     @staticmethod
-    def plot_many(jcts, ax=None, unit="h"):
+    def plot_many(jcts: Iterable[JCT], ax: Axes | None = None, unit: str = "h") -> Axes:
         """Stacked horizontal bars, one per JCT, one color per term. Returns the Axes."""
         from .plot import get_ax
 
         jcts = list(jcts)
         scale = {"s": 1.0, "min": 60.0, "h": 3600.0}
-        if unit not in scale:
-            raise ValueError(f"unit={unit!r} is not valid; use one of {list(scale)}")
+        unit = check_choice("unit", unit, scale)
         table = JCT.table(*jcts)
         ax = get_ax(ax, figsize=(7.0, 0.6 + 0.5 * len(jcts)))
         import seaborn as sns
@@ -132,11 +136,11 @@ class JCT:
         ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize="small", frameon=False)
         return ax
 
-    def plot(self, *others: JCT, ax=None, unit="h"):
+    def plot(self, *others: JCT, ax: Axes | None = None, unit: str = "h") -> Axes:
         """Stacked bar of this JCT's terms, with ``others`` side by side. Returns the Axes."""
         return JCT.plot_many((self, *others), ax=ax, unit=unit)
 
-    def _summary(self) -> dict:
+    def _summary(self) -> dict[str, float]:
         return {"total_s": self.total_s, **{t: getattr(self, t) for t in TERMS}}
 
     def _repr_html_(self) -> str:

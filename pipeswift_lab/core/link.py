@@ -8,12 +8,14 @@ bandwidths are quoted.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from .checks import check_time
 
 
-def fit_latency_bandwidth(nbytes, times) -> tuple[float, float] | None:
+def fit_latency_bandwidth(nbytes: Sequence[float], times: Sequence[float]) -> tuple[float, float] | None:
     """``(latency, time per byte)`` of the least-squares line ``time = latency + nbytes * per_byte`` through the
     samples (Hockney's alpha-beta model, in the samples' own units), or None when it is not physical (a slope <= 0 or
     a negative latency). Callers decide first whether the sizes spread enough to tell the two apart."""
@@ -38,16 +40,16 @@ class Link:
     latency_ms: float  # fixed cost of every transfer, ms
     bandwidth_GBps: float  # GB/s, 10**9 bytes per second
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         object.__setattr__(self, "latency_ms", check_time("latency_ms", self.latency_ms))
         object.__setattr__(self, "bandwidth_GBps", check_time("bandwidth_GBps", self.bandwidth_GBps, allow_zero=False))
 
-    def transfer_ms(self, nbytes) -> float:
+    def transfer_ms(self, nbytes: float) -> float:
         """Milliseconds to move ``nbytes`` bytes: ``latency_ms + nbytes / bandwidth``."""
         nbytes = check_time("nbytes", nbytes)
         return self.latency_ms + nbytes / (self.bandwidth_GBps * 1e6)  # GB/s = 1e6 bytes per ms
 
-    def as_dict(self) -> dict:
+    def as_dict(self) -> dict[str, float]:
         """``{"latency_ms": ..., "bandwidth_GBps": ...}`` (JSON-friendly, for Timeline meta)."""
         return {"latency_ms": self.latency_ms, "bandwidth_GBps": self.bandwidth_GBps}
 
@@ -55,7 +57,7 @@ class Link:
         return f"Link(latency_ms={self.latency_ms:g}, bandwidth_GBps={self.bandwidth_GBps:g})"
 
 
-def check_link(link) -> Link | None:
+def check_link(link: Any) -> Link | None:
     """Return ``link`` if it is a :class:`Link` or None; raise ``TypeError`` otherwise."""
     if link is not None and not isinstance(link, Link):
         raise TypeError(f"link must be a pipeswift_lab.Link or None; got {type(link).__name__} {link!r}")

@@ -6,8 +6,14 @@ matplotlib and seaborn are imported here, inside functions, so that
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from matplotlib.axes import Axes
+    from matplotlib.figure import Figure
+
 #: Colors by action kind, shared by every Gantt chart and legend.
-KIND_COLORS = {
+KIND_COLORS: dict[str, str] = {
     "F": "#4C72B0",  # forward
     "B": "#DD8452",  # full backward
     "I": "#C44E52",  # input-grad
@@ -20,7 +26,7 @@ KIND_COLORS = {
 }
 
 
-def get_ax(ax=None, figsize=(7.0, 3.5)):
+def get_ax(ax: Axes | None = None, figsize: tuple[float, float] = (7.0, 3.5)) -> Axes:
     """Return ``ax``, or a new Axes on a new figure in seaborn's style when ``ax`` is None."""
     import matplotlib.pyplot as plt
     import seaborn as sns
@@ -32,7 +38,7 @@ def get_ax(ax=None, figsize=(7.0, 3.5)):
     return ax
 
 
-def figure_to_data_uri(fig) -> str:
+def figure_to_data_uri(fig: Figure) -> str:
     """Encode a matplotlib figure as an inline PNG ``data:`` URI (for the self-contained HTML report)."""
     import base64
     import io

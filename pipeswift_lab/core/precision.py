@@ -31,6 +31,9 @@ is trained — name a precision for those).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import dataclass
+
 import numpy as np
 import pandas as pd
 
@@ -38,32 +41,50 @@ from .checks import check_choice, check_int
 
 #: Optimizer states kept per parameter: Adam/AdamW keep ``exp_avg`` and ``exp_avg_sq``,
 #: SGD with momentum one buffer, plain SGD nothing.
-OPTIMIZER_STATES = {"adam": 2, "adamw": 2, "sgd_momentum": 1, "sgd": 0}
+OPTIMIZER_STATES: dict[str, int] = {"adam": 2, "adamw": 2, "sgd_momentum": 1, "sgd": 0}
+
+
+@dataclass(frozen=True, kw_only=True)
+class PrecisionBytes:
+    """Bytes per parameter of one precision's training state (one row of the table in the module docstring)."""
+
+    weight_bytes: int
+    """Bytes of the weights the forward and backward compute with."""
+    grad_bytes: int
+    """Bytes of a gradient, what the data-parallel replicas reduce."""
+    master_bytes: int
+    """Bytes of the fp32 master copy of the weights (0 when the weights are fp32 already)."""
+    state_bytes: int
+    """Bytes of one optimizer state (Adam keeps two, see :data:`OPTIMIZER_STATES`)."""
+    sharded: bool
+    """Whether the master weights and optimizer states are sharded over the ``D`` replicas (ZeRO-1)."""
+
 
 #: Per precision: bytes per parameter of weights, gradients, fp32 master weights, one
 #: optimizer state, and whether master and states are sharded over the replicas (ZeRO-1).
-PRECISIONS = {
-    "fp32": {"weight_bytes": 4, "grad_bytes": 4, "master_bytes": 0, "state_bytes": 4, "sharded": False},
-    "bf16-mixed": {"weight_bytes": 2, "grad_bytes": 2, "master_bytes": 4, "state_bytes": 4, "sharded": False},
-    "bf16-mixed-zero1": {"weight_bytes": 2, "grad_bytes": 2, "master_bytes": 4, "state_bytes": 4, "sharded": True},
+PRECISIONS: dict[str, PrecisionBytes] = {
+    "fp32": PrecisionBytes(weight_bytes=4, grad_bytes=4, master_bytes=0, state_bytes=4, sharded=False),
+    "bf16-mixed": PrecisionBytes(weight_bytes=2, grad_bytes=2, master_bytes=4, state_bytes=4, sharded=False),
+    "bf16-mixed-zero1": PrecisionBytes(weight_bytes=2, grad_bytes=2, master_bytes=4, state_bytes=4, sharded=True),
 }
 
 
-def check_precision(precision):
+def check_precision(precision: str | None) -> str | None:
     """Return ``precision`` if it is ``None`` or a name in :data:`PRECISIONS`; raise ``ValueError`` otherwise."""
-    if precision is not None and precision not in PRECISIONS:
-        raise ValueError(
-            f"precision={precision!r} is not known; valid precisions are {list(PRECISIONS)} or None (the profile's own param_bytes)"
-        )
-    return precision
+    if precision is None:
+        return None
+    return check_choice(
+        "precision", precision, PRECISIONS, noun="precisions", hint=" or None (the profile's own param_bytes)"
+    )
 
 
 def check_optimizer(optimizer: str) -> str:
-    """Return ``optimizer`` if it is one of :data:`OPTIMIZER_STATES` (the one table of optimizer state per parameter)."""
+    """Return ``optimizer`` if it is one of :data:`OPTIMIZER_STATES` (the one table of optimizer state per
+    parameter)."""
     return check_choice("optimizer", optimizer, OPTIMIZER_STATES)
 
 
-def bytes_per_param(precision, optimizer="adam", D=1) -> float:
+def bytes_per_param(precision: str | None, optimizer: str = "adam", D: int = 1) -> float:
     """Bytes of weights + gradients + master weights + optimizer state per parameter on one GPU.
 
     ``D`` is the number of data-parallel replicas the ``"bf16-mixed-zero1"`` optimizer state
@@ -74,22 +95,24 @@ def bytes_per_param(precision, optimizer="adam", D=1) -> float:
     return row["weight_bytes"] + row["grad_bytes"] + row["master_bytes"] + row["optimizer_bytes"]
 
 
-def checkpoint_bytes_per_param(precision, optimizer="adam", D=1) -> float:
+def checkpoint_bytes_per_param(precision: str | None, optimizer: str = "adam", D: int = 1) -> float:
     """Bytes per parameter a checkpoint of one GPU holds: everything but the gradients. Returns a float."""
     row = _parts(precision, optimizer, D)
     return row["weight_bytes"] + row["master_bytes"] + row["optimizer_bytes"]
 
 
-def grad_bytes_per_param(precision) -> float:
+def grad_bytes_per_param(precision: str | None) -> float:
     """Bytes per parameter of the gradients the data-parallel replicas reduce. Returns a float."""
-    check_precision(precision)
+    precision = check_precision(precision)
     if precision is None:
         raise ValueError("precision=None has no fixed gradient size; it is the profile's param_bytes")
-    return float(PRECISIONS[precision]["grad_bytes"])
+    return float(PRECISIONS[precision].grad_bytes)
 
 
-def _parts(precision, optimizer, D):
-    if check_precision(precision) is None:
+def _parts(precision: str | None, optimizer: str, D: int) -> dict[str, float]:
+    """Bytes per parameter of weights, gradients, master weights and optimizer state of a named ``precision``."""
+    precision = check_precision(precision)
+    if precision is None:
         raise ValueError(
             "precision=None counts the profile's param_bytes, not a fixed size per parameter; name one of "
             f"{list(PRECISIONS)}"
@@ -97,17 +120,18 @@ def _parts(precision, optimizer, D):
     k = OPTIMIZER_STATES[check_optimizer(optimizer)]
     D = check_int("D", D, minimum=1)
     spec = PRECISIONS[precision]
-    shards = D if spec["sharded"] else 1
+    shards = D if spec.sharded else 1
     return {
-        "weight_bytes": float(spec["weight_bytes"]),
-        "grad_bytes": float(spec["grad_bytes"]),
-        "master_bytes": spec["master_bytes"] / shards,
-        "optimizer_bytes": k * spec["state_bytes"] / shards,
+        "weight_bytes": float(spec.weight_bytes),
+        "grad_bytes": float(spec.grad_bytes),
+        "master_bytes": spec.master_bytes / shards,
+        "optimizer_bytes": k * spec.state_bytes / shards,
     }
 
 
-def precision_table(optimizer="adam", D=1) -> pd.DataFrame:
-    """One row per precision: ``weight_bytes``, ``grad_bytes``, ``master_bytes``, ``optimizer_bytes`` and ``total_bytes`` per parameter.
+def precision_table(optimizer: str = "adam", D: int = 1) -> pd.DataFrame:
+    """One row per precision: ``weight_bytes``, ``grad_bytes``, ``master_bytes``, ``optimizer_bytes`` and
+    ``total_bytes`` per parameter.
 
     ``D`` is the replica count the ZeRO-1 option shards over. Returns a DataFrame indexed by precision.
     """
@@ -118,7 +142,13 @@ def precision_table(optimizer="adam", D=1) -> pd.DataFrame:
     return df
 
 
-def state_bytes(params, param_bytes, precision, optimizer="adam", D=1):
+def state_bytes(
+    params: Sequence[float] | np.ndarray | None,
+    param_bytes: Sequence[float] | np.ndarray | None,
+    precision: str | None,
+    optimizer: str = "adam",
+    D: int = 1,
+) -> np.ndarray | None:
     """Per layer, bytes of weights, gradients and optimizer state; returns a numpy array, or None if unknown.
 
     With ``precision=None`` it is ``param_bytes * (2 + k)``; with a named precision it is
@@ -129,22 +159,25 @@ def state_bytes(params, param_bytes, precision, optimizer="adam", D=1):
         return None if param_bytes is None else np.asarray(param_bytes, dtype=float) * (2.0 + k)
     if params is None:
         raise ValueError(f"precision={precision!r} counts bytes per parameter, but the profile has no 'params' column")
-    params = np.asarray(params, dtype=float)
+    counts = np.asarray(params, dtype=float)
     if param_bytes is not None:
-        missing = np.flatnonzero((params == 0) & (np.asarray(param_bytes, dtype=float) > 0))
+        missing = np.flatnonzero((counts == 0) & (np.asarray(param_bytes, dtype=float) > 0))
         if len(missing):
             raise ValueError(
-                f"precision={precision!r} counts bytes per parameter, but layer {int(missing[0])} has params=0 and param_bytes > 0; give the 'params' column"
+                f"precision={precision!r} counts bytes per parameter, but layer {int(missing[0])} has params=0 and "
+                "param_bytes > 0; give the 'params' column"
             )
-    return params * bytes_per_param(precision, optimizer, D)
+    return counts * bytes_per_param(precision, optimizer, D)
 
 
 __all__ = [
     "OPTIMIZER_STATES",
     "PRECISIONS",
+    "PrecisionBytes",
     "bytes_per_param",
-    "checkpoint_bytes_per_param",
+    "check_optimizer",
     "check_precision",
+    "checkpoint_bytes_per_param",
     "grad_bytes_per_param",
     "precision_table",
     "state_bytes",

@@ -7,6 +7,11 @@ Every long operation (profile, sweep, plan, report, cluster simulation) shows it
 from __future__ import annotations
 
 import os
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from tqdm.auto import tqdm
 
 
 def progress_off() -> bool:
@@ -14,8 +19,9 @@ def progress_off() -> bool:
     return os.environ.get("TQDM_DISABLE", "").strip().lower() not in ("", "0", "false", "no")
 
 
-def progress_bar(iterable=None, *, desc: str, progress: bool = True, **kwargs):
-    """A ``tqdm.auto`` bar over ``iterable`` (or with ``total=``), shown unless ``progress`` is False or ``TQDM_DISABLE`` is set."""
+def progress_bar(iterable: Iterable[Any] | None = None, *, desc: str, progress: bool = True, **kwargs: Any) -> tqdm:
+    """A ``tqdm.auto`` bar over ``iterable`` (or with ``total=``), shown unless ``progress`` is False or
+    ``TQDM_DISABLE`` is set."""
     from tqdm.auto import tqdm
 
     return tqdm(iterable, desc=desc, disable=not progress or progress_off(), **kwargs)

@@ -6,8 +6,27 @@ from __future__ import annotations
 
 from .checks import check_int
 
+__all__ = [
+    "COMM_KINDS",
+    "COMPUTE_KINDS",
+    "KINDS",
+    "MULTI_CHUNK_SCHEDULES",
+    "REDUCE_KINDS",
+    "SCHEDULES",
+    "SINGLE_CHUNK_SCHEDULES",
+    "TORCH_CLASS",
+    "V_SHAPE_SCHEDULES",
+    "ZERO_BUBBLE_SCHEDULES",
+    "accepts",
+    "canonical_schedule",
+    "check_schedule_v",
+    "default_v",
+    "stage_to_rank",
+    "validate",
+]
+
 #: Schedule names, spelled as ``torch.distributed.pipelining`` spells them.
-SCHEDULES = (
+SCHEDULES: tuple[str, ...] = (
     "GPipe",
     "1F1B",
     "Interleaved1F1B",
@@ -17,11 +36,17 @@ SCHEDULES = (
     "DualPipeV",
 )
 #: Schedules that place one stage on every rank (``v == 1``), run by torch's single-chunk runtime.
-SINGLE_CHUNK_SCHEDULES = ("GPipe", "1F1B")
+SINGLE_CHUNK_SCHEDULES: tuple[str, ...] = ("GPipe", "1F1B")
 #: Schedules that place several stages ("chunks", ``v``) on every rank.
-MULTI_CHUNK_SCHEDULES = ("Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
+MULTI_CHUNK_SCHEDULES: tuple[str, ...] = (
+    "Interleaved1F1B",
+    "LoopedBFS",
+    "InterleavedZeroBubble",
+    "ZBVZeroBubble",
+    "DualPipeV",
+)
 #: Schedules whose chunks go to ranks in a V shape and need exactly two per rank.
-V_SHAPE_SCHEDULES = ("ZBVZeroBubble", "DualPipeV")
+V_SHAPE_SCHEDULES: tuple[str, ...] = ("ZBVZeroBubble", "DualPipeV")
 
 
 def default_v(schedule: str) -> int:
@@ -30,30 +55,28 @@ def default_v(schedule: str) -> int:
 
 
 #: Schedules that split the backward into input-grad (I) and weight-grad (W).
-ZERO_BUBBLE_SCHEDULES = ("InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
+ZERO_BUBBLE_SCHEDULES: tuple[str, ...] = ("InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
 
 #: Action kinds, as ``torch.distributed.pipelining`` names them: forward, full backward, input-grad, weight-grad ...
-COMPUTE_KINDS = ("F", "B", "I", "W")
+COMPUTE_KINDS: tuple[str, ...] = ("F", "B", "I", "W")
 #: ... and the transfers between ranks.
-COMM_KINDS = ("SEND_F", "RECV_F", "SEND_B", "RECV_B")
+COMM_KINDS: tuple[str, ...] = ("SEND_F", "RECV_F", "SEND_B", "RECV_B")
 #: ... and the gradient all-reduce across data-parallel replicas (torch's ``REDUCE_GRAD``), measured when D > 1.
-REDUCE_KINDS = ("REDUCE_GRAD",)
+REDUCE_KINDS: tuple[str, ...] = ("REDUCE_GRAD",)
 #: Every action kind a Timeline row may hold.
-KINDS = COMPUTE_KINDS + COMM_KINDS + REDUCE_KINDS
+KINDS: tuple[str, ...] = COMPUTE_KINDS + COMM_KINDS + REDUCE_KINDS
 
-_BY_LOWER = {name.lower(): name for name in SCHEDULES}
+_BY_LOWER: dict[str, str] = {name.lower(): name for name in SCHEDULES}
 
 
 def canonical_schedule(schedule: str) -> str:
-    """Return the canonical spelling of ``schedule`` (case-insensitive match)."""
+    """Return the canonical spelling of ``schedule``: case, ``_`` and ``-`` are ignored, and torch's class name
+    (``"ScheduleInterleaved1F1B"``) is accepted for its schedule."""
     if not isinstance(schedule, str):
         raise TypeError(f"schedule must be a str, one of {list(SCHEDULES)}; got {type(schedule).__name__} {schedule!r}")
     key = schedule.lower().replace("_", "").replace("-", "")
-    if key == "schedule1f1b":
-        key = "1f1b"
-    for prefix in ("schedule",):
-        if key.startswith(prefix) and key[len(prefix) :] in _BY_LOWER:
-            key = key[len(prefix) :]
+    if key.removeprefix("schedule") in _BY_LOWER:
+        key = key.removeprefix("schedule")
     if key not in _BY_LOWER:
         raise ValueError(
             f"schedule={schedule!r} is not known; valid schedules are {list(SCHEDULES)} (case-insensitive)"
@@ -79,7 +102,7 @@ def check_schedule_v(schedule: str, v: int) -> tuple[str, int]:
 
 
 #: torch's class of every multi-chunk schedule.
-TORCH_CLASS = {
+TORCH_CLASS: dict[str, str] = {
     "Interleaved1F1B": "ScheduleInterleaved1F1B",
     "LoopedBFS": "ScheduleLoopedBFS",
     "InterleavedZeroBubble": "ScheduleInterleavedZeroBubble",
@@ -88,8 +111,9 @@ TORCH_CLASS = {
 }
 
 
-def accepts(P, m, schedule="1F1B", v=1) -> bool:
-    """Whether torch's ``schedule`` takes ``P`` ranks, ``m`` micro-batches and ``v`` chunks per rank (:func:`validate` without the error)."""
+def accepts(P: int, m: int, schedule: str = "1F1B", v: int = 1) -> bool:
+    """Whether torch's ``schedule`` takes ``P`` ranks, ``m`` micro-batches and ``v`` chunks per rank (:func:`validate`
+    without the error)."""
     try:
         validate(P, m, schedule, v)
     except ValueError:
@@ -97,7 +121,7 @@ def accepts(P, m, schedule="1F1B", v=1) -> bool:
     return True
 
 
-def validate(P, m, schedule="1F1B", v=1) -> tuple[str, int]:
+def validate(P: int, m: int, schedule: str = "1F1B", v: int = 1) -> tuple[str, int]:
     """Check ``(P, m, schedule, v)`` against torch's own rules; return ``(schedule, v)`` canonical.
 
     The rules are those the torch schedule constructors enforce:
@@ -129,12 +153,13 @@ def validate(P, m, schedule="1F1B", v=1) -> tuple[str, int]:
             )
     if schedule == "DualPipeV" and m < 2 * P:
         raise ValueError(
-            f"{where}: torch's ScheduleDualPipeV needs m >= 2*P = {2 * P} (at least as many micro-batches as its {2 * P} stages)"
+            f"{where}: torch's ScheduleDualPipeV needs m >= 2*P = {2 * P} "
+            f"(at least as many micro-batches as its {2 * P} stages)"
         )
     return schedule, v
 
 
-def stage_to_rank(P, v=1, schedule=None) -> tuple[int, ...]:
+def stage_to_rank(P: int, v: int = 1, schedule: str | None = None) -> tuple[int, ...]:
     """Rank of every stage, in stage order: round-robin ``s % P``, or a V for ZBV/DualPipeV.
 
     In the V shape (``v == 2``), rank ``r`` holds stages ``r`` and ``2P - 1 - r``

@@ -18,24 +18,26 @@ from __future__ import annotations
 
 import numbers
 from importlib import resources
+from importlib.resources.abc import Traversable
+from typing import Any
 
 import numpy as np
 import pandas as pd
 
 #: File name of the trace inside this package.
-PHILLY_FILE = "philly_jobs.csv"
+PHILLY_FILE: str = "philly_jobs.csv"
 #: The attribution any shipped copy of the trace must keep.
-PHILLY_ATTRIBUTION = (
+PHILLY_ATTRIBUTION: str = (
     "Philly trace: Jeon et al., 'Analysis of Large-Scale Multi-Tenant GPU Clusters for DNN Training Workloads', "
     "USENIX ATC 2019 (Microsoft Philly trace, CC BY 4.0); derived trace from the Pollux artifact, Qiao et al., "
     "'Pollux: Co-adaptive Cluster Scheduling for Goodput-Optimized Deep Learning', OSDI 2021 "
     "(petuum/adaptdl, branch osdi21-artifact, simulator/traces/philly.csv, Apache-2.0)."
 )
 #: sha256 of the shipped CSV, as stated in the README next to it.
-PHILLY_SHA256 = "ebffb3dd1589bdf4e7bcd74496201c5ded1d557d498ee14f560463f37ec353da"
+PHILLY_SHA256: str = "ebffb3dd1589bdf4e7bcd74496201c5ded1d557d498ee14f560463f37ec353da"
 
 
-def data_path(name: str = PHILLY_FILE):
+def data_path(name: str = PHILLY_FILE) -> Traversable:
     """The :mod:`importlib.resources` Traversable of a shipped data file (``philly_jobs.csv``, ``README.md``)."""
     path = resources.files(__name__).joinpath(name)
     if not path.is_file():
@@ -51,7 +53,7 @@ def _read_raw() -> pd.DataFrame:
         return pd.read_csv(f, dtype={"cluster": str})
 
 
-def philly_jobs(window=None, sample=None, seed=0) -> pd.DataFrame:
+def philly_jobs(window: tuple[float, float] | None = None, sample: int | None = None, seed: int = 0) -> pd.DataFrame:
     """The Philly trace as a job table, one row per job in submission order.
 
     Returns a DataFrame with columns ``name`` (``philly-<row in the CSV>``), ``submit_s``
@@ -84,20 +86,12 @@ def philly_jobs(window=None, sample=None, seed=0) -> pd.DataFrame:
         start, end = _check_window(window)
         df = df[(df["submit_s"] >= start) & (df["submit_s"] < end)].reset_index(drop=True)
     if sample is not None:
-        if isinstance(sample, bool) or not isinstance(sample, numbers.Integral) or sample < 0:
-            raise ValueError(f"sample={sample!r} is invalid; give a number of jobs >= 0 (or None for all)")
-        if sample > len(df):
-            raise ValueError(
-                f"sample={sample} exceeds the {len(df)} jobs in the trace{' window' if window is not None else ''}; give at most {len(df)}"
-            )
-        rng = np.random.default_rng(seed)
-        keep = np.sort(rng.choice(len(df), size=int(sample), replace=False))
-        df = df.iloc[keep].reset_index(drop=True)
+        df = _sample(df, _check_sample(sample, len(df), "trace window" if window is not None else "trace"), seed)
     df.attrs["source"] = PHILLY_ATTRIBUTION
     return df
 
 
-def _check_window(window) -> tuple[float, float]:
+def _check_window(window: Any) -> tuple[float, float]:
     try:
         start, end = window
         start, end = float(start), float(end)
@@ -108,6 +102,26 @@ def _check_window(window) -> tuple[float, float]:
     if not (np.isfinite(start) and np.isfinite(end)) or start < 0 or end <= start:
         raise ValueError(f"window={window!r} is invalid; it must be (start_s, end_s) with 0 <= start_s < end_s, finite")
     return start, end
+
+
+def _check_sample(sample: Any, available: int, where: str) -> int:
+    """``sample`` as a number of jobs in ``[0, available]``.
+
+    (:mod:`pipeswift_lab.core.checks` sits in the same layer as this package, so the check is written here.)
+    """
+    if isinstance(sample, bool) or not isinstance(sample, numbers.Integral) or int(sample) < 0:
+        raise ValueError(f"sample={sample!r} is invalid; give a number of jobs >= 0 (or None for all)")
+    count = int(sample)
+    if count > available:
+        raise ValueError(f"sample={count} exceeds the {available} jobs in the {where}; give at most {available}")
+    return count
+
+
+def _sample(df: pd.DataFrame, n: int, seed: int) -> pd.DataFrame:
+    """``n`` rows of ``df`` drawn without replacement with ``seed``, in their order."""
+    rng = np.random.default_rng(seed)
+    keep = np.sort(rng.choice(len(df), size=n, replace=False))
+    return df.iloc[keep].reset_index(drop=True)
 
 
 __all__ = ["PHILLY_ATTRIBUTION", "PHILLY_FILE", "PHILLY_SHA256", "data_path", "philly_jobs"]

@@ -4,15 +4,18 @@ Stages are balanced by measured time (the exact min-max split) within each GPU's
 schedule keeps in flight counted per stage::
 
     part = psl.partition(prof, P=4, schedule="1F1B", m=8, mem_per_gpu_bytes=16 * 2**30)
-    part.stages          # one row per stage: layers, time, memory
+    part.df              # one row per stage: layers, time, memory
     part.bottleneck_ms   # the slowest stage
 
-Modules: :mod:`.balance` (:func:`partition`, :class:`Partition`), :mod:`.layers` (per-layer costs and memory
-per stage), :mod:`.bottleneck` (the exact min-max contiguous split).
+Modules: :mod:`.balance` (:func:`partition`), :mod:`.stages` (the :class:`Partition` type), :mod:`.layers` (the
+per-layer arrays and the split by method), :mod:`.memory` (memory per stage and the cap), :mod:`.bottleneck` (the
+exact min-max contiguous split).
 """
 
 from __future__ import annotations
 
-from .balance import METHODS, Partition, memory_cap, partition
+from .balance import METHODS, partition
+from .memory import memory_cap
+from .stages import Partition
 
 __all__ = ["METHODS", "Partition", "memory_cap", "partition"]

@@ -9,7 +9,11 @@ allowed stage start per end (memory caps). See :mod:`pipeswift_lab.partitioning.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
+
+__all__ = ["Infeasible", "MinMaxSplit", "window_max"]
 
 
 class Infeasible(Exception):
@@ -23,7 +27,7 @@ class MinMaxSplit:
     end ``b`` (memory caps: a stage's memory grows as its start moves left).
     """
 
-    def __init__(self, U, D, K, lo_by_k=None):
+    def __init__(self, U: np.ndarray, D: np.ndarray, K: int, lo_by_k: Sequence[np.ndarray] | None = None) -> None:
         self.U, self.D, self.K = U, D, K
         self.lo_by_k = lo_by_k
         self.n1 = len(U)
@@ -32,7 +36,7 @@ class MinMaxSplit:
         # reachable starts is D at the last reachable start, so no range-maximum structure is needed.
         self.monotone = bool(np.all(np.diff(D) >= 0))
 
-    def _best_prev(self, reach_prev, k):
+    def _best_prev(self, reach_prev: np.ndarray, k: int) -> np.ndarray:
         """For every end b: the largest ``D[a]`` over reachable starts a < b allowed for stage k."""
         if self.lo_by_k is None:
             Dm = np.where(reach_prev, self.D, -np.inf)
@@ -49,8 +53,9 @@ class MinMaxSplit:
             return np.where((prev >= 0) & (prev >= self.lo_by_k[k]), self.D[prev], -np.inf)
         return window_max(np.where(reach_prev, self.D, -np.inf), self.lo_by_k[k], self.idx)
 
-    def reach(self, T):
-        """Reachability table ``reach[k][b]``: layers ``[0, b)`` split into k stages of cost <= T; None if infeasible."""
+    def reach(self, T: float) -> np.ndarray | None:
+        """Reachability table ``reach[k][b]``: layers ``[0, b)`` split into k stages of cost <= T; None if
+        infeasible."""
         reach = np.zeros((self.K + 1, self.n1), dtype=bool)
         reach[0, 0] = True
         for k in range(1, self.K + 1):
@@ -59,10 +64,10 @@ class MinMaxSplit:
             reach[k, 0] = False
         return reach if reach[self.K, self.n1 - 1] else None
 
-    def backtrack(self, reach, T):
+    def backtrack(self, reach: np.ndarray, T: float) -> tuple[tuple[int, int], ...]:
         """Bounds of a split with cost <= T, each stage as close as possible to the mean of what precedes it."""
         b = self.n1 - 1
-        bounds = []
+        bounds: list[tuple[int, int]] = []
         for k in range(self.K, 0, -1):
             cand = reach[k - 1].copy()
             cand[b:] = False
@@ -80,10 +85,11 @@ class MinMaxSplit:
         bounds.reverse()
         return tuple(bounds)
 
-    def max_cost(self, bounds):
+    def max_cost(self, bounds: Sequence[tuple[int, int]]) -> float:
+        """The largest stage cost of ``bounds``."""
         return max(float(self.U[b] - self.D[a]) for a, b in bounds)
 
-    def solve(self):
+    def solve(self) -> tuple[tuple[tuple[int, int], ...], float]:
         """Return ``(bounds, bottleneck)`` of an optimal split; raise :class:`Infeasible` if none exists."""
         hi_T = float(np.max(self.U) - np.min(self.D))
         reach = self.reach(hi_T)
@@ -107,7 +113,7 @@ class MinMaxSplit:
                 hi = self.max_cost(best)
 
 
-def window_max(x, lo, hi):
+def window_max(x: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
     """``max(x[lo[b]:hi[b]])`` for every b (``-inf`` for empty windows), with a sparse table."""
     n = len(x)
     levels = [x]

@@ -4,15 +4,17 @@ Each layer's forward, backward and weight-gradient time, its activation and para
 on the real model (CUDA events on a GPU, ``perf_counter`` on the CPU)::
 
     import pipeswift_lab as psl
-    prof = psl.profile(model, (inputs, targets), loss_fn=loss_fn)
-    prof.layers[["name", "forward_ms", "backward_ms", "params_bytes"]]
+    prof = psl.profile(model, inputs, target=targets, loss_fn=loss_fn)
+    prof.df[["name", "fwd_ms", "bwd_ms", "param_bytes", "activation_bytes"]]
 
-Modules: :mod:`.measure` (:func:`profile`, :func:`profile_step`, :class:`Profile`), :mod:`.hooks` (the per-layer
-recorder and clocks), :mod:`.units` (which modules count as layers).
+Modules: :mod:`.measure` (:func:`profile`, :func:`profile_step`), :mod:`.table` (the :class:`Profile` type, its
+checks and its CSV), :mod:`.hooks` (the per-layer recorder and clocks), :mod:`.units` (which modules count as
+layers).
 """
 
 from __future__ import annotations
 
-from .measure import Profile, profile, profile_step
+from .measure import profile, profile_step
+from .table import Profile
 
 __all__ = ["Profile", "profile", "profile_step"]

@@ -55,7 +55,9 @@ The helpers that pick the units and give the model back as it was are in
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -67,10 +69,11 @@ except AttributeError:  # pragma: no cover - older or newer torch without the bi
 
     def _peek_sequence_nr() -> int:
         with torch.enable_grad():
-            return _PROBE.view(()).grad_fn._sequence_nr() + 1
+            node: Any = _PROBE.view(()).grad_fn  # a view of a leaf that requires grad always has a node
+            return node._sequence_nr() + 1
 
 
-def iter_tensors(obj, _depth=0):
+def iter_tensors(obj: Any, _depth: int = 0) -> Iterator[torch.Tensor]:
     """Yield the tensors in ``obj``: a tensor, or tuples, lists and dicts of them (nested)."""
     if isinstance(obj, torch.Tensor):
         yield obj
@@ -87,12 +90,34 @@ def tensor_bytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-def _storage_key_and_bytes(t: torch.Tensor):
+def _storage_key_and_bytes(t: torch.Tensor) -> tuple[tuple[Any, ...], int]:
+    """``(key, bytes)`` of the storage behind ``t``: tensors that share a storage share the key."""
     try:
         storage = t.untyped_storage()
         return (t.device.type, t.device.index, storage.data_ptr()), storage.nbytes()
     except (RuntimeError, NotImplementedError, TypeError):  # tensors without a plain storage
         return ("id", id(t)), tensor_bytes(t)
+
+
+class Clock(Protocol):
+    """What the recorder needs of a clock: stamps, a wait for the device, and the ms between two stamps."""
+
+    kind: str
+    """The timer's name, recorded in ``Profile.meta["timer"]``."""
+    cuda: bool
+    """Whether stamps are CUDA events (the recorder then also tracks CUDA memory)."""
+
+    def stamp(self) -> Any:
+        """A timestamp now (on the device's stream for CUDA)."""
+        ...
+
+    def synchronize(self) -> None:
+        """Wait until every stamp taken so far can be read."""
+        ...
+
+    def ms(self, start: Any, end: Any) -> float:
+        """Milliseconds from stamp ``start`` to stamp ``end``."""
+        ...
 
 
 class CpuClock:
@@ -101,14 +126,16 @@ class CpuClock:
     kind = "perf_counter_ns"
     cuda = False
 
-    def stamp(self):
+    def stamp(self) -> int:
+        """``time.perf_counter_ns()`` now."""
         return time.perf_counter_ns()
 
-    def synchronize(self):
-        pass
+    def synchronize(self) -> None:
+        """Nothing to wait for on the host."""
 
     @staticmethod
-    def ms(start, end) -> float:
+    def ms(start: int, end: int) -> float:
+        """Milliseconds between two ``perf_counter_ns`` stamps."""
         return (end - start) / 1e6
 
 
@@ -121,23 +148,26 @@ class CudaClock:
     kind = "cuda_events"
     cuda = True
 
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device) -> None:
         self.device = device
 
-    def stamp(self):
+    def stamp(self) -> torch.cuda.Event:
+        """A timing event recorded on the current stream."""
         event = torch.cuda.Event(enable_timing=True)
         event.record()
         return event
 
-    def synchronize(self):
+    def synchronize(self) -> None:
+        """Wait for the device, so that every recorded event can be read."""
         torch.cuda.synchronize(self.device)
 
     @staticmethod
-    def ms(start, end) -> float:
+    def ms(start: torch.cuda.Event, end: torch.cuda.Event) -> float:
+        """Milliseconds between two recorded events (after :meth:`synchronize`)."""
         return float(start.elapsed_time(end))
 
 
-def make_clock(device: torch.device):
+def make_clock(device: torch.device) -> CpuClock | CudaClock:
     """The clock for ``device``: CUDA events on ``cuda``, ``perf_counter_ns`` on ``cpu``."""
     if device.type == "cuda":
         if not torch.cuda.is_available():
@@ -166,27 +196,43 @@ class _Call:
         "bwd_peak",
     )
 
-    def __init__(self, unit: int):
+    def __init__(self, unit: int) -> None:
         self.unit = unit
-        self.lo = self.hi = None
-        self.f0 = self.f1 = self.b0 = self.b1 = None
+        self.lo: int | None = None  # the autograd sequence numbers of the call's own graph nodes: [lo, hi)
+        self.hi: int | None = None
+        self.f0: Any = None  # clock stamps: forward start and end, backward start and end
+        self.f1: Any = None
+        self.b0: Any = None
+        self.b1: Any = None
         self.out_bytes = 0
-        self.mem_base = self.fwd_peak = self.bwd_base = self.bwd_peak = None
+        self.mem_base: int | None = None  # CUDA bytes allocated at the forward's start, and the peaks above it
+        self.fwd_peak: int | None = None
+        self.bwd_base: int | None = None
+        self.bwd_peak: int | None = None
 
 
-@dataclass
+@dataclass(frozen=True, kw_only=True)
 class StepRecord:
-    """What one step measured: per-unit sums over the unit's calls, and the whole step."""
+    """What one step measured: per-unit sums over the unit's calls (lists indexed by unit), and the whole step."""
 
     step_ms: float
-    fwd_ms: list
-    bwd_ms: list
-    calls: list
-    activation_bytes: list
-    output_bytes: list
-    peak_bytes: list
-    first_call_order: list = field(default_factory=list)
-    batch_shape: list | None = None
+    """The whole step, from :meth:`LayerRecorder.begin_step` to :meth:`LayerRecorder.end_step` (ms)."""
+    fwd_ms: list[float]
+    """Per unit, the forward time summed over its calls (ms)."""
+    bwd_ms: list[float]
+    """Per unit, the backward time summed over its calls (ms)."""
+    calls: list[int]
+    """Per unit, how many forward calls returned."""
+    activation_bytes: list[int]
+    """Per unit, the bytes of the distinct storages autograd saved during its forward calls."""
+    output_bytes: list[int]
+    """Per unit, the bytes of the tensors its calls returned."""
+    peak_bytes: list[float]
+    """Per unit, the highest transient CUDA allocation of a forward or backward (NaN off CUDA)."""
+    first_call_order: list[int]
+    """The units in the order of their first call (the layer order of the Profile)."""
+    batch_shape: list[int] | None = None
+    """The shape of the model's first input tensor, if any."""
 
 
 class LayerRecorder:
@@ -197,10 +243,13 @@ class LayerRecorder:
     is removed on exit.
     """
 
-    def __init__(self, model: nn.Module, units: list, clock, track_memory: bool = True):
+    def __init__(
+        self, model: nn.Module, units: Sequence[tuple[str, nn.Module]], clock: Clock, track_memory: bool = True
+    ) -> None:
         self.model, self.units, self.clock = model, list(units), clock
         self.cuda_memory = bool(getattr(clock, "cuda", False)) and track_memory
-        self.handles: list = []
+        self.device: torch.device | None = getattr(clock, "device", None)  # the CUDA device whose memory is tracked
+        self.handles: list[Any] = []
         self.active = False
         owners: dict[int, int] = {}
         for index, (_, module) in enumerate(self.units):
@@ -210,15 +259,15 @@ class LayerRecorder:
         self._reset()
 
     # -- lifecycle --------------------------------------------------------------------
-    def _reset(self):
+    def _reset(self) -> None:
         self.calls: list[_Call] = []
         self.stack: list[_Call] = []
-        self.walk_spans: list = []
-        self.saved: list[dict] = [dict() for _ in self.units]
-        self.batch_shape = None
-        self.node_handles: list = []
+        self.walk_spans: list[tuple[Any, Any]] = []
+        self.saved: list[dict[tuple[Any, ...], int]] = [dict() for _ in self.units]
+        self.batch_shape: list[int] | None = None
+        self.node_handles: list[Any] = []
 
-    def __enter__(self):
+    def __enter__(self) -> LayerRecorder:
         self._state_keys = set()
         for t in list(self.model.parameters()) + list(self.model.buffers()):
             self._state_keys.add(_storage_key_and_bytes(t)[0])
@@ -230,21 +279,20 @@ class LayerRecorder:
         self._saved_hooks.__enter__()
         return self
 
-    def __exit__(self, *exc):
+    def __exit__(self, *exc: Any) -> None:
         self.active = False
         self._saved_hooks.__exit__(*exc)
         self._remove_node_hooks()
         for handle in self.handles:
             handle.remove()
         self.handles.clear()
-        return False
 
-    def _remove_node_hooks(self):
+    def _remove_node_hooks(self) -> None:
         for handle in self.node_handles:
             handle.remove()
         self.node_handles = []
 
-    def begin_step(self):
+    def begin_step(self) -> None:
         """Start a step: clear the per-step state and stamp the step start."""
         self._remove_node_hooks()
         self._reset()
@@ -263,7 +311,8 @@ class LayerRecorder:
             step_ms -= sum(ms(a, b) for a, b in self.walk_spans)
         n = len(self.units)
         fwd, bwd, calls = [0.0] * n, [0.0] * n, [0] * n
-        out_bytes, peaks, order = [0] * n, [float("nan")] * n, []
+        out_bytes, peaks = [0] * n, [float("nan")] * n
+        order: list[int] = []
         for call in self.calls:
             u = call.unit
             if call.f1 is None:  # the forward of this call never returned (an exception)
@@ -280,17 +329,27 @@ class LayerRecorder:
                     peaks[u] = peak if peaks[u] != peaks[u] else max(peaks[u], peak)
         act = [sum(saved.values()) for saved in self.saved]
         self._remove_node_hooks()
-        return StepRecord(step_ms, fwd, bwd, calls, act, out_bytes, peaks, order, self.batch_shape)
+        return StepRecord(
+            step_ms=step_ms,
+            fwd_ms=fwd,
+            bwd_ms=bwd,
+            calls=calls,
+            activation_bytes=act,
+            output_bytes=out_bytes,
+            peak_bytes=peaks,
+            first_call_order=order,
+            batch_shape=self.batch_shape,
+        )
 
     # -- forward hooks ----------------------------------------------------------------
-    def _root_pre(self, module, args):
+    def _root_pre(self, module: nn.Module, args: tuple[Any, ...]) -> None:
         if self.active and self.batch_shape is None:
             first = next(iter_tensors(args), None)
             if first is not None:
                 self.batch_shape = list(first.shape)
 
-    def _make_pre(self, index: int):
-        def pre_hook(module, args):
+    def _make_pre(self, index: int) -> Callable[[nn.Module, tuple[Any, ...]], None]:
+        def pre_hook(module: nn.Module, args: tuple[Any, ...]) -> None:
             if not self.active:
                 return None
             call = _Call(index)
@@ -298,24 +357,25 @@ class LayerRecorder:
             self.stack.append(call)
             call.lo = _peek_sequence_nr()
             if self.cuda_memory:
-                torch.cuda.reset_peak_memory_stats(self.clock.device)
-                call.mem_base = torch.cuda.memory_allocated(self.clock.device)
+                torch.cuda.reset_peak_memory_stats(self.device)
+                call.mem_base = torch.cuda.memory_allocated(self.device)
             call.f0 = self.clock.stamp()
             return None
 
         return pre_hook
 
-    def _make_post(self, index: int):
-        def post_hook(module, args, output):
+    def _make_post(self, index: int) -> Callable[[nn.Module, tuple[Any, ...], Any], None]:
+        def post_hook(module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
             if not self.active or not self.stack or self.stack[-1].unit != index:
                 return None
             f1 = self.clock.stamp()
             call = self.stack.pop()
             call.f1, call.hi = f1, _peek_sequence_nr()
             if self.cuda_memory:
-                call.fwd_peak = torch.cuda.max_memory_allocated(self.clock.device) - call.mem_base
+                call.fwd_peak = torch.cuda.max_memory_allocated(self.device) - (call.mem_base or 0)
             walk_start = self.clock.stamp() if not self.clock.cuda else None
-            outputs, seen = [], set()
+            outputs: list[torch.Tensor] = []
+            seen: set[int] = set()
             for t in iter_tensors(output):
                 if id(t) not in seen:
                     seen.add(id(t))
@@ -329,13 +389,16 @@ class LayerRecorder:
         return post_hook
 
     # -- backward hooks ---------------------------------------------------------------
-    def _hook_backward(self, call: _Call, outputs: list):
+    def _hook_backward(self, call: _Call, outputs: list[torch.Tensor]) -> None:
         """Walk the call's own graph nodes and hook its entry and exit nodes (see module docs)."""
         lo, hi = call.lo, call.hi
-        if hi <= lo:
+        if lo is None or hi is None or hi <= lo:
             return
         exclusive = self._exclusive[call.unit]
-        entries, stack, seen, exits = [], [], set(), []
+        entries: list[Any] = []
+        stack: list[Any] = []
+        seen: set[Any] = set()
+        exits: list[Any] = []
         for t in outputs:
             node = t.grad_fn
             if node is not None and lo <= node._sequence_nr() < hi and node not in seen:
@@ -366,28 +429,28 @@ class LayerRecorder:
         for node in exits:
             self.node_handles.append(node.register_hook(self._make_exit_hook(call)))
 
-    def _make_entry_hook(self, call: _Call):
-        def entry_hook(grad_outputs):
+    def _make_entry_hook(self, call: _Call) -> Callable[[Any], None]:
+        def entry_hook(grad_outputs: Any) -> None:
             if call.b0 is None:
                 if self.cuda_memory:
-                    torch.cuda.reset_peak_memory_stats(self.clock.device)
-                    call.bwd_base = torch.cuda.memory_allocated(self.clock.device)
+                    torch.cuda.reset_peak_memory_stats(self.device)
+                    call.bwd_base = torch.cuda.memory_allocated(self.device)
                 call.b0 = self.clock.stamp()
             return None
 
         return entry_hook
 
-    def _make_exit_hook(self, call: _Call):
-        def exit_hook(grad_inputs, grad_outputs):
+    def _make_exit_hook(self, call: _Call) -> Callable[[Any, Any], None]:
+        def exit_hook(grad_inputs: Any, grad_outputs: Any) -> None:
             call.b1 = self.clock.stamp()
             if self.cuda_memory and call.bwd_base is not None:
-                call.bwd_peak = torch.cuda.max_memory_allocated(self.clock.device) - call.bwd_base
+                call.bwd_peak = torch.cuda.max_memory_allocated(self.device) - call.bwd_base
             return None
 
         return exit_hook
 
     # -- saved tensors ----------------------------------------------------------------
-    def _pack(self, t: torch.Tensor):
+    def _pack(self, t: torch.Tensor) -> tuple[torch.Tensor, int]:
         if self.active and self.stack:
             key, nbytes = _storage_key_and_bytes(t)
             if key not in self._state_keys:
@@ -396,12 +459,13 @@ class LayerRecorder:
         return t, t._version
 
     @staticmethod
-    def _unpack(packed):
+    def _unpack(packed: tuple[torch.Tensor, int]) -> torch.Tensor:
         t, version = packed
         if t._version != version:
             raise RuntimeError(
                 "one of the variables needed for gradient computation has been modified by an inplace operation: "
-                f"a saved {t.dtype} tensor of shape {tuple(t.shape)} is at version {t._version}; expected version {version} "
+                f"a saved {t.dtype} tensor of shape {tuple(t.shape)} is at version {t._version}; "
+                f"expected version {version} "
                 "(checked by pipeswift_lab's saved-tensor hook)"
             )
         return t
@@ -412,6 +476,6 @@ def current_unit(recorder: LayerRecorder) -> int | None:
     return recorder.stack[-1].unit if recorder.stack else None
 
 
-def shapes(obj) -> list:
+def shapes(obj: Any) -> list[list[int]]:
     """Shapes of the tensors in ``obj``, as lists of ints."""
     return [list(t.shape) for t in iter_tensors(obj)]

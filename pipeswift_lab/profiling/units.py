@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import fnmatch
 import traceback
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from typing import Any
 
 import torch
 from torch import nn
@@ -16,7 +18,7 @@ from torch import nn
 def locate_failure(model: nn.Module, exc: BaseException) -> str:
     """Describe the innermost submodule of ``model`` on ``exc``'s traceback: name, type, input and weight shapes."""
     names = {id(m): n for n, m in model.named_modules()}
-    found = None
+    found: tuple[nn.Module, Any] | None = None
     for frame, _ in traceback.walk_tb(exc.__traceback__):
         owner = frame.f_locals.get("self")
         if isinstance(owner, nn.Module) and id(owner) in names:
@@ -45,53 +47,69 @@ def _listing(names: list[str], limit: int = 30) -> str:
     return shown + (f", … ({len(names) - limit} more)" if len(names) > limit else "")
 
 
-def select_units(model: nn.Module, layers) -> list[tuple[str, nn.Module]]:
+def select_units(model: nn.Module, layers: str | Sequence[str] | None) -> list[tuple[str, nn.Module]]:
     """Resolve ``layers`` (None, or names / dotted glob patterns) to ``[(name, module), ...]``.
 
     ``None`` takes the children of an ``nn.Sequential``. Raises ``ValueError`` for a pattern
     that matches nothing (listing the names at that depth), for units that contain each
     other, and for ``None`` on a model that is not an ``nn.Sequential``.
     """
-    if layers is None:
-        children = list(model.named_children())
-        if not isinstance(model, nn.Sequential):
-            hint = [f"{n}.*" if isinstance(m, (nn.ModuleList, nn.Sequential)) else n for n, m in children]
-            raise ValueError(
-                f"layers=None takes the children of an nn.Sequential, but model is a {type(model).__name__}; "
-                f"pass layers= a list of submodule names or glob patterns, e.g. layers={hint}"
-            )
-        if not children:
-            raise ValueError("layers=None found no children in this nn.Sequential; it has no layers to profile")
-        units = children
-    else:
-        if isinstance(layers, str):
-            layers = [layers]
-        if not isinstance(layers, (list, tuple)):
+    units = _sequential_children(model) if layers is None else _matched_units(model, layers)
+    _check_disjoint(units)
+    return units
+
+
+def _sequential_children(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The children of an ``nn.Sequential`` (what ``layers=None`` takes)."""
+    children = list(model.named_children())
+    if not isinstance(model, nn.Sequential):
+        hint = [f"{n}.*" if isinstance(m, (nn.ModuleList, nn.Sequential)) else n for n, m in children]
+        raise ValueError(
+            f"layers=None takes the children of an nn.Sequential, but model is a {type(model).__name__}; "
+            f"pass layers= a list of submodule names or glob patterns, e.g. layers={hint}"
+        )
+    if not children:
+        raise ValueError("layers=None found no children in this nn.Sequential; it has no layers to profile")
+    return children
+
+
+def _matched_units(model: nn.Module, layers: str | Sequence[str]) -> list[tuple[str, nn.Module]]:
+    """The submodules that ``layers`` (names or dotted glob patterns) name, each once, in the patterns' order."""
+    if isinstance(layers, str):
+        layers = [layers]
+    if not isinstance(layers, (list, tuple)):
+        raise TypeError(
+            f"layers must be None or a list of submodule names / glob patterns; got {type(layers).__name__} {layers!r}"
+        )
+    if not layers:
+        raise ValueError(
+            "layers=[] is invalid; give at least one submodule name or glob pattern, or None for an nn.Sequential"
+        )
+    modules = [(n, m) for n, m in model.named_modules() if n]
+    units: list[tuple[str, nn.Module]] = []
+    taken: set[int] = set()
+    for pattern in layers:
+        if not isinstance(pattern, str):
             raise TypeError(
-                f"layers must be None or a list of submodule names / glob patterns; got {type(layers).__name__} {layers!r}"
+                f"layers entries must be str names or glob patterns; got {type(pattern).__name__} {pattern!r}"
             )
-        if not layers:
+        matched = [(n, m) for n, m in modules if n == pattern or _match(pattern, n)]
+        if not matched:
+            depth = pattern.count(".") + 1
+            at_depth = [n for n, _ in modules if n.count(".") + 1 == depth] or [n for n, _ in modules]
             raise ValueError(
-                "layers=[] is invalid; give at least one submodule name or glob pattern, or None for an nn.Sequential"
+                f"layers pattern {pattern!r} matches no submodule of the {type(model).__name__}; "
+                f"available names: {_listing(at_depth)}"
             )
-        modules = [(n, m) for n, m in model.named_modules() if n]
-        units, taken = [], set()
-        for pattern in layers:
-            if not isinstance(pattern, str):
-                raise TypeError(
-                    f"layers entries must be str names or glob patterns; got {type(pattern).__name__} {pattern!r}"
-                )
-            matched = [(n, m) for n, m in modules if n == pattern or _match(pattern, n)]
-            if not matched:
-                depth = pattern.count(".") + 1
-                at_depth = [n for n, _ in modules if n.count(".") + 1 == depth] or [n for n, _ in modules]
-                raise ValueError(
-                    f"layers pattern {pattern!r} matches no submodule of the {type(model).__name__}; available names: {_listing(at_depth)}"
-                )
-            for n, m in matched:
-                if id(m) not in taken:
-                    taken.add(id(m))
-                    units.append((n, m))
+        for n, m in matched:
+            if id(m) not in taken:
+                taken.add(id(m))
+                units.append((n, m))
+    return units
+
+
+def _check_disjoint(units: list[tuple[str, nn.Module]]) -> None:
+    """Refuse units that contain each other: a layer is timed once."""
     for i, (name_a, a) in enumerate(units):
         inside_a = {id(m) for m in a.modules()}
         for name_b, b in units[i + 1 :]:
@@ -100,12 +118,11 @@ def select_units(model: nn.Module, layers) -> list[tuple[str, nn.Module]]:
                 raise ValueError(
                     f"layers overlap: {inner!r} is inside {outer!r}; choose units that do not contain each other"
                 )
-    return units
 
 
 # -- state ---------------------------------------------------------------------------------
 @contextmanager
-def preserved_state(model: nn.Module, device: torch.device):
+def preserved_state(model: nn.Module, device: torch.device) -> Iterator[None]:
     """Restore ``model`` on exit exactly as it was: training flags, gradients, buffers, RNG.
 
     Parameters are not changed by a forward and backward; gradients are restored as the
@@ -135,7 +152,7 @@ def preserved_state(model: nn.Module, device: torch.device):
                     b.copy_(saved)
 
 
-def move_to_device(obj, device):
+def move_to_device(obj: Any, device: torch.device) -> Any:
     """``obj`` with its tensors (also inside tuples, lists and dicts) moved to ``device``."""
     if isinstance(obj, torch.Tensor):
         return obj.to(device)

@@ -266,7 +266,8 @@ def test_display():
 
 
 def test_bottleneck_shortcut_for_prefix_sums_matches_the_range_maximum():
-    """Without transfers the window maximum is read off the last reachable start; it must equal the sparse-table answer."""
+    """Without transfers the window maximum is read off the last reachable start; it must equal the sparse-table
+    answer."""
     from pipeswift_lab.partitioning.bottleneck import MinMaxSplit
 
     rng = np.random.default_rng(3)
