@@ -53,9 +53,6 @@ __all__ = ["METHODS", "OPTIMIZER_STATES", "Partition", "memory_cap", "no_fit_hea
 #: Split methods of :func:`partition`.
 METHODS: tuple[str, ...] = ("uniform", "params", "balanced")
 
-# the per-layer table under its former name, which simulation.sweeps imports from here
-_Layers = Layers
-
 
 def partition(
     profile: Any,

@@ -18,7 +18,7 @@ import pandas as pd
 from ..core.checks import check_int, nonnegative_column
 from ..core.link import Link
 from .bottleneck import MinMaxSplit
-from .memory import MEM_RTOL, Layout, memory_windows, rank_totals, resolve_placement
+from .memory import Layout, memory_windows, rank_totals, resolve_placement
 
 # rank_totals and resolve_placement live in .memory; they are re-exported for the modules that import them from here
 __all__ = [
@@ -187,26 +187,3 @@ def split(layers: Layers, layout: Layout, method: str, link: Link | None, limit:
 
 
 # -- the names the planner's search and the sweep import (planning.search, simulation.sweeps) -----------------------
-_Layers = Layers
-_MEM_RTOL = MEM_RTOL
-
-
-def _split(
-    layers: Layers,
-    P: int,
-    v: int,
-    schedule: str | None,
-    mem_schedule: str,
-    method: str,
-    link: Link | None,
-    m: int,
-    optimizer: str,
-    limit: float | None,
-    precision: str | None = None,
-    D: int = 1,
-) -> Bounds:
-    """:func:`split` with the layout given as positional arguments (as ``planning.search`` calls it)."""
-    layout = Layout(
-        P=P, v=v, schedule=schedule, mem_schedule=mem_schedule, m=m, optimizer=optimizer, precision=precision, D=D
-    )
-    return split(layers, layout, method, link, limit)

@@ -23,7 +23,8 @@ from ..core.precision import state_bytes
 from ..core.vocabulary import stage_to_rank
 from ..partitioning.balance import Partition, no_fit_head
 from ..partitioning.bottleneck import Infeasible
-from ..partitioning.layers import _MEM_RTOL, _Layers, _split, rank_totals
+from ..partitioning.layers import Layers, rank_totals, split
+from ..partitioning.memory import MEM_RTOL, Layout
 from ..simulation.calibration import SimulatorCalibration
 from ..simulation.simulator import simulate_step_ms
 
@@ -122,16 +123,16 @@ class Evaluator:
         self.calibration = calibration  # fixed per-action costs do not scale with b: no sharing across sizes
         self.shared = costs.proportional and link is None and calibration is None
         self._sims: dict[tuple, tuple[float, float]] = {}
-        self._layers: dict[int, _Layers] = {}
+        self._layers: dict[int, Layers] = {}
         self._bounds: dict[tuple, Bounds] = {}
         self._capped: dict[tuple, Bounds | None] = {}
         self._stages: dict[tuple, _StageSums] = {}
         self._inflight: dict[tuple, tuple[tuple[int, ...], list[float]]] = {}
 
-    def layers(self, b: int) -> _Layers:
+    def layers(self, b: int) -> Layers:
         """The per-layer arrays at micro-batch size ``b`` (cached)."""
         if b not in self._layers:
-            self._layers[b] = _Layers(self.costs.table(b))
+            self._layers[b] = Layers(self.costs.table(b))
         return self._layers[b]
 
     def split(self, P: int, m: int, b: int, schedule: str, v: int, D: int = 1) -> Split:
@@ -178,7 +179,7 @@ class Evaluator:
             build=(self.layers(base), bounds, v, schedule, m, D),
         )
 
-    def partition(self, layers: _Layers, bounds: Bounds, v: int, schedule: str, m: int, D: int) -> Partition:
+    def partition(self, layers: Layers, bounds: Bounds, v: int, schedule: str, m: int, D: int) -> Partition:
         """The :class:`~pipeswift_lab.Partition` of a split (built when it is simulated)."""
         return Partition.from_bounds(
             layers,
@@ -223,7 +224,8 @@ class Evaluator:
         key = (P, v, schedule, b)
         if key not in self._bounds:
             layers = self.layers(b)
-            self._bounds[key] = _split(layers, P, v, schedule, schedule, "balanced", self.link, m, self.optimizer, None)
+            layout = Layout(P=P, v=v, schedule=schedule, mem_schedule=schedule, m=m, optimizer=self.optimizer)
+            self._bounds[key] = split(layers, layout, "balanced", self.link, None)
         return self._bounds[key]
 
     def _stage_sums(self, b: int, bounds: Bounds, D: int) -> _StageSums:
@@ -270,13 +272,21 @@ class Evaluator:
         if key not in self._capped:
             layers = self.layers(b)
             try:
-                bounds = _split(
-                    layers, P, v, schedule, schedule, "balanced", self.link, m, self.optimizer, limit, self.precision, D
+                layout = Layout(
+                    P=P,
+                    v=v,
+                    schedule=schedule,
+                    mem_schedule=schedule,
+                    m=m,
+                    optimizer=self.optimizer,
+                    precision=self.precision,
+                    D=D,
                 )
+                bounds = split(layers, layout, "balanced", self.link, limit)
                 placement, inflight = self._placement(P, m, schedule, v)
                 stages = self._stage_sums(b, bounds, D)
                 need = _rank_memory(stages, placement, [inflight[r] for r in placement], P, 1.0)
-                self._capped[key] = bounds if max(need) <= limit * (1 + _MEM_RTOL) else None
+                self._capped[key] = bounds if max(need) <= limit * (1 + MEM_RTOL) else None
             except Infeasible:
                 self._capped[key] = None
         capped = self._capped[key]
@@ -329,7 +339,7 @@ class Split:
     """``m`` times the busiest rank's compute: no pipeline step is shorter."""
     evaluator: Evaluator = field(repr=False, compare=False)
     """The evaluator that builds the :class:`~pipeswift_lab.Partition` on first use."""
-    build: tuple[_Layers, Bounds, int, str, int, int] = field(repr=False, compare=False)
+    build: tuple[Layers, Bounds, int, str, int, int] = field(repr=False, compare=False)
     """The arguments of :meth:`Evaluator.partition`."""
 
     @cached_property

@@ -22,8 +22,8 @@ from ..core.checks import check_choice, check_int
 from ..core.display import html_card, text_card
 from ..core.link import Link, check_link
 from ..core.vocabulary import SINGLE_CHUNK_SCHEDULES, canonical_schedule, default_v, stage_to_rank, validate
-from ..partitioning.balance import METHODS, Partition, _Layers, memory_cap, partition
-from ..partitioning.layers import rank_totals
+from ..partitioning.balance import METHODS, Partition, memory_cap, partition
+from ..partitioning.layers import Layers, rank_totals
 from .calibration import SimulatorCalibration, check_calibration, whole_step_ms
 from .reconciliation import reconcile
 from .simulator import simulate
@@ -176,7 +176,7 @@ def explore(
 class _Grid:
     """:func:`sweep`'s arguments, checked: the axes of the grid and what every configuration shares."""
 
-    layers: _Layers
+    layers: Layers
     """The profile's per-layer table, read once."""
     Ps: list[int]
     """Ranks to try."""
@@ -289,7 +289,7 @@ def _check_grid(
 ) -> _Grid:
     """Every argument of :func:`sweep` checked once; the grid's axes as lists."""
     return _Grid(
-        layers=_Layers(profile),
+        layers=Layers(profile),
         Ps=[check_int("P", p, minimum=1) for p in _as_list("P", P, "int")],
         ms=[check_int("m", x, minimum=1) for x in _as_list("m", m, "int")],
         schedules=[canonical_schedule(s) for s in _as_list("schedules", schedules, "schedule name")],

@@ -212,7 +212,7 @@ def section_timeline(ctx: ReportContext) -> Section:
         title="Schedules simulated",
         intro_html=intro,
         figures=[fig],
-        tables={"schedules": pd.DataFrame(rows), "sweep": table},
+        tables={"schedules": pd.DataFrame(rows), "sweep": table.df},
         summary=summary,
     )
 
