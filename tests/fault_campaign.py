@@ -106,7 +106,8 @@ class RaiseAt:
 
 
 class TouchAt:
-    """Data that creates ``marker`` when a worker fetches ``step``, then takes a second: a signal sent then lands in that step."""
+    """Data that creates ``marker`` when a worker fetches ``step``, then takes a second: a signal sent then lands in
+    that step."""
 
     def __init__(self, step: int, marker: str):
         self.step, self.marker = step, marker
@@ -371,7 +372,8 @@ def _names_cause(kind: str, err: RunError) -> bool:
 
 
 def campaign(trials: int, seed: int = 0, progress: bool = True):
-    """``trials`` trials, kinds in turn (each kind ``trials / len(KINDS)`` times), faults drawn with ``seed``; returns the rows."""
+    """``trials`` trials, kinds in turn (each kind ``trials / len(KINDS)`` times), faults drawn with ``seed``; returns
+    the rows."""
     import pandas as pd
     from tqdm.auto import tqdm
 
@@ -383,7 +385,7 @@ def campaign(trials: int, seed: int = 0, progress: bool = True):
         with tempfile.TemporaryDirectory() as workdir:
             try:
                 rows.append(trial(kind, rng, want, Path(workdir)))
-            except Exception as exc:  # noqa: BLE001 - a trial that breaks the harness is a failed trial, not the end of the campaign
+            except Exception as exc:  # a trial that breaks the harness is a failed trial, not the end of the campaign
                 rows.append(
                     {
                         "kind": kind,

@@ -105,7 +105,8 @@ def _free_port() -> int:
 
 
 def two_node_launch(spec_path: Path, nproc: int = 2) -> dict:
-    """Two ``torchrun`` agents (static rendezvous on loopback), ``nproc`` ranks each; returns ``{"ok", "abort", "error"}``."""
+    """Two ``torchrun`` agents (static rendezvous on loopback), ``nproc`` ranks each; returns ``{"ok", "abort",
+    "error"}``."""
     launcher = (
         [shutil.which("torchrun")] if shutil.which("torchrun") else [sys.executable, "-m", "torch.distributed.run"]
     )

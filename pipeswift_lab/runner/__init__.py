@@ -8,14 +8,27 @@
 * :func:`run_arguments` — a planned configuration (``plan.config(row)``, ``D > 1`` included) as ``run()`` arguments;
 * :func:`signal_at` — rehearse a preemption or a crash: a real signal to a worker at a chosen step;
   :func:`write_fault` — a checkpoint writer failing as a full or read-only disk does.
+
+Reads a model and a Partition, returns a :class:`RunResult`::
+
+    result = run(model, (x, y), loss_fn, partition, m=4, steps=20)
+    result.steady_step_ms, result.jct, result.timeline
+
+Modules: :mod:`.job` (``run``: options -> preflight -> segments -> result), :mod:`.options` (the run's
+keyword-only option records), :mod:`.preflight` (the job checked before launch), :mod:`.spec` (the run as data),
+:mod:`.sources` (where each step's batch comes from), :mod:`.devices`, :mod:`.segments`, :mod:`.rebalance`,
+:mod:`.launcher` (one segment's workers), :mod:`.processes` (finding and stopping them), :mod:`.loopback`,
+:mod:`.assembly` (the run directory -> ``RunResult``), :mod:`.result`, :mod:`.errors`, :mod:`.faults`,
+:mod:`.checkpoint`, :mod:`.planned`; :mod:`.stages` (how a model is cut), :mod:`.rank` (what one process runs).
 """
 
+from .assembly import load_result
 from .checkpoint import Checkpoint, CheckpointError, latest_checkpoint, load_checkpoint
 from .errors import RunError
 from .faults import signal_at, write_fault
 from .job import run
 from .planned import global_batch_of, run_arguments
-from .result import RunResult, load_result
+from .result import RunResult
 from .spec import DEFAULT_LR, RunSpec, default_optimizer, load_spec, make_spec
 
 __all__ = [

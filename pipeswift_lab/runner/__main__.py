@@ -12,10 +12,11 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
+from collections.abc import Sequence
 from pathlib import Path
 
 
-def main(argv=None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     """Parse the command line and run this process's rank; returns the exit status."""
     parser = argparse.ArgumentParser(prog="python -m pipeswift_lab.runner", description=__doc__.splitlines()[0])
     parser.add_argument("spec", help="spec file written by pipeswift_lab.run(..., save_spec=PATH)")
@@ -35,7 +36,7 @@ def main(argv=None) -> int:
 
     record(worker.main)(spec_path, out, progress=args.progress, caller_pid=args.caller_pid)
     if not args.from_run and int(os.environ.get("RANK", "0")) == 0:
-        from .result import load_result
+        from .assembly import load_result
 
         if spec_path.resolve() != (out / "spec.pkl").resolve():
             shutil.copyfile(spec_path, out / "spec.pkl")

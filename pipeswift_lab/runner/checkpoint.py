@@ -34,8 +34,14 @@ import warnings
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import pandas as pd
+
+if TYPE_CHECKING:
+    import torch
+    from torch.distributed import ProcessGroup
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
 
 from ..core.display import html_card, text_card
 
@@ -90,7 +96,7 @@ class Checkpoint:
     """
 
     path: Path
-    manifest: dict = field(compare=False)
+    manifest: dict[str, Any] = field(compare=False)
 
     @property
     def step(self) -> int:
@@ -124,7 +130,7 @@ class Checkpoint:
             if k.startswith(prefix) and isinstance(m, TensorStorageMetadata)
         }
 
-    def state_dict(self) -> OrderedDict[str, object]:
+    def state_dict(self) -> OrderedDict[str, torch.Tensor]:
         """The full model's state (CPU tensors), keyed and ordered like the saved model's ``state_dict()``."""
         import torch
         import torch.distributed.checkpoint as dcp
@@ -142,7 +148,7 @@ class Checkpoint:
         order = self.manifest.get("state_keys") or list(model)
         return OrderedDict((k, model[k]) for k in order if k in model)
 
-    def load_into(self, model):
+    def load_into(self, model: torch.nn.Module) -> torch.nn.Module:
         """Copy the checkpoint's model state into ``model`` (strict) and return it.
 
         Raises :class:`CheckpointError` listing the names and shapes that differ when ``model``
@@ -152,7 +158,7 @@ class Checkpoint:
         model.load_state_dict(self.state_dict())
         return model
 
-    def _summary(self) -> dict:
+    def _summary(self) -> dict[str, Any]:
         m = self.manifest
         return {
             "step": self.step,
@@ -177,7 +183,7 @@ class Checkpoint:
     __repr__ = __str__
 
 
-def _read_manifest(path: Path) -> dict:
+def _read_manifest(path: Path) -> dict[str, Any]:
     manifest_path = path / MANIFEST
     if not manifest_path.is_file():
         raise CheckpointError(f"{str(path)!r} has no {MANIFEST}: it is not a complete pipeswift_lab checkpoint")
@@ -198,7 +204,7 @@ def _read_manifest(path: Path) -> dict:
     return manifest
 
 
-def verify(path) -> Checkpoint:
+def verify(path: str | os.PathLike[str]) -> Checkpoint:
     """Read ``path``'s manifest and check every file against its size and SHA-256.
 
     Returns the :class:`Checkpoint`; raises :class:`CheckpointError` naming the first file
@@ -232,7 +238,7 @@ def _run_id_of(path: Path) -> str | None:
         return None
 
 
-def latest_checkpoint(root, *, run_id: str | None = None) -> Checkpoint | None:
+def latest_checkpoint(root: str | os.PathLike[str], *, run_id: str | None = None) -> Checkpoint | None:
     """The newest complete, intact checkpoint under ``root`` (a checkpoint root), or ``None``.
 
     Directories without a manifest (never committed) are passed over; one whose files do not
@@ -253,12 +259,12 @@ def latest_checkpoint(root, *, run_id: str | None = None) -> Checkpoint | None:
     return None
 
 
-def complete_checkpoints(root) -> list[Path]:
+def complete_checkpoints(root: str | os.PathLike[str]) -> list[Path]:
     """The ``step-*`` directories under ``root`` that hold a manifest, newest first (not verified)."""
     return [p for p in _step_dirs(Path(root)) if (p / MANIFEST).is_file()]
 
 
-def load_checkpoint(path) -> Checkpoint:
+def load_checkpoint(path: str | os.PathLike[str]) -> Checkpoint:
     """The checkpoint at ``path``: a ``step-*`` directory, or a checkpoint root (its newest complete checkpoint).
 
     Raises :class:`CheckpointError` (a ``ValueError``) when ``path`` does not exist, holds no
@@ -282,8 +288,9 @@ def load_checkpoint(path) -> Checkpoint:
     return found
 
 
-def check_same_model(checkpoint: Checkpoint, model) -> None:
-    """Raise :class:`CheckpointError` listing the state names and shapes in which ``model`` and ``checkpoint`` differ."""
+def check_same_model(checkpoint: Checkpoint, model: torch.nn.Module) -> None:
+    """Raise :class:`CheckpointError` listing the state names and shapes in which ``model`` and ``checkpoint``
+    differ."""
     saved = checkpoint.tensor_shapes()
     own = {k: tuple(t.shape) for k, t in model.state_dict().items() if hasattr(t, "shape")}
     missing = sorted(set(own) - set(saved))
@@ -307,13 +314,13 @@ def check_same_model(checkpoint: Checkpoint, model) -> None:
 # --- the worker side: every rank saves and loads its own layers -------------------------------------------------
 
 
-def _state_options():
+def _state_options() -> StateDictOptions:
     from torch.distributed.checkpoint.state_dict import StateDictOptions
 
     return StateDictOptions(flatten_optimizer_state_dict=True)
 
 
-def rng_states(device) -> dict:
+def rng_states(device: torch.device | str) -> dict[str, torch.Tensor]:
     """This rank's RNG states as tensors: the CPU generator, and the CUDA one on a GPU rank."""
     import torch
 
@@ -324,11 +331,19 @@ def rng_states(device) -> dict:
 
 
 def save_rank_state(
-    tmp_dir: Path, rank: int, module, optimizer, device, group, step: int | None = None, fault: dict | None = None
-) -> dict:
+    tmp_dir: Path,
+    rank: int,
+    module: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    device: torch.device,
+    group: ProcessGroup | None,
+    step: int | None = None,
+    fault: dict[str, Any] | None = None,
+) -> dict[str, Any]:
     """Write this rank's layers, optimizer state and RNG states into ``tmp_dir`` with DCP (a collective).
 
-    ``fault`` is a :func:`~pipeswift_lab.runner.faults.write_fault` the run carries, matched against ``step`` (steps done).
+    ``fault`` is a :func:`~pipeswift_lab.runner.faults.write_fault` the run carries, matched against ``step`` (steps
+    done).
 
     Returns ``{"files": {name: {"bytes", "sha256"}}, "save_ms"}`` for this rank's own files,
     hashed right after DCP wrote (and fsynced) them.
@@ -353,7 +368,15 @@ def save_rank_state(
     return {"files": files, "save_ms": save_ms, "state_bytes": state_bytes(state)}
 
 
-def restore_rank_state(path: Path, rank: int, module, optimizer, device, group, restore_rng: bool) -> dict:
+def restore_rank_state(
+    path: Path,
+    rank: int,
+    module: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    device: torch.device,
+    group: ProcessGroup | None,
+    restore_rng: bool,
+) -> dict[str, Any]:
     """Load this rank's layers and optimizer state (by name) from the checkpoint at ``path`` (a collective).
 
     With ``restore_rng`` (same partition as the saver) the rank's RNG states are restored too.
@@ -365,15 +388,14 @@ def restore_rank_state(path: Path, rank: int, module, optimizer, device, group, 
 
     t0 = time.perf_counter()
     model_sd, optim_sd = get_state_dict(module, optimizer, options=_state_options())
-    state = {MODEL: model_sd, OPTIM: optim_sd}
+    rng = {f"rank{rank}": {k: torch.empty_like(v) for k, v in rng_states(device).items()}} if restore_rng else {}
+    state: dict[str, Any] = {MODEL: model_sd, OPTIM: optim_sd}
     if restore_rng:
-        state[RNG] = {f"rank{rank}": {k: torch.empty_like(v) for k, v in rng_states(device).items()}}
+        state[RNG] = rng
     dcp.load(state, storage_reader=dcp.FileSystemReader(str(path)), process_group=group)
-    set_state_dict(
-        module, optimizer, model_state_dict=state[MODEL], optim_state_dict=state[OPTIM], options=_state_options()
-    )
+    set_state_dict(module, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd, options=_state_options())
     if restore_rng:
-        saved = state[RNG][f"rank{rank}"]
+        saved = rng[f"rank{rank}"]
         torch.set_rng_state(saved["cpu"])
         if "cuda" in saved:  # pragma: no cover - needs GPUs
             torch.cuda.set_rng_state(saved["cuda"], device)
@@ -381,7 +403,7 @@ def restore_rank_state(path: Path, rank: int, module, optimizer, device, group, 
     return {"restore_ms": (time.perf_counter() - t0) * 1e3, "bytes": state_bytes(state)}
 
 
-def state_bytes(obj) -> int:
+def state_bytes(obj: object) -> int:
     """Bytes of the tensors in a (nested) state dict: what a rank's parameters and optimizer state weigh."""
     import torch
 
@@ -397,7 +419,7 @@ def new_tmp_dir(root: Path, step: int) -> Path:
     return Path(root) / f"{_TMP_PREFIX}{int(step):08d}-{uuid.uuid4().hex[:8]}"
 
 
-def commit(tmp_dir: Path, manifest: dict, rank_files: list[dict], keep: int) -> Path:
+def commit(tmp_dir: Path, manifest: dict[str, Any], rank_files: list[dict[str, Any]], keep: int) -> Path:
     """Make the save in ``tmp_dir`` a checkpoint: manifest last, fsync, rename, retention.
 
     ``rank_files`` are every rank's :func:`save_rank_state` results. Writes ``manifest.json``
@@ -441,7 +463,8 @@ def _discard(path: Path) -> None:
 
 
 def _retain(root: Path, keep: int, run_id: str | None) -> None:
-    """Keep the ``keep`` newest checkpoints of this run (``run_id``); remove its older ones and stale ``.tmp-`` directories."""
+    """Keep the ``keep`` newest checkpoints of this run (``run_id``); remove its older ones and stale ``.tmp-``
+    directories."""
     own = [p for p in complete_checkpoints(root) if _run_id_of(p) == run_id]
     for old in own[keep:]:
         _discard(old)

@@ -13,7 +13,9 @@ import glob
 import os
 import re
 import signal
+from collections.abc import Iterable, Mapping
 from pathlib import Path
+from typing import Any
 
 #: Substrings of a traceback's last line that mark a rank failing *because a peer failed*.
 _PEER_ERRORS = (
@@ -48,7 +50,17 @@ class RunError(RuntimeError):
     steps included), ``None`` when it failed before its first step.
     """
 
-    def __init__(self, message, reason, rank=None, traceback="", stacks=None, exitcodes=None, pids=(), step=None):
+    def __init__(
+        self,
+        message: str,
+        reason: str,
+        rank: int | None = None,
+        traceback: str = "",
+        stacks: Mapping[int, str] | None = None,
+        exitcodes: Mapping[int, int | None] | None = None,
+        pids: Iterable[int] = (),
+        step: int | None = None,
+    ) -> None:
         super().__init__(message)
         self.reason = reason
         self.rank = rank
@@ -57,6 +69,7 @@ class RunError(RuntimeError):
         self.stacks = dict(stacks or {})
         self.exitcodes = dict(exitcodes or {})
         self.pids = tuple(pids)
+        self.result: Any = None  # the RunResult so far, when one was assembled (a non-finite loss)
 
 
 def is_peer_error(summary: str) -> bool:
@@ -128,7 +141,7 @@ def _waiting(stack: str) -> bool:
     return False
 
 
-def _raised(r, errors, exitcodes, pids) -> RunError:
+def _raised(r: int, errors: dict[int, str], exitcodes: dict[int, int | None], pids: Iterable[int]) -> RunError:
     others = sorted(set(errors) - {r})
     note = f"\n(ranks {others} failed after it)" if others else ""
     return RunError(
@@ -166,33 +179,65 @@ def failed_step(run_dir: Path) -> int | None:
         return None
 
 
-def diagnose(run_dir: Path, P: int, timeout_s: float, timed_out: bool, agent_error, pids) -> RunError:
-    """Build the :class:`RunError` that explains a failed run from the files in ``run_dir`` (with the step it was in)."""
+def diagnose(
+    run_dir: Path,
+    P: int,
+    timeout_s: float,
+    timed_out: bool,
+    agent_error: BaseException | None,
+    pids: Iterable[int],
+) -> RunError:
+    """Build the :class:`RunError` that explains a failed run from the files in ``run_dir`` (with the step it was
+    in)."""
     error = _diagnose(Path(run_dir), P, timeout_s, timed_out, agent_error, pids)
     error.step = failed_step(run_dir)
     return error
 
 
-def _diagnose(run_dir: Path, P: int, timeout_s: float, timed_out: bool, agent_error, pids) -> RunError:
+def _diagnose(
+    run_dir: Path,
+    P: int,
+    timeout_s: float,
+    timed_out: bool,
+    agent_error: BaseException | None,
+    pids: Iterable[int],
+) -> RunError:
+    """The failure first: a rank that raised something of its own, one that died, one that raised at all; else
+    the hang, else the launch."""
     errors = {r: _read(run_dir / f"rank{r}.error") for r in range(P) if (run_dir / f"rank{r}.error").exists()}
     started = {r for r in range(P) if (run_dir / f"rank{r}.pid").exists()}
-    exitcodes = {}
     failures = getattr(agent_error, "failures", None) or {}
-    for rank, failure in failures.items():
-        exitcodes[int(rank)] = getattr(failure, "exitcode", None)
+    exitcodes: dict[int, int | None] = {int(r): getattr(f, "exitcode", None) for r, f in failures.items()}
+    if timed_out:
+        return _hung(run_dir, P, timeout_s, started, exitcodes, pids)
+    died = _died_ranks(run_dir, P, started, errors, exitcodes)
+    killed = [r for r in died if (exitcodes.get(r) or 0) < 0]
 
-    # The agent stops the survivors of a failure with SIGTERM (then SIGKILL): a worker notes every
-    # SIGTERM in rank{r}.sigterm, so a rank that ended by a signal *without* that note was killed from
-    # outside (the OOM killer, kill -9) or crashed: it failed first, whatever its peers raised after.
-    told_to_stop = {r for r in range(P) if (run_dir / f"rank{r}.sigterm").exists()}
-
-    def peer(r):
-        return is_peer_error(exception_summary(errors[r]))
-
-    def mtime(r):
+    def mtime(r: int) -> float:
         return os.path.getmtime(run_dir / f"rank{r}.error")
 
-    # a rank that ended without a traceback, and not because the launcher stopped it: it died
+    own_errors = sorted((r for r in errors if not is_peer_error(exception_summary(errors[r]))), key=mtime)
+    if own_errors and not killed:
+        return _raised(own_errors[0], errors, exitcodes, pids)
+    if died and (errors or exitcodes):
+        first = (killed + [r for r in died if r not in killed])[0]
+        return _died(run_dir, first, errors, exitcodes, pids)
+    if errors:
+        return _raised(sorted(errors, key=mtime)[0], errors, exitcodes, pids)
+    return _launch_failed(run_dir, P, started, agent_error, exitcodes, pids)
+
+
+def _died_ranks(
+    run_dir: Path, P: int, started: set[int], errors: dict[int, str], exitcodes: dict[int, int | None]
+) -> list[int]:
+    """Ranks that ended without a traceback, and not because the launcher stopped them: those with an exit code
+    first.
+
+    The agent stops the survivors of a failure with SIGTERM (then SIGKILL): a worker notes every
+    SIGTERM in rank{r}.sigterm, so a rank that ended by a signal *without* that note was killed from
+    outside (the OOM killer, kill -9) or crashed: it failed first, whatever its peers raised after.
+    """
+    told_to_stop = {r for r in range(P) if (run_dir / f"rank{r}.sigterm").exists()}
     silent = [
         r
         for r in sorted(started)
@@ -201,66 +246,79 @@ def _diagnose(run_dir: Path, P: int, timeout_s: float, timed_out: bool, agent_er
         and r not in told_to_stop
         and exitcodes.get(r) != 0
     ]
-    died = [r for r in silent if exitcodes.get(r) is not None] + [r for r in silent if exitcodes.get(r) is None]
-    killed = [r for r in died if (exitcodes.get(r) or 0) < 0]
+    return [r for r in silent if exitcodes.get(r) is not None] + [r for r in silent if exitcodes.get(r) is None]
 
-    own_errors = sorted((r for r in errors if not peer(r)), key=mtime)
-    if own_errors and not timed_out and not killed:
-        return _raised(own_errors[0], errors, exitcodes, pids)
-    if killed and not timed_out:
-        died = killed + [r for r in died if r not in killed]
-    if died and not timed_out and (errors or exitcodes):
-        r = died[0]
-        code = exitcodes.get(r)
-        if code is None:
-            how = "ended (its exit code was not reported: a peer's failure was seen first)"
-        elif code < 0 and -code in signal.Signals._value2member_map_:
-            how = f"was killed by signal {signal.Signals(-code).name}"
-        else:
-            how = f"exited with code {code}"
-        tail = stderr_tail(run_dir, r)
-        peers = sorted(errors)
-        note = f"\n(ranks {peers} then failed because they lost their peer)" if peers else ""
-        return RunError(
-            f"rank {r} died: it {how} without a Python traceback (os._exit, a signal or a crash in native code).{note}"
-            + (f"\nLast lines of its stderr:\n{tail}" if tail else ""),
-            reason="died",
-            rank=r,
-            traceback=tail,
-            exitcodes=exitcodes,
-            pids=pids,
+
+def _died(
+    run_dir: Path, r: int, errors: dict[int, str], exitcodes: dict[int, int | None], pids: Iterable[int]
+) -> RunError:
+    """The :class:`RunError` of rank ``r``, which died without a traceback (its exit, and its stderr's tail)."""
+    code = exitcodes.get(r)
+    if code is None:
+        how = "ended (its exit code was not reported: a peer's failure was seen first)"
+    elif code < 0 and -code in signal.Signals._value2member_map_:
+        how = f"was killed by signal {signal.Signals(-code).name}"
+    else:
+        how = f"exited with code {code}"
+    tail = stderr_tail(run_dir, r)
+    peers = sorted(errors)
+    note = f"\n(ranks {peers} then failed because they lost their peer)" if peers else ""
+    return RunError(
+        f"rank {r} died: it {how} without a Python traceback (os._exit, a signal or a crash in native code).{note}"
+        + (f"\nLast lines of its stderr:\n{tail}" if tail else ""),
+        reason="died",
+        rank=r,
+        traceback=tail,
+        exitcodes=exitcodes,
+        pids=pids,
+    )
+
+
+def _hung(
+    run_dir: Path,
+    P: int,
+    timeout_s: float,
+    started: set[int],
+    exitcodes: dict[int, int | None],
+    pids: Iterable[int],
+) -> RunError:
+    """The :class:`RunError` of a run past its timeout: every rank's stack, naming the one rank that hung in its own
+    work when there is one."""
+    stacks = {r: _read(run_dir / f"rank{r}.stacks") for r in sorted(started)}
+    not_started = sorted(set(range(P)) - started)
+    busy = [r for r, s in stacks.items() if s.strip() and not _waiting(s)]
+    lines = [f"the run did not finish within timeout_s={timeout_s:g} s; its workers were stopped."]
+    if not_started:
+        lines.append(f"ranks {not_started} had not started the runner yet (start-up is slower than the timeout?)")
+    rank = busy[0] if len(busy) == 1 else None
+    if busy:
+        lines.append(
+            f"rank{'s' if len(busy) > 1 else ''} {', '.join(map(str, busy))} hung in "
+            f"{'their' if len(busy) > 1 else 'its'} own work; the others were waiting for a peer."
         )
+    for r, s in stacks.items():
+        waiting = " (waiting for a peer)" if r not in busy and s.strip() else ""
+        lines.append(f"\nStack of rank {r}{waiting}:\n{s.strip() or '(no stack dump)'}")
+    return RunError(
+        "\n".join(lines),
+        reason="hung",
+        rank=rank,
+        traceback=stacks.get(rank, "") if rank is not None else "",
+        stacks=stacks,
+        exitcodes=exitcodes,
+        pids=pids,
+    )
 
-    if errors and not timed_out:
-        return _raised(sorted(errors, key=mtime)[0], errors, exitcodes, pids)
 
-    if timed_out:
-        stacks = {r: _read(run_dir / f"rank{r}.stacks") for r in sorted(started)}
-        not_started = sorted(set(range(P)) - started)
-        busy = [r for r, s in stacks.items() if s.strip() and not _waiting(s)]
-        lines = [f"the run did not finish within timeout_s={timeout_s:g} s; its workers were stopped."]
-        if not_started:
-            lines.append(f"ranks {not_started} had not started the runner yet (start-up is slower than the timeout?)")
-        rank = busy[0] if len(busy) == 1 else None
-        if busy:
-            lines.append(
-                f"rank{'s' if len(busy) > 1 else ''} {', '.join(map(str, busy))} hung in "
-                f"{'their' if len(busy) > 1 else 'its'} own work; the others were waiting for a peer."
-            )
-        for r, s in stacks.items():
-            lines.append(
-                f"\nStack of rank {r}{' (waiting for a peer)' if r not in busy and s.strip() else ''}:\n{s.strip() or '(no stack dump)'}"
-            )
-        return RunError(
-            "\n".join(lines),
-            reason="hung",
-            rank=rank,
-            traceback=stacks.get(rank, "") if rank is not None else "",
-            stacks=stacks,
-            exitcodes=exitcodes,
-            pids=pids,
-        )
-
+def _launch_failed(
+    run_dir: Path,
+    P: int,
+    started: set[int],
+    agent_error: BaseException | None,
+    exitcodes: dict[int, int | None],
+    pids: Iterable[int],
+) -> RunError:
+    """The :class:`RunError` of a launch that failed before any rank could report: ranks that never started first."""
     tails = "\n".join(f"\nstderr of rank {r}:\n{stderr_tail(run_dir, r)}" for r in range(P) if stderr_tail(run_dir, r))
     detail = f"{type(agent_error).__name__}: {agent_error}" if agent_error is not None else "no result was written"
     never = sorted(set(range(P)) - started)

@@ -18,11 +18,14 @@ from __future__ import annotations
 import errno as _errno
 import os
 import signal as _signal
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
-from ..core.checks import check_int
+import torch
+
+from ..core.checks import check_choice, check_int
 
 
 @dataclass(frozen=True)
@@ -34,7 +37,7 @@ class SignalAt:
     rank: int
     sig: int
 
-    def __call__(self, step: int):
+    def __call__(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
         if (
             step == self.step
             and os.environ.get("RANK") == str(self.rank)
@@ -43,14 +46,12 @@ class SignalAt:
             os.kill(os.getpid(), self.sig)
         if callable(self.data):
             return self.data(step)
-        import torch
-
         if len(self.data) == 2 and all(isinstance(t, torch.Tensor) for t in self.data):
             return tuple(self.data)
         return self.data[step]
 
 
-def signal_at(data, step: int, rank: int = 0, sig="SIGTERM") -> SignalAt:
+def signal_at(data: Any, step: int, rank: int = 0, sig: str | int = "SIGTERM") -> SignalAt:
     """``data`` (a batch, a ``callable(step)`` or a list of batches) whose worker ``rank`` gets ``sig`` at ``step``.
 
     ``sig`` is a name (``"SIGTERM"``, ``"SIGKILL"``) or a ``signal.Signals``. Returns a callable
@@ -60,9 +61,7 @@ def signal_at(data, step: int, rank: int = 0, sig="SIGTERM") -> SignalAt:
     step = check_int("step", step, minimum=0)
     rank = check_int("rank", rank, minimum=0)
     if isinstance(sig, str):
-        if sig not in _signal.Signals.__members__:
-            raise ValueError(f"sig={sig!r} is not a signal name; use e.g. 'SIGTERM' or 'SIGKILL'")
-        sig = _signal.Signals[sig]
+        sig = _signal.Signals[check_choice("sig", sig, _signal.Signals.__members__)]
     if not isinstance(sig, int):
         raise TypeError(f"sig must be a signal name or signal.Signals; got {type(sig).__name__}")
     if not (callable(data) or isinstance(data, (tuple, list))):
@@ -72,18 +71,18 @@ def signal_at(data, step: int, rank: int = 0, sig="SIGTERM") -> SignalAt:
     return SignalAt(data, step, rank, int(sig))
 
 
-_WRITE_FAULT: dict | None = None
+_WRITE_FAULT: dict[str, Any] | None = None
+#: The errors :func:`write_fault` can stage: a full disk, a read-only one, no permission.
 WRITE_ERRORS = ("ENOSPC", "EROFS", "EACCES")
 
 
 @contextmanager
-def write_fault(step: int, rank: int = 0, error: str = "ENOSPC"):
+def write_fault(step: int, rank: int = 0, error: str = "ENOSPC") -> Iterator[None]:
     """Within the block, runs' checkpoint writer on ``rank`` fails with ``error`` when saving after ``step`` steps."""
     global _WRITE_FAULT
     step = check_int("step", step, minimum=1)
     rank = check_int("rank", rank, minimum=0)
-    if error not in WRITE_ERRORS:
-        raise ValueError(f"error={error!r}: use one of {list(WRITE_ERRORS)}")
+    check_choice("error", error, WRITE_ERRORS)
     before, _WRITE_FAULT = _WRITE_FAULT, {"step": step, "rank": rank, "error": error}
     try:
         yield
@@ -91,12 +90,13 @@ def write_fault(step: int, rank: int = 0, error: str = "ENOSPC"):
         _WRITE_FAULT = before
 
 
-def active_write_fault() -> dict | None:
-    """The :func:`write_fault` in force in this process (``None`` outside one); a run's spec carries it to the workers."""
+def active_write_fault() -> dict[str, Any] | None:
+    """The :func:`write_fault` in force in this process (``None`` outside one); a run's spec carries it to the
+    workers."""
     return _WRITE_FAULT
 
 
-def raise_write_fault(fault: dict | None, step: int | None, rank: int, path) -> None:
+def raise_write_fault(fault: dict[str, Any] | None, step: int | None, rank: int, path: str | os.PathLike[str]) -> None:
     """Raise the ``OSError`` that ``fault`` asks for at this ``step`` and ``rank`` (nothing otherwise)."""
     if fault and fault["step"] == step and fault["rank"] == rank:
         code = getattr(_errno, fault["error"])

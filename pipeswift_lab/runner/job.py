@@ -8,229 +8,80 @@ calling process into a clean stop-and-save, and reads back from the run director
 attempt did (steps, checkpoints, restores) to measure the JCT terms a cluster adds: cleanup
 (the final save and teardown) and preemption loss (periodic save stalls, steps redone,
 recovery and restore time).
+
+``run`` reads as its steps: gather the options (:mod:`~pipeswift_lab.runner.options`), plan the job (every
+segment's spec built and checked), run the segments one launch each, and combine their results.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import shutil
 import signal
 import tempfile
 import threading
 import time
-import uuid
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
-import pandas as pd
+import torch
+from torch import nn
 
-from ..core.checks import check_int, check_time
-from . import checkpoint as ckpt
+from .assembly import build_result, read_history
 from .errors import RunError
-from .faults import active_write_fault
-from .launcher import Preemption, launch
-from .rank.train_loop import CHECKPOINTS_LOG, STEPS_LOG
-from .result import RunResult, build_result
-from .spec import ON_NONFINITE, JobOptions, make_data_source, make_spec
+from .launcher import Preemption, check_main_guard, launch
+from .options import CheckpointOptions, ElasticOptions, LaunchOptions, job_options
+from .preflight import JobPlan, OptimizerFactory, plan_job
+from .processes import alive
+from .result import RunResult
+from .segments import combine
+from .spec import RunSpec, make_spec
+
+if TYPE_CHECKING:
+    from ..partitioning.balance import Partition
+
+__all__ = ["run", "clean_stale_run_dirs", "read_history", "job_options"]
 
 _RUN_DIR_PREFIX = "pipeswift_run_"
 _OWNER_FILE = "owner.pid"
 
 
-def job_options(
-    model,
-    steps,
-    checkpoint_dir=None,
-    checkpoint_every=None,
-    keep=2,
-    resume_from=None,
-    max_restarts=0,
-    mtbf_s=None,
-    preempt_grace_s=30,
-    on_nonfinite="raise",
-):
-    """Check the job arguments of :func:`run`; return ``(JobOptions, resume Checkpoint or None, max_restarts)``.
-
-    Everything that can be known before launch raises ``TypeError``/``ValueError`` (a
-    :class:`~pipeswift_lab.runner.checkpoint.CheckpointError` for a checkpoint that cannot be
-    used) here, and nothing in ``checkpoint_dir`` is written or removed by a failed call.
-    """
-    if checkpoint_dir is not None:
-        if not isinstance(checkpoint_dir, (str, os.PathLike)):
-            raise TypeError(
-                f"checkpoint_dir must be a path (str or os.PathLike) or None; got {type(checkpoint_dir).__name__}"
-            )
-        if Path(checkpoint_dir).exists() and not Path(checkpoint_dir).is_dir():
-            raise ValueError(f"checkpoint_dir={str(checkpoint_dir)!r} exists and is not a directory")
-        checkpoint_dir = str(Path(checkpoint_dir).resolve())
-    if checkpoint_every is not None:
-        if checkpoint_every == "auto":
-            if mtbf_s is None:
-                raise ValueError(
-                    "checkpoint_every='auto' takes the Young/Daly interval sqrt(2*save_s*mtbf_s) and needs mtbf_s "
-                    "(the job's mean time between failures, in seconds)"
-                )
-        elif isinstance(checkpoint_every, str):
-            raise ValueError(
-                f"checkpoint_every={checkpoint_every!r} is not valid; use an int (every N steps), 'auto' or None"
-            )
-        else:
-            checkpoint_every = check_int("checkpoint_every", checkpoint_every, minimum=1)
-        if checkpoint_dir is None:
-            raise ValueError(
-                f"checkpoint_every={checkpoint_every!r} needs checkpoint_dir: where should the checkpoints go?"
-            )
-    keep = check_int("keep", keep, minimum=1)
-    max_restarts = check_int("max_restarts", max_restarts, minimum=0)
-    if max_restarts and checkpoint_dir is None:
-        raise ValueError(
-            f"max_restarts={max_restarts} restarts the workers from the newest checkpoint and needs checkpoint_dir"
-        )
-    if mtbf_s is not None:
-        mtbf_s = check_time("mtbf_s", mtbf_s, allow_zero=False)
-        if checkpoint_every != "auto":
-            raise ValueError(
-                f"mtbf_s={mtbf_s:g} is used only to choose the interval of checkpoint_every='auto'; "
-                f"checkpoint_every is {checkpoint_every!r}"
-            )
-    preempt_grace_s = check_time("preempt_grace_s", preempt_grace_s, allow_zero=False)
-    if preempt_grace_s > 1e6:
-        raise ValueError(f"preempt_grace_s={preempt_grace_s:g} is invalid; it must be at most 1e6 seconds")
-    if on_nonfinite not in ON_NONFINITE:
-        raise ValueError(f"on_nonfinite={on_nonfinite!r} is not valid; use one of {list(ON_NONFINITE)}")
-    resume = None
-    if resume_from is not None:
-        resume = ckpt.load_checkpoint(resume_from)
-        ckpt.check_same_model(resume, model)
-        resume = ckpt.Checkpoint(resume.path.resolve(), resume.manifest)  # workers may run in another directory
-        if steps <= resume.step:
-            raise ValueError(
-                f"steps={steps} is the job's total, but the checkpoint {str(resume.path)!r} is already at step "
-                f"{resume.step}: give steps > {resume.step} to train on"
-            )
-    if checkpoint_dir is not None and resume is None and Path(checkpoint_dir).is_dir():
-        earlier = ckpt.complete_checkpoints(checkpoint_dir)
-        if earlier:
-            raise ValueError(
-                f"checkpoint_dir={checkpoint_dir!r} already holds checkpoints of an earlier run (newest "
-                f"{earlier[0].name}): pass resume_from={checkpoint_dir!r} to continue that job, or use an empty directory"
-            )
-    options = JobOptions(
-        checkpoint_dir=checkpoint_dir,
-        checkpoint_every=checkpoint_every,
-        keep=keep,
-        resume_from=str(resume.path) if resume else None,
-        mtbf_s=mtbf_s,
-        on_nonfinite=on_nonfinite,
-        preempt_grace_s=preempt_grace_s,
-        run_id=uuid.uuid4().hex,
-        write_fault=active_write_fault(),
-    )
-    return options, resume, max_restarts
-
-
-def _check_optimizer(spec, resume) -> None:
-    saved = resume.manifest.get("optimizer")
-    probe = spec.optimizer([p for p in spec.model.parameters()])
-    own = type(probe).__module__ + "." + type(probe).__qualname__
-    if saved and saved != own:
-        raise ValueError(
-            f"the checkpoint {str(resume.path)!r} holds the state of a {saved} optimizer, but optimizer makes a {own}; "
-            "resume with the same optimizer class"
-        )
-
-
-def clean_stale_run_dirs() -> list[str]:
-    """Remove the temporary run directories of callers that died (their ``owner.pid`` is gone); return them."""
-    removed = []
-    for path in Path(tempfile.gettempdir()).glob(_RUN_DIR_PREFIX + "*"):
-        try:
-            owner = int((path / _OWNER_FILE).read_text())
-        except (OSError, ValueError):
-            continue
-        if owner != os.getpid() and not _alive(owner):
-            shutil.rmtree(path, ignore_errors=True)
-            removed.append(str(path))
-    return removed
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-@contextmanager
-def _sigterm_to(preemption: Preemption):
-    """While the run lasts, SIGTERM to this process is a preemption notice, not death (main thread only)."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    previous = signal.signal(signal.SIGTERM, lambda signum, frame: preemption.request())
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-
-
-def read_history(run_dir: Path) -> dict:
-    """What every attempt left in ``run_dir``: ``steps`` (attempt, step, start_ns, end_ns), ``checkpoints``, ``attempts``."""
-    steps = []
-    if (run_dir / STEPS_LOG).exists():
-        for line in (run_dir / STEPS_LOG).read_text().splitlines():
-            parts = line.split()
-            if len(parts) == 4:
-                steps.append(tuple(int(x) for x in parts))
-    checkpoints = []
-    if (run_dir / CHECKPOINTS_LOG).exists():
-        checkpoints = [
-            json.loads(line) for line in (run_dir / CHECKPOINTS_LOG).read_text().splitlines() if line.strip()
-        ]
-    attempts = {}
-    for path in run_dir.glob("attempt*.json"):
-        info = json.loads(path.read_text())
-        attempts[int(info["attempt"])] = info
-    return {"steps": steps, "checkpoints": checkpoints, "attempts": attempts}
-
-
 def run(
-    model,
-    data,
-    loss_fn,
-    partition,
-    m,
+    model: nn.Module,
+    data: Any,
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    partition: Partition,
+    m: int,
     *,
-    schedule=None,
-    steps=10,
-    optimizer=None,
-    nprocs=None,
-    backend=None,
-    devices=None,
-    timeout_s=300,
-    progress=True,
-    save_spec=None,
-    instrument=True,
-    seed=0,
-    start_method="forkserver",
-    checkpoint_dir=None,
-    checkpoint_every=None,
-    keep=2,
-    resume_from=None,
-    max_restarts=0,
-    mtbf_s=None,
-    preempt_grace_s=30,
-    on_nonfinite="raise",
-    resize_at=None,
-    partitions=None,
-    profile=None,
-    rebalance_every=None,
-    D=1,
+    schedule: str | None = None,
+    steps: int = 10,
+    optimizer: OptimizerFactory | None = None,
+    nprocs: int | None = None,
+    backend: str | None = None,
+    devices: Any = None,
+    timeout_s: float = 300,
+    progress: bool = True,
+    save_spec: str | os.PathLike[str] | None = None,
+    instrument: bool = True,
+    seed: int = 0,
+    start_method: str = "forkserver",
+    checkpoint_dir: str | os.PathLike[str] | None = None,
+    checkpoint_every: int | str | None = None,
+    keep: int = 2,
+    resume_from: str | os.PathLike[str] | None = None,
+    max_restarts: int = 0,
+    mtbf_s: float | None = None,
+    preempt_grace_s: float = 30,
+    on_nonfinite: str = "raise",
+    resize_at: dict[int, int] | None = None,
+    partitions: dict[int, Partition] | None = None,
+    profile: Any = None,
+    rebalance_every: int | None = None,
+    D: int = 1,
 ) -> RunResult:
     """Train ``model`` for ``steps`` steps as a real pipeline on ``torch.distributed.pipelining`` and measure it.
 
@@ -263,7 +114,7 @@ def run(
     * ``nprocs`` — worker processes; one per rank, so ``None`` or ``P * D``.
     * ``backend``/``devices`` — ``None``: NCCL and one GPU per rank when there are GPUs, gloo and
       one CPU process per rank (``torch.set_num_threads`` = cores // P) otherwise; see
-      :func:`~pipeswift_lab.runner.spec.resolve_devices`.
+      :func:`~pipeswift_lab.runner.devices.resolve_devices`.
     * ``timeout_s`` — the call raises :class:`RunError` within this many seconds if a rank
       raises, dies or hangs, naming the rank and its traceback; no worker is left running.
     * ``save_spec`` — also write the run's spec there, for
@@ -311,183 +162,220 @@ def run(
     exit when this process dies. Returns a :class:`RunResult`. Raises ``TypeError``/``ValueError``
     before any process starts for what can be checked in advance.
     """
-    from .launcher import START_METHODS, check_main_guard
-    from .segments import combine, plan_segments
-
     launch_ns = time.time_ns()
-    if start_method not in START_METHODS:
-        raise ValueError(f"start_method={start_method!r} is not valid; use one of {list(START_METHODS)}")
-    check_main_guard(start_method)
-    if not isinstance(progress, bool):
-        raise TypeError(f"progress must be True or False; got {progress!r}")
-    steps_checked = check_int("steps", steps, minimum=1)
-    D = check_int("D", D, minimum=1)
-    if D > 1:
-        for name, value in (("resize_at", resize_at), ("partitions", partitions), ("rebalance_every", rebalance_every)):
-            if value is not None:
-                raise ValueError(f"D={D} replicas cannot be combined with {name}={value!r} yet; use D=1 for {name}")
-    job, resume, max_restarts = job_options(
-        model,
-        steps_checked,
-        checkpoint_dir,
-        checkpoint_every,
-        keep,
-        resume_from,
-        max_restarts,
-        mtbf_s,
-        preempt_grace_s,
-        on_nonfinite,
-    )
-    data = make_data_source(
-        data, steps_checked, check_int("seed", seed)
-    )  # once: every segment's spec reads the same batches
-    first_step = resume.step if resume is not None else 0
-    planned = plan_segments(model, partition, steps_checked, first_step, resize_at, partitions, profile, m, schedule)
-    rebalance = _rebalance_plan(rebalance_every, profile, partition, m, steps_checked, instrument)
-    common = dict(
-        steps=steps,
-        optimizer=optimizer,
+    options = LaunchOptions(
         nprocs=nprocs,
         backend=backend,
         devices=devices,
         timeout_s=timeout_s,
+        progress=progress,
+        save_spec=save_spec,
         instrument=instrument,
         seed=seed,
-        D=D,
+        start_method=start_method,
     )
-    # every planned segment's spec, built and checked once before anything starts
-    specs = {
-        seg.start_step: make_spec(model, data, loss_fn, seg.partition, m, schedule=schedule, job=job, **common)
-        for seg in planned
-    }
-    first_spec = specs[planned[0].start_step]
-    if resume is not None:
-        _check_optimizer(first_spec, resume)
-    if save_spec is not None:
-        first_spec.save(save_spec)
-    deadline = time.monotonic() + first_spec.timeout_s
+    check_main_guard(options.start_method)
+    checkpoints = CheckpointOptions(
+        checkpoint_dir=checkpoint_dir,
+        checkpoint_every=checkpoint_every,
+        keep=keep,
+        resume_from=resume_from,
+        mtbf_s=mtbf_s,
+    )
+    elastic = ElasticOptions(
+        max_restarts=max_restarts,
+        preempt_grace_s=preempt_grace_s,
+        on_nonfinite=on_nonfinite,
+        resize_at=resize_at,
+        partitions=partitions,
+        profile=profile,
+        rebalance_every=rebalance_every,
+    )
+    job = plan_job(
+        model,
+        data,
+        loss_fn,
+        partition,
+        m,
+        schedule=schedule,
+        steps=steps,
+        optimizer=optimizer,
+        D=D,
+        launch=options,
+        checkpoints=checkpoints,
+        elastic=elastic,
+    )
+    results, reasons = _run_segments(job, launch_ns)
+    return _raise_if_nonfinite(combine(results, reasons))
+
+
+@dataclass(frozen=True, kw_only=True)
+class _Segment:
+    """One stretch of the job on one configuration, about to be launched."""
+
+    partition: Partition
+    """The partition it runs on."""
+    spec: RunSpec | None
+    """Its spec when planned before launch; ``None`` for a rebalanced partition (built and checked at launch)."""
+    start_step: int
+    """The step it starts at."""
+    reason: str
+    """Why it starts: ``"start"``, ``"resize"`` or ``"rebalance"``."""
+    launch_ns: int
+    """Wall clock when its launch began (the previous segment's end)."""
+    resume_from: str | None
+    """The checkpoint it restores (``None``: the job's first segment, starting afresh)."""
+
+
+def _run_segments(plan: JobPlan, launch_ns: int) -> tuple[list[RunResult], list[str]]:
+    """Launch the job's segments one after the other in a temporary run directory; return every segment's result
+    and the reason it started."""
+    deadline = time.monotonic() + plan.first_spec.timeout_s
     clean_stale_run_dirs()
-    preemption = Preemption(job.preempt_grace_s)
-    changes = len(planned) > 1 or rebalance is not None
-    results, reasons = [], []
+    preemption = Preemption(plan.job.preempt_grace_s)
+    results: list[RunResult] = []
+    reasons: list[str] = []
     with tempfile.TemporaryDirectory(prefix=_RUN_DIR_PREFIX) as tmp:
-        (Path(tmp) / _OWNER_FILE).write_text(
-            str(os.getpid())
-        )  # a later run() removes the directory if this process dies
-        root = job.checkpoint_dir or str(Path(tmp) / "checkpoints")
-        current, start, reason, seg_launch_ns = planned[0].partition, first_step, "start", launch_ns
-        current_spec = first_spec
-        resume_path = job.resume_from
-        while True:
-            end = next((seg.start_step for seg in planned if seg.start_step > start), steps_checked)
-            is_last = end >= steps_checked
-            seg_job = dataclasses.replace(
-                job,
-                checkpoint_dir=root if changes else job.checkpoint_dir,
-                resume_from=resume_path,
-                launch_ns=seg_launch_ns,
-                final_kind=("final" if job.checkpoint_dir else None) if is_last else "resize",
-                rebalance=dataclasses.replace(rebalance, cost_s=_last_switch_cost(results))
-                if rebalance is not None
-                else None,
-            )
-            if current_spec is not None:
-                spec = dataclasses.replace(current_spec, job=seg_job, steps=end)
-            else:  # a rebalanced partition: new stages, checked before launch
-                spec = make_spec(
-                    model, data, loss_fn, current, m, schedule=schedule, job=seg_job, **{**common, "steps": end}
-                )
-            run_dir = Path(tmp) / f"segment{len(results)}"
-            run_dir.mkdir()
-            (run_dir / _OWNER_FILE).write_text(str(os.getpid()))
-            spec_path = spec.save(run_dir / "spec.pkl")
-            desc = f"{spec.plan.schedule} P={spec.P} m={spec.m}" + (f" (segment {len(results)})" if changes else "")
-            with _sigterm_to(preemption):
-                gathered = launch(
-                    spec_path,
-                    run_dir,
-                    spec.world_size,
-                    deadline,
-                    spec.timeout_s,
-                    spec.steps,
-                    progress,
-                    desc,
-                    start_method,
-                    max_restarts=max_restarts,
-                    preemption=preemption,
-                )
-            history = read_history(run_dir)
-            seg_end_ns = time.time_ns()
-            result = build_result(spec, gathered, seg_launch_ns, seg_end_ns, history=history)
+        (Path(tmp) / _OWNER_FILE).write_text(str(os.getpid()))  # a later run() removes the directory if we die
+        root = plan.job.checkpoint_dir or str(Path(tmp) / "checkpoints")
+        segment: _Segment | None = _Segment(
+            partition=plan.planned[0].partition,
+            spec=plan.first_spec,
+            start_step=plan.first_step,
+            reason="start",
+            launch_ns=launch_ns,
+            resume_from=plan.job.resume_from,
+        )
+        while segment is not None:
+            spec = _segment_spec(plan, segment, root, results)
+            result = _run_segment(plan, segment, spec, Path(tmp) / f"segment{len(results)}", deadline, preemption)
             results.append(result)
-            reasons.append(reason)
-            if result.status == "rebalance":
-                current, current_spec = _rebalanced(profile, current, result.meta["new_bounds"], m), None
-                reason = "rebalance"
-            elif result.status == "completed" and not is_last:
-                current, current_spec = next(seg.partition for seg in planned if seg.start_step == end), specs[end]
-                reason = "resize"
-            else:
-                break
-            start = result.first_step + len(result.step_ms)
-            resume_path = result.checkpoint
-            seg_launch_ns = seg_end_ns
-    result = combine(results, reasons)
-    if result.status == "nonfinite":
-        info = result.meta["nonfinite"]
-        standing = result.checkpoint or "none was saved"
-        err = RunError(
-            f"step {info['step']}: the loss on rank {info['rank']} (the last stage's) is {info['loss']}, not finite; "
-            f"training stopped before that step's update (on_nonfinite='raise'). Last good checkpoint: {standing}. "
-            "Use on_nonfinite='skip' to drop such steps, or lower the learning rate.",
-            reason="nonfinite",
-            rank=info["rank"],
-            step=info["step"],
+            reasons.append(segment.reason)
+            segment = _next_segment(plan, segment, result)
+    return results, reasons
+
+
+def _segment_spec(plan: JobPlan, segment: _Segment, root: str, results: list[RunResult]) -> RunSpec:
+    """The spec a segment launches: its planned one (or one made for a rebalanced partition) with the segment's
+    job options: checkpoint root, checkpoint to restore, its final save, the rebalance cost measured so far."""
+    job, end = plan.job, plan.segment_end(segment.start_step)
+    rebalance = plan.rebalance
+    segment_job = dataclasses.replace(
+        job,
+        checkpoint_dir=root if plan.changes else job.checkpoint_dir,
+        resume_from=segment.resume_from,
+        launch_ns=segment.launch_ns,
+        final_kind=("final" if job.checkpoint_dir else None) if end >= plan.steps else "resize",
+        rebalance=dataclasses.replace(rebalance, cost_s=_last_switch_cost(results)) if rebalance else None,
+    )
+    if segment.spec is not None:
+        return dataclasses.replace(segment.spec, job=segment_job, steps=end)
+    kwargs = {**plan.spec_kwargs, "steps": end, "schedule": plan.schedule, "job": segment_job}
+    return make_spec(plan.model, plan.data, plan.loss_fn, segment.partition, plan.m, **kwargs)  # new stages, checked
+
+
+def _run_segment(
+    plan: JobPlan, segment: _Segment, spec: RunSpec, run_dir: Path, deadline: float, preemption: Preemption
+) -> RunResult:
+    """Launch one segment's workers in ``run_dir`` and assemble its :class:`RunResult`."""
+    run_dir.mkdir()
+    (run_dir / _OWNER_FILE).write_text(str(os.getpid()))
+    spec_path = spec.save(run_dir / "spec.pkl")
+    label = f" (segment {run_dir.name.removeprefix('segment')})" if plan.changes else ""
+    with _sigterm_to(preemption):
+        gathered = launch(
+            spec_path,
+            run_dir,
+            spec.world_size,
+            deadline,
+            spec.timeout_s,
+            spec.steps,
+            plan.launch.progress,
+            f"{spec.plan.schedule} P={spec.P} m={spec.m}{label}",
+            plan.launch.start_method,
+            max_restarts=plan.max_restarts,
+            preemption=preemption,
         )
-        err.result = result
-        raise err
-    return result
+    history = read_history(run_dir)
+    return build_result(spec, gathered, segment.launch_ns, time.time_ns(), history=history)
 
 
-def _rebalance_plan(rebalance_every, profile, partition, m, steps, instrument):
-    """The :class:`~pipeswift_lab.runner.rebalance.RebalancePlan` of ``rebalance_every`` (None without), checked."""
-    if rebalance_every is None:
+def _next_segment(plan: JobPlan, segment: _Segment, result: RunResult) -> _Segment | None:
+    """The segment after ``segment`` (which ended with ``result``): a rebalanced or a planned resize; None when the
+    job is over (completed, preempted or stopped at a non-finite loss)."""
+    end = plan.segment_end(segment.start_step)
+    spec: RunSpec | None
+    if result.status == "rebalance":
+        partition = _rebalanced(plan.profile, segment.partition, result.meta["new_bounds"], plan.m)
+        spec, reason = None, "rebalance"
+    elif result.status == "completed" and end < plan.steps:
+        partition = next(seg.partition for seg in plan.planned if seg.start_step == end)
+        spec, reason = plan.specs[end], "resize"
+    else:
         return None
-    from .rebalance import RebalancePlan
-
-    every = check_int("rebalance_every", rebalance_every, minimum=1)
-    if profile is None:
-        raise ValueError(
-            "rebalance_every needs profile=... (the Profile the partition came from) to compare measured stage times with"
-        )
-    if not instrument:
-        raise ValueError("rebalance_every needs the measured stage times: use instrument=True")
-    table = profile.df if hasattr(profile, "df") else profile
-    if not isinstance(table, pd.DataFrame):
-        raise TypeError(
-            f"profile must be a pipeswift_lab.Profile or a per-layer DataFrame; got {type(profile).__name__}"
-        )
-    if len(table) != partition.bounds[-1][1]:
-        raise ValueError(
-            f"profile has {len(table)} layers but the partition cuts {partition.bounds[-1][1]}; pass the profile it came from"
-        )
-    kwargs = {
-        "schedule": partition.schedule,
-        "v": partition.v,
-        "m": m,
-        "mem_per_gpu_bytes": partition.mem_per_gpu_bytes,
-        "optimizer": partition.optimizer,
-        "link": partition.link,
-    }
-    return RebalancePlan(every=every, profile=table.reset_index(drop=True), partition_kwargs=kwargs, job_steps=steps)
+    return _Segment(
+        partition=partition,
+        spec=spec,
+        start_step=result.first_step + len(result.step_ms),
+        reason=reason,
+        launch_ns=result.meta["end_ns"],
+        resume_from=result.checkpoint,
+    )
 
 
-def _rebalanced(profile, current, bounds, m):
+def _raise_if_nonfinite(result: RunResult) -> RunResult:
+    """``result``, or the :class:`RunError` (``reason="nonfinite"``, carrying it) when training stopped at a
+    non-finite loss."""
+    if result.status != "nonfinite":
+        return result
+    info = result.meta["nonfinite"]
+    standing = result.checkpoint or "none was saved"
+    err = RunError(
+        f"step {info['step']}: the loss on rank {info['rank']} (the last stage's) is {info['loss']}, not finite; "
+        f"training stopped before that step's update (on_nonfinite='raise'). Last good checkpoint: {standing}. "
+        "Use on_nonfinite='skip' to drop such steps, or lower the learning rate.",
+        reason="nonfinite",
+        rank=info["rank"],
+        step=info["step"],
+    )
+    err.result = result
+    raise err
+
+
+def clean_stale_run_dirs() -> list[str]:
+    """Remove the temporary run directories of callers that died (their ``owner.pid`` is gone); return them."""
+    removed = []
+    for path in Path(tempfile.gettempdir()).glob(_RUN_DIR_PREFIX + "*"):
+        try:
+            owner = int((path / _OWNER_FILE).read_text())
+        except (OSError, ValueError):
+            continue
+        if owner != os.getpid() and not alive(owner):
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(str(path))
+    return removed
+
+
+@contextmanager
+def _sigterm_to(preemption: Preemption) -> Iterator[None]:
+    """While the run lasts, SIGTERM to this process is a preemption notice, not death (main thread only)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: preemption.request())
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _rebalanced(profile: Any, current: Partition, bounds: list[list[int]], m: int) -> Partition:
+    """The partition of ``profile`` at the new ``bounds``, with ``current``'s schedule, v, link, optimizer and cap."""
     from ..partitioning.balance import Partition
 
     return Partition.from_bounds(
         profile,
-        [tuple(b) for b in bounds],
+        [(int(a), int(b)) for a, b in bounds],
         v=current.v,
         schedule=current.schedule,
         link=current.link,
@@ -498,9 +386,10 @@ def _rebalanced(profile, current, bounds, m):
     )
 
 
-def _last_switch_cost(results) -> float | None:
-    """The measured cost of the last change of configuration: its save, teardown, the next assembly and restore (None before any)."""
+def _last_switch_cost(results: list[RunResult]) -> float | None:
+    """The measured cost of the last change of configuration: its save and teardown (the cleanup of the segment
+    before), the next assembly and restore (None before any change)."""
     if len(results) < 2:
         return None
     before, after = results[-2], results[-1]
-    return before.jct.cleanup_s + after.jct.assembly_s + after.restore_s  # cleanup: the switch's save and teardown
+    return before.jct.cleanup_s + after.jct.assembly_s + after.restore_s

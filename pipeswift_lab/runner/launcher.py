@@ -12,7 +12,8 @@ The agent runs in a background thread while the calling thread shows progress an
   torch import per rank. Workers run :func:`pipeswift_lab.runner.rank.worker.entry`. The fork
   server stays up with the session (like multiprocessing's resource tracker); it is not a
   worker and holds no run state. It preloads third-party modules only, so code edits to
-  pipeswift_lab reach the next run; an upgrade of torch itself needs a new session. Its children re-import a script's ``__main__`` module, as
+  pipeswift_lab reach the next run; an upgrade of torch itself needs a new session. Its children re-import a script's
+  ``__main__`` module, as
   with ``spawn``: guard scripts with ``if __name__ == "__main__":`` (notebooks need nothing).
 * ``"subprocess"``: every rank is a fresh ``python -m pipeswift_lab.runner SPEC --out DIR``,
   the very command ``torchrun`` runs on a cluster, so ``jct.assembly_s`` includes a cold
@@ -21,27 +22,33 @@ The agent runs in a background thread while the calling thread shows progress an
 
 from __future__ import annotations
 
+import ast
 import logging
 import os
-import signal
 import sys
 import threading
 import time
 import uuid
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
+from types import FrameType
+from typing import TYPE_CHECKING, Any
 
+from .assembly import read_gathered
 from .errors import RunError, diagnose, failed_step
 from .loopback import LOOPBACK, loopback_rendezvous, loopback_store
+from .processes import forkserver_pid, pid_files, stop_workers, wait_gone
 from .rank.train_loop import PREEMPT_FILE, PROGRESS_FILE
 from .rank.worker import DISTRIBUTED_MODULES, RESULT_FILE
-from .result import read_gathered
+
+if TYPE_CHECKING:
+    from torch.distributed.launcher.api import LaunchConfig
 
 #: Seconds the elastic agent waits after SIGTERM before it SIGKILLs the other workers of a failed run.
 SHUTDOWN_TIMEOUT_S = 3
 _ELASTIC_LOGGERS = ("torch.distributed.elastic", "torch.distributed.launcher", "torch.multiprocessing")
-#: Ways to start the workers (see the module docstring).
-START_METHODS = ("forkserver", "subprocess")
 #: Modules the fork server imports once, so forked workers start with them loaded. Third-party only:
 #: pipeswift_lab itself is imported afresh by every worker (~0.15 s), so edits to it are never stale.
 FORKSERVER_PRELOAD = (
@@ -62,7 +69,8 @@ MAIN_GUARD_MESSAGE = (
 
 
 def check_main_guard(start_method: str) -> None:
-    """Raise ``RuntimeError`` before anything starts if a script calls ``run()`` at import time without the ``__main__`` guard.
+    """Raise ``RuntimeError`` before anything starts if a script calls ``run()`` at import time without the
+    ``__main__`` guard.
 
     With ``"forkserver"`` every worker re-imports the script that is ``__main__``; an unguarded
     ``run()`` there would start a run inside each worker's start-up and fail deep in torch's
@@ -85,7 +93,7 @@ def check_main_guard(start_method: str) -> None:
     if not path or not os.path.isfile(path):
         return  # an interactive session, a notebook or python -c: nothing is re-imported
     path = os.path.abspath(path)
-    frame = sys._getframe(1)
+    frame: FrameType | None = sys._getframe(1)
     while frame is not None and not (
         frame.f_code.co_name == "<module>" and os.path.abspath(frame.f_code.co_filename) == path
     ):
@@ -98,9 +106,8 @@ def check_main_guard(start_method: str) -> None:
 
 
 def _line_is_guarded(path: str, line: int) -> bool:
-    """Whether ``line`` of the script at ``path`` lies inside an ``if __name__ == "__main__":`` block (True if unreadable)."""
-    import ast
-
+    """Whether ``line`` of the script at ``path`` lies inside an ``if __name__ == "__main__":`` block (True if
+    unreadable)."""
     try:
         tree = ast.parse(Path(path).read_text(), path)
     except (OSError, SyntaxError, ValueError):
@@ -113,10 +120,8 @@ def _line_is_guarded(path: str, line: int) -> bool:
     return False
 
 
-def _is_main_test(test) -> bool:
+def _is_main_test(test: ast.expr) -> bool:
     """Whether an ``if`` test holds ``__name__ == "__main__"`` (alone, or within ``and``/``or``)."""
-    import ast
-
     for node in ast.walk(test):
         if isinstance(node, ast.Compare) and len(node.ops) == 1 and isinstance(node.ops[0], ast.Eq):
             sides = [node.left, node.comparators[0]]
@@ -128,7 +133,7 @@ def _is_main_test(test) -> bool:
 
 
 @contextmanager
-def _quiet_elastic():
+def _quiet_elastic() -> Iterator[None]:
     """Silence torch elastic's warnings (e.g. about running in a thread) for the launch; restore after."""
     saved = {}
     for name in list(logging.Logger.manager.loggerDict):
@@ -144,7 +149,7 @@ def _quiet_elastic():
 
 
 @contextmanager
-def _worker_environment():
+def _worker_environment() -> Iterator[None]:
     """Make this pipeswift_lab importable in the workers and undo the agent's changes to ``os.environ`` afterwards."""
     saved = dict(os.environ)
     root = str(Path(__file__).resolve().parents[2])
@@ -155,85 +160,6 @@ def _worker_environment():
         for key in set(os.environ) - set(saved):
             del os.environ[key]
         os.environ.update(saved)
-
-
-def _pid_files(run_dir: Path) -> set[int]:
-    """Pids the workers wrote into ``run_dir`` (no liveness check)."""
-    pids = set()
-    for path in Path(run_dir).glob("rank*.pid"):
-        try:
-            pids.add(int(path.read_text()))
-        except (OSError, ValueError):
-            continue
-    return pids
-
-
-def _children(parent: int):
-    """``(pid, cmdline)`` of the live (not zombie) children of ``parent``, from ``/proc``."""
-    try:
-        entries = os.listdir("/proc")
-    except OSError:  # pragma: no cover - not Linux
-        return
-    for entry in entries:
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-            if int(fields[1]) != parent or fields[0] == "Z":
-                continue
-            with open(f"/proc/{entry}/cmdline", "rb") as f:
-                yield int(entry), f.read()
-        except (OSError, IndexError, ValueError):
-            continue
-
-
-def _forkserver_pid():
-    from multiprocessing import forkserver
-
-    return getattr(forkserver._forkserver, "_forkserver_pid", None)
-
-
-def worker_pids(run_dir: Path, P: int | None = None) -> list[int]:
-    """Live worker processes of the run in ``run_dir``.
-
-    Those that wrote ``rank{r}.pid``, the children of this process whose command line names
-    ``run_dir`` (``"subprocess"`` workers), and, when some of the ``P`` ranks wrote no pid file
-    yet, the children of this session's fork server (forked workers still starting).
-    """
-    pids = {pid for pid in _pid_files(run_dir) if _alive(pid) and not _zombie(pid)}
-    marker = str(run_dir).encode()
-    pids.update(pid for pid, cmdline in _children(os.getpid()) if marker in cmdline)
-    server = _forkserver_pid()
-    if P is not None and server and len(list(Path(run_dir).glob("rank*.pid"))) < P:
-        pids.update(pid for pid, _ in _children(server))
-    return sorted(pids)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except OSError:
-        return False
-    return True
-
-
-def _signal_all(pids, sig) -> None:
-    for pid in pids:
-        try:
-            os.kill(pid, sig)
-        except OSError:
-            pass
-
-
-def _stop_workers(run_dir: Path, P: int, dump_stacks: bool) -> list[int]:
-    """Ask live workers for their stacks (``SIGUSR1``) if ``dump_stacks``, then SIGKILL them; return their pids."""
-    pids = worker_pids(run_dir, P)
-    if dump_stacks and pids:
-        _signal_all(pids, signal.SIGUSR1)
-        time.sleep(0.5)
-    _signal_all(pids, signal.SIGKILL)
-    return pids
 
 
 def _read_progress(run_dir: Path) -> int:
@@ -247,7 +173,7 @@ def _preload_forkserver() -> None:
     """Have the fork server (if this session has not started it yet) preload torch and the runner."""
     import multiprocessing
 
-    if _forkserver_pid() is None:
+    if forkserver_pid() is None:
         multiprocessing.get_context("forkserver").set_forkserver_preload(list(FORKSERVER_PRELOAD))
 
 
@@ -258,9 +184,9 @@ class Preemption:
     after that they are killed and the previous checkpoint stands.
     """
 
-    def __init__(self, grace_s: float):
+    def __init__(self, grace_s: float) -> None:
         self.grace_s = grace_s
-        self.requested_at = None
+        self.requested_at: float | None = None
 
     def request(self) -> None:
         """Note a preemption notice now (idempotent; safe from a signal handler)."""
@@ -268,11 +194,25 @@ class Preemption:
             self.requested_at = time.monotonic()
 
 
+@dataclass(frozen=True, kw_only=True)
+class Watched:
+    """How a launch ended, as the calling thread saw it while it watched the agent."""
+
+    timed_out: bool = False
+    """The run passed its deadline: the workers were asked for their stacks and killed."""
+    preempt_killed: bool = False
+    """A preemption notice went unanswered past its grace: the workers were killed."""
+    pids: tuple[int, ...] = ()
+    """Every worker pid seen during the launch (all gone by now)."""
+    error: BaseException | None = None
+    """What the elastic agent raised (None when it returned)."""
+
+
 def launch(
-    spec_path,
-    run_dir,
-    P: int,
-    deadline,
+    spec_path: str | os.PathLike[str],
+    run_dir: str | os.PathLike[str],
+    nprocs: int,
+    deadline: float | None,
     timeout_s: float,
     steps: int,
     progress: bool,
@@ -280,8 +220,8 @@ def launch(
     start_method: str = "forkserver",
     max_restarts: int = 0,
     preemption: Preemption | None = None,
-) -> dict:
-    """Start ``P`` workers on ``spec_path`` with torch's elastic agent; return what rank 0 gathered.
+) -> dict[str, Any]:
+    """Start ``nprocs`` workers on ``spec_path`` with torch's elastic agent; return what rank 0 gathered.
 
     ``deadline`` is a ``time.monotonic()`` value; a grace of ``min(2 s, 10%)`` is kept before it
     to collect the stacks of hung ranks and stop them. ``max_restarts`` lets the agent restart
@@ -291,22 +231,36 @@ def launch(
     ``RunError(reason="preempted")`` is raised. Raises :class:`RunError` on any failure, after
     every worker process is gone.
     """
-    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
-    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
-    from tqdm.auto import tqdm
-
     run_dir = Path(run_dir)
     deadline = deadline if deadline is not None else time.monotonic() + timeout_s
-    trigger = deadline - min(2.0, 0.1 * timeout_s)
     store = loopback_store(timeout_s)
-    config = LaunchConfig(
+    config = _launch_config(run_dir, nprocs, store.port, timeout_s, max_restarts, start_method)
+    entrypoint, args = _entrypoint(spec_path, run_dir, progress, start_method)
+    with _quiet_elastic(), _worker_environment():
+        agent = _start_agent(config, entrypoint, args)
+        watched = _watch(
+            agent, run_dir, nprocs, deadline - min(2.0, 0.1 * timeout_s), steps, progress, desc, preemption
+        )
+        del store  # the rendezvous store's server closes with its last reference
+    _raise_if_failed(watched, run_dir, nprocs, timeout_s, preemption)
+    return read_gathered(run_dir)
+
+
+def _launch_config(
+    run_dir: Path, nprocs: int, port: int, timeout_s: float, max_restarts: int, start_method: str
+) -> LaunchConfig:
+    """torch's ``LaunchConfig`` of a local run: one node, loopback rendezvous on ``port``, logs in ``run_dir``."""
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
+    from torch.distributed.launcher.api import LaunchConfig
+
+    return LaunchConfig(
         min_nodes=1,
         max_nodes=1,
-        nproc_per_node=P,
+        nproc_per_node=nprocs,
         run_id=f"pipeswift-{uuid.uuid4().hex[:12]}",
         local_addr=LOOPBACK,
         rdzv_backend=loopback_rendezvous(),
-        rdzv_endpoint=f"{LOOPBACK}:{store.port}",
+        rdzv_endpoint=f"{LOOPBACK}:{port}",
         rdzv_configs={"timeout": max(1, int(timeout_s)), "is_host": False},
         max_restarts=max_restarts,
         monitor_interval=0.05,
@@ -314,93 +268,117 @@ def launch(
         logs_specs=DefaultLogsSpecs(log_dir=str(run_dir / "logs"), redirects=Std.ALL),
         shutdown_timeout=SHUTDOWN_TIMEOUT_S,
     )
+
+
+def _entrypoint(
+    spec_path: str | os.PathLike[str], run_dir: Path, progress: bool, start_method: str
+) -> tuple[Callable[..., Any] | str, tuple[Any, ...]]:
+    """What the agent starts per rank: :func:`~pipeswift_lab.runner.rank.worker.entry` in a forked process, or the
+    ``python -m pipeswift_lab.runner`` command line; and its arguments."""
     if start_method == "forkserver":
         from .rank.worker import entry
 
         _preload_forkserver()
-        entrypoint, args = entry, (str(spec_path), str(run_dir), bool(progress), os.getpid())
-    else:
-        entrypoint = sys.executable
-        args = (
-            "-m",
-            "pipeswift_lab.runner",
-            str(spec_path),
-            "--out",
-            str(run_dir),
-            "--from-run",
-            "--caller-pid",
-            str(os.getpid()),
-        ) + (("--progress",) if progress else ())
-    outcome: dict = {}
+        return entry, (str(spec_path), str(run_dir), bool(progress), os.getpid())
+    command: tuple[str, ...] = ("-m", "pipeswift_lab.runner", str(spec_path), "--out", str(run_dir), "--from-run")
+    command += ("--caller-pid", str(os.getpid())) + (("--progress",) if progress else ())
+    return sys.executable, command
 
-    def agent():
-        try:
-            outcome["value"] = elastic_launch(config, entrypoint)(*args)
-        except BaseException as exc:  # noqa: BLE001 - reported by the calling thread
-            outcome["error"] = exc
 
-    timed_out, preempt_killed, seen_pids = False, False, set()
-    bar = tqdm(total=steps, desc=f"{desc}: starting {P} workers", unit="step", disable=not progress, leave=False)
-    with _quiet_elastic(), _worker_environment():
-        thread = threading.Thread(target=agent, name="pipeswift-elastic-agent", daemon=True)
-        thread.start()
+class _Agent(threading.Thread):
+    """torch's elastic agent, run in a daemon thread; ``error`` holds what it raised."""
+
+    def __init__(self, config: LaunchConfig, entrypoint: Callable[..., Any] | str, args: tuple[Any, ...]) -> None:
+        super().__init__(name="pipeswift-elastic-agent", daemon=True)
+        self.config, self.entrypoint, self.args = config, entrypoint, args
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        from torch.distributed.launcher.api import elastic_launch
+
         try:
-            while thread.is_alive():
-                thread.join(0.1)  # cheap polling: the workers get the CPU
-                seen_pids.update(_pid_files(run_dir))
-                if progress:
-                    done = _read_progress(run_dir)
-                    if done > bar.n:
-                        if bar.n == 0:
-                            bar.set_description(desc, refresh=False)
-                        bar.update(done - bar.n)
-                if preemption is not None and preemption.requested_at is not None:
-                    if not (run_dir / PREEMPT_FILE).exists():
-                        (run_dir / PREEMPT_FILE).touch()
-                    if time.monotonic() - preemption.requested_at > preemption.grace_s and thread.is_alive():
-                        preempt_killed = True
-                        seen_pids.update(_stop_workers(run_dir, P, dump_stacks=False))
-                        break
-                if time.monotonic() >= trigger and thread.is_alive():
-                    timed_out = True
-                    seen_pids.update(_stop_workers(run_dir, P, dump_stacks=True))
-                    break
-        except BaseException:  # KeyboardInterrupt in a notebook: no orphans
-            _stop_workers(run_dir, P, dump_stacks=False)
-            thread.join(10)
-            raise
-        finally:
-            bar.close()
-        thread.join(10)
-        leftovers = _stop_workers(run_dir, None, dump_stacks=False)  # none unless the agent itself misbehaved
-        seen_pids.update(leftovers)
-        _wait_gone(seen_pids, 5.0)
-        del store  # the rendezvous store's server closes with its last reference
-    if preempt_killed:
+            elastic_launch(self.config, self.entrypoint)(*self.args)
+        except BaseException as exc:  # reported by the calling thread
+            self.error = exc
+
+
+def _start_agent(config: LaunchConfig, entrypoint: Callable[..., Any] | str, args: tuple[Any, ...]) -> _Agent:
+    agent = _Agent(config, entrypoint, args)
+    agent.start()
+    return agent
+
+
+def _watch(
+    agent: _Agent,
+    run_dir: Path,
+    nprocs: int,
+    trigger: float,
+    steps: int,
+    progress: bool,
+    desc: str,
+    preemption: Preemption | None,
+) -> Watched:
+    """Poll the agent until it ends: show progress, pass a preemption notice on, stop workers at ``trigger`` or
+    past the preemption's grace; then make sure every worker process is gone."""
+    from tqdm.auto import tqdm
+
+    timed_out, preempt_killed, seen = False, False, set()
+    bar = tqdm(total=steps, desc=f"{desc}: starting {nprocs} workers", unit="step", disable=not progress, leave=False)
+    try:
+        while agent.is_alive():
+            agent.join(0.1)  # cheap polling: the workers get the CPU
+            seen.update(pid_files(run_dir))
+            if progress:
+                _show_progress(bar, run_dir, desc)
+            if _preemption_expired(preemption, run_dir) and agent.is_alive():
+                preempt_killed = True
+                seen.update(stop_workers(run_dir, nprocs, dump_stacks=False))
+                break
+            if time.monotonic() >= trigger and agent.is_alive():
+                timed_out = True
+                seen.update(stop_workers(run_dir, nprocs, dump_stacks=True))
+                break
+    except BaseException:  # KeyboardInterrupt in a notebook: no orphans
+        stop_workers(run_dir, nprocs, dump_stacks=False)
+        agent.join(10)
+        raise
+    finally:
+        bar.close()
+    agent.join(10)
+    seen.update(stop_workers(run_dir, None, dump_stacks=False))  # none unless the agent itself misbehaved
+    wait_gone(seen, 5.0)
+    return Watched(timed_out=timed_out, preempt_killed=preempt_killed, pids=tuple(sorted(seen)), error=agent.error)
+
+
+def _show_progress(bar: Any, run_dir: Path, desc: str) -> None:
+    done = _read_progress(run_dir)
+    if done > bar.n:
+        if bar.n == 0:
+            bar.set_description(desc, refresh=False)
+        bar.update(done - bar.n)
+
+
+def _preemption_expired(preemption: Preemption | None, run_dir: Path) -> bool:
+    """Pass a preemption notice on to the workers (the ``preempt`` file); True once its grace is over."""
+    if preemption is None or preemption.requested_at is None:
+        return False
+    if not (run_dir / PREEMPT_FILE).exists():
+        (run_dir / PREEMPT_FILE).touch()
+    return time.monotonic() - preemption.requested_at > preemption.grace_s
+
+
+def _raise_if_failed(
+    watched: Watched, run_dir: Path, nprocs: int, timeout_s: float, preemption: Preemption | None
+) -> None:
+    """Raise the :class:`RunError` that explains a launch that did not leave a result (nothing otherwise)."""
+    if watched.preempt_killed:
+        grace_s = preemption.grace_s if preemption is not None else float("nan")
         raise RunError(
-            f"preempted: the workers did not finish a clean save within preempt_grace_s={preemption.grace_s:g} s "
+            f"preempted: the workers did not finish a clean save within preempt_grace_s={grace_s:g} s "
             "and were killed; the previous checkpoint stands",
             reason="preempted",
-            pids=sorted(seen_pids),
+            pids=watched.pids,
             step=failed_step(run_dir),
         )
-    if timed_out or "error" in outcome or not (run_dir / RESULT_FILE).exists():
-        raise diagnose(run_dir, P, timeout_s, timed_out, outcome.get("error"), sorted(seen_pids))
-    return read_gathered(run_dir)
-
-
-def _wait_gone(pids, timeout: float) -> None:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        live = [p for p in pids if _alive(p) and not _zombie(p)]
-        if not live:
-            return
-        time.sleep(0.05)
-
-
-def _zombie(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
-    except (OSError, IndexError):
-        return False
+    if watched.timed_out or watched.error is not None or not (run_dir / RESULT_FILE).exists():
+        raise diagnose(run_dir, nprocs, timeout_s, watched.timed_out, watched.error, watched.pids)

@@ -10,7 +10,8 @@ local run binds its sockets to ``127.0.0.1`` itself:
 * :func:`loopback_store` hosts the rendezvous store; the agent connects to it as a client
   (``rdzv_configs={"is_host": False}``);
 * :func:`loopback_rendezvous` registers torch's own c10d handler under another name, with the
-  workers' shared store made by :func:`loopback_store` too (the one method it overrides), and ``local_addr="127.0.0.1"`` tells
+  workers' shared store made by :func:`loopback_store` too (the one method it overrides), and
+  ``local_addr="127.0.0.1"`` tells
   the workers to reach it there. gloo's sockets already bind to the address the workers use.
 
 Multi-node launches (``torchrun``) keep torch's c10d rendezvous: it binds where the user says,
@@ -21,6 +22,11 @@ from __future__ import annotations
 
 import datetime
 import socket
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from torch.distributed import TCPStore
+    from torch.distributed.elastic.rendezvous import RendezvousHandler, RendezvousParameters
 
 #: The one address a local run listens on.
 LOOPBACK = "127.0.0.1"
@@ -28,7 +34,7 @@ LOOPBACK = "127.0.0.1"
 BACKEND = "pipeswift-loopback"
 
 
-def loopback_store(timeout_s: float = 300.0):
+def loopback_store(timeout_s: float = 300.0) -> TCPStore:
     """A c10d ``TCPStore`` server listening on ``127.0.0.1`` only (port chosen by the OS); returns the store.
 
     It closes with its last reference.
@@ -54,13 +60,13 @@ def loopback_store(timeout_s: float = 300.0):
     )
 
 
-def _create_handler(params):
+def _create_handler(params: RendezvousParameters) -> RendezvousHandler:
     """torch's c10d rendezvous handler (its configs parsed by torch), with the workers' shared store on loopback."""
     from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import create_backend
     from torch.distributed.elastic.rendezvous.dynamic_rendezvous import DynamicRendezvousHandler, create_handler
 
     class LoopbackRendezvousHandler(DynamicRendezvousHandler):
-        def _create_tcp_store_server(self, master_addr, master_port):
+        def _create_tcp_store_server(self, master_addr: str | None, master_port: int | None) -> TCPStore:
             return loopback_store(self.settings.timeout.join.total_seconds())
 
         def get_backend(self) -> str:

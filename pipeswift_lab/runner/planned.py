@@ -8,9 +8,12 @@ The global batch of ``data`` must be ``microbatch_size * m * D``.
 
 from __future__ import annotations
 
+from typing import Any
 
-def run_arguments(plan, config) -> dict:
-    """``{"partition", "m", "schedule", "D"}`` for ``config`` (a ``PlannedConfig`` or a row of ``plan.table``) of ``plan``.
+
+def run_arguments(plan: Any, config: Any) -> dict[str, Any]:
+    """``{"partition", "m", "schedule", "D"}`` for ``config`` (a ``PlannedConfig`` or a row of ``plan.table``) of
+    ``plan``.
 
     The partition is the plan's balanced one for that configuration (``plan.partition_of``).
     Raises ``ValueError`` for a row the planner did not simulate, ``TypeError`` for anything
@@ -19,6 +22,6 @@ def run_arguments(plan, config) -> dict:
     return plan.run_arguments(config)
 
 
-def global_batch_of(config) -> int:
+def global_batch_of(config: Any) -> int:
     """Samples per step the configuration trains on: ``microbatch_size * m * D``."""
     return int(config.microbatch_size) * int(config.m) * int(config.D)

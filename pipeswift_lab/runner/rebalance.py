@@ -12,10 +12,13 @@ moving stage boundaries.
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import pandas as pd
+import torch
 
 #: Columns of ``RunResult.rebalances``: one row per decision, taken or not.
 REBALANCE_COLUMNS = (
@@ -34,19 +37,25 @@ REBALANCE_COLUMNS = (
 )
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class RebalancePlan:
     """What a worker needs to decide: the profile, how the partition was made, and how often to look."""
 
-    every: int  # steps between decisions
-    profile: pd.DataFrame  # the per-layer profile (fwd_ms, bwd_ms, ... as Profile.df) the partitions come from
-    partition_kwargs: dict  # schedule, v, m, mem_per_gpu_bytes, optimizer, link: how to re-partition
-    job_steps: int  # the job's total, for the remaining steps
-    cost_s: float | None = None  # a measured reconfiguration cost from an earlier segment; None: estimate in the run
+    every: int
+    """Steps between decisions."""
+    profile: pd.DataFrame
+    """The per-layer profile (``fwd_ms``, ``bwd_ms``, ... as ``Profile.df``) the partitions come from."""
+    partition_kwargs: dict[str, Any]
+    """How to re-partition: ``schedule``, ``v``, ``m``, ``mem_per_gpu_bytes``, ``optimizer``, ``link``."""
+    job_steps: int
+    """The job's total steps, for the remaining steps."""
+    cost_s: float | None = None
+    """A measured reconfiguration cost from an earlier segment; ``None``: estimated in the run."""
 
 
-def rescaled_profile(profile: pd.DataFrame, bounds, ratios) -> pd.DataFrame:
-    """``profile`` with every layer of stage ``s`` (``bounds[s]``) scaled by ``ratios[s]`` (fwd, bwd and wgrad times)."""
+def rescaled_profile(profile: pd.DataFrame, bounds: Sequence[tuple[int, int]], ratios: Sequence[float]) -> pd.DataFrame:
+    """``profile`` with every layer of stage ``s`` (``bounds[s]``) scaled by ``ratios[s]`` (fwd, bwd and wgrad
+    times)."""
     df = profile.copy()
     scale = np.ones(len(df))
     for (a, b), r in zip(bounds, ratios):
@@ -57,7 +66,13 @@ def rescaled_profile(profile: pd.DataFrame, bounds, ratios) -> pd.DataFrame:
     return df
 
 
-def decide(plan: RebalancePlan, bounds, measured_stage_ms, step: int, cost_s: float) -> dict:
+def decide(
+    plan: RebalancePlan,
+    bounds: Sequence[Sequence[int]],
+    measured_stage_ms: Sequence[float],
+    step: int,
+    cost_s: float,
+) -> dict[str, Any]:
     """One decision at ``step`` (steps done): a row of :data:`REBALANCE_COLUMNS`.
 
     ``measured_stage_ms`` is each stage's measured compute (sum of its actions) per step;
@@ -70,17 +85,17 @@ def decide(plan: RebalancePlan, bounds, measured_stage_ms, step: int, cost_s: fl
 
     kw = dict(plan.partition_kwargs)
     m = kw.pop("m")
-    bounds = tuple(tuple(int(x) for x in b) for b in bounds)
+    old = tuple((int(a), int(b)) for a, b in bounds)
     fwd = plan.profile["fwd_ms"].to_numpy(dtype=float)
     bwd = plan.profile["bwd_ms"].to_numpy(dtype=float)
-    profiled = [m * float(fwd[a:b].sum() + bwd[a:b].sum()) for a, b in bounds]
+    profiled = [m * float(fwd[a:b].sum() + bwd[a:b].sum()) for a, b in old]
     ratios = [meas / prof if prof > 0 else 1.0 for meas, prof in zip(measured_stage_ms, profiled)]
-    scaled = rescaled_profile(plan.profile, bounds, ratios)
-    current = Partition.from_bounds(scaled, list(bounds), m=m, **kw)
+    scaled = rescaled_profile(plan.profile, old, ratios)
+    current = Partition.from_bounds(scaled, list(old), m=m, **kw)
     remaining = plan.job_steps - step
     row = {
         "step": step,
-        "old_bounds": bounds,
+        "old_bounds": old,
         "measured_stage_ms": tuple(float(x) for x in measured_stage_ms),
         "profiled_stage_ms": tuple(profiled),
         "remaining_steps": remaining,
@@ -92,7 +107,7 @@ def decide(plan: RebalancePlan, bounds, measured_stage_ms, step: int, cost_s: fl
         return {
             **row,
             "taken": False,
-            "new_bounds": bounds,
+            "new_bounds": old,
             "predicted_step_ms_old": float("nan"),
             "predicted_step_ms_new": float("nan"),
             "predicted_gain_s": 0.0,
@@ -101,8 +116,8 @@ def decide(plan: RebalancePlan, bounds, measured_stage_ms, step: int, cost_s: fl
     old_ms = simulate_step_ms(current, m)
     new_ms = simulate_step_ms(balanced, m)
     gain_s = max(0.0, (old_ms - new_ms) / 1e3 * remaining)
-    new_bounds = tuple(tuple(int(x) for x in b) for b in balanced.bounds)
-    if new_bounds == bounds:
+    new_bounds = tuple((int(a), int(b)) for a, b in balanced.bounds)
+    if new_bounds == old:
         taken, reason = False, "the balanced partition of the measured times is the current one"
     elif gain_s <= cost_s:
         taken, reason = (
@@ -125,10 +140,11 @@ def decide(plan: RebalancePlan, bounds, measured_stage_ms, step: int, cost_s: fl
     }
 
 
-def measured_stage_ms(records, stages, first_step: int, last_step: int) -> dict[int, float]:
-    """Each of ``stages``' measured compute per step over steps ``first_step .. last_step - 1``, from an ActionRecorder's rows."""
-    import torch
-
+def measured_stage_ms(
+    records: torch.Tensor, stages: Iterable[int], first_step: int, last_step: int
+) -> dict[int, float]:
+    """Each of ``stages``' measured compute per step over steps ``first_step .. last_step - 1``, from an
+    ActionRecorder's rows."""
     from .rank.instrument import COMPUTE_CODES
 
     rows = torch.as_tensor(records).to("cpu")

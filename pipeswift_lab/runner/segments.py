@@ -10,11 +10,21 @@ by name; :func:`combine` joins the segments' measurements on one clock.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import pandas as pd
 
 from ..core.checks import check_int
+
+if TYPE_CHECKING:
+    from torch import nn
+
+    from ..core.jct import JCT
+    from ..partitioning.balance import Partition
+    from ..simulation.timeline import Timeline
+    from .result import RunResult
 
 #: Columns of ``RunResult.segments``.
 SEGMENT_COLUMNS = (
@@ -36,14 +46,23 @@ SEGMENT_COLUMNS = (
 
 @dataclass(frozen=True)
 class PlannedSegment:
-    """A segment known before launch: it starts at ``start_step`` on ``partition`` (the first one, then one per resize)."""
+    """A segment known before launch: it starts at ``start_step`` on ``partition`` (the first one, then one per
+    resize)."""
 
     start_step: int
-    partition: object
+    partition: Partition
 
 
 def plan_segments(
-    model, partition, steps: int, first_step: int, resize_at, partitions, profile, m, schedule
+    model: nn.Module,
+    partition: Partition,
+    steps: int,
+    first_step: int,
+    resize_at: dict[int, int] | None,
+    partitions: dict[int, Partition] | None,
+    profile: Any,
+    m: int,
+    schedule: str | None,
 ) -> list[PlannedSegment]:
     """The segments ``resize_at``/``partitions`` ask for, each partition made and checked before launch.
 
@@ -56,13 +75,14 @@ def plan_segments(
     if resize_at is not None and partitions is not None:
         raise ValueError("give resize_at={step: P} or partitions={step: Partition}, not both")
     planned = [PlannedSegment(first_step, partition)]
-    changes = resize_at if resize_at is not None else partitions
+    changes: dict[int, Any] | None = resize_at if resize_at is not None else partitions
     if changes is None:
         return planned
     name = "resize_at" if resize_at is not None else "partitions"
     if not isinstance(changes, dict) or not changes:
         raise TypeError(
-            f"{name} must be a non-empty dict {{step: {'P' if resize_at is not None else 'Partition'}}}; got {changes!r}"
+            f"{name} must be a non-empty dict {{step: {'P' if resize_at is not None else 'Partition'}}}; got "
+            f"{changes!r}"
         )
     if resize_at is not None and profile is None:
         raise ValueError(
@@ -103,13 +123,13 @@ def plan_segments(
     return planned
 
 
-def _boundary_save_s(result) -> float:
+def _boundary_save_s(result: RunResult) -> float:
     table = result.checkpoints
     switch = table[table["kind"].isin(["resize", "rebalance"])] if len(table) else table
     return float(switch["blocking_ms"].iloc[-1] / 1e3) if len(switch) else 0.0
 
 
-def segments_table(results, reasons) -> pd.DataFrame:
+def segments_table(results: Sequence[RunResult], reasons: Sequence[str]) -> pd.DataFrame:
     """One row per segment (see :data:`SEGMENT_COLUMNS`): the measured cost of every change of configuration."""
     rows = []
     for i, (result, reason) in enumerate(zip(results, reasons)):
@@ -134,7 +154,7 @@ def segments_table(results, reasons) -> pd.DataFrame:
     return pd.DataFrame(rows, columns=list(SEGMENT_COLUMNS))
 
 
-def combine(results, reasons):
+def combine(results: Sequence[RunResult], reasons: Sequence[str]) -> RunResult:
     """One :class:`~pipeswift_lab.runner.result.RunResult` of consecutive segments, on the first segment's clock.
 
     Steps, losses and the timeline (with a ``segment`` column) run across all segments; the
@@ -142,43 +162,12 @@ def combine(results, reasons):
     its start-up and restore as assembly (restore) or preemption loss, as they happened; the
     final parameters, ranks and P are the last segment's.
     """
-    from ..core.jct import JCT
-    from ..simulation.timeline import Timeline
     from .rebalance import REBALANCE_COLUMNS
 
     first, last = results[0], results[-1]
     t0 = first.meta["t0_ns"]
-    frames = []
-    for i, result in enumerate(results):
-        if result.timeline is not None:
-            shift = (result.meta["t0_ns"] - t0) / 1e6
-            df = result.timeline.df.copy()
-            df["start_ms"] += shift
-            df["end_ms"] += shift
-            df["segment"] = i
-            frames.append(df)
-    timeline = None
-    if frames and len(frames) == len(results):
-        timeline = Timeline(
-            pd.concat(frames, ignore_index=True),
-            source="measured",
-            meta={
-                **last.timeline.meta,
-                "segments": len(results),
-                "P": max(r.P for r in results),
-                "P_by_segment": [r.P for r in results],
-            },
-        )
-    switch_restore_s = sum(r.restore_s for r in results[1:])  # a change's restore is part of its re-assembly
-    jct = JCT(
-        assembly_s=sum(r.jct.assembly_s for r in results) + switch_restore_s,
-        training_s=sum(r.jct.training_s for r in results),
-        cleanup_s=sum(r.jct.cleanup_s for r in results),
-        preemption_loss_s=sum(r.jct.preemption_loss_s for r in results) - switch_restore_s,
-        label=last.jct.label
-        if len(results) == 1
-        else f"measured {len(results)} segments, P " + "→".join(str(r.P) for r in results),
-    )
+    timeline = _joined_timeline(results)
+    jct = _summed_jct(results)
     rebalances = [row for r in results for row in r.meta.get("rebalances", [])]
     meta = {
         **last.meta,
@@ -202,4 +191,48 @@ def combine(results, reasons):
         skipped_steps=tuple(x for r in results for x in r.skipped_steps),
         segments=segments_table(results, reasons),
         rebalances=pd.DataFrame(rebalances, columns=list(REBALANCE_COLUMNS)),
+    )
+
+
+def _joined_timeline(results: Sequence[RunResult]) -> Timeline | None:
+    """The segments' timelines on the first segment's clock, with a ``segment`` column (None unless every segment
+    has one)."""
+    from ..simulation.timeline import Timeline
+
+    t0, last = results[0].meta["t0_ns"], results[-1]
+    frames = []
+    for i, result in enumerate(results):
+        if result.timeline is not None:
+            shift = (result.meta["t0_ns"] - t0) / 1e6
+            df = result.timeline.df.copy()
+            df["start_ms"] += shift
+            df["end_ms"] += shift
+            df["segment"] = i
+            frames.append(df)
+    if not frames or len(frames) != len(results) or last.timeline is None:
+        return None
+    meta = {
+        **last.timeline.meta,
+        "segments": len(results),
+        "P": max(r.P for r in results),
+        "P_by_segment": [r.P for r in results],
+    }
+    return Timeline(pd.concat(frames, ignore_index=True), source="measured", meta=meta)
+
+
+def _summed_jct(results: Sequence[RunResult]) -> JCT:
+    """The segments' JCT terms added up; a change's restore counts as assembly (its re-assembly), not as
+    preemption loss."""
+    from ..core.jct import JCT
+
+    switch_restore_s = sum(r.restore_s for r in results[1:])
+    last = results[-1]
+    return JCT(
+        assembly_s=sum(r.jct.assembly_s for r in results) + switch_restore_s,
+        training_s=sum(r.jct.training_s for r in results),
+        cleanup_s=sum(r.jct.cleanup_s for r in results),
+        preemption_loss_s=sum(r.jct.preemption_loss_s for r in results) - switch_restore_s,
+        label=last.jct.label
+        if len(results) == 1
+        else f"measured {len(results)} segments, P " + "→".join(str(r.P) for r in results),
     )

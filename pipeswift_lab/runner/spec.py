@@ -14,174 +14,111 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import itertools
 import json
 import os
 import sys
 import sysconfig
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from types import ModuleType
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import nn
 
-from ..core.checks import check_int, check_time
+from ..core.checks import check_flag, check_int, check_time
+from .devices import CPU_RANKS_PER_CORE, available_cores, resolve_devices
+from .options import ON_NONFINITE, JobOptions
+from .sources import DataSource, make_data_source
 from .stages.sequential import StagePlan, TensorSpec, boundary_specs, check_shared_parameters, plan_stages
+
+if TYPE_CHECKING:
+    from .stages.traced import TracedPlan
+
+__all__ = [
+    "DEFAULT_LR",
+    "SPEC_MAGIC",
+    "MAX_TIMEOUT_S",
+    "REPLICA_UNSUPPORTED",
+    "RunSpec",
+    "default_optimizer",
+    "make_spec",
+    "load_spec",
+    "spec_header",
+    # defined in devices, sources and options; importable from here as before
+    "CPU_RANKS_PER_CORE",
+    "available_cores",
+    "resolve_devices",
+    "DataSource",
+    "make_data_source",
+    "JobOptions",
+    "ON_NONFINITE",
+]
 
 #: Learning rate of the default optimizer factory (plain SGD, no momentum).
 DEFAULT_LR = 0.01
-#: CPU ranks allowed per available core: gloo ranks block (not spin) while they wait, so
-#: 2x oversubscription still runs; beyond that time-slicing makes measured timelines meaningless.
-CPU_RANKS_PER_CORE = 2
 _FORMAT = "pipeswift_lab.RunSpec"
 _VERSION = 2
 #: The first bytes of a spec file: a header line (JSON) before the pickle, read without unpickling anything.
 SPEC_MAGIC = b"PIPESWIFT-SPEC "
 _HEADER_MAX_BYTES = 4096
+#: Schedules whose split backward (I then W) does not go through DDP's synchronized backward.
+REPLICA_UNSUPPORTED = ("InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
+#: The longest ``timeout_s`` a run takes (seconds): torch's process groups and stores overflow far above it.
+MAX_TIMEOUT_S = 1e9
 
 
-def default_optimizer(params) -> torch.optim.Optimizer:
+def default_optimizer(params: Iterable[torch.nn.Parameter]) -> torch.optim.Optimizer:
     """The optimizer ``run`` uses when given none: ``torch.optim.SGD(params, lr=DEFAULT_LR)``."""
     return torch.optim.SGD(params, lr=DEFAULT_LR)
 
 
-def available_cores() -> int:
-    """CPU cores this process may use (its affinity mask where the OS has one)."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # pragma: no cover - macOS/Windows
-        return os.cpu_count() or 1
-
-
-@dataclass(frozen=True)
-class DataSource:
-    """Where each step's ``(inputs, targets)`` come from.
-
-    ``kind`` is ``"batch"`` (the same batch every step), ``"callable"`` (``value(step)``) or
-    ``"batches"`` (a list materialized from an iterable, one per step). A callable is called
-    on every rank that needs the batch with torch's RNG seeded to ``seed + step``, so batches
-    drawn with ``torch.randn`` agree across ranks.
-    """
-
-    kind: str
-    value: Any
-    seed: int = 0
-
-    def batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(inputs, targets)`` of ``step``."""
-        if self.kind == "batch":
-            return self.value
-        if self.kind == "batches":
-            return self.value[step]
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(self.seed + step)
-            try:
-                batch = self.value(step)
-            except Exception as exc:  # noqa: BLE001 - re-raised naming the argument
-                raise ValueError(
-                    f"data({step}) raised {type(exc).__name__}: {exc} (data, a callable, is called as "
-                    f"data(step) -> (inputs, targets) on every rank)"
-                ) from exc
-            return _check_batch(batch, f"data({step})")
-
-
-def _check_batch(batch, where: str) -> tuple[torch.Tensor, torch.Tensor]:
-    if not isinstance(batch, (tuple, list)) or len(batch) != 2:
-        raise TypeError(f"{where} must be an (inputs, targets) pair of tensors; got {type(batch).__name__}")
-    inputs, targets = batch
-    for name, t in (("inputs", inputs), ("targets", targets)):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{where}: {name} must be a torch.Tensor; got {type(t).__name__}")
-        if t.dim() == 0:
-            raise ValueError(f"{where}: {name} is a 0-d tensor; it needs a batch dimension to split into micro-batches")
-    if inputs.shape[0] != targets.shape[0]:
-        raise ValueError(
-            f"{where}: inputs have batch size {inputs.shape[0]} but targets {targets.shape[0]}; they must match"
-        )
-    return inputs, targets
-
-
-def make_data_source(data, steps: int, seed: int) -> DataSource:
-    """Normalize ``data`` (a batch, a ``callable(step)`` or an iterable of batches) into a :class:`DataSource` (one as is)."""
-    if isinstance(data, DataSource):
-        return data
-    if isinstance(data, (tuple, list)) and len(data) == 2 and all(isinstance(t, torch.Tensor) for t in data):
-        return DataSource("batch", _check_batch(tuple(data), "data"), seed)
-    if isinstance(data, (tuple, list)) and data and all(isinstance(t, torch.Tensor) for t in data):
-        raise TypeError(
-            f"data holds {len(data)} tensor{'s' if len(data) != 1 else ''}; give one (inputs, targets) pair, "
-            f"a callable(step) -> (inputs, targets) or an iterable of such pairs"
-        )
-    if callable(data):
-        return DataSource("callable", data, seed)
-    if isinstance(data, torch.Tensor) or not hasattr(data, "__iter__"):
-        raise TypeError(
-            f"data must be an (inputs, targets) batch, a callable(step) -> (inputs, targets) or an iterable of batches; got {type(data).__name__}"
-        )
-    batches = list(itertools.islice(iter(data), steps))
-    if len(batches) < steps:
-        raise ValueError(f"data yielded {len(batches)} batches but steps={steps} need {steps}")
-    return DataSource("batches", [_check_batch(b, f"data batch {i}") for i, b in enumerate(batches)], seed)
-
-
-#: What ``run(..., on_nonfinite=...)`` may do at a NaN/inf loss.
-ON_NONFINITE = ("raise", "skip", "ignore")
-
-
-@dataclass(frozen=True)
-class JobOptions:
-    """How a run lives through a shared cluster: checkpoints, resume, preemption, non-finite losses.
-
-    Checked and resolved by :func:`pipeswift_lab.runner.job.job_options` before launch.
-    """
-
-    checkpoint_dir: str | None = None  # checkpoint root; None: no checkpoints
-    checkpoint_every: int | str | None = None  # N steps, "auto" (Young/Daly from measured save time and mtbf_s) or None
-    keep: int = 2  # newest complete checkpoints kept
-    resume_from: str | None = None  # one step-* directory (resolved from a root before launch)
-    mtbf_s: float | None = None  # mean time between failures of the job, for "auto"
-    on_nonfinite: str = "raise"  # "raise", "skip" or "ignore" (see ON_NONFINITE)
-    preempt_grace_s: float = 30.0  # after SIGTERM, seconds to finish the step and save before being killed
-    run_id: str | None = None  # written into every manifest: restarts and retention see only this run's checkpoints
-    final_kind: str | None = (
-        "final"  # the save at the last step: "final", "resize" before a reconfiguration, None: none
-    )
-    rebalance: Any = None  # a runner.rebalance.RebalancePlan: decide every N steps whether to move stage boundaries
-    launch_ns: int | None = None  # wall clock when this segment's launch began (the measured assembly starts there)
-    write_fault: dict | None = (
-        None  # a runner.faults.write_fault in force when run() was called: the writer fails as asked
-    )
-
-
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class RunSpec:
     """One pipeline run, complete: what each worker loads. Build it with :func:`make_spec`."""
 
-    model: nn.Module  # the full model (nn.Sequential, or split by torch's tracer); each rank keeps its own stages
-    loss_fn: Callable  # loss_fn(last_stage_output, targets) -> scalar, mean over the micro-batch
+    model: nn.Module
+    """The full model (an ``nn.Sequential``, or one split by torch's tracer); each rank keeps its own stages."""
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    """``loss_fn(last_stage_output, targets)`` -> a scalar, the mean over the micro-batch."""
     data: DataSource
-    optimizer: Callable  # factory: optimizer(params) -> torch.optim.Optimizer, called per rank on its stages
-    plan: StagePlan  # bounds, P, v, schedule, stage_to_rank
-    m: int  # micro-batches per step
-    steps: int  # training steps
-    backend: str  # "gloo" (CPU) or "nccl" (CUDA)
-    device_type: str  # "cpu" or "cuda"
-    devices: tuple[int, ...] | None  # CUDA device index per local rank; None on CPU
-    threads_per_rank: int | None  # torch.set_num_threads per CPU rank; None on CUDA
-    boundaries: tuple[tuple[TensorSpec, TensorSpec], ...]  # (input, output) of every stage, one micro-batch
-    state_keys: tuple[str, ...]  # model.state_dict() keys, in order
-    instrument: bool = True  # record every F/B/I/W action; False for the overhead baseline
-    seed: int = 0  # torch.manual_seed on every rank before the first step; data callables get seed + step
-    timeout_s: float = 300.0  # the whole run, and every collective's timeout in the workers
-    job: JobOptions = JobOptions()  # checkpoints, resume, non-finite losses
-    meta: dict = field(default_factory=dict, compare=False)
-    traced: Any = (
-        None  # a runner.tracer.TracedPlan for a model that is not an nn.Sequential; None: children are the layers
-    )
-    D: int = 1  # data-parallel replicas of the pipeline; world size P * D, global rank = replica * P + pipeline rank
+    """Each step's ``(inputs, targets)``."""
+    optimizer: Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer]
+    """The factory ``optimizer(params)``, called on every rank with its stages' parameters."""
+    plan: StagePlan
+    """The stages: bounds, ``P``, ``v``, schedule, ``stage_to_rank``."""
+    m: int
+    """Micro-batches per step."""
+    steps: int
+    """Training steps (the job's total; a resumed run starts at its checkpoint's step)."""
+    backend: str
+    """``"gloo"`` (CPU) or ``"nccl"`` (CUDA)."""
+    device_type: str
+    """``"cpu"`` or ``"cuda"``."""
+    devices: tuple[int, ...] | None
+    """The CUDA device index of every local rank; ``None`` on CPU."""
+    threads_per_rank: int | None
+    """``torch.set_num_threads`` of every CPU rank; ``None`` on CUDA."""
+    boundaries: tuple[tuple[TensorSpec, TensorSpec], ...]
+    """``(input, output)`` of every stage for one micro-batch (empty for traced stages)."""
+    state_keys: tuple[str, ...]
+    """``model.state_dict()`` keys, in order."""
+    instrument: bool = True
+    """Record every F/B/I/W action; False for the overhead baseline."""
+    seed: int = 0
+    """``torch.manual_seed`` on every rank before the first step; data callables get ``seed + step``."""
+    timeout_s: float = 300.0
+    """The whole run, and every collective's timeout in the workers."""
+    job: JobOptions = field(default_factory=JobOptions)
+    """Checkpoints, resume, preemption, non-finite losses."""
+    meta: dict[str, Any] = field(default_factory=dict, compare=False)
+    """What the result reports about the run: batch sizes, placement, layer names, torch version, cores."""
+    traced: TracedPlan | None = None
+    """How to re-trace a model that is not an ``nn.Sequential``; ``None``: its children are the layers."""
+    D: int = 1
+    """Data-parallel replicas of the pipeline; world size ``P * D``, global rank = replica * P + pipeline rank."""
 
     @property
     def P(self) -> int:
@@ -193,7 +130,7 @@ class RunSpec:
         """Processes: ``P * D`` (replica ``d`` holds the global ranks ``d*P .. d*P+P-1``, one node's worth)."""
         return self.plan.P * self.D
 
-    def save(self, path) -> Path:
+    def save(self, path: str | os.PathLike[str]) -> Path:
         """Write the spec to ``path``; return the path.
 
         The file is a header line (``SPEC_MAGIC`` + JSON: format, version, the toolkit's version,
@@ -218,7 +155,7 @@ class RunSpec:
         path.write_bytes(SPEC_MAGIC + json.dumps(header).encode() + b"\n" + payload)
         return path
 
-    def _code_objects(self) -> list:
+    def _code_objects(self) -> list[Any]:
         objs = [self.model, self.loss_fn, self.optimizer]
         objs += list(self.model.modules())
         if self.data.kind == "callable":
@@ -226,7 +163,7 @@ class RunSpec:
         return objs
 
 
-def load_spec(path) -> RunSpec:
+def load_spec(path: str | os.PathLike[str]) -> RunSpec:
     """Read a spec written by :meth:`RunSpec.save` (``run(..., save_spec=path)``); returns the :class:`RunSpec`.
 
     The header is checked before anything is unpickled: a file without it, of another format or
@@ -248,10 +185,10 @@ def load_spec(path) -> RunSpec:
             f"spec file {str(path)!r}: its payload ({len(payload)} bytes) does not match the checksum in its header "
             f"({header['bytes']} bytes): it was changed or cut short after it was written; nothing was unpickled"
         )
-    return pickle.loads(payload)
+    return cast(RunSpec, pickle.loads(payload))
 
 
-def spec_header(path, data: bytes | None = None) -> dict:
+def spec_header(path: str | os.PathLike[str], data: bytes | None = None) -> dict[str, Any]:
     """The header of the spec file at ``path`` (format, version, toolkit version, payload SHA-256 and size), checked.
 
     Raises ``ValueError`` naming the file when the header is missing, unreadable or written for
@@ -288,7 +225,7 @@ def spec_header(path, data: bytes | None = None) -> dict:
     return header
 
 
-def _is_installed(module) -> bool:
+def _is_installed(module: ModuleType) -> bool:
     name = getattr(module, "__name__", "") or ""
     if name.split(".")[0] in ("pipeswift_lab", "torch", "builtins"):
         return True
@@ -301,7 +238,7 @@ def _is_installed(module) -> bool:
     return any(file.startswith(root + os.sep) for root in roots)
 
 
-def _modules_of(obj) -> set[str]:
+def _modules_of(obj: object) -> set[str]:
     names = set()
     while isinstance(obj, functools.partial):
         obj = obj.func
@@ -313,7 +250,7 @@ def _modules_of(obj) -> set[str]:
 
 
 @contextmanager
-def _pickled_by_value(objs):
+def _pickled_by_value(objs: list[Any]) -> Iterator[None]:
     """Register the modules of ``objs`` that are not installed packages for by-value pickling, then unregister."""
     import cloudpickle
 
@@ -337,93 +274,24 @@ def _pickled_by_value(objs):
             cloudpickle.unregister_pickle_by_value(module)
 
 
-#: Schedules whose split backward (I then W) does not go through DDP's synchronized backward.
-DP_UNSUPPORTED = ("InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
-
-
-def resolve_devices(P: int, backend, devices, what: str | None = None) -> tuple[str, str, tuple[int, ...] | None]:
-    """Pick ``(backend, device_type, cuda_device_per_rank)`` and refuse what this machine cannot run.
-
-    ``devices``: ``None`` (one GPU per rank when there are GPUs, CPU processes otherwise),
-    ``"cpu"``, ``"cuda"`` (GPUs ``0..P-1``) or a list of ``P`` CUDA device indices.
-    ``backend``: ``None`` (``nccl`` on CUDA, ``gloo`` on CPU), ``"gloo"`` or ``"nccl"``.
-    """
-    n_gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    if backend is not None and backend not in ("gloo", "nccl"):
-        raise ValueError(f"backend={backend!r} is not supported; use None, 'gloo' (CPU) or 'nccl' (CUDA)")
-    if devices is None:
-        device_type = "cuda" if n_gpus and backend != "gloo" else "cpu"
-        indices = tuple(range(P)) if device_type == "cuda" else None
-    elif isinstance(devices, str) and devices in ("cpu", "cuda"):
-        device_type = devices
-        indices = tuple(range(P)) if devices == "cuda" else None
-    elif isinstance(devices, (list, tuple)):
-        indices = []
-        for d in devices:
-            dev = torch.device(d) if not isinstance(d, int) else torch.device("cuda", d)
-            if dev.type != "cuda" or dev.index is None:
-                raise ValueError(
-                    f"devices={list(devices)!r}: every entry must be a CUDA device index or 'cuda:i'; got {d!r}"
-                )
-            indices.append(dev.index)
-        if len(indices) != P:
-            raise ValueError(
-                f"devices={list(devices)!r} lists {len(indices)} devices but the partition has P={P} ranks"
-            )
-        if len(set(indices)) != len(indices):
-            raise ValueError(f"devices={list(devices)!r} repeats a GPU; each rank needs its own")
-        device_type, indices = "cuda", tuple(indices)
-    else:
-        raise TypeError(f"devices must be None, 'cpu', 'cuda' or a list of CUDA device indices; got {devices!r}")
-
-    if device_type == "cuda":
-        if n_gpus == 0:
-            raise ValueError(f"devices={devices!r} asks for CUDA but torch sees no GPU here; use devices='cpu'")
-        if max(indices) >= n_gpus:
-            raise ValueError(
-                f"P={P} ranks need GPUs {list(indices)} but this machine has {n_gpus} (cuda device_count); "
-                "use fewer ranks or devices='cpu'"
-            )
-        backend = backend or "nccl"
-        if backend != "nccl":
-            raise ValueError(
-                f"backend={backend!r} cannot send CUDA tensors between stages; use backend='nccl' with GPUs"
-            )
-        return backend, "cuda", indices
-    backend = backend or "gloo"
-    if backend != "gloo":
-        raise ValueError(f"backend={backend!r} needs GPUs; CPU ranks use backend='gloo'")
-    cores = available_cores()
-    if P > CPU_RANKS_PER_CORE * cores:
-        raise ValueError(
-            f"{what or f'P={P}'} CPU ranks is more than this machine can run: it has {cores} cores and the runner allows "
-            f"{CPU_RANKS_PER_CORE} ranks per core ({CPU_RANKS_PER_CORE * cores})"
-        )
-    return backend, "cpu", None
-
-
-#: The longest ``timeout_s`` a run takes (seconds): torch's process groups and stores overflow far above it.
-MAX_TIMEOUT_S = 1e9
-
-
 def make_spec(
-    model,
-    data,
-    loss_fn,
-    partition,
-    m,
+    model: nn.Module,
+    data: Any,
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    partition: Any,
+    m: int,
     *,
-    schedule=None,
-    steps=10,
-    optimizer=None,
-    nprocs=None,
-    backend=None,
-    devices=None,
-    timeout_s=300.0,
-    instrument=True,
-    seed=0,
+    schedule: str | None = None,
+    steps: int = 10,
+    optimizer: Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer] | None = None,
+    nprocs: int | None = None,
+    backend: str | None = None,
+    devices: Any = None,
+    timeout_s: float = 300.0,
+    instrument: bool = True,
+    seed: int = 0,
     job: JobOptions | None = None,
-    D=1,
+    D: int = 1,
 ) -> RunSpec:
     """Check every argument of :func:`pipeswift_lab.run` and build the :class:`RunSpec` (no process is started).
 
@@ -431,99 +299,21 @@ def make_spec(
     known here: schedule rules, ``m`` not dividing the batch, too many ranks for the machine,
     stages whose shapes do not chain, a loss that does not take the last stage's output.
     """
-    from ..simulation import schedules as _schedules
-
     plan = plan_stages(model, partition, schedule)
     D = check_int("D", D, minimum=1)
     m = check_int("m", m, minimum=1)
     steps = check_int("steps", steps, minimum=1)
     seed = check_int("seed", seed)
-    timeout_s = check_time("timeout_s", timeout_s, allow_zero=False)
-    if timeout_s > MAX_TIMEOUT_S:
-        raise ValueError(
-            f"timeout_s={timeout_s:g} is more than the {MAX_TIMEOUT_S:g} s (about 31 years) the workers' process groups "
-            f"and stores can wait (a longer timeout overflows torch's clock); give timeout_s <= {MAX_TIMEOUT_S:g}"
-        )
-    if not isinstance(instrument, bool):
-        raise TypeError(f"instrument must be a bool; got {type(instrument).__name__} {instrument!r}")
-    if nprocs is not None:
-        nprocs = check_int("nprocs", nprocs, minimum=1)
-        if nprocs != plan.P * D:
-            what = f"the partition's P={plan.P}" if D == 1 else f"P*D={plan.P}*{D}"
-            raise ValueError(
-                f"nprocs={nprocs} differs from {what}; one process runs each rank, so nprocs must be {plan.P * D} (or None)"
-            )
-    _schedules.validate(plan.P, m, plan.schedule, plan.v)
-    if not callable(loss_fn):
-        raise TypeError(f"loss_fn must be callable as loss_fn(outputs, targets); got {type(loss_fn).__name__}")
-    optimizer = default_optimizer if optimizer is None else optimizer
-    if not callable(optimizer):
-        raise TypeError(
-            f"optimizer must be a factory such as `lambda params: torch.optim.SGD(params, lr=0.1)`; got {type(optimizer).__name__}"
-        )
-    try:
-        probe = optimizer([p for p in model.parameters()])
-    except Exception as exc:  # noqa: BLE001 - re-raised naming the argument
-        raise ValueError(
-            f"optimizer(params) raised {type(exc).__name__}: {exc} (optimizer is a factory called with each rank's "
-            f"parameters, e.g. `lambda params: torch.optim.SGD(params, lr=0.1)`)"
-        ) from exc
-    if not isinstance(probe, torch.optim.Optimizer):
-        raise TypeError(f"optimizer(params) must return a torch.optim.Optimizer; it returned {type(probe).__name__}")
-    del probe
-    sequential = isinstance(model, nn.Sequential)
-    if sequential:
-        check_shared_parameters(model, plan)
-    if D > 1 and plan.schedule in DP_UNSUPPORTED:
-        raise ValueError(
-            f"D={D} replicas with schedule={plan.schedule!r} is not supported: its split input/weight backward "
-            f"bypasses DDP's gradient sync; use one of GPipe, 1F1B, Interleaved1F1B, LoopedBFS with D > 1"
-        )
-
-    backend, device_type, indices = resolve_devices(
-        plan.P * D, backend, devices, what=f"P*D={plan.P}*{D}" if D > 1 else None
-    )
-
+    timeout_s = _check_timeout(timeout_s)
+    check_flag("instrument", instrument)
+    _check_nprocs(nprocs, plan.P, D)
+    _check_schedule(plan, m, D)
+    optimizer = _check_training(model, plan, loss_fn, optimizer)
+    world, what = plan.P * D, f"P*D={plan.P}*{D}" if D > 1 else None
+    backend, device_type, indices = resolve_devices(world, backend, devices, what=what)
     source = make_data_source(data, steps, seed)
-    inputs, targets = source.batch(0)
-    global_batch = inputs.shape[0]
-    if global_batch % D:
-        divisors = [d for d in range(1, global_batch + 1) if global_batch % d == 0]
-        raise ValueError(
-            f"D={D} does not divide the global batch size {global_batch} of data (each replica reads an equal slice); "
-            f"use a D in {divisors}"
-        )
-    batch_size = global_batch // D
-    if batch_size % m:
-        divisors = [d for d in range(1, batch_size + 1) if batch_size % d == 0]
-        where = (
-            f"the batch size {batch_size} of data"
-            if D == 1
-            else f"each replica's batch {batch_size} (global batch {global_batch} / D={D})"
-        )
-        raise ValueError(f"m={m} does not divide {where}; use an m in {divisors}")
-    inputs_mb, targets_mb = inputs[: batch_size // m], targets[: batch_size // m]
-    if sequential:
-        boundaries, traced = boundary_specs(model, plan, inputs_mb, targets_mb, loss_fn), None
-        layer_names = [name for name, _ in model.named_children()]
-    else:
-        from .stages.traced import check_traceable
-
-        boundaries = ()  # torch's traced stages know their boundary shapes from the graph
-        traced = check_traceable(model, partition, plan.n_stages, inputs_mb, targets_mb, loss_fn)
-        layer_names = [str(name) for stage in partition.layer_names for name in stage]
-    threads = max(1, available_cores() // (plan.P * D)) if device_type == "cpu" else None
-    meta = {
-        "torch_version": torch.__version__,
-        "batch_size": int(global_batch),
-        "replica_batch_size": int(batch_size),
-        "D": D,
-        "microbatch_size": int(batch_size // m),
-        "placement": [list(range(d * plan.P, (d + 1) * plan.P)) for d in range(D)],
-        "n_layers": len(layer_names),
-        "cores": available_cores(),
-        "layer_names": layer_names,
-    }
+    global_batch, batch_size = _replica_batch(source, D, m)
+    boundaries, traced, layer_names = _stage_shapes(model, partition, plan, source, batch_size // m, loss_fn)
     return RunSpec(
         model=model,
         loss_fn=loss_fn,
@@ -535,14 +325,141 @@ def make_spec(
         backend=backend,
         device_type=device_type,
         devices=indices,
-        threads_per_rank=threads,
+        threads_per_rank=max(1, available_cores() // world) if device_type == "cpu" else None,
         boundaries=boundaries,
         state_keys=tuple(model.state_dict().keys()),
         instrument=instrument,
         seed=seed,
         timeout_s=timeout_s,
         job=job if job is not None else JobOptions(),
-        meta=meta,
+        meta=_spec_meta(plan, D, m, global_batch, batch_size, layer_names),
         traced=traced,
         D=D,
     )
+
+
+def _check_timeout(timeout_s: float) -> float:
+    timeout_s = check_time("timeout_s", timeout_s, allow_zero=False)
+    if timeout_s > MAX_TIMEOUT_S:
+        raise ValueError(
+            f"timeout_s={timeout_s:g} is more than the {MAX_TIMEOUT_S:g} s (about 31 years) the workers' process "
+            f"groups and stores can wait (a longer timeout overflows torch's clock); give timeout_s <= "
+            f"{MAX_TIMEOUT_S:g}"
+        )
+    return timeout_s
+
+
+def _check_nprocs(nprocs: int | None, P: int, D: int) -> None:
+    """``nprocs`` must be ``None`` or ``P * D``: one process runs each rank."""
+    if nprocs is None:
+        return
+    nprocs = check_int("nprocs", nprocs, minimum=1)
+    if nprocs != P * D:
+        what = f"the partition's P={P}" if D == 1 else f"P*D={P}*{D}"
+        raise ValueError(
+            f"nprocs={nprocs} differs from {what}; one process runs each rank, so nprocs must be {P * D} (or None)"
+        )
+
+
+def _check_schedule(plan: StagePlan, m: int, D: int) -> None:
+    """torch's rules for P, m and v of the schedule, and the schedules that cannot run with ``D > 1`` replicas."""
+    from ..core.vocabulary import validate
+
+    validate(plan.P, m, plan.schedule, plan.v)
+    if D > 1 and plan.schedule in REPLICA_UNSUPPORTED:
+        raise ValueError(
+            f"D={D} replicas with schedule={plan.schedule!r} is not supported: its split input/weight backward "
+            f"bypasses DDP's gradient sync; use one of GPipe, 1F1B, Interleaved1F1B, LoopedBFS with D > 1"
+        )
+
+
+def _check_training(
+    model: nn.Module,
+    plan: StagePlan,
+    loss_fn: object,
+    optimizer: Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer] | None,
+) -> Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer]:
+    """Check ``loss_fn`` and the optimizer factory (by making one optimizer of the model's parameters) and that no
+    two stages of an ``nn.Sequential`` share a parameter; return the factory (:func:`default_optimizer` for None)."""
+    if not callable(loss_fn):
+        raise TypeError(f"loss_fn must be callable as loss_fn(outputs, targets); got {type(loss_fn).__name__}")
+    optimizer = default_optimizer if optimizer is None else optimizer
+    if not callable(optimizer):
+        raise TypeError(
+            "optimizer must be a factory such as `lambda params: torch.optim.SGD(params, lr=0.1)`; got "
+            f"{type(optimizer).__name__}"
+        )
+    try:
+        probe = optimizer([p for p in model.parameters()])
+    except Exception as exc:  # re-raised naming the argument
+        raise ValueError(
+            f"optimizer(params) raised {type(exc).__name__}: {exc} (optimizer is a factory called with each rank's "
+            f"parameters, e.g. `lambda params: torch.optim.SGD(params, lr=0.1)`)"
+        ) from exc
+    if not isinstance(probe, torch.optim.Optimizer):
+        raise TypeError(f"optimizer(params) must return a torch.optim.Optimizer; it returned {type(probe).__name__}")
+    if isinstance(model, nn.Sequential):
+        check_shared_parameters(model, plan)
+    return optimizer
+
+
+def _replica_batch(source: DataSource, D: int, m: int) -> tuple[int, int]:
+    """``(global batch, each replica's batch)`` of step 0's data; ``D`` and then ``m`` must divide them."""
+    global_batch = int(source.batch(0)[0].shape[0])
+    if global_batch % D:
+        divisors = [d for d in range(1, global_batch + 1) if global_batch % d == 0]
+        raise ValueError(
+            f"D={D} does not divide the global batch size {global_batch} of data (each replica reads an equal "
+            f"slice); use a D in {divisors}"
+        )
+    batch_size = global_batch // D
+    if batch_size % m:
+        divisors = [d for d in range(1, batch_size + 1) if batch_size % d == 0]
+        where = (
+            f"the batch size {batch_size} of data"
+            if D == 1
+            else f"each replica's batch {batch_size} (global batch {global_batch} / D={D})"
+        )
+        raise ValueError(f"m={m} does not divide {where}; use an m in {divisors}")
+    return global_batch, batch_size
+
+
+def _stage_shapes(
+    model: nn.Module,
+    partition: Any,
+    plan: StagePlan,
+    source: DataSource,
+    microbatch_size: int,
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+) -> tuple[tuple[tuple[TensorSpec, TensorSpec], ...], TracedPlan | None, list[str]]:
+    """Run one micro-batch through the stages before launch: ``(boundaries, traced plan, layer names)``.
+
+    An ``nn.Sequential`` gets the shapes crossing every boundary; any other model is traced at the
+    partition's split points (torch's traced stages know their boundary shapes from the graph).
+    """
+    inputs, targets = source.batch(0)
+    inputs_mb, targets_mb = inputs[:microbatch_size], targets[:microbatch_size]
+    if isinstance(model, nn.Sequential):
+        layer_names = [name for name, _ in model.named_children()]
+        return boundary_specs(model, plan, inputs_mb, targets_mb, loss_fn), None, layer_names
+    from .stages.traced import check_traceable
+
+    traced = check_traceable(model, partition, plan.n_stages, inputs_mb, targets_mb, loss_fn)
+    return (), traced, [str(name) for stage in partition.layer_names for name in stage]
+
+
+def _spec_meta(
+    plan: StagePlan, D: int, m: int, global_batch: int, batch_size: int, layer_names: list[str]
+) -> dict[str, Any]:
+    """What the result reports about the run beyond the spec's fields."""
+    return {
+        "torch_version": torch.__version__,
+        "batch_size": global_batch,
+        "replica_batch_size": batch_size,
+        "D": D,
+        "microbatch_size": batch_size // m,
+        "placement": [list(range(d * plan.P, (d + 1) * plan.P)) for d in range(D)],
+        "n_layers": len(layer_names),
+        "cores": available_cores(),
+        "layer_names": layer_names,
+    }

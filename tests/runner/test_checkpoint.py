@@ -165,7 +165,7 @@ def test_kill_during_save_never_leaves_a_corrupt_checkpoint(tmp_path):
     rng = random.Random(0)
     root = tmp_path / "kill"
     killed_mid_save = 0
-    for trial in range(6):
+    for _trial in range(6):
         proc = save_steps(root, 10_000, free_port())
         assert proc.stdout.readline().strip()  # at least one save committed
         time.sleep(rng.uniform(0.0, 0.3))

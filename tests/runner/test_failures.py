@@ -33,7 +33,8 @@ BATCH = (torch.randn(8, 4), torch.randn(8, 2))
 
 
 class Trap(nn.Module):
-    """Identity, except on the worker whose RANK is 1 from its ``after``-th forward on: raise, die (os._exit) or hang."""
+    """Identity, except on the worker whose RANK is 1 from its ``after``-th forward on: raise, die (os._exit) or
+    hang."""
 
     def __init__(self, mode, after=0):
         super().__init__()
@@ -60,7 +61,8 @@ def live(pid):
 
 
 def descendants():
-    """Live descendants of this process, leaving out multiprocessing's long-lived helpers (fork server, resource tracker)."""
+    """Live descendants of this process, leaving out multiprocessing's long-lived helpers (fork server, resource
+    tracker)."""
     tree = {}
     for entry in os.listdir("/proc"):
         if entry.isdigit():
@@ -131,14 +133,16 @@ def test_checks_before_launch():
     broken = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(5, 8), nn.Linear(8, 2))
     with pytest.raises(
         ValueError,
-        match=r"stage 1 \(layers 2\.\.3 \(2, 3\)\) cannot take the output of stage 0, a micro-batch of shape \(4, 8\) float32",
+        match=r"stage 1 \(layers 2\.\.3 \(2, 3\)\) cannot take the output of stage 0, "
+        r"a micro-batch of shape \(4, 8\) float32",
     ):
         make_spec(broken, BATCH, loss, part, 2)
     with pytest.raises(ValueError, match=r"stage 0 \(layers 0\.\.1 \(0, 1\)\) cannot take the data inputs"):
         make_spec(model, (torch.randn(8, 3), torch.randn(8, 2)), loss, part, 2)
     with pytest.raises(
         ValueError,
-        match=r"loss_fn\(outputs, targets\) raised .* \(given the last stage's output \(4, 2\) float32 and targets \(4, 5\) float32\)",
+        match=r"loss_fn\(outputs, targets\) raised .* \(given the last stage's output \(4, 2\) float32 "
+        r"and targets \(4, 5\) float32\)",
     ):
         make_spec(
             model, (torch.randn(8, 4), torch.randn(8, 5)), lambda out, target: ((out - target) ** 2).mean(), part, 2
@@ -174,7 +178,7 @@ def test_checks_before_launch():
             make_spec(model, BATCH, loss, part, 2, devices="cuda")
     with pytest.raises(ValueError, match="timeout_s=0.0 is invalid"):
         make_spec(model, BATCH, loss, part, 2, timeout_s=0)
-    with pytest.raises(ValueError, match="start_method='fork' is not valid"):
+    with pytest.raises(ValueError, match="start_method='fork' is not known"):
         run(model, BATCH, loss, part, 2, start_method="fork")
     with pytest.raises(ValueError, match=r"timeout_s=1e\+15 is more than the 1e\+09 s"):
         make_spec(model, BATCH, loss, part, 2, timeout_s=1e15)

@@ -1,4 +1,5 @@
-"""The fault campaign in small: one trial of every fault kind, every check held (the 100-trial one: benchmarks/bench_faults.py)."""
+"""The fault campaign in small: one trial of every fault kind, every check held (the 100-trial one:
+benchmarks/bench_faults.py)."""
 
 import pytest
 from fault_campaign import CHECKS, KINDS, campaign

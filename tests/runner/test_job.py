@@ -294,7 +294,7 @@ def test_auto_interval_survives_a_crash_and_restart(tmp_path, reference):
 
 
 def test_history_terms_add_up_on_a_synthetic_history():
-    from pipeswift_lab.runner.result import _history_terms
+    from pipeswift_lab.runner.assembly import history_terms
 
     ms = 1_000_000
     steps = [(0, s, s * 10 * ms, s * 10 * ms + 8 * ms) for s in range(5)]  # attempt 0: steps 0-4, 8 ms each
@@ -304,14 +304,14 @@ def test_history_terms_add_up_on_a_synthetic_history():
         "attempts": {0: {"first_step": 0}, 1: {"first_step": 2}},
         "checkpoints": [{"attempt": 0, "step": 2, "end_ns": 45 * ms}],
     }  # a save that ended after step 4
-    terms = _history_terms(history)
+    terms = history_terms(history)
     assert terms["restarts"] == 1 and terms["steps_redone"] == 3  # steps 2, 3, 4 trained again
     assert terms["redone_s"] == pytest.approx(3 * 8e-3)
     assert terms["recovery_s"] == pytest.approx(
         (100 - 48) * 1e-3
     )  # from the end of step 4 (48 ms), later than the save
     lost_json = {**history, "attempts": {0: {"first_step": 0}}, "checkpoints": []}  # attempt 1 never wrote its json
-    assert _history_terms(lost_json)["restarts"] == 1
+    assert history_terms(lost_json)["restarts"] == 1
 
 
 def test_calibrated_checkpoint_model(tmp_path):

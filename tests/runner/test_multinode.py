@@ -53,7 +53,8 @@ def free_port() -> int:
 
 
 def two_nodes(spec_path, out, nproc, rendezvous):
-    """Start both nodes' torchrun agents, wait for both; return their CompletedProcess-like (returncode, stdout, stderr)."""
+    """Start both nodes' torchrun agents, wait for both; return their CompletedProcess-like (returncode, stdout,
+    stderr)."""
     launcher = (
         [shutil.which("torchrun")] if shutil.which("torchrun") else [sys.executable, "-m", "torch.distributed.run"]
     )
@@ -97,7 +98,7 @@ def test_two_nodes_run_the_saved_spec_like_the_local_run(tmp_path, rendezvous):
     result, spec_path = local_run(tmp_path, D=1)
     out = tmp_path / "out"
     outputs = two_nodes(spec_path, out, nproc=1, rendezvous=rendezvous)
-    for code, stdout, stderr in outputs:
+    for code, _stdout, stderr in outputs:
         assert code == 0, stderr[-3000:]
     assert any("RunResult 1F1B P=2 m=2" in stdout for _, stdout, _ in outputs)
     again = load_result(out)

@@ -80,7 +80,8 @@ def test_every_reference_model_runs_every_schedule_at_p2(name, schedule):
 
 @pytest.mark.parametrize("bounds", [[(0, 1), (1, 4)], [(0, 3), (3, 4)]], ids=["after-patch-embedding", "before-head"])
 def test_vit_splits_that_send_a_transposed_view(bounds):
-    """The patch embedding returns ``flatten(2).transpose(1, 2)``, a non-contiguous view: it must still cross a boundary."""
+    """The patch embedding returns ``flatten(2).transpose(1, 2)``, a non-contiguous view: it must still cross a
+    boundary."""
     setup = models.reference("vit", batch_size=4, **TINY["vit"])
     profile = Profile.synthetic(fwd_ms=[1.0] * 4, bwd_ms=[2.0] * 4)
     part = Partition.from_bounds(profile, bounds, schedule="1F1B", m=2)

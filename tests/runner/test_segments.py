@@ -34,7 +34,11 @@ def batch(step):
 
 PROFILE6 = psl.Profile.synthetic(fwd_ms=[1.0] * 6, bwd_ms=[2.0] * 6)
 TWO6 = psl.partition(PROFILE6, 2, m=M)
-ADAM = lambda params: torch.optim.Adam(params, lr=0.01)  # noqa: E731
+
+
+def ADAM(params):
+    """The optimizer factory of these jobs: Adam, whose state a resize must carry over."""
+    return torch.optim.Adam(params, lr=0.01)
 
 
 @pytest.fixture(scope="module")

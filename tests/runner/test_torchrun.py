@@ -89,7 +89,8 @@ def test_torchrun_runs_the_saved_spec_like_the_notebook(notebook_run, tmp_path):
 
 
 def assert_no_gloo_threads_after_teardown(out, ranks):
-    """Every rank's process group and its C++ threads are gone before exit. See [Note: the process group outlives its destroy]."""
+    """Every rank's process group and its C++ threads are gone before exit. See [Note: the process group outlives its
+    destroy]."""
     import json
 
     from pipeswift_lab.runner.rank.worker import GLOO_THREADS

@@ -29,6 +29,7 @@ they line up as well as the hosts' clocks are synchronized (NTP, typically < 1 m
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import torch
 
@@ -43,13 +44,15 @@ COMPUTE_CODES = (_F, _B, _I, _W)
 
 def wall_offset_ns(samples: int = 7) -> int:
     """``time.time_ns() - time.perf_counter_ns()``, from the tightest of ``samples`` bracketed reads."""
-    best = None
+    best: tuple[int, int] | None = None
     for _ in range(samples):
         a = time.perf_counter_ns()
         wall = time.time_ns()
         b = time.perf_counter_ns()
         if best is None or b - a < best[0]:
             best = (b - a, wall - (a + b) // 2)
+    if best is None:
+        raise ValueError(f"samples={samples} must be at least 1")
     return best[1]
 
 
@@ -62,17 +65,19 @@ class ActionRecorder:
     micro-batch, start and end in wall-clock ns.
     """
 
-    def __init__(self, stages, schedule, device: torch.device, enabled: bool = True):
+    def __init__(self, stages: list[Any], schedule: Any, device: torch.device | str, enabled: bool = True) -> None:
         self.enabled = enabled
         self.cuda = torch.device(device).type == "cuda"
         self.step = 0
-        self._records: list = []
-        self._pending: list = []  # CUDA: (step, kind, stage, mb, start_event, end_event)
+        self._records: list[tuple[int, int, int, int, int, int]] = []
+        self._pending: list[tuple[Any, ...]] = []  # CUDA: (step, kind, stage, mb, start_event, end_event)
         self._offset = wall_offset_ns()
-        self._step_event = None
+        self._step_event: Any = None  # CUDA: the event recorded at the step start
         self._step_host_ns = 0
-        self._reduce_spans: dict = {}  # (step, stage) -> [first bucket launch, bucket ends, micro-batch]
-        self._backward_mb: dict = {}  # stage -> the micro-batch of its backward now running
+        self._reduce_spans: dict[
+            tuple[int, int], list[Any]
+        ] = {}  # (step, stage) -> [first bucket launch, bucket ends, micro-batch]
+        self._backward_mb: dict[int, int] = {}  # stage -> the micro-batch of its backward now running
         if not enabled:
             return
         for stage in stages:
@@ -113,39 +118,41 @@ class ActionRecorder:
         return self.now_ns()
 
     # --- wrapping ---------------------------------------------------------------------------
-    def _stamp(self):
+    def _stamp(self) -> Any:
         if self.cuda:  # pragma: no cover - needs a GPU
             event = torch.cuda.Event(enable_timing=True)
             event.record()
             return event
         return time.perf_counter_ns()
 
-    def _add(self, kind, stage, mb, t0, t1, step=None):
+    def _add(self, kind: int, stage: int, mb: int, t0: Any, t1: Any, step: int | None = None) -> None:
         step = self.step if step is None else step
         if self.cuda:  # pragma: no cover - needs a GPU
             self._pending.append((step, kind, stage, mb, t0, t1))
         else:
             self._records.append((step, kind, stage, mb, t0 + self._offset, t1 + self._offset))
 
-    def _wrap(self, stage):
+    def _wrap(self, stage: Any) -> None:
         index = stage.stage_index
         forward, backward, weight = stage.forward_one_chunk, stage.backward_one_chunk, stage.backward_weight_one_chunk
         stamp, add = self._stamp, self._add
 
-        def forward_one_chunk(fwd_chunk_id, *args, **kwargs):
+        def forward_one_chunk(fwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
             t0 = stamp()
             out = forward(fwd_chunk_id, *args, **kwargs)
             add(_F, index, fwd_chunk_id, t0, stamp())
             return out
 
-        def backward_one_chunk(bwd_chunk_id, loss=None, full_backward=True, last_backward=False):
+        def backward_one_chunk(
+            bwd_chunk_id: int, loss: Any = None, full_backward: bool = True, last_backward: bool = False
+        ) -> Any:
             self._backward_mb[index] = bwd_chunk_id
             t0 = stamp()
             out = backward(bwd_chunk_id, loss=loss, full_backward=full_backward, last_backward=last_backward)
             add(_B if full_backward else _I, index, bwd_chunk_id, t0, stamp())
             return out
 
-        def backward_weight_one_chunk(bwd_chunk_id, last_backward=False):
+        def backward_weight_one_chunk(bwd_chunk_id: int, last_backward: bool = False) -> Any:
             t0 = stamp()
             out = weight(bwd_chunk_id, last_backward=last_backward)
             add(_W, index, bwd_chunk_id, t0, stamp())
@@ -155,7 +162,7 @@ class ActionRecorder:
         stage.backward_one_chunk = backward_one_chunk
         stage.backward_weight_one_chunk = backward_weight_one_chunk
 
-    def _watch_reduce(self, stage):
+    def _watch_reduce(self, stage: Any) -> None:
         """Time the gradient all-reduce of a DDP-wrapped stage module through a comm hook (no-op otherwise)."""
         from torch.nn.parallel import DistributedDataParallel
 
@@ -166,25 +173,29 @@ class ActionRecorder:
 
         index, stamp, spans = stage.stage_index, self._stamp, self._reduce_spans
 
-        def timed_allreduce(group, bucket):
+        # unannotated on purpose: DDP's register_comm_hook compares the annotations of `bucket` and of the return
+        # with dist.GradBucket and Future[Tensor] by identity, and postponed (string) annotations never match
+        def _timed_allreduce(group, bucket):
             key = (self.step, index)
             if key not in spans:
                 spans[key] = [stamp(), [], self._backward_mb.get(index, 0)]
             ends = spans[key][1]
 
-            def finished(fut):
+            def finished(fut: torch.futures.Future[torch.Tensor]) -> torch.Tensor:
                 ends.append(stamp())  # list.append is atomic: gloo may complete buckets on two threads at once
                 return fut.value()
 
             return allreduce_hook(group, bucket).then(finished)
 
-        ddp.register_comm_hook(ddp.process_group, timed_allreduce)
+        ddp.register_comm_hook(ddp.process_group, _timed_allreduce)
 
-    def _wrap_loss(self, schedule):
+    def _wrap_loss(self, schedule: Any) -> None:
         compute = schedule._maybe_compute_loss
         pending, records, stamp = self._pending, self._records, self._stamp
 
-        def _maybe_compute_loss(stage, output, target_mbs, mb_index, *args, **kwargs):
+        def _maybe_compute_loss(
+            stage: Any, output: Any, target_mbs: Any, mb_index: int, *args: Any, **kwargs: Any
+        ) -> Any:
             out = compute(stage, output, target_mbs, mb_index, *args, **kwargs)
             if stage.is_last:
                 rows = pending if self.cuda else records

@@ -10,7 +10,7 @@ updates, the ranks agree in one small all-reduce (MAX over three flags) on
   ``preempt`` file): every rank finishes this step, all save at the same step, and exit;
 * ``save`` — rank 0's vote for a checkpoint at ``checkpoint_every="auto"``: the Young/Daly
   interval √(2·C·MTBF) (Young, CACM 1974; Daly, FGCS 2006) from the *measured* save time C
-  and step time.
+  and step time (:mod:`.checkpointer`).
 
 Files written into the run directory for the launcher: ``steps.log`` (the last rank: one
 ``attempt step start_ns end_ns`` line per step), ``checkpoints.log`` (rank 0: one JSON line
@@ -23,18 +23,34 @@ import json
 import math
 import os
 import signal
-import statistics
 import time
 from collections import OrderedDict
+from dataclasses import dataclass, field
 from pathlib import Path
+from types import FrameType
+from typing import Any
 
 import torch
 
 from .. import checkpoint as ckpt
+from .checkpointer import CHECKPOINTS_LOG, Checkpointer, append_line, broadcast, gather
+from .inputs import RankInputs
 from .instrument import ActionRecorder
 
+__all__ = [
+    "train",
+    "RankInputs",
+    "StopRequest",
+    "attempt_number",
+    "rank_module",
+    "unwrapped",
+    "STEPS_LOG",
+    "CHECKPOINTS_LOG",
+    "PREEMPT_FILE",
+    "PROGRESS_FILE",
+]
+
 STEPS_LOG = "steps.log"
-CHECKPOINTS_LOG = "checkpoints.log"
 PREEMPT_FILE = "preempt"
 PROGRESS_FILE = "progress"
 
@@ -51,7 +67,7 @@ class StopRequest:
     previous checkpoint stands (a save never half-commits).
     """
 
-    def __init__(self, out_dir: Path, rank: int, grace_s: float):
+    def __init__(self, out_dir: Path, rank: int, grace_s: float) -> None:
         self.flag = False
         self.grace_s = grace_s
         self._file = out_dir / PREEMPT_FILE
@@ -64,7 +80,7 @@ class StopRequest:
         except ValueError:  # not the main thread: leave SIGTERM as it is
             pass
 
-    def _on_sigterm(self, signum, frame):
+    def _on_sigterm(self, signum: int, frame: FrameType | None) -> None:
         if not self.flag:
             import threading
 
@@ -82,7 +98,7 @@ class StopRequest:
         return self.flag or self._file.exists()
 
 
-def rank_module(stages) -> torch.nn.Module:
+def rank_module(stages: list[Any]) -> torch.nn.Module:
     """This rank's layers in one module whose state keys are the full model's (every stage's children, by name).
 
     Traced stages (:mod:`~pipeswift_lab.runner.stages.traced`) are merged FQN by FQN, since two of
@@ -94,7 +110,7 @@ def rank_module(stages) -> torch.nn.Module:
         from ..stages.traced import merged_module
 
         return merged_module([unwrapped(stage.submod) for stage in stages])
-    children = OrderedDict()
+    children: OrderedDict[str, torch.nn.Module] = OrderedDict()
     for stage in stages:
         children.update(unwrapped(stage.submod).named_children())
     return torch.nn.Sequential(children)
@@ -107,150 +123,267 @@ def unwrapped(module: torch.nn.Module) -> torch.nn.Module:
     return module.module if isinstance(module, DistributedDataParallel) else module
 
 
-def _broadcast(obj, group):
-    import torch.distributed as dist
+@dataclass(kw_only=True)
+class RankState:
+    """What a rank built before its first step: stages, optimizer, schedule, recorder, and where it resumes."""
 
-    box = [obj]
-    dist.broadcast_object_list(box, src=0, group=group)
-    return box[0]
-
-
-def _gather(obj, rank, world, group):
-    import torch.distributed as dist
-
-    out = [None] * world if rank == 0 else None
-    dist.gather_object(obj, out, dst=0, group=group)
-    return out
-
-
-def _append(path: Path, line: str) -> None:
-    with open(path, "a") as f:
-        f.write(line + "\n")
-
-
-class Checkpointer:
-    """Saves (all ranks, collectively) and commits (rank 0) this run's checkpoints; decides when at ``"auto"``."""
-
-    def __init__(self, spec, rank, world, device, group, out_dir: Path, module, optimizer, attempt: int):
-        self.job = spec.job
-        self.root = Path(self.job.checkpoint_dir) if self.job.checkpoint_dir else None
-        self.spec, self.rank, self.world, self.device, self.group = spec, rank, world, device, group
-        self.out_dir, self.module, self.optimizer, self.attempt = out_dir, module, optimizer, attempt
-        self.save_s: list[float] = []
-        self.step_s: list[float] = []
-        self.last_saved_step = None
-        self.latest = None
-        self.saves = 0  # saves this attempt took, counted on every rank
-
-    @property
-    def enabled(self) -> bool:
-        """Whether the run has a checkpoint root."""
-        return self.root is not None
-
-    def periodic_due(self, done: int) -> bool:
-        """Whether ``checkpoint_every=N`` asks for a save after ``done`` steps (the final save is separate)."""
-        every = self.job.checkpoint_every
-        return self.enabled and isinstance(every, int) and done % every == 0 and done < self.spec.steps
-
-    def interval_steps(self) -> int | None:
-        """Steps between saves at ``"auto"``: τ = √(2·C·MTBF) over the median step (None before the first save)."""
-        if self.job.checkpoint_every != "auto" or not self.save_s or not self.step_s:
-            return None
-        tau_s = math.sqrt(2.0 * statistics.median(self.save_s) * self.job.mtbf_s)
-        return max(1, round(tau_s / statistics.median(self.step_s)))
-
-    def auto_vote(self, done: int) -> bool:
-        """Rank 0's vote at ``"auto"``: save after this attempt's first step (to measure C), then every τ steps."""
-        if not self.enabled or self.job.checkpoint_every != "auto" or self.rank != 0 or done >= self.spec.steps:
-            return False
-        if not self.save_s:
-            return True
-        return done - self.last_saved_step >= self.interval_steps()
-
-    def save(self, step: int, kind: str) -> None:
-        """Every rank writes its state for ``step`` steps done; rank 0 commits and logs it (with the stall, ``blocking_ms``)."""
-        t0 = time.perf_counter()
-        tmp = _broadcast(str(ckpt.new_tmp_dir(self.root, step)) if self.rank == 0 else None, self.group)
-        mine = ckpt.save_rank_state(
-            Path(tmp),
-            self.rank,
-            self.module,
-            self.optimizer,
-            self.device,
-            self.group,
-            step=step,
-            fault=self.job.write_fault,
-        )
-        parts = _gather(mine, self.rank, self.world, self.group)
-        if self.rank == 0:
-            path = ckpt.commit(Path(tmp), self._manifest(step, kind), parts, keep=self.job.keep)
-            blocking_ms = (time.perf_counter() - t0) * 1e3
-            largest = max(sum(f["bytes"] for f in p["files"].values()) for p in parts)
-            record = {
-                "step": step,
-                "path": str(path),
-                "bytes": sum(f["bytes"] for p in parts for f in p["files"].values()),
-                "largest_rank_bytes": largest,
-                "largest_rank_state_bytes": max(p["state_bytes"] for p in parts),
-                "save_ms": max(p["save_ms"] for p in parts),
-                "blocking_ms": blocking_ms,
-                "kind": kind,
-                "attempt": self.attempt,
-                "interval_steps": self.interval_steps(),
-                "end_ns": time.time_ns(),
-            }
-            _append(self.out_dir / CHECKPOINTS_LOG, json.dumps(record))
-            self.save_s.append(blocking_ms / 1e3)  # C is what the job stalls for: DCP write, checksums, commit
-            self.latest = str(path)
-        self.last_saved_step = step
-        self.saves += 1
-
-    def _manifest(self, step: int, kind: str) -> dict:
-        spec, plan = self.spec, self.spec.plan
-        return {
-            "step": step,
-            "steps": spec.steps,
-            "kind": kind,
-            "P": plan.P,
-            "D": spec.D,
-            "v": plan.v,
-            "m": spec.m,
-            "schedule": plan.schedule,
-            "microbatch_size": spec.meta.get("microbatch_size"),
-            "batch_size": spec.meta.get("batch_size"),
-            "bounds": [list(b) for b in plan.bounds],
-            "stage_to_rank": list(plan.stage_to_rank),
-            "layer_names": list(spec.meta.get("layer_names", [])),
-            "world_size": self.world,
-            "torch_version": torch.__version__,
-            "optimizer": type(self.optimizer).__module__ + "." + type(self.optimizer).__qualname__,
-            "rng_states": True,
-            "state_keys": list(spec.state_keys),
-            "seed": spec.seed,
-            "device_type": spec.device_type,
-            "run_id": self.job.run_id,
-        }
+    stages: list[Any]
+    """This rank's ``PipelineStage`` objects (their modules DDP-wrapped with ``D > 1``)."""
+    optimizer: torch.optim.Optimizer
+    """The optimizer over the stages' parameters."""
+    schedule: Any
+    """torch's schedule over the stages."""
+    recorder: ActionRecorder
+    """Times every action (or only the steps, when not instrumented)."""
+    stop: StopRequest
+    """Set by SIGTERM or the launcher's ``preempt`` file."""
+    saver: Checkpointer
+    """This rank's side of the checkpoints."""
+    attempt: int
+    """Which attempt of the run this is (0, then one per elastic restart)."""
+    first_step: int = 0
+    """The step training starts at: 0, or the step of the checkpoint restored."""
+    restored: dict[str, Any] | None = None
+    """What :func:`~pipeswift_lab.runner.checkpoint.restore_rank_state` reported, with ``path``, ``step`` and
+    ``rng_restored``; ``None`` when nothing was restored."""
+    ready_ns: int = 0
+    """Wall clock when the rank was ready to train (stages built, state restored)."""
 
 
-def _restore_source(spec, rank, group, attempt):
-    """The checkpoint this attempt starts from: after a restart the newest complete one in the root, else ``resume_from``."""
-    job = spec.job
+@dataclass(kw_only=True)
+class StepLog:
+    """What a rank's step loop measured and how it ended; filled step by step."""
+
+    step_start_ns: list[int] = field(default_factory=list)
+    """Wall-clock start of every step this rank ran."""
+    step_end_ns: list[int] = field(default_factory=list)
+    """Wall-clock end of every step this rank ran (optimizer step included)."""
+    losses: list[float] = field(default_factory=list)
+    """The mean micro-batch loss of every step (the rank holding the last stage only)."""
+    skipped: list[int] = field(default_factory=list)
+    """Steps whose update was dropped at a non-finite loss (``on_nonfinite="skip"``)."""
+    status: str = "completed"
+    """``"completed"``, ``"preempted"``, ``"nonfinite"`` or ``"rebalance"``."""
+    nonfinite: dict[str, Any] | None = None
+    """The step, rank and loss that stopped training (``on_nonfinite="raise"``)."""
+    new_bounds: Any = None
+    """The stage bounds a rebalance decided on (``status="rebalance"``)."""
+    rebalances: list[dict[str, Any]] = field(default_factory=list)
+    """Every rebalance decision (rank 0 only)."""
+
+
+def train(inputs: RankInputs) -> list[dict[str, Any]] | None:
+    """Run this rank's steps (resuming where a checkpoint says), then gather every rank's measurements to rank 0.
+
+    ``inputs.topo`` is the rank's :class:`~pipeswift_lab.runner.rank.worker.Topology` (global rank,
+    pipeline rank, replica and their groups); replica ``d`` reads rows
+    ``d*b .. (d+1)*b - 1`` of every global batch (``b`` = global batch / D). Returns every rank's payload on
+    rank 0, ``None`` on the others.
+    """
+    state = _set_up(inputs)
+    _restore(inputs, state)
+    _announce(inputs, state)
+    log = _train_steps(inputs, state)
+    interval = state.saver.interval_steps()  # the interval the run used, before the final save joins the measurements
+    job, saver = inputs.spec.job, state.saver
+    if log.status == "completed" and saver.enabled and job.final_kind and saver.last_saved_step != inputs.spec.steps:
+        saver.save(inputs.spec.steps, job.final_kind)
+    final_ns = state.recorder.now_ns()
+    return gather(_payload(inputs, state, log, interval, final_ns), inputs.rank, inputs.world, inputs.gather_group)
+
+
+def _set_up(inputs: RankInputs) -> RankState:
+    """Build the stages, the optimizer over them, torch's schedule and the recorder; take SIGTERM."""
+    spec = inputs.spec
+    stages = inputs.build_stages(spec, inputs.topo, inputs.device)
+    optimizer = spec.optimizer([p for stage in stages for p in stage.submod.parameters()])
+    schedule = inputs.make_schedule(spec, stages)
+    recorder = ActionRecorder(stages, schedule, inputs.device, enabled=spec.instrument)
+    torch.manual_seed(spec.seed)
+    stop = StopRequest(inputs.out_dir, inputs.rank, spec.job.preempt_grace_s)
+    stop.install()
+    attempt = attempt_number()
+    saver = Checkpointer(inputs, rank_module(stages), optimizer, attempt)
+    return RankState(
+        stages=stages,
+        optimizer=optimizer,
+        schedule=schedule,
+        recorder=recorder,
+        stop=stop,
+        saver=saver,
+        attempt=attempt,
+    )
+
+
+def _restore_source(inputs: RankInputs, attempt: int) -> str | None:
+    """The checkpoint this attempt starts from: after a restart the newest complete one in the root, else
+    ``resume_from``."""
+    job = inputs.spec.job
     if attempt > 0 and job.checkpoint_dir:
         chosen = None
-        if rank == 0:
+        if inputs.rank == 0:
             found = ckpt.latest_checkpoint(job.checkpoint_dir, run_id=job.run_id)  # this run's own saves only
             chosen = str(found.path) if found is not None else job.resume_from
-        return _broadcast(chosen, group)
+        return broadcast(chosen, inputs.gather_group)
     return job.resume_from
 
 
-def _rebalance_due(plan, done: int, first_step: int, segment_end: int) -> bool:
-    return done < segment_end and (done - first_step) % plan.every == 0
+def _restore(inputs: RankInputs, state: RankState) -> None:
+    """Load this rank's layers, optimizer state and (on the same ranks) RNG states from the checkpoint the attempt
+    starts from, if any; note where training starts and when the rank was ready."""
+    source = _restore_source(inputs, state.attempt)
+    if source is not None:
+        plan, world = inputs.spec.plan, inputs.world
+        manifest = ckpt.verify(source).manifest
+        same = (
+            tuple(tuple(b) for b in manifest["bounds"]) == plan.bounds
+            and tuple(manifest["stage_to_rank"]) == plan.stage_to_rank
+            and int(manifest.get("world_size", world)) == world
+        )  # RNG states are per rank: the same ranks, D included
+        restored = ckpt.restore_rank_state(
+            Path(source),
+            inputs.rank,
+            state.saver.module,
+            state.optimizer,
+            inputs.device,
+            inputs.gather_group,
+            restore_rng=same,
+        )
+        restored.update(path=str(source), step=int(manifest["step"]), rng_restored=same)
+        state.restored, state.first_step = restored, restored["step"]
+        state.saver.last_saved_step = state.first_step
+    state.ready_ns = state.recorder.now_ns()
 
 
-def _rebalance_decision(
-    spec, rank, world, group, recorder, saver, done, first_step, ready_ns, restored, proc_start_ns
-) -> dict:
+def _announce(inputs: RankInputs, state: RankState) -> None:
+    """Rank 0 writes ``attempt{n}.json`` (where this attempt resumed from, and when it was ready); all ranks meet."""
+    import torch.distributed as dist
+
+    if inputs.rank == 0:
+        restored = state.restored
+        info = {
+            "attempt": state.attempt,
+            "first_step": state.first_step,
+            "checkpoint": restored["path"] if restored else None,
+            "ready_ns": state.ready_ns,
+            "restore_ms": restored["restore_ms"] if restored else 0.0,
+        }
+        (inputs.out_dir / f"attempt{state.attempt}.json").write_text(json.dumps(info))
+    dist.barrier()
+
+
+def _train_steps(inputs: RankInputs, state: RankState) -> StepLog:
+    """The step loop: train, agree on the step's flags, update (or not), record, save, rebalance; stop at the last
+    step, a preemption, a non-finite loss (``on_nonfinite="raise"``) or a rebalance taken."""
+    spec, job, saver = inputs.spec, inputs.spec.job, state.saver
+    log = StepLog()
+    for step in range(state.first_step, spec.steps):
+        start_ns, loss = _run_step(inputs, state, step)
+        bad, stopping, vote = _agree(inputs, state, loss, step + 1)
+        if bad and job.on_nonfinite == "raise":
+            log.status = "nonfinite"
+            log.nonfinite = {"step": step, "rank": spec.plan.last_rank, "loss": loss if _holds_last(inputs) else None}
+            break
+        if bad and job.on_nonfinite == "skip":
+            log.skipped.append(step)
+        else:
+            state.optimizer.step()
+        state.optimizer.zero_grad(set_to_none=True)
+        _record_step(inputs, state, log, step, start_ns, loss)
+        done = step + 1
+        if stopping:
+            log.status = "preempted"
+            if saver.enabled:
+                saver.save(done, "preempt")
+            break
+        if saver.periodic_due(done) or vote:
+            saver.save(done, "auto" if vote else "periodic")
+        if _rebalanced(inputs, state, log, done):
+            break
+    return log
+
+
+def _holds_first(inputs: RankInputs) -> bool:
+    return inputs.topo.pp_rank == inputs.spec.plan.first_rank
+
+
+def _holds_last(inputs: RankInputs) -> bool:
+    return inputs.topo.pp_rank == inputs.spec.plan.last_rank
+
+
+def _run_step(inputs: RankInputs, state: RankState, step: int) -> tuple[int, float]:
+    """One step of torch's schedule on this replica's slice of the batch; returns its start (ns) and its loss (the
+    mean over the micro-batches and the replicas; 0 on a rank without the last stage)."""
+    import torch.distributed as dist
+
+    topo, device = inputs.topo, inputs.device
+    holds_first, holds_last = _holds_first(inputs), _holds_last(inputs)
+    args: tuple[torch.Tensor, ...] = ()
+    kwargs: dict[str, Any] = {}
+    if holds_first or holds_last:
+        inputs_b, targets_b = inputs.spec.data.batch(step)
+        if topo.D > 1:
+            b = inputs_b.shape[0] // topo.D
+            rows = slice(topo.replica * b, (topo.replica + 1) * b)
+            inputs_b, targets_b = inputs_b[rows], targets_b[rows]
+        args = (inputs_b.to(device),) if holds_first else ()
+        kwargs = {"target": targets_b.to(device), "losses": []} if holds_last else {}
+    start_ns = state.recorder.start_step(step)
+    state.schedule.step(*args, return_outputs=False, **kwargs)
+    loss = float(torch.stack([x.detach() for x in kwargs["losses"]]).float().mean()) if holds_last else 0.0
+    if holds_last and topo.replica_group is not None:  # the global batch's loss: the mean over the replicas
+        mean = torch.tensor([loss], dtype=torch.float64)
+        dist.all_reduce(mean, group=topo.replica_group)
+        loss = float(mean) / topo.D
+    return start_ns, loss
+
+
+def _agree(inputs: RankInputs, state: RankState, loss: float, done: int) -> tuple[bool, bool, bool]:
+    """One all-reduce (MAX) over every rank's flags: ``(non-finite loss, stop requested, rank 0 votes to save)``."""
+    import torch.distributed as dist
+
+    flags = torch.tensor(
+        [
+            int(_holds_last(inputs) and not math.isfinite(loss)),
+            int(state.stop.requested()),
+            int(state.saver.auto_vote(done)),
+        ],
+        dtype=torch.int64,
+    )
+    dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=inputs.gather_group)
+    bad, stopping, vote = (bool(x) for x in flags.tolist())
+    return bad, stopping, vote
+
+
+def _record_step(inputs: RankInputs, state: RankState, log: StepLog, step: int, start_ns: int, loss: float) -> None:
+    """End the step's timing; log it (``steps.log`` and the loss on the last stage's rank, progress if asked)."""
+    end_ns = state.recorder.end_step()
+    log.step_start_ns.append(start_ns)
+    log.step_end_ns.append(end_ns)
+    state.saver.step_s.append((end_ns - start_ns) / 1e9)
+    if _holds_last(inputs):
+        log.losses.append(loss)
+        append_line(inputs.out_dir / STEPS_LOG, f"{state.attempt} {step} {start_ns} {end_ns}")
+        if inputs.progress:
+            (inputs.out_dir / PROGRESS_FILE).write_text(str(step + 1))
+
+
+def _rebalanced(inputs: RankInputs, state: RankState, log: StepLog, done: int) -> bool:
+    """At a rebalance point, decide; when the decision is taken, save and note the new bounds (True: stop)."""
+    plan = inputs.spec.job.rebalance
+    if plan is None or done >= inputs.spec.steps or (done - state.first_step) % plan.every:
+        return False
+    decision = _rebalance_decision(inputs, state, done)
+    if inputs.rank == 0:
+        log.rebalances.append(decision)
+    if not decision["taken"]:
+        return False
+    state.saver.save(done, "rebalance")
+    log.status, log.new_bounds = "rebalance", decision["new_bounds"]
+    return True
+
+
+def _rebalance_decision(inputs: RankInputs, state: RankState, done: int) -> dict[str, Any]:
     """Gather every stage's measured compute per step since the last decision; rank 0 decides; all get the decision.
 
     The reconfiguration cost is measured: the previous switch's (save, teardown, assembly,
@@ -261,187 +394,67 @@ def _rebalance_decision(
     """
     from ..rebalance import decide, measured_stage_ms
 
+    spec, saver, first_step = inputs.spec, state.saver, state.first_step
     plan = spec.job.rebalance
+    if plan is None:
+        raise RuntimeError("a rebalance decision needs the job's rebalance plan")
     if plan.cost_s is None and saver.saves == 0:
         saver.save(done, "periodic")
-    start = max(
-        done - plan.every, first_step + 1 if done - first_step > 1 else first_step
-    )  # leave out the warm-up step
-    mine = measured_stage_ms(recorder.rows(), spec.plan.stages_of(rank), start, done)
-    parts = _gather(mine, rank, world, group)
+    start = max(done - plan.every, first_step + 1 if done - first_step > 1 else first_step)  # not the warm-up step
+    mine = measured_stage_ms(state.recorder.rows(), spec.plan.stages_of(inputs.topo.pp_rank), start, done)
+    parts = gather(mine, inputs.rank, inputs.world, inputs.gather_group)
     decision = None
-    if rank == 0:
-        stage_ms = {}
+    if parts is not None:
+        stage_ms: dict[int, float] = {}
         for part in parts:
             stage_ms.update(part)
-        if plan.cost_s is not None:
-            cost_s = plan.cost_s
-        else:
-            started = max(x for x in (proc_start_ns, spec.job.launch_ns, 0) if x is not None)
-            assembly_s = max(0.0, (ready_ns - started) / 1e9) if started else 0.0
-            save_s = saver.save_s[-1] if saver.save_s else 0.0
-            restore_s = restored["restore_ms"] / 1e3 if restored else save_s
-            cost_s = assembly_s + save_s + restore_s
+        cost_s = plan.cost_s if plan.cost_s is not None else _first_switch_cost(inputs, state)
         decision = decide(plan, spec.plan.bounds, [stage_ms[s] for s in range(spec.plan.n_stages)], done, cost_s)
-    return _broadcast(decision, group)
+    return broadcast(decision, inputs.gather_group)
 
 
-def train(
-    spec, topo, world, device, out_dir: Path, progress, gather_group, proc_start, entered, build_stages, make_schedule
-):
-    """Run this rank's steps (resuming where a checkpoint says), then gather every rank's measurements to rank 0.
+def _first_switch_cost(inputs: RankInputs, state: RankState) -> float:
+    """Rank 0's estimate of a reconfiguration before any was measured: its start-to-ready, its last save, and a
+    restore as long as the one it made (or as that save)."""
+    started = max(x for x in (inputs.proc_start_ns, inputs.spec.job.launch_ns, 0) if x is not None)
+    assembly_s = max(0.0, (state.ready_ns - started) / 1e9) if started else 0.0
+    save_s = state.saver.save_s[-1] if state.saver.save_s else 0.0
+    restore_s = state.restored["restore_ms"] / 1e3 if state.restored else save_s
+    return assembly_s + save_s + restore_s
 
-    ``topo`` is the rank's :class:`~pipeswift_lab.runner.rank.worker.Topology` (global rank,
-    pipeline rank, replica and their groups); replica ``d`` reads rows
-    ``d*b .. (d+1)*b - 1`` of every global batch (``b`` = global batch / D).
-    """
-    import torch.distributed as dist
 
-    plan, job = spec.plan, spec.job
-    rank = topo.rank
-    attempt = attempt_number()
-    stages = build_stages(spec, topo, device)
-    params = [p for stage in stages for p in stage.submod.parameters()]
-    optimizer = spec.optimizer(params)
-    schedule = make_schedule(spec, stages)
-    recorder = ActionRecorder(stages, schedule, device, enabled=spec.instrument)
-    module = rank_module(stages)
-    holds_first, holds_last = topo.pp_rank == plan.first_rank, topo.pp_rank == plan.last_rank
-    torch.manual_seed(spec.seed)
-    stop = StopRequest(out_dir, rank, job.preempt_grace_s)
-    stop.install()
-
-    first_step, restored = 0, None
-    source = _restore_source(spec, rank, gather_group, attempt)
-    if source is not None:
-        manifest = ckpt.verify(source).manifest
-        same = (
-            tuple(tuple(b) for b in manifest["bounds"]) == plan.bounds
-            and tuple(manifest["stage_to_rank"]) == plan.stage_to_rank
-            and int(manifest.get("world_size", world)) == world
-        )  # RNG states are per rank: the same ranks, D included
-        restored = ckpt.restore_rank_state(
-            Path(source), rank, module, optimizer, device, gather_group, restore_rng=same
-        )
-        restored.update(path=str(source), step=int(manifest["step"]), rng_restored=same)
-        first_step = restored["step"]
-    saver = Checkpointer(spec, rank, world, device, gather_group, out_dir, module, optimizer, attempt)
-    if source is not None:
-        saver.last_saved_step = first_step
-    ready = recorder.now_ns()
-    if rank == 0:
-        (out_dir / f"attempt{attempt}.json").write_text(
-            json.dumps(
-                {
-                    "attempt": attempt,
-                    "first_step": first_step,
-                    "checkpoint": source,
-                    "ready_ns": ready,
-                    "restore_ms": restored["restore_ms"] if restored else 0.0,
-                }
-            )
-        )
-    dist.barrier()
-
-    progress_path = out_dir / PROGRESS_FILE if progress and holds_last else None
-    step_start, step_end, losses, skipped = [], [], [], []
-    status, nonfinite, new_bounds, rebalances = "completed", None, None, []
-    flags = torch.zeros(3, dtype=torch.int64)
-    for step in range(first_step, spec.steps):
-        if holds_first or holds_last:
-            inputs, targets = spec.data.batch(step)
-            if topo.D > 1:
-                b = inputs.shape[0] // topo.D
-                inputs, targets = (
-                    inputs[topo.replica * b : (topo.replica + 1) * b],
-                    targets[topo.replica * b : (topo.replica + 1) * b],
-                )
-        args = (inputs.to(device),) if holds_first else ()
-        kwargs = {"target": targets.to(device), "losses": []} if holds_last else {}
-        start_ns = recorder.start_step(step)
-        schedule.step(*args, return_outputs=False, **kwargs)
-        loss = float(torch.stack([x.detach() for x in kwargs["losses"]]).float().mean()) if holds_last else 0.0
-        if holds_last and topo.dp_group is not None:  # the global batch's loss: the mean over the replicas
-            mean = torch.tensor([loss], dtype=torch.float64)
-            dist.all_reduce(mean, group=topo.dp_group)
-            loss = float(mean) / topo.D
-        flags.zero_()
-        flags[0] = int(holds_last and not math.isfinite(loss))
-        flags[1] = int(stop.requested())
-        flags[2] = int(saver.auto_vote(step + 1))
-        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=gather_group)
-        bad, stopping, vote = (bool(x) for x in flags.tolist())
-        if bad and job.on_nonfinite == "raise":
-            nonfinite = {"step": step, "rank": plan.last_rank, "loss": loss if holds_last else None}
-            status = "nonfinite"
-            break
-        if bad and job.on_nonfinite == "skip":
-            skipped.append(step)
-        else:
-            optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        end_ns = recorder.end_step()
-        step_start.append(start_ns)
-        step_end.append(end_ns)
-        saver.step_s.append((end_ns - start_ns) / 1e9)
-        if holds_last:
-            losses.append(loss)
-            _append(out_dir / STEPS_LOG, f"{attempt} {step} {start_ns} {end_ns}")
-        if progress_path is not None:
-            progress_path.write_text(str(step + 1))
-        done = step + 1
-        if stopping:
-            status = "preempted"
-            if saver.enabled:
-                saver.save(done, "preempt")
-            break
-        if saver.periodic_due(done) or vote:
-            saver.save(done, "auto" if vote else "periodic")
-        if job.rebalance is not None and _rebalance_due(job.rebalance, done, first_step, spec.steps):
-            decision = _rebalance_decision(
-                spec, rank, world, gather_group, recorder, saver, done, first_step, ready, restored, proc_start
-            )
-            if rank == 0:
-                rebalances.append(decision)
-            if decision["taken"]:
-                saver.save(done, "rebalance")
-                status, new_bounds = "rebalance", decision["new_bounds"]
-                break
-    interval = saver.interval_steps()  # the interval the run used, before the final save joins the measurements
-    if status == "completed" and saver.enabled and job.final_kind and saver.last_saved_step != spec.steps:
-        saver.save(spec.steps, job.final_kind)
-    final_ns = recorder.now_ns()
-
-    state = {}
-    for stage in stages:
-        state.update({k: t.detach().to("cpu", copy=True) for k, t in unwrapped(stage.submod).state_dict().items()})
-    payload = {
-        "rank": rank,
+def _payload(inputs: RankInputs, state: RankState, log: StepLog, interval: int | None, final_ns: int) -> dict[str, Any]:
+    """What this rank reports to rank 0: where it ran, its records, steps, losses, final state, restores, saves."""
+    topo = inputs.topo
+    tensors: dict[str, torch.Tensor] = {}
+    for stage in state.stages:
+        tensors.update({k: t.detach().to("cpu", copy=True) for k, t in unwrapped(stage.submod).state_dict().items()})
+    return {
+        "rank": topo.rank,
         "pp_rank": topo.pp_rank,
         "replica": topo.replica,
         "pid": os.getpid(),
         "host": os.uname().nodename,
-        "device": str(device),
-        "stages": plan.stages_of(topo.pp_rank),
-        "records": recorder.rows(),
-        "step_start_ns": step_start,
-        "step_end_ns": step_end,
-        "losses": losses,
-        "state": state,
-        "process_start_ns": proc_start,
-        "entered_ns": entered,
-        "ready_ns": ready,
+        "device": str(inputs.device),
+        "stages": inputs.spec.plan.stages_of(topo.pp_rank),
+        "records": state.recorder.rows(),
+        "step_start_ns": log.step_start_ns,
+        "step_end_ns": log.step_end_ns,
+        "losses": log.losses,
+        "state": tensors,
+        "process_start_ns": inputs.proc_start_ns,
+        "entered_ns": inputs.entered_ns,
+        "ready_ns": state.ready_ns,
         "threads": torch.get_num_threads(),
-        "first_step": first_step,
-        "status": status,
-        "nonfinite": nonfinite,
-        "skipped_steps": skipped,
-        "restored": restored,
+        "first_step": state.first_step,
+        "status": log.status,
+        "nonfinite": log.nonfinite,
+        "skipped_steps": log.skipped,
+        "restored": state.restored,
         "final_ns": final_ns,
-        "attempt": attempt,
-        "checkpoint": saver.latest,
+        "attempt": state.attempt,
+        "checkpoint": state.saver.latest,
         "interval_steps": interval,
-        "rebalances": rebalances,
-        "new_bounds": new_bounds,
+        "rebalances": log.rebalances,
+        "new_bounds": log.new_bounds,
     }
-    return _gather(payload, rank, world, gather_group)

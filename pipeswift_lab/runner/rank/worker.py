@@ -7,10 +7,10 @@ SPEC`` runs that same command on one or many machines. The rank, world
 size and local rank come from the environment torch's launchers set (``RANK``,
 ``WORLD_SIZE``, ``LOCAL_RANK``).
 
-Files a rank writes in ``DIR``: ``rank{r}.pid`` at start; ``rank{r}.done`` when it finished (JSON: the OS threads left after teardown);
-``rank{r}.error`` (the traceback) if it raises; ``rank{r}.stacks`` (every thread's stack, via ``faulthandler``) when the launcher
-sends ``SIGUSR1`` to a rank it believes hung; ``progress`` (steps done, from the rank holding
-the last stage, when asked); ``result.pt`` from rank 0 with what every rank measured.
+Files a rank writes in ``DIR``: ``rank{r}.pid`` at start; ``rank{r}.done`` when it finished (JSON: the OS
+threads left after teardown); ``rank{r}.error`` (the traceback) if it raises; ``rank{r}.stacks`` (every thread's
+stack, via ``faulthandler``) when the launcher sends ``SIGUSR1`` to a rank it believes hung; ``progress`` (steps
+done, from the rank holding the last stage, when asked); ``result.pt`` from rank 0 with what every rank measured.
 """
 
 from __future__ import annotations
@@ -26,10 +26,18 @@ import threading
 import time
 import traceback
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ..processes import alive
+from .inputs import RankInputs
 from .train_loop import train
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup, Store
+
+    from ..spec import RunSpec
 
 RESULT_FILE = "result.pt"
 #: torch modules every rank imports before its process group exists. See [Note: the process group outlives its
@@ -71,7 +79,12 @@ def _env_int(name: str) -> int:
     return int(os.environ[name])
 
 
-def main(spec_path, out_dir, progress: bool = False, caller_pid: int | None = None) -> None:
+def main(
+    spec_path: str | os.PathLike[str],
+    out_dir: str | os.PathLike[str],
+    progress: bool = False,
+    caller_pid: int | None = None,
+) -> None:
     """Run this process's rank of the spec at ``spec_path``; write its files into ``out_dir``.
 
     ``caller_pid`` is the process that called ``run()``: the worker exits when it dies.
@@ -88,7 +101,7 @@ def main(spec_path, out_dir, progress: bool = False, caller_pid: int | None = No
     (out_dir / f"rank{rank}.pid").write_text(str(os.getpid()))
     if caller_pid is not None:
         watchdog = start_caller_watchdog(int(caller_pid))
-    stacks = open(out_dir / f"rank{rank}.stacks", "w")  # noqa: SIM115 - kept open for faulthandler
+    stacks = open(out_dir / f"rank{rank}.stacks", "w")  # kept open for faulthandler
     faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
     try:
         from ..spec import load_spec
@@ -110,7 +123,7 @@ def main(spec_path, out_dir, progress: bool = False, caller_pid: int | None = No
 
 def os_threads() -> list[str]:
     """Names of this process's live OS threads (``/proc/self/task/*/comm``; empty where there is no ``/proc``)."""
-    names = []
+    names: list[str] = []
     try:
         tasks = os.listdir("/proc/self/task")
     except OSError:  # pragma: no cover - not Linux
@@ -130,16 +143,6 @@ def _lost_a_peer(traceback_text: str) -> bool:
     return is_peer_error(exception_summary(traceback_text))
 
 
-def _caller_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # pragma: no cover - the pid was reused by another user's process
-        return False
-    return True
-
-
 def start_caller_watchdog(caller_pid: int) -> threading.Event:
     """Exit this worker when the process that called ``run()`` dies (a notebook kernel restarted or killed).
 
@@ -151,24 +154,29 @@ def start_caller_watchdog(caller_pid: int) -> threading.Event:
     """
     stop = threading.Event()
 
-    def watch():
+    def watch() -> None:
         while not stop.wait(WATCHDOG_PERIOD_S):
-            if not _caller_alive(caller_pid):
+            if not alive(caller_pid, any_user=False):  # another user's process with its pid: the caller is gone
                 os.kill(os.getpid(), signal.SIGKILL)
 
     threading.Thread(target=watch, name="pipeswift-caller-watchdog", daemon=True).start()
     return stop
 
 
-def entry(spec_path, out_dir, progress: bool = False, caller_pid: int | None = None) -> None:
+def entry(
+    spec_path: str | os.PathLike[str],
+    out_dir: str | os.PathLike[str],
+    progress: bool = False,
+    caller_pid: int | None = None,
+) -> None:
     """:func:`main` under torch elastic's ``@record`` (error file for the agent); the callable ``run()`` launches."""
     from torch.distributed.elastic.multiprocessing.errors import record
 
     record(main)(spec_path, out_dir, progress, caller_pid)
 
 
-def _device(spec, local_rank: int) -> torch.device:
-    if spec.device_type == "cuda":  # pragma: no cover - needs GPUs
+def _device(spec: RunSpec, local_rank: int) -> torch.device:
+    if spec.device_type == "cuda" and spec.devices is not None:  # pragma: no cover - needs GPUs
         device = torch.device("cuda", spec.devices[local_rank])
         torch.cuda.set_device(device)
         return device
@@ -181,22 +189,23 @@ class Topology:
     With ``D == 1`` there is no mesh: ``pp_rank == rank``, ``replica == 0`` and both groups are
     None (the default group). With ``D > 1`` the world is a 2-D ``DeviceMesh`` of shape
     ``(D, P)``: replica ``d`` is the global ranks ``d*P .. d*P+P-1`` (its stages talk point to
-    point inside ``pp_group``); ``dp_group`` holds the ``D`` copies of this rank's stages,
+    point inside ``pp_group``); ``replica_group`` holds the ``D`` copies of this rank's stages,
     whose gradients DDP averages.
     """
 
-    def __init__(self, rank: int, P: int, D: int, device_type: str):
+    def __init__(self, rank: int, P: int, D: int, device_type: str) -> None:
         self.rank, self.P, self.D = rank, P, D
         self.pp_rank, self.replica = rank % P, rank // P
-        self.pp_group = self.dp_group = None
+        self.pp_group: ProcessGroup | None = None
+        self.replica_group: ProcessGroup | None = None
         if D > 1:
             from torch.distributed.device_mesh import init_device_mesh
 
             mesh = init_device_mesh(device_type, (D, P), mesh_dim_names=("dp", "pp"))
-            self.pp_group, self.dp_group = mesh.get_group("pp"), mesh.get_group("dp")
+            self.pp_group, self.replica_group = mesh.get_group("pp"), mesh.get_group("dp")
 
 
-def _build_stages(spec, topo, device):
+def _build_stages(spec: RunSpec, topo: Topology, device: torch.device) -> list[Any]:
     from torch.distributed.pipelining import PipelineStage
 
     from ..stages.sequential import stage_module
@@ -205,16 +214,18 @@ def _build_stages(spec, topo, device):
     if spec.traced is not None:
         from ..stages.traced import build_traced_stages
 
-        return build_traced_stages(spec, topo.pp_rank, device, group=topo.pp_group, dp_group=topo.dp_group)
+        return build_traced_stages(spec, topo.pp_rank, device, group=topo.pp_group, replica_group=topo.replica_group)
+    if not isinstance(spec.model, torch.nn.Sequential):
+        raise TypeError(f"a model that is not an nn.Sequential needs traced stages; got {type(spec.model).__name__}")
     stages = []
     for s in plan.stages_of(topo.pp_rank):
-        module = stage_module(spec.model, plan.bounds[s]).to(device)
-        if topo.dp_group is not None:
+        module: torch.nn.Module = stage_module(spec.model, plan.bounds[s]).to(device)
+        if topo.replica_group is not None:
             from torch.nn.parallel import DistributedDataParallel
 
             # PipelineStage runs the micro-batches' backwards under no_sync() and all-reduces at the last one
             module = DistributedDataParallel(
-                module, process_group=topo.dp_group, device_ids=[device] if device.type == "cuda" else None
+                module, process_group=topo.replica_group, device_ids=[device] if device.type == "cuda" else None
             )
         in_spec, out_spec = spec.boundaries[s]
         stages.append(
@@ -231,7 +242,7 @@ def _build_stages(spec, topo, device):
     return stages
 
 
-def _schedule(spec, stages):
+def _schedule(spec: RunSpec, stages: list[Any]) -> Any:
     from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
 
     cls = get_schedule_class(spec.plan.schedule)
@@ -241,12 +252,13 @@ def _schedule(spec, stages):
     mapping = tuple(schedule.stage_index_to_group_rank[s] for s in range(spec.plan.n_stages))
     if mapping != spec.plan.stage_to_rank:
         raise RuntimeError(
-            f"torch's {cls.__name__} places stages on ranks {list(mapping)}, the plan on {list(spec.plan.stage_to_rank)}"
+            f"torch's {cls.__name__} places stages on ranks {list(mapping)}, the plan on "
+            f"{list(spec.plan.stage_to_rank)}"
         )
     return schedule
 
 
-def _attempt_store(rank: int, world: int, timeout):
+def _attempt_store(rank: int, world: int, timeout: datetime.timedelta) -> Store:
     """The launcher's c10d store (``env://``, as ``init_process_group`` would open it) under a per-attempt prefix.
 
     After an elastic restart the workers meet in the same store as the attempt before; without
@@ -261,7 +273,7 @@ def _attempt_store(rank: int, world: int, timeout):
     return dist.PrefixStore(f"pipeswift/attempt{attempt_number()}", store)
 
 
-def run_rank(spec, out_dir: Path, progress: bool = False) -> None:
+def run_rank(spec: RunSpec, out_dir: Path, progress: bool = False) -> None:
     """Train ``spec.steps`` steps on this rank, then gather every rank's measurements to rank 0."""
     import numpy  # noqa: F401 - gloo pipelining needs numpy at run time (recv_object_list)
     import torch.distributed as dist
@@ -273,8 +285,9 @@ def run_rank(spec, out_dir: Path, progress: bool = False) -> None:
     rank, world, local_rank = _env_int("RANK"), _env_int("WORLD_SIZE"), int(os.environ.get("LOCAL_RANK", 0))
     if world != spec.world_size:
         raise RuntimeError(
-            f"the spec has P={spec.P} x D={spec.D} = {spec.world_size} ranks but the launcher started WORLD_SIZE={world}; "
-            f"use --nproc-per-node {spec.world_size} on one machine (or --nnodes D --nproc-per-node P)"
+            f"the spec has P={spec.P} x D={spec.D} = {spec.world_size} ranks but the launcher started "
+            f"WORLD_SIZE={world}; use --nproc-per-node {spec.world_size} on one machine "
+            "(or --nnodes D --nproc-per-node P)"
         )
     if spec.threads_per_rank is not None:
         torch.set_num_threads(spec.threads_per_rank)
@@ -287,12 +300,24 @@ def run_rank(spec, out_dir: Path, progress: bool = False) -> None:
     else:
         dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timeout)
         gather_group = None
-    topo = None
+    topo: Topology | None = None
+    inputs: RankInputs | None = None
     try:
         topo = Topology(rank, spec.P, spec.D, device.type)
-        gathered = train(
-            spec, topo, world, device, out_dir, progress, gather_group, proc_start, entered, _build_stages, _schedule
+        inputs = RankInputs(
+            spec=spec,
+            topo=topo,
+            world=world,
+            device=device,
+            out_dir=out_dir,
+            progress=progress,
+            gather_group=gather_group,
+            proc_start_ns=proc_start,
+            entered_ns=entered,
+            build_stages=_build_stages,
+            make_schedule=_schedule,
         )
+        gathered = train(inputs)
         if rank == 0:
             result = {"format": "pipeswift_lab.run", "ranks": gathered, "gathered_ns": time.time_ns()}
             tmp = out_dir / (RESULT_FILE + ".tmp")
@@ -302,7 +327,7 @@ def run_rank(spec, out_dir: Path, progress: bool = False) -> None:
         # pair closed under a peer's pending operation aborts that peer
         dist.barrier(group=gather_group)
     finally:
-        topo = gather_group = None  # the mesh's groups, and through the stages DDP's, go with the default one
+        topo = gather_group = inputs = None  # the mesh's groups, and through the stages DDP's, go with the default one
         gc.collect()  # stage modules in reference cycles hold DDP reducers, which hold their groups
         dist.destroy_process_group()
 
@@ -322,7 +347,7 @@ def run_rank(spec, out_dir: Path, progress: bool = False) -> None:
 # through ``os._exit``.
 # So: (1) every rank imports DISTRIBUTED_MODULES before ``init_process_group``, and its teardown drops the
 # mesh's groups and collects the stage modules' reference cycles, which hold DDP's reducers and their groups
-# (``gc.freeze()`` at start keeps that collection to the run's own objects: 0.01 s instead of 0.5 s); ``rank{r}.done`` records the
-# threads left after teardown (tests check no gloo thread is among them); (2) the command line exits through
-# ``os._exit`` once its output is flushed (``pipeswift_lab.runner.__main__``), as multiprocessing's children
-# do, so no teardown race can turn a finished run into a failed one.
+# (``gc.freeze()`` at start keeps that collection to the run's own objects: 0.01 s instead of 0.5 s);
+# ``rank{r}.done`` records the threads left after teardown (tests check no gloo thread is among them); (2) the
+# command line exits through ``os._exit`` once its output is flushed (``pipeswift_lab.runner.__main__``), as
+# multiprocessing's children do, so no teardown race can turn a finished run into a failed one.

@@ -15,13 +15,18 @@ the workers skip torch's own metadata inference at the first step.
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
 
 from ...core.checks import check_int
 from ...core.vocabulary import canonical_schedule, check_schedule_v, stage_to_rank
+
+#: ``loss_fn(outputs, targets)`` -> a scalar tensor.
+LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 @dataclass(frozen=True)
@@ -38,7 +43,7 @@ class TensorSpec:
         """The spec of ``tensor`` (any device, ``meta`` included)."""
         return cls(tuple(tensor.shape), tuple(tensor.stride()), tensor.dtype, bool(tensor.requires_grad))
 
-    def empty(self, device) -> torch.Tensor:
+    def empty(self, device: torch.device | str) -> torch.Tensor:
         """An uninitialised tensor with this spec on ``device`` (the example tensor torch's static mode needs)."""
         out = torch.empty_strided(self.shape, self.stride, dtype=self.dtype, device=device)
         return out.requires_grad_(self.requires_grad)
@@ -82,7 +87,7 @@ class StagePlan:
         return self.stage_to_rank[-1]
 
 
-def plan_stages(model: nn.Module, partition, schedule: str | None) -> StagePlan:
+def plan_stages(model: nn.Module, partition: Any, schedule: str | None) -> StagePlan:
     """Check ``partition`` (a ``pipeswift_lab.partitioning.balance.Partition`` or any object with ``bounds``,
     ``P``, ``v``, ``schedule`` and ``stage_to_rank``) against ``model`` and ``schedule``.
 
@@ -92,13 +97,15 @@ def plan_stages(model: nn.Module, partition, schedule: str | None) -> StagePlan:
     """
     if not isinstance(model, nn.Module):
         raise TypeError(
-            f"model must be an nn.Module (an nn.Sequential whose children are the layers, or a model torch's tracer can split "
+            "model must be an nn.Module (an nn.Sequential whose children are the layers, or a model torch's tracer "
+            "can split "
             f"at the partition's layer names); got {type(model).__name__}"
         )
     for attr in ("bounds", "P", "v", "stage_to_rank"):
         if not hasattr(partition, attr):
             raise TypeError(
-                f"partition must be a Partition (with bounds, P, v, schedule, stage_to_rank); {type(partition).__name__} has no {attr!r}"
+                "partition must be a Partition (with bounds, P, v, schedule, stage_to_rank); "
+                f"{type(partition).__name__} has no {attr!r}"
             )
     P = check_int("partition.P", partition.P, minimum=1)
     v = check_int("partition.v", partition.v, minimum=1)
@@ -109,7 +116,8 @@ def plan_stages(model: nn.Module, partition, schedule: str | None) -> StagePlan:
     if own is not None:
         if canonical_schedule(own) != schedule:
             raise ValueError(
-                f"schedule={schedule!r} differs from the partition's schedule {own!r}; the partition's stage placement was made for "
+                f"schedule={schedule!r} differs from the partition's schedule {own!r}; the partition's stage placement "
+                "was made for "
                 f"{own!r}: pass schedule={own!r} or re-partition for {schedule!r}"
             )
     bounds = tuple((int(a), int(b)) for a, b in partition.bounds)
@@ -120,7 +128,8 @@ def plan_stages(model: nn.Module, partition, schedule: str | None) -> StagePlan:
     for s, (a, b) in enumerate(bounds):
         if a != expected_start or b <= a:
             raise ValueError(
-                f"partition.bounds={list(bounds)} is not a sequence of non-empty contiguous ranges from 0; stage {s} is {(a, b)}"
+                f"partition.bounds={list(bounds)} is not a sequence of non-empty contiguous ranges from 0; stage {s} "
+                f"is {(a, b)}"
             )
         expected_start = b
     if isinstance(model, nn.Sequential) and expected_start != n_layers:
@@ -132,7 +141,8 @@ def plan_stages(model: nn.Module, partition, schedule: str | None) -> StagePlan:
     torch_mapping = stage_to_rank(P, v, schedule)
     if placement != torch_mapping:
         raise ValueError(
-            f"partition.stage_to_rank={list(placement)} is not the placement torch's {schedule} uses, {list(torch_mapping)}"
+            f"partition.stage_to_rank={list(placement)} is not the placement torch's {schedule} uses, "
+            f"{list(torch_mapping)}"
         )
     return StagePlan(bounds, P, v, schedule, placement)
 
@@ -145,7 +155,7 @@ class StageSequential(nn.Sequential):
     children's, as for a plain ``nn.Sequential``.
     """
 
-    def forward(self, x):
+    def forward(self, x: Any) -> Any:
         out = super().forward(x)
         return out.contiguous() if isinstance(out, torch.Tensor) else out
 
@@ -167,18 +177,19 @@ def check_shared_parameters(model: nn.Sequential, plan: StagePlan) -> None:
             if id(p) in owner and owner[id(p)][0] != s:
                 other_stage, other_name = owner[id(p)]
                 raise ValueError(
-                    f"parameter {name!r} of stage {s} is the same tensor as {other_name!r} of stage {other_stage} (tied weights); "
+                    f"parameter {name!r} of stage {s} is the same tensor as {other_name!r} of stage {other_stage} "
+                    "(tied weights); "
                     "pipeline stages cannot share parameters: untie them or put both layers in one stage"
                 )
             owner.setdefault(id(p), (s, name))
 
 
-def _layer_names(model: nn.Sequential, bounds) -> str:
+def _layer_names(model: nn.Sequential, bounds: tuple[int, int]) -> str:
     names = [name for name, _ in list(model.named_children())[bounds[0] : bounds[1]]]
     return f"layers {bounds[0]}..{bounds[1] - 1} ({', '.join(names)})"
 
 
-def _first_stage_for_real(model, plan, inputs_mb):
+def _first_stage_for_real(model: nn.Sequential, plan: StagePlan, inputs_mb: torch.Tensor) -> None:
     """Run the first stage on one micro-batch of the data for real, without gradients: meta kernels do not check
     dtypes (int64 inputs to a ``Linear`` pass on ``meta``). Parameters are used as they are (a forward does not change
     them), buffers on copies; the random state (CPU and the stage's GPU) is left as it was."""
@@ -195,15 +206,22 @@ def _first_stage_for_real(model, plan, inputs_mb):
     try:
         with torch.no_grad(), torch.random.fork_rng(devices=gpus):  # a dropout here leaves the caller's RNG as it was
             functional_call(stage, tensors, (x,), strict=False)
-    except Exception as exc:  # noqa: BLE001 - re-raised with the stage named
+    except Exception as exc:  # re-raised with the stage named
         raise _StageFailure(0, TensorSpec.from_tensor(inputs_mb), exc) from exc
 
 
-def _pass(model, plan, inputs_mb, targets_mb, loss_fn, device):
+def _pass(
+    model: nn.Sequential,
+    plan: StagePlan,
+    inputs_mb: torch.Tensor,
+    targets_mb: torch.Tensor,
+    loss_fn: LossFn,
+    device: str,
+) -> tuple[tuple[TensorSpec, TensorSpec], ...]:
     """Run one micro-batch stage by stage on ``device`` with stand-in tensors; return specs or raise."""
     from torch.func import functional_call
 
-    def stand_in(t):
+    def stand_in(t: torch.Tensor) -> torch.Tensor:
         if device == "meta":
             return torch.empty_like(t, device="meta").requires_grad_(t.requires_grad)
         return t.detach().clone().requires_grad_(t.requires_grad)
@@ -220,7 +238,7 @@ def _pass(model, plan, inputs_mb, targets_mb, loss_fn, device):
             in_spec = TensorSpec.from_tensor(x)
             try:
                 y = functional_call(stage, {k: tensors[k] for k in keys}, (x,), strict=False)
-            except Exception as exc:  # noqa: BLE001 - re-raised with the stage named
+            except Exception as exc:  # re-raised with the stage named
                 raise _StageFailure(s, in_spec, exc) from exc
             if not isinstance(y, torch.Tensor):
                 raise _StageFailure(
@@ -231,7 +249,7 @@ def _pass(model, plan, inputs_mb, targets_mb, loss_fn, device):
         target = targets_mb.to("meta") if device == "meta" else targets_mb.to(home)
         try:
             loss = loss_fn(x, target)
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:  # re-raised naming what failed
             raise _LossFailure(TensorSpec.from_tensor(x), TensorSpec.from_tensor(target), exc) from exc
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             raise _LossFailure(
@@ -245,18 +263,20 @@ def _pass(model, plan, inputs_mb, targets_mb, loss_fn, device):
 
 
 class _StageFailure(Exception):
-    def __init__(self, stage, in_spec, exc, output=False):
+    def __init__(self, stage: int, in_spec: TensorSpec, exc: BaseException, output: bool = False) -> None:
         super().__init__(str(exc))
         self.stage, self.in_spec, self.exc, self.output = stage, in_spec, exc, output
 
 
 class _LossFailure(Exception):
-    def __init__(self, out_spec, target_spec, exc):
+    def __init__(self, out_spec: TensorSpec, target_spec: TensorSpec, exc: BaseException) -> None:
         super().__init__(str(exc))
         self.out_spec, self.target_spec, self.exc = out_spec, target_spec, exc
 
 
-def boundary_specs(model: nn.Sequential, plan: StagePlan, inputs_mb: torch.Tensor, targets_mb: torch.Tensor, loss_fn):
+def boundary_specs(
+    model: nn.Sequential, plan: StagePlan, inputs_mb: torch.Tensor, targets_mb: torch.Tensor, loss_fn: LossFn
+) -> tuple[tuple[TensorSpec, TensorSpec], ...]:
     """``((input_spec, output_spec), ...)`` of every stage for one micro-batch, checked before launch.
 
     Tries the ``meta`` device first (no compute, no memory), then runs the first stage on the
@@ -286,6 +306,7 @@ def boundary_specs(model: nn.Sequential, plan: StagePlan, inputs_mb: torch.Tenso
         ) from f.exc
     except _LossFailure as f:
         raise ValueError(
-            f"loss_fn(outputs, targets) raised {type(f.exc).__name__}: {f.exc} (given the last stage's output {f.out_spec} "
+            f"loss_fn(outputs, targets) raised {type(f.exc).__name__}: {f.exc} (given the last stage's output "
+            f"{f.out_spec} "
             f"and targets {f.target_spec})"
         ) from f.exc

@@ -23,10 +23,18 @@ no traced graph travels in the spec.
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
+    from torch.distributed.pipelining import Pipe
+
+    from ..spec import RunSpec
 
 
 @dataclass(frozen=True)
@@ -34,10 +42,12 @@ class TracedPlan:
     """What the workers need to re-trace: ``split_names`` (first layer of stages 1..n-1) and an example micro-batch."""
 
     split_names: tuple[str, ...]
-    example: torch.Tensor  # one micro-batch of inputs (the shapes every step has)
+    """The first layer name of stages 1..n-1: where torch's tracer cuts."""
+    example: torch.Tensor
+    """One micro-batch of inputs (the shapes every step has)."""
 
 
-def split_names(model: nn.Module, partition, n_stages: int) -> tuple[str, ...]:
+def split_names(model: nn.Module, partition: Any, n_stages: int) -> tuple[str, ...]:
     """The split points of ``partition``: the first layer name of every stage but the first, checked against ``model``.
 
     Raises ``ValueError`` when the partition carries no layer names, or a name is not a
@@ -46,7 +56,8 @@ def split_names(model: nn.Module, partition, n_stages: int) -> tuple[str, ...]:
     names = getattr(partition, "layer_names", None)
     if not names or len(names) != n_stages or any(not stage for stage in names):
         raise ValueError(
-            f"model is a {type(model).__name__}, not an nn.Sequential: the runner splits it at the first layer of each stage, "
+            f"model is a {type(model).__name__}, not an nn.Sequential: the runner splits it at the first layer of each "
+            "stage, "
             "so partition must carry layer names (a Partition made from profile(model, x, layers=[...]))"
         )
     modules = dict(model.named_modules())
@@ -57,7 +68,8 @@ def split_names(model: nn.Module, partition, n_stages: int) -> tuple[str, ...]:
             listing = f"names at that depth: {nearby}" if nearby else "it has no submodules"
             raise ValueError(
                 f"partition stage {s} starts at layer {name!r}, which is not a submodule of the {type(model).__name__} "
-                f"({listing}); was the partition made from a profile of another model? A model that is not an nn.Sequential "
+                f"({listing}); was the partition made from a profile of another model? A model that is not an "
+                "nn.Sequential "
                 "is split at the layer names of a profile taken with layers=[...]"
             )
     if len(set(firsts)) != len(firsts):
@@ -67,7 +79,7 @@ def split_names(model: nn.Module, partition, n_stages: int) -> tuple[str, ...]:
     return firsts
 
 
-def trace(model: nn.Module, example: torch.Tensor, names: tuple[str, ...]):
+def trace(model: nn.Module, example: torch.Tensor, names: tuple[str, ...]) -> Pipe:
     """``torch.distributed.pipelining.pipeline(model, (example,), split_spec={name: BEGINNING})``; return the ``Pipe``.
 
     Raises ``ValueError`` with the tracer's message and what to do when the model cannot be
@@ -91,11 +103,13 @@ def trace(model: nn.Module, example: torch.Tensor, names: tuple[str, ...]):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             pipe = pipeline(model, (example,), split_spec=spec)
-    except Exception as exc:  # noqa: BLE001 - re-raised with what to do
+    except Exception as exc:  # re-raised with what to do
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
         raise ValueError(
-            f"torch's pipeline tracer cannot split the {type(model).__name__} at {list(names)}: {type(exc).__name__}: {first}. "
-            "The model must be traceable by torch.export (no data-dependent Python control flow, no unsupported ops) and "
+            f"torch's pipeline tracer cannot split the {type(model).__name__} at {list(names)}: {type(exc).__name__}: "
+            f"{first}. "
+            "The model must be traceable by torch.export (no data-dependent Python control flow, no unsupported ops) "
+            "and "
             "each split name must be a submodule called once in forward; make the model's forward export-friendly, "
             "or wrap its layers in an nn.Sequential"
         ) from exc
@@ -105,14 +119,16 @@ def trace(model: nn.Module, example: torch.Tensor, names: tuple[str, ...]):
         _restore_forwards(modules, saved)
     if pipe.num_stages != len(names) + 1:
         raise ValueError(
-            f"torch's pipeline tracer made {pipe.num_stages} stages from the split points {list(names)}, not {len(names) + 1}: "
+            f"torch's pipeline tracer made {pipe.num_stages} stages from the split points {list(names)}, not "
+            f"{len(names) + 1}: "
             "a split name is not called in forward, or is called more than once"
         )
     return pipe
 
 
-def _restore_forwards(modules, saved) -> None:
-    """Undo torch's ``annotate_split_points``, which wraps each split module's ``forward`` in place (a second trace would recurse)."""
+def _restore_forwards(modules: dict[str, nn.Module], saved: dict[str, dict[str, Any]]) -> None:
+    """Undo torch's ``annotate_split_points``, which wraps each split module's ``forward`` in place (a second trace
+    would recurse)."""
     for name, attrs in saved.items():
         mod = modules[name]
         for key in ("forward", "_orig_forward"):
@@ -120,7 +136,7 @@ def _restore_forwards(modules, saved) -> None:
         mod.__dict__.update(attrs)
 
 
-def check_tied(model: nn.Module, stage_keys: list[set]) -> None:
+def check_tied(model: nn.Module, stage_keys: list[set[str]]) -> None:
     """Raise ``ValueError`` if a parameter shared under several names lands in more than one stage (``stage_keys``: each
     traced stage's ``state_dict`` keys)."""
     groups: dict[int, list[str]] = {}
@@ -131,16 +147,24 @@ def check_tied(model: nn.Module, stage_keys: list[set]) -> None:
         stages = sorted({s for s, keys in enumerate(stage_keys) for n in names if n in keys})
         if len(stages) > 1:
             raise ValueError(
-                f"parameters {names} are one tensor (tied weights) used by stages {stages}; torch's tracer gives each stage its "
-                "own copy, which would drift apart. Untie them, e.g. model.head.weight = nn.Parameter(model.embed.weight.detach().clone()), "
+                f"parameters {names} are one tensor (tied weights) used by stages {stages}; torch's tracer gives each "
+                "stage its "
+                "own copy, which would drift apart. Untie them, e.g. model.head.weight = "
+                "nn.Parameter(model.embed.weight.detach().clone()), "
                 "or choose split points that keep every user of the tensor in one stage"
             )
 
 
 def check_traceable(
-    model: nn.Module, partition, n_stages: int, inputs_mb: torch.Tensor, targets_mb, loss_fn
+    model: nn.Module,
+    partition: Any,
+    n_stages: int,
+    inputs_mb: torch.Tensor,
+    targets_mb: torch.Tensor,
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
 ) -> TracedPlan:
-    """Trace ``model`` at the partition's split points on one micro-batch, before launch; return the :class:`TracedPlan`.
+    """Trace ``model`` at the partition's split points on one micro-batch, before launch; return the
+    :class:`TracedPlan`.
 
     Also checks tied weights, that the traced stages hold every key of ``model.state_dict()``,
     and that ``loss_fn`` takes the model's output. Raises ``ValueError`` naming what is wrong.
@@ -154,7 +178,8 @@ def check_traceable(
     missing = [k for k in model.state_dict() if k not in held]
     if missing:
         raise ValueError(
-            f"the traced stages do not hold {missing[:8]} of model.state_dict(); the runner cannot return or checkpoint them"
+            f"the traced stages do not hold {missing[:8]} of model.state_dict(); the runner cannot return or "
+            "checkpoint them"
         )
     with torch.no_grad():
         out = model(example)
@@ -162,7 +187,7 @@ def check_traceable(
         raise ValueError(f"model must return a single tensor (the loss_fn's input); it returned a {type(out).__name__}")
     try:
         loss = loss_fn(out, targets_mb)
-    except Exception as exc:  # noqa: BLE001
+    except Exception as exc:  # re-raised naming what failed
         raise ValueError(
             f"loss_fn(outputs, targets) raised {type(exc).__name__}: {exc} (given the model's output "
             f"{tuple(out.shape)} and targets {tuple(targets_mb.shape)})"
@@ -172,7 +197,9 @@ def check_traceable(
     return TracedPlan(names, example)
 
 
-def _contiguous_inputs(module, args, kwargs):
+def _contiguous_inputs(
+    module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
     """Make what enters a split module contiguous, in the stage before the split (traced into the graph).
 
     torch's point-to-point send and receive need contiguous tensors, and the traced stage
@@ -181,45 +208,54 @@ def _contiguous_inputs(module, args, kwargs):
     metadata says what is really sent.
     """
 
-    def contiguous(value):
+    def contiguous(value: Any) -> Any:
         return value.contiguous() if isinstance(value, torch.Tensor) else value
 
     return tuple(contiguous(a) for a in args), {k: contiguous(v) for k, v in kwargs.items()}
 
 
-def build_traced_stages(spec, rank: int, device, group=None, dp_group=None) -> list:
+def build_traced_stages(
+    spec: RunSpec,
+    rank: int,
+    device: torch.device,
+    group: ProcessGroup | None = None,
+    replica_group: ProcessGroup | None = None,
+) -> list[Any]:
     """This pipeline rank's ``_PipelineStage`` objects, re-traced from the spec's model and example micro-batch.
 
-    ``group`` is the pipeline's process group (None: the default group); with ``dp_group``
+    ``group`` is the pipeline's process group (None: the default group); with ``replica_group``
     each stage module is wrapped in ``DistributedDataParallel`` over the replicas.
     """
     traced = spec.traced
+    if traced is None:
+        raise ValueError("build_traced_stages needs a spec whose model was traced (spec.traced)")
     pipe = trace(spec.model, traced.example, traced.split_names)
     stages = []
     for s in spec.plan.stages_of(rank):
         stage = pipe.build_stage(s, device, group)
-        if dp_group is not None:
-            stage.submod = _traced_ddp(stage.submod, dp_group, device)
+        if replica_group is not None:
+            stage.submod = _traced_ddp(stage.submod, replica_group, device)
         _skip_self_warmup(stage)
         stages.append(stage)
     return stages
 
 
-def _traced_ddp(submod, dp_group, device):
-    """``DistributedDataParallel`` around a traced stage module, still showing its ``graph`` (torch's traced stage reads it)."""
+def _traced_ddp(submod: nn.Module, replica_group: ProcessGroup, device: torch.device) -> nn.Module:
+    """``DistributedDataParallel`` around a traced stage module, still showing its ``graph`` (torch's traced stage
+    reads it)."""
     from torch.nn.parallel import DistributedDataParallel
 
     class TracedDDP(DistributedDataParallel):
         @property
-        def graph(self):
+        def graph(self) -> Any:
             return self.module.graph
 
     return TracedDDP(
-        submod, process_group=dp_group, device_ids=[device] if torch.device(device).type == "cuda" else None
+        submod, process_group=replica_group, device_ids=[device] if torch.device(device).type == "cuda" else None
     )
 
 
-def _skip_self_warmup(stage) -> None:
+def _skip_self_warmup(stage: Any) -> None:
     """Drop the warm-up sends and receives a traced stage would make to its own rank.
 
     torch's traced ``_PipelineStage`` warms its neighbours up with dummy send/recv pairs to the
@@ -229,13 +265,13 @@ def _skip_self_warmup(stage) -> None:
     """
     warmup = stage._get_init_p2p_neighbors_ops
 
-    def neighbours_but_self():
+    def neighbours_but_self() -> list[Any]:
         return [op for op in warmup() if getattr(op, "group_peer", None) != stage.group_rank]
 
     stage._get_init_p2p_neighbors_ops = neighbours_but_self
 
 
-def merged_module(submods) -> nn.Module:
+def merged_module(submods: Iterable[nn.Module]) -> nn.Module:
     """One module holding the parameters and buffers of ``submods`` under their own FQNs (shared, not copied).
 
     Traced stages of one rank share top-level names (``blocks`` in stage 0 and stage 1); the
@@ -259,4 +295,6 @@ def _merge(dst: nn.Module, src: nn.Module) -> None:
             continue
         if name not in dst._modules:
             dst.add_module(name, nn.Module())
-        _merge(dst._modules[name], child)
+        target = dst._modules[name]
+        if target is not None:
+            _merge(target, child)

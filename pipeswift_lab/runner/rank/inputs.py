@@ -1,0 +1,51 @@
+"""What one rank is given: :class:`RankInputs`, made by :func:`~pipeswift_lab.runner.rank.worker.run_rank`."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
+
+    from ..spec import RunSpec
+    from .worker import Topology
+
+__all__ = ["RankInputs"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class RankInputs:
+    """Everything one rank's training loop (:func:`~pipeswift_lab.runner.rank.train_loop.train`) starts from."""
+
+    spec: RunSpec
+    """The run: model, data, optimizer factory, stage plan, job options."""
+    topo: Topology
+    """Where this process sits: global rank, pipeline rank, replica, and their process groups."""
+    world: int
+    """Processes in the run: ``P * D``."""
+    device: torch.device
+    """This rank's device (its GPU, or the CPU)."""
+    out_dir: Path
+    """The run directory: logs, checkpoints log, progress, the gathered result."""
+    progress: bool
+    """Write the steps done to ``out_dir/progress`` (from the rank holding the last stage)."""
+    gather_group: ProcessGroup | None
+    """The group of the collectives on CPU objects (a gloo group beside NCCL; ``None``: the default group)."""
+    proc_start_ns: int | None
+    """Wall-clock start of this process (``None`` where ``/proc`` cannot tell)."""
+    entered_ns: int
+    """Wall clock when the runner was entered (python and torch imported)."""
+    build_stages: Callable[[RunSpec, Topology, torch.device], list[Any]]
+    """Makes this rank's ``PipelineStage`` objects."""
+    make_schedule: Callable[[RunSpec, list[Any]], Any]
+    """Makes torch's schedule over those stages."""
+
+    @property
+    def rank(self) -> int:
+        """The global rank."""
+        return self.topo.rank
