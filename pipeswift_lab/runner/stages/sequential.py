@@ -22,8 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ...core.checks import check_int
-from ...core.vocabulary import canonical_schedule, check_schedule_v, stage_to_rank
+from ...simulation.reconciliation import reconcile
 
 #: ``loss_fn(outputs, targets)`` -> a scalar tensor.
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -98,28 +97,15 @@ def plan_stages(model: nn.Module, partition: Any, schedule: str | None) -> Stage
     if not isinstance(model, nn.Module):
         raise TypeError(
             "model must be an nn.Module (an nn.Sequential whose children are the layers, or a model torch's tracer "
-            "can split "
-            f"at the partition's layer names); got {type(model).__name__}"
+            f"can split at the partition's layer names); got {type(model).__name__}"
         )
-    for attr in ("bounds", "P", "v", "stage_to_rank"):
-        if not hasattr(partition, attr):
-            raise TypeError(
-                "partition must be a Partition (with bounds, P, v, schedule, stage_to_rank); "
-                f"{type(partition).__name__} has no {attr!r}"
-            )
-    P = check_int("partition.P", partition.P, minimum=1)
-    v = check_int("partition.v", partition.v, minimum=1)
-    own = getattr(partition, "schedule", None)
-    if schedule is None:
-        schedule = own if own is not None else ("1F1B" if v == 1 else "Interleaved1F1B")
-    schedule, v = check_schedule_v(schedule, v)
-    if own is not None:
-        if canonical_schedule(own) != schedule:
-            raise ValueError(
-                f"schedule={schedule!r} differs from the partition's schedule {own!r}; the partition's stage placement "
-                "was made for "
-                f"{own!r}: pass schedule={own!r} or re-partition for {schedule!r}"
-            )
+    if not hasattr(partition, "bounds"):
+        raise TypeError(
+            "partition must be a Partition (with bounds, P, v, schedule, stage_to_rank); "
+            f"{type(partition).__name__} has no 'bounds'"
+        )
+    shape = reconcile(partition, schedule, same_schedule=True)
+    P, v, schedule, placement = shape.P, shape.v, shape.schedule, shape.placement
     bounds = tuple((int(a), int(b)) for a, b in partition.bounds)
     n_layers = len(model) if isinstance(model, nn.Sequential) else None
     if len(bounds) != P * v:
@@ -136,13 +122,6 @@ def plan_stages(model: nn.Module, partition: Any, schedule: str | None) -> Stage
         raise ValueError(
             f"partition.bounds ends at layer {expected_start} but the model has {n_layers} layers (children); "
             "was the partition made from a profile of another model?"
-        )
-    placement = tuple(int(r) for r in partition.stage_to_rank)
-    torch_mapping = stage_to_rank(P, v, schedule)
-    if placement != torch_mapping:
-        raise ValueError(
-            f"partition.stage_to_rank={list(placement)} is not the placement torch's {schedule} uses, "
-            f"{list(torch_mapping)}"
         )
     return StagePlan(bounds, P, v, schedule, placement)
 
