@@ -346,3 +346,13 @@ def allreduce_ms(nbytes: float, D: int, bandwidth_GBps: float, latency_ms: float
     if D == 1:
         return 0.0
     return 2 * (D - 1) / D * nbytes / (bandwidth_GBps * 1e9) * 1e3 + 2 * (D - 1) * latency_ms
+
+
+__all__ = [
+    "allreduce_ms",
+    "AssemblyModel",
+    "Availability",
+    "CheckpointModel",
+    "preemption_loss_s",
+    "young_daly_interval_s",
+]

@@ -95,3 +95,16 @@ def first_line(exc: BaseException) -> str:
     """The first line of an exception's message, or its type's name when the message is empty."""
     text = str(exc).strip()
     return text.splitlines()[0] if text else type(exc).__name__
+
+
+__all__ = [
+    "distinct_hours",
+    "first_line",
+    "format_value",
+    "hours",
+    "html_card",
+    "NOISE_CV",
+    "noise_note",
+    "noise_warning",
+    "text_card",
+]

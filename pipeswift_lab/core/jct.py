@@ -148,3 +148,6 @@ class JCT:
 
     def __str__(self) -> str:
         return text_card(f"JCT {self.label}", self._summary())
+
+
+__all__ = ["JCT", "TERMS"]

@@ -46,3 +46,6 @@ def figure_to_data_uri(fig: Figure) -> str:
     buffer = io.BytesIO()
     fig.savefig(buffer, format="png", dpi=110, bbox_inches="tight")
     return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode("ascii")
+
+
+__all__ = ["figure_to_data_uri", "get_ax", "KIND_COLORS"]

@@ -25,3 +25,6 @@ def progress_bar(iterable: Iterable[Any] | None = None, *, desc: str, progress: 
     from tqdm.auto import tqdm
 
     return tqdm(iterable, desc=desc, disable=not progress or progress_off(), **kwargs)
+
+
+__all__ = ["progress_bar", "progress_off"]

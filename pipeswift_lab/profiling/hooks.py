@@ -479,3 +479,17 @@ def current_unit(recorder: LayerRecorder) -> int | None:
 def shapes(obj: Any) -> list[list[int]]:
     """Shapes of the tensors in ``obj``, as lists of ints."""
     return [list(t.shape) for t in iter_tensors(obj)]
+
+
+__all__ = [
+    "Clock",
+    "CpuClock",
+    "CudaClock",
+    "current_unit",
+    "iter_tensors",
+    "LayerRecorder",
+    "make_clock",
+    "shapes",
+    "StepRecord",
+    "tensor_bytes",
+]

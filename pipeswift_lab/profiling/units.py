@@ -173,3 +173,6 @@ def model_device(model: nn.Module) -> torch.device:
             f"model has parameters on several devices {sorted(map(str, devices))}; the profiler times one device"
         )
     return devices.pop()
+
+
+__all__ = ["locate_failure", "model_device", "move_to_device", "preserved_state", "select_units"]

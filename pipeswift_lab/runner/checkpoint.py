@@ -470,3 +470,25 @@ def _retain(root: Path, keep: int, run_id: str | None) -> None:
         _discard(old)
     for stale in root.glob(_TMP_PREFIX + "*"):
         shutil.rmtree(stale, ignore_errors=True)
+
+
+__all__ = [
+    "check_same_model",
+    "Checkpoint",
+    "CheckpointError",
+    "commit",
+    "complete_checkpoints",
+    "FORMAT",
+    "latest_checkpoint",
+    "load_checkpoint",
+    "MANIFEST",
+    "new_tmp_dir",
+    "restore_rank_state",
+    "rng_states",
+    "save_rank_state",
+    "sha256_of",
+    "state_bytes",
+    "step_dir_name",
+    "verify",
+    "VERSION",
+]

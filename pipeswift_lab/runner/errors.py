@@ -333,3 +333,6 @@ def _launch_failed(
             pids=pids,
         )
     return RunError(f"the launch failed: {detail}{tails}", reason="launch", exitcodes=exitcodes, pids=pids)
+
+
+__all__ = ["diagnose", "exception_summary", "failed_step", "is_peer_error", "RunError", "stderr_tail"]

@@ -101,3 +101,6 @@ def raise_write_fault(fault: dict[str, Any] | None, step: int | None, rank: int,
     if fault and fault["step"] == step and fault["rank"] == rank:
         code = getattr(_errno, fault["error"])
         raise OSError(code, f"{os.strerror(code)} (injected by pipeswift_lab.runner.faults.write_fault)", str(path))
+
+
+__all__ = ["active_write_fault", "raise_write_fault", "signal_at", "SignalAt", "WRITE_ERRORS", "write_fault"]

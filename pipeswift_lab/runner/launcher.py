@@ -382,3 +382,14 @@ def _raise_if_failed(
         )
     if watched.timed_out or watched.error is not None or not (run_dir / RESULT_FILE).exists():
         raise diagnose(run_dir, nprocs, timeout_s, watched.timed_out, watched.error, watched.pids)
+
+
+__all__ = [
+    "check_main_guard",
+    "FORKSERVER_PRELOAD",
+    "launch",
+    "MAIN_GUARD_MESSAGE",
+    "Preemption",
+    "SHUTDOWN_TIMEOUT_S",
+    "Watched",
+]

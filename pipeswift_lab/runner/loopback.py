@@ -93,3 +93,6 @@ def loopback_rendezvous() -> str:
 
     rendezvous_handler_registry.register(BACKEND, _create_handler)  # the same creator again is a no-op
     return BACKEND
+
+
+__all__ = ["BACKEND", "LOOPBACK", "loopback_rendezvous", "loopback_store"]

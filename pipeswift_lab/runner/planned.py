@@ -25,3 +25,6 @@ def run_arguments(plan: Any, config: Any) -> dict[str, Any]:
 def global_batch_of(config: Any) -> int:
     """Samples per step the configuration trains on: ``microbatch_size * m * D``."""
     return int(config.microbatch_size) * int(config.m) * int(config.D)
+
+
+__all__ = ["global_batch_of", "run_arguments"]

@@ -159,3 +159,6 @@ def measured_stage_ms(
         if stage in out:
             out[stage] += (end - start) / 1e6
     return {s: total / n for s, total in out.items()}
+
+
+__all__ = ["decide", "measured_stage_ms", "REBALANCE_COLUMNS", "RebalancePlan", "rescaled_profile"]

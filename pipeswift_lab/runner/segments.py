@@ -236,3 +236,6 @@ def _summed_jct(results: Sequence[RunResult]) -> JCT:
         if len(results) == 1
         else f"measured {len(results)} segments, P " + "→".join(str(r.P) for r in results),
     )
+
+
+__all__ = ["combine", "plan_segments", "PlannedSegment", "SEGMENT_COLUMNS", "segments_table"]

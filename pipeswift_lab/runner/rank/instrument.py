@@ -211,3 +211,6 @@ class ActionRecorder:
         if not self._records:
             return torch.zeros((0, 6), dtype=torch.int64)
         return torch.tensor(self._records, dtype=torch.int64)
+
+
+__all__ = ["ActionRecorder", "COMPUTE_CODES", "KINDS", "wall_offset_ns"]

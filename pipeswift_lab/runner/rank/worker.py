@@ -351,3 +351,19 @@ def run_rank(spec: RunSpec, out_dir: Path, progress: bool = False) -> None:
 # ``rank{r}.done`` records the threads left after teardown (tests check no gloo thread is among them); (2) the
 # command line exits through ``os._exit`` once its output is flushed (``pipeswift_lab.runner.__main__``), as
 # multiprocessing's children do, so no teardown race can turn a finished run into a failed one.
+
+
+__all__ = [
+    "DISTRIBUTED_MODULES",
+    "entry",
+    "GLOO_THREADS",
+    "main",
+    "os_threads",
+    "PEER_FAILURE_DELAY_S",
+    "process_start_ns",
+    "RESULT_FILE",
+    "run_rank",
+    "start_caller_watchdog",
+    "Topology",
+    "WATCHDOG_PERIOD_S",
+]

@@ -289,3 +289,15 @@ def boundary_specs(
             f"{f.out_spec} "
             f"and targets {f.target_spec})"
         ) from f.exc
+
+
+__all__ = [
+    "boundary_specs",
+    "check_shared_parameters",
+    "LossFn",
+    "plan_stages",
+    "stage_module",
+    "StagePlan",
+    "StageSequential",
+    "TensorSpec",
+]

@@ -298,3 +298,14 @@ def _merge(dst: nn.Module, src: nn.Module) -> None:
         target = dst._modules[name]
         if target is not None:
             _merge(target, child)
+
+
+__all__ = [
+    "build_traced_stages",
+    "check_tied",
+    "check_traceable",
+    "merged_module",
+    "split_names",
+    "trace",
+    "TracedPlan",
+]
