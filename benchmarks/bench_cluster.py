@@ -54,12 +54,19 @@ def speed_table(jobs) -> pd.DataFrame:
         s = result.summary
         rows.append(
             {
-                "policy": policy, "jobs": s["jobs"], "events": s["events"], "event_loop_s": round(s["wall_s"], 2),
-                "events_per_s": round(s["events_per_s"]), "whole_call_s": round(total, 2),
-                "mean_jct_h": round(s["mean_jct_s"] / 3600, 2), "p95_jct_h": round(s["p95_jct_s"] / 3600, 2),
-                "utilization": round(s["utilization"], 3), "restarts": s["restarts"], "unfinished": s["unfinished"],
+                "policy": policy,
+                "jobs": s["jobs"],
+                "events": s["events"],
+                "event_loop_s": round(s["wall_s"], 2),
+                "events_per_s": round(s["events_per_s"]),
+                "whole_call_s": round(total, 2),
+                "mean_jct_h": round(s["mean_jct_s"] / 3600, 2),
+                "p95_jct_h": round(s["p95_jct_s"] / 3600, 2),
+                "utilization": round(s["utilization"], 3),
+                "restarts": s["restarts"],
+                "unfinished": s["unfinished"],
             }
-        )  # fmt: skip
+        )
     return pd.DataFrame(rows)
 
 
@@ -80,15 +87,19 @@ def jct_table(windows) -> pd.DataFrame:
         reached = [name for name, cut in (("static", -vs_static), ("LAS", -vs_las)) if cut >= POLLUX_LOW]
         rows.append(
             {
-                "window": label, "jobs": len(jobs), "offered_load": round(offered, 2),
+                "window": label,
+                "jobs": len(jobs),
+                "offered_load": round(offered, 2),
                 **{f"{p}_mean_h": round(summaries[p]["mean_jct_s"] / 3600, 2) for p in POLICIES},
                 **{f"{p}_p95_h": round(summaries[p]["p95_jct_s"] / 3600, 2) for p in POLICIES},
-                "elastic_vs_static": f"{vs_static:+.0%}", "elastic_vs_LAS": f"{vs_las:+.0%}",
+                "elastic_vs_static": f"{vs_static:+.0%}",
+                "elastic_vs_LAS": f"{vs_las:+.0%}",
                 "shrink_only_vs_static": f"{shrink.summary['mean_jct_s'] / summaries['static']['mean_jct_s'] - 1:+.0%}",
                 "pollux_37_50_cut_reached_vs": ", ".join(reached) or "neither",
-                "unfinished": sum(s["unfinished"] for s in summaries.values()), "warnings": len(caught),
+                "unfinished": sum(s["unfinished"] for s in summaries.values()),
+                "warnings": len(caught),
             }
-        )  # fmt: skip
+        )
     return pd.DataFrame(rows)
 
 

@@ -128,8 +128,10 @@ def cpu_agreement():
         .to_string(index=False)
     )
     best = grid["measured_ms"].min()
-    print(f"Spearman rank correlation {rho:.2f}; the planner's pick measured {grid['measured_ms'].iloc[0]:.1f} ms, "
-          f"{grid['measured_ms'].iloc[0] / best - 1:+.1%} from the best measured {best:.1f} ms")  # fmt: skip
+    print(
+        f"Spearman rank correlation {rho:.2f}; the planner's pick measured {grid['measured_ms'].iloc[0]:.1f} ms, "
+        f"{grid['measured_ms'].iloc[0] / best - 1:+.1%} from the best measured {best:.1f} ms"
+    )
 
 
 if __name__ == "__main__":
