@@ -85,7 +85,7 @@ def main(argv=None) -> None:
     from pipeswift_lab import latest_checkpoint, load_checkpoint, run
     from pipeswift_lab.models import reference
     from pipeswift_lab.partitioning.balance import partition
-    from pipeswift_lab.profiling.measure import Profile
+    from pipeswift_lab.profiling.table import Profile
     from pipeswift_lab.runner import RunError
 
     setup = reference("gpt")

@@ -29,8 +29,8 @@ import pandas as pd
 
 os.environ.setdefault("TQDM_DISABLE", "1")
 
-from pipeswift_lab import cluster  # noqa: E402
-from pipeswift_lab.data import philly_jobs  # noqa: E402
+from pipeswift_lab import cluster
+from pipeswift_lab.data import philly_jobs
 
 POLICIES = ("static", "elastic", "preemptive")
 DAY = 86_400.0

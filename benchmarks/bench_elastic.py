@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-from sleep_layers import Sleep  # noqa: E402  the tests' Linear that sleeps a known time in forward and backward
+from sleep_layers import Sleep  # the tests' Linear that sleeps a known time in forward and backward
 
 STEPS, DROP_AT, GAP_S = 80, 10, 6.0
 

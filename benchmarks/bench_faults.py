@@ -20,7 +20,7 @@ from pathlib import Path
 import pandas as pd
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from fault_campaign import CHECKS, campaign, summary  # noqa: E402 - the tests' own campaign
+from fault_campaign import CHECKS, campaign, summary  # the tests' own campaign
 
 
 def main(argv=None) -> int:

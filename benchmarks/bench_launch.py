@@ -4,7 +4,7 @@
 
 Each cold launch is ``run(..., start_method="subprocess")`` (fresh interpreters that import torch
 on every rank, as torchrun starts them); each two-node launch is two ``torchrun`` agents of two
-ranks each (one replica per node, D=2), as in ``tests/test_runner_multinode.py``. Prints one row
+ranks each (one replica per node, D=2), as in ``tests/runner/test_multinode.py``. Prints one row
 per kind: launches, completed, aborted at exit (SIGABRT, "terminate called ..."), other
 failures and the median seconds per launch. Exits non-zero on any abort or failure.
 """
@@ -22,7 +22,7 @@ import pandas as pd
 from tqdm.auto import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from launch_stress import busy_core, cold_run, save_spec, two_node_launch  # noqa: E402 - the tests' own launch helpers
+from launch_stress import busy_core, cold_run, save_spec, two_node_launch  # the tests' own launch helpers
 
 
 def _measure(kind: str, n: int, launch) -> dict:

@@ -22,7 +22,7 @@ from pipeswift_lab import Profile, plan, profile, run
 from pipeswift_lab.simulation.schedules import compute_orders
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-from sleep_layers import SleepLayer  # noqa: E402  the same sleeping layers as the validation test
+from sleep_layers import SleepLayer  # the same sleeping layers as the validation test
 
 #: The planner-time goal of the large search (seconds), and its time before the search was reworked
 #: (measured with this script on the 2-vCPU development machine: 12-29 s, 20 s typical).

@@ -22,13 +22,14 @@ import pandas as pd
 
 os.environ.setdefault("TQDM_DISABLE", "1")
 
-from pipeswift_lab import models  # noqa: E402
-from pipeswift_lab.core.link import Link  # noqa: E402
-from pipeswift_lab.core.vocabulary import SCHEDULES  # noqa: E402
-from pipeswift_lab.partitioning.balance import partition  # noqa: E402
-from pipeswift_lab.profiling.measure import Profile, profile  # noqa: E402
-from pipeswift_lab.simulation.simulator import simulate  # noqa: E402
-from pipeswift_lab.simulation.sweeps import sweep  # noqa: E402
+from pipeswift_lab import models
+from pipeswift_lab.core.link import Link
+from pipeswift_lab.core.vocabulary import SCHEDULES
+from pipeswift_lab.partitioning.balance import partition
+from pipeswift_lab.profiling.measure import profile
+from pipeswift_lab.profiling.table import Profile
+from pipeswift_lab.simulation.simulator import simulate
+from pipeswift_lab.simulation.sweeps import sweep
 
 #: Simulated actions per second the warm simulator should reach (Timeline included).
 WARM_GOAL = 1_000_000

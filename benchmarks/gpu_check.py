@@ -28,7 +28,7 @@ def _check(rows: list, path: str, fn) -> None:
     try:
         figure = fn()
         rows.append({"path": path, "result": "ok", "figure": figure, "seconds": round(time.perf_counter() - t0, 1)})
-    except Exception as exc:  # noqa: BLE001 - every failure is reported in the table
+    except Exception as exc:
         traceback.print_exc()
         rows.append(
             {

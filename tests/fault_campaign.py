@@ -1,6 +1,6 @@
 """A fault campaign: short real jobs under faults drawn at random, and the checks every trial must pass.
 
-Used by ``benchmarks/bench_faults.py`` (100+ trials) and ``tests/test_runner_fault_campaign.py``
+Used by ``benchmarks/bench_faults.py`` (100+ trials) and ``tests/runner/test_fault_campaign.py``
 (one trial of each kind). A trial runs a 6-step, two-rank 1F1B job with dropout (so restoring
 RNG states matters) and one fault; ``trial()`` returns one row: the fault, where it struck, the
 outcome and each check. The checks (every one must hold in every trial):
@@ -32,8 +32,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from pipeswift_lab.partitioning.balance import Partition
-from pipeswift_lab.profiling.measure import Profile
+from pipeswift_lab.partitioning.stages import Partition
+from pipeswift_lab.profiling.table import Profile
 from pipeswift_lab.runner import (
     CheckpointError,
     RunError,

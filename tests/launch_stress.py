@@ -1,9 +1,9 @@
-"""Cold launches under load, for the stress test (tests/test_runner_launch_stress.py) and benchmarks/bench_launch.py.
+"""Cold launches under load, for the stress test (tests/runner/test_launch_stress.py) and benchmarks/bench_launch.py.
 
 A cold launch starts fresh interpreters that import torch, as ``torchrun`` does on a cluster:
 ``run(..., start_method="subprocess")``, or two ``torchrun`` agents as two nodes of one replica
 each. :func:`busy_core` keeps one core busy meanwhile, which is how the exit abort showed (see
-[Note: the process group outlives its destroy] in ``pipeswift_lab/runner/worker.py``).
+[Note: the process group outlives its destroy] in ``pipeswift_lab/runner/rank/worker.py``).
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from pipeswift_lab.partitioning.balance import Partition
-from pipeswift_lab.profiling.measure import Profile
+from pipeswift_lab.partitioning.stages import Partition
+from pipeswift_lab.profiling.table import Profile
 from pipeswift_lab.runner import RunError, run
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -16,7 +16,7 @@ import numpy as np
 import pandas as pd
 
 from ..core.checks import check_int, check_time
-from ..profiling.measure import Profile
+from ..profiling.table import Profile
 
 __all__ = ["OPTIONAL_COLUMNS", "REQUIRED_COLUMNS", "check_capacity", "check_jobs"]
 

@@ -307,4 +307,5 @@ def get_policy(policy: str | Policy | type[Policy]) -> Policy:
         return policy()
     if isinstance(policy, str) and policy.lower() in POLICIES:
         policy = policy.lower()
-    return POLICIES[check_choice("policy", policy, POLICIES)]()
+    hint = ", or a pipeswift_lab.cluster.Policy subclass or instance"
+    return POLICIES[check_choice("policy", policy, POLICIES, hint=hint)]()

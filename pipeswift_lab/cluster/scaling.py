@@ -33,7 +33,7 @@ from ..core.analytic import step_ms
 from ..core.costs import AssemblyModel, CheckpointModel, allreduce_ms
 from ..core.precision import OPTIMIZER_STATES
 from ..partitioning.balance import partition
-from ..profiling.measure import Profile
+from ..profiling.table import Profile
 
 __all__ = [
     "DP_BANDWIDTH_GBps",

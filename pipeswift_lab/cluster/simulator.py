@@ -13,7 +13,7 @@ import numpy as np
 import pandas as pd
 
 from ..core.checks import check_flag, check_int, check_time
-from ..profiling.measure import Profile
+from ..profiling.table import Profile
 from .engine import CAPACITY, FINISH, Cluster, ClusterJob
 from .inputs import check_capacity, check_jobs
 from .policies import Policy, Preemptive, get_policy

@@ -37,7 +37,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from .checks import check_int, check_time, check_wgrad_fraction
+from .checks import check_fraction, check_int, check_time
 from .vocabulary import SINGLE_CHUNK_SCHEDULES, ZERO_BUBBLE_SCHEDULES, check_schedule_v
 
 #: Share of the backward that is the weight gradient when nothing better is known.
@@ -76,7 +76,11 @@ def _bubble_time_over_unit(
     schedule, v = check_schedule_v(schedule, v)
     fwd_ms = check_time("fwd_ms", fwd_ms)
     bwd_ms = check_time("bwd_ms", bwd_ms)
-    fraction = DEFAULT_WGRAD_FRACTION if wgrad_fraction is None else check_wgrad_fraction(wgrad_fraction)
+    fraction = (
+        DEFAULT_WGRAD_FRACTION
+        if wgrad_fraction is None
+        else check_fraction("wgrad_fraction", wgrad_fraction, what="a share of the backward")
+    )
     wgrad_ms = fraction * bwd_ms
     if fwd_ms + bwd_ms == 0:
         raise ValueError("fwd_ms + bwd_ms must be > 0; a step with no compute has no bubble ratio")

@@ -22,7 +22,6 @@ __all__ = [
     "check_fraction",
     "check_int",
     "check_time",
-    "check_wgrad_fraction",
     "nonnegative_column",
 ]
 
@@ -52,21 +51,15 @@ def check_time(name: str, value: Any, allow_zero: bool = True) -> float:
     return number
 
 
-def check_fraction(name: str, value: Any, *, allow_zero: bool = True, allow_one: bool = True) -> float:
+def check_fraction(
+    name: str, value: Any, *, allow_zero: bool = True, allow_one: bool = True, what: str = "a fraction"
+) -> float:
     """Return ``value`` as a float in ``[0, 1]`` (``(0, ...`` without ``allow_zero``, ``..., 1)`` without
-    ``allow_one``)."""
+    ``allow_one``); ``what`` names the share in the message (``"a share of the backward"``)."""
     number = check_time(name, value, allow_zero=allow_zero)
     if number > 1 or (number == 1 and not allow_one):
         bound = "<= 1" if allow_one else "< 1"
-        raise ValueError(f"{name}={number} is invalid; it is a fraction and must be {bound}")
-    return number
-
-
-def check_wgrad_fraction(value: Any) -> float:
-    """Return ``wgrad_fraction`` (the weight-gradient share of a backward) as a float in ``[0, 1]``."""
-    number = check_time("wgrad_fraction", value)
-    if number > 1:
-        raise ValueError(f"wgrad_fraction={number} is invalid; it is a share of the backward, in [0, 1]")
+        raise ValueError(f"{name}={number} is invalid; it is {what} and must be {bound}")
     return number
 
 
@@ -84,13 +77,14 @@ def check_choice(
 
     The one check of every argument that names an option (``on_nonfinite``, ``objective``, ``method``,
     ``start_method``, a policy name, ...): ``TypeError`` for a non-string, ``ValueError`` listing the valid spellings
-    (``"x='y' is not known; valid {noun} are [...]{hint}"``). A ``StrEnum`` member is accepted as its value.
+    (``"x='y' is not known; valid {noun} are [...]{hint}"``; ``hint`` also ends the ``TypeError``). A ``StrEnum``
+    member is accepted as its value.
     """
     valid = [str(c.value) for c in choices] if isinstance(choices, type) else [str(c) for c in choices]
     if isinstance(value, Enum):
         value = value.value
     if not isinstance(value, str):
-        raise TypeError(f"{name} must be a str, one of {valid}; got {type(value).__name__} {value!r}")
+        raise TypeError(f"{name} must be a str, one of {valid}{hint}; got {type(value).__name__} {value!r}")
     if value not in valid:
         raise ValueError(f"{name}={value!r} is not known; valid {noun} are {valid}{hint}")
     return value

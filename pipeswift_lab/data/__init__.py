@@ -16,13 +16,16 @@ wheel as well as from a source checkout.
 
 from __future__ import annotations
 
-import numbers
 from importlib import resources
-from importlib.resources.abc import Traversable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pandas as pd
+
+from ..core.checks import check_int
+
+if TYPE_CHECKING:  # importlib.resources.abc is 3.11+; the annotation only
+    from importlib.resources.abc import Traversable
 
 #: File name of the trace inside this package.
 PHILLY_FILE: str = "philly_jobs.csv"
@@ -105,13 +108,8 @@ def _check_window(window: Any) -> tuple[float, float]:
 
 
 def _check_sample(sample: Any, available: int, where: str) -> int:
-    """``sample`` as a number of jobs in ``[0, available]``.
-
-    (:mod:`pipeswift_lab.core.checks` sits in the same layer as this package, so the check is written here.)
-    """
-    if isinstance(sample, bool) or not isinstance(sample, numbers.Integral) or int(sample) < 0:
-        raise ValueError(f"sample={sample!r} is invalid; give a number of jobs >= 0 (or None for all)")
-    count = int(sample)
+    """``sample`` as a number of jobs in ``[0, available]``."""
+    count = check_int("sample", sample, minimum=0)
     if count > available:
         raise ValueError(f"sample={count} exceeds the {available} jobs in the {where}; give at most {available}")
     return count

@@ -33,7 +33,7 @@ if TYPE_CHECKING:
     from IPython.core.magic import Magics
     from matplotlib.figure import Figure
 
-    from ..profiling.measure import Profile
+    from ..profiling.table import Profile
 
 __all__ = ["load_ipython_extension"]
 

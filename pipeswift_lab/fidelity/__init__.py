@@ -1,11 +1,12 @@
 """Fidelity: reads measured runs (:class:`~pipeswift_lab.runner.RunResult` values), returns how far predictions are.
 
 :func:`compare` puts a simulated Timeline beside a measured one; :func:`calibrate` fits the simulator's free terms
-(runtime overhead, link, weight-gradient share) on measured runs and returns a :class:`Calibration` to pass back::
+(compute scale with co-running ranks, per-action and per-step overheads, transfers) on measured runs of one model and
+returns a :class:`Calibration` to pass back::
 
-    cal = psl.calibrate([run_a, run_b, run_c])
-    psl.simulate(part, m=8, calibration=cal)
-    psl.compare(psl.simulate(part, m=8), run_a).errors
+    cal = psl.calibrate([run_a, run_b, run_c], prof)   # RunResults and the Profile their partitions came from
+    cal.error([run_d])                                  # measured vs predicted step, before and after
+    psl.compare(psl.simulate(part, m=8, calibration=cal), run_d).step_rel_error
 
 Modules: :mod:`.comparison`, :mod:`.replays` (a measured step re-run through the simulator), :mod:`.calibrator`,
 :mod:`.measurements` (what calibration reads from the runs) and :mod:`.fitting` (its fits). This room never imports

@@ -16,7 +16,7 @@ from typing import Any, TypeVar
 import numpy as np
 
 from ..core.link import fit_latency_bandwidth
-from ..partitioning.balance import Partition
+from ..partitioning.stages import Partition
 from ..simulation.calibration import RUNTIMES, SimulatorCalibration, runtime_of
 from .measurements import Run, Sample
 

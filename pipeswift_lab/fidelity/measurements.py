@@ -14,7 +14,7 @@ import pandas as pd
 
 from ..core.analytic import backward_parts
 from ..core.vocabulary import COMPUTE_KINDS
-from ..partitioning.balance import Partition
+from ..partitioning.stages import Partition
 from ..simulation.calibration import RUNTIMES, runtime_of
 from ..simulation.steady import first_step
 

@@ -4,7 +4,7 @@ The simulator places each action by the schedule's order and dependencies
 (:mod:`pipeswift_lab.simulation.simulator`); fed the durations a run measured, what is left between the
 replayed and the measured step is what the schedule and communication model misses, and what
 is left between a prediction and the replay is what the predicted durations miss
-(:attr:`pipeswift_lab.runner.Comparison.decomposition`).
+(:attr:`pipeswift_lab.fidelity.Comparison.decomposition`).
 """
 
 from __future__ import annotations

@@ -41,14 +41,13 @@ import numpy as np
 
 from ..core.checks import check_choice, check_int
 from ..core.link import Link, check_link
-from ..core.precision import OPTIMIZER_STATES, state_bytes
+from ..core.precision import state_bytes
 from .bottleneck import Infeasible, MinMaxSplit
 from .layers import Layers, split
 from .memory import DoesNotFit, Layout, memory_cap, memory_windows, no_fit_head, resolve_layout, resolve_m
 from .stages import Partition
 
-# Partition, OPTIMIZER_STATES, memory_cap and no_fit_head are re-exported: callers import them from here.
-__all__ = ["METHODS", "OPTIMIZER_STATES", "Partition", "memory_cap", "no_fit_head", "partition"]
+__all__ = ["METHODS", "partition"]
 
 #: Split methods of :func:`partition`.
 METHODS: tuple[str, ...] = ("uniform", "params", "balanced")

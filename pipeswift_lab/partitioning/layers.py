@@ -18,15 +18,12 @@ import pandas as pd
 from ..core.checks import check_int, nonnegative_column
 from ..core.link import Link
 from .bottleneck import MinMaxSplit
-from .memory import Layout, memory_windows, rank_totals, resolve_placement
+from .memory import Layout, memory_windows
 
-# rank_totals and resolve_placement live in .memory; they are re-exported for the modules that import them from here
 __all__ = [
     "Bounds",
     "Layers",
     "check_bounds",
-    "rank_totals",
-    "resolve_placement",
     "split",
     "stage_comm_ms",
     "transfer_ms_array",

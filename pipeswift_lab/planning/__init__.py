@@ -4,8 +4,8 @@ Every configuration ``(P, D, m, schedule)`` ranked by job completion time: queue
 what preemption costs, with branch-and-bound over the configurations::
 
     p = psl.plan(prof, gpus=16, steps=20_000, global_batch=64)
-    p.best, p.table.head()
-    p.config(0)   # the arguments of psl.run for the best row
+    p.best, p.table.head()       # the shortest JCT, and every configuration ranked
+    p.run_arguments(p.best)      # {partition, m, schedule, D}: psl.run(model, data, loss_fn, steps=..., **these)
 
 Modules: :mod:`.planner` (:func:`plan`, the steps in order), :mod:`.inputs` (:class:`PlanInputs`, the arguments
 checked once), :mod:`.steps` (enumerate, bound, branch and bound, rank), :mod:`.search` (per-micro-batch costs and

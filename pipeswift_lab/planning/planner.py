@@ -33,7 +33,7 @@ import pandas as pd
 
 from ..core.costs import AssemblyModel, Availability, CheckpointModel
 from ..core.link import Link
-from ..profiling.measure import Profile
+from ..profiling.table import Profile
 from ..simulation.calibration import SimulatorCalibration
 from .inputs import DEFAULT_DP_LINK, OPTIMIZER_MEMORY_GBps, PlanInputs, check_plan_inputs
 from .result import Plan, PlannedConfig

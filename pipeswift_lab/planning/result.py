@@ -11,7 +11,8 @@ import pandas as pd
 
 from ..core.display import hours, html_card, text_card
 from ..core.jct import JCT, TERMS
-from ..partitioning.balance import Partition, partition
+from ..partitioning.balance import partition
+from ..partitioning.stages import Partition
 from .search import MicrobatchCosts
 
 if TYPE_CHECKING:

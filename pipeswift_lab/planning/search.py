@@ -21,10 +21,10 @@ from ..core.checks import check_int
 from ..core.link import Link
 from ..core.precision import state_bytes
 from ..core.vocabulary import stage_to_rank
-from ..partitioning.balance import Partition, no_fit_head
 from ..partitioning.bottleneck import Infeasible
-from ..partitioning.layers import Layers, rank_totals, split
-from ..partitioning.memory import MEM_RTOL, Layout
+from ..partitioning.layers import Layers, split
+from ..partitioning.memory import MEM_RTOL, Layout, no_fit_head, rank_totals
+from ..partitioning.stages import Partition
 from ..simulation.calibration import SimulatorCalibration
 from ..simulation.simulator import simulate_step_ms
 

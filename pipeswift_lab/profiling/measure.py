@@ -21,11 +21,10 @@ from torch import nn
 from ..core.checks import check_flag, check_int
 from ..core.display import first_line
 from .hooks import LayerRecorder, StepRecord, current_unit, iter_tensors, make_clock, shapes
-from .table import COLUMNS, REQUIRED_COLUMNS, Profile
+from .table import COLUMNS, Profile
 from .units import locate_failure, model_device, move_to_device, preserved_state, select_units
 
-# Profile, COLUMNS and select_units are re-exported: tests and notebooks import them from here.
-__all__ = ["COLUMNS", "REQUIRED_COLUMNS", "Profile", "profile", "profile_step", "select_units"]
+__all__ = ["profile", "profile_step"]
 
 _Units = list[tuple[str, nn.Module]]
 

@@ -22,6 +22,8 @@ keyword-only option records), :mod:`.preflight` (the job checked before launch),
 :mod:`.checkpoint`, :mod:`.planned`; :mod:`.stages` (how a model is cut), :mod:`.rank` (what one process runs).
 """
 
+from __future__ import annotations
+
 from .assembly import load_result
 from .checkpoint import Checkpoint, CheckpointError, latest_checkpoint, load_checkpoint
 from .errors import RunError
@@ -32,21 +34,21 @@ from .result import RunResult
 from .spec import DEFAULT_LR, RunSpec, default_optimizer, load_spec, make_spec
 
 __all__ = [
-    "run",
-    "RunResult",
-    "RunError",
-    "RunSpec",
-    "load_spec",
-    "load_result",
-    "make_spec",
-    "default_optimizer",
-    "DEFAULT_LR",
     "Checkpoint",
     "CheckpointError",
-    "load_checkpoint",
+    "DEFAULT_LR",
+    "default_optimizer",
+    "global_batch_of",
     "latest_checkpoint",
+    "load_checkpoint",
+    "load_result",
+    "load_spec",
+    "make_spec",
+    "run",
+    "run_arguments",
+    "RunError",
+    "RunResult",
+    "RunSpec",
     "signal_at",
     "write_fault",
-    "run_arguments",
-    "global_batch_of",
 ]

@@ -42,7 +42,7 @@ from .segments import combine
 from .spec import RunSpec, make_spec
 
 if TYPE_CHECKING:
-    from ..partitioning.balance import Partition
+    from ..partitioning.stages import Partition
 
 __all__ = ["run", "clean_stale_run_dirs", "read_history", "job_options"]
 
@@ -371,7 +371,7 @@ def _sigterm_to(preemption: Preemption) -> Iterator[None]:
 
 def _rebalanced(profile: Any, current: Partition, bounds: list[list[int]], m: int) -> Partition:
     """The partition of ``profile`` at the new ``bounds``, with ``current``'s schedule, v, link, optimizer and cap."""
-    from ..partitioning.balance import Partition
+    from ..partitioning.stages import Partition
 
     return Partition.from_bounds(
         profile,

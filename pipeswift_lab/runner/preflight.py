@@ -24,7 +24,7 @@ from .sources import DataSource, make_data_source
 from .spec import RunSpec, make_spec
 
 if TYPE_CHECKING:
-    from ..partitioning.balance import Partition
+    from ..partitioning.stages import Partition
     from .rebalance import RebalancePlan
 
 __all__ = ["JobPlan", "plan_job", "OptimizerFactory"]

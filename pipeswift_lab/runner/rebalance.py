@@ -80,7 +80,8 @@ def decide(
     balanced partition of the rescaled profile differs and its predicted saving over the
     remaining steps exceeds ``cost_s``.
     """
-    from ..partitioning.balance import Partition, partition
+    from ..partitioning.balance import partition
+    from ..partitioning.stages import Partition
     from ..simulation.simulator import simulate_step_ms
 
     kw = dict(plan.partition_kwargs)

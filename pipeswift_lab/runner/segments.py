@@ -22,7 +22,7 @@ if TYPE_CHECKING:
     from torch import nn
 
     from ..core.jct import JCT
-    from ..partitioning.balance import Partition
+    from ..partitioning.stages import Partition
     from ..simulation.timeline import Timeline
     from .result import RunResult
 

@@ -20,7 +20,7 @@ from .engine import ScheduleDeadlock
 from .reconciliation import Reconciled, reconcile
 from .schedules import compute_orders
 from .simulator import simulate, simulate_step_ms
-from .sweeps import Sweep, explore, plot_sweep, sweep
+from .sweeps import Sweep, explore, sweep
 from .timeline import Timeline
 
 __all__ = [
@@ -30,7 +30,6 @@ __all__ = [
     "Timeline",
     "compute_orders",
     "explore",
-    "plot_sweep",
     "reconcile",
     "simulate",
     "simulate_step_ms",

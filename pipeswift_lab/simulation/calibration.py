@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from os import PathLike
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import pandas as pd
 
@@ -24,6 +24,10 @@ from .schema import jsonable
 
 if TYPE_CHECKING:
     from .timeline import Timeline
+
+
+#: A subclass of SimulatorCalibration (what ``load`` returns when called on one).
+C = TypeVar("C", bound="SimulatorCalibration")
 
 #: Per-kind per-stage durations ``(fwd, bwd, igrad, wgrad)``, one sequence per kind with one entry per stage.
 Durations = tuple[Sequence[float], ...]
@@ -185,7 +189,7 @@ class SimulatorCalibration:
         return str(path)
 
     @classmethod
-    def load(cls, path: str | PathLike[str]) -> SimulatorCalibration:
+    def load(cls: type[C], path: str | PathLike[str]) -> C:
         """Read a calibration written by :meth:`save`."""
         data = json.loads(Path(path).read_text(encoding="utf-8"))
         if not isinstance(data, dict) or data.get("format") != _FORMAT:

@@ -47,10 +47,10 @@ from typing import Any
 import pandas as pd
 
 from ..core.analytic import DEFAULT_WGRAD_FRACTION, backward_parts
-from ..core.checks import check_int, check_wgrad_fraction, nonnegative_column
+from ..core.checks import check_fraction, check_int, nonnegative_column
 from ..core.link import Link, check_link
 from ..core.vocabulary import COMPUTE_KINDS
-from ..partitioning.balance import Partition
+from ..partitioning.stages import Partition
 from .calibration import SimulatorCalibration, check_calibration
 from .engine import ScheduleDeadlock, compute_table, execute, lower, lowered, lowered_table, rows_frame
 from .reconciliation import Reconciled, reconcile
@@ -186,7 +186,7 @@ def _weight_grad(stages: _Stages, wgrad_fraction: float | None) -> tuple[list[fl
     """The weight-grad ms of every stage (None: :func:`~pipeswift_lab.core.analytic.backward_parts`' default share)
     and where it came from."""
     if wgrad_fraction is not None:
-        wgrad_fraction = check_wgrad_fraction(wgrad_fraction)
+        wgrad_fraction = check_fraction("wgrad_fraction", wgrad_fraction, what="a share of the backward")
         return [wgrad_fraction * b for b in stages.bwd], f"wgrad_fraction={wgrad_fraction:g}"
     if stages.wgrad is not None:
         for s, (w, b) in enumerate(zip(stages.wgrad, stages.bwd)):

@@ -22,8 +22,10 @@ from ..core.checks import check_choice, check_int
 from ..core.display import html_card, text_card
 from ..core.link import Link, check_link
 from ..core.vocabulary import SINGLE_CHUNK_SCHEDULES, canonical_schedule, default_v, stage_to_rank, validate
-from ..partitioning.balance import METHODS, Partition, memory_cap, partition
-from ..partitioning.layers import Layers, rank_totals
+from ..partitioning.balance import METHODS, partition
+from ..partitioning.layers import Layers
+from ..partitioning.memory import memory_cap, rank_totals
+from ..partitioning.stages import Partition
 from .calibration import SimulatorCalibration, check_calibration, whole_step_ms
 from .reconciliation import reconcile
 from .simulator import simulate
@@ -443,23 +445,4 @@ def heatmap(
     return ax
 
 
-def plot_sweep(
-    df: pd.DataFrame | Sweep,
-    *,
-    x: str = "m",
-    y: str = "P",
-    value: str = "step_ms",
-    ax: Axes | None = None,
-    annot: bool = True,
-    fmt: str = ".3g",
-) -> Axes:
-    """Heatmap of ``value`` over ``x`` and ``y`` from a :func:`sweep` table (a :class:`Sweep` or its DataFrame);
-    returns the Axes. Kept for tables saved as DataFrames: ``sweep(...).plot()`` is the same.
-
-    Filter the table to one schedule and method first when it holds several: each
-    ``(x, y)`` cell must be unique among the feasible rows.
-    """
-    return heatmap(df, ax=ax, x=x, y=y, value=value, annot=annot, fmt=fmt)
-
-
-__all__ = ["METRICS", "SWEEP_COLUMNS", "Sweep", "explore", "heatmap", "peak_memory_bytes", "plot_sweep", "sweep"]
+__all__ = ["METRICS", "SWEEP_COLUMNS", "Sweep", "explore", "heatmap", "peak_memory_bytes", "sweep"]

@@ -118,7 +118,7 @@ def test_activation_memory_follows_inflight_counts():
         (lambda: analytic.bubble_ratio(4, 4, bwd_ms=math.nan), r"bwd_ms=nan is invalid; it must be a finite number"),
         (
             lambda: analytic.bubble_ratio(4, 4, bwd_ms=1, wgrad_fraction=2),
-            r"wgrad_fraction=2.0 is invalid; it is a share of the backward, in \[0, 1\]",
+            r"wgrad_fraction=2.0 is invalid; it is a share of the backward and must be <= 1",
         ),
     ],
 )

@@ -80,7 +80,7 @@ def test_window_and_sample(trace):
         ({"window": 5}, TypeError, "window must be a"),
         ({"sample": -3}, ValueError, "sample=-3 is invalid"),
         ({"sample": 10**6}, ValueError, "exceeds the 82247 jobs"),
-        ({"sample": 2.5}, ValueError, "sample=2.5 is invalid"),
+        ({"sample": 2.5}, TypeError, "sample must be an integer; got float 2.5"),
     ],
 )
 def test_bad_arguments(kwargs, error, message):

@@ -11,7 +11,7 @@ from sleep_layers import Sleep
 from torch import nn
 
 import pipeswift_lab.faces.magics
-from pipeswift_lab.profiling.measure import Profile
+from pipeswift_lab.profiling.table import Profile
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

@@ -1,4 +1,4 @@
-"""Report sections that can be built alone (the whole report is built by tests/test_cli.py)."""
+"""Report sections that can be built alone (the whole report is built by tests/faces/test_cli.py)."""
 
 import time
 

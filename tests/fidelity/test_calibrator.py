@@ -18,8 +18,8 @@ from torch import nn
 
 import pipeswift_lab as psl
 from pipeswift_lab.fidelity.calibrator import Calibration, CalibrationWarning, calibrate, runtime_of, whole_step_ms
-from pipeswift_lab.partitioning.balance import Partition
-from pipeswift_lab.profiling.measure import Profile
+from pipeswift_lab.partitioning.stages import Partition
+from pipeswift_lab.profiling.table import Profile
 from pipeswift_lab.simulation.simulator import simulate
 
 FWD_MS = [6.0, 12.0, 6.0, 12.0]  # profiled, per layer

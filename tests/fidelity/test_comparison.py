@@ -11,8 +11,8 @@ from sleep_layers import SLACK_MS, SleepLayer
 from torch import nn
 
 from pipeswift_lab.fidelity import Comparison, compare
-from pipeswift_lab.partitioning.balance import Partition
-from pipeswift_lab.profiling.measure import Profile
+from pipeswift_lab.partitioning.stages import Partition
+from pipeswift_lab.profiling.table import Profile
 from pipeswift_lab.runner import run
 from pipeswift_lab.simulation.simulator import simulate
 from pipeswift_lab.simulation.steady import MEASURED_STEP, steady_step_index

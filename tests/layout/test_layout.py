@@ -18,7 +18,7 @@ PACKAGE = Path(pipeswift_lab.__file__).parent
 #: or above. fidelity, planning and the runner share a layer: they take each other's results as values.
 LAYERS = {
     "core": 0,
-    "data": 0,
+    "data": 1,
     "models": 1,
     "profiling": 1,
     "partitioning": 2,
@@ -122,7 +122,8 @@ def test_every_package_says_what_it_reads_and_returns():
             assert isinstance(getattr(package, "__all__", None), list), name
 
 
-#: ``pipeswift_lab.__all__`` before the rooms: every name stays importable from the top level.
+#: ``pipeswift_lab.__all__`` before the rooms (less ``plot_sweep``, which gave way to ``Sweep.plot``), and the
+#: ``report`` and ``runner`` attributes: every name stays importable from the top level.
 PUBLIC_BEFORE_THE_ROOMS = (
     "SCHEDULES Checkpoint Comparison ClusterResult JCT Link Partition Plan Profile RunError RunResult ScheduleDeadlock "
     "Timeline Calibration activation_memory_bytes bubble_overhead bubble_ratio cluster calibrate compare costs data "

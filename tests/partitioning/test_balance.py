@@ -11,8 +11,10 @@ from hypothesis import strategies as st
 from pipeswift_lab import analytic, models
 from pipeswift_lab.core.link import Link
 from pipeswift_lab.core.precision import OPTIMIZER_STATES
-from pipeswift_lab.partitioning.balance import Partition, partition
-from pipeswift_lab.profiling.measure import Profile, profile
+from pipeswift_lab.partitioning.balance import partition
+from pipeswift_lab.partitioning.stages import Partition
+from pipeswift_lab.profiling.measure import profile
+from pipeswift_lab.profiling.table import Profile
 
 matplotlib.use("Agg")
 

@@ -352,3 +352,18 @@ def test_explain_says_why_no_pipeline_wins():
         model_profile(param_bytes=1e9), gpus=8, global_batch=8, steps=100, mem_per_gpu_bytes=12e9, progress=False
     )
     assert capped.best.P > 1 and "No pipeline" not in capped.explain()  # 8 GB of layers x 4 do not fit 12 GB
+
+
+def test_the_room_docstring_example():
+    prof = Profile.synthetic(
+        fwd_ms=[1.0] * 8,
+        bwd_ms=[2.0] * 8,
+        params=[1000] * 8,
+        param_bytes=[4000.0] * 8,
+        activation_bytes=[1e5] * 8,
+        meta={"batch_size": 1},
+    )
+    p = plan(prof, gpus=16, steps=20_000, global_batch=64, progress=False)
+    assert p.best.total_s == p.table["total_s"].min()
+    args = p.run_arguments(p.best)
+    assert set(args) == {"partition", "m", "schedule", "D"} and args["m"] == p.best.m and args["D"] == p.best.D

@@ -14,7 +14,9 @@ import torch.nn.functional as F
 from sleep_layers import Sleep, SleepBackward
 from torch import nn
 
-from pipeswift_lab.profiling.measure import COLUMNS, Profile, profile, profile_step, select_units
+from pipeswift_lab.profiling.measure import profile, profile_step
+from pipeswift_lab.profiling.table import COLUMNS, Profile
+from pipeswift_lab.profiling.units import select_units
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

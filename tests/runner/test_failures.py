@@ -11,8 +11,8 @@ import pytest
 import torch
 from torch import nn
 
-from pipeswift_lab.partitioning.balance import Partition
-from pipeswift_lab.profiling.measure import Profile
+from pipeswift_lab.partitioning.stages import Partition
+from pipeswift_lab.profiling.table import Profile
 from pipeswift_lab.runner import RunError, load_spec, make_spec, run
 from pipeswift_lab.runner.spec import CPU_RANKS_PER_CORE, available_cores
 
@@ -221,7 +221,7 @@ def test_a_script_without_the_main_guard_gets_one_line_and_starts_nothing(tmp_pa
     script = tmp_path / "train.py"
     script.write_text(
         "import torch\nfrom torch import nn\nimport pipeswift_lab as psl\n"
-        "from pipeswift_lab.profiling.measure import Profile\n"
+        "from pipeswift_lab.profiling.table import Profile\n"
         "model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))\n"
         "part = psl.Partition.from_bounds(Profile.synthetic(fwd_ms=[1.0] * 2, bwd_ms=[1.0] * 2), [(0, 1), (1, 2)])\n"
         "psl.run(model, (torch.randn(4, 4), torch.randn(4, 2)), nn.functional.mse_loss, part, 2, steps=1)\n"

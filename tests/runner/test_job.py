@@ -23,10 +23,11 @@ from torch import nn
 
 import pipeswift_lab as psl
 from pipeswift_lab.core.costs import CheckpointModel
-from pipeswift_lab.partitioning.balance import Partition
-from pipeswift_lab.profiling.measure import Profile
+from pipeswift_lab.partitioning.stages import Partition
+from pipeswift_lab.profiling.table import Profile
 from pipeswift_lab.runner import CheckpointError, RunError, latest_checkpoint, run, write_fault
 from pipeswift_lab.runner.job import clean_stale_run_dirs
+from pipeswift_lab.runner.processes import alive, zombie
 
 pytestmark = pytest.mark.processes  # starts worker processes: `pytest -m "not processes"` skips it
 
@@ -377,7 +378,7 @@ ORPHAN_SCRIPT = textwrap.dedent("""
     import os, sys, time, torch
     from torch import nn
     import pipeswift_lab as psl
-    from pipeswift_lab.partitioning.balance import Partition
+    from pipeswift_lab.partitioning.stages import Partition
 
     PIDS = sys.argv[1]
 
@@ -430,8 +431,5 @@ def _owned_by(path, pid):
 
 
 def _alive(pid):
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
+    """Running (a zombie waiting for its reaper counts as gone)."""
+    return alive(pid) and not zombie(pid)

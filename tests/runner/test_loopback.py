@@ -9,8 +9,8 @@ import torch
 from sleep_layers import SleepLayer
 from torch import nn
 
-from pipeswift_lab.partitioning.balance import Partition
-from pipeswift_lab.profiling.measure import Profile
+from pipeswift_lab.partitioning.stages import Partition
+from pipeswift_lab.profiling.table import Profile
 from pipeswift_lab.runner import run
 from pipeswift_lab.runner.loopback import LOOPBACK, loopback_store
 

@@ -23,8 +23,8 @@ from test_torchrun import (
 )  # a layer of the test suite: the saved spec carries it by value
 from torch import nn
 
-from pipeswift_lab.partitioning.balance import Partition
-from pipeswift_lab.profiling.measure import Profile
+from pipeswift_lab.partitioning.stages import Partition
+from pipeswift_lab.profiling.table import Profile
 from pipeswift_lab.runner import load_result, load_spec, run
 
 pytestmark = pytest.mark.processes  # starts worker processes: `pytest -m "not processes"` skips it

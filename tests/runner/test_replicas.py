@@ -12,7 +12,7 @@ from test_runner import assert_same_parameters, make_model
 from torch import nn
 
 from pipeswift_lab.partitioning.balance import partition
-from pipeswift_lab.profiling.measure import Profile
+from pipeswift_lab.profiling.table import Profile
 from pipeswift_lab.runner import run
 from pipeswift_lab.runner.spec import make_spec
 

@@ -13,8 +13,9 @@ import pytest
 import torch
 from torch import nn
 
-from pipeswift_lab.partitioning.balance import Partition, partition
-from pipeswift_lab.profiling.measure import Profile
+from pipeswift_lab.partitioning.balance import partition
+from pipeswift_lab.partitioning.stages import Partition
+from pipeswift_lab.profiling.table import Profile
 from pipeswift_lab.runner import RunResult, run
 from pipeswift_lab.simulation.schedules import compute_orders
 from pipeswift_lab.simulation.timeline import Timeline

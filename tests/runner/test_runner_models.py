@@ -10,8 +10,9 @@ import pytest
 import torch
 
 from pipeswift_lab import models
-from pipeswift_lab.partitioning.balance import Partition, partition
-from pipeswift_lab.profiling.measure import Profile
+from pipeswift_lab.partitioning.balance import partition
+from pipeswift_lab.partitioning.stages import Partition
+from pipeswift_lab.profiling.table import Profile
 from pipeswift_lab.runner import run
 
 pytestmark = pytest.mark.processes  # starts worker processes: `pytest -m "not processes"` skips it

@@ -8,8 +8,8 @@ import pytest
 import torch
 from torch import nn
 
-from pipeswift_lab.partitioning.balance import Partition
-from pipeswift_lab.profiling.measure import Profile
+from pipeswift_lab.partitioning.stages import Partition
+from pipeswift_lab.profiling.table import Profile
 from pipeswift_lab.runner import load_spec, make_spec
 from pipeswift_lab.runner.spec import SPEC_MAGIC, spec_header
 

@@ -14,8 +14,8 @@ import pytest
 import torch
 from torch import nn
 
-from pipeswift_lab.partitioning.balance import Partition
-from pipeswift_lab.profiling.measure import Profile
+from pipeswift_lab.partitioning.stages import Partition
+from pipeswift_lab.profiling.table import Profile
 from pipeswift_lab.runner import load_result, load_spec, run
 
 pytestmark = pytest.mark.processes  # starts worker processes: `pytest -m "not processes"` skips it

@@ -13,8 +13,10 @@ from torch import nn
 
 import pipeswift_lab as psl
 from pipeswift_lab.fidelity.comparison import compare
-from pipeswift_lab.partitioning.balance import Partition, partition
-from pipeswift_lab.profiling.measure import Profile, profile
+from pipeswift_lab.partitioning.balance import partition
+from pipeswift_lab.partitioning.stages import Partition
+from pipeswift_lab.profiling.measure import profile
+from pipeswift_lab.profiling.table import Profile
 from pipeswift_lab.runner import run
 
 pytestmark = pytest.mark.processes  # starts worker processes: `pytest -m "not processes"` skips it

@@ -6,7 +6,7 @@ import pandas as pd
 import pytest
 
 from pipeswift_lab.partitioning.balance import partition
-from pipeswift_lab.profiling.measure import Profile
+from pipeswift_lab.profiling.table import Profile
 from pipeswift_lab.simulation import Reconciled, reconcile
 from pipeswift_lab.simulation.simulator import simulate
 

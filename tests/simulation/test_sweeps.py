@@ -5,9 +5,9 @@ import pytest
 
 from pipeswift_lab.core.link import Link
 from pipeswift_lab.partitioning.balance import partition
-from pipeswift_lab.profiling.measure import Profile
+from pipeswift_lab.profiling.table import Profile
 from pipeswift_lab.simulation.simulator import simulate
-from pipeswift_lab.simulation.sweeps import SWEEP_COLUMNS, explore, peak_memory_bytes, plot_sweep, sweep
+from pipeswift_lab.simulation.sweeps import SWEEP_COLUMNS, explore, heatmap, peak_memory_bytes, sweep
 from pipeswift_lab.simulation.timeline import Timeline
 
 matplotlib.use("Agg")
@@ -120,15 +120,15 @@ def test_bad_sweep_arguments():
 
 def test_heatmap():
     df = sweep(gpt_like(), P=[1, 2, 4], m=[4, 8, 16], progress=False)
-    ax = plot_sweep(df)
+    ax = heatmap(df)
     assert ax.get_xlabel() == "m" and ax.get_ylabel() == "P"
     assert len(ax.texts) == 9  # one annotation per cell
     assert "step_ms" in ax.get_title()
     both = sweep(gpt_like(), P=[2], m=[4], methods=["uniform", "balanced"], progress=False)
     with pytest.raises(ValueError, match="filter the table by \\['method'\\]"):
-        plot_sweep(both)
+        heatmap(both)
     with pytest.raises(ValueError, match="column 'speed'"):
-        plot_sweep(df, value="speed")
+        heatmap(df, value="speed")
 
 
 def test_explore_returns_what_the_widget_shows():
@@ -195,14 +195,14 @@ def test_a_sweep_is_a_result_that_reads_as_its_table():
         _ = result.no_such_attribute
 
 
-def test_sweep_plot_filters_by_keyword_and_plot_sweep_takes_either():
+def test_sweep_plot_filters_by_keyword_and_heatmap_takes_either():
     result = sweep(gpt_like(), P=[2, 4], m=[4, 8], schedules=["1F1B", "GPipe"], progress=False)
     with pytest.raises(ValueError, match=r"filter the table by \['schedule'\] first \(e.g. .plot\(schedule=...\)\)"):
         result.plot()
     ax = result.plot(schedule="GPipe", value="bubble_ratio")
     assert len(ax.texts) == 4 and ax.get_title() == "bubble_ratio (schedule=GPipe, method=balanced)"
     gpipe = result[result.schedule == "GPipe"]
-    assert plot_sweep(gpipe).get_title() == "step_ms (schedule=GPipe, method=balanced)"
-    assert len(plot_sweep(sweep(gpt_like(), P=[2], m=[4], progress=False)).texts) == 1
+    assert heatmap(gpipe).get_title() == "step_ms (schedule=GPipe, method=balanced)"
+    assert len(heatmap(sweep(gpt_like(), P=[2], m=[4], progress=False)).texts) == 1
     with pytest.raises(ValueError, match="column 'stage'"):
         result.plot(stage=1)

@@ -13,7 +13,7 @@ if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
     from ...models import ReferenceSetup
-    from ...profiling.measure import Profile
+    from ...profiling.table import Profile
 
 __all__ = ["ReportContext", "Section", "figure_of", "measure_setup", "reference_profile", "reference_setup"]
 

@@ -15,7 +15,7 @@ from .base import ReportContext, Section, figure_of, reference_profile
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
-    from ...profiling.measure import Profile
+    from ...profiling.table import Profile
 
 __all__ = [
     "section_bubbles",

@@ -20,8 +20,8 @@ if TYPE_CHECKING:
     from ...fidelity.calibrator import Calibration
     from ...fidelity.comparison import Comparison
     from ...models import ReferenceSetup
-    from ...partitioning.balance import Partition
-    from ...profiling.measure import Profile
+    from ...partitioning.stages import Partition
+    from ...profiling.table import Profile
     from ...runner.result import RunResult
 
 __all__ = ["RUN_CASES", "CalibratedRuns", "section_checkpoints", "section_elastic", "section_run"]

@@ -11,8 +11,8 @@ from ...core.vocabulary import SCHEDULES
 from .base import Explorer, value_property
 
 if TYPE_CHECKING:
-    from ...partitioning.balance import Partition
-    from ...profiling.measure import Profile
+    from ...partitioning.stages import Partition
+    from ...profiling.table import Profile
     from ...simulation.calibration import SimulatorCalibration
     from ...simulation.timeline import Timeline
 

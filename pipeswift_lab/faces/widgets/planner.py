@@ -10,7 +10,7 @@ from .base import Explorer, value_property
 
 if TYPE_CHECKING:
     from ...planning.planner import Plan
-    from ...profiling.measure import Profile
+    from ...profiling.table import Profile
 
 __all__ = ["PlannerExplorer", "parse_availability", "planner_explorer"]
 
