@@ -45,7 +45,12 @@ def profile(
 
     Each repeat runs ``model(*sample_args, **sample_kwargs)``, the loss and the backward,
     with every unit timed in place (see :mod:`pipeswift_lab.profiling.hooks`): ``layers=None``
-    takes the children of an ``nn.Sequential``; otherwise give submodule names or dotted
+    takes the children of an ``nn.Sequential``; ``layers="auto"`` takes the repeated blocks
+    (the children of the longest ``nn.ModuleList`` / ``nn.ModuleDict`` / ``nn.Sequential`` of
+    one block class, e.g. a transformer's decoder layers) and the modules with parameters
+    around them (embeddings before; final norm and head after), prints one line saying what
+    it chose, and raises ``ValueError`` on a model without repeated blocks (see
+    :func:`pipeswift_lab.profiling.units.auto_units`); otherwise give submodule names or dotted
     glob patterns (``"blocks.*"``; ``*`` stays within one name segment). The loss is
     ``loss_fn(output, target)``, ``loss_fn(output)`` without a target, and the sum of all
     floating-point outputs without ``loss_fn`` (a backward with a gradient of ones).

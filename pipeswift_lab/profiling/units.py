@@ -48,13 +48,21 @@ def _listing(names: list[str], limit: int = 30) -> str:
 
 
 def select_units(model: nn.Module, layers: str | Sequence[str] | None) -> list[tuple[str, nn.Module]]:
-    """Resolve ``layers`` (None, or names / dotted glob patterns) to ``[(name, module), ...]``.
+    """Resolve ``layers`` (None, ``"auto"``, or names / dotted glob patterns) to ``[(name, module), ...]``.
 
-    ``None`` takes the children of an ``nn.Sequential``. Raises ``ValueError`` for a pattern
+    ``None`` takes the children of an ``nn.Sequential``; ``"auto"`` finds the repeated blocks and
+    the modules with parameters around them (see :func:`auto_units`); any other string is one
+    pattern (``["auto"]`` names a submodule called ``auto``). Raises ``ValueError`` for a pattern
     that matches nothing (listing the names at that depth), for units that contain each
-    other, and for ``None`` on a model that is not an ``nn.Sequential``.
+    other, for ``None`` on a model that is not an ``nn.Sequential``, and for ``"auto"`` on a
+    model without repeated blocks.
     """
-    units = _sequential_children(model) if layers is None else _matched_units(model, layers)
+    if layers is None:
+        units = _sequential_children(model)
+    elif isinstance(layers, str) and layers == AUTO:
+        units = auto_units(model)
+    else:
+        units = _matched_units(model, layers)
     _check_disjoint(units)
     return units
 
@@ -120,6 +128,113 @@ def _check_disjoint(units: list[tuple[str, nn.Module]]) -> None:
                 )
 
 
+# -- layers="auto" ------------------------------------------------------------------------
+AUTO = "auto"
+"""The ``layers`` value that finds the repeated blocks itself (:func:`auto_units`)."""
+
+_CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.Sequential)
+
+
+def auto_units(model: nn.Module, *, announce: bool = True) -> list[tuple[str, nn.Module]]:
+    """The units ``layers="auto"`` chooses: the repeated blocks, and the modules with parameters before and after.
+
+    The blocks are the children of the longest ``nn.ModuleList`` / ``nn.ModuleDict`` /
+    ``nn.Sequential`` anywhere in ``model`` whose children (at least 2) are all of one class;
+    ties go to the shallowest, then the first in ``named_modules()`` order. Around them, walking
+    from the root down to that container, each level's other children that hold at least one
+    parameter are units, in registration order: those registered before the path run before
+    the blocks, those after it after them (the deepest level's first). An ``nn.ModuleList`` or
+    ``nn.ModuleDict`` there, which never runs itself, gives its children with parameters
+    instead. A module registered under two names is taken once. With ``announce``, prints one
+    line saying what was chosen. Raises ``ValueError`` when ``model`` has no such container.
+    """
+    found = find_blocks(model)
+    if found is None:
+        raise ValueError(_no_blocks_message(model))
+    path, container = found
+    blocks = [(_join(path, n), m) for n, m in container.named_children()]
+    taken = {id(container)} | {id(m) for _, m in blocks}
+    levels_before: list[list[tuple[str, nn.Module]]] = []
+    levels_after: list[list[tuple[str, nn.Module]]] = []
+    module, prefix = model, ""
+    for part in path.split(".") if path else []:
+        before: list[tuple[str, nn.Module]] = []
+        after: list[tuple[str, nn.Module]] = []
+        on_path: nn.Module | None = None
+        for name, child in module.named_children():
+            if name == part:
+                on_path = child
+            else:
+                (before if on_path is None else after).extend(_units_around(_join(prefix, name), child, taken))
+        levels_before.append(before)
+        levels_after.append(after)
+        assert on_path is not None, f"{part!r} is not a child on the path to {path!r}"
+        module, prefix = on_path, _join(prefix, part)
+    head = [unit for level in levels_before for unit in level]
+    tail = [unit for level in reversed(levels_after) for unit in level]
+    if announce:
+        print(_announcement(path, blocks, head, tail))
+    return head + blocks + tail
+
+
+def _units_around(name: str, module: nn.Module, taken: set[int]) -> list[tuple[str, nn.Module]]:
+    """``module`` as units beside the blocks: none without parameters or already taken, the children of an
+    ``nn.ModuleList`` / ``nn.ModuleDict`` (which never run themselves), else itself. Adds what it takes to ``taken``."""
+    if id(module) in taken or not any(True for _ in module.parameters()):
+        return []
+    taken.add(id(module))
+    if isinstance(module, (nn.ModuleList, nn.ModuleDict)):
+        return [unit for n, m in module.named_children() for unit in _units_around(_join(name, n), m, taken)]
+    return [(name, module)]
+
+
+def find_blocks(model: nn.Module) -> tuple[str, nn.Module] | None:
+    """``(name, container)`` of the repeated blocks :func:`auto_units` takes, or None when there are none.
+
+    ``name`` is ``""`` when ``model`` itself is the container.
+    """
+    best: tuple[int, int, str, nn.Module] | None = None  # (-children, depth, name, container)
+    for name, module in model.named_modules():
+        if not isinstance(module, _CONTAINERS):
+            continue
+        children = [m for _, m in module.named_children()]
+        if len(children) < 2 or len({type(m) for m in children}) != 1:
+            continue
+        key = (-len(children), name.count(".") + 1 if name else 0)
+        if best is None or key < best[:2]:
+            best = (*key, name, module)
+    return None if best is None else (best[2], best[3])
+
+
+def _join(prefix: str, name: str) -> str:
+    return f"{prefix}.{name}" if prefix else name
+
+
+def _announcement(
+    path: str,
+    blocks: list[tuple[str, nn.Module]],
+    before: list[tuple[str, nn.Module]],
+    after: list[tuple[str, nn.Module]],
+) -> str:
+    """``layers="auto": 4 × LlamaDecoderLayer in model.layers, with model.embed_tokens before and lm_head after``."""
+    text = f'layers="auto": {len(blocks)} × {type(blocks[0][1]).__name__} in {path or "the model itself"}'
+    around = [
+        f"{', '.join(n for n, _ in units)} {where}" for units, where in ((before, "before"), (after, "after")) if units
+    ]
+    return text + (f", with {' and '.join(around)}" if around else "")
+
+
+def _no_blocks_message(model: nn.Module) -> str:
+    children = list(model.named_children())
+    hint = [f"{n}.*" if isinstance(m, _CONTAINERS) else n for n, m in children]
+    return (
+        f'layers="auto" looked for repeated blocks (an nn.ModuleList, nn.ModuleDict or nn.Sequential holding at '
+        f"least 2 children of one class) anywhere in the {type(model).__name__} and found none; pass layers= a list "
+        f"of submodule names or glob patterns instead, e.g. layers={hint}; the top-level children are: "
+        f"{_listing([n for n, _ in children]) or '(none)'}"
+    )
+
+
 # -- state ---------------------------------------------------------------------------------
 @contextmanager
 def preserved_state(model: nn.Module, device: torch.device) -> Iterator[None]:
@@ -175,4 +290,13 @@ def model_device(model: nn.Module) -> torch.device:
     return devices.pop()
 
 
-__all__ = ["locate_failure", "model_device", "move_to_device", "preserved_state", "select_units"]
+__all__ = [
+    "AUTO",
+    "auto_units",
+    "find_blocks",
+    "locate_failure",
+    "model_device",
+    "move_to_device",
+    "preserved_state",
+    "select_units",
+]

@@ -257,15 +257,19 @@ def _clock(ranks: list[Payload]) -> _Clock:
 
 
 def _final_state(spec: RunSpec, ranks: list[Payload]) -> dict[str, torch.Tensor]:
-    """The trained parameters and buffers of replica 0's ranks (the replicas hold the same; DDP keeps them equal)."""
+    """The trained parameters and buffers of replica 0's ranks (the replicas hold the same; DDP keeps them equal),
+    every name of a shared parameter (tied weights) pointing to one tensor, as in the model."""
+    from .stages.tied import parameter_names, with_aliases
+
     state: dict[str, torch.Tensor] = {}
     for p in ranks:
         if p.get("replica", 0) == 0:
             state.update(p["state"])
-    missing = [k for k in spec.state_keys if k not in state]
-    if missing:
-        raise RuntimeError(f"the gathered state lacks {len(missing)} keys of the model, e.g. {missing[:3]}")
-    return state
+    try:
+        return with_aliases(state, spec.state_keys, parameter_names(spec.model))
+    except KeyError:
+        missing = [k for k in spec.state_keys if k not in state]
+        raise RuntimeError(f"the gathered state lacks {len(missing)} keys of the model, e.g. {missing[:3]}") from None
 
 
 def _recovery(history: dict[str, Any], ranks: list[Payload], clock: _Clock) -> _Recovery:
@@ -358,6 +362,7 @@ def _meta(
         "redone_s": recovery.terms["redone_s"],
         "checkpoint_interval_steps": next((p.get("interval_steps") for p in ranks if p.get("interval_steps")), None),
         "job": spec.job,
+        "tied": [{"names": g.names, "stages": g.stages} for g in spec.tied],
         **spec.meta,
     }
 

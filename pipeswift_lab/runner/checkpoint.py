@@ -40,8 +40,6 @@ import pandas as pd
 
 if TYPE_CHECKING:
     import torch
-    from torch.distributed import ProcessGroup
-    from torch.distributed.checkpoint.state_dict import StateDictOptions
 
 from ..core.display import html_card, text_card
 
@@ -146,7 +144,8 @@ class Checkpoint:
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
             dcp.load({MODEL: model}, checkpoint_id=str(self.path), no_dist=True)
         order = self.manifest.get("state_keys") or list(model)
-        return OrderedDict((k, model[k]) for k in order if k in model)
+        aliases = self.manifest.get("aliases") or {}
+        return OrderedDict((k, model[aliases.get(k, k)]) for k in order if aliases.get(k, k) in model)
 
     def load_into(self, model: torch.nn.Module) -> torch.nn.Module:
         """Copy the checkpoint's model state into ``model`` (strict) and return it.
@@ -292,6 +291,9 @@ def check_same_model(checkpoint: Checkpoint, model: torch.nn.Module) -> None:
     """Raise :class:`CheckpointError` listing the state names and shapes in which ``model`` and ``checkpoint``
     differ."""
     saved = checkpoint.tensor_shapes()
+    for alias, canonical in (checkpoint.manifest.get("aliases") or {}).items():
+        if canonical in saved:
+            saved[alias] = saved[canonical]
     own = {k: tuple(t.shape) for k, t in model.state_dict().items() if hasattr(t, "shape")}
     missing = sorted(set(own) - set(saved))
     extra = sorted(set(saved) - set(own))
@@ -309,109 +311,6 @@ def check_same_model(checkpoint: Checkpoint, model: torch.nn.Module) -> None:
             + ", ".join(f"{k} {list(saved[k])} in the checkpoint vs {list(own[k])} in the model" for k in shapes[:8])
         )
     raise CheckpointError(f"checkpoint {str(checkpoint.path)!r} is of another model; " + "; ".join(parts))
-
-
-# --- the worker side: every rank saves and loads its own layers -------------------------------------------------
-
-
-def _state_options() -> StateDictOptions:
-    from torch.distributed.checkpoint.state_dict import StateDictOptions
-
-    return StateDictOptions(flatten_optimizer_state_dict=True)
-
-
-def rng_states(device: torch.device | str) -> dict[str, torch.Tensor]:
-    """This rank's RNG states as tensors: the CPU generator, and the CUDA one on a GPU rank."""
-    import torch
-
-    states = {"cpu": torch.get_rng_state()}
-    if getattr(device, "type", "cpu") == "cuda":  # pragma: no cover - needs GPUs
-        states["cuda"] = torch.cuda.get_rng_state(device)
-    return states
-
-
-def save_rank_state(
-    tmp_dir: Path,
-    rank: int,
-    module: torch.nn.Module,
-    optimizer: torch.optim.Optimizer,
-    device: torch.device,
-    group: ProcessGroup | None,
-    step: int | None = None,
-    fault: dict[str, Any] | None = None,
-) -> dict[str, Any]:
-    """Write this rank's layers, optimizer state and RNG states into ``tmp_dir`` with DCP (a collective).
-
-    ``fault`` is a :func:`~pipeswift_lab.runner.faults.write_fault` the run carries, matched against ``step`` (steps
-    done).
-
-    Returns ``{"files": {name: {"bytes", "sha256"}}, "save_ms"}`` for this rank's own files,
-    hashed right after DCP wrote (and fsynced) them.
-    """
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict
-
-    from .faults import raise_write_fault
-
-    t0 = time.perf_counter()
-    raise_write_fault(fault, step, rank, tmp_dir)
-    untouched = not optimizer.state  # get_state_dict initializes an empty state with a zero-lr step: undo it after
-    model_sd, optim_sd = get_state_dict(module, optimizer, options=_state_options())
-    state = {MODEL: model_sd, OPTIM: optim_sd, RNG: {f"rank{rank}": rng_states(device)}}
-    dcp.save(state, storage_writer=dcp.FileSystemWriter(str(tmp_dir), sync_files=True), process_group=group)
-    if untouched:
-        optimizer.state.clear()
-    save_ms = (time.perf_counter() - t0) * 1e3
-    files = {}
-    for path in sorted(tmp_dir.glob(f"__{rank}_*.distcp")):
-        files[path.name] = {"bytes": path.stat().st_size, "sha256": sha256_of(path)}
-    return {"files": files, "save_ms": save_ms, "state_bytes": state_bytes(state)}
-
-
-def restore_rank_state(
-    path: Path,
-    rank: int,
-    module: torch.nn.Module,
-    optimizer: torch.optim.Optimizer,
-    device: torch.device,
-    group: ProcessGroup | None,
-    restore_rng: bool,
-) -> dict[str, Any]:
-    """Load this rank's layers and optimizer state (by name) from the checkpoint at ``path`` (a collective).
-
-    With ``restore_rng`` (same partition as the saver) the rank's RNG states are restored too.
-    Returns ``{"restore_ms", "bytes"}``: the wall time and the bytes of state this rank loaded.
-    """
-    import torch
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-
-    t0 = time.perf_counter()
-    model_sd, optim_sd = get_state_dict(module, optimizer, options=_state_options())
-    rng = {f"rank{rank}": {k: torch.empty_like(v) for k, v in rng_states(device).items()}} if restore_rng else {}
-    state: dict[str, Any] = {MODEL: model_sd, OPTIM: optim_sd}
-    if restore_rng:
-        state[RNG] = rng
-    dcp.load(state, storage_reader=dcp.FileSystemReader(str(path)), process_group=group)
-    set_state_dict(module, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd, options=_state_options())
-    if restore_rng:
-        saved = rng[f"rank{rank}"]
-        torch.set_rng_state(saved["cpu"])
-        if "cuda" in saved:  # pragma: no cover - needs GPUs
-            torch.cuda.set_rng_state(saved["cuda"], device)
-
-    return {"restore_ms": (time.perf_counter() - t0) * 1e3, "bytes": state_bytes(state)}
-
-
-def state_bytes(obj: object) -> int:
-    """Bytes of the tensors in a (nested) state dict: what a rank's parameters and optimizer state weigh."""
-    import torch
-
-    if isinstance(obj, torch.Tensor):
-        return obj.numel() * obj.element_size()
-    if isinstance(obj, dict):
-        return sum(state_bytes(v) for v in obj.values())
-    return 0
 
 
 def new_tmp_dir(root: Path, step: int) -> Path:
@@ -483,11 +382,7 @@ __all__ = [
     "load_checkpoint",
     "MANIFEST",
     "new_tmp_dir",
-    "restore_rank_state",
-    "rng_states",
-    "save_rank_state",
     "sha256_of",
-    "state_bytes",
     "step_dir_name",
     "verify",
     "VERSION",

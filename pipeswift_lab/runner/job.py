@@ -82,14 +82,23 @@ def run(
     profile: Any = None,
     rebalance_every: int | None = None,
     D: int = 1,
+    split: str | None = None,
 ) -> RunResult:
     """Train ``model`` for ``steps`` steps as a real pipeline on ``torch.distributed.pipelining`` and measure it.
 
     * ``model`` — an ``nn.Sequential`` (stage ``s`` is its children ``partition.bounds[s]``), or
-      any model torch's tracer can split: the first layer name of each stage (a Partition
-      from ``profile(model, x, layers=[...])``) becomes a split point of
-      ``torch.distributed.pipelining.pipeline`` (see :mod:`~pipeswift_lab.runner.stages.traced`;
-      tied weights across stages are refused).
+      any model torch's tracer can split, Hugging Face models as they are: the first layer name of
+      each stage (a Partition from ``profile(model, x, layers=[...])`` or ``layers="auto"``)
+      becomes a split point of ``torch.distributed.pipelining.pipeline`` (see
+      :mod:`~pipeswift_lab.runner.stages.traced`; a KV cache is turned off for the trace and the
+      run). The model's output reaches ``loss_fn`` as the model returns it (a ``ModelOutput``,
+      dict, tuple or tensor). A parameter used by several stages (tied embeddings) is held by
+      each and its gradients are summed between them every step, as Megatron-LM does
+      (:mod:`~pipeswift_lab.runner.stages.tied`); ``RunResult.tied_weights`` lists them.
+    * ``split`` — ``None`` (an ``nn.Sequential`` is cut between its children, any other model
+      traced), ``"trace"``, or ``"manual"`` for a forward the tracer cannot capture: each stage
+      is a copy of the model without the other stages' layers, run eagerly
+      (:mod:`~pipeswift_lab.runner.stages.manual`).
     * ``data`` — an ``(inputs, targets)`` batch used every step, a ``callable(step) -> (inputs,
       targets)`` (called with torch's RNG seeded to ``seed + step``, so ranks agree), or an
       iterable of batches (the first ``steps`` are taken). Only the rank holding the first
@@ -201,6 +210,7 @@ def run(
         steps=steps,
         optimizer=optimizer,
         D=D,
+        split=split,
         launch=options,
         checkpoints=checkpoints,
         elastic=elastic,

@@ -95,6 +95,7 @@ def plan_job(
     optimizer: OptimizerFactory | None,
     D: int,
     launch: LaunchOptions,
+    split: str | None = None,
     checkpoints: CheckpointOptions,
     elastic: ElasticOptions,
 ) -> JobPlan:
@@ -125,6 +126,7 @@ def plan_job(
         "instrument": launch.instrument,
         "seed": launch.seed,
         "D": D,
+        "split": split,
     }
     specs = {
         seg.start_step: make_spec(model, source, loss_fn, seg.partition, m, schedule=schedule, job=job, **spec_kwargs)

@@ -204,6 +204,21 @@ class RunResult:
         return out
 
     @property
+    def tied_weights(self) -> pd.DataFrame:
+        """The parameters several stages held (tied weights), kept in sync every step: one row per parameter with
+        its ``names`` in the model and the ``stages`` and pipeline ``ranks`` that held a copy."""
+        placement = self.meta.get("stage_to_rank", ())
+        rows = [
+            {
+                "names": tuple(g["names"]),
+                "stages": tuple(g["stages"]),
+                "ranks": tuple(sorted({placement[s] for s in g["stages"]})),
+            }
+            for g in self.meta.get("tied", [])
+        ]
+        return pd.DataFrame(rows, columns=["names", "stages", "ranks"])
+
+    @property
     def measured_steps(self) -> range:
         """The step numbers ``step_ms`` and ``losses`` describe: ``first_step`` onwards."""
         return range(self.first_step, self.first_step + len(self.step_ms))
@@ -258,6 +273,8 @@ class RunResult:
             out.update(restarts=self.restarts, steps_redone=self.steps_redone, recovery_s=self.recovery_s)
         if self.skipped_steps:
             out.update(skipped_steps=len(self.skipped_steps))
+        for g in self.meta.get("tied", []):
+            out[f"tied {' = '.join(g['names'])}"] = f"stages {list(g['stages'])}, gradients summed every step"
         return out
 
     def _repr_html_(self) -> str:

@@ -28,13 +28,16 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 from torch import nn
 
-from ..core.checks import check_flag, check_int, check_time
+from ..core.checks import check_choice, check_flag, check_int, check_time
 from .devices import CPU_RANKS_PER_CORE, available_cores, resolve_devices
 from .options import ON_NONFINITE, JobOptions
 from .sources import DataSource, make_data_source
-from .stages.sequential import StagePlan, TensorSpec, boundary_specs, check_shared_parameters, plan_stages
+from .stages.sequential import StagePlan, TensorSpec, plan_stages
+from .stages.shapes import stage_shapes
+from .stages.tied import TiedGroup
 
 if TYPE_CHECKING:
+    from .stages.manual import ManualPlan
     from .stages.traced import TracedPlan
 
 __all__ = [
@@ -47,6 +50,7 @@ __all__ = [
     "make_spec",
     "load_spec",
     "spec_header",
+    "SPLITS",
     # defined in devices, sources and options; importable from here as before
     "CPU_RANKS_PER_CORE",
     "available_cores",
@@ -60,12 +64,14 @@ __all__ = [
 #: Learning rate of the default optimizer factory (plain SGD, no momentum).
 DEFAULT_LR = 0.01
 _FORMAT = "pipeswift_lab.RunSpec"
-_VERSION = 2
+_VERSION = 3
 #: The first bytes of a spec file: a header line (JSON) before the pickle, read without unpickling anything.
 SPEC_MAGIC = b"PIPESWIFT-SPEC "
 _HEADER_MAX_BYTES = 4096
 #: Schedules whose split backward (I then W) does not go through DDP's synchronized backward.
 REPLICA_UNSUPPORTED = ("InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
+#: How a model that is not an ``nn.Sequential`` is cut into stages: torch's tracer, or stage copies of the model.
+SPLITS = ("trace", "manual")
 #: The longest ``timeout_s`` a run takes (seconds): torch's process groups and stores overflow far above it.
 MAX_TIMEOUT_S = 1e9
 
@@ -101,8 +107,9 @@ class RunSpec:
     """The CUDA device index of every local rank; ``None`` on CPU."""
     threads_per_rank: int | None
     """``torch.set_num_threads`` of every CPU rank; ``None`` on CUDA."""
-    boundaries: tuple[tuple[TensorSpec, TensorSpec], ...]
-    """``(input, output)`` of every stage for one micro-batch (empty for traced stages)."""
+    boundaries: tuple[tuple[TensorSpec, TensorSpec | None], ...]
+    """``(input, output)`` of every stage for one micro-batch (empty for traced stages; the output of a manual last
+    stage is ``None``: it goes to the loss)."""
     state_keys: tuple[str, ...]
     """``model.state_dict()`` keys, in order."""
     instrument: bool = True
@@ -117,6 +124,10 @@ class RunSpec:
     """What the result reports about the run: batch sizes, placement, layer names, torch version, cores."""
     traced: TracedPlan | None = None
     """How to re-trace a model that is not an ``nn.Sequential``; ``None``: its children are the layers."""
+    manual: ManualPlan | None = None
+    """How to build stage copies without the tracer (``split="manual"``); ``None``: not that way."""
+    tied: tuple[TiedGroup, ...] = ()
+    """Parameters held by several stages, their gradients summed every step (tied embeddings)."""
     D: int = 1
     """Data-parallel replicas of the pipeline; world size ``P * D``, global rank = replica * P + pipeline rank."""
 
@@ -292,13 +303,17 @@ def make_spec(
     seed: int = 0,
     job: JobOptions | None = None,
     D: int = 1,
+    split: str | None = None,
 ) -> RunSpec:
     """Check every argument of :func:`pipeswift_lab.run` and build the :class:`RunSpec` (no process is started).
 
     Raises ``TypeError``/``ValueError`` for anything that would fail in the workers and can be
     known here: schedule rules, ``m`` not dividing the batch, too many ranks for the machine,
     stages whose shapes do not chain, a loss that does not take the last stage's output.
+    ``split`` is how a model that is not an ``nn.Sequential`` is cut: ``None``/``"trace"`` (torch's
+    tracer) or ``"manual"`` (stage copies of the model, :mod:`~pipeswift_lab.runner.stages.manual`).
     """
+    split = None if split is None else check_choice("split", split, SPLITS)
     plan = plan_stages(model, partition, schedule)
     D = check_int("D", D, minimum=1)
     m = check_int("m", m, minimum=1)
@@ -313,7 +328,7 @@ def make_spec(
     backend, device_type, indices = resolve_devices(world, backend, devices, what=what)
     source = make_data_source(data, steps, seed)
     global_batch, batch_size = _replica_batch(source, D, m)
-    boundaries, traced, layer_names = _stage_shapes(model, partition, plan, source, batch_size // m, loss_fn)
+    shapes = stage_shapes(model, partition, plan, source, batch_size // m, loss_fn, split)
     return RunSpec(
         model=model,
         loss_fn=loss_fn,
@@ -326,14 +341,16 @@ def make_spec(
         device_type=device_type,
         devices=indices,
         threads_per_rank=max(1, available_cores() // world) if device_type == "cpu" else None,
-        boundaries=boundaries,
+        boundaries=shapes.boundaries,
         state_keys=tuple(model.state_dict().keys()),
         instrument=instrument,
         seed=seed,
         timeout_s=timeout_s,
         job=job if job is not None else JobOptions(),
-        meta=_spec_meta(plan, D, m, global_batch, batch_size, layer_names),
-        traced=traced,
+        meta=_spec_meta(plan, D, m, global_batch, batch_size, shapes.layer_names),
+        traced=shapes.traced,
+        manual=shapes.manual,
+        tied=shapes.tied,
         D=D,
     )
 
@@ -379,8 +396,8 @@ def _check_training(
     loss_fn: object,
     optimizer: Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer] | None,
 ) -> Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer]:
-    """Check ``loss_fn`` and the optimizer factory (by making one optimizer of the model's parameters) and that no
-    two stages of an ``nn.Sequential`` share a parameter; return the factory (:func:`default_optimizer` for None)."""
+    """Check ``loss_fn`` and the optimizer factory (by making one optimizer of the model's parameters); return the
+    factory (:func:`default_optimizer` for None)."""
     if not callable(loss_fn):
         raise TypeError(f"loss_fn must be callable as loss_fn(outputs, targets); got {type(loss_fn).__name__}")
     optimizer = default_optimizer if optimizer is None else optimizer
@@ -398,8 +415,6 @@ def _check_training(
         ) from exc
     if not isinstance(probe, torch.optim.Optimizer):
         raise TypeError(f"optimizer(params) must return a torch.optim.Optimizer; it returned {type(probe).__name__}")
-    if isinstance(model, nn.Sequential):
-        check_shared_parameters(model, plan)
     return optimizer
 
 
@@ -422,30 +437,6 @@ def _replica_batch(source: DataSource, D: int, m: int) -> tuple[int, int]:
         )
         raise ValueError(f"m={m} does not divide {where}; use an m in {divisors}")
     return global_batch, batch_size
-
-
-def _stage_shapes(
-    model: nn.Module,
-    partition: Any,
-    plan: StagePlan,
-    source: DataSource,
-    microbatch_size: int,
-    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-) -> tuple[tuple[tuple[TensorSpec, TensorSpec], ...], TracedPlan | None, list[str]]:
-    """Run one micro-batch through the stages before launch: ``(boundaries, traced plan, layer names)``.
-
-    An ``nn.Sequential`` gets the shapes crossing every boundary; any other model is traced at the
-    partition's split points (torch's traced stages know their boundary shapes from the graph).
-    """
-    inputs, targets = source.batch(0)
-    inputs_mb, targets_mb = inputs[:microbatch_size], targets[:microbatch_size]
-    if isinstance(model, nn.Sequential):
-        layer_names = [name for name, _ in model.named_children()]
-        return boundary_specs(model, plan, inputs_mb, targets_mb, loss_fn), None, layer_names
-    from .stages.traced import check_traceable
-
-    traced = check_traceable(model, partition, plan.n_stages, inputs_mb, targets_mb, loss_fn)
-    return (), traced, [str(name) for stage in partition.layer_names for name in stage]
 
 
 def _spec_meta(

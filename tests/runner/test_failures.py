@@ -15,6 +15,7 @@ from pipeswift_lab.partitioning.stages import Partition
 from pipeswift_lab.profiling.table import Profile
 from pipeswift_lab.runner import RunError, load_spec, make_spec, run
 from pipeswift_lab.runner.spec import CPU_RANKS_PER_CORE, available_cores
+from pipeswift_lab.runner.stages.tied import TiedGroup
 
 pytestmark = pytest.mark.processes  # starts worker processes: `pytest -m "not processes"` skips it
 
@@ -251,14 +252,12 @@ def test_a_batchnorm_first_stage_passes_the_real_dtype_check_and_keeps_its_stati
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
 
 
-def test_tied_weights_across_stages_are_refused():
+def test_tied_weights_across_stages_are_found_before_launch():
     first, last = nn.Linear(4, 4), nn.Linear(4, 4)
     last.weight = first.weight
     model = nn.Sequential(first, nn.Tanh(), nn.Tanh(), last)
-    with pytest.raises(
-        ValueError, match=r"parameter '3.weight' of stage 1 is the same tensor as '0.weight' of stage 0"
-    ):
-        make_spec(model, (torch.randn(8, 4), torch.randn(8, 4)), nn.functional.mse_loss, two_stage(), 2)
+    spec = make_spec(model, (torch.randn(8, 4), torch.randn(8, 4)), nn.functional.mse_loss, two_stage(), 2)
+    assert spec.tied == (TiedGroup(("0.weight", "3.weight"), (0, 1)),)
 
 
 def test_an_op_without_a_meta_kernel_falls_back_to_a_real_shape_pass(tmp_path):

@@ -18,7 +18,9 @@ from typing import Any
 import torch
 
 from .. import checkpoint as ckpt
+from ..stages.tied import alias_map, parameter_names
 from .inputs import RankInputs
+from .state_files import save_rank_state
 
 __all__ = ["Checkpointer", "CHECKPOINTS_LOG", "broadcast", "gather", "append_line"]
 
@@ -64,6 +66,7 @@ class Checkpointer:
         self.last_saved_step: int | None = None
         self.latest: str | None = None
         self.saves = 0  # saves this attempt took, counted on every rank
+        self.aliases = alias_map(parameter_names(self.spec.model))  # tied weights: stored once, under one name
 
     @property
     def enabled(self) -> bool:
@@ -98,7 +101,7 @@ class Checkpointer:
             raise RuntimeError("Checkpointer.save needs a checkpoint root (the run has no checkpoint_dir)")
         t0 = time.perf_counter()
         tmp = broadcast(str(ckpt.new_tmp_dir(self.root, step)) if self.rank == 0 else None, self.group)
-        mine = ckpt.save_rank_state(
+        mine = save_rank_state(
             Path(tmp),
             self.rank,
             self.module,
@@ -107,6 +110,7 @@ class Checkpointer:
             self.group,
             step=step,
             fault=self.job.write_fault,
+            aliases=self.aliases,
         )
         parts = gather(mine, self.rank, self.world, self.group)
         if parts is not None:
@@ -155,6 +159,7 @@ class Checkpointer:
             "optimizer": type(self.optimizer).__module__ + "." + type(self.optimizer).__qualname__,
             "rng_states": True,
             "state_keys": list(spec.state_keys),
+            "aliases": self.aliases,
             "seed": spec.seed,
             "device_type": spec.device_type,
             "run_id": self.job.run_id,

@@ -33,9 +33,11 @@ from typing import Any
 import torch
 
 from .. import checkpoint as ckpt
+from ..stages.tied import TiedGradients, unique_parameters
 from .checkpointer import CHECKPOINTS_LOG, Checkpointer, append_line, broadcast, gather
 from .inputs import RankInputs
 from .instrument import ActionRecorder
+from .state_files import restore_rank_state
 
 __all__ = [
     "train",
@@ -131,6 +133,8 @@ class RankState:
     """This rank's ``PipelineStage`` objects (their modules DDP-wrapped with ``D > 1``)."""
     optimizer: torch.optim.Optimizer
     """The optimizer over the stages' parameters."""
+    tied: TiedGradients
+    """Sums the gradients of the tied parameters' copies between the stages holding them."""
     schedule: Any
     """torch's schedule over the stages."""
     recorder: ActionRecorder
@@ -144,7 +148,7 @@ class RankState:
     first_step: int = 0
     """The step training starts at: 0, or the step of the checkpoint restored."""
     restored: dict[str, Any] | None = None
-    """What :func:`~pipeswift_lab.runner.checkpoint.restore_rank_state` reported, with ``path``, ``step`` and
+    """What :func:`~pipeswift_lab.runner.rank.state_files.restore_rank_state` reported, with ``path``, ``step`` and
     ``rng_restored``; ``None`` when nothing was restored."""
     ready_ns: int = 0
     """Wall clock when the rank was ready to train (stages built, state restored)."""
@@ -196,7 +200,15 @@ def _set_up(inputs: RankInputs) -> RankState:
     """Build the stages, the optimizer over them, torch's schedule and the recorder; take SIGTERM."""
     spec = inputs.spec
     stages = inputs.build_stages(spec, inputs.topo, inputs.device)
-    optimizer = spec.optimizer([p for stage in stages for p in stage.submod.parameters()])
+    optimizer = spec.optimizer(unique_parameters(stage.submod for stage in stages))
+    tied = TiedGradients(
+        spec.tied,
+        {stage.stage_index: unwrapped(stage.submod) for stage in stages},
+        spec.plan.stage_to_rank,
+        P=spec.P,
+        D=spec.D,
+        replica=inputs.topo.replica,
+    )
     schedule = inputs.make_schedule(spec, stages)
     recorder = ActionRecorder(stages, schedule, inputs.device, enabled=spec.instrument)
     torch.manual_seed(spec.seed)
@@ -207,6 +219,7 @@ def _set_up(inputs: RankInputs) -> RankState:
     return RankState(
         stages=stages,
         optimizer=optimizer,
+        tied=tied,
         schedule=schedule,
         recorder=recorder,
         stop=stop,
@@ -240,7 +253,7 @@ def _restore(inputs: RankInputs, state: RankState) -> None:
             and tuple(manifest["stage_to_rank"]) == plan.stage_to_rank
             and int(manifest.get("world_size", world)) == world
         )  # RNG states are per rank: the same ranks, D included
-        restored = ckpt.restore_rank_state(
+        restored = restore_rank_state(
             Path(source),
             inputs.rank,
             state.saver.module,
@@ -248,6 +261,7 @@ def _restore(inputs: RankInputs, state: RankState) -> None:
             inputs.device,
             inputs.gather_group,
             restore_rng=same,
+            aliases=state.saver.aliases,
         )
         restored.update(path=str(source), step=int(manifest["step"]), rng_restored=same)
         state.restored, state.first_step = restored, restored["step"]
@@ -330,6 +344,7 @@ def _run_step(inputs: RankInputs, state: RankState, step: int) -> tuple[int, flo
         kwargs = {"target": targets_b.to(device), "losses": []} if holds_last else {}
     start_ns = state.recorder.start_step(step)
     state.schedule.step(*args, return_outputs=False, **kwargs)
+    state.tied.sync()
     loss = float(torch.stack([x.detach() for x in kwargs["losses"]]).float().mean()) if holds_last else 0.0
     if holds_last and topo.replica_group is not None:  # the global batch's loss: the mean over the replicas
         mean = torch.tensor([loss], dtype=torch.float64)

@@ -215,11 +215,17 @@ def _build_stages(spec: RunSpec, topo: Topology, device: torch.device) -> list[A
         from ..stages.traced import build_traced_stages
 
         return build_traced_stages(spec, topo.pp_rank, device, group=topo.pp_group, replica_group=topo.replica_group)
-    if not isinstance(spec.model, torch.nn.Sequential):
+    if spec.manual is not None:
+        from ..stages.manual import build_manual_modules
+
+        modules = build_manual_modules(spec.model, spec.manual, plan.stages_of(topo.pp_rank))
+    elif isinstance(spec.model, torch.nn.Sequential):
+        modules = {s: stage_module(spec.model, plan.bounds[s]) for s in plan.stages_of(topo.pp_rank)}
+    else:
         raise TypeError(f"a model that is not an nn.Sequential needs traced stages; got {type(spec.model).__name__}")
     stages = []
-    for s in plan.stages_of(topo.pp_rank):
-        module: torch.nn.Module = stage_module(spec.model, plan.bounds[s]).to(device)
+    for s, module in modules.items():
+        module = module.to(device)
         if topo.replica_group is not None:
             from torch.nn.parallel import DistributedDataParallel
 
@@ -235,20 +241,30 @@ def _build_stages(spec: RunSpec, topo: Topology, device: torch.device) -> list[A
                 plan.n_stages,
                 device,
                 input_args=in_spec.empty(device),
-                output_args=out_spec.empty(device),
+                output_args=out_spec.empty(device) if out_spec is not None else None,
                 group=topo.pp_group,
             )
         )
     return stages
 
 
+def stage_loss(spec: RunSpec) -> Any:
+    """The loss torch's schedule calls with the last stage's output: ``spec.loss_fn``, given the model's output
+    structure back when the last stage returns it as a flat tuple (traced and manual stages)."""
+    from ..stages.outputs import StructuredLoss
+
+    structure = spec.traced.output if spec.traced is not None else spec.manual.output if spec.manual else None
+    return spec.loss_fn if structure is None else StructuredLoss(spec.loss_fn, structure)
+
+
 def _schedule(spec: RunSpec, stages: list[Any]) -> Any:
     from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
 
     cls = get_schedule_class(spec.plan.schedule)
+    loss_fn = stage_loss(spec)
     if issubclass(cls, PipelineScheduleSingle):
-        return cls(stages[0], n_microbatches=spec.m, loss_fn=spec.loss_fn)
-    schedule = cls(stages, n_microbatches=spec.m, loss_fn=spec.loss_fn)
+        return cls(stages[0], n_microbatches=spec.m, loss_fn=loss_fn)
+    schedule = cls(stages, n_microbatches=spec.m, loss_fn=loss_fn)
     mapping = tuple(schedule.stage_index_to_group_rank[s] for s in range(spec.plan.n_stages))
     if mapping != spec.plan.stage_to_rank:
         raise RuntimeError(
@@ -363,6 +379,7 @@ __all__ = [
     "process_start_ns",
     "RESULT_FILE",
     "run_rank",
+    "stage_loss",
     "start_caller_watchdog",
     "Topology",
     "WATCHDOG_PERIOD_S",

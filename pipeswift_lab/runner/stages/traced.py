@@ -1,20 +1,24 @@
 """Any model torch can split: pipeline stages of a model that is not an ``nn.Sequential``.
 
-A Partition made from a profile taken with ``layers=[...]`` names the first layer of every
-stage (``partition.layer_names[s][0]``). Those names become split points for torch's
-tracing frontend, ``torch.distributed.pipelining.pipeline(model, (micro_batch,),
-split_spec={name: SplitPoint.BEGINNING})``: ``torch.export`` traces one forward and cuts
-the graph before each named submodule. Stage ``s`` is the traced submodule
-``pipe.get_stage_module(s)``; its ``state_dict`` keys are the original model's FQNs
-(torch unflattens the traced hierarchy), so checkpoints and ``RunResult.state_dict()`` are
-keyed like ``model.state_dict()``.
+A Partition made from a profile taken with ``layers=[...]`` (or ``layers="auto"``) names the
+first layer of every stage (``partition.layer_names[s][0]``). Those names become split points
+for torch's tracing frontend, ``torch.distributed.pipelining.pipeline(model, (micro_batch,),
+split_spec={name: SplitPoint.BEGINNING})``: ``torch.export`` traces one forward and cuts the
+graph before each named submodule. Stage ``s`` is the traced submodule
+``pipe.get_stage_module(s)``; its ``state_dict`` keys are the original model's FQNs (torch
+unflattens the traced hierarchy), so checkpoints and ``RunResult.state_dict()`` are keyed like
+``model.state_dict()``.
+
+Hugging Face models run unchanged: the trace and the run turn their KV cache off
+(:mod:`.settings`); whatever crosses a boundary is what the tracer cut there (several tensors
+if need be), and the last stage's output reaches ``loss_fn`` in the model's own structure
+(:mod:`.outputs`). A parameter used by two stages (tied embeddings) is held by both and kept in
+sync (:mod:`.tied`).
 
 Everything that can fail is tried before launch (:func:`check_traceable`): split names that
-are not submodules, a forward ``torch.export`` cannot trace (its message, plus what to do),
-and **tied weights across stages**, which are refused: torch's tracer gives each stage its
-own copy of a shared parameter, so the copies would drift apart silently. Untie them
-(``head.weight = nn.Parameter(embed.weight.detach().clone())``) or choose a partition that
-keeps both users in one stage.
+are not submodules, a forward ``torch.export`` cannot trace (its message, plus what to do:
+``split="manual"`` builds the stages without the tracer, :mod:`.manual`), a model output with
+no floating tensor, a ``loss_fn`` that cannot read it.
 
 The workers trace again from the same model and micro-batch (tracing is deterministic), so
 no traced graph travels in the spec.
@@ -23,12 +27,19 @@ no traced graph travels in the spec.
 from __future__ import annotations
 
 import warnings
+import weakref
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
+from torch.utils._pytree import TreeSpec
+
+from .outputs import check_loss, output_structure
+from .settings import training_settings
+from .skips import route_skip_connections
+from .tied import TiedGroup, tied_groups, unify_copies
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -45,6 +56,9 @@ class TracedPlan:
     """The first layer name of stages 1..n-1: where torch's tracer cuts."""
     example: torch.Tensor
     """One micro-batch of inputs (the shapes every step has)."""
+    output: TreeSpec | None = None
+    """The structure of the model's output (``None``: a tensor), rebuilt for ``loss_fn`` from the last stage's
+    tensors."""
 
 
 def split_names(model: nn.Module, partition: Any, n_stages: int) -> tuple[str, ...]:
@@ -100,23 +114,24 @@ def trace(model: nn.Module, example: torch.Tensor, names: tuple[str, ...]) -> Pi
         if name in modules
     ]
     try:
-        with warnings.catch_warnings():
+        with warnings.catch_warnings(), training_settings(model):
             warnings.simplefilter("ignore")
             pipe = pipeline(model, (example,), split_spec=spec)
     except Exception as exc:  # re-raised with what to do
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
         raise ValueError(
             f"torch's pipeline tracer cannot split the {type(model).__name__} at {list(names)}: {type(exc).__name__}: "
-            f"{first}. "
-            "The model must be traceable by torch.export (no data-dependent Python control flow, no unsupported ops) "
-            "and "
-            "each split name must be a submodule called once in forward; make the model's forward export-friendly, "
-            "or wrap its layers in an nn.Sequential"
+            f"{first}. The tracer (torch.export) needs a forward without data-dependent Python control flow "
+            "(an `if` on a tensor's value) or unsupported ops, and each split name must be a submodule called once "
+            "in forward (a Hugging Face model's KV cache is already off for the trace). Either make the forward "
+            'export-friendly, or pass split="manual" to run(): each stage is then a copy of the model without the '
+            "layers of the other stages, run eagerly (see pipeswift_lab.runner.stages.manual)"
         ) from exc
     finally:
         for hook in hooks:
             hook.remove()
         _restore_forwards(modules, saved)
+    route_skip_connections(pipe)
     if pipe.num_stages != len(names) + 1:
         raise ValueError(
             f"torch's pipeline tracer made {pipe.num_stages} stages from the split points {list(names)}, not "
@@ -136,65 +151,57 @@ def _restore_forwards(modules: dict[str, nn.Module], saved: dict[str, dict[str, 
         mod.__dict__.update(attrs)
 
 
-def check_tied(model: nn.Module, stage_keys: list[set[str]]) -> None:
-    """Raise ``ValueError`` if a parameter shared under several names lands in more than one stage (``stage_keys``: each
-    traced stage's ``state_dict`` keys)."""
-    groups: dict[int, list[str]] = {}
-    for name, p in model.named_parameters(remove_duplicate=False):
-        groups.setdefault(id(p), []).append(name)
-    tied = [names for names in groups.values() if len(names) > 1]
-    for names in tied:
-        stages = sorted({s for s, keys in enumerate(stage_keys) for n in names if n in keys})
-        if len(stages) > 1:
-            raise ValueError(
-                f"parameters {names} are one tensor (tied weights) used by stages {stages}; torch's tracer gives each "
-                "stage its "
-                "own copy, which would drift apart. Untie them, e.g. model.head.weight = "
-                "nn.Parameter(model.embed.weight.detach().clone()), "
-                "or choose split points that keep every user of the tensor in one stage"
-            )
-
-
 def check_traceable(
     model: nn.Module,
     partition: Any,
     n_stages: int,
     inputs_mb: torch.Tensor,
     targets_mb: torch.Tensor,
-    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-) -> TracedPlan:
+    loss_fn: Callable[[Any, torch.Tensor], torch.Tensor],
+) -> tuple[TracedPlan, tuple[TiedGroup, ...]]:
     """Trace ``model`` at the partition's split points on one micro-batch, before launch; return the
-    :class:`TracedPlan`.
+    :class:`TracedPlan` and the tied parameters the stages share.
 
-    Also checks tied weights, that the traced stages hold every key of ``model.state_dict()``,
-    and that ``loss_fn`` takes the model's output. Raises ``ValueError`` naming what is wrong.
+    Also checks that the traced stages hold every key of ``model.state_dict()`` and that
+    ``loss_fn`` takes the model's output. Raises ``ValueError`` naming what is wrong.
     """
     names = split_names(model, partition, n_stages)
     example = inputs_mb.detach().clone()
-    pipe = trace(model, example, names)
-    stage_keys = [set(pipe.get_stage_module(s).state_dict()) for s in range(pipe.num_stages)]
-    check_tied(model, stage_keys)
-    held = set().union(*stage_keys)
-    missing = [k for k in model.state_dict() if k not in held]
+    tied, missing = traced_stage_state(model, example, names)
     if missing:
         raise ValueError(
             f"the traced stages do not hold {missing[:8]} of model.state_dict(); the runner cannot return or "
             "checkpoint them"
         )
-    with torch.no_grad():
+    with torch.no_grad(), training_settings(model), torch.random.fork_rng():
         out = model(example)
-    if not isinstance(out, torch.Tensor):
-        raise ValueError(f"model must return a single tensor (the loss_fn's input); it returned a {type(out).__name__}")
-    try:
-        loss = loss_fn(out, targets_mb)
-    except Exception as exc:  # re-raised naming what failed
-        raise ValueError(
-            f"loss_fn(outputs, targets) raised {type(exc).__name__}: {exc} (given the model's output "
-            f"{tuple(out.shape)} and targets {tuple(targets_mb.shape)})"
-        ) from exc
-    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-        raise ValueError(f"loss_fn returned {type(loss).__name__}, not a scalar tensor")
-    return TracedPlan(names, example)
+    structure = None if isinstance(out, torch.Tensor) else output_structure(out)
+    check_loss(loss_fn, out, targets_mb)
+    return TracedPlan(names, example, structure), tied
+
+
+#: What a trace told about a model's stages, by model and then by (split names, example shape and dtype, structure):
+#: a notebook runs one model and partition again and again, and a trace takes a second or two.
+_TRACES: weakref.WeakKeyDictionary[nn.Module, dict[tuple[Any, ...], tuple[tuple[TiedGroup, ...], list[str]]]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def traced_stage_state(
+    model: nn.Module, example: torch.Tensor, names: tuple[str, ...]
+) -> tuple[tuple[TiedGroup, ...], list[str]]:
+    """Trace ``model`` at ``names`` and return the tied parameters its stages share and the ``state_dict`` keys no
+    stage holds; remembered for the same model, split, example shape and module structure."""
+    structure = tuple((k, tuple(t.shape), t.dtype) for k, t in model.state_dict().items())
+    key = (names, tuple(example.shape), example.dtype, structure, tuple(id(m) for m in model.modules()))
+    known = _TRACES.setdefault(model, {})
+    if key not in known:
+        pipe = trace(model, example, names)
+        stage_tensors = [pipe.get_stage_module(s).state_dict() for s in range(pipe.num_stages)]
+        held = set().union(*(set(t) for t in stage_tensors))
+        known.clear()  # one entry per model: the latest split
+        known[key] = (tied_groups(model, stage_tensors), [k for k in model.state_dict() if k not in held])
+    return known[key]
 
 
 def _contiguous_inputs(
@@ -233,6 +240,7 @@ def build_traced_stages(
     stages = []
     for s in spec.plan.stages_of(rank):
         stage = pipe.build_stage(s, device, group)
+        unify_copies(stage.submod, spec.tied)
         if replica_group is not None:
             stage.submod = _traced_ddp(stage.submod, replica_group, device)
         _skip_self_warmup(stage)
@@ -302,10 +310,10 @@ def _merge(dst: nn.Module, src: nn.Module) -> None:
 
 __all__ = [
     "build_traced_stages",
-    "check_tied",
     "check_traceable",
     "merged_module",
     "split_names",
     "trace",
+    "traced_stage_state",
     "TracedPlan",
 ]

@@ -1,0 +1,82 @@
+"""What crosses the stage boundaries and how the stages are built, found on one micro-batch before launch.
+
+An ``nn.Sequential`` is run stage by stage (:mod:`.sequential`), any other model traced (:mod:`.traced`) or, with
+``split="manual"``, built as stage copies (:mod:`.manual`); every way also finds the parameters several stages hold
+(:mod:`.tied`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from .sequential import StagePlan, TensorSpec, boundary_specs, stage_module
+from .tied import TiedGroup, tied_groups
+
+if TYPE_CHECKING:
+    from ..sources import DataSource
+    from .manual import ManualPlan
+    from .traced import TracedPlan
+
+
+@dataclass(frozen=True, kw_only=True)
+class StageShapes:
+    """How the stages are built and what crosses their boundaries, found on one micro-batch before launch."""
+
+    boundaries: tuple[tuple[TensorSpec, TensorSpec | None], ...]
+    """``(input, output)`` of every stage (empty for traced stages, which know theirs from the graph)."""
+    traced: TracedPlan | None
+    """How to re-trace (torch's tracer), or ``None``."""
+    manual: ManualPlan | None
+    """How to build stage copies (``split="manual"``), or ``None``."""
+    tied: tuple[TiedGroup, ...]
+    """Parameters several stages hold."""
+    layer_names: list[str]
+    """Every layer's name, in order."""
+
+
+def stage_shapes(
+    model: nn.Module,
+    partition: Any,
+    plan: StagePlan,
+    source: DataSource,
+    microbatch_size: int,
+    loss_fn: Callable[[Any, torch.Tensor], torch.Tensor],
+    split: str | None,
+) -> StageShapes:
+    """Run one micro-batch through the stages before launch; return their :class:`StageShapes`.
+
+    An ``nn.Sequential`` gets the shapes crossing every boundary; any other model is traced at the
+    partition's split points (torch's traced stages know their boundary shapes from the graph), or
+    with ``split="manual"`` built as stage copies and run in order.
+    """
+    inputs, targets = source.batch(0)
+    inputs_mb, targets_mb = inputs[:microbatch_size], targets[:microbatch_size]
+    if isinstance(model, nn.Sequential) and split is None:
+        layer_names = [name for name, _ in model.named_children()]
+        stage_tensors = [stage_module(model, b).state_dict() for b in plan.bounds]
+        boundaries = boundary_specs(model, plan, inputs_mb, targets_mb, loss_fn)
+        return StageShapes(
+            boundaries=boundaries,
+            traced=None,
+            manual=None,
+            tied=tied_groups(model, stage_tensors),
+            layer_names=layer_names,
+        )
+    layer_names = [str(name) for stage in getattr(partition, "layer_names", None) or () for name in stage]
+    if split == "manual":
+        from .manual import check_manual
+
+        manual, specs, tied = check_manual(model, partition, plan.n_stages, inputs_mb, targets_mb, loss_fn)
+        return StageShapes(boundaries=specs, traced=None, manual=manual, tied=tied, layer_names=layer_names)
+    from .traced import check_traceable
+
+    traced, tied = check_traceable(model, partition, plan.n_stages, inputs_mb, targets_mb, loss_fn)
+    return StageShapes(boundaries=(), traced=traced, manual=None, tied=tied, layer_names=layer_names)
+
+
+__all__ = ["stage_shapes", "StageShapes"]
