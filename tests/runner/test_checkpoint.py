@@ -29,6 +29,7 @@ SAVER = textwrap.dedent("""
     from pathlib import Path
     from torch import nn
     from pipeswift_lab.runner import checkpoint as ckpt
+    from pipeswift_lab.runner.rank.state_files import save_rank_state
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[3], RANK="0", WORLD_SIZE="1")
     dist.init_process_group("gloo")
     root, steps = Path(sys.argv[1]), int(sys.argv[2])
@@ -39,7 +40,7 @@ SAVER = textwrap.dedent("""
             for p in model.parameters():
                 p.fill_(float(step))
         tmp = ckpt.new_tmp_dir(root, step)
-        part = ckpt.save_rank_state(tmp, 0, model, opt, torch.device("cpu"), None)
+        part = save_rank_state(tmp, 0, model, opt, torch.device("cpu"), None)
         ckpt.commit(tmp, {"step": step, "state_keys": list(model.state_dict())}, [part], keep=2)
         print(step, flush=True)
     dist.destroy_process_group()

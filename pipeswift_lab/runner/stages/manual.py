@@ -163,7 +163,8 @@ def check_manual(
             specs.append((TensorSpec.from_tensor(x), TensorSpec.from_tensor(y) if s < n_stages - 1 else None))
             x = y
         out = _eager_output(model, inputs_mb)
-    structure = None if isinstance(out, torch.Tensor) else output_structure(out)
+    structure = output_structure(out)  # raises when no floating tensor is there
+    structure = None if isinstance(out, torch.Tensor) else structure
     check_loss(loss_fn, out, targets_mb)
     stage_tensors = [stage.state_dict() for stage in copies]
     held = set().union(*(set(t) for t in stage_tensors))

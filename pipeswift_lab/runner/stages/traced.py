@@ -175,7 +175,8 @@ def check_traceable(
         )
     with torch.no_grad(), training_settings(model), torch.random.fork_rng():
         out = model(example)
-    structure = None if isinstance(out, torch.Tensor) else output_structure(out)
+    structure = output_structure(out)  # raises when no floating tensor is there
+    structure = None if isinstance(out, torch.Tensor) else structure
     check_loss(loss_fn, out, targets_mb)
     return TracedPlan(names, example, structure), tied
 
