@@ -45,7 +45,7 @@ from torch import nn
 VOCAB, WIDTH, LAYERS, SEQ = 64, 32, 4, 16
 BATCH, M, P = 8, 4, 2
 GOAL_S = 2.0
-READY_PHASE = "runner entered (python + torch imported) -> process groups and stages ready"
+READY_PHASE = "runner entered (python, torch and the spec's model code loaded) -> process groups and stages ready"
 
 
 def lm_loss(out, y):

@@ -10,11 +10,12 @@
   it updates the model.
 
 Options: ``-n`` repeats, ``-w`` warm-up steps, ``--layers`` comma-separated names or glob
-patterns, ``--loss`` and ``--target`` (line form), ``-o`` return the Profile, ``-v NAME``
-store it in the notebook, ``-q`` quiet (no card, no plot, no progress bar). Without ``-q`` the
-Profile and its plot are displayed. Arguments are split as a shell would (``shlex``), so
-quoted values such as ``--layers 'embed,blocks.*'`` lose their quotes. Mistakes come back as
-a one-line ``UsageError``.
+patterns (or ``auto``: the repeated blocks and the modules around them), ``--loss`` and
+``--target`` (line form), ``-o`` return the Profile, ``-v NAME`` store it in the notebook,
+``-q`` quiet (no card, no plot, no progress bar). Without ``-q`` the Profile and its plot
+are displayed. Arguments are split as a shell would (``shlex``), so quoted values such as
+``--layers 'embed,blocks.*'`` lose their quotes. Mistakes come back as a one-line
+``UsageError``.
 
 IPython is imported only when the extension loads, so ``import pipeswift_lab`` stays light.
 """
@@ -60,7 +61,7 @@ def _magics_class() -> type[Magics]:
         @argument(
             "--layers",
             default=None,
-            help="comma-separated submodule names or glob patterns, e.g. 'embed,blocks.*,head'",
+            help="comma-separated submodule names or glob patterns, e.g. 'embed,blocks.*,head', or 'auto'",
         )
         @argument(
             "--loss", default=None, help="line form: a loss function from the notebook, called loss(output, target)"
@@ -96,8 +97,8 @@ def _magics_class() -> type[Magics]:
                 _show(result, card=not args.output)
             return result if args.output else None
 
-        def _parse(self, line: str) -> tuple[argparse.Namespace, list[str] | None]:
-            """The magic's arguments and its ``--layers`` patterns (None when not given)."""
+        def _parse(self, line: str) -> tuple[argparse.Namespace, str | list[str] | None]:
+            """The magic's arguments and its ``--layers`` patterns (None when not given, ``"auto"`` for auto)."""
             try:  # split as a shell would, so --layers 'embed,block_*' pasted from the help works
                 argv = shlex.split(line)
             except ValueError as exc:
@@ -106,9 +107,11 @@ def _magics_class() -> type[Magics]:
             if args.variable is not None and not args.variable.isidentifier():
                 raise UsageError(f"-v {args.variable!r} is not a valid Python name to store the Profile under")
             layers = [p.strip() for p in args.layers.split(",") if p.strip()] if args.layers is not None else None
+            if layers == ["auto"]:  # the repeated blocks and what runs around them (profile(..., layers="auto"))
+                return args, "auto"
             return args, layers
 
-        def _profile_line(self, model: Any, args: argparse.Namespace, layers: list[str] | None) -> Profile:
+        def _profile_line(self, model: Any, args: argparse.Namespace, layers: str | list[str] | None) -> Profile:
             """The line form: one forward and backward of ``model(*sample)`` per repeat."""
             from ..profiling.measure import profile
 
@@ -133,7 +136,9 @@ def _magics_class() -> type[Magics]:
                 progress=not args.quiet,
             )
 
-        def _profile_cell(self, model: Any, args: argparse.Namespace, layers: list[str] | None, cell: str) -> Profile:
+        def _profile_cell(
+            self, model: Any, args: argparse.Namespace, layers: str | list[str] | None, cell: str
+        ) -> Profile:
             """The cell form: the cell body, run in the notebook's namespace, is the training step."""
             from ..profiling.measure import profile_step
 

@@ -322,7 +322,7 @@ def _assembly_phases(ranks: list[Payload], clock: _Clock, launch_ns: int) -> lis
     milestones = [
         ("launch", launch_ns),
         ("processes started", latest("process_start_ns")),
-        ("runner entered (python + torch imported)", latest("entered_ns")),
+        ("runner entered (python, torch and the spec's model code loaded)", latest("entered_ns")),
         ("process groups and stages ready", latest("ready_ns")),
         ("first step started", clock.t0),
     ]

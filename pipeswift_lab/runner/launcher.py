@@ -51,8 +51,9 @@ SHUTDOWN_TIMEOUT_S = 3
 _ELASTIC_LOGGERS = ("torch.distributed.elastic", "torch.distributed.launcher", "torch.multiprocessing")
 #: Modules the fork server imports once, so forked workers start with them loaded. Third-party only:
 #: pipeswift_lab itself is imported afresh by every worker (~0.15 s), so edits to it are never stale.
-#: Libraries of models the fork server also preloads when the calling session has imported them: unpickling a
-#: Hugging Face model imports ``transformers`` (about 4 s here), once per fork server instead of once per worker.
+#: Libraries of models whose modeling modules the fork server also preloads when the calling session has imported
+#: them (:func:`model_library_modules`): a worker unpickling a Hugging Face model imports its modeling module, about
+#: 1,500 modules and 4-5 s here, once per fork server instead of once per worker.
 MODEL_LIBRARIES = ("transformers",)
 FORKSERVER_PRELOAD = (
     "numpy",
@@ -178,8 +179,20 @@ def _preload_forkserver() -> None:
     import multiprocessing
 
     if forkserver_pid() is None:
-        libraries = [name for name in MODEL_LIBRARIES if name in sys.modules]
-        multiprocessing.get_context("forkserver").set_forkserver_preload(list(FORKSERVER_PRELOAD) + libraries)
+        preload = list(FORKSERVER_PRELOAD) + model_library_modules()
+        multiprocessing.get_context("forkserver").set_forkserver_preload(preload)
+
+
+def model_library_modules() -> list[str]:
+    """The modules of :data:`MODEL_LIBRARIES` this session has imported that define models (``transformers``, its
+    ``modeling_utils`` and every ``transformers.models.<family>.modeling_<family>`` loaded): what a worker imports
+    when it unpickles such a model."""
+    names = []
+    for name in sorted(sys.modules):
+        library = name.split(".")[0]
+        if library in MODEL_LIBRARIES and (name == library or ".modeling_" in name or name.endswith("modeling_utils")):
+            names.append(name)
+    return names
 
 
 class Preemption:
@@ -393,6 +406,7 @@ __all__ = [
     "check_main_guard",
     "FORKSERVER_PRELOAD",
     "MODEL_LIBRARIES",
+    "model_library_modules",
     "launch",
     "MAIN_GUARD_MESSAGE",
     "Preemption",

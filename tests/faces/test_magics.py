@@ -181,3 +181,10 @@ def test_quiet_shows_no_progress_bar(shell, monkeypatch):
     with capture_output() as shown:
         shell.run_line_magic("pipeswift_profile", "-n 2 -w 0 --layers blocks.* tower x")
     assert "profiling Tower" in shown.stderr  # without -q the bar shows: the check above can fail
+
+
+def test_layers_auto_finds_the_repeated_blocks(shell, capsys):
+    prof = shell.run_line_magic("pipeswift_profile", "-n 1 -w 0 -o -q --layers auto tower x")
+    chosen = capsys.readouterr().out
+    assert 'layers="auto"' in chosen and "blocks" in chosen
+    assert any(name.startswith("blocks.") for name in prof.df["name"])

@@ -163,8 +163,9 @@ def check_manual(
             specs.append((TensorSpec.from_tensor(x), TensorSpec.from_tensor(y) if s < n_stages - 1 else None))
             x = y
         out = _eager_output(model, inputs_mb)
-    structure = output_structure(out)  # raises when no floating tensor is there
-    structure = None if isinstance(out, torch.Tensor) else structure
+    structure: TreeSpec | None = output_structure(out)  # raises when no floating tensor is there
+    if isinstance(out, torch.Tensor):
+        structure = None
     check_loss(loss_fn, out, targets_mb)
     stage_tensors = [stage.state_dict() for stage in copies]
     held = set().union(*(set(t) for t in stage_tensors))

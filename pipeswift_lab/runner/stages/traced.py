@@ -175,8 +175,9 @@ def check_traceable(
         )
     with torch.no_grad(), training_settings(model), torch.random.fork_rng():
         out = model(example)
-    structure = output_structure(out)  # raises when no floating tensor is there
-    structure = None if isinstance(out, torch.Tensor) else structure
+    structure: TreeSpec | None = output_structure(out)  # raises when no floating tensor is there
+    if isinstance(out, torch.Tensor):
+        structure = None
     check_loss(loss_fn, out, targets_mb)
     return TracedPlan(names, example, structure), tied
 
