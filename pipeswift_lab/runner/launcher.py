@@ -174,25 +174,43 @@ def _read_progress(run_dir: Path) -> int:
 
 
 def _preload_forkserver() -> None:
-    """Have the fork server (if this session has not started it yet) preload torch and the runner, and the model
-    libraries this session has imported (:data:`MODEL_LIBRARIES`)."""
+    """Have the fork server preload torch, the runner's torch modules and the model libraries this session has
+    imported (:func:`model_library_modules`).
+
+    A server started before the session imported a model library (a first run of an ``nn.Sequential``, then a
+    Hugging Face model) is stopped, and the next launch starts one that preloads it: once, instead of every worker
+    of every later run importing it again. A model family's own module (``modeling_llama``, a fraction of a second
+    once its library is loaded) does not restart a server.
+    """
     import multiprocessing
+    from multiprocessing import forkserver
 
-    if forkserver_pid() is None:
-        preload = list(FORKSERVER_PRELOAD) + model_library_modules()
-        multiprocessing.get_context("forkserver").set_forkserver_preload(preload)
+    libraries, families = model_library_modules()
+    if forkserver_pid() is not None:
+        server = forkserver._forkserver  # multiprocessing's private state: a Python without it keeps its server
+        stop = getattr(server, "_stop", None)
+        preloaded = set(getattr(server, "_preload_modules", None) or ())
+        if set(FORKSERVER_PRELOAD) | set(libraries) <= preloaded or stop is None:
+            return
+        stop()
+    multiprocessing.get_context("forkserver").set_forkserver_preload(list(FORKSERVER_PRELOAD) + libraries + families)
 
 
-def model_library_modules() -> list[str]:
-    """The modules of :data:`MODEL_LIBRARIES` this session has imported that define models (``transformers``, its
-    ``modeling_utils`` and every ``transformers.models.<family>.modeling_<family>`` loaded): what a worker imports
-    when it unpickles such a model."""
-    names = []
+def model_library_modules() -> tuple[list[str], list[str]]:
+    """The modules of :data:`MODEL_LIBRARIES` this session has imported that a worker imports when it unpickles one
+    of their models: ``(libraries, families)``, the libraries with their shared modeling code (``transformers``,
+    ``transformers.modeling_utils``: seconds to import) and the model families' modules (``transformers.models.
+    llama.modeling_llama``)."""
+    libraries, families = [], []
     for name in sorted(sys.modules):
         library = name.split(".")[0]
-        if library in MODEL_LIBRARIES and (name == library or ".modeling_" in name or name.endswith("modeling_utils")):
-            names.append(name)
-    return names
+        if library not in MODEL_LIBRARIES:
+            continue
+        if name == library or name == f"{library}.modeling_utils":
+            libraries.append(name)
+        elif ".modeling_" in name:
+            families.append(name)
+    return libraries, families
 
 
 class Preemption:

@@ -296,3 +296,12 @@ def test_tied_copies_of_different_shapes_are_refused():
     ]
     with pytest.raises(ValueError, match=r"tied weights .*stage 1 holds 'lm_head.weight' with shape \[32, 64\]"):
         tied_groups(model, stage_tensors)
+
+
+def test_the_fork_server_preloads_the_sessions_model_library():
+    from pipeswift_lab.runner.launcher import model_library_modules
+
+    llama()
+    libraries, families = model_library_modules()
+    assert libraries == ["transformers", "transformers.modeling_utils"]  # seconds to import: once per fork server
+    assert "transformers.models.llama.modeling_llama" in families
