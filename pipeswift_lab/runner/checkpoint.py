@@ -11,7 +11,8 @@ Layout under a checkpoint root (``run(..., checkpoint_dir=ROOT)``)::
 State is keyed by the *full model's* names (``get_state_dict`` with
 ``flatten_optimizer_state_dict=True``, as torchtitan does for pipeline stages), so a
 checkpoint written by P ranks loads into any other partition: each rank asks DCP for the keys
-of its own layers.
+of its own layers (:mod:`~pipeswift_lab.runner.rank.state_files`). A tied weight is stored once,
+under its first name; the manifest's ``aliases`` give its other names back.
 
 DCP does not commit atomically, so every save goes into a hidden sibling ``ROOT/.tmp-step-...``;
 DCP fsyncs its files, the manifest with every file's checksum is written and fsynced last,

@@ -222,9 +222,7 @@ def test_the_manual_path_trains_a_model_the_tracer_cannot_capture_like_one_proce
     assert result.tied_weights["names"].tolist() == [("embed.weight", "head.weight")]
 
 
-FAMILIES = {
-    "Llama": dict(SMALL),
-    "Qwen2": dict(SMALL),
+FAMILIES = {  # Llama, Qwen2 and GPT-2 run for real above
     "Mistral": dict(SMALL),
     "Gemma": dict(SMALL, head_dim=8),
     "Phi3": dict(SMALL, pad_token_id=0),
@@ -245,7 +243,8 @@ FAMILIES = {
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_decoder_families_with_their_defaults_are_split_at_three_stages_before_launch(family):
     """Any decoder-only family from a small config, its defaults kept (KV cache on, its own output type, tied or not
-    embeddings): traced, cut in three stages with the values that skip a stage handed on, the loss checked."""
+    embeddings): traced, cut in three stages with the values that skip a stage handed on, the loss checked. With
+    Llama, Qwen2 and GPT-2, eight families."""
     config = getattr(transformers, f"{family}Config")(**FAMILIES[family])
     torch.manual_seed(0)
     model = getattr(transformers, f"{family}ForCausalLM")(config)
