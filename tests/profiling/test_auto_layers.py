@@ -2,6 +2,7 @@
 modules with parameters before and after them, on small transformers models built from configs (no downloads)."""
 
 import pytest
+import tiny_transformers
 import torch
 from torch import nn
 
@@ -27,26 +28,12 @@ GPT2_UNITS += ["transformer.ln_f", "lm_head"]
 
 @pytest.fixture(scope="module")
 def llama():
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-    )
-    return transformers.LlamaForCausalLM(config)
+    return tiny_transformers.llama()
 
 
 @pytest.fixture(scope="module")
 def gpt2():
-    torch.manual_seed(0)
-    config = transformers.GPT2Config(
-        vocab_size=64, n_embd=32, n_layer=3, n_head=4, n_positions=64, bos_token_id=0, eos_token_id=0
-    )
-    return transformers.GPT2LMHeadModel(config)
+    return tiny_transformers.gpt2(n_layer=3)
 
 
 @pytest.fixture(scope="module")

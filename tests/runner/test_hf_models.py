@@ -10,6 +10,7 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
+from tiny_transformers import NO_DROPOUT_GPT2, SMALL, VOCAB, gpt2, llama, qwen2
 from torch import nn
 
 from pipeswift_lab.partitioning.balance import partition
@@ -21,33 +22,7 @@ from pipeswift_lab.runner.stages.tied import TiedGroup, tied_groups
 
 transformers = pytest.importorskip("transformers")
 
-VOCAB, SEQ, M = 64, 16, 4
-SMALL = dict(
-    vocab_size=VOCAB,
-    hidden_size=32,
-    intermediate_size=64,
-    num_hidden_layers=4,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=64,
-)
-NO_DROPOUT_GPT2 = dict(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
-
-
-def llama():
-    torch.manual_seed(0)
-    return transformers.LlamaForCausalLM(transformers.LlamaConfig(**SMALL))
-
-
-def gpt2(**overrides):
-    torch.manual_seed(0)
-    config = dict(vocab_size=VOCAB, n_embd=32, n_layer=4, n_head=4, n_positions=64, bos_token_id=0, eos_token_id=0)
-    return transformers.GPT2LMHeadModel(transformers.GPT2Config(**{**config, **overrides}))
-
-
-def qwen2():
-    torch.manual_seed(0)
-    return transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**SMALL, tie_word_embeddings=True))
+SEQ, M = 16, 4
 
 
 def lm_loss(out, y):

@@ -35,10 +35,10 @@ import torch
 from torch import nn
 from torch.utils._pytree import TreeSpec, tree_flatten
 
-from .outputs import check_loss, describe, output_structure
+from .outputs import checked_structure, describe
 from .sequential import TensorSpec
 from .settings import apply_training_settings
-from .tied import TiedGroup, tied_groups
+from .tied import TiedGroup, tied_groups, unheld_keys
 
 
 class Skipped(nn.Module):
@@ -163,13 +163,9 @@ def check_manual(
             specs.append((TensorSpec.from_tensor(x), TensorSpec.from_tensor(y) if s < n_stages - 1 else None))
             x = y
         out = _eager_output(model, inputs_mb)
-    structure: TreeSpec | None = output_structure(out)  # raises when no floating tensor is there
-    if isinstance(out, torch.Tensor):
-        structure = None
-    check_loss(loss_fn, out, targets_mb)
+    structure = checked_structure(loss_fn, out, targets_mb)
     stage_tensors = [stage.state_dict() for stage in copies]
-    held = set().union(*(set(t) for t in stage_tensors))
-    missing = [k for k in model.state_dict() if k not in held]
+    missing = unheld_keys(model, stage_tensors)
     if missing:
         raise ValueError(f'split="manual": no stage holds {missing[:8]} of model.state_dict()')
     return ManualPlan(plan.stage_layers, structure), tuple(specs), tied_groups(model, stage_tensors)

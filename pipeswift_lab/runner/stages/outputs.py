@@ -78,4 +78,12 @@ def check_loss(loss_fn: Callable[[Any, Any], Any], output: Any, target: torch.Te
         )
 
 
-__all__ = ["check_loss", "describe", "output_structure", "StructuredLoss"]
+def checked_structure(loss_fn: Callable[[Any, Any], Any], output: Any, target: torch.Tensor) -> TreeSpec | None:
+    """The structure the loss rebuilds from a stage's flat tensors (``None`` for a plain tensor), after checking that
+    ``output`` holds a floating tensor and that ``loss_fn`` takes it (:func:`output_structure`, :func:`check_loss`)."""
+    structure = output_structure(output)
+    check_loss(loss_fn, output, target)
+    return None if isinstance(output, torch.Tensor) else structure
+
+
+__all__ = ["check_loss", "checked_structure", "describe", "output_structure", "StructuredLoss"]

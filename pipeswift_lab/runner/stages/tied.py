@@ -77,6 +77,12 @@ def tied_groups(model: nn.Module, stage_tensors: Sequence[Mapping[str, torch.Ten
     return tuple(found)
 
 
+def unheld_keys(model: nn.Module, stage_tensors: Sequence[Mapping[str, torch.Tensor]]) -> list[str]:
+    """The keys of ``model.state_dict()`` that no stage holds (``stage_tensors[s]``: stage ``s``'s state dict)."""
+    held = set().union(*(set(tensors) for tensors in stage_tensors))
+    return [k for k in model.state_dict() if k not in held]
+
+
 def alias_map(names: Iterable[tuple[str, ...]]) -> dict[str, str]:
     """``{alias: canonical name}`` of every parameter with several names (:func:`parameter_names`): each name but
     the first maps to the first."""
@@ -242,6 +248,7 @@ __all__ = [
     "TiedGradients",
     "TiedGroup",
     "unify_copies",
+    "unheld_keys",
     "unique_parameters",
     "with_aliases",
 ]

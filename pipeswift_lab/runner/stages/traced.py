@@ -36,10 +36,10 @@ import torch
 from torch import nn
 from torch.utils._pytree import TreeSpec
 
-from .outputs import check_loss, output_structure
+from .outputs import checked_structure
 from .settings import training_settings
 from .skips import route_skip_connections
-from .tied import TiedGroup, tied_groups, unify_copies
+from .tied import TiedGroup, tied_groups, unheld_keys, unify_copies
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -175,10 +175,7 @@ def check_traceable(
         )
     with torch.no_grad(), training_settings(model), torch.random.fork_rng():
         out = model(example)
-    structure: TreeSpec | None = output_structure(out)  # raises when no floating tensor is there
-    if isinstance(out, torch.Tensor):
-        structure = None
-    check_loss(loss_fn, out, targets_mb)
+    structure = checked_structure(loss_fn, out, targets_mb)
     return TracedPlan(names, example, structure), tied
 
 
@@ -200,9 +197,8 @@ def traced_stage_state(
     if key not in known:
         pipe = trace(model, example, names)
         stage_tensors = [pipe.get_stage_module(s).state_dict() for s in range(pipe.num_stages)]
-        held = set().union(*(set(t) for t in stage_tensors))
         known.clear()  # one entry per model: the latest split
-        known[key] = (tied_groups(model, stage_tensors), [k for k in model.state_dict() if k not in held])
+        known[key] = (tied_groups(model, stage_tensors), unheld_keys(model, stage_tensors))
     return known[key]
 
 
