@@ -148,21 +148,6 @@ def stage_module(model: nn.Sequential, bounds: tuple[int, int]) -> nn.Sequential
     return StageSequential(OrderedDict(children[bounds[0] : bounds[1]]))
 
 
-def check_shared_parameters(model: nn.Sequential, plan: StagePlan) -> None:
-    """Raise ``ValueError`` if two stages share a parameter (tied weights cannot be split across stages)."""
-    owner: dict[int, tuple[int, str]] = {}
-    for s, b in enumerate(plan.bounds):
-        for name, p in stage_module(model, b).named_parameters(remove_duplicate=False):
-            if id(p) in owner and owner[id(p)][0] != s:
-                other_stage, other_name = owner[id(p)]
-                raise ValueError(
-                    f"parameter {name!r} of stage {s} is the same tensor as {other_name!r} of stage {other_stage} "
-                    "(tied weights); "
-                    "pipeline stages cannot share parameters: untie them or put both layers in one stage"
-                )
-            owner.setdefault(id(p), (s, name))
-
-
 def _layer_names(model: nn.Sequential, bounds: tuple[int, int]) -> str:
     names = [name for name, _ in list(model.named_children())[bounds[0] : bounds[1]]]
     return f"layers {bounds[0]}..{bounds[1] - 1} ({', '.join(names)})"
@@ -293,7 +278,6 @@ def boundary_specs(
 
 __all__ = [
     "boundary_specs",
-    "check_shared_parameters",
     "LossFn",
     "plan_stages",
     "stage_module",
