@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from pipeswift_lab import Profile, plan, profile, run
-from pipeswift_lab.simulation.schedules import compute_orders
+from pipeswift_lab.core.schedule_orders import compute_orders
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from sleep_layers import SleepLayer  # the same sleeping layers as the validation test

@@ -16,9 +16,9 @@ the simulator applies) and :mod:`.steady` (which measured step is "the measured 
 
 from __future__ import annotations
 
+from ..core.schedule_orders import compute_orders
 from .engine import ScheduleDeadlock
 from .reconciliation import Reconciled, reconcile
-from .schedules import compute_orders
 from .simulator import simulate, simulate_step_ms
 from .sweeps import Sweep, explore, sweep
 from .timeline import Timeline

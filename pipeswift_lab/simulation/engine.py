@@ -17,8 +17,8 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from ..core.schedule_orders import Groups, action_groups
 from ..core.vocabulary import COMPUTE_KINDS, stage_to_rank
-from .schedules import Groups, action_groups
 
 #: One operation of a rank (see the table below): a tuple whose first item is _WAIT, _COMPUTE or _FIRE.
 Op = tuple[Any, ...]
@@ -101,7 +101,7 @@ class _Lowering:
 
 
 def lower(groups: Groups, schedule: str, P: int, m: int, S: int, placement: Sequence[int]) -> Ops:
-    """Lower every rank's order (``groups``, as :func:`~pipeswift_lab.simulation.schedules.action_groups` gives it)
+    """Lower every rank's order (``groups``, as :func:`~pipeswift_lab.core.schedule_orders.action_groups` gives it)
     to a tuple of wait / compute / fire operations; returns one tuple per rank."""
     low = _Lowering(P, m, S, placement)
     ops = []

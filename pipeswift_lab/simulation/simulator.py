@@ -1,7 +1,7 @@
 """Duration-aware simulation of a pipeline schedule: replay torch's action order with real times.
 
 torch's schedule visualizer counts every action as one time unit. Here every rank executes
-its order from :mod:`pipeswift_lab.simulation.schedules` one action after the other; an action starts
+its order from :mod:`pipeswift_lab.core.schedule_orders` one action after the other; an action starts
 when its rank is free and its inputs are there:
 
 * ``F`` of stage ``s`` needs the activation of ``F`` of stage ``s-1`` (same micro-batch);

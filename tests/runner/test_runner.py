@@ -13,11 +13,11 @@ import pytest
 import torch
 from torch import nn
 
+from pipeswift_lab.core.schedule_orders import compute_orders
 from pipeswift_lab.partitioning.balance import partition
 from pipeswift_lab.partitioning.stages import Partition
 from pipeswift_lab.profiling.table import Profile
 from pipeswift_lab.runner import RunResult, run
-from pipeswift_lab.simulation.schedules import compute_orders
 from pipeswift_lab.simulation.timeline import Timeline
 
 pytestmark = pytest.mark.processes  # starts worker processes: `pytest -m "not processes"` skips it

@@ -7,10 +7,10 @@ from hypothesis import strategies as st
 
 from pipeswift_lab import analytic
 from pipeswift_lab.core.link import Link
+from pipeswift_lab.core.schedule_orders import action_groups, compute_orders
 from pipeswift_lab.core.vocabulary import SCHEDULES, stage_to_rank, validate
 from pipeswift_lab.partitioning.balance import partition
 from pipeswift_lab.profiling.table import Profile
-from pipeswift_lab.simulation.schedules import action_groups, compute_orders
 from pipeswift_lab.simulation.simulator import ScheduleDeadlock, simulate, simulate_order
 
 

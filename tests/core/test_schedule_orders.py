@@ -7,8 +7,8 @@ from torch.distributed.pipelining import schedules as torch_schedules
 from torch.distributed.pipelining._schedule_visualizer import get_schedule_ops
 from torch.distributed.pipelining._utils import generate_rank_to_stage_mapping, generate_stage_to_rank_mapping
 
+from pipeswift_lab.core.schedule_orders import _TORCH_CLASS, action_groups, compute_orders, torch_schedule
 from pipeswift_lab.core.vocabulary import MULTI_CHUNK_SCHEDULES, SCHEDULES, stage_to_rank, validate
-from pipeswift_lab.simulation.schedules import _TORCH_CLASS, action_groups, compute_orders, torch_schedule
 
 logging.getLogger("torch.distributed.pipelining.schedules").setLevel(logging.ERROR)
 

@@ -38,8 +38,8 @@ import logging
 from functools import cache, lru_cache
 from typing import Any
 
-from ..core.vocabulary import COMPUTE_KINDS, MULTI_CHUNK_SCHEDULES, check_schedule_v, validate
-from ..core.vocabulary import TORCH_CLASS as _TORCH_CLASS
+from .vocabulary import COMPUTE_KINDS, MULTI_CHUNK_SCHEDULES, check_schedule_v, validate
+from .vocabulary import TORCH_CLASS as _TORCH_CLASS
 
 #: One compute action: ``(kind, stage, microbatch)``.
 Action = tuple[str, int, int]
@@ -47,15 +47,21 @@ Action = tuple[str, int, int]
 Groups = tuple[tuple[tuple[Action, ...], ...], ...]
 
 
-def compute_orders(P: int, m: int, schedule: str = "1F1B", v: int = 1) -> dict[int, list[Action]]:
+def compute_orders(
+    P: int, m: int, schedule: str = "1F1B", v: int = 1, *, check: bool = True
+) -> dict[int, list[Action]]:
     """The compute actions of every rank in the order torch's runtime executes them.
 
     Returns ``{rank: [(kind, stage, microbatch), ...]}`` for ranks ``0..P-1``, with ``kind``
     in ``F``, ``B``, ``I``, ``W`` (DualPipeV's overlapped ``F``+``B`` actions appear as their
     two parts, forward first). Raises ``ValueError`` for combinations torch refuses
-    (see :func:`~pipeswift_lab.core.vocabulary.validate`).
+    (see :func:`~pipeswift_lab.core.vocabulary.validate`); ``check=False`` skips that check where the loops run
+    anyway (GPipe and 1F1B with fewer micro-batches than ranks, for a memory estimate), torch's own schedules
+    raising what they refuse.
     """
-    groups = action_groups(P, m, schedule, v)
+    groups = (
+        action_groups(P, m, schedule, v) if check else _action_groups(int(P), int(m), *check_schedule_v(schedule, v))
+    )
     return {rank: [a for group in rank_groups for a in group] for rank, rank_groups in enumerate(groups)}
 
 
