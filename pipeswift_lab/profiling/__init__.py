@@ -8,7 +8,7 @@ on the real model (CUDA events on a GPU, ``perf_counter`` on the CPU)::
     prof.df[["name", "fwd_ms", "bwd_ms", "param_bytes", "activation_bytes"]]
 
 Modules: :mod:`.measure` (:func:`profile`, :func:`profile_step`), :mod:`.table` (the :class:`Profile` type, its
-checks and its CSV), :mod:`.hooks` (the per-layer recorder and clocks), :mod:`.units` (which modules count as
+checks and its CSV), :mod:`.hooks` (the per-layer recorder), :mod:`.clocks`, :mod:`.units` (which modules count as
 layers).
 """
 

@@ -38,7 +38,8 @@ Memory
 
 Clocks
     On CPU, ``time.perf_counter_ns``. On CUDA, ``torch.cuda.Event`` records on the current
-    stream, read after ``torch.cuda.synchronize``, so the times are GPU times.
+    stream, read after ``torch.cuda.synchronize``, so the times are GPU times
+    (:mod:`pipeswift_lab.profiling.clocks`).
 
 The whole step is measured from the step start to the end of the backward; on CPU the
 time spent walking the graph (the profiler's own bookkeeping) is taken out of it.
@@ -54,13 +55,15 @@ The helpers that pick the units and give the model back as it was are in
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 from torch import nn
+
+from ..core.live_bytes import MemoryMeter
+from .clocks import Clock
 
 try:  # the engine's next sequence number; a throw-away node is the fallback probe
     _peek_sequence_nr = torch._C._autograd._get_sequence_nr
@@ -99,85 +102,6 @@ def _storage_key_and_bytes(t: torch.Tensor) -> tuple[tuple[Any, ...], int]:
         return ("id", id(t)), tensor_bytes(t)
 
 
-class Clock(Protocol):
-    """What the recorder needs of a clock: stamps, a wait for the device, and the ms between two stamps."""
-
-    kind: str
-    """The timer's name, recorded in ``Profile.meta["timer"]``."""
-    cuda: bool
-    """Whether stamps are CUDA events (the recorder then also tracks CUDA memory)."""
-
-    def stamp(self) -> Any:
-        """A timestamp now (on the device's stream for CUDA)."""
-        ...
-
-    def synchronize(self) -> None:
-        """Wait until every stamp taken so far can be read."""
-        ...
-
-    def ms(self, start: Any, end: Any) -> float:
-        """Milliseconds from stamp ``start`` to stamp ``end``."""
-        ...
-
-
-class CpuClock:
-    """Host clock: ``time.perf_counter_ns`` stamps, differences in ms."""
-
-    kind = "perf_counter_ns"
-    cuda = False
-
-    def stamp(self) -> int:
-        """``time.perf_counter_ns()`` now."""
-        return time.perf_counter_ns()
-
-    def synchronize(self) -> None:
-        """Nothing to wait for on the host."""
-
-    @staticmethod
-    def ms(start: int, end: int) -> float:
-        """Milliseconds between two ``perf_counter_ns`` stamps."""
-        return (end - start) / 1e6
-
-
-class CudaClock:
-    """GPU clock: ``torch.cuda.Event(enable_timing=True)`` recorded on the current stream.
-
-    Differences are read with ``Event.elapsed_time`` after :meth:`synchronize`.
-    """
-
-    kind = "cuda_events"
-    cuda = True
-
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
-
-    def stamp(self) -> torch.cuda.Event:
-        """A timing event recorded on the current stream."""
-        event = torch.cuda.Event(enable_timing=True)
-        event.record()
-        return event
-
-    def synchronize(self) -> None:
-        """Wait for the device, so that every recorded event can be read."""
-        torch.cuda.synchronize(self.device)
-
-    @staticmethod
-    def ms(start: torch.cuda.Event, end: torch.cuda.Event) -> float:
-        """Milliseconds between two recorded events (after :meth:`synchronize`)."""
-        return float(start.elapsed_time(end))
-
-
-def make_clock(device: torch.device) -> CpuClock | CudaClock:
-    """The clock for ``device``: CUDA events on ``cuda``, ``perf_counter_ns`` on ``cpu``."""
-    if device.type == "cuda":
-        if not torch.cuda.is_available():
-            raise ValueError(f"device={str(device)!r} needs CUDA, which this torch build or machine does not have")
-        return CudaClock(device)
-    if device.type == "cpu":
-        return CpuClock()
-    raise ValueError(f"device={str(device)!r} is not supported by the profiler; use a 'cpu' or 'cuda' device")
-
-
 class _Call:
     """One call of one unit in one step."""
 
@@ -194,6 +118,7 @@ class _Call:
         "fwd_peak",
         "bwd_base",
         "bwd_peak",
+        "fwd_kept",
     )
 
     def __init__(self, unit: int) -> None:
@@ -205,8 +130,9 @@ class _Call:
         self.b0: Any = None
         self.b1: Any = None
         self.out_bytes = 0
-        self.mem_base: int | None = None  # CUDA bytes allocated at the forward's start, and the peaks above it
+        self.mem_base: int | None = None  # bytes allocated at the forward's start, and the peaks above it
         self.fwd_peak: int | None = None
+        self.fwd_kept: int | None = None  # bytes the forward left allocated (saved activations, outputs)
         self.bwd_base: int | None = None
         self.bwd_peak: int | None = None
 
@@ -228,11 +154,20 @@ class StepRecord:
     output_bytes: list[int]
     """Per unit, the bytes of the tensors its calls returned."""
     peak_bytes: list[float]
-    """Per unit, the highest transient CUDA allocation of a forward or backward (NaN off CUDA)."""
+    """Per unit, the highest allocation above the start of a forward or backward (NaN when memory was not
+    measured)."""
+    transient_bytes: list[float]
+    """Per unit, the most a forward or backward allocated beyond what it kept (its forward's saved activations and
+    outputs; a backward keeps nothing but the weight gradients it counts); NaN when memory was not measured."""
     first_call_order: list[int]
     """The units in the order of their first call (the layer order of the Profile)."""
     batch_shape: list[int] | None = None
     """The shape of the model's first input tensor, if any."""
+    loss_activation_bytes: float = float("nan")
+    """The bytes the loss left allocated (what it saved for backward, its value); NaN when not measured."""
+    loss_transient_bytes: float = float("nan")
+    """The highest allocation of the loss's backward above its start, until the first unit's backward; NaN when not
+    measured."""
 
 
 class LayerRecorder:
@@ -244,11 +179,10 @@ class LayerRecorder:
     """
 
     def __init__(
-        self, model: nn.Module, units: Sequence[tuple[str, nn.Module]], clock: Clock, track_memory: bool = True
+        self, model: nn.Module, units: Sequence[tuple[str, nn.Module]], clock: Clock, meter: MemoryMeter | None = None
     ) -> None:
         self.model, self.units, self.clock = model, list(units), clock
-        self.cuda_memory = bool(getattr(clock, "cuda", False)) and track_memory
-        self.device: torch.device | None = getattr(clock, "device", None)  # the CUDA device whose memory is tracked
+        self.meter = meter  # set for a step whose memory is measured (not timed: reading it costs time)
         self.handles: list[Any] = []
         self.active = False
         owners: dict[int, int] = {}
@@ -266,6 +200,9 @@ class LayerRecorder:
         self.saved: list[dict[tuple[Any, ...], int]] = [dict() for _ in self.units]
         self.batch_shape: list[int] | None = None
         self.node_handles: list[Any] = []
+        self.loss_base: int | None = None  # bytes allocated before the loss ran, then before its backward
+        self.loss_activation: float = float("nan")
+        self.loss_transient: float = float("nan")
 
     def __enter__(self) -> LayerRecorder:
         self._state_keys = set()
@@ -311,7 +248,7 @@ class LayerRecorder:
             step_ms -= sum(ms(a, b) for a, b in self.walk_spans)
         n = len(self.units)
         fwd, bwd, calls = [0.0] * n, [0.0] * n, [0] * n
-        out_bytes, peaks = [0] * n, [float("nan")] * n
+        out_bytes, peaks, transients = [0] * n, [float("nan")] * n, [float("nan")] * n
         order: list[int] = []
         for call in self.calls:
             u = call.unit
@@ -327,6 +264,16 @@ class LayerRecorder:
             for peak in (call.fwd_peak, call.bwd_peak):
                 if peak is not None:
                     peaks[u] = peak if peaks[u] != peaks[u] else max(peaks[u], peak)
+            beyond = [
+                x
+                for x in (
+                    None if call.fwd_peak is None or call.fwd_kept is None else call.fwd_peak - call.fwd_kept,
+                    call.bwd_peak,
+                )
+                if x is not None
+            ]
+            if beyond:
+                transients[u] = max(beyond) if transients[u] != transients[u] else max(transients[u], *beyond)
         act = [sum(saved.values()) for saved in self.saved]
         self._remove_node_hooks()
         return StepRecord(
@@ -337,9 +284,25 @@ class LayerRecorder:
             activation_bytes=act,
             output_bytes=out_bytes,
             peak_bytes=peaks,
+            transient_bytes=transients,
             first_call_order=order,
             batch_shape=self.batch_shape,
+            loss_activation_bytes=self.loss_activation,
+            loss_transient_bytes=self.loss_transient,
         )
+
+    # -- the loss (a memory step only) --------------------------------------------------
+    def before_loss(self) -> None:
+        """Note the bytes allocated before the loss runs."""
+        if self.meter is not None:
+            self.loss_base = self.meter.allocated()
+
+    def before_backward(self) -> None:
+        """Note what the loss kept, and start the peak of its backward."""
+        if self.meter is not None and self.loss_base is not None:
+            self.loss_activation = float(self.meter.allocated() - self.loss_base)
+            self.meter.reset_peak()
+            self.loss_base = self.meter.allocated()
 
     # -- forward hooks ----------------------------------------------------------------
     def _root_pre(self, module: nn.Module, args: tuple[Any, ...]) -> None:
@@ -356,9 +319,9 @@ class LayerRecorder:
             self.calls.append(call)
             self.stack.append(call)
             call.lo = _peek_sequence_nr()
-            if self.cuda_memory:
-                torch.cuda.reset_peak_memory_stats(self.device)
-                call.mem_base = torch.cuda.memory_allocated(self.device)
+            if self.meter is not None:
+                self.meter.reset_peak()
+                call.mem_base = self.meter.allocated()
             call.f0 = self.clock.stamp()
             return None
 
@@ -371,8 +334,9 @@ class LayerRecorder:
             f1 = self.clock.stamp()
             call = self.stack.pop()
             call.f1, call.hi = f1, _peek_sequence_nr()
-            if self.cuda_memory:
-                call.fwd_peak = torch.cuda.max_memory_allocated(self.device) - (call.mem_base or 0)
+            if self.meter is not None:
+                call.fwd_peak = self.meter.peak() - (call.mem_base or 0)
+                call.fwd_kept = self.meter.allocated() - (call.mem_base or 0)
             walk_start = self.clock.stamp() if not self.clock.cuda else None
             outputs: list[torch.Tensor] = []
             seen: set[int] = set()
@@ -432,9 +396,11 @@ class LayerRecorder:
     def _make_entry_hook(self, call: _Call) -> Callable[[Any], None]:
         def entry_hook(grad_outputs: Any) -> None:
             if call.b0 is None:
-                if self.cuda_memory:
-                    torch.cuda.reset_peak_memory_stats(self.device)
-                    call.bwd_base = torch.cuda.memory_allocated(self.device)
+                if self.meter is not None:
+                    if self.loss_base is not None and self.loss_transient != self.loss_transient:
+                        self.loss_transient = float(self.meter.peak() - self.loss_base)
+                    self.meter.reset_peak()
+                    call.bwd_base = self.meter.allocated()
                 call.b0 = self.clock.stamp()
             return None
 
@@ -443,8 +409,8 @@ class LayerRecorder:
     def _make_exit_hook(self, call: _Call) -> Callable[[Any, Any], None]:
         def exit_hook(grad_inputs: Any, grad_outputs: Any) -> None:
             call.b1 = self.clock.stamp()
-            if self.cuda_memory and call.bwd_base is not None:
-                call.bwd_peak = torch.cuda.max_memory_allocated(self.device) - call.bwd_base
+            if self.meter is not None and call.bwd_base is not None:
+                call.bwd_peak = self.meter.peak() - call.bwd_base
             return None
 
         return exit_hook
@@ -482,13 +448,9 @@ def shapes(obj: Any) -> list[list[int]]:
 
 
 __all__ = [
-    "Clock",
-    "CpuClock",
-    "CudaClock",
     "current_unit",
     "iter_tensors",
     "LayerRecorder",
-    "make_clock",
     "shapes",
     "StepRecord",
     "tensor_bytes",

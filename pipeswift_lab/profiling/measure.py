@@ -8,6 +8,7 @@ described in :mod:`pipeswift_lab.profiling.hooks`; which submodules are units in
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -20,8 +21,9 @@ from torch import nn
 
 from ..core.checks import check_flag, check_int
 from ..core.display import first_line
-from .hooks import LayerRecorder, StepRecord, current_unit, iter_tensors, make_clock, shapes
-from .table import COLUMNS, Profile
+from .clocks import make_clock
+from .hooks import LayerRecorder, StepRecord, current_unit, iter_tensors, shapes
+from .table import COLUMNS, MEMORY_COLUMNS, Profile
 from .units import locate_failure, model_device, move_to_device, preserved_state, select_units
 
 __all__ = ["profile", "profile_step"]
@@ -125,6 +127,7 @@ def profile_step(
         repeats=repeats,
         progress=progress,
         desc=f"{_desc(model)} step",
+        memory=False,  # the user's step really trains: no extra step for memory
     )
     meta = _run_meta("step", device, loss="step", warmup=warmup, repeats=repeats)
     return _build(model, units, records, meta)
@@ -220,7 +223,10 @@ class _TrainingStep:
             output = self.model(*self.args, **self.kwargs)
         except Exception as exc:
             raise ValueError(self._misfit(recorder, exc)) from exc
-        _loss_of(output, self.target, self.loss_fn).backward()
+        recorder.before_loss()
+        loss = _loss_of(output, self.target, self.loss_fn)
+        recorder.before_backward()
+        loss.backward()
 
     def _misfit(self, recorder: LayerRecorder, exc: Exception) -> str:
         """Why the sample does not fit the model: the unit and layer that failed, and the sample's shapes."""
@@ -245,8 +251,10 @@ def _measure(
     repeats: int,
     progress: bool,
     desc: str,
-) -> list[StepRecord]:
-    """Run ``run_step(recorder)`` ``warmup + repeats`` times under the hooks; return the kept StepRecords."""
+    memory: bool = True,
+) -> tuple[list[StepRecord], StepRecord | None]:
+    """Run ``run_step(recorder)`` ``warmup + repeats`` times under the hooks and, with ``memory``, once more,
+    untimed, measuring memory; return the kept StepRecords and the memory step's (None without)."""
     from ..core.progress import progress_bar
 
     clock = make_clock(device)
@@ -268,7 +276,25 @@ def _measure(
             if i >= warmup:
                 records.append(record)
             bar.update(1)
-    return records
+        return records, _memory_step(recorder, device, run_step) if memory else None
+
+
+def _memory_step(recorder: LayerRecorder, device: torch.device, run_step: Callable[[LayerRecorder], Any]) -> StepRecord:
+    """One more step, its memory measured unit by unit (CUDA's allocator statistics, or on CPU every storage the
+    operators allocate, :mod:`pipeswift_lab.core.live_bytes`); its times are not kept."""
+    from ..core.live_bytes import LiveTensorBytes, live_tensors, memory_meter
+
+    tracker = LiveTensorBytes() if device.type != "cuda" else None
+    if tracker is not None:  # what exists already (weights, buffers): an in-place update of it allocates nothing
+        tracker.adopt(live_tensors())
+    recorder.meter = memory_meter(device, tracker)
+    try:
+        with tracker if tracker is not None else contextlib.nullcontext():
+            recorder.begin_step()
+            run_step(recorder)
+            return recorder.end_step()
+    finally:
+        recorder.meter = None
 
 
 def _loss_of(output: Any, target: Any, loss_fn: Callable[..., torch.Tensor] | None) -> torch.Tensor:
@@ -313,11 +339,15 @@ def _run_meta(source: str, device: torch.device, *, loss: str, warmup: int, repe
     }
 
 
-def _build(model: nn.Module, units: _Units, records: list[StepRecord], meta: dict[str, Any]) -> Profile:
-    """The Profile of the kept steps: per-layer medians and spreads, in the order the units first ran."""
-    rows = _layer_rows(units, records, cuda=meta["device"].startswith("cuda"))
+def _build(
+    model: nn.Module, units: _Units, records: tuple[list[StepRecord], StepRecord | None], meta: dict[str, Any]
+) -> Profile:
+    """The Profile of the kept steps (the memory step last): per-layer medians and spreads, in the order the units
+    first ran, and the memory the memory step measured."""
+    kept, memory = records
+    rows = _layer_rows(units, kept, memory)
     first_float = next((p.dtype for p in model.parameters() if p.is_floating_point()), None)
-    shape = records[0].batch_shape
+    shape = kept[0].batch_shape
     meta = {
         "model": type(model).__name__,
         "dtype": str(first_float).removeprefix("torch.") if first_float is not None else "-",
@@ -327,13 +357,15 @@ def _build(model: nn.Module, units: _Units, records: list[StepRecord], meta: dic
         "threads": torch.get_num_threads(),
         "model_params": int(sum(p.numel() for p in model.parameters())),
         **meta,
-        "step_ms_samples": [float(r.step_ms) for r in records],
+        "loss_activation_bytes": memory.loss_activation_bytes if memory else float("nan"),
+        "loss_transient_bytes": memory.loss_transient_bytes if memory else float("nan"),
+        "step_ms_samples": [float(r.step_ms) for r in kept],
     }
-    return Profile(pd.DataFrame(rows, columns=list(COLUMNS)), meta)
+    return Profile(pd.DataFrame(rows, columns=[*COLUMNS, *MEMORY_COLUMNS]), meta)
 
 
-def _layer_rows(units: _Units, records: list[StepRecord], *, cuda: bool) -> list[dict[str, Any]]:
-    """One row of :data:`COLUMNS` per unit, in first-call order."""
+def _layer_rows(units: _Units, records: list[StepRecord], memory: StepRecord | None) -> list[dict[str, Any]]:
+    """One row of :data:`COLUMNS` and :data:`MEMORY_COLUMNS` per unit, in first-call order."""
     fwd = np.array([r.fwd_ms for r in records])
     bwd = np.array([r.bwd_ms for r in records])
     fwd_med, bwd_med = np.median(fwd, axis=0), np.median(bwd, axis=0)
@@ -358,7 +390,9 @@ def _layer_rows(units: _Units, records: list[StepRecord], *, cuda: bool) -> list
                 "param_bytes": int(sum(p.numel() * p.element_size() for p in params)),
                 "activation_bytes": int(max(r.activation_bytes[u] for r in records)),
                 "output_bytes": int(max(r.output_bytes[u] for r in records)),
-                "peak_bytes": float(np.nanmax([r.peak_bytes[u] for r in records])) if cuda else float("nan"),
+                "peak_bytes": float(memory.peak_bytes[u]) if memory else float("nan"),
+                "transient_bytes": float(memory.transient_bytes[u]) if memory else float("nan"),
+                "largest_param_bytes": int(max((p.numel() * p.element_size() for p in params), default=0)),
             }
         )
     return rows

@@ -27,7 +27,7 @@ from ..core.display import html_card, noise_note, noise_warning, text_card
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
 
-__all__ = ["COLUMNS", "REQUIRED_COLUMNS", "Profile"]
+__all__ = ["COLUMNS", "MEMORY_COLUMNS", "REQUIRED_COLUMNS", "Profile"]
 
 #: Per-layer columns of :attr:`Profile.df`, in order.
 COLUMNS: tuple[str, ...] = (
@@ -46,11 +46,15 @@ COLUMNS: tuple[str, ...] = (
     "output_bytes",
     "peak_bytes",
 )
+#: Optional per-layer memory columns a measured profile adds: ``transient_bytes`` (the most a layer's forward or
+#: backward allocates beyond what it keeps, its weight gradients included) and ``largest_param_bytes`` (its largest
+#: parameter tensor, what a per-tensor optimizer allocates temporaries of).
+MEMORY_COLUMNS: tuple[str, ...] = ("transient_bytes", "largest_param_bytes")
 #: Columns every Profile table has (``calls`` and ``wgrad_ms`` are optional).
 REQUIRED_COLUMNS: tuple[str, ...] = tuple(c for c in COLUMNS if c != "calls")
 _LAYER_TIMES = ("fwd_ms", "bwd_ms", "total_ms")
 _TIME_COLUMNS = ("fwd_ms", "bwd_ms", "fwd_ms_iqr", "bwd_ms_iqr", "wgrad_ms")
-_COUNT_COLUMNS = ("calls", "params", "param_bytes", "activation_bytes", "output_bytes")
+_COUNT_COLUMNS = ("calls", "params", "param_bytes", "activation_bytes", "output_bytes", "largest_param_bytes")
 _CSV_HEADER = "# pipeswift_lab.Profile "
 
 
@@ -63,7 +67,11 @@ class Profile:
     ``total_ms`` (their sum), ``fwd_ms_iqr``, ``bwd_ms_iqr`` (interquartile ranges),
     ``params``, ``param_bytes``, ``activation_bytes`` (bytes saved for backward: what a stage
     holds per in-flight micro-batch), ``output_bytes`` (what crosses a stage boundary after
-    this layer) and ``peak_bytes`` (CUDA only; NaN otherwise). ``meta`` holds the device,
+    this layer), ``peak_bytes`` (the highest allocation above the start of its forward or
+    backward, measured in one extra untimed step: CUDA's allocator statistics, or on CPU every
+    storage the operators allocate; NaN in a synthetic profile) and, from :func:`profile`, the
+    :data:`MEMORY_COLUMNS`; ``meta`` also holds the loss's ``loss_activation_bytes`` and
+    ``loss_transient_bytes``. ``meta`` holds the device,
     dtype, batch shape, torch version, repeats, warmup and the measured whole-step times
     (``step_ms_samples``). Profiles compare equal when their tables and meta do; they are not hashable.
     """
@@ -325,7 +333,7 @@ def _given_column(name: str, values: Any, n: int) -> list[Any]:
         return [check_time(f"{name}[{i}]", v) for i, v in enumerate(values)]
     if name in _COUNT_COLUMNS:
         return [_count(f"{name}[{i}]", v, name) for i, v in enumerate(values)]
-    if name == "peak_bytes":
+    if name in ("peak_bytes", "transient_bytes"):
         return [
             float("nan") if isinstance(v, float) and math.isnan(v) else check_time(f"{name}[{i}]", v)
             for i, v in enumerate(values)
