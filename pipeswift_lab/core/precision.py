@@ -161,13 +161,38 @@ def state_bytes(
         raise ValueError(f"precision={precision!r} counts bytes per parameter, but the profile has no 'params' column")
     counts = np.asarray(params, dtype=float)
     if param_bytes is not None:
-        missing = np.flatnonzero((counts == 0) & (np.asarray(param_bytes, dtype=float) > 0))
+        given = np.asarray(param_bytes, dtype=float)
+        missing = np.flatnonzero((counts == 0) & (given > 0))
         if len(missing):
             raise ValueError(
                 f"precision={precision!r} counts bytes per parameter, but layer {int(missing[0])} has params=0 and "
                 "param_bytes > 0; give the 'params' column"
             )
+        check_profile_dtype(str(precision), counts, given)
     return counts * bytes_per_param(precision, optimizer, D)
+
+
+_DTYPE_OF_BYTES = {4: "float32", 2: "bfloat16 or float16", 8: "float64", 1: "an 8-bit type"}
+
+
+def check_profile_dtype(precision: str, params: np.ndarray, param_bytes: np.ndarray) -> None:
+    """Refuse a named ``precision`` whose weights are not the profile's: its activations and times were measured
+    with weights of ``param_bytes / params`` bytes, the precision computes with ``weight_bytes``."""
+    want = PRECISIONS[precision].weight_bytes
+    held = params > 0
+    if not held.any():
+        return
+    per_param = param_bytes[held] / params[held]
+    bad = np.flatnonzero(np.abs(per_param - want) > 1e-9 * want)
+    if len(bad):
+        got = float(per_param[bad[0]])
+        dtype = _DTYPE_OF_BYTES.get(int(got), f"{got:g}-byte") if got == int(got) else f"{got:g}-byte"
+        layer = int(np.flatnonzero(held)[bad[0]])
+        raise ValueError(
+            f"precision={precision!r} computes with {want}-byte weights ({_DTYPE_OF_BYTES[want]}), but the profile "
+            f"holds {got:g} bytes per parameter (layer {layer}: {dtype}); its times and activations were measured in "
+            "that dtype. Profile the model in the precision's dtype, or name the precision that matches"
+        )
 
 
 __all__ = [
@@ -177,6 +202,7 @@ __all__ = [
     "bytes_per_param",
     "check_optimizer",
     "check_precision",
+    "check_profile_dtype",
     "checkpoint_bytes_per_param",
     "grad_bytes_per_param",
     "precision_table",

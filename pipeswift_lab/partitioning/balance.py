@@ -44,7 +44,17 @@ from ..core.link import Link, check_link
 from ..core.precision import state_bytes
 from .bottleneck import Infeasible, MinMaxSplit
 from .layers import Layers, split
-from .memory import DoesNotFit, Layout, memory_cap, memory_windows, no_fit_head, resolve_layout, resolve_m
+from .memory import (
+    CAP_RETRIES,
+    MEM_RTOL,
+    DoesNotFit,
+    Layout,
+    memory_cap,
+    memory_windows,
+    no_fit_head,
+    resolve_layout,
+    resolve_m,
+)
 from .stages import Partition
 
 __all__ = ["METHODS", "partition"]
@@ -107,9 +117,24 @@ def partition(
 
 
 def _split_partition(layers: Layers, layout: Layout, method: str, link: Link | None, limit: float | None) -> Partition:
-    """The Partition of the ``method`` split of ``layout`` within ``limit`` bytes per GPU (None: no cap)."""
-    bounds = split(layers, layout, method, link, limit)
-    return Partition._of_layout(layers, bounds, layout, link=link, method=method, mem_per_gpu_bytes=limit)
+    """The Partition of the ``method`` split of ``layout`` within ``limit`` bytes per GPU (None: no cap).
+
+    The exact solver bounds each stage's steady memory (training state and activations in flight); the rank's
+    replayed peak (:meth:`Partition.memory`) adds buffers and transients. When that peak exceeds the cap, the
+    solver runs again with the cap lowered by the excess, a few times, before giving up."""
+    if limit is None:
+        return Partition._of_layout(
+            layers, split(layers, layout, method, link, None), layout, link=link, method=method, mem_per_gpu_bytes=None
+        )
+    budget = limit
+    for _ in range(CAP_RETRIES):
+        bounds = split(layers, layout, method, link, budget)
+        part = Partition._of_layout(layers, bounds, layout, link=link, method=method, mem_per_gpu_bytes=None)
+        excess = max(part.rank_mem_bytes) - limit
+        if excess <= limit * MEM_RTOL or method != "balanced":
+            return Partition._of_layout(layers, bounds, layout, link=link, method=method, mem_per_gpu_bytes=limit)
+        budget -= excess
+    raise DoesNotFit(no_fit_head(limit, method, layout.P, layout.v))
 
 
 def _memory_error(layers: Layers, part: Partition, layout: Layout, limit: float, method: str, link: Link | None) -> str:
@@ -122,20 +147,41 @@ def _memory_error(layers: Layers, part: Partition, layout: Layout, limit: float,
     hint = (
         f"the smallest P that fits ({where}) is {smallest}"
         if smallest
-        else f"no P up to {layers.n // part.v} fits ({where}); some layer alone exceeds the cap"
+        else f"no P up to {layers.n // part.v} fits ({where}); {_heaviest_layer(layers, layout, limit)}"
     )
     head = no_fit_head(limit, method, part.P, part.v)
     return f"{head}; in the unconstrained split, {part.describe_stage(worst)}. {hint[0].upper() + hint[1:]}."
 
 
+def _heaviest_layer(layers: Layers, layout: Layout, limit: float) -> str:
+    """The layer that needs the most on its own (its training state and its activations held by the busiest rank),
+    and how much, for an error message."""
+    state = state_bytes(layers.params, layers.param_bytes, layout.precision, layout.optimizer, layout.D)
+    if state is None or layers.activation_bytes is None:
+        return "some layer alone exceeds the cap"
+    held = max(layout.inflight())
+    need = state + layers.activation_bytes * held
+    j = int(np.argmax(need))
+    verdict = "more than" if need[j] > limit else "close to"
+    return (
+        f"layer {j} ({layers.names[j]!r}) alone needs {need[j]:.6g} bytes, {verdict} the cap: {state[j]:.6g} of "
+        f"weights, gradients and {layout.optimizer} state + {layers.activation_bytes[j]:.6g} activation bytes x "
+        f"{held:g} micro-batches in flight"
+    )
+
+
 def _fits(layers: Layers, layout: Layout, limit: float, method: str, link: Link | None) -> bool:
-    """Whether a ``method`` split of ``layout`` fits ``limit``: for ``"balanced"`` any contiguous split (the memory
-    windows alone), for the others their one split, at an ``m`` the schedule takes with ``layout.P`` ranks."""
+    """Whether a ``method`` split of ``layout`` fits ``limit``: for ``"balanced"`` a split the memory windows allow
+    whose replayed peaks fit too, for the others their one split, at an ``m`` the schedule takes with ``layout.P``
+    ranks."""
     try:
         if method == "balanced":
             zeros = np.zeros(layers.n + 1)
             windows = memory_windows(layers, layout, limit)
-            return MinMaxSplit(zeros, zeros, layout.n_stages, windows).reach(0.0) is not None
+            if MinMaxSplit(zeros, zeros, layout.n_stages, windows).reach(0.0) is None:
+                return False
+            _split_partition(layers, layout, method, link, limit)
+            return True
         resolve_m(layout.P, layout.m, layout.schedule, layout.v)
         bounds = split(layers, layout, method, link, None)
         Partition._of_layout(layers, bounds, layout, link=None, method=method, mem_per_gpu_bytes=limit)

@@ -56,6 +56,10 @@ class Layers:
         self.param_bytes = self._optional(df, "param_bytes")
         self.activation_bytes = self._optional(df, "activation_bytes")
         self.output_bytes = self._optional(df, "output_bytes")
+        self.transient_bytes = _unknown_as_zero(df, "transient_bytes")
+        self.largest_param_bytes = _unknown_as_zero(df, "largest_param_bytes")
+        meta = getattr(profile, "meta", None) or {}
+        self.meta: dict[str, Any] = dict(meta) if isinstance(meta, dict) else {}
         if self.wgrad is not None and np.any(self.wgrad > self.bwd * (1 + 1e-12)):
             bad = int(np.argmax(self.wgrad > self.bwd))
             raise ValueError(
@@ -75,6 +79,17 @@ class Layers:
                 "values must be finite numbers >= 0"
             )
         return values
+
+
+def _unknown_as_zero(df: pd.DataFrame, col: str) -> np.ndarray | None:
+    """An optional memory column with its unknown (NaN) values as 0; None when the column is absent or unknown
+    throughout (a synthetic profile)."""
+    if col not in df.columns:
+        return None
+    values = pd.to_numeric(df[col], errors="coerce").to_numpy(float)
+    if np.isnan(values).all():
+        return None
+    return np.nan_to_num(values, nan=0.0)
 
 
 def _layer_table(profile: Any) -> pd.DataFrame:

@@ -25,6 +25,7 @@ if TYPE_CHECKING:
     from .layers import Layers
 
 __all__ = [
+    "CAP_RETRIES",
     "MEM_RTOL",
     "DoesNotFit",
     "Layout",
@@ -39,6 +40,9 @@ __all__ = [
 
 #: Relative tolerance of memory comparisons (prefix sums and direct sums round differently).
 MEM_RTOL = 1e-9
+#: How many times a capped balanced split is solved again with the cap lowered by what its replayed peak exceeds:
+#: the windows bound each stage's steady memory, the replay (:mod:`.rank_memory`) adds buffers and transients.
+CAP_RETRIES = 6
 
 
 class DoesNotFit(ValueError):

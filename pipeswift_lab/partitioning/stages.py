@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -99,6 +99,10 @@ class Partition:
     """Data-parallel replicas the optimizer state is sharded over (ZeRO-1)."""
     stage_state_bytes: tuple[float, ...] = ()
     """Weights + gradients + optimizer state of each stage (bytes)."""
+    layers: Layers | None = field(default=None, compare=False, repr=False)
+    """The profile's per-layer arrays the stages were summed from (what :meth:`memory` replays)."""
+    mem_schedule: str | None = None
+    """The schedule whose action order :meth:`memory` replays (``schedule``, or 1F1B / Interleaved1F1B)."""
 
     # ---- construction
     @classmethod
@@ -191,6 +195,8 @@ class Partition:
             precision=layout.precision,
             D=layout.D,
             stage_state_bytes=stage_state,
+            layers=layers,
+            mem_schedule=layout.mem_schedule,
         )
         if mem_per_gpu_bytes is not None:
             part._check_fits(mem_per_gpu_bytes)
@@ -245,8 +251,47 @@ class Partition:
 
     @property
     def rank_mem_bytes(self) -> tuple[float, ...]:
-        """Memory of each rank: the sum of its stages' ``stage_mem_bytes``."""
-        return tuple(rank_totals(self.stage_mem_bytes, self.stage_to_rank, self.P))
+        """Predicted peak memory of each rank: :meth:`memory`'s ``predicted_peak_bytes`` (NaN where the profile has
+        no memory columns)."""
+        if self.layers is None or any(math.isnan(x) for x in self.stage_mem_bytes):
+            return tuple(rank_totals(self.stage_mem_bytes, self.stage_to_rank, self.P))
+        return tuple(float(x) for x in self.memory()["predicted_peak_bytes"])
+
+    def memory(
+        self,
+        *,
+        m: int | None = None,
+        schedule: str | None = None,
+        micro_batch_size: int | None = None,
+        optimizer: Any = None,
+    ) -> pd.DataFrame:
+        """The predicted peak memory of every rank, term by term, replaying its actions in torch's order
+        (:mod:`pipeswift_lab.partitioning.rank_memory`).
+
+        ``m`` and ``schedule`` default to the partition's; ``micro_batch_size`` to the profiled one;
+        ``optimizer`` (a name of :data:`~pipeswift_lab.core.precision.OPTIMIZER_STATES` or a measured
+        :class:`~pipeswift_lab.core.memory_model.OptimizerMemory`) to the partition's. Returns a DataFrame, one
+        row per rank: ``predicted_peak_bytes``, ``weights_bytes``, ``grads_bytes``, ``optimizer_bytes``,
+        ``activations_bytes``, ``buffers_bytes``, ``transient_bytes`` (each as it stood at the peak) and
+        ``peak_at`` (the action, or the optimizer step).
+        """
+        from .rank_memory import rank_memory
+
+        if self.layers is None:
+            raise ValueError("this Partition has no per-layer profile to replay; build it with partition(profile, ...)")
+        return rank_memory(
+            self.layers,
+            self.bounds,
+            self.stage_to_rank,
+            P=self.P,
+            m=m if m is not None else (self.m or self.P),
+            schedule=schedule or self.mem_schedule or self.schedule or ("1F1B" if self.v == 1 else "Interleaved1F1B"),
+            v=self.v,
+            micro_batch_size=micro_batch_size,
+            precision=self.precision,
+            optimizer=optimizer if optimizer is not None else self.optimizer,
+            D=self.D,
+        )
 
     def describe_stage(self, s: int) -> str:
         """One sentence on stage ``s``: its layers and its memory, for error messages."""

@@ -23,7 +23,8 @@ from ..core.precision import state_bytes
 from ..core.vocabulary import stage_to_rank
 from ..partitioning.bottleneck import Infeasible
 from ..partitioning.layers import Layers, split
-from ..partitioning.memory import MEM_RTOL, Layout, no_fit_head, rank_totals
+from ..partitioning.memory import CAP_RETRIES, MEM_RTOL, Layout, no_fit_head, rank_totals
+from ..partitioning.rank_memory import rank_memory
 from ..partitioning.stages import Partition
 from ..simulation.calibration import SimulatorCalibration
 from ..simulation.simulator import simulate_step_ms
@@ -49,11 +50,13 @@ class MicrobatchCosts:
         if not profiles:
             raise ValueError("profile is empty; give a Profile or a list of Profiles at different micro-batch sizes")
         by_size: dict[int, tuple[pd.DataFrame, str]] = {}
+        self.metas: dict[int, dict[str, Any]] = {}
         for i, prof in enumerate(profiles):
             size, table, device = _profiled(prof, "profile" if len(profiles) == 1 else f"profile[{i}]")
             if size in by_size:
                 raise ValueError(f"two profiles have micro-batch size {size}; give one profile per size")
             by_size[size] = (table, device)
+            self.metas[size] = {**(getattr(prof, "meta", None) or {}), "batch_size": size, "device": device}
         self.sizes = sorted(by_size)
         self.tables = {b: by_size[b][0] for b in self.sizes}
         self.device = by_size[self.sizes[0]][1]
@@ -71,10 +74,14 @@ class MicrobatchCosts:
         """The smallest profiled micro-batch size."""
         return self.sizes[0]
 
+    def nearest(self, b: int) -> int:
+        """The profiled micro-batch size closest to ``b`` (the smaller on a tie)."""
+        return min(self.sizes, key=lambda size: (abs(size - b), size))
+
     def table(self, b: int) -> pd.DataFrame:
         """Per-layer DataFrame at micro-batch size ``b``."""
         if b not in self._cache:
-            nearest = min(self.sizes, key=lambda size: (abs(size - b), size))
+            nearest = self.nearest(b)
             df = self.tables[nearest].copy()
             for col in ("activation_bytes", "output_bytes"):
                 if col in df.columns:
@@ -128,12 +135,43 @@ class Evaluator:
         self._capped: dict[tuple, Bounds | None] = {}
         self._stages: dict[tuple, _StageSums] = {}
         self._inflight: dict[tuple, tuple[tuple[int, ...], list[float]]] = {}
+        self._replays: dict[tuple, list[float]] = {}
 
     def layers(self, b: int) -> Layers:
-        """The per-layer arrays at micro-batch size ``b`` (cached)."""
+        """The per-layer arrays at micro-batch size ``b`` (cached), with the nearest profile's meta (the loss's bytes
+        scaled to ``b``)."""
         if b not in self._layers:
-            self._layers[b] = Layers(self.costs.table(b))
+            layers = Layers(self.costs.table(b))
+            nearest = self.costs.nearest(b)
+            meta = dict(self.costs.metas[nearest], batch_size=b)
+            for key in ("loss_activation_bytes", "loss_transient_bytes"):
+                if isinstance(meta.get(key), (int, float)):
+                    meta[key] = meta[key] * b / nearest
+            layers.meta = meta
+            self._layers[b] = layers
         return self._layers[b]
+
+    def peak_memory(self, P: int, m: int, b: int, schedule: str, v: int, D: int, bounds: Bounds) -> list[float]:
+        """Each rank's replayed peak (:func:`~pipeswift_lab.partitioning.rank_memory.rank_memory`) of ``bounds`` at
+        micro-batch size ``b``, from the nearest profile (cached)."""
+        key = (P, m, b, schedule, v, D, bounds)
+        if key not in self._replays:
+            nearest = self.costs.nearest(b)
+            table = rank_memory(
+                self.layers(nearest),
+                bounds,
+                self._placement(P, m, schedule, v)[0],
+                P=P,
+                m=m,
+                schedule=schedule,
+                v=v,
+                micro_batch_size=b,
+                precision=self.precision,
+                optimizer=self.optimizer,
+                D=D,
+            )
+            self._replays[key] = [float(x) for x in table["predicted_peak_bytes"]]
+        return self._replays[key]
 
     def split(self, P: int, m: int, b: int, schedule: str, v: int, D: int = 1) -> Split:
         """The balanced split of ``P`` ranks at micro-batch size ``b`` (the fastest that fits memory), unsimulated.
@@ -147,19 +185,18 @@ class Evaluator:
         zero1 = self.precision is not None and self.precision.endswith("zero1")
         shards = D if zero1 else 1  # only ZeRO-1 state depends on D
         placement, inflight_by_rank = self._placement(P, m, schedule, v)
-        inflight = [inflight_by_rank[r] for r in placement]
         bounds = self._balanced_bounds(P, m, schedule, v, base)
         stages = self._stage_sums(base, bounds, shards)
         scale = b / base
-        mem = _rank_memory(stages, placement, inflight, P, scale)
+        mem = self.peak_memory(P, m, b, schedule, v, D, bounds)
         limit = self.mem_per_gpu_bytes
         if limit is not None and max(mem) > limit:
             # the time-balanced split does not fit at this micro-batch size: take the fastest split that does
-            _check_average_fits(stages, inflight, P, scale, limit)
-            bounds = self._capped_bounds(P, m, b, schedule, v, shards, tuple(inflight_by_rank), limit)
+            _check_average_fits(stages, P, limit)
+            bounds = self._capped_bounds(P, m, b, schedule, v, D, tuple(inflight_by_rank), limit)
             base, scale = b, 1.0
             stages = self._stage_sums(b, bounds, shards)
-            mem = _rank_memory(stages, placement, inflight, P, 1.0)
+            mem = self.peak_memory(P, m, b, schedule, v, D, bounds)
         bound = m * max(rank_totals(stages.stage_ms, placement, P)) * scale
         if self.calibration is not None:  # calibrated actions take at least scale(P) x profiled, plus fixed costs
             bound = bound * self.calibration.scale(P) + self.calibration.step_overhead_ms(schedule)
@@ -268,27 +305,31 @@ class Evaluator:
         Cached by what the memory windows depend on, so ``m`` values with the same in-flight
         counts share one search.
         """
-        key = (P, v, schedule, b, D, inflight_by_rank)
+        key = (P, m, v, schedule, b, D, inflight_by_rank)
         if key not in self._capped:
             layers = self.layers(b)
-            try:
-                layout = Layout(
-                    P=P,
-                    v=v,
-                    schedule=schedule,
-                    mem_schedule=schedule,
-                    m=m,
-                    optimizer=self.optimizer,
-                    precision=self.precision,
-                    D=D,
-                )
-                bounds = split(layers, layout, "balanced", self.link, limit)
-                placement, inflight = self._placement(P, m, schedule, v)
-                stages = self._stage_sums(b, bounds, D)
-                need = _rank_memory(stages, placement, [inflight[r] for r in placement], P, 1.0)
-                self._capped[key] = bounds if max(need) <= limit * (1 + MEM_RTOL) else None
-            except Infeasible:
-                self._capped[key] = None
+            zero1 = self.precision is not None and self.precision.endswith("zero1")
+            layout = Layout(
+                P=P,
+                v=v,
+                schedule=schedule,
+                mem_schedule=schedule,
+                m=m,
+                optimizer=self.optimizer,
+                precision=self.precision,
+                D=D if zero1 else 1,
+            )
+            self._capped[key], budget = None, limit
+            for _ in range(CAP_RETRIES):  # the windows bound the steady terms; the replay may need a lower cap
+                try:
+                    bounds = split(layers, layout, "balanced", self.link, budget)
+                except Infeasible:
+                    break
+                excess = max(self.peak_memory(P, m, b, schedule, v, D, bounds)) - limit
+                if excess <= limit * MEM_RTOL:
+                    self._capped[key] = bounds
+                    break
+                budget -= excess
         capped = self._capped[key]
         if capped is None:
             raise ValueError(no_fit_head(limit, "balanced", P, v))
@@ -371,24 +412,12 @@ def _profiled(prof: Any, name: str) -> tuple[int, pd.DataFrame, str]:
     return size, df.reset_index(drop=True), str(meta.get("device", "cuda")).split(":")[0]
 
 
-def _check_average_fits(stages: _StageSums, inflight: list[float], P: int, scale: float, limit: float) -> None:
-    """Raise ``ValueError`` when not even the average rank fits ``limit``: no split can beat it (static state plus
-    the fewest in-flight activations)."""
-    static = sum(stages.state_bytes)
-    activations = min(inflight) * sum(stages.activation_bytes) * scale
-    average = (static + activations) / P
+def _check_average_fits(stages: _StageSums, P: int, limit: float) -> None:
+    """Raise ``ValueError`` when not even the average rank fits ``limit``: no split can beat it (weights, gradients
+    and optimizer state, which every rank holds at its optimizer step)."""
+    average = sum(stages.state_bytes) / P
     if average > limit:
         raise ValueError(f"needs at least {average / 2**30:.3g} GiB per GPU on average > mem_per_gpu_bytes={limit:.4g}")
-
-
-def _rank_memory(
-    stages: _StageSums, placement: Sequence[int], inflight: Sequence[float], P: int, scale: float
-) -> list[float]:
-    """Per rank, the memory its stages hold: state plus the activations of the micro-batches in flight."""
-    per_stage = [
-        state + act * held * scale for state, act, held in zip(stages.state_bytes, stages.activation_bytes, inflight)
-    ]
-    return rank_totals(per_stage, placement, P)
 
 
 def _rank_max(per_stage: Sequence[float], placement: Sequence[int], P: int) -> float:

@@ -21,7 +21,7 @@ import pandas as pd
 from ..core.checks import check_choice, check_int
 from ..core.display import html_card, text_card
 from ..core.link import Link, check_link
-from ..core.vocabulary import SINGLE_CHUNK_SCHEDULES, canonical_schedule, default_v, stage_to_rank, validate
+from ..core.vocabulary import SCHEDULES, SINGLE_CHUNK_SCHEDULES, canonical_schedule, default_v, stage_to_rank, validate
 from ..partitioning.balance import METHODS, partition
 from ..partitioning.layers import Layers
 from ..partitioning.memory import memory_cap, rank_totals
@@ -133,12 +133,16 @@ class Sweep:
 
 
 def peak_memory_bytes(part: Partition, timeline: Timeline) -> float:
-    """Largest rank memory: parameters, gradients and optimizer state of its stages plus its simulated peak
-    activations. Returns NaN when the profile has no ``param_bytes`` or ``activation_bytes``.
+    """Largest rank memory: the partition's replayed peak at the simulated ``m`` and schedule (weights, gradients,
+    optimizer state, activations in flight, buffers and transients; :meth:`Partition.memory`). Returns NaN when the
+    profile has no ``param_bytes`` or ``activation_bytes``.
     """
     if any(math.isnan(x) for x in part.stage_state_bytes) or any(math.isnan(x) for x in part.stage_activation_bytes):
         return math.nan
-    static = rank_totals(part.stage_state_bytes, part.stage_to_rank, part.P)
+    if part.layers is not None and timeline.meta.get("schedule") in SCHEDULES:
+        m, schedule = timeline.meta.get("m"), timeline.meta["schedule"]
+        return float(part.memory(m=m, schedule=schedule)["predicted_peak_bytes"].max())
+    static = rank_totals(part.stage_state_bytes, part.stage_to_rank, part.P)  # a custom order: its activations
     act = timeline.peak_activation_bytes
     return float(max(static[r] + act[r] for r in range(part.P)))
 

@@ -70,7 +70,7 @@ def test_partition_counts_bf16_mixed_at_16_bytes_per_parameter():
     assert old.stage_state_bytes == (2 * 2e9 * 4,) * 2  # param_bytes x (2 + 2): 8 B/param
     assert mixed.stage_state_bytes == (2 * 16e9,) * 2
     assert mixed.stage_mem_bytes[0] - old.stage_mem_bytes[0] == pytest.approx(2 * 8e9)
-    assert partition(prof, 2, m=2, precision="fp32").stage_state_bytes == mixed.stage_state_bytes
+    assert partition(fp32_profile(), 2, m=2, precision="fp32").stage_state_bytes == mixed.stage_state_bytes
     zero = partition(prof, 2, m=2, precision="bf16-mixed-zero1", D=4)
     assert zero.stage_state_bytes == (2e9 * 7.0,) * 2
     assert zero.df["state_bytes"].tolist() == [14e9, 14e9]
@@ -80,7 +80,7 @@ def test_memory_cap_uses_the_precision():
     prof = bf16_profile()
     with pytest.raises(ValueError, match=r"bf16-mixed\)"):  # 2 layers x 16 GB per rank do not fit 20 GB
         partition(prof, 2, m=2, precision="bf16-mixed", mem_per_gpu_bytes=20 * GB)
-    partition(prof, 2, m=2, mem_per_gpu_bytes=20 * GB)  # the 8 B/param count fits, wrongly
+    partition(prof, 2, m=2, mem_per_gpu_bytes=20 * GB, optimizer="sgd_momentum")  # the 6 B/param count fits, wrongly
     partition(prof, 2, m=2, precision="bf16-mixed-zero1", D=8, mem_per_gpu_bytes=20 * GB)  # 2 + 2 + 1.5 B/param fits
 
 
@@ -117,16 +117,23 @@ def test_plan_rejects_what_does_not_fit_in_bf16_mixed_and_zero1_fits_it():
 def test_plan_allreduce_and_checkpoint_follow_the_precision():
     prof = bf16_profile()
     kw = dict(gpus=4, global_batch=8, steps=100, P=[2], schedules=["1F1B"], exhaustive=True, progress=False)
-    fp32 = plan(prof, precision="fp32", **kw).feasible.set_index(["D", "m"])
+    fp32 = plan(fp32_profile(), precision="fp32", **kw).feasible.set_index(["D", "m"])
     mixed = plan(prof, precision="bf16-mixed", **kw).feasible.set_index(["D", "m"])
     row32, row16 = fp32.loc[(2, 4)], mixed.loc[(2, 4)]
     assert row32.allreduce_ms > row16.allreduce_ms  # fp32 gradients are twice as many bytes
     assert row32.cleanup_s != row16.cleanup_s  # 12 vs 14 B/param checkpointed
 
 
+def fp32_profile(params_per_layer=1e9, layers=4):
+    """The same model profiled in fp32: 4 bytes per parameter."""
+    prof = bf16_profile(params_per_layer, layers)
+    return Profile(prof.df.assign(param_bytes=4 * params_per_layer), prof.meta)
+
+
 @pytest.mark.parametrize(
     "kwargs, message",
     [
+        (dict(precision="fp32"), r"precision='fp32' computes with 4-byte weights \(float32\), but the profile holds 2"),
         (dict(precision="fp16"), "precision='fp16' is not known; valid precisions are"),
         (dict(precision="bf16-mixed-zero1", D=0), "D"),
         (dict(precision="bf16-mixed", optimizer="lion"), "optimizer='lion' is not known"),

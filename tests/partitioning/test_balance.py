@@ -121,7 +121,15 @@ def test_memory_per_stage_by_hand():
     sgd = partition(prof, 4, method="uniform", schedule="1F1B", m=8, optimizer="sgd")
     assert sgd.stage_mem_bytes[0] == 6000 * 2 + 110 * 4
     assert OPTIMIZER_STATES["sgd_momentum"] == 1.0
-    assert part.rank_mem_bytes == part.stage_mem_bytes
+    # a rank's peak replays its actions (pipeswift_lab.core.memory_model): rank 0 peaks at its 5th forward, holding
+    # 4 micro-batches' activations and outputs (110 + 262144 bytes each) and its 8 gradient receive buffers
+    mem = part.memory()
+    assert part.rank_mem_bytes == tuple(mem["predicted_peak_bytes"])
+    assert mem.loc[0, "peak_at"] == "F stage 0 mb 4" and mem.loc[0, "grads_bytes"] == 6000
+    assert mem.loc[0, "activations_bytes"] == 4 * (110 + 262144) and mem.loc[0, "buffers_bytes"] == 8 * 262144
+    assert mem.loc[0, "predicted_peak_bytes"] == 6000 * 4 + 4 * (110 + 262144) + 8 * 262144
+    # the last rank peaks in its last backward: the 16 MiB gradient of the head's output on top of its activations
+    assert mem.loc[3, "peak_at"] == "B stage 3 mb 7" and mem.loc[3, "transient_bytes"] == 16777216
     df = part.df
     assert df["mem_bytes"].tolist() == list(part.stage_mem_bytes)
     assert df[["start", "end"]].to_numpy().tolist() == [list(b) for b in part.bounds]
@@ -132,34 +140,40 @@ def test_memory_cap_gives_the_best_split_that_fits():
     fwd = [3.0, 3.0, 3.0, 1.0, 1.0, 1.0]
     pbytes = [10.0, 10.0, 10.0, 10.0, 10.0, 200.0]
     prof = Profile.synthetic(fwd_ms=fwd, bwd_ms=fwd, param_bytes=pbytes, activation_bytes=[1.0] * 6)
-    free = partition(prof, 2, m=2)
-    assert free.bounds == ((0, 2), (2, 6)) and free.rank_mem_bytes == (84.0, 924.0)
-    cap = 900  # rank 1 (one micro-batch in flight) can hold layers 3..5 (883 bytes) but not 2..5
-    capped = partition(prof, 2, m=2, mem_per_gpu_bytes=cap)
-    assert capped.bounds == ((0, 3), (3, 6)) and capped.rank_mem_bytes == (126.0, 883.0)
+    free = partition(prof, 2, m=2, optimizer="sgd")
+    # plain SGD: rank 0 peaks in its first backward (weights 20, both micro-batches' 2 activation bytes, and the
+    # gradients of layers 0..1 as they appear, less the activation layer 1 frees: 20 + 4 + 20 - 1)
+    assert free.bounds == ((0, 2), (2, 6)) and free.rank_mem_bytes[0] == 43.0
+    cap = 450  # rank 1 can hold layers 3..5 but not 2..5
+    capped = partition(prof, 2, m=2, mem_per_gpu_bytes=cap, optimizer="sgd")
+    assert capped.bounds == ((0, 3), (3, 6)) and max(capped.rank_mem_bytes) <= cap
 
     def fits(k, a, b):
-        return 4 * sum(pbytes[a:b]) + (b - a) * (2 - k) <= cap
+        whole = ((0, a), (a, b)) if k == 1 else ((a, b), (b, 6))
+        if whole[0][1] == 0 or whole[-1][0] == 6:
+            return True  # the other stage is empty: only this one is judged
+        return Partition.from_bounds(prof, whole, m=2, optimizer="sgd").rank_mem_bytes[k] <= cap
 
     best, bounds = brute_force(lambda a, b: 2 * sum(fwd[a:b]), 6, 2, fits)
     assert capped.bottleneck_ms == best
     assert capped.bottleneck_ms >= free.bottleneck_ms
-    assert partition(prof, 2, m=2, mem_per_gpu_bytes=10 * cap).bounds == free.bounds
+    assert partition(prof, 2, m=2, mem_per_gpu_bytes=10 * cap, optimizer="sgd").bounds == free.bounds
 
 
 def test_a_cap_no_split_meets_names_the_stage_and_the_smallest_P():
-    prof = Profile.synthetic(fwd_ms=[1.0] * 8, bwd_ms=[2.0] * 8, param_bytes=[100.0] * 8, activation_bytes=[0.0] * 8)
-    # each layer needs 400 bytes with Adam; 2 ranks of 4 layers need 1600 each
+    prof = Profile.synthetic(fwd_ms=[1.0] * 8, bwd_ms=[2.0] * 8, param_bytes=[200.0] * 8, activation_bytes=[0.0] * 8)
+    # each layer needs 400 bytes with plain SGD (weights and gradients); 2 ranks of 4 layers need 1600 each
+    sgd = {"optimizer": "sgd"}
     with pytest.raises(
         ValueError,
         match=r"stage 0 \(layers 0\.\.3: layer_0\.\.layer_3, rank 0\) needs 1600 bytes.*smallest P that fits .* is 4",
     ):
-        partition(prof, 2, mem_per_gpu_bytes=800)
+        partition(prof, 2, mem_per_gpu_bytes=800, **sgd)
     with pytest.raises(ValueError, match="smallest P that fits .* is 4"):
-        partition(prof, 2, method="uniform", mem_per_gpu_bytes=800)
+        partition(prof, 2, method="uniform", mem_per_gpu_bytes=800, **sgd)
     with pytest.raises(ValueError, match="No P up to 8 fits"):
-        partition(prof, 2, mem_per_gpu_bytes=300)
-    assert partition(prof, 4, mem_per_gpu_bytes=800).bounds == tuple((2 * i, 2 * i + 2) for i in range(4))
+        partition(prof, 2, mem_per_gpu_bytes=300, **sgd)
+    assert partition(prof, 4, mem_per_gpu_bytes=800, **sgd).bounds == tuple((2 * i, 2 * i + 2) for i in range(4))
 
 
 def test_from_bounds_checks_hand_written_splits():

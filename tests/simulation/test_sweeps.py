@@ -54,8 +54,11 @@ def test_peak_memory_by_hand():
     prof = Profile.synthetic(fwd_ms=[1.0, 1.0], bwd_ms=[2.0, 2.0], param_bytes=[100, 10], activation_bytes=[7, 3])
     part = partition(prof, 2, method="uniform")
     tl = simulate(part, 4, "GPipe")  # GPipe holds all 4 micro-batches
-    assert peak_memory_bytes(part, tl) == max(100 * 4 + 7 * 4, 10 * 4 + 3 * 4)
+    # rank 0 with Adam peaks in its optimizer step: weights, gradients, two moments, and the single-tensor loop's
+    # temporaries (5/3 of the largest tensor + 1/3 of all; a synthetic layer counts as one tensor)
+    assert peak_memory_bytes(part, tl) == pytest.approx(100 * 4 + 100 * (5 / 3 + 1 / 3))
     sgd = partition(prof, 2, method="uniform", optimizer="sgd")
+    # plain SGD: in the first backward, the 4 micro-batches' activations and the gradients as they appear
     assert peak_memory_bytes(sgd, simulate(sgd, 4, "GPipe")) == 100 * 2 + 7 * 4
     no_memory = partition(Profile.synthetic(fwd_ms=[1.0, 1.0], bwd_ms=[2.0, 2.0]).df[["fwd_ms", "bwd_ms"]], 2)
     assert math.isnan(peak_memory_bytes(no_memory, simulate(no_memory, 2)))
@@ -91,9 +94,10 @@ def test_v_values_and_memory_caps():
         ("ZBVZeroBubble", 4),
     ]
     assert not df[(df.schedule == "ZBVZeroBubble") & (df.v == 4)]["feasible"].iloc[0]
-    capped = sweep(prof, P=[2, 4], m=[4], mem_per_gpu_bytes=40_000, progress=False)
+    # replayed peaks (Adam's step on the largest tensors dominates): 71.3 kB with P=2, 56 kB with P=4
+    capped = sweep(prof, P=[2, 4], m=[4], mem_per_gpu_bytes=60_000, progress=False)
     assert not capped.set_index("P").loc[2, "feasible"]
-    assert "mem_per_gpu_bytes=40000" in capped.set_index("P").loc[2, "reason"]
+    assert "mem_per_gpu_bytes=60000" in capped.set_index("P").loc[2, "reason"]
     assert capped.set_index("P").loc[4, "feasible"]
 
 

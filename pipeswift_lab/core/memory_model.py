@@ -1,0 +1,170 @@
+"""The peak memory of each pipeline rank, replayed action by action in the order torch runs them.
+
+A rank holds, for the whole step, its stages' weights, their optimizer state and the
+schedule's receive buffers; the rest comes and goes with the actions of
+:func:`~pipeswift_lab.core.schedule_orders.compute_orders`:
+
+* a forward ``F`` of a micro-batch adds the activations its stage keeps until that
+  micro-batch's backward: what the layers save, the stage's output (torch's stage keeps it
+  for the backward) and on the last stage what the loss saves;
+* a backward ``B`` (or the weight-gradient half ``W`` of a zero-bubble schedule, whose
+  input-gradient half ``I`` leaves the graph alive) frees them; while it runs it allocates
+  its transients (gradients of activations, the weight gradient of a micro-batch before it is
+  added to ``.grad``, on the last stage the loss's backward); the stage's ``.grad`` tensors
+  grow during its first backward of the step (its weight gradients become them) and stay
+  until ``zero_grad(set_to_none=True)`` after the optimizer step, and so do the gradients
+  torch keeps on the receive buffers of a stage that is not the first, one per micro-batch,
+  until the step ends;
+* with data-parallel replicas, DDP's gradient buckets (a copy of the gradients) for the whole run;
+* the optimizer step, after every backward, holds the weights, gradients and state and
+  allocates its own temporaries (:class:`OptimizerMemory`).
+
+The peak is the most over those moments, and every term is reported as it stood there, so a
+reader sees which one dominates. Stage pipelines pay this unevenly: 1F1B keeps ``P - r``
+micro-batches on rank ``r`` and GPipe all ``m`` (Narayanan et al., *Memory-Efficient
+Pipeline-Parallel DNN Training*, ICML 2021; Qi et al., *Zero Bubble Pipeline Parallelism*,
+ICLR 2024, for the I/W split).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+__all__ = [
+    "MEMORY_TERMS",
+    "OptimizerMemory",
+    "StageBytes",
+    "default_optimizer_memory",
+    "rank_peak",
+]
+
+#: The terms of a rank's peak, in the order they are shown.
+MEMORY_TERMS = ("weights", "grads", "optimizer", "activations", "buffers", "transient")
+
+
+@dataclass(frozen=True, kw_only=True)
+class OptimizerMemory:
+    """What an optimizer keeps and allocates per parameter byte (fp32 parameters: per 4 bytes of parameter)."""
+
+    states: float
+    """Bytes of state per byte of parameter (Adam: 2, SGD with momentum: 1, plain SGD: 0)."""
+    per_largest: float = 0.0
+    """Temporaries of the step, in bytes per byte of the largest parameter tensor: an optimizer that updates one
+    tensor at a time (torch's single-tensor Adam allocates ``sqrt`` and a quotient: 2)."""
+    per_total: float = 0.0
+    """Temporaries of the step, in bytes per byte of all the parameters: an optimizer that updates them all at once
+    (torch's ``foreach`` Adam allocates one ``sqrt`` of every state: 1)."""
+    name: str = ""
+    """What it is, e.g. ``"Adam (single-tensor)"``."""
+
+    def transient(self, largest: float, total: float) -> float:
+        """Bytes of temporaries of one step over parameters whose largest tensor has ``largest`` bytes and all
+        ``total``."""
+        return self.per_largest * largest + self.per_total * total
+
+
+def default_optimizer_memory(optimizer: str, device_type: str = "cpu") -> OptimizerMemory:
+    """The memory of torch's implementation of ``optimizer`` (a name of
+    :data:`~pipeswift_lab.core.precision.OPTIMIZER_STATES`) by default on ``device_type``: one tensor at a time on
+    CPU, ``foreach`` on CUDA. Returns an :class:`OptimizerMemory`."""
+    from .precision import OPTIMIZER_STATES, check_optimizer
+
+    states = float(OPTIMIZER_STATES[check_optimizer(optimizer)])
+    if optimizer in ("adam", "adamw"):
+        name = optimizer.replace("adamw", "AdamW").replace("adam", "Adam")
+        if device_type == "cuda":
+            return OptimizerMemory(states=states, per_total=1.0, name=f"{name} (foreach)")
+        # two temporaries of the tensor being updated, and the previous one's quotient still alive in the loop, as
+        # pipeswift_lab.runner.optimizer_memory measures it (a = 5/3, b = 1/3)
+        return OptimizerMemory(states=states, per_largest=5 / 3, per_total=1 / 3, name=f"{name} (single-tensor)")
+    return OptimizerMemory(states=states, name="SGD with momentum" if states else "SGD")
+
+
+@dataclass(frozen=True, kw_only=True)
+class StageBytes:
+    """What one stage holds and allocates, in bytes, at the run's micro-batch size."""
+
+    weights: float
+    """Its parameters (and buffers)."""
+    grads: float
+    """Its parameters' gradients, from its first backward of the step until the optimizer has stepped."""
+    optimizer: float
+    """Its optimizer state (master weights included)."""
+    activations: float
+    """Kept per micro-batch from its forward to its backward: the layers' saved tensors, its output, the loss's."""
+    transient: float
+    """The most a backward of one micro-batch allocates beyond what it frees (largest over its layers, and the
+    loss's on the last stage)."""
+    first_transient: float = -1.0
+    """The same for the stage's first backward of a step, whose weight gradients become the ``.grad`` tensors as
+    it goes (so they count here, not in ``grads``, until it ends) rather than temporaries added to them; negative:
+    ``transient`` with the whole ``grads`` present."""
+    recv: float = 0.0
+    """One micro-batch's input, received from the previous stage (0 on the first stage)."""
+    grad_recv: float = 0.0
+    """One micro-batch's output gradient, received from the next stage (0 on the last stage)."""
+    buckets: float = 0.0
+    """Gradient buckets kept for the whole run: DDP's copy of the gradients it all-reduces (``D > 1``)."""
+    largest_param: float = 0.0
+    """Its largest parameter tensor (what a one-tensor-at-a-time optimizer allocates temporaries of)."""
+
+
+def rank_peak(
+    stages: Mapping[int, StageBytes],
+    order: Sequence[tuple[str, int, int]],
+    m: int,
+    optimizer: OptimizerMemory,
+) -> dict[str, float | str]:
+    """Replay one rank's ``order`` (``(kind, stage, microbatch)`` actions, as
+    :func:`~pipeswift_lab.core.schedule_orders.compute_orders` gives them) over its ``stages`` and return its peak.
+
+    Returns a dict: ``peak_bytes``, each of :data:`MEMORY_TERMS` as ``{term}_bytes`` at the peak, and ``peak_at``
+    (the action, e.g. ``"B stage 1 mb 0"``, or ``"optimizer step"``).
+    """
+    weights = sum(s.weights for s in stages.values())
+    state = sum(s.optimizer for s in stages.values())
+    recv_buffers = m * sum(s.recv + s.grad_recv for s in stages.values()) + sum(s.buckets for s in stages.values())
+    held: dict[tuple[int, int], float] = {}
+    graded: set[int] = set()
+    input_grads = 0.0  # the receive buffers' .grad, one per micro-batch backward on a stage that is not the first
+    best: dict[str, float | str] = {"peak_bytes": -1.0}
+
+    def consider(where: str, transient: float) -> None:
+        terms = {
+            "weights_bytes": weights,
+            "grads_bytes": sum(stages[s].grads for s in graded),
+            "optimizer_bytes": state,
+            "activations_bytes": sum(held.values()),
+            "buffers_bytes": recv_buffers + input_grads,
+            "transient_bytes": transient,
+        }
+        total = sum(terms.values())
+        if total > float(best["peak_bytes"]):
+            best.clear()
+            best.update(terms, peak_bytes=total, peak_at=where)
+
+    for kind, s, mb in order:
+        stage = stages[s]
+        where = f"{kind} stage {s} mb {mb}"
+        if kind == "F":
+            held[(s, mb)] = stage.activations
+            consider(where, 0.0)
+            continue
+        first = kind in ("B", "W") and s not in graded
+        if first and stage.first_transient >= 0:  # its .grad tensors grow during this backward: in first_transient
+            consider(where, stage.first_transient)
+        else:
+            if first:
+                graded.add(s)
+            consider(where, stage.transient)
+        if first:
+            graded.add(s)
+        if kind in ("B", "I"):
+            input_grads += stage.recv
+        if kind in ("B", "W"):
+            held.pop((s, mb), None)
+    graded.update(stages)
+    largest = max((s.largest_param for s in stages.values()), default=0.0)
+    consider("optimizer step", optimizer.transient(largest, weights))
+    return best

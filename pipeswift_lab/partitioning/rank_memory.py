@@ -1,0 +1,163 @@
+"""Predicted peak memory per rank of a split: the profile's per-layer bytes, replayed over the schedule.
+
+:func:`stage_bytes` turns the layers of each stage into the
+:class:`~pipeswift_lab.core.memory_model.StageBytes` of one micro-batch of ``micro_batch_size``
+samples; :func:`rank_memory` replays every rank's actions in torch's order
+(:func:`~pipeswift_lab.core.memory_model.rank_peak`) and returns one row per rank with every
+term. What scales with the micro-batch (saved activations, outputs, the loss's tensors, the
+transients beyond a layer's weight gradient) is scaled from the profiled micro-batch
+(``profile.meta["batch_size"]``); what does not (weights, gradients, optimizer state) is not.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import pandas as pd
+
+from ..core.memory_model import MEMORY_TERMS, OptimizerMemory, StageBytes, default_optimizer_memory, rank_peak
+from ..core.precision import OPTIMIZER_STATES, PRECISIONS
+
+if TYPE_CHECKING:
+    from .layers import Bounds, Layers
+
+__all__ = ["RANK_MEMORY_COLUMNS", "rank_memory", "stage_bytes"]
+
+#: The columns of :func:`rank_memory`, one row per rank.
+RANK_MEMORY_COLUMNS = (
+    "rank",
+    "stages",
+    "predicted_peak_bytes",
+    *(f"{t}_bytes" for t in MEMORY_TERMS),
+    "peak_at",
+)
+
+
+def _sum(values: np.ndarray | None, a: int, b: int) -> float:
+    return float(np.sum(values[a:b])) if values is not None else 0.0
+
+
+def _state_per_layer(
+    layers: Layers, precision: str | None, optimizer: OptimizerMemory, D: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per layer: bytes of weights, gradients and optimizer state (master weights included) under ``precision``."""
+    param_bytes = layers.param_bytes if layers.param_bytes is not None else np.zeros(layers.n)
+    if precision is None:
+        return param_bytes, param_bytes, param_bytes * optimizer.states
+    if layers.params is None:
+        raise ValueError(f"precision={precision!r} counts bytes per parameter, but the profile has no 'params' column")
+    spec = PRECISIONS[precision]
+    shards = D if spec.sharded else 1
+    state = (spec.master_bytes + optimizer.states * spec.state_bytes) / shards
+    return layers.params * spec.weight_bytes, layers.params * spec.grad_bytes, layers.params * state
+
+
+def stage_bytes(
+    layers: Layers,
+    bounds: Bounds,
+    *,
+    scale: float = 1.0,
+    precision: str | None = None,
+    optimizer: OptimizerMemory,
+    D: int = 1,
+) -> list[StageBytes]:
+    """The :class:`~pipeswift_lab.core.memory_model.StageBytes` of each stage of ``bounds``, with what scales with
+    the micro-batch multiplied by ``scale`` (the run's micro-batch size over the profiled one). Returns a list in
+    stage order."""
+    weights, grads, state = _state_per_layer(layers, precision, optimizer, D)
+    act = layers.activation_bytes if layers.activation_bytes is not None else np.zeros(layers.n)
+    out_b = layers.output_bytes if layers.output_bytes is not None else np.zeros(layers.n)
+    transient = layers.transient_bytes if layers.transient_bytes is not None else np.zeros(layers.n)
+    largest = layers.largest_param_bytes if layers.largest_param_bytes is not None else weights
+    weight_grad = np.minimum(transient, grads)  # a micro-batch's weight gradient does not scale with its size
+    activation_transient = (transient - weight_grad) * scale
+    layer_transient = weight_grad + activation_transient
+    loss_act = _meta_bytes(layers, "loss_activation_bytes")
+    loss_transient = _meta_bytes(layers, "loss_transient_bytes")
+    last = len(bounds) - 1
+    out = []
+    for s, (a, b) in enumerate(bounds):
+        output = float(out_b[b - 1])
+        activations = (_sum(act, a, b) + output) * scale
+        # a layer's backward runs after the later layers' have freed what they saved for this micro-batch
+        freed = np.concatenate([np.cumsum(act[a + 1 : b][::-1])[::-1], [0.0]]) * scale
+        peak_transient = max(0.0, float(np.max(layer_transient[a:b] - freed)))
+        # the first backward of a step turns its weight gradients into the .grad tensors, layer by layer
+        grown = np.cumsum(grads[a:b][::-1])[::-1]
+        first_transient = max(0.0, float(np.max(activation_transient[a:b] + grown - freed)))
+        if s == last:
+            activations += loss_act * scale
+            peak_transient = max(peak_transient + output * scale, loss_transient * scale)
+            first_transient = max(first_transient + output * scale, loss_transient * scale)  # no .grad yet
+        out.append(
+            StageBytes(
+                weights=_sum(weights, a, b),
+                grads=_sum(grads, a, b),
+                buckets=_sum(grads, a, b) if D > 1 and precision is None else 0.0,  # the runner's DDP copy
+                optimizer=_sum(state, a, b),
+                activations=activations,
+                transient=peak_transient,
+                first_transient=first_transient,
+                recv=float(out_b[a - 1]) * scale if a > 0 else 0.0,
+                grad_recv=output * scale if s != last else 0.0,
+                largest_param=float(np.max(largest[a:b])),
+            )
+        )
+    return out
+
+
+def _meta_bytes(layers: Layers, key: str) -> float:
+    try:
+        value = float(layers.meta.get(key))  # type: ignore[arg-type]  # None and text are caught below
+    except (TypeError, ValueError):
+        return 0.0
+    return value if np.isfinite(value) and value > 0 else 0.0
+
+
+def rank_memory(
+    layers: Layers,
+    bounds: Bounds,
+    placement: Sequence[int],
+    *,
+    P: int,
+    m: int,
+    schedule: str,
+    v: int = 1,
+    micro_batch_size: int | None = None,
+    precision: str | None = None,
+    optimizer: OptimizerMemory | str = "adam",
+    D: int = 1,
+) -> pd.DataFrame:
+    """The predicted peak memory of every rank of ``bounds`` placed on ``placement`` under ``schedule`` with ``m``
+    micro-batches of ``micro_batch_size`` samples (default: the profiled size).
+
+    ``optimizer`` is an :class:`~pipeswift_lab.core.memory_model.OptimizerMemory` or a name of
+    :data:`~pipeswift_lab.core.precision.OPTIMIZER_STATES` (torch's default implementation on the profile's
+    device). Returns a DataFrame with :data:`RANK_MEMORY_COLUMNS`, one row per rank.
+    """
+    from ..core.schedule_orders import compute_orders
+
+    if isinstance(optimizer, str):
+        if optimizer not in OPTIMIZER_STATES:
+            raise ValueError(f"optimizer={optimizer!r} is not one of {sorted(OPTIMIZER_STATES)}")
+        optimizer = default_optimizer_memory(optimizer, str(layers.meta.get("device", "cpu")).split(":")[0])
+    profiled = layers.meta.get("batch_size")
+    scale = micro_batch_size / profiled if micro_batch_size and profiled else 1.0
+    per_stage = stage_bytes(layers, bounds, scale=scale, precision=precision, optimizer=optimizer, D=D)
+    orders = compute_orders(P, m, schedule, v, check=False)
+    rows: list[dict[str, Any]] = []
+    for r in range(P):
+        mine = {s: per_stage[s] for s, rank in enumerate(placement) if rank == r}
+        peak = rank_peak(mine, orders[r], m, optimizer)
+        rows.append(
+            {
+                "rank": r,
+                "stages": tuple(mine),
+                "predicted_peak_bytes": peak["peak_bytes"],
+                **{f"{t}_bytes": peak[f"{t}_bytes"] for t in MEMORY_TERMS},
+                "peak_at": peak["peak_at"],
+            }
+        )
+    return pd.DataFrame(rows, columns=list(RANK_MEMORY_COLUMNS))
