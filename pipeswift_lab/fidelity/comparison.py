@@ -17,7 +17,10 @@ kind, and for the pipeline:
   actions and step overhead: ``predicted - replayed`` is the error of the durations, ``replayed - measured``
   that of the schedule and communication model (:attr:`Comparison.decomposition`);
 * ``bubble_ratio`` as the idle share of ``P x span`` (GPipe's convention, ``(P-1)/(m+P-1)``
-  for uniform stages).
+  for uniform stages);
+* ``peak_memory_bytes`` per rank, when the measured side is a RunResult that measured memory:
+  the memory model's prediction for that run against the tensor-level measured peak
+  (:attr:`~pipeswift_lab.runner.RunResult.memory`, replica 0).
 
 ``rel_error`` is ``(predicted - measured) / measured``.
 """
@@ -128,6 +131,13 @@ class Comparison:
         return pd.DataFrame([{"component": c, "ms": v, "share_of_measured": v / m} for c, v in rows])
 
     @property
+    def memory(self) -> pd.DataFrame:
+        """Peak memory per rank: ``rank``, ``predicted``, ``measured`` (bytes), ``rel_error``; empty when the measured
+        side measured none."""
+        rows = self.df[self.df["metric"] == "peak_memory_bytes"]
+        return rows[["rank", "predicted", "measured", "rel_error"]].reset_index(drop=True)
+
+    @property
     def bubble_ratio(self) -> tuple[float, float]:
         """``(predicted, measured)`` idle share of ``P x step`` (GPipe's convention)."""
         return self._value("bubble_ratio", "predicted"), self._value("bubble_ratio", "measured")
@@ -176,6 +186,7 @@ class Comparison:
             "measured_bubble": bm,
             "measured_step": self.measured_step,
             "measured step is": self.statistic,
+            **({"memory_rel_error_max": float(self.memory["rel_error"].abs().max())} if len(self.memory) else {}),
         }
 
     def _repr_html_(self) -> str:
@@ -228,6 +239,7 @@ def compare(predicted: Any, measured: Any, *, step: int | None = None) -> Compar
     if pred_ranks != meas_ranks:
         raise ValueError(f"predicted has ranks {pred_ranks} but measured {meas_ranks}; compare runs of the same P")
     pm, mm = _metrics(pred, pred_ranks), _metrics(meas, meas_ranks)
+    _add_memory(measured, pm, mm)
     overhead = float(pred_tl.meta.get("step_overhead_ms", 0.0) or 0.0)
     measured_step_ms, statistic = _measured_step(measured, meas_tl, meas_step, mm[("span_ms", None)], step)
     replayed = _replay(pred_tl, meas_tl, meas_step, overhead)
@@ -241,6 +253,16 @@ def compare(predicted: Any, measured: Any, *, step: int | None = None) -> Compar
         replayed=replayed,
         statistic=statistic,
     )
+
+
+def _add_memory(measured: Any, pm: dict[MetricKey, float], mm: dict[MetricKey, float]) -> None:
+    """Add each rank's ``peak_memory_bytes`` (predicted for the run, measured) when ``measured`` has them."""
+    memory = getattr(measured, "memory", None)
+    if not isinstance(memory, pd.DataFrame) or memory.empty:
+        return
+    for row in memory[memory["replica"] == 0].itertuples(index=False):
+        pm[("peak_memory_bytes", int(row.rank))] = float(row.predicted_peak_bytes)
+        mm[("peak_memory_bytes", int(row.rank))] = float(row.measured_peak_bytes)
 
 
 def _measured_step(

@@ -363,6 +363,11 @@ def _meta(
         "checkpoint_interval_steps": next((p.get("interval_steps") for p in ranks if p.get("interval_steps")), None),
         "job": spec.job,
         "tied": [{"names": g.names, "stages": g.stages} for g in spec.tied],
+        "memory_measured": [
+            {"replica": p.get("replica", 0), "rank": p.get("pp_rank", p["rank"]), **p["memory"]}
+            for p in ranks
+            if p.get("memory")
+        ],
         **spec.meta,
     }
 

@@ -138,7 +138,17 @@ class RunResult:
         :data:`~pipeswift_lab.fidelity.comparison.MEASURED_STEP`)."""
         from ..simulation.steady import steady_step_index
 
-        return self.first_step + steady_step_index(self.step_ms)
+        probed = [s - self.first_step for s in self.probed_steps]
+        return self.first_step + steady_step_index(self.step_ms, skip=probed)
+
+    @property
+    def probed_steps(self) -> tuple[int, ...]:
+        """The steps whose tensor-level memory was measured on CPU (slower for it: a Python call per operator), left
+        out of :attr:`steady_step_ms` and :meth:`step_stats` while other steps remain."""
+        if "probed_steps" in self.meta:
+            return tuple(self.meta["probed_steps"])
+        found = {row.get("probed_step") for row in self.meta.get("memory_measured", [])}
+        return tuple(sorted(s for s in found if s is not None))
 
     @property
     def steady_step_ms(self) -> float:
@@ -153,7 +163,8 @@ class RunResult:
         return float(self.step_ms[self.steady_step - self.first_step])
 
     def step_stats(self, window: int = 100) -> pd.DataFrame:
-        """Step-time dispersion per window of ``window`` steps and for the whole run, each warm-up step excluded.
+        """Step-time dispersion per window of ``window`` steps and for the whole run, each warm-up step (and each
+        step whose memory was probed, :attr:`probed_steps`) excluded.
 
         One row per window (``window`` = 0, 1, ...; the last may be shorter) and a last row
         ``window="all"``: ``first_step``, ``last_step``, ``steps``, ``mean_ms``, ``std_ms``
@@ -192,6 +203,8 @@ class RunResult:
             end = starts[seg + 1] if seg + 1 < len(starts) else offset + len(self.step_ms)
             part = steps.loc[begin : end - 1]
             part = part.iloc[1:] if len(part) > 1 else part
+            unprobed = part.drop([s for s in self.probed_steps if s in part.index])
+            part = unprobed if len(unprobed) else part
             if part.empty:
                 continue
             kept.append(part)
@@ -202,6 +215,30 @@ class RunResult:
         out = pd.DataFrame(rows)
         out["window"] = out["window"].astype(object)
         return out
+
+    @property
+    def memory(self) -> pd.DataFrame:
+        """Peak memory of every rank, measured beside predicted: one row per (``replica``, ``rank``).
+
+        * ``measured_peak_bytes`` — tensor level: on CUDA ``torch.cuda.max_memory_allocated`` over the
+          run; on CPU the most bytes of tensor storage alive at once in the run's second step (every
+          parameter, gradient, optimizer state, saved activation, buffer and temporary; see
+          :mod:`~pipeswift_lab.runner.rank.memory_probe`);
+        * ``predicted_peak_bytes`` — the memory model's prediction for that rank in this run (its
+          partition replayed at this micro-batch size, schedule and optimizer), and ``error`` =
+          predicted / measured - 1;
+        * ``resident_peak_bytes`` (CPU) — the process's resident high-water over the steps above its
+          resident size before the first, which adds the allocator's and libraries' memory;
+          ``reserved_peak_bytes`` (CUDA) — ``torch.cuda.max_memory_reserved``;
+        * the predicted terms ``weights_bytes``, ``grads_bytes``, ``optimizer_bytes``,
+          ``activations_bytes``, ``buffers_bytes``, ``transient_bytes`` at the predicted peak and
+          ``peak_at`` (the action, or ``"optimizer step"``), then the measured state bytes.
+
+        Empty for a run that was not instrumented (``instrument=False``).
+        """
+        from .memory_report import memory_frame
+
+        return memory_frame(self.meta.get("memory_measured", []), self.meta.get("memory_predicted"))
 
     @property
     def tied_weights(self) -> pd.DataFrame:
@@ -273,6 +310,14 @@ class RunResult:
             out.update(restarts=self.restarts, steps_redone=self.steps_redone, recovery_s=self.recovery_s)
         if self.skipped_steps:
             out.update(skipped_steps=len(self.skipped_steps))
+        memory = self.memory
+        if len(memory):
+            worst = memory.loc[memory["measured_peak_bytes"].idxmax()]
+            peak = f"{worst['measured_peak_bytes'] / 2**20:.1f} MiB measured on rank {int(worst['rank'])}"
+            if pd.notna(worst["predicted_peak_bytes"]):
+                peak += f", {worst['predicted_peak_bytes'] / 2**20:.1f} MiB predicted"
+                out["memory_error_max"] = float(memory["error"].abs().max())
+            out["peak_memory"] = peak
         for g in self.meta.get("tied", []):
             out[f"tied {' = '.join(g['names'])}"] = f"stages {list(g['stages'])}, gradients summed every step"
         return out

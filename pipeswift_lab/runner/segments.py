@@ -174,6 +174,7 @@ def combine(results: Sequence[RunResult], reasons: Sequence[str]) -> RunResult:
         "step_start_ms": tuple(x + (r.meta["t0_ns"] - t0) / 1e6 for r in results for x in r.meta["step_start_ms"]),
         "t0_ns": t0,
         "launch_ns": first.meta["launch_ns"],
+        "probed_steps": sorted({s for r in results for s in r.probed_steps}),
     }
     return dataclasses.replace(
         last,

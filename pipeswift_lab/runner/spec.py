@@ -30,6 +30,7 @@ from torch import nn
 
 from ..core.checks import check_choice, check_flag, check_int, check_time
 from .devices import CPU_RANKS_PER_CORE, available_cores, resolve_devices
+from .memory_report import predicted_memory
 from .options import ON_NONFINITE, JobOptions
 from .sources import DataSource, make_data_source
 from .stages.sequential import StagePlan, TensorSpec, plan_stages
@@ -329,6 +330,16 @@ def make_spec(
     source = make_data_source(data, steps, seed)
     global_batch, batch_size = _replica_batch(source, D, m)
     shapes = stage_shapes(model, partition, plan, source, batch_size // m, loss_fn, split)
+    meta = _spec_meta(plan, D, m, global_batch, batch_size, shapes.layer_names)
+    if instrument:
+        meta["memory_predicted"] = predicted_memory(
+            partition,
+            m=m,
+            schedule=plan.schedule,
+            micro_batch_size=batch_size // m,
+            optimizer=optimizer,
+            device_type=device_type,
+        )
     return RunSpec(
         model=model,
         loss_fn=loss_fn,
@@ -347,7 +358,7 @@ def make_spec(
         seed=seed,
         timeout_s=timeout_s,
         job=job if job is not None else JobOptions(),
-        meta=_spec_meta(plan, D, m, global_batch, batch_size, shapes.layer_names),
+        meta=meta,
         traced=shapes.traced,
         manual=shapes.manual,
         tied=shapes.tied,

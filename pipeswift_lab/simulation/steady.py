@@ -7,7 +7,7 @@ median-time step is taken, which a single descheduled step cannot move.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import Any
 
 import pandas as pd
@@ -16,8 +16,9 @@ from ..core.checks import check_int
 
 #: The one definition of "the measured step" used by RunResult.steady_step_ms, compare, calibrate and the report.
 MEASURED_STEP = (
-    "median step after the first (the lower middle one for an even count), from the first rank starting it "
-    "to the last rank finishing it, optimizer step included"
+    "median step after the first (the lower middle one for an even count; the step whose memory was measured "
+    "left out when others remain), from the first rank starting it to the last rank finishing it, optimizer step "
+    "included"
 )
 
 
@@ -26,13 +27,16 @@ def first_step(obj: Any) -> int:
     return int(getattr(obj, "first_step", 0) or 0)
 
 
-def steady_step_index(times: Sequence[float] | pd.Series) -> int:
+def steady_step_index(times: Sequence[float] | pd.Series, skip: Collection[int] = ()) -> int:
     """Index of the step :data:`MEASURED_STEP` picks from per-step ``times``: the median after the first (lower
-    middle for an even count)."""
+    middle for an even count). ``skip`` are indices left out too while others remain (a step whose memory was
+    measured, slower for it)."""
     times = pd.Series(list(times), index=range(len(times))) if not isinstance(times, pd.Series) else times
     if times.empty:
         raise ValueError("there are no steps to pick the measured step from")
     candidates = times.iloc[1:] if len(times) > 1 else times
+    kept = candidates.drop([i for i in skip if i in candidates.index])
+    candidates = kept if len(kept) else candidates
     order = candidates.sort_values(kind="stable")
     return int(order.index[(len(order) - 1) // 2])
 
@@ -73,7 +77,7 @@ def pick_step(measured: Any, step: int | None = None) -> int:
         return step
     if not steps:
         raise ValueError("the measured timeline has no actions (was the run instrumented?)")
-    return steady_step_index(times)
+    return steady_step_index(times, skip=getattr(measured, "probed_steps", ()))
 
 
 __all__ = ["MEASURED_STEP", "first_step", "pick_step", "steady_step_index", "timeline_of"]

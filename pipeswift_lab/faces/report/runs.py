@@ -72,6 +72,7 @@ def section_run(ctx: ReportContext) -> Section:
         "calibration": measured.calibration.df,
         "calibration_error": measured.errors,
         "run_step_stats": result.step_stats(),
+        "run_memory": _memory_table(measured),
     }
     return Section(
         title="Real pipeline runs, measured, and the simulator calibrated on them",
@@ -133,6 +134,29 @@ def _run(setup: ReferenceSetup, part: Partition, m: int, *, steps: int) -> RunRe
     return run(setup.model, (setup.inputs, setup.targets), setup.loss_fn, part, m, steps=steps, progress=False)
 
 
+def _memory_table(measured: CalibratedRuns) -> pd.DataFrame:
+    """Every run's peak memory per rank, measured (tensor level) beside predicted."""
+    columns = ["rank", "measured_peak_bytes", "predicted_peak_bytes", "error", "resident_peak_bytes", "peak_at"]
+    frames = [run.memory[columns].assign(schedule=name) for name, run in measured.runs.items()]
+    return pd.concat(frames, ignore_index=True)[["schedule", *columns]]
+
+
+def _memory_sentence(measured: CalibratedRuns) -> str:
+    """What the memory table shows: the error of the memory model and where each run's peak is."""
+    table = _memory_table(measured)
+    if table["predicted_peak_bytes"].isna().all():
+        return ""
+    errors = table["error"].abs()
+    fullest = table.loc[table.groupby("schedule")["measured_peak_bytes"].idxmax()]
+    where = ", ".join(f"{row.schedule} rank {row.rank}" for row in fullest.itertuples())
+    return (
+        f"<p>Memory (table <code>run_memory</code>): each rank's tensor-level peak, measured in the run's second "
+        f"step, against the memory model's prediction for that run: median |error| {errors.median():.1%}, largest "
+        f"{errors.max():.1%}. The fullest ranks: {where}. The resident high-water of the processes is larger "
+        f"(allocator and libraries): up to {table['resident_peak_bytes'].max() / 2**20:.0f} MiB above the start.</p>"
+    )
+
+
 def _run_figure(measured: CalibratedRuns) -> Figure:
     """The 1F1B run's Gantt chart against its prediction, its JCT, and every run predicted against measured."""
     import matplotlib.pyplot as plt
@@ -173,6 +197,7 @@ def _run_intro(measured: CalibratedRuns) -> str:
         f"of the error come from the predicted durations and {parts_ms['schedule and communication model']:+.3g} ms "
         f"from the schedule and communication model. The 1F1B run's JCT phases: assembly {jct.assembly_s:.3g} s "
         f"(processes, rendezvous, stages), training {jct.training_s:.3g} s, cleanup {jct.cleanup_s:.3g} s.</p>"
+        + _memory_sentence(measured)
         + "".join(f"<p><em>{html.escape(str(w.message))}</em></p>" for w in measured.caught)
         + noise_warning(measured.profile.cv, "the profiled step")
         + noise_warning(step_cv, "the measured step after the warm-up (the noisiest of the three runs)")

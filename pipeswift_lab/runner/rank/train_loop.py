@@ -33,10 +33,12 @@ from typing import Any
 import torch
 
 from .. import checkpoint as ckpt
+from ..stages.release import release_unheld
 from ..stages.tied import TiedGradients, unique_parameters
 from .checkpointer import CHECKPOINTS_LOG, Checkpointer, append_line, broadcast, gather
 from .inputs import RankInputs
 from .instrument import ActionRecorder
+from .memory_probe import MemoryProbe, probed_step
 from .state_files import restore_rank_state
 
 __all__ = [
@@ -139,6 +141,8 @@ class RankState:
     """torch's schedule over the stages."""
     recorder: ActionRecorder
     """Times every action (or only the steps, when not instrumented)."""
+    memory: MemoryProbe
+    """Measures the rank's memory: the tensor-level peak of one step and the process's high-water."""
     stop: StopRequest
     """Set by SIGTERM or the launcher's ``preempt`` file."""
     saver: Checkpointer
@@ -200,6 +204,7 @@ def _set_up(inputs: RankInputs) -> RankState:
     """Build the stages, the optimizer over them, torch's schedule and the recorder; take SIGTERM."""
     spec = inputs.spec
     stages = inputs.build_stages(spec, inputs.topo, inputs.device)
+    release_unheld(spec.model, [unwrapped(stage.submod) for stage in stages])
     optimizer = spec.optimizer(unique_parameters(stage.submod for stage in stages))
     tied = TiedGradients(
         spec.tied,
@@ -222,6 +227,7 @@ def _set_up(inputs: RankInputs) -> RankState:
         tied=tied,
         schedule=schedule,
         recorder=recorder,
+        memory=MemoryProbe(inputs.device, None, enabled=spec.instrument),
         stop=stop,
         saver=saver,
         attempt=attempt,
@@ -266,6 +272,7 @@ def _restore(inputs: RankInputs, state: RankState) -> None:
         restored.update(path=str(source), step=int(manifest["step"]), rng_restored=same)
         state.restored, state.first_step = restored, restored["step"]
         state.saver.last_saved_step = state.first_step
+    state.memory.probe_step = probed_step(state.first_step, inputs.spec.steps) if state.memory.enabled else None
     state.ready_ns = state.recorder.now_ns()
 
 
@@ -291,18 +298,26 @@ def _train_steps(inputs: RankInputs, state: RankState) -> StepLog:
     step, a preemption, a non-finite loss (``on_nonfinite="raise"``) or a rebalance taken."""
     spec, job, saver = inputs.spec, inputs.spec.job, state.saver
     log = StepLog()
+    state.memory.start()
     for step in range(state.first_step, spec.steps):
-        start_ns, loss = _run_step(inputs, state, step)
-        bad, stopping, vote = _agree(inputs, state, loss, step + 1)
-        if bad and job.on_nonfinite == "raise":
-            log.status = "nonfinite"
-            log.nonfinite = {"step": step, "rank": spec.plan.last_rank, "loss": loss if _holds_last(inputs) else None}
-            break
-        if bad and job.on_nonfinite == "skip":
-            log.skipped.append(step)
-        else:
-            state.optimizer.step()
-        state.optimizer.zero_grad(set_to_none=True)
+        with state.memory.step(step):
+            start_ns, loss = _run_step(inputs, state, step)
+            bad, stopping, vote = _agree(inputs, state, loss, step + 1)
+            if bad and job.on_nonfinite == "raise":
+                log.status = "nonfinite"
+                log.nonfinite = {
+                    "step": step,
+                    "rank": spec.plan.last_rank,
+                    "loss": loss if _holds_last(inputs) else None,
+                }
+                break
+            if bad and job.on_nonfinite == "skip":
+                log.skipped.append(step)
+            else:
+                state.optimizer.step()
+            if step == state.memory.probe_step:
+                state.memory.note_state([unwrapped(stage.submod) for stage in state.stages], state.optimizer)
+            state.optimizer.zero_grad(set_to_none=True)
         _record_step(inputs, state, log, step, start_ns, loss)
         done = step + 1
         if stopping:
@@ -472,4 +487,5 @@ def _payload(inputs: RankInputs, state: RankState, log: StepLog, interval: int |
         "interval_steps": interval,
         "rebalances": log.rebalances,
         "new_bounds": log.new_bounds,
+        "memory": state.memory.report(),
     }

@@ -1,0 +1,77 @@
+"""Memory of a run, predicted and measured: :attr:`RunResult.memory`, one row per (replica, rank).
+
+Before launch, :func:`predicted_memory` replays each rank's actions over its partition
+(:meth:`~pipeswift_lab.partitioning.stages.Partition.memory`) at the run's micro-batch size and
+with the run's own optimizer, whose state and step temporaries are measured on two small tensors
+(:mod:`~pipeswift_lab.runner.optimizer_memory`). The workers measure their peaks
+(:mod:`~pipeswift_lab.runner.rank.memory_probe`); :func:`memory_frame` puts the two side by side.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import pandas as pd
+import torch
+
+from ..core.memory_model import MEMORY_TERMS
+
+if TYPE_CHECKING:
+    from ..partitioning.stages import Partition
+
+__all__ = ["MEMORY_COLUMNS", "memory_frame", "predicted_memory"]
+
+#: The leading columns of :attr:`RunResult.memory`; the predicted terms and the measure's details follow.
+MEMORY_COLUMNS = (
+    "replica",
+    "rank",
+    "measured_peak_bytes",
+    "predicted_peak_bytes",
+    "error",
+    "resident_peak_bytes",
+    "reserved_peak_bytes",
+)
+
+
+def predicted_memory(
+    partition: Partition,
+    *,
+    m: int,
+    schedule: str,
+    micro_batch_size: int,
+    optimizer: Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer],
+    device_type: str,
+) -> dict[str, Any]:
+    """The predicted peak of every pipeline rank: ``{"rows": [...], "optimizer": name}``, or ``{"rows": [],
+    "note": why}`` when the partition's profile has no memory columns or the prediction fails."""
+    from .optimizer_memory import measure_optimizer_memory
+
+    if partition.layers is None or partition.layers.param_bytes is None or partition.layers.activation_bytes is None:
+        return {"rows": [], "note": "the partition's profile has no param_bytes/activation_bytes"}
+    try:
+        measured = measure_optimizer_memory(optimizer, "cuda" if device_type == "cuda" else "cpu")
+        table = partition.memory(m=m, schedule=schedule, micro_batch_size=micro_batch_size, optimizer=measured)
+    except Exception as exc:  # a prediction never stops a run
+        return {"rows": [], "note": f"no prediction: {type(exc).__name__}: {exc}"}
+    return {"rows": table.to_dict("records"), "optimizer": measured.name}
+
+
+def memory_frame(measured: list[dict[str, Any]], predicted: dict[str, Any] | None) -> pd.DataFrame:
+    """One row per (replica, rank): the measured peaks beside the prediction for that pipeline rank (every replica
+    of a rank holds the same), ``error`` = predicted / measured - 1, then the predicted terms and ``peak_at``, then
+    what was measured besides (``measured_*_bytes`` at the probed step, ``probed_step``, ``measure``)."""
+    rows = pd.DataFrame(measured)
+    if rows.empty:
+        return pd.DataFrame(columns=list(MEMORY_COLUMNS))
+    pred = pd.DataFrame((predicted or {}).get("rows", []))
+    if not pred.empty:
+        pred = pred.drop(columns=["stages"], errors="ignore")
+        rows = rows.merge(pred, on="rank", how="left")
+    for col in ("predicted_peak_bytes", "resident_peak_bytes", "reserved_peak_bytes"):
+        if col not in rows:
+            rows[col] = float("nan")
+    rows["error"] = rows["predicted_peak_bytes"] / rows["measured_peak_bytes"] - 1
+    terms = [f"{t}_bytes" for t in MEMORY_TERMS if f"{t}_bytes" in rows] + (["peak_at"] if "peak_at" in rows else [])
+    rest = [c for c in rows.columns if c not in MEMORY_COLUMNS and c not in terms]
+    return rows[list(MEMORY_COLUMNS) + terms + rest].sort_values(["replica", "rank"]).reset_index(drop=True)

@@ -1,0 +1,37 @@
+"""Freeing, in a worker, the weights of the layers its rank does not run.
+
+Every worker receives the whole model in its spec and builds its own stages from it, so
+without this each rank of a CPU run would keep the full model's weights beside its own (a
+GPU run keeps them in host memory). Once the stages are built the rest is never read again
+in the worker (checkpoints, tied-weight sync and the final state use the stage modules), so
+:func:`release_unheld` empties those tensors.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+__all__ = ["release_unheld"]
+
+
+def _storage_key(t: torch.Tensor) -> tuple[str, int]:
+    return t.device.type, t.untyped_storage().data_ptr()
+
+
+def release_unheld(model: nn.Module, held: Iterable[nn.Module]) -> int:
+    """Replace every parameter and buffer of ``model`` whose storage none of the ``held`` modules uses by an empty
+    tensor of its dtype (in the worker's own copy of the model); returns the bytes released."""
+    kept = {_storage_key(t) for module in held for t in (*module.parameters(), *module.buffers())}
+    released = 0
+    seen: set[tuple[str, int]] = set()
+    for t in (*model.parameters(), *model.buffers()):
+        key = _storage_key(t)
+        if key in kept or key in seen or t.numel() == 0:
+            continue
+        seen.add(key)
+        released += t.untyped_storage().nbytes()
+        t.data = torch.empty(0, dtype=t.dtype, device=t.device)
+    return released
