@@ -61,7 +61,7 @@ class LiveTensorBytes(TorchDispatchMode):
         size = storage.nbytes()
         self._sizes[key] = size
         self.live_bytes += size
-        weakref.finalize(storage, self._release, key)
+        weakref.finalize(storage, self._release, key).atexit = False  # nothing to count once the process ends
         if self.live_bytes > self.peak_bytes:
             self.peak_bytes = self.live_bytes
 

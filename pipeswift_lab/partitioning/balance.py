@@ -150,23 +150,48 @@ def _memory_error(layers: Layers, part: Partition, layout: Layout, limit: float,
         else f"no P up to {layers.n // part.v} fits ({where}); {_heaviest_layer(layers, layout, limit)}"
     )
     head = no_fit_head(limit, method, part.P, part.v)
-    return f"{head}; in the unconstrained split, {part.describe_stage(worst)}. {hint[0].upper() + hint[1:]}."
+    peaks = part.rank_mem_bytes
+    fullest = int(np.argmax(peaks))
+    replayed = (
+        f"; its fullest rank, {fullest}, peaks at {peaks[fullest]:.6g} bytes (Partition.memory() has the terms)"
+        if np.isfinite(peaks[fullest])
+        else ""
+    )
+    return f"{head}; in the unconstrained split, {part.describe_stage(worst)}{replayed}. {hint[0].upper() + hint[1:]}."
 
 
 def _heaviest_layer(layers: Layers, layout: Layout, limit: float) -> str:
-    """The layer that needs the most on its own (its training state and its activations held by the busiest rank),
-    and how much, for an error message."""
-    state = state_bytes(layers.params, layers.param_bytes, layout.precision, layout.optimizer, layout.D)
-    if state is None or layers.activation_bytes is None:
+    """The layer that needs the most memory alone (a rank holding only it, with as few micro-batches in flight as any
+    rank of the layout holds: :func:`~pipeswift_lab.partitioning.rank_memory.rank_memory`), and how much at least, for
+    an error message."""
+    from .rank_memory import rank_memory
+
+    if layers.param_bytes is None or layers.activation_bytes is None:
         return "some layer alone exceeds the cap"
-    held = max(layout.inflight())
-    need = state + layers.activation_bytes * held
-    j = int(np.argmax(need))
-    verdict = "more than" if need[j] > limit else "close to"
+    held = max(1, int(np.ceil(min(layout.inflight()))))
+    alone = [
+        rank_memory(
+            layers,
+            ((j, j + 1),),
+            (0,),
+            P=1,
+            m=held,
+            schedule="GPipe",
+            precision=layout.precision,
+            optimizer=layout.optimizer,
+            D=layout.D,
+        ).iloc[0]
+        for j in range(layers.n)
+    ]
+    j = int(np.argmax([row["predicted_peak_bytes"] for row in alone]))
+    row = alone[j]
+    verdict = "more than" if row["predicted_peak_bytes"] > limit else "close to"
+    terms = ", ".join(
+        f"{name} {row[f'{name}_bytes']:.4g}" for name in ("weights", "grads", "optimizer", "activations", "transient")
+    )
     return (
-        f"layer {j} ({layers.names[j]!r}) alone needs {need[j]:.6g} bytes, {verdict} the cap: {state[j]:.6g} of "
-        f"weights, gradients and {layout.optimizer} state + {layers.activation_bytes[j]:.6g} activation bytes x "
-        f"{held:g} micro-batches in flight"
+        f"layer {j} ({layers.names[j]!r}) alone needs at least {row['predicted_peak_bytes']:.6g} bytes ({held} "
+        f"micro-batch{'es' if held > 1 else ''} in flight), {verdict} the cap ({terms}; peak at {row['peak_at']})"
     )
 
 

@@ -76,9 +76,9 @@ def stage_bytes(
     layer_transient = weight_grad + activation_transient
     loss_act = _meta_bytes(layers, "loss_activation_bytes")
     loss_transient = _meta_bytes(layers, "loss_transient_bytes")
-    last = len(bounds) - 1
     out = []
-    for s, (a, b) in enumerate(bounds):
+    for a, b in bounds:
+        last = b == layers.n  # the stage that ends the model runs the loss
         output = float(out_b[b - 1])
         activations = (_sum(act, a, b) + output) * scale
         # a layer's backward runs after the later layers' have freed what they saved for this micro-batch
@@ -87,7 +87,7 @@ def stage_bytes(
         # the first backward of a step turns its weight gradients into the .grad tensors, layer by layer
         grown = np.cumsum(grads[a:b][::-1])[::-1]
         first_transient = max(0.0, float(np.max(activation_transient[a:b] + grown - freed)))
-        if s == last:
+        if last:
             activations += loss_act * scale
             peak_transient = max(peak_transient + output * scale, loss_transient * scale)
             first_transient = max(first_transient + output * scale, loss_transient * scale)  # no .grad yet
@@ -101,7 +101,7 @@ def stage_bytes(
                 transient=peak_transient,
                 first_transient=first_transient,
                 recv=float(out_b[a - 1]) * scale if a > 0 else 0.0,
-                grad_recv=output * scale if s != last else 0.0,
+                grad_recv=output * scale if not last else 0.0,
                 largest_param=float(np.max(largest[a:b])),
             )
         )

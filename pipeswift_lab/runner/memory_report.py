@@ -2,7 +2,7 @@
 
 Before launch, :func:`predicted_memory` replays each rank's actions over its partition
 (:meth:`~pipeswift_lab.partitioning.stages.Partition.memory`) at the run's micro-batch size and
-with the run's own optimizer, whose state and step temporaries are measured on two small tensors
+with the run's own optimizer, whose state and step temporaries are measured on small tensors
 (:mod:`~pipeswift_lab.runner.optimizer_memory`). The workers measure their peaks
 (:mod:`~pipeswift_lab.runner.rank.memory_probe`); :func:`memory_frame` puts the two side by side.
 """

@@ -1,17 +1,19 @@
-"""What the run's own optimizer keeps and allocates, measured on two small tensors before launch.
+"""What the run's own optimizer keeps and allocates, measured on small tensors before launch.
 
 The memory model needs an optimizer's state per parameter byte and the temporaries of its
 step (:class:`~pipeswift_lab.core.memory_model.OptimizerMemory`); they depend on the class
 and on its implementation (torch's Adam keeps two states; its single-tensor loop allocates
 two temporaries the size of the tensor it updates, its ``foreach`` path one the size of all
-the parameters at once, its ``fused`` kernel none). Rather than a table of classes and flags,
-:func:`measure_optimizer_memory` builds the user's optimizer twice, over four tensors of
-``N`` elements and over one of ``4N``, steps each twice and counts, with
+the parameters at once, its ``fused`` kernel none). :func:`measure_optimizer_memory` builds
+the user's optimizer twice, over four tensors of ``N`` elements and over one of ``4N``, steps
+each twice and counts, with
 :class:`~pipeswift_lab.core.live_bytes.LiveTensorBytes`, the state it keeps and the most its
 second step allocates at once. Temporaries of ``a`` times the largest tensor plus ``b`` times
 all of them give the two equations that fix ``a`` and ``b``. (torch's single-tensor Adam comes
 out near ``a = 5/3, b = 1/3``: the quotient of the tensor updated before stays alive in the
-loop while the next one's two are made.)
+loop while the next one's two are made.) It costs milliseconds: ``run`` builds the optimizer in
+this process anyway, to check the factory, and that pays torch's one-time import of
+``torch._dynamo``.
 """
 
 from __future__ import annotations
@@ -20,12 +22,10 @@ from collections.abc import Callable
 
 import torch
 
-from ..core.live_bytes import LiveTensorBytes, live_tensors
+from ..core.live_bytes import LiveTensorBytes
 from ..core.memory_model import OptimizerMemory
 
 __all__ = ["measure_optimizer_memory"]
-
-_SIZES = (1000, 3000)
 
 
 def measure_optimizer_memory(
@@ -78,7 +78,8 @@ def _step_memory(
         extra = torch.cuda.max_memory_allocated(device) - before
     else:
         tracker = LiveTensorBytes()
-        tracker.adopt(live_tensors())
+        held = [t for st in optimizer.state.values() for t in st.values() if isinstance(t, torch.Tensor)]
+        tracker.adopt([*params, *(p.grad for p in params if p.grad is not None), *held])
         before = tracker.live_bytes
         with tracker:
             optimizer.step()

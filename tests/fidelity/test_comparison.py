@@ -149,8 +149,10 @@ def test_one_measured_step_and_step_stats(sleepy_run):
     assert steady_step_index([500.0, 30.0, 10.0]) == 2  # even count: the lower middle one
     assert steady_step_index([7.0]) == 0
     times = (900.0, 10.0, 12.0, 11.0, 30.0, 13.0)
-    fake = replace(result, step_ms=times, steps=len(times))
+    fake = replace(result, step_ms=times, steps=len(times), meta={**result.meta, "probed_steps": []})
     assert fake.steady_step_ms == 12.0 and fake.steady_step == 2
+    probed = replace(fake, meta={**result.meta, "probed_steps": [2]})  # a step whose memory was measured is left out
+    assert probed.steady_step == 3 and probed.step_stats(window=10)["steps"].tolist() == [4, 4]
     stats = fake.step_stats(window=3)
     assert stats["window"].tolist() == [0, 1, "all"]
     assert stats["steps"].tolist() == [3, 2, 5] and stats["first_step"].tolist() == [1, 4, 1]  # warm-up step 0 left out

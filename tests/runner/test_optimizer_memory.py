@@ -23,6 +23,12 @@ def test_state_and_temporaries(factory, states, per_largest, per_total):
     assert measured.per_total == pytest.approx(per_total, abs=1e-3)
 
 
+def test_any_optimizer_is_measured():
+    rmsprop = measure_optimizer_memory(lambda p: torch.optim.RMSprop(p))  # one square average; its step's temporaries
+    assert rmsprop.states == pytest.approx(1.0) and rmsprop.transient(1000, 4000) > 0
+
+
 def test_name_says_the_implementation():
     assert measure_optimizer_memory(lambda p: torch.optim.Adam(p, foreach=True)).name == "Adam (foreach)"
     assert measure_optimizer_memory(lambda p: torch.optim.SGD(p, lr=0.1)).name == "SGD"
+    assert measure_optimizer_memory(lambda p: torch.optim.AdamW(p, fused=True)).name == "AdamW (fused)"

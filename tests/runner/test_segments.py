@@ -83,8 +83,10 @@ def test_resize_2_to_3_to_2_trains_the_same_model(uninterrupted):
     stats = result.step_stats(window=2)
     per_segment = stats[stats["window"] == "all"]
     assert per_segment["segment"].tolist() == [0, 1, 2, -1]
-    assert per_segment["first_step"].tolist() == [1, 5, 9, 1]  # each segment's first step (new workers) left out
-    assert per_segment["steps"].tolist() == [3, 3, 3, 9]
+    # each segment's first step (new workers) and its second (whose memory was measured) left out
+    assert result.probed_steps == (1, 5, 9)
+    assert per_segment["first_step"].tolist() == [2, 6, 10, 2]
+    assert per_segment["steps"].tolist() == [2, 2, 2, 6]
     fitted = AssemblyModel.calibrate([result])
     assert fitted.base_s >= 0 and fitted.per_stage_s >= 0
     assert CheckpointModel.calibrate([result]).restore_latency_s > 0  # measured from the resizes' restores
@@ -208,7 +210,7 @@ def test_bad_changes_fail_before_launch(kwargs, error, match):
 
 def test_a_resize_that_does_not_fit_memory_fails_before_launch():
     capped = psl.Profile.synthetic(fwd_ms=[1.0] * 6, bwd_ms=[2.0] * 6, param_bytes=[1e6] * 6)
-    part = psl.partition(capped, 3, m=M, mem_per_gpu_bytes=9e6)
+    part = psl.partition(capped, 3, m=M, mem_per_gpu_bytes=11e6)  # 2 layers: 8e6 of Adam state + its temporaries
     with pytest.raises(ValueError, match=r"resize_at\[4\]=2"):
         run(
             model6(), batch, nn.functional.mse_loss, part, M, steps=12, progress=False, resize_at={4: 2}, profile=capped

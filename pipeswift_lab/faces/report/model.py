@@ -243,15 +243,17 @@ def _schedules_simulated(
 
 def section_plan(ctx: ReportContext) -> Section:
     """The JCT planner on the measured reference GPT: 8 devices like this one, half of them busy for 30 minutes."""
+    from ...partitioning.balance import partition
     from ...planning.planner import plan
 
     prof = reference_profile(ctx)
     calibration = [(2, ctx.cache["run"].jct.assembly_s)] if "run" in ctx.cache else None
     gpus, global_batch, steps, availability = 8, 64, 20_000, [(0, 4), (1800, 8)]
-    # a device that holds only half of what the whole model needs (Adam state + one micro-batch's activations),
-    # so that the model must be pipelined: the case the toolkit is for
-    whole = float(prof.df["param_bytes"].sum() * 4 + prof.df["activation_bytes"].sum())
-    cap = whole / 2
+    # a device that holds 85% of what the whole model needs on one (its replayed peak with one micro-batch), so
+    # that the model must be pipelined (the head's rank alone needs most of it: the logits, their softmax and
+    # gradients): the case the toolkit is for
+    whole = max(partition(prof, 1, m=1).rank_mem_bytes)
+    cap = 0.85 * whole
     result = plan(
         prof,
         gpus,
@@ -267,9 +269,9 @@ def section_plan(ctx: ReportContext) -> Section:
     intro = (
         f"<p>The planner weighs every configuration of the profiled GPT on {gpus} devices like this machine's CPU (a "
         f"what-if: the devices are hypothetical, the layer times measured; "
-        f"4 free now, 8 in 30 minutes), each with room for half of the model "
-        f"(<code>mem_per_gpu_bytes</code> = {cap / 2**20:.3g} MiB, half of the {whole / 2**20:.3g} MiB its Adam "
-        f"state and one micro-batch's activations take), so it must be pipelined; "
+        f"4 free now, 8 in 30 minutes), each with room for 85% of the model "
+        f"(<code>mem_per_gpu_bytes</code> = {cap / 2**20:.3g} MiB of the {whole / 2**20:.3g} MiB its peak takes on "
+        f"one device with Adam and one micro-batch), so it must be pipelined; "
         f"{steps:,} steps of {global_batch} sequences: P ranks × D replicas, micro-batch "
         f"size and count, schedule, with queue, assembly"
         + (" (calibrated on the measured run above)" if calibration else "")
