@@ -14,7 +14,8 @@ level runs on one step of each run (the second), under a dispatch mode that sees
 Measured in this process on one rank's work (the reference GPT's first two stages' worth: the
 whole model, m=4 micro-batches forward and backward, Adam), alternating plain and measured steps,
 ``--steps`` (>= 30) of each: the median step with and without, the interquartile ranges, the
-probed step's overhead, and that overhead spread over the run it is one step of (``--run-steps``).
+probed step's overhead, the walk over the garbage collector's objects that finds its baseline (before the
+step starts, outside its time), and the overhead spread over the run it is one step of (``--run-steps``).
 
 **One rank on a device** (``--device cuda``): each rank of a balanced 1F1B and GPipe partition
 is emulated on the GPU one at a time, its stage's forwards and backwards in the rank's own order
@@ -126,14 +127,16 @@ def measuring_cost(steps: int, run_steps: int) -> pd.DataFrame:
         optimizer.zero_grad(set_to_none=True)
 
     step()  # Adam's state
-    plain, probed = [], []
+    plain, probed, walks = [], [], []
     for _ in range(steps):
         t0 = time.perf_counter()
         step()
         plain.append((time.perf_counter() - t0) * 1e3)
         t0 = time.perf_counter()
         tracker = LiveTensorBytes()
-        tracker.adopt(live_tensors())
+        tracker.adopt(live_tensors())  # the baseline: before the step starts, as in the runner
+        walks.append((time.perf_counter() - t0) * 1e3)
+        t0 = time.perf_counter()
         with tracker:
             step()
         probed.append((time.perf_counter() - t0) * 1e3)
@@ -152,6 +155,7 @@ def measuring_cost(steps: int, run_steps: int) -> pd.DataFrame:
                 "probed_step_ms": statistics.median(probed),
                 "probed_iqr_ms": iqr(probed),
                 "probed_step_overhead": overhead,
+                "baseline_walk_ms": statistics.median(walks),
                 "run_steps": run_steps,
                 "overhead_per_step_of_the_run": overhead / run_steps,
             }
@@ -234,6 +238,7 @@ def main() -> None:
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--steps", type=int, default=40, help="measured and plain steps each, interleaved (>= 30)")
     parser.add_argument("--run-steps", type=int, default=100, help="the run the probed step is one step of")
+    parser.add_argument("--cost-only", action="store_true", help="only what measuring costs")
     args = parser.parse_args()
     pd.set_option("display.width", 200)
     pd.set_option("display.max_columns", 20)
@@ -248,6 +253,9 @@ def main() -> None:
         print(f"median |error| {table['error'].abs().median():.1%}, max {table['error'].abs().max():.1%}")
         return
     steps = max(30, 30 if args.quick else args.steps)
+    if args.cost_only:
+        print(measuring_cost(steps, args.run_steps).T.to_string(header=False))
+        return
     ms = (2, 8) if args.quick else (2, 4, 8)
     table = pd.DataFrame(gpt_runs(ms) + llama_run())
     mib = table.assign(
