@@ -255,7 +255,10 @@ class Partition:
         no memory columns)."""
         if self.layers is None or any(math.isnan(x) for x in self.stage_mem_bytes):
             return tuple(rank_totals(self.stage_mem_bytes, self.stage_to_rank, self.P))
-        return tuple(float(x) for x in self.memory()["predicted_peak_bytes"])
+        try:
+            return tuple(float(x) for x in self.memory()["predicted_peak_bytes"])
+        except ValueError:  # an (m, schedule) torch has no order for: the steady sums of the stages
+            return tuple(rank_totals(self.stage_mem_bytes, self.stage_to_rank, self.P))
 
     def memory(
         self,
