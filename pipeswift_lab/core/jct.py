@@ -29,11 +29,13 @@ class JCT:
 
     * ``queue_s`` — waiting for the GPUs;
     * ``assembly_s`` — from start to the first training step: processes, rendezvous,
-      process groups, model and stage build, checkpoint restore;
+      process groups, model and stage build (a checkpoint's restore is not in it);
     * ``training_s`` — the training steps;
     * ``cleanup_s`` — the final checkpoint and teardown;
-    * ``preemption_loss_s`` — expected time lost to preemptions: checkpoint overhead,
-      work redone and restores.
+    * ``preemption_loss_s`` — time lost to preemptions: the periodic checkpoints' stalls,
+      work redone, recoveries, and every restore, a resumed job's first one included (it is
+      paid only because the job was stopped). The runner, the planner and the cluster
+      simulator all book a restore here.
     """
 
     queue_s: float = 0.0

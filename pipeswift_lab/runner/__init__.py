@@ -7,7 +7,8 @@
 * :func:`load_checkpoint`, :func:`latest_checkpoint`, :class:`Checkpoint` — the run's DCP checkpoints;
 * :func:`run_arguments` — a planned configuration (``plan.config(row)``, ``D > 1`` included) as ``run()`` arguments;
 * :func:`signal_at` — rehearse a preemption or a crash: a real signal to a worker at a chosen step;
-  :func:`write_fault` — a checkpoint writer failing as a full or read-only disk does.
+  :func:`write_fault` — a checkpoint writer failing as a full or read-only disk does;
+  :func:`slow_disk` — checkpoint writes as slow as a busy shared file system's.
 
 Reads a model and a Partition, returns a :class:`RunResult`::
 
@@ -27,7 +28,7 @@ from __future__ import annotations
 from .assembly import load_result
 from .checkpoint import Checkpoint, CheckpointError, latest_checkpoint, load_checkpoint
 from .errors import RunError
-from .faults import signal_at, write_fault
+from .faults import signal_at, slow_disk, write_fault
 from .job import run
 from .planned import global_batch_of, run_arguments
 from .result import RunResult
@@ -50,5 +51,6 @@ __all__ = [
     "RunResult",
     "RunSpec",
     "signal_at",
+    "slow_disk",
     "write_fault",
 ]

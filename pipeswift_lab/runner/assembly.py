@@ -359,6 +359,7 @@ def _meta(
         "resumed_from": restored[0]["path"] if restored else None,
         "rng_restored": bool(restored and restored[0]["rng_restored"]),
         "restore_bytes": max((r["bytes"] for r in restored), default=0),
+        "restore_read": restored[0].get("read") if restored else None,
         "redone_s": recovery.terms["redone_s"],
         "checkpoint_interval_steps": next((p.get("interval_steps") for p in ranks if p.get("interval_steps")), None),
         "job": spec.job,

@@ -1,25 +1,27 @@
-"""Checkpoints of a pipeline run on ``torch.distributed.checkpoint`` (DCP), committed atomically.
+"""Checkpoints of a pipeline run: one file per rank, written in the background, committed atomically.
 
 Layout under a checkpoint root (``run(..., checkpoint_dir=ROOT)``)::
 
     ROOT/step-00000012/          one directory per checkpoint, named by the steps done
-        __0_0.distcp, __1_0.distcp   DCP's file per rank (that rank's parameters, optimizer state, RNG)
+        rank-00000.bin, ...          each rank's parameters, optimizer state and RNG states, packed
+                                     (:mod:`~pipeswift_lab.runner.checkpoint_files`)
         .metadata                    DCP's index of every tensor: name, shape, dtype, file, offset
         manifest.json                written last: the run's shape (P, v, m, schedule, stage bounds,
-                                     layer names, ...) and a SHA-256 per file
+                                     layer names, ...), where each rank's keys lie, a SHA-256 per file
 
-State is keyed by the *full model's* names (``get_state_dict`` with
-``flatten_optimizer_state_dict=True``, as torchtitan does for pipeline stages), so a
-checkpoint written by P ranks loads into any other partition: each rank asks DCP for the keys
-of its own layers (:mod:`~pipeswift_lab.runner.rank.state_files`). A tied weight is stored once,
-under its first name; the manifest's ``aliases`` give its other names back.
+State is keyed by the *full model's* names (DCP's flattened state dicts, as torchtitan does for
+pipeline stages), so a checkpoint written by P ranks loads into any other partition: on another
+partition each rank asks DCP for the keys of its own layers (through a ``StorageReader`` over the
+rank files); on the same one it reads its own file directly
+(:mod:`~pipeswift_lab.runner.rank.state_files`). A tied weight is stored once, under its first
+name; the manifest's ``aliases`` give its other names back.
 
-DCP does not commit atomically, so every save goes into a hidden sibling ``ROOT/.tmp-step-...``;
-DCP fsyncs its files, the manifest with every file's checksum is written and fsynced last,
-and only then is the directory renamed to ``step-...`` (and the root fsynced). A save killed
-part-way leaves a ``.tmp-`` directory that is never loaded and is removed by the next save. On
-load, a checkpoint whose files do not match their checksums is skipped with a warning naming
-the file, and the previous complete one is used.
+Every save goes into a hidden sibling ``ROOT/.tmp-step-...``; each rank fsyncs its file, and only
+when every rank has, rank 0 writes ``.metadata`` and the manifest with every file's checksum,
+fsyncs them, renames the directory to ``step-...`` and fsyncs the root. A save killed part-way
+leaves a ``.tmp-`` directory that is never loaded and is removed by the next commit. On load, a
+checkpoint whose files do not match their checksums is skipped with a warning naming the file,
+and the previous complete one is used. Checkpoints of format version 1 (DCP's own files) still load.
 """
 
 from __future__ import annotations
@@ -43,14 +45,16 @@ if TYPE_CHECKING:
     import torch
 
 from ..core.display import html_card, text_card
+from .checkpoint_files import MODEL, dcp_metadata, flat_file_reader
 
 MANIFEST = "manifest.json"
 FORMAT = "pipeswift_lab.checkpoint"
-VERSION = 1
+VERSION = 2
+#: Format versions this module reads: 1 (DCP's ``FileSystemWriter`` files), 2 (one packed file per rank).
+READABLE_VERSIONS = (1, 2)
 _STEP_DIR = re.compile(r"^step-(\d{8})$")
 _TMP_PREFIX = ".tmp-step-"
-#: Prefixes of the three parts of the saved state dict (DCP flattens nested dicts into ``part.key``).
-MODEL, OPTIM, RNG = "model", "optim", "rng"
+_TMP_STEP = re.compile(r"^\.tmp-step-(\d{8})-(.+)$")
 
 
 def step_dir_name(step: int) -> str:
@@ -143,10 +147,15 @@ class Checkpoint:
                 model[key[len(prefix) :]] = torch.empty(tuple(meta.size), dtype=meta.properties.dtype)
         with warnings.catch_warnings():  # DCP notes that it loads in one process: that is the intent here
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            dcp.load({MODEL: model}, checkpoint_id=str(self.path), no_dist=True)
+            dcp.load({MODEL: model}, storage_reader=storage_reader(self), no_dist=True)
         order = self.manifest.get("state_keys") or list(model)
         aliases = self.manifest.get("aliases") or {}
         return OrderedDict((k, model[aliases.get(k, k)]) for k in order if aliases.get(k, k) in model)
+
+    @property
+    def ranks(self) -> list[dict[str, Any]]:
+        """Per rank that wrote it (format 2): ``rank``, ``pp_rank``, ``replica``, ``file`` and where its keys lie."""
+        return list(self.manifest.get("ranks") or [])
 
     def load_into(self, model: torch.nn.Module) -> torch.nn.Module:
         """Copy the checkpoint's model state into ``model`` (strict) and return it.
@@ -183,7 +192,16 @@ class Checkpoint:
     __repr__ = __str__
 
 
-def _read_manifest(path: Path) -> dict[str, Any]:
+def storage_reader(checkpoint: Checkpoint) -> Any:
+    """The DCP ``StorageReader`` for ``checkpoint``'s files: rank files (format 2) or DCP's own (format 1)."""
+    if int(checkpoint.manifest["version"]) == 1:
+        from torch.distributed.checkpoint import FileSystemReader
+
+        return FileSystemReader(str(checkpoint.path))
+    return flat_file_reader(checkpoint.path)
+
+
+def read_manifest(path: Path) -> dict[str, Any]:
     manifest_path = path / MANIFEST
     if not manifest_path.is_file():
         raise CheckpointError(f"{str(path)!r} has no {MANIFEST}: it is not a complete pipeswift_lab checkpoint")
@@ -193,10 +211,10 @@ def _read_manifest(path: Path) -> dict[str, Any]:
         raise CheckpointError(f"the manifest {str(manifest_path)!r} cannot be read: {exc}") from None
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         raise CheckpointError(f"{str(manifest_path)!r} is not a pipeswift_lab checkpoint manifest")
-    if manifest.get("version") != VERSION:
+    if manifest.get("version") not in READABLE_VERSIONS:
         raise CheckpointError(
             f"{str(manifest_path)!r} is a checkpoint of format version {manifest.get('version')}; "
-            f"this pipeswift_lab reads version {VERSION}"
+            f"this pipeswift_lab reads versions {list(READABLE_VERSIONS)}"
         )
     for key in ("step", "files"):
         if key not in manifest:
@@ -211,7 +229,7 @@ def verify(path: str | os.PathLike[str]) -> Checkpoint:
     that is missing or does not match.
     """
     path = Path(path)
-    manifest = _read_manifest(path)
+    manifest = read_manifest(path)
     for name, info in sorted(manifest["files"].items()):
         file = path / name
         if not file.is_file():
@@ -314,45 +332,65 @@ def check_same_model(checkpoint: Checkpoint, model: torch.nn.Module) -> None:
     raise CheckpointError(f"checkpoint {str(checkpoint.path)!r} is of another model; " + "; ".join(parts))
 
 
-def new_tmp_dir(root: Path, step: int) -> Path:
-    """A fresh hidden sibling ``ROOT/.tmp-step-00000012-<id>`` to save into (not created)."""
-    return Path(root) / f"{_TMP_PREFIX}{int(step):08d}-{uuid.uuid4().hex[:8]}"
+def new_tmp_dir(root: Path, step: int, tag: str | None = None) -> Path:
+    """A hidden sibling ``ROOT/.tmp-step-00000012-<tag>`` to save into (not created); ``tag`` defaults to a fresh
+    random id. Every rank of a run derives the same name from the run's id and attempt, with no message."""
+    return Path(root) / f"{_TMP_PREFIX}{int(step):08d}-{tag or uuid.uuid4().hex[:8]}"
 
 
-def commit(tmp_dir: Path, manifest: dict[str, Any], rank_files: list[dict[str, Any]], keep: int) -> Path:
-    """Make the save in ``tmp_dir`` a checkpoint: manifest last, fsync, rename, retention.
+def commit(
+    tmp_dir: Path, manifest: dict[str, Any], records: list[dict[str, Any]], keep: int, live: str | None = None
+) -> Path:
+    """Make the save in ``tmp_dir`` a checkpoint: ``.metadata``, manifest last, fsync, rename, retention.
 
-    ``rank_files`` are every rank's :func:`save_rank_state` results. Writes ``manifest.json``
-    with each file's size and SHA-256 (DCP's ``.metadata`` hashed here), fsyncs it and the
-    directory, renames ``tmp_dir`` to ``step-NNNNNNNN`` (replacing an older save of the same
-    step), fsyncs the root, then removes all but the ``keep`` newest checkpoints and any
-    ``.tmp-`` directory a killed save left behind. Returns the checkpoint's path.
+    ``records`` are every rank's :func:`~pipeswift_lab.runner.checkpoint_files.write_rank_file` results with
+    ``rank``, ``pp_rank``, ``replica`` and ``file``. Writes DCP's ``.metadata`` and ``manifest.json`` (each file's
+    size and SHA-256, where each rank's keys lie), fsyncs them and the directory, renames ``tmp_dir`` to
+    ``step-NNNNNNNN`` (replacing an older save of the same step), fsyncs the root, then removes all but the ``keep``
+    newest checkpoints of the run and any ``.tmp-`` directory a killed save left behind (but not a later save of
+    the writer tagged ``live``, which other ranks may be writing already). Returns the checkpoint's path.
     """
+    import pickle
+
     tmp_dir, root = Path(tmp_dir), Path(tmp_dir).parent
-    files = {}
-    for part in rank_files:
-        files.update(part["files"])
+    files = {r["file"]: {"bytes": int(r["bytes"]), "sha256": r["sha256"]} for r in records}
     meta = tmp_dir / ".metadata"
-    files[meta.name] = {"bytes": meta.stat().st_size, "sha256": sha256_of(meta)}
+    encoded = pickle.dumps(dcp_metadata(records))
+    _write_synced(meta, encoded)
+    files[meta.name] = {"bytes": len(encoded), "sha256": hashlib.sha256(encoded).hexdigest()}
     on_disk = {p.name for p in tmp_dir.iterdir() if p.is_file()}
     unlisted = sorted(on_disk - set(files))
     if unlisted:
         raise RuntimeError(f"checkpoint save left files no rank reported: {unlisted}")
-    manifest = {**manifest, "format": FORMAT, "version": VERSION, "files": files, "created_unix": time.time()}
-    manifest_tmp = tmp_dir / (MANIFEST + ".tmp")
-    with open(manifest_tmp, "w") as f:
-        json.dump(manifest, f, indent=1, sort_keys=True)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(manifest_tmp, tmp_dir / MANIFEST)
+    ranks = [
+        {k: r[k] for k in ("rank", "pp_rank", "replica", "file", "tensors", "objects")}
+        for r in sorted(records, key=lambda r: r["rank"])
+    ]
+    manifest = {
+        **manifest,
+        "format": FORMAT,
+        "version": VERSION,
+        "files": files,
+        "ranks": ranks,
+        "created_unix": time.time(),
+    }
+    _write_synced(tmp_dir / (MANIFEST + ".tmp"), json.dumps(manifest, indent=1, sort_keys=True).encode())
+    os.replace(tmp_dir / (MANIFEST + ".tmp"), tmp_dir / MANIFEST)
     _fsync_dir(tmp_dir)
     final = root / step_dir_name(manifest["step"])
     if final.exists():  # a branch re-saving a step another run of this root saved: the new one replaces it
         _discard(final)
     os.replace(tmp_dir, final)
     _fsync_dir(root)
-    _retain(root, keep, manifest.get("run_id"))
+    _retain(root, keep, manifest.get("run_id"), int(manifest["step"]), live)
     return final
+
+
+def _write_synced(path: Path, data: bytes) -> None:
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
 
 
 def _discard(path: Path) -> None:
@@ -362,13 +400,16 @@ def _discard(path: Path) -> None:
     shutil.rmtree(trash, ignore_errors=True)
 
 
-def _retain(root: Path, keep: int, run_id: str | None) -> None:
+def _retain(root: Path, keep: int, run_id: str | None, step: int = 0, live: str | None = None) -> None:
     """Keep the ``keep`` newest checkpoints of this run (``run_id``); remove its older ones and stale ``.tmp-``
-    directories."""
+    directories: all but those of a save later than ``step`` tagged ``live``."""
     own = [p for p in complete_checkpoints(root) if _run_id_of(p) == run_id]
     for old in own[keep:]:
         _discard(old)
     for stale in root.glob(_TMP_PREFIX + "*"):
+        if live is not None and (found := _TMP_STEP.match(stale.name)):
+            if found.group(2) == live and int(found.group(1)) > step:
+                continue
         shutil.rmtree(stale, ignore_errors=True)
 
 
@@ -383,8 +424,11 @@ __all__ = [
     "load_checkpoint",
     "MANIFEST",
     "new_tmp_dir",
+    "read_manifest",
+    "READABLE_VERSIONS",
     "sha256_of",
     "step_dir_name",
+    "storage_reader",
     "verify",
     "VERSION",
 ]

@@ -11,6 +11,11 @@ rank's checkpoint writer fail as a full (``ENOSPC``) or read-only (``EROFS``, ``
 does, when it saves the checkpoint of ``step`` steps done. Permissions cannot stage this where
 tests run as root, so the fault is injected in the writer: the run's spec carries it to the
 workers (``JobOptions.write_fault``) and the writer raises the ``OSError`` before it writes a byte.
+
+``with slow_disk(seconds=0.5): run(..., checkpoint_dir=...)`` spreads every rank file's write
+over ``seconds`` (in pieces, with pauses between), as a slow or busy shared file system does:
+saves then outlast steps, so a background write is in flight long enough to be preempted,
+killed or skipped over.
 """
 
 from __future__ import annotations
@@ -90,6 +95,27 @@ def write_fault(step: int, rank: int = 0, error: str = "ENOSPC") -> Iterator[Non
         _WRITE_FAULT = before
 
 
+_SLOW_DISK_S = 0.0
+
+
+@contextmanager
+def slow_disk(seconds: float) -> Iterator[None]:
+    """Within the block, runs' checkpoint writers take at least ``seconds`` per rank file (written in pieces)."""
+    global _SLOW_DISK_S
+    if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not 0 < seconds <= 60:
+        raise ValueError(f"seconds must be a number in (0, 60]; got {seconds!r}")
+    before, _SLOW_DISK_S = _SLOW_DISK_S, float(seconds)
+    try:
+        yield
+    finally:
+        _SLOW_DISK_S = before
+
+
+def active_slow_disk_s() -> float:
+    """The :func:`slow_disk` seconds in force in this process (0 outside one)."""
+    return _SLOW_DISK_S
+
+
 def active_write_fault() -> dict[str, Any] | None:
     """The :func:`write_fault` in force in this process (``None`` outside one); a run's spec carries it to the
     workers."""
@@ -103,4 +129,13 @@ def raise_write_fault(fault: dict[str, Any] | None, step: int | None, rank: int,
         raise OSError(code, f"{os.strerror(code)} (injected by pipeswift_lab.runner.faults.write_fault)", str(path))
 
 
-__all__ = ["active_write_fault", "raise_write_fault", "signal_at", "SignalAt", "WRITE_ERRORS", "write_fault"]
+__all__ = [
+    "active_slow_disk_s",
+    "active_write_fault",
+    "raise_write_fault",
+    "signal_at",
+    "SignalAt",
+    "slow_disk",
+    "WRITE_ERRORS",
+    "write_fault",
+]

@@ -75,6 +75,7 @@ def run(
     resume_from: str | os.PathLike[str] | None = None,
     max_restarts: int = 0,
     mtbf_s: float | None = None,
+    checkpoint_async: bool = True,
     preempt_grace_s: float = 30,
     on_nonfinite: str = "raise",
     resize_at: dict[int, int] | None = None,
@@ -137,8 +138,14 @@ def run(
 
     * ``checkpoint_dir`` — a checkpoint root; with it the job saves a final checkpoint (its
       cleanup) and a preemption saves too. ``checkpoint_every`` — an int (every N steps),
-      ``"auto"`` (Young/Daly's √(2·C·MTBF) from the measured save time C and ``mtbf_s``) or
-      ``None``. ``keep`` — newest complete checkpoints kept.
+      ``"auto"`` (Young/Daly's √(2·C·MTBF) from the measured save stall C and ``mtbf_s``) or
+      ``None``. ``keep`` — newest complete checkpoints kept. ``checkpoint_async`` (default) —
+      a save stalls the step loop only for a copy of each rank's state (one staging buffer per
+      rank, as large as its parameters and optimizer state); the file, fsync, checksums and the
+      commit run in the background, one save at a time (a periodic save due while the last is
+      still being written is skipped, and ``RunResult.checkpoints`` says so). Final, preemption
+      and rebalance saves are never skipped and are committed before the workers exit.
+      ``checkpoint_async=False`` waits for every write.
     * ``resume_from`` — a checkpoint root (its newest complete checkpoint) or one ``step-*``
       directory: training continues at its step, on this or another partition and P
       (parameters and optimizer state are regrouped by name; RNG states are restored when
@@ -190,6 +197,7 @@ def run(
         keep=keep,
         resume_from=resume_from,
         mtbf_s=mtbf_s,
+        checkpoint_async=checkpoint_async,
     )
     elastic = ElasticOptions(
         max_restarts=max_restarts,

@@ -42,9 +42,14 @@ def predicted_memory(
     micro_batch_size: int,
     optimizer: Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer],
     device_type: str,
+    staging: bool = False,
 ) -> dict[str, Any]:
     """The predicted peak of every pipeline rank: ``{"rows": [...], "optimizer": name}``, or ``{"rows": [],
-    "note": why}`` when the partition's profile has no memory columns or the prediction fails."""
+    "note": why}`` when the partition's profile has no memory columns or the prediction fails.
+
+    ``staging`` (a run with checkpoints) adds ``checkpoint_staging_bytes`` on CPU ranks: the buffer a rank copies its
+    weights and optimizer state into before a background write, allocated before the first step. On a GPU it is
+    pinned host memory and costs the device nothing."""
     from .optimizer_memory import measure_optimizer_memory
 
     if partition.layers is None or partition.layers.param_bytes is None or partition.layers.activation_bytes is None:
@@ -54,6 +59,9 @@ def predicted_memory(
         table = partition.memory(m=m, schedule=schedule, micro_batch_size=micro_batch_size, optimizer=measured)
     except Exception as exc:  # a prediction never stops a run
         return {"rows": [], "note": f"no prediction: {type(exc).__name__}: {exc}"}
+    if staging and device_type != "cuda":
+        table["checkpoint_staging_bytes"] = table["weights_bytes"] + table["optimizer_bytes"]
+        table["predicted_peak_bytes"] = table["predicted_peak_bytes"] + table["checkpoint_staging_bytes"]
     return {"rows": table.to_dict("records"), "optimizer": measured.name}
 
 

@@ -24,7 +24,7 @@ from torch import nn
 
 from ..core.checks import check_choice, check_flag, check_int, check_time
 from . import checkpoint as ckpt
-from .faults import active_write_fault
+from .faults import active_slow_disk_s, active_write_fault
 
 if TYPE_CHECKING:
     from .rebalance import RebalancePlan
@@ -88,8 +88,13 @@ class CheckpointOptions:
     """A checkpoint root (its newest complete checkpoint) or one ``step-*`` directory to continue from."""
     mtbf_s: float | None = None
     """The job's mean time between failures (seconds), for ``checkpoint_every="auto"`` only."""
+    checkpoint_async: bool = True
+    """Write checkpoints in the background (the step loop waits only for a copy of the state); ``False`` waits
+    for every save."""
 
     def __post_init__(self) -> None:
+        if not isinstance(self.checkpoint_async, bool):
+            raise TypeError(f"checkpoint_async must be True or False; got {self.checkpoint_async!r}")
         directory = self.checkpoint_dir
         if directory is not None:
             if not isinstance(directory, (str, os.PathLike)):
@@ -184,6 +189,8 @@ class JobOptions:
     """One ``step-*`` directory (resolved from a root before launch); ``None``: start at step 0."""
     mtbf_s: float | None = None
     """The job's mean time between failures (seconds), for ``"auto"``."""
+    checkpoint_async: bool = True
+    """Write checkpoints in the background; ``False``: every save waits for its write."""
     on_nonfinite: str = "raise"
     """``"raise"``, ``"skip"`` or ``"ignore"`` (see :data:`ON_NONFINITE`)."""
     preempt_grace_s: float = 30.0
@@ -199,6 +206,8 @@ class JobOptions:
     write_fault: dict[str, Any] | None = None
     """A :func:`~pipeswift_lab.runner.faults.write_fault` in force when ``run()`` was called: the writer fails as
     asked."""
+    slow_disk_s: float = 0.0
+    """A :func:`~pipeswift_lab.runner.faults.slow_disk` in force when ``run()`` was called: seconds per rank file."""
 
 
 def job_options(
@@ -223,10 +232,12 @@ def job_options(
         keep=checkpoints.keep,
         resume_from=str(resume.path) if resume else None,
         mtbf_s=checkpoints.mtbf_s,
+        checkpoint_async=checkpoints.checkpoint_async,
         on_nonfinite=elastic.on_nonfinite,
         preempt_grace_s=elastic.preempt_grace_s,
         run_id=uuid.uuid4().hex,
         write_fault=active_write_fault(),
+        slow_disk_s=active_slow_disk_s(),
     )
     return options, resume
 

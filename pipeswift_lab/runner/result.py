@@ -19,7 +19,7 @@ if TYPE_CHECKING:
 
 __all__ = ["RunResult", "CHECKPOINT_COLUMNS", "TIMELINE_COLUMNS"]
 
-#: Columns of ``RunResult.checkpoints``: one row per committed checkpoint.
+#: Columns of ``RunResult.checkpoints``: one row per checkpoint committed or skipped (``status``).
 CHECKPOINT_COLUMNS = (
     "step",
     "path",
@@ -28,7 +28,11 @@ CHECKPOINT_COLUMNS = (
     "largest_rank_state_bytes",
     "save_ms",
     "blocking_ms",
+    "staging_ms",
+    "write_ms",
     "kind",
+    "status",
+    "mode",
     "attempt",
     "interval_steps",
 )
@@ -62,10 +66,14 @@ class RunResult:
     * ``first_step`` — the step the measured steps start from: 0, or the step the run (or its
       last restart) resumed from; ``step_ms``, ``losses`` and the timeline cover steps
       ``first_step`` .. the last step done;
-    * ``checkpoints`` — one row per checkpoint committed (``step``, ``path``, ``bytes`` of its
-      files, ``largest_rank_bytes`` the largest rank's files, ``largest_rank_state_bytes`` the
-      tensors behind them, ``save_ms`` the slowest rank's DCP write, ``blocking_ms`` the
-      stall of the step loop, ``kind`` periodic/auto/preempt/final, ``attempt``);
+    * ``checkpoints`` — one row per checkpoint committed or skipped (``step``, ``path``,
+      ``bytes`` of its files, ``largest_rank_bytes`` the largest rank's file,
+      ``largest_rank_state_bytes`` the tensors in it, ``blocking_ms`` the stall of the step
+      loop, ``staging_ms`` the slowest rank's copy of its state, ``write_ms`` the slowest
+      rank's background write (file, fsync, checksum), ``save_ms`` from the save's start to
+      its commit, ``kind`` periodic/auto/preempt/final/rebalance, ``status`` committed or
+      skipped (due while the last save was still being written), ``mode`` async, waited (a
+      save that may not be skipped waits for its write) or sync, ``attempt``);
       ``checkpoint`` — the newest complete one (None without ``checkpoint_dir``);
     * ``restarts`` — workers restarted after a crash; ``steps_redone`` — steps trained again
       because they came after the checkpoint a restart resumed from; ``recovery_s`` — from the
@@ -303,7 +311,7 @@ class RunResult:
         if self.checkpoint is not None or self.jct.preemption_loss_s:
             out.update(
                 preemption_loss_s=self.jct.preemption_loss_s,
-                checkpoints=len(self.checkpoints),
+                checkpoints=int((self.checkpoints["status"] != "skipped").sum()),
                 checkpoint=self.checkpoint,
             )
         if self.restarts:

@@ -339,6 +339,7 @@ def make_spec(
             micro_batch_size=batch_size // m,
             optimizer=optimizer,
             device_type=device_type,
+            staging=job is not None and job.checkpoint_dir is not None,
         )
     return RunSpec(
         model=model,

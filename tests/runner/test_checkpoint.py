@@ -1,7 +1,7 @@
 """Checkpoint files: DCP state keyed by the model's names, an atomic commit, checksums, retention.
 
-The saver here is a real one-process gloo group writing with the same functions the workers
-use; the kill test SIGKILLs a real saving process at random moments and checks that what is
+The saver here is a real process writing with the same functions the workers use (a rank file
+needs no process group); the kill test SIGKILLs a real saving process at random moments and checks that what is
 left is either the previous checkpoint or the new one, never a corrupt one.
 """
 
@@ -25,50 +25,58 @@ from pipeswift_lab.runner import checkpoint as ckpt
 pytestmark = pytest.mark.processes  # starts worker processes: `pytest -m "not processes"` skips it
 
 SAVER = textwrap.dedent("""
-    import os, sys, torch, torch.distributed as dist
+    import sys, time, torch
     from pathlib import Path
     from torch import nn
     from pipeswift_lab.runner import checkpoint as ckpt
-    from pipeswift_lab.runner.rank.state_files import save_rank_state
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[3], RANK="0", WORLD_SIZE="1")
-    dist.init_process_group("gloo")
+    from pipeswift_lab.runner.checkpoint_files import FlatLayout, stage, staging_buffer
+    from pipeswift_lab.runner.rank.background_writer import RankWriter, SaveJob
+    from pipeswift_lab.runner.rank.state_files import rank_flat_state
     root, steps = Path(sys.argv[1]), int(sys.argv[2])
     model = nn.Sequential(nn.Linear(64, 256), nn.Linear(256, 64))
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    keys = list(model.state_dict())
+
+    def commit(job, records):
+        ckpt.commit(job.tmp_dir, {"step": job.step, "state_keys": keys}, records, keep=2, live="t")
+        print(job.step, flush=True)
+
+    writer = RankWriter(0, 1, {"pp_rank": 0, "replica": 0}, commit)
+    layout = buffer = None
     for step in range(1, steps + 1):
+        writer.wait()  # one save in flight: the staging buffer is free again
         with torch.no_grad():
             for p in model.parameters():
                 p.fill_(float(step))
-        tmp = ckpt.new_tmp_dir(root, step)
-        part = save_rank_state(tmp, 0, model, opt, torch.device("cpu"), None)
-        ckpt.commit(tmp, {"step": step, "state_keys": list(model.state_dict())}, [part], keep=2)
-        print(step, flush=True)
-    dist.destroy_process_group()
+        flat = rank_flat_state(0, model, opt, "cpu")
+        if layout is None:
+            layout = FlatLayout.of(flat)
+            buffer = staging_buffer(layout.nbytes, "cpu")
+        staged = stage(flat, layout, buffer)
+        tmp = ckpt.new_tmp_dir(root, step, "t")
+        writer.submit(SaveJob(step=step, kind="periodic", tmp_dir=tmp, staged=staged, started_ns=time.time_ns(),
+                              staging_ms=0.0, waited=False))
+        with torch.no_grad():  # training goes on while the write runs in the background
+            for p in model.parameters():
+                p.add_(1000.0)
+    writer.wait()
 """)
 
 
-def save_steps(root, steps, port):
+def save_steps(root, steps):
     """Run the saver for ``steps`` checkpoints in a fresh process; return it (not waited for)."""
     return subprocess.Popen(
-        [sys.executable, "-c", SAVER, str(root), str(steps), str(port)],
+        [sys.executable, "-c", SAVER, str(root), str(steps)],
         stdout=subprocess.PIPE,
         stderr=subprocess.DEVNULL,
         text=True,
     )
 
 
-def free_port():
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def three_saves(tmp_path_factory):
     root = tmp_path_factory.mktemp("ckpt")
-    proc = save_steps(root, 3, free_port())
+    proc = save_steps(root, 3)
     proc.wait(timeout=120)
     assert proc.returncode == 0
     return root
@@ -80,7 +88,7 @@ def test_layout_manifest_and_retention(three_saves):
     latest = latest_checkpoint(three_saves)
     assert isinstance(latest, Checkpoint) and latest.step == 3
     manifest = json.loads((latest.path / "manifest.json").read_text())
-    assert set(manifest["files"]) == {".metadata", "__0_0.distcp"}
+    assert set(manifest["files"]) == {".metadata", "rank-00000.bin"}
     assert all(len(info["sha256"]) == 64 for info in manifest["files"].values())
     df = latest.df
     assert list(df.columns) == ["name", "bytes", "sha_ok"] and df["sha_ok"].all()
@@ -103,11 +111,11 @@ def test_corrupt_file_is_skipped_with_a_warning_naming_it(tmp_path, three_saves)
 
     root = tmp_path / "copy"
     shutil.copytree(three_saves, root)
-    data = root / "step-00000003" / "__0_0.distcp"
+    data = root / "step-00000003" / "rank-00000.bin"
     raw = bytearray(data.read_bytes())
     raw[len(raw) // 2] ^= 0xFF
     data.write_bytes(bytes(raw))
-    with pytest.warns(UserWarning, match=r"__0_0\.distcp does not match its SHA-256"):
+    with pytest.warns(UserWarning, match=r"rank-00000\.bin does not match its SHA-256"):
         latest = latest_checkpoint(root)
     assert latest.step == 2
     with pytest.raises(CheckpointError, match="does not match its SHA-256"):
@@ -161,13 +169,14 @@ def test_another_model_lists_names_and_shapes(three_saves):
     assert "0.weight [256, 64] in the checkpoint vs [128, 64] in the model" in message
 
 
-def test_kill_during_save_never_leaves_a_corrupt_checkpoint(tmp_path):
-    """SIGKILL a saving process at random moments: the newest complete checkpoint always verifies and holds its step."""
+def test_kill_during_a_background_write_never_leaves_a_corrupt_checkpoint(tmp_path):
+    """SIGKILL a process at random moments while its writer thread saves: the newest complete checkpoint always
+    verifies, holds its step's state, and is the newest one committed."""
     rng = random.Random(0)
-    root = tmp_path / "kill"
     killed_mid_save = 0
-    for _trial in range(6):
-        proc = save_steps(root, 10_000, free_port())
+    for trial in range(10):
+        root = tmp_path / f"kill-{trial}"
+        proc = save_steps(root, 10_000)
         assert proc.stdout.readline().strip()  # at least one save committed
         time.sleep(rng.uniform(0.0, 0.3))
         proc.send_signal(signal.SIGKILL)
@@ -176,9 +185,9 @@ def test_kill_during_save_never_leaves_a_corrupt_checkpoint(tmp_path):
         with warnings.catch_warnings():
             warnings.simplefilter("error")  # a checksum mismatch would warn
             latest = latest_checkpoint(root)
-        assert latest is not None
+        assert latest is not None and latest.path == ckpt.complete_checkpoints(root)[0]  # the newest committed
         state = latest.state_dict()
-        assert all(torch.equal(t, torch.full_like(t, float(latest.step))) for t in state.values())
+        assert all(torch.equal(t, torch.full_like(t, float(latest.step))) for t in state.values())  # as staged
     assert killed_mid_save >= 1, "no kill landed during a save; the trial says nothing"
 
 

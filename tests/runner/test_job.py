@@ -106,9 +106,13 @@ def test_checkpointing_changes_nothing_and_keeps_the_newest(tmp_path, reference)
     assert list(result.checkpoints["kind"]) == ["periodic", "periodic", "final"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step-00000006", "step-00000008"]
     assert result.checkpoint == str(tmp_path / "step-00000008")
-    assert (result.checkpoints["save_ms"] > 0).all() and (
-        result.checkpoints["blocking_ms"] >= result.checkpoints["save_ms"]
-    ).all()
+    table = result.checkpoints
+    assert list(table["status"]) == ["committed"] * 3 and list(table["mode"]) == ["async", "async", "waited"]
+    assert (table["save_ms"] > 0).all() and (table["write_ms"] > 0).all() and (table["staging_ms"] > 0).all()
+    background = table[table["mode"] == "async"]  # the step loop waited only for the copy, not for the write
+    assert (background["blocking_ms"] < background["save_ms"]).all()
+    final = table.iloc[-1]  # the final save waits for its commit
+    assert final["blocking_ms"] == final["save_ms"] >= final["write_ms"]
     assert result.jct.preemption_loss_s >= result.checkpoints["blocking_ms"].iloc[:2].sum() / 1e3
     assert result.jct.cleanup_s >= result.checkpoints["blocking_ms"].iloc[-1] / 1e3
     final = psl.load_checkpoint(tmp_path)

@@ -161,3 +161,29 @@ def test_compare_reports_memory_and_the_probed_step_is_not_the_steady_one(gpt_pr
     assert memory["measured"].tolist() == result.memory["measured_peak_bytes"].tolist()
     assert memory["predicted"].tolist() == result.memory["predicted_peak_bytes"].tolist()
     assert (memory["rel_error"].abs() <= TOLERANCE).all()
+
+
+def test_a_run_with_checkpoints_holds_one_staged_copy_of_its_training_state(gpt_profile, gpt_runs, tmp_path):
+    setup = reference("gpt", batch_size=MICRO * 4, **GPT)
+    part = partition(gpt_profile, 2, schedule="1F1B", m=4)
+    saving = run(
+        setup.model,
+        (setup.inputs, setup.targets),
+        setup.loss_fn,
+        part,
+        4,
+        steps=2,
+        optimizer=adam,
+        progress=False,
+        checkpoint_dir=tmp_path,
+        checkpoint_every=1,
+    )
+    assert_predicted_within_tolerance(saving)
+    memory = saving.memory.set_index("rank")
+    staged = memory["checkpoint_staging_bytes"]
+    assert (staged == memory["weights_bytes"] + memory["optimizer_bytes"]).all()
+    if ("1F1B", 4) not in gpt_runs:
+        gpt_runs[("1F1B", 4)] = run_gpt(gpt_profile, "1F1B", 4)
+    plain = gpt_runs[("1F1B", 4)].memory.set_index("rank")["measured_peak_bytes"]
+    grown = memory["measured_peak_bytes"] - plain  # the staging buffer, allocated before the first step
+    assert ((grown - staged).abs() <= 0.1 * staged).all(), (grown, staged)

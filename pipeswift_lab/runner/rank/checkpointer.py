@@ -1,9 +1,16 @@
-"""One rank's side of the run's checkpoints: :class:`Checkpointer` saves (all ranks, collectively), commits (rank 0)
-and decides when to save at ``checkpoint_every="auto"``.
+"""One rank's side of the run's checkpoints: :class:`Checkpointer` stages and hands over saves (all ranks), commits
+(rank 0, in the background) and decides when to save at ``checkpoint_every="auto"``.
 
-The automatic interval is Young/Daly's √(2·C·MTBF) (Young, CACM 1974; Daly, FGCS 2006) from the *measured* save
-time C and step time. Rank 0 logs every committed checkpoint as one JSON line of ``checkpoints.log`` in the run
-directory.
+A save stalls the step loop only for a copy of the rank's state into a staging buffer allocated once (pinned on
+CUDA; :mod:`~pipeswift_lab.runner.checkpoint_files`); the file, its fsync, its checksum and the commit run in a
+background thread (:mod:`.background_writer`). At most one save is in flight: a periodic or ``"auto"`` save that
+falls due while the last one is still being written is skipped, on every rank alike (the ranks agree on it in the
+step's all-reduce), and logged with ``status="skipped"``. Final, preemption and rebalance saves are never skipped:
+they wait for the write in flight, and then for their own. ``checkpoint_async=False`` waits for every save.
+
+The automatic interval is Young/Daly's √(2·C·MTBF) (Young, CACM 1974; Daly, FGCS 2006) from the *measured* stall C
+and step time, and never shorter than a background write (a save due sooner would be skipped). Rank 0 logs every
+committed or skipped checkpoint as one JSON line of ``checkpoints.log`` in the run directory.
 """
 
 from __future__ import annotations
@@ -18,9 +25,12 @@ from typing import Any
 import torch
 
 from .. import checkpoint as ckpt
+from ..checkpoint_files import FlatLayout, stage, staging_buffer
+from ..result import CHECKPOINT_COLUMNS as CHECKPOINT_FIELDS
 from ..stages.tied import alias_map, parameter_names
+from .background_writer import RankWriter, SaveJob
 from .inputs import RankInputs
-from .state_files import save_rank_state
+from .state_files import rank_flat_state
 
 __all__ = ["Checkpointer", "CHECKPOINTS_LOG", "broadcast", "gather", "append_line"]
 
@@ -52,7 +62,8 @@ def append_line(path: Path, line: str) -> None:
 
 
 class Checkpointer:
-    """Saves (all ranks, collectively) and commits (rank 0) this run's checkpoints; decides when at ``"auto"``."""
+    """Stages and hands over (all ranks) and commits (rank 0, in the background) this run's checkpoints; decides
+    when at ``"auto"``."""
 
     def __init__(
         self, inputs: RankInputs, module: torch.nn.Module, optimizer: torch.optim.Optimizer, attempt: int
@@ -62,16 +73,53 @@ class Checkpointer:
         self.rank, self.world, self.group = inputs.rank, inputs.world, inputs.gather_group
         self.module, self.optimizer, self.attempt = module, optimizer, attempt
         self.save_s: list[float] = []
+        """Rank 0: how long each save stalled the step loop (C of Young/Daly)."""
         self.step_s: list[float] = []
         self.last_saved_step: int | None = None
         self.latest: str | None = None
-        self.saves = 0  # saves this attempt took, counted on every rank
+        self.saves = 0  # saves this attempt began, counted on every rank
         self.aliases = alias_map(parameter_names(self.spec.model))  # tied weights: stored once, under one name
+        self.tag = f"{(self.job.run_id or 'run')[:8]}-a{attempt}"  # the saves' directory names, on every rank
+        topo = inputs.topo
+        self.training_state = getattr(topo, "replica", 0) == 0  # replicas hold the same state: replica 0 saves it
+        self.writer = RankWriter(
+            self.rank,
+            self.world,
+            {"pp_rank": getattr(topo, "pp_rank", self.rank), "replica": getattr(topo, "replica", 0)},
+            self._commit if self.rank == 0 else None,
+            fault=self.job.write_fault,
+            pace_s=getattr(self.job, "slow_disk_s", 0.0),
+        )
+        self._layout: FlatLayout | None = None
+        self._buffer: torch.Tensor | None = None
+        if self.enabled:
+            self._stage_into(self._flat())  # the staging buffer exists before the first step (and is measured)
+
+    def _flat(self) -> dict[str, Any]:
+        return rank_flat_state(
+            self.rank, self.module, self.optimizer, self.inputs.device, self.aliases, self.training_state
+        )
+
+    def _stage_into(self, flat: dict[str, Any]) -> torch.Tensor:
+        """The staging buffer for ``flat``'s layout: planned and allocated once per topology and state shape."""
+        if self._layout is None or self._buffer is None or not self._layout.fits(flat):
+            self._layout = FlatLayout.of(flat)
+            self._buffer = staging_buffer(self._layout.nbytes, self.inputs.device)
+        return self._buffer
 
     @property
     def enabled(self) -> bool:
         """Whether the run has a checkpoint root."""
         return self.root is not None
+
+    @property
+    def asynchronous(self) -> bool:
+        """Whether saves are written in the background (``checkpoint_async``)."""
+        return bool(getattr(self.job, "checkpoint_async", True))
+
+    def busy(self) -> bool:
+        """Whether this rank's last save is still being written (on rank 0: not yet committed)."""
+        return self.writer.busy()
 
     def periodic_due(self, done: int) -> bool:
         """Whether ``checkpoint_every=N`` asks for a save after ``done`` steps (the final save is separate)."""
@@ -79,63 +127,100 @@ class Checkpointer:
         return self.enabled and isinstance(every, int) and done % every == 0 and done < self.spec.steps
 
     def interval_steps(self) -> int | None:
-        """Steps between saves at ``"auto"``: τ = √(2·C·MTBF) over the median step (None before the first save)."""
+        """Steps between saves at ``"auto"``: τ = √(2·C·MTBF) over the median step, and at least the steps a
+        background write takes (None before the first save)."""
         if self.job.checkpoint_every != "auto" or not self.save_s or not self.step_s or self.job.mtbf_s is None:
             return None
+        step_s = statistics.median(self.step_s)
         tau_s = math.sqrt(2.0 * statistics.median(self.save_s) * self.job.mtbf_s)
-        return max(1, round(tau_s / statistics.median(self.step_s)))
+        writes = math.ceil(statistics.median(self.writer.write_s) / step_s) if self.writer.write_s else 1
+        return max(1, round(tau_s / step_s), writes)
 
     def auto_vote(self, done: int) -> bool:
         """Rank 0's vote at ``"auto"``: save after this attempt's first step (to measure C), then every τ steps."""
         if not self.enabled or self.job.checkpoint_every != "auto" or self.rank != 0 or done >= self.spec.steps:
+            return False
+        if self.busy():  # the last save is still being written: vote when it is done
             return False
         interval = self.interval_steps()
         if not self.save_s or interval is None or self.last_saved_step is None:
             return True
         return done - self.last_saved_step >= interval
 
-    def save(self, step: int, kind: str) -> None:
-        """Every rank writes its state for ``step`` steps done; rank 0 commits and logs it (with the stall,
-        ``blocking_ms``)."""
+    def raise_if_failed(self) -> None:
+        """Raise the error of a background write of this rank that failed (naming the checkpoint and the path)."""
+        self.writer.raise_if_failed()
+
+    def skip(self, step: int, kind: str) -> None:
+        """Rank 0 logs a save due after ``step`` steps that was skipped because the last one was still being
+        written."""
+        if self.rank == 0:
+            record = dict.fromkeys(CHECKPOINT_FIELDS)
+            record.update(step=step, kind=kind, status="skipped", attempt=self.attempt, blocking_ms=0.0)
+            record.update(mode="async", interval_steps=self.interval_steps())
+            append_line(self.inputs.out_dir / CHECKPOINTS_LOG, json.dumps(record))
+
+    def save(self, step: int, kind: str, wait: bool = False) -> None:
+        """Stage this rank's state for ``step`` steps done and hand it to the writer; with ``wait`` (or
+        ``checkpoint_async=False``) return only when it is written (on rank 0: committed)."""
         if self.root is None:
             raise RuntimeError("Checkpointer.save needs a checkpoint root (the run has no checkpoint_dir)")
-        t0 = time.perf_counter()
-        tmp = broadcast(str(ckpt.new_tmp_dir(self.root, step)) if self.rank == 0 else None, self.group)
-        mine = save_rank_state(
-            Path(tmp),
-            self.rank,
-            self.module,
-            self.optimizer,
-            self.inputs.device,
-            self.group,
-            step=step,
-            fault=self.job.write_fault,
-            aliases=self.aliases,
+        wait = wait or not self.asynchronous
+        started_ns, t0 = time.time_ns(), time.perf_counter()
+        self.writer.wait()  # one save in flight at most: a save that may not be skipped waits for the last one
+        flat = self._flat()
+        buffer = self._stage_into(flat)
+        assert self._layout is not None
+        staged = stage(flat, self._layout, buffer)
+        staging_s = time.perf_counter() - t0
+        self.writer.submit(
+            SaveJob(
+                step=step,
+                kind=kind,
+                tmp_dir=ckpt.new_tmp_dir(self.root, step, self.tag),
+                staged=staged,
+                started_ns=started_ns,
+                staging_ms=staging_s * 1e3,
+                waited=wait,
+                interval_steps=self.interval_steps(),
+            )
         )
-        parts = gather(mine, self.rank, self.world, self.group)
-        if parts is not None:
-            path = ckpt.commit(Path(tmp), self._manifest(step, kind), parts, keep=self.job.keep)
-            self._log(step, kind, path, parts, blocking_ms=(time.perf_counter() - t0) * 1e3)
+        if wait:
+            self.writer.wait()
+        if self.rank == 0:
+            self.save_s.append(time.perf_counter() - t0)
         self.last_saved_step = step
         self.saves += 1
 
-    def _log(self, step: int, kind: str, path: Path, parts: list[dict[str, Any]], blocking_ms: float) -> None:
-        """Rank 0: one line of ``checkpoints.log`` for the committed checkpoint; C is what the job stalled for."""
+    def close(self) -> None:
+        """Wait for the save in flight (on rank 0 until it is committed); raise its error if it failed."""
+        self.writer.wait()
+
+    def _commit(self, job: SaveJob, records: list[dict[str, Any]]) -> None:
+        """Rank 0, in the writer's thread: commit the save every rank has written, and log it."""
+        assert self.root is not None
+        path = ckpt.commit(job.tmp_dir, self._manifest(job.step, job.kind), records, keep=self.job.keep, live=self.tag)
+        end_ns = time.time_ns()
+        rank_bytes = [int(r["bytes"]) for r in records]
+        stall_ms = (end_ns - job.started_ns) / 1e6 if job.waited else max(r["staging_ms"] for r in records)
         record = {
-            "step": step,
+            "step": job.step,
             "path": str(path),
-            "bytes": sum(f["bytes"] for p in parts for f in p["files"].values()),
-            "largest_rank_bytes": max(sum(f["bytes"] for f in p["files"].values()) for p in parts),
-            "largest_rank_state_bytes": max(p["state_bytes"] for p in parts),
-            "save_ms": max(p["save_ms"] for p in parts),
-            "blocking_ms": blocking_ms,
-            "kind": kind,
+            "bytes": sum(rank_bytes),
+            "largest_rank_bytes": max(rank_bytes),
+            "largest_rank_state_bytes": max(r["state_bytes"] for r in records),
+            "save_ms": (end_ns - job.started_ns) / 1e6,
+            "blocking_ms": stall_ms,
+            "staging_ms": max(r["staging_ms"] for r in records),
+            "write_ms": max(r["write_ms"] for r in records),
+            "kind": job.kind,
+            "status": "committed",
+            "mode": "sync" if job.waited and not self.asynchronous else ("waited" if job.waited else "async"),
             "attempt": self.attempt,
-            "interval_steps": self.interval_steps(),
-            "end_ns": time.time_ns(),
+            "interval_steps": job.interval_steps,
+            "end_ns": end_ns,
         }
         append_line(self.inputs.out_dir / CHECKPOINTS_LOG, json.dumps(record))
-        self.save_s.append(blocking_ms / 1e3)  # DCP write, checksums, commit
         self.latest = str(path)
 
     def _manifest(self, step: int, kind: str) -> dict[str, Any]:

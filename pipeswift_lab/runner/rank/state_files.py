@@ -1,25 +1,39 @@
-"""One rank's side of a checkpoint: its layers, optimizer state and RNG states, written and read with DCP.
+"""One rank's side of a checkpoint: its layers, optimizer state and RNG states, as a flat state, and read back.
 
-Every rank saves and loads its own stages' state by the *full model's* names (``get_state_dict``
-with ``flatten_optimizer_state_dict=True``, as torchtitan does for pipeline stages), so a
-checkpoint written by P ranks loads into any other partition. A tied weight is stored once,
-under its canonical name (:mod:`~pipeswift_lab.runner.stages.tied`). The directory layout,
-the atomic commit and reading a checkpoint back live in :mod:`~pipeswift_lab.runner.checkpoint`.
+Every rank saves its own stages' state by the *full model's* names (``get_state_dict`` with
+``flatten_optimizer_state_dict=True``, as torchtitan does for pipeline stages), so a checkpoint
+written by P ranks loads into any other partition. A tied weight is stored once per rank, under
+its canonical name (:mod:`~pipeswift_lab.runner.stages.tied`). With ``D > 1`` only replica 0 saves
+the (replicated) training state; every rank saves its RNG states.
+
+Restoring takes one of two paths:
+
+* **the same topology** (same bounds, stage placement and world size): each rank reads the file its
+  pipeline position wrote, straight into fresh tensors (one read per section), copies the model part into
+  its layers and hands the optimizer part to ``Optimizer.load_state_dict``. No collective, no DCP
+  planning, and no ``get_state_dict``, whose zero-learning-rate step initializes an empty optimizer
+  state only to overwrite it;
+* **another partition**: DCP's load, through a ``StorageReader`` over the rank files, regroups the
+  state by name (``get_state_dict`` / ``set_state_dict``).
+
+The file layout, the atomic commit and reading a checkpoint back live in
+:mod:`~pipeswift_lab.runner.checkpoint_files` and :mod:`~pipeswift_lab.runner.checkpoint`.
 """
 
 from __future__ import annotations
 
 import time
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ..checkpoint import MODEL, OPTIM, RNG, sha256_of
-from ..stages.tied import canonical_state, spread_canonical
+from ..checkpoint_files import MODEL, OPTIM, RNG, flat_state, read_section
+from ..stages.tied import canonical_key, canonical_state, spread_canonical
 
 if TYPE_CHECKING:
     import torch
     from torch.distributed import ProcessGroup
     from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    from ..checkpoint import Checkpoint
 
 
 def _state_options() -> StateDictOptions:
@@ -38,55 +52,34 @@ def rng_states(device: torch.device | str) -> dict[str, torch.Tensor]:
     return states
 
 
-def save_rank_state(
-    tmp_dir: Path,
+def rank_flat_state(
     rank: int,
     module: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
-    device: torch.device,
-    group: ProcessGroup | None,
-    step: int | None = None,
-    fault: dict[str, Any] | None = None,
+    device: torch.device | str,
     aliases: dict[str, str] | None = None,
+    training_state: bool = True,
 ) -> dict[str, Any]:
-    """Write this rank's layers, optimizer state and RNG states into ``tmp_dir`` with DCP (a collective).
-
-    ``aliases`` (``{alias: canonical}``, the names of tied weights) store a shared tensor once, under its canonical
-    name, whichever names the rank holds it by (DCP writes a key that several ranks hold once).
-
-    ``fault`` is a :func:`~pipeswift_lab.runner.faults.write_fault` the run carries, matched against ``step`` (steps
-    done).
-
-    Returns ``{"files": {name: {"bytes", "sha256"}}, "save_ms"}`` for this rank's own files,
-    hashed right after DCP wrote (and fsynced) them.
-    """
-    import torch.distributed.checkpoint as dcp
+    """This rank's checkpoint state, flattened into DCP's keys: ``model.<name>`` and ``optim.<...>`` (the full
+    model's names, a tied weight under its canonical one; left out when not ``training_state``, as on a replica
+    other than 0) and ``rng.rank<r>.<generator>``. The tensors are the live ones, not copies."""
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
-    from ..faults import raise_write_fault
-
-    t0 = time.perf_counter()
-    raise_write_fault(fault, step, rank, tmp_dir)
-    untouched = not optimizer.state  # get_state_dict initializes an empty state with a zero-lr step: undo it after
-    model_sd, optim_sd = get_state_dict(module, optimizer, options=_state_options())
-    aliases = aliases or {}
-    state = {
-        MODEL: canonical_state(model_sd, aliases),
-        OPTIM: canonical_state(optim_sd, aliases),
-        RNG: {f"rank{rank}": rng_states(device)},
-    }
-    dcp.save(state, storage_writer=dcp.FileSystemWriter(str(tmp_dir), sync_files=True), process_group=group)
-    if untouched:
-        optimizer.state.clear()
-    save_ms = (time.perf_counter() - t0) * 1e3
-    files = {}
-    for path in sorted(tmp_dir.glob(f"__{rank}_*.distcp")):
-        files[path.name] = {"bytes": path.stat().st_size, "sha256": sha256_of(path)}
-    return {"files": files, "save_ms": save_ms, "state_bytes": state_bytes(state)}
+    state: dict[str, Any] = {}
+    if training_state:
+        untouched = not optimizer.state  # get_state_dict initializes an empty state with a zero-lr step: undo it
+        model_sd, optim_sd = get_state_dict(module, optimizer, options=_state_options())
+        if untouched:
+            optimizer.state.clear()
+        aliases = aliases or {}
+        state[MODEL] = canonical_state(model_sd, aliases)
+        state[OPTIM] = canonical_state(optim_sd, aliases)
+    state[RNG] = {f"rank{rank}": rng_states(device)}
+    return flat_state(state)
 
 
 def restore_rank_state(
-    path: Path,
+    checkpoint: Checkpoint,
     rank: int,
     module: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
@@ -94,37 +87,135 @@ def restore_rank_state(
     group: ProcessGroup | None,
     restore_rng: bool,
     aliases: dict[str, str] | None = None,
+    pp_rank: int | None = None,
 ) -> dict[str, Any]:
-    """Load this rank's layers and optimizer state (by name) from the checkpoint at ``path`` (a collective).
+    """Load this rank's layers and optimizer state (by name) from ``checkpoint``.
 
+    ``restore_rng`` means the same topology as the saver's (same partition, placement and world size): the rank's
+    RNG states are restored too, and when the checkpoint has rank files (format 2) the rank reads the file of its
+    pipeline position (``pp_rank``, replica 0) directly. Otherwise DCP loads by name (a collective over ``group``).
     A tied weight is read under its canonical name (``aliases``: ``{alias: canonical}``) into every name the rank
     holds it by.
 
-    With ``restore_rng`` (same partition as the saver) the rank's RNG states are restored too.
-    Returns ``{"restore_ms", "bytes"}``: the wall time and the bytes of state this rank loaded.
+    Returns ``{"restore_ms", "bytes", "path"}``: the wall time, the bytes of state loaded, and ``"direct"`` or
+    ``"dcp"``.
     """
+    t0 = time.perf_counter()
+    aliases = aliases or {}
+    if restore_rng and checkpoint.ranks and pp_rank is not None:
+        loaded = _restore_direct(checkpoint, rank, pp_rank, module, optimizer, device, aliases)
+        if loaded is not None:
+            return {"restore_ms": (time.perf_counter() - t0) * 1e3, "bytes": loaded, "path": "direct"}
+    loaded = _restore_dcp(checkpoint, rank, module, optimizer, device, group, restore_rng, aliases)
+    return {"restore_ms": (time.perf_counter() - t0) * 1e3, "bytes": loaded, "path": "dcp"}
+
+
+def _restore_dcp(
+    checkpoint: Checkpoint,
+    rank: int,
+    module: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    device: torch.device,
+    group: ProcessGroup | None,
+    restore_rng: bool,
+    aliases: dict[str, str],
+) -> int:
+    """DCP's load by name (any partition); returns the bytes of state loaded."""
     import torch
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-    t0 = time.perf_counter()
+    from ..checkpoint import storage_reader
+
     model_sd, optim_sd = get_state_dict(module, optimizer, options=_state_options())
     rng = {f"rank{rank}": {k: torch.empty_like(v) for k, v in rng_states(device).items()}} if restore_rng else {}
-    aliases = aliases or {}
     state: dict[str, Any] = {MODEL: canonical_state(model_sd, aliases), OPTIM: canonical_state(optim_sd, aliases)}
     if restore_rng:
         state[RNG] = rng
-    dcp.load(state, storage_reader=dcp.FileSystemReader(str(path)), process_group=group)
+    dcp.load(state, storage_reader=storage_reader(checkpoint), process_group=group)
     spread_canonical(state[MODEL], model_sd, aliases)
     spread_canonical(state[OPTIM], optim_sd, aliases)
     set_state_dict(module, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd, options=_state_options())
     if restore_rng:
-        saved = rng[f"rank{rank}"]
-        torch.set_rng_state(saved["cpu"])
-        if "cuda" in saved:  # pragma: no cover - needs GPUs
-            torch.cuda.set_rng_state(saved["cuda"], device)
+        _set_rng(rng[f"rank{rank}"], device)
+    return state_bytes(state)
 
-    return {"restore_ms": (time.perf_counter() - t0) * 1e3, "bytes": state_bytes(state)}
+
+def _restore_direct(
+    checkpoint: Checkpoint,
+    rank: int,
+    pp_rank: int,
+    module: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    device: torch.device,
+    aliases: dict[str, str],
+) -> int | None:
+    """Read this rank's state from the file its pipeline position wrote; ``None`` when the optimizer's state cannot
+    be rebuilt from it without DCP (nested state names), and then nothing was changed."""
+    records = {r["rank"]: r for r in checkpoint.ranks}
+    own = records.get(rank)
+    saver = next((r for r in checkpoint.ranks if r["pp_rank"] == pp_rank and r["replica"] == 0), None)
+    if own is None or saver is None:
+        return None
+    optim_keys = [k for k in saver["tensors"] if k.startswith(OPTIM + ".")]
+    optim_keys += [k for k in saver["objects"] if k.startswith(OPTIM + ".")]
+    optim_flat = read_section(checkpoint.path / saver["file"], saver, optim_keys)
+    optim_state = _optimizer_state_dict(optimizer, module, optim_flat, aliases)
+    if optim_state is None:
+        return None
+    model_keys = {key: f"{MODEL}.{canonical_key(key, aliases)}" for key in module.state_dict()}
+    model_flat = read_section(checkpoint.path / saver["file"], saver, sorted(set(model_keys.values())))
+    module.load_state_dict({key: model_flat[flat] for key, flat in model_keys.items()})
+    optimizer.load_state_dict(optim_state)
+    rng_prefix = f"{RNG}.rank{rank}."
+    rng = read_section(checkpoint.path / own["file"], own, [k for k in own["tensors"] if k.startswith(rng_prefix)])
+    _set_rng({k[len(rng_prefix) :]: v for k, v in rng.items()}, device)
+    return state_bytes(model_flat) + state_bytes(optim_flat)
+
+
+def _optimizer_state_dict(
+    optimizer: torch.optim.Optimizer, module: torch.nn.Module, flat: dict[str, Any], aliases: dict[str, str]
+) -> dict[str, Any] | None:
+    """``optimizer.state_dict()``'s form of a flattened optimizer state (torch's ``state.<param>.<name>`` and
+    ``param_groups.<param>.<hyperparameter>`` keys), for this rank's parameters in the optimizer's order; ``None``
+    when a key does not split into a parameter of ``module`` and one name."""
+    names: dict[int, str] = {}
+    for name, param in module.named_parameters():
+        names.setdefault(id(param), canonical_key(name, aliases))
+    known = set(names.values())
+    per_param: dict[str, dict[str, Any]] = {}
+    hyper: dict[str, dict[str, Any]] = {}
+    for key, value in flat.items():
+        section, _, rest = key[len(OPTIM) + 1 :].partition(".")
+        fqn, _, name = rest.rpartition(".")
+        if fqn not in known or section not in ("state", "param_groups"):
+            return None
+        (per_param if section == "state" else hyper).setdefault(fqn, {})[name] = value
+    state: dict[int, dict[str, Any]] = {}
+    groups, index = [], 0
+    for group in optimizer.param_groups:
+        ids = []
+        for param in group["params"]:
+            held = names.get(id(param))
+            if held is None:
+                return None
+            if held in per_param:
+                state[index] = per_param[held]
+            ids.append(index)
+            index += 1
+        first = names[id(group["params"][0])] if group["params"] else None
+        if first not in hyper:
+            return None
+        groups.append({**hyper[first], "params": ids})
+    return {"state": state, "param_groups": groups}
+
+
+def _set_rng(saved: dict[str, torch.Tensor], device: torch.device) -> None:
+    import torch
+
+    torch.set_rng_state(saved["cpu"])
+    if "cuda" in saved:  # pragma: no cover - needs GPUs
+        torch.cuda.set_rng_state(saved["cuda"], device)
 
 
 def state_bytes(obj: object) -> int:
@@ -138,4 +229,4 @@ def state_bytes(obj: object) -> int:
     return 0
 
 
-__all__ = ["restore_rank_state", "rng_states", "save_rank_state", "state_bytes"]
+__all__ = ["rank_flat_state", "restore_rank_state", "rng_states", "state_bytes"]

@@ -9,8 +9,10 @@ updates, the ranks agree in one small all-reduce (MAX over three flags) on
 * ``stop`` — some rank was asked to stop (SIGTERM: a preemption notice; or the launcher's
   ``preempt`` file): every rank finishes this step, all save at the same step, and exit;
 * ``save`` — rank 0's vote for a checkpoint at ``checkpoint_every="auto"``: the Young/Daly
-  interval √(2·C·MTBF) (Young, CACM 1974; Daly, FGCS 2006) from the *measured* save time C
-  and step time (:mod:`.checkpointer`).
+  interval √(2·C·MTBF) (Young, CACM 1974; Daly, FGCS 2006) from the *measured* save stall C
+  and step time (:mod:`.checkpointer`);
+* ``busy`` — rank 0's last save is still being written in the background: a periodic or
+  automatic save due now is skipped on every rank.
 
 Files written into the run directory for the launcher: ``steps.log`` (the last rank: one
 ``attempt step start_ns end_ns`` line per step), ``checkpoints.log`` (rank 0: one JSON line
@@ -22,12 +24,9 @@ from __future__ import annotations
 import json
 import math
 import os
-import signal
-import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import FrameType
 from typing import Any
 
 import torch
@@ -40,6 +39,7 @@ from .inputs import RankInputs
 from .instrument import ActionRecorder
 from .memory_probe import MemoryProbe, probed_step
 from .state_files import restore_rank_state
+from .stop_request import PREEMPT_FILE, StopRequest
 
 __all__ = [
     "train",
@@ -55,51 +55,12 @@ __all__ = [
 ]
 
 STEPS_LOG = "steps.log"
-PREEMPT_FILE = "preempt"
 PROGRESS_FILE = "progress"
 
 
 def attempt_number() -> int:
     """Which attempt of the run this process belongs to (torch elastic's restart count; 0 at first)."""
     return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
-
-
-class StopRequest:
-    """Set by SIGTERM (a preemption notice) or by the launcher's ``preempt`` file in the run directory.
-
-    A SIGTERM also starts ``grace_s``: a rank that has not exited by then kills itself, and the
-    previous checkpoint stands (a save never half-commits).
-    """
-
-    def __init__(self, out_dir: Path, rank: int, grace_s: float) -> None:
-        self.flag = False
-        self.grace_s = grace_s
-        self._file = out_dir / PREEMPT_FILE
-        self._marker = out_dir / f"rank{rank}.sigterm"
-
-    def install(self) -> None:
-        """Take SIGTERM: note it (in ``rank{r}.sigterm`` too) instead of dying mid-step."""
-        try:
-            signal.signal(signal.SIGTERM, self._on_sigterm)
-        except ValueError:  # not the main thread: leave SIGTERM as it is
-            pass
-
-    def _on_sigterm(self, signum: int, frame: FrameType | None) -> None:
-        if not self.flag:
-            import threading
-
-            timer = threading.Timer(self.grace_s, os.kill, (os.getpid(), signal.SIGKILL))
-            timer.daemon = True
-            timer.start()
-        self.flag = True
-        try:
-            self._marker.write_text(str(time.time_ns()))
-        except OSError:
-            pass
-
-    def requested(self) -> bool:
-        """Whether this rank has been asked to stop."""
-        return self.flag or self._file.exists()
 
 
 def rank_module(stages: list[Any]) -> torch.nn.Module:
@@ -195,7 +156,8 @@ def train(inputs: RankInputs) -> list[dict[str, Any]] | None:
     interval = state.saver.interval_steps()  # the interval the run used, before the final save joins the measurements
     job, saver = inputs.spec.job, state.saver
     if log.status == "completed" and saver.enabled and job.final_kind and saver.last_saved_step != inputs.spec.steps:
-        saver.save(inputs.spec.steps, job.final_kind)
+        saver.save(inputs.spec.steps, job.final_kind, wait=True)
+    saver.close()  # a save still in flight (the last good state, even at a non-finite loss) is committed first
     final_ns = state.recorder.now_ns()
     return gather(_payload(inputs, state, log, interval, final_ns), inputs.rank, inputs.world, inputs.gather_group)
 
@@ -253,14 +215,15 @@ def _restore(inputs: RankInputs, state: RankState) -> None:
     source = _restore_source(inputs, state.attempt)
     if source is not None:
         plan, world = inputs.spec.plan, inputs.world
-        manifest = ckpt.verify(source).manifest
+        checkpoint = ckpt.Checkpoint(Path(source), ckpt.read_manifest(Path(source)))  # verified by who chose it
+        manifest = checkpoint.manifest
         same = (
             tuple(tuple(b) for b in manifest["bounds"]) == plan.bounds
             and tuple(manifest["stage_to_rank"]) == plan.stage_to_rank
             and int(manifest.get("world_size", world)) == world
         )  # RNG states are per rank: the same ranks, D included
         restored = restore_rank_state(
-            Path(source),
+            checkpoint,
             inputs.rank,
             state.saver.module,
             state.optimizer,
@@ -268,8 +231,9 @@ def _restore(inputs: RankInputs, state: RankState) -> None:
             inputs.gather_group,
             restore_rng=same,
             aliases=state.saver.aliases,
+            pp_rank=inputs.topo.pp_rank,
         )
-        restored.update(path=str(source), step=int(manifest["step"]), rng_restored=same)
+        restored.update(read=restored["path"], path=str(source), step=int(manifest["step"]), rng_restored=same)
         state.restored, state.first_step = restored, restored["step"]
         state.saver.last_saved_step = state.first_step
     state.memory.probe_step = probed_step(state.first_step, inputs.spec.steps) if state.memory.enabled else None
@@ -300,9 +264,10 @@ def _train_steps(inputs: RankInputs, state: RankState) -> StepLog:
     log = StepLog()
     state.memory.start()
     for step in range(state.first_step, spec.steps):
+        saver.raise_if_failed()  # a background write that failed ends the run here, naming the checkpoint
         with state.memory.step(step):
             start_ns, loss = _run_step(inputs, state, step)
-            bad, stopping, vote = _agree(inputs, state, loss, step + 1)
+            bad, stopping, vote, busy = _agree(inputs, state, loss, step + 1)
             if bad and job.on_nonfinite == "raise":
                 log.status = "nonfinite"
                 log.nonfinite = {
@@ -323,10 +288,13 @@ def _train_steps(inputs: RankInputs, state: RankState) -> StepLog:
         if stopping:
             log.status = "preempted"
             if saver.enabled:
-                saver.save(done, "preempt")
+                saver.save(done, "preempt", wait=True)
             break
         if saver.periodic_due(done) or vote:
-            saver.save(done, "auto" if vote else "periodic")
+            if busy:
+                saver.skip(done, "auto" if vote else "periodic")
+            else:
+                saver.save(done, "auto" if vote else "periodic")
         if _rebalanced(inputs, state, log, done):
             break
     return log
@@ -368,8 +336,9 @@ def _run_step(inputs: RankInputs, state: RankState, step: int) -> tuple[int, flo
     return start_ns, loss
 
 
-def _agree(inputs: RankInputs, state: RankState, loss: float, done: int) -> tuple[bool, bool, bool]:
-    """One all-reduce (MAX) over every rank's flags: ``(non-finite loss, stop requested, rank 0 votes to save)``."""
+def _agree(inputs: RankInputs, state: RankState, loss: float, done: int) -> tuple[bool, bool, bool, bool]:
+    """One all-reduce (MAX) over every rank's flags: ``(non-finite loss, stop requested, rank 0 votes to save, a save
+    still in flight)``."""
     import torch.distributed as dist
 
     flags = torch.tensor(
@@ -377,12 +346,13 @@ def _agree(inputs: RankInputs, state: RankState, loss: float, done: int) -> tupl
             int(_holds_last(inputs) and not math.isfinite(loss)),
             int(state.stop.requested()),
             int(state.saver.auto_vote(done)),
+            int(state.saver.busy()),
         ],
         dtype=torch.int64,
     )
     dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=inputs.gather_group)
-    bad, stopping, vote = (bool(x) for x in flags.tolist())
-    return bad, stopping, vote
+    bad, stopping, vote, busy = (bool(x) for x in flags.tolist())
+    return bad, stopping, vote, busy
 
 
 def _record_step(inputs: RankInputs, state: RankState, log: StepLog, step: int, start_ns: int, loss: float) -> None:
@@ -408,7 +378,7 @@ def _rebalanced(inputs: RankInputs, state: RankState, log: StepLog, done: int) -
         log.rebalances.append(decision)
     if not decision["taken"]:
         return False
-    state.saver.save(done, "rebalance")
+    state.saver.save(done, "rebalance", wait=True)
     log.status, log.new_bounds = "rebalance", decision["new_bounds"]
     return True
 
@@ -429,7 +399,7 @@ def _rebalance_decision(inputs: RankInputs, state: RankState, done: int) -> dict
     if plan is None:
         raise RuntimeError("a rebalance decision needs the job's rebalance plan")
     if plan.cost_s is None and saver.saves == 0:
-        saver.save(done, "periodic")
+        saver.save(done, "periodic", wait=True)
     start = max(done - plan.every, first_step + 1 if done - first_step > 1 else first_step)  # not the warm-up step
     mine = measured_stage_ms(state.recorder.rows(), spec.plan.stages_of(inputs.topo.pp_rank), start, done)
     parts = gather(mine, inputs.rank, inputs.world, inputs.gather_group)
