@@ -2,11 +2,13 @@
 
 A job runs as one or more *segments*, each on a fixed number of GPUs ``n``::
 
-    [assembly A][restore / resize checkpoint L][training R, with a checkpoint of save_s every τ][cleanup C]
+    [assembly A][restore / resize checkpoint L][training R, with a checkpoint stall of stall_s every τ][cleanup C]
 
 ``A`` comes from :class:`~pipeswift_lab.core.costs.AssemblyModel`, ``L`` is the restore of the
 last checkpoint (when there is one) plus, after a resize, the checkpoint written before
-it; ``R`` is the remaining work at the segment's speed; ``C`` is the final checkpoint and
+it (a whole save, ``save_s``: the job waits for it); ``R`` is the remaining work at the segment's
+speed; a periodic checkpoint stalls training ``stall_s`` (only its staging copy when saves are
+asynchronous, :meth:`~pipeswift_lab.core.costs.CheckpointModel.stall_s`); ``C`` is the final checkpoint and
 teardown. A segment ends in one event (its finish), or early when the policy resizes the
 job (a *voluntary* stop: all training so far is checkpointed) or preempts it (an
 *involuntary* stop: the training since the last periodic checkpoint is lost).
@@ -14,7 +16,7 @@ job (a *voluntary* stop: all training so far is checkpointed) or preempts it (an
 Every second of a job's life is charged to exactly one term, so
 ``end_s - submit_s = queue_s + assembly_s + training_s + cleanup_s + preemption_loss_s``:
 queue is time holding no GPU; assembly every segment's ``A``; training the training kept;
-cleanup the final ``C``; preemption loss the restores, the checkpoints written (periodic
+cleanup the final ``C``; preemption loss the restores, the checkpoints' stalls (periodic
 and before resizes) and the training lost to preemptions.
 """
 
@@ -45,7 +47,7 @@ class ClusterJob:
     __slots__ = (
         *("idx", "name", "submit", "gpus", "min_gpus", "max_gpus", "priority", "model", "ref_speed", "work"),
         *("has_state", "state", "n", "version", "wait_since", "reason", "key"),
-        *("seg_start", "seg_A", "seg_L", "seg_R", "seg_k", "seg_C", "seg_save", "seg_end"),  # the running segment
+        *("seg_start", "seg_A", "seg_L", "seg_R", "seg_k", "seg_C", "seg_stall", "seg_end"),  # the running segment
         *("queue", "assembly", "training", "cleanup", "loss", "lost_work"),  # the JCT terms so far
         *("restarts", "resizes", "preemptions", "start", "end", "held_min", "held_max", "attained"),
     )
@@ -70,7 +72,7 @@ class ClusterJob:
         self.state = "pending"
         self.n = 0
         self.version = 0
-        self.seg_start = self.seg_A = self.seg_L = self.seg_R = self.seg_C = self.seg_save = self.seg_end = 0.0
+        self.seg_start = self.seg_A = self.seg_L = self.seg_R = self.seg_C = self.seg_stall = self.seg_end = 0.0
         self.seg_k = 0
         self.wait_since = submit
         self.queue = self.assembly = self.training = self.cleanup = self.loss = 0.0
@@ -87,12 +89,12 @@ class ClusterJob:
         return self.work * self.ref_speed / self.model.speed[n]
 
     def runtime_s(self, n: int, interval: float) -> float:
-        """Predicted seconds from a start on ``n`` GPUs to the end: assembly, restore, training, checkpoints and
-        cleanup."""
+        """Predicted seconds from a start on ``n`` GPUs to the end: assembly, restore, training, periodic checkpoints'
+        stalls and cleanup."""
         m = self.model
         R = self.wall_s(n)
         k = max(0, math.ceil(R / interval) - 1) if interval < math.inf and R > 0 else 0
-        return m.assembly_s[n] + (m.restore_s[n] if self.has_state else 0.0) + R + k * m.save_s[n] + m.cleanup_s[n]
+        return m.assembly_s[n] + (m.restore_s[n] if self.has_state else 0.0) + R + k * m.stall_s[n] + m.cleanup_s[n]
 
     def resizable(self, t: float) -> bool:
         """Whether the job runs at ``t`` and has not reached its cleanup (a resize would not be absurd)."""
@@ -178,8 +180,8 @@ class Cluster:
         k = max(0, math.ceil(R / self.interval) - 1) if self.interval < math.inf and R > 0 else 0
         job.n, job.state = n, "running"
         job.seg_start, job.seg_A, job.seg_L, job.seg_R, job.seg_k = t, m.assembly_s[n], restore + resize_save_s, R, k
-        job.seg_save, job.seg_C = m.save_s[n], m.cleanup_s[n]
-        job.seg_end = t + job.seg_A + job.seg_L + R + k * job.seg_save + job.seg_C
+        job.seg_stall, job.seg_C = m.stall_s[n], m.cleanup_s[n]
+        job.seg_end = t + job.seg_A + job.seg_L + R + k * job.seg_stall + job.seg_C
         job.held_min, job.held_max = min(job.held_min, n), max(job.held_max, n)
         job.version += 1
         self.used += n
@@ -200,7 +202,7 @@ class Cluster:
     def finish(self, job: ClusterJob, t: float) -> None:
         """The segment reached its end: the job is done."""
         job.assembly += job.seg_A
-        job.loss += job.seg_L + job.seg_k * job.seg_save
+        job.loss += job.seg_L + job.seg_k * job.seg_stall
         job.training += job.seg_R
         job.cleanup += job.seg_C
         job.work = 0.0
@@ -225,23 +227,23 @@ class Cluster:
             job.assembly += A
             job.loss += L
             x = elapsed - A - L
-            R, save, k = job.seg_R, job.seg_save, job.seg_k
-            if x >= R + k * save:  # in cleanup: all training is done, the cleanup so far is lost
-                kept, ckpt, lost = R, k * save, x - R - k * save
+            R, stall, k = job.seg_R, job.seg_stall, job.seg_k
+            if x >= R + k * stall:  # in cleanup: all training is done, the cleanup so far is lost
+                kept, ckpt, lost = R, k * stall, x - R - k * stall
             elif self.interval == math.inf:
                 kept, ckpt, lost = (x, 0.0, 0.0) if voluntary else (0.0, 0.0, x)
             else:
-                cycle = self.interval + save
+                cycle = self.interval + stall
                 c = min(int(x // cycle), k)
                 within = x - c * cycle
                 if voluntary:
                     kept, ckpt, lost = (
                         c * self.interval + min(within, self.interval),
-                        c * save + max(0.0, within - self.interval),
+                        c * stall + max(0.0, within - self.interval),
                         0.0,
                     )
                 else:
-                    kept, ckpt = c * self.interval, c * save
+                    kept, ckpt = c * self.interval, c * stall
                     lost = x - kept - ckpt
             job.training += kept
             job.loss += ckpt + lost

@@ -9,9 +9,11 @@ pipeline configuration of a profiled model (``P`` stages × ``D`` replicas) and 
   :func:`~pipeswift_lab.core.analytic.step_ms`) plus the ring all-reduce of its gradients over
   ``D`` replicas (:func:`~pipeswift_lab.core.costs.allreduce_ms`);
 * ``assembly_s[n]`` — :class:`~pipeswift_lab.core.costs.AssemblyModel` of that ``(P, D)``;
-* ``save_s[n]``, ``restore_s[n]``, ``cleanup_s[n]`` —
+* ``stall_s[n]``, ``save_s[n]``, ``restore_s[n]``, ``cleanup_s[n]`` —
   :class:`~pipeswift_lab.core.costs.CheckpointModel` of its largest stage shard (parameters
-  plus Adam's two moments).
+  plus Adam's two moments): what a periodic checkpoint stalls training (a staging copy when
+  saves are asynchronous), a whole save the job waits for (before a resize), a restore, and
+  the final save plus teardown.
 
 :func:`profile_library` is the small library of synthetic profiles a job gets when it
 names none, chosen by requested GPUs (:func:`default_profile`): GPT-2-shaped decoders
@@ -101,7 +103,7 @@ def default_profile(gpus: int) -> str:
 class ScalingModel:
     """Per-GPU-count speed and costs of one profiled model; tables grow on demand.
 
-    ``speed``, ``P``, ``D``, ``assembly_s``, ``save_s``, ``restore_s`` and ``cleanup_s``
+    ``speed``, ``P``, ``D``, ``assembly_s``, ``stall_s``, ``save_s``, ``restore_s`` and ``cleanup_s``
     are lists indexed by the GPU count (index 0 unused). A count with no valid
     configuration (more GPUs than ``layers × global_batch / micro-batch``) keeps the best
     smaller configuration, its extra GPUs idle: ``speed`` never decreases with ``n``.
@@ -131,6 +133,8 @@ class ScalingModel:
         self.P: list[int] = [0]
         self.D: list[int] = [0]
         self.assembly_s, self.save_s, self.restore_s, self.cleanup_s = [0.0], [0.0], [0.0], [0.0]
+        self.stall_s: list[float] = [0.0]
+        """Seconds a periodic checkpoint stalls training (``CheckpointModel.stall_s``), by GPU count."""
 
     @property
     def max_useful_gpus(self) -> int:
@@ -194,10 +198,11 @@ class ScalingModel:
         self.P.append(P)
         self.D.append(D)
         if P == 0:
-            for table in (self.assembly_s, self.save_s, self.restore_s, self.cleanup_s):
+            for table in (self.assembly_s, self.stall_s, self.save_s, self.restore_s, self.cleanup_s):
                 table.append(math.nan)
             return
         self.assembly_s.append(self.assembly.seconds(P, D))
+        self.stall_s.append(self.checkpoint.stall_s(shard))
         self.save_s.append(self.checkpoint.save_s(shard))
         self.restore_s.append(self.checkpoint.restore_s(shard))
         self.cleanup_s.append(self.checkpoint.cleanup_s(shard))
@@ -213,6 +218,7 @@ class ScalingModel:
                 "D": self.D[rows],
                 "speed_samples_per_s": [s * 1e3 for s in self.speed[rows]],
                 "assembly_s": self.assembly_s[rows],
+                "stall_s": self.stall_s[rows],
                 "save_s": self.save_s[rows],
                 "restore_s": self.restore_s[rows],
                 "cleanup_s": self.cleanup_s[rows],

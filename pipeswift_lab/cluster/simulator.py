@@ -46,7 +46,8 @@ def simulate(
     * ``policy`` — ``"static"``, ``"elastic"``, ``"preemptive"`` (:data:`~pipeswift_lab.cluster.POLICIES`), or a
       :class:`~pipeswift_lab.cluster.Policy` instance or subclass.
     * ``checkpoint_every_s`` — periodic checkpoints every that many seconds of training
-      (each costs the job's checkpoint write); ``None``: none, so a preempted job loses
+      (each stalls the job ``ScalingModel.stall_s``: the staging copy of an asynchronous save, the whole
+      write of a synchronous one); ``None``: none, so a preempted job loses
       everything since its last (re)start.
     * ``seed`` — seeds ``cluster.rng``, the generator a policy may draw from (the built-in
       policies are deterministic); the same seed gives identical results.

@@ -7,7 +7,9 @@ Every default is stated here and every model can be calibrated or replaced:
   wait until a configuration's GPUs are free.
 * :class:`AssemblyModel` — start-up cost from launch to the first step, by stages and
   replicas; :meth:`AssemblyModel.calibrate` fits it to the runner's measured ``jct.assembly_s``.
-* :class:`CheckpointModel` — checkpoint write and restore times; the final save is cleanup.
+* :class:`CheckpointModel` — what a periodic checkpoint stalls training (a staging copy when saves are
+  asynchronous), a full waited save (the final one is cleanup, a resize pays one), a restore, and the
+  shortest interval between saves.
 * :func:`young_daly_interval_s` and :func:`preemption_loss_s` — the checkpoint interval
   τ ≈ √(2·C·MTBF) (Young, *A first order approximation to the optimum checkpoint
   interval*, CACM 1974; Daly, *A higher order estimate of the optimum checkpoint
@@ -21,7 +23,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from .checks import check_int, check_time
+from .checks import check_flag, check_int, check_time
 
 
 @dataclass(frozen=True)
@@ -152,11 +154,29 @@ class AssemblyModel:
 class CheckpointModel:
     """Checkpoint costs: every stage writes and reads its own shard in parallel.
 
-    A save of a shard of ``bytes`` takes ``save_latency_s + bytes / write_GBps``, a restore
-    ``restore_latency_s + bytes / read_GBps``: a fixed part (the checkpoint library's planning
-    collectives, file creation, fsync, commit) and a bandwidth part. Defaults: 1 and 2 GB/s
-    per stage (a shared file system), no fixed part; ``teardown_s`` is process and communicator
-    teardown (10 s). :meth:`calibrate` measures all five on real runs.
+    Three costs of a shard of ``bytes`` (the largest stage's parameters and optimizer state):
+
+    * :meth:`save_s` — a full save the job waits for, ``save_latency_s + bytes / write_GBps``: a
+      fixed part (planning, file creation, fsync, checksum, commit) and a bandwidth part. The final
+      save (:meth:`cleanup_s`, with ``teardown_s`` of process and communicator teardown), the save
+      before a resize and every save with ``asynchronous=False`` cost this.
+    * :meth:`stall_s` — what a *periodic* checkpoint stalls training, the checkpoint cost C of
+      Young/Daly. ``asynchronous=True`` (``run(..., checkpoint_async=True)``, the runner's default)
+      stalls only for a copy of the state into a staging buffer,
+      ``staging_latency_s + bytes / staging_GBps``, and writes it in the background: staging, then
+      persisting, as torch.distributed.checkpoint's ``async_save`` and CheckFreq (Mohan et al.,
+      *CheckFreq: Frequent, Fine-Grained DNN Checkpointing*, FAST 2021) do. Synchronous saves stall
+      for the whole :meth:`save_s`.
+    * :meth:`min_interval_s` — at most one asynchronous save is in flight, so saves cannot come
+      closer than one :meth:`save_s` (a save due sooner is skipped); 0 when synchronous.
+
+    :meth:`interval_s` is the checkpoint interval the planner uses: Young/Daly's √(2·C·MTBF) with
+    C = :meth:`stall_s` (Young, CACM 1974; Daly, FGCS 2006), never shorter than :meth:`min_interval_s`.
+    A restore takes ``restore_latency_s + bytes / read_GBps``.
+
+    Defaults: writes at 1 GB/s and reads at 2 GB/s per stage (a shared file system), a staging copy at
+    4 GB/s (a memory copy; ~3.7 GB/s measured on a 2-core CPU), no fixed parts, 10 s of teardown,
+    asynchronous saves. :meth:`calibrate` measures them all on real runs.
     """
 
     write_GBps: float = 1.0
@@ -164,35 +184,66 @@ class CheckpointModel:
     teardown_s: float = 10.0
     save_latency_s: float = 0.0
     restore_latency_s: float = 0.0
+    staging_GBps: float = 4.0
+    staging_latency_s: float = 0.0
+    asynchronous: bool = True
 
     def __post_init__(self) -> None:
-        for name in ("write_GBps", "read_GBps"):
+        for name in ("write_GBps", "read_GBps", "staging_GBps"):
             object.__setattr__(self, name, check_time(name, getattr(self, name), allow_zero=False))
-        for name in ("teardown_s", "save_latency_s", "restore_latency_s"):
+        for name in ("teardown_s", "save_latency_s", "restore_latency_s", "staging_latency_s"):
             object.__setattr__(self, name, check_time(name, getattr(self, name)))
+        check_flag("asynchronous", self.asynchronous)
 
     def save_s(self, largest_stage_bytes: float) -> float:
-        """Seconds to write a checkpoint whose largest stage shard (parameters + optimizer state) has
-        ``largest_stage_bytes``."""
+        """Seconds of a full, waited save (a final, resize or synchronous one) of a checkpoint whose largest stage
+        shard (parameters + optimizer state) has ``largest_stage_bytes``."""
         return self.save_latency_s + check_time("largest_stage_bytes", largest_stage_bytes) / (self.write_GBps * 1e9)
+
+    def stall_s(self, largest_stage_bytes: float) -> float:
+        """Seconds a periodic checkpoint stalls training (Young/Daly's C): the staging copy when asynchronous,
+        else the whole :meth:`save_s`."""
+        if not self.asynchronous:
+            return self.save_s(largest_stage_bytes)
+        nbytes = check_time("largest_stage_bytes", largest_stage_bytes)
+        return self.staging_latency_s + nbytes / (self.staging_GBps * 1e9)
+
+    def min_interval_s(self, largest_stage_bytes: float) -> float:
+        """The shortest interval between periodic checkpoints, in seconds: one :meth:`save_s` when asynchronous
+        (a save cannot begin before the last one is committed), else 0."""
+        return self.save_s(largest_stage_bytes) if self.asynchronous else 0.0
+
+    def interval_s(self, largest_stage_bytes: float, mtbf_s: float) -> float:
+        """The checkpoint interval in seconds for a job preempted every ``mtbf_s`` on average: Young/Daly's
+        √(2·C·MTBF) with C = :meth:`stall_s`, floored at :meth:`min_interval_s`."""
+        stall = self.stall_s(largest_stage_bytes)
+        return max(young_daly_interval_s(stall, mtbf_s), self.min_interval_s(largest_stage_bytes))
 
     def restore_s(self, largest_stage_bytes: float) -> float:
         """Seconds to read it back."""
         return self.restore_latency_s + check_time("largest_stage_bytes", largest_stage_bytes) / (self.read_GBps * 1e9)
 
     def cleanup_s(self, largest_stage_bytes: float) -> float:
-        """The final save plus teardown."""
+        """The final save (a waited :meth:`save_s`) plus teardown, in seconds."""
         return self.save_s(largest_stage_bytes) + self.teardown_s
 
     @classmethod
     def calibrate(cls, runs: Any) -> CheckpointModel:
         """Fit the model to what real runs measured (``RunResult``s of ``run(..., checkpoint_dir=...)``, or with
-        resizes): one ``RunResult`` or an iterable of them.
+        resizes): one ``RunResult`` or an iterable of them. Returns the fitted :class:`CheckpointModel`.
 
-        * saves — every committed checkpoint of ``RunResult.checkpoints``: the largest rank's
-          state bytes (``largest_rank_state_bytes``, the tensors, as the planner counts a
-          shard) against the stall the save caused (``blocking_ms``), so ``save_s`` is the
-          checkpoint cost C of Young/Daly;
+        Only committed checkpoints of ``RunResult.checkpoints`` count (``status``; skipped ones are ignored);
+        tables of older runs without ``mode``, ``status`` or ``write_ms`` read as synchronous, committed saves
+        whose write took the whole stall.
+
+        * stalls — every asynchronous save (``mode="async"``): the largest rank's state bytes
+          (``largest_rank_state_bytes``, the tensors, as the planner counts a shard) against the stall it
+          caused (``blocking_ms``, its staging copy), fitted as ``staging_latency_s`` and ``staging_GBps``;
+          ``asynchronous`` is whether there was any (without, staging keeps its defaults);
+        * saves — every save, fitted as ``save_latency_s`` and ``write_GBps``: the largest rank's file
+          (``largest_rank_bytes``) against the whole save, the stall of one the step loop waited for
+          (``mode`` sync or waited) and the staging copy plus the background write
+          (``staging_ms + write_ms``) of an asynchronous one;
         * restores — every restore (a ``resume_from`` run's, or each resize's in
           ``RunResult.segments``): the bytes the largest rank loaded against its time;
         * each is fitted as ``latency + bytes / bandwidth`` by least squares when the shards
@@ -214,6 +265,10 @@ class CheckpointModel:
             )
         default = cls()
         save_latency, write = _latency_bandwidth(samples.saves, default.write_GBps)
+        if samples.stalls:
+            staging_latency, staging = _latency_bandwidth(samples.stalls, default.staging_GBps)
+        else:
+            staging_latency, staging = default.staging_latency_s, default.staging_GBps
         if samples.restores:
             restore_latency, read = _latency_bandwidth(samples.restores, default.read_GBps)
         else:
@@ -230,6 +285,9 @@ class CheckpointModel:
             teardown_s=median(samples.teardown) if samples.teardown else default.teardown_s,
             save_latency_s=save_latency,
             restore_latency_s=restore_latency,
+            staging_GBps=staging,
+            staging_latency_s=staging_latency,
+            asynchronous=bool(samples.stalls),
         )
 
 
@@ -247,7 +305,9 @@ class _CheckpointSamples:
     """What runs measured of their checkpoints, the samples :meth:`CheckpointModel.calibrate` fits."""
 
     saves: list[tuple[float, float]]
-    """``(largest rank's state bytes, seconds the save stalled training)`` of every committed checkpoint."""
+    """``(largest rank's file bytes, seconds of the whole save)`` of every committed checkpoint."""
+    stalls: list[tuple[float, float]]
+    """``(largest rank's state bytes, seconds the save stalled training)`` of every committed asynchronous one."""
     restores: list[tuple[float, float]]
     """``(bytes the largest rank loaded, seconds)`` of every restore."""
     teardown: list[float]
@@ -255,13 +315,23 @@ class _CheckpointSamples:
 
     @classmethod
     def of(cls, runs: list[Any]) -> _CheckpointSamples:
+        """The samples of ``runs`` (RunResults)."""
         saves: list[tuple[float, float]] = []
+        stalls: list[tuple[float, float]] = []
         restores: list[tuple[float, float]] = []
         teardown: list[float] = []
         for run in runs:
-            table = run.checkpoints
-            size = "largest_rank_state_bytes" if "largest_rank_state_bytes" in table else "largest_rank_bytes"
-            saves += [(float(r[size]), r["blocking_ms"] / 1e3) for _, r in table.iterrows() if r["blocking_ms"] > 0]
+            table = _committed(run.checkpoints)
+            for _, r in table.iterrows():
+                state = _number(r, "largest_rank_state_bytes", _number(r, "largest_rank_bytes"))
+                blocking_ms = _number(r, "blocking_ms")
+                whole_ms = blocking_ms  # a save the step loop waited for: all of it
+                if r["mode"] == "async":
+                    stalls.append((state, blocking_ms / 1e3))
+                    write_ms = _number(r, "write_ms")
+                    if write_ms == write_ms:  # the staging copy, then the background write
+                        whole_ms = _number(r, "staging_ms", blocking_ms) + write_ms
+                saves.append((_number(r, "largest_rank_bytes", state), whole_ms / 1e3))
             final = table[table["kind"].isin(["final", "preempt"])]
             if len(final):
                 teardown.append(max(0.0, run.jct.cleanup_s - float(final["blocking_ms"].iloc[-1]) / 1e3))
@@ -272,7 +342,27 @@ class _CheckpointSamples:
                 else [(run.meta.get("restore_bytes", 0), run.restore_s)]
             )
             restores += [(float(b), float(t)) for b, t in pairs if t > 0 and b]
-        return cls(saves=saves, restores=restores, teardown=teardown)
+        return cls(saves=saves, stalls=stalls, restores=restores, teardown=teardown)
+
+
+def _committed(table: Any) -> Any:
+    """The committed rows of a ``RunResult.checkpoints`` table with a ``mode`` column: tables of older runs (no
+    ``status``: every row committed; no ``mode``: synchronous) read alike; rows that stalled nothing are dropped."""
+    table = table.copy()
+    if "status" not in table:
+        table["status"] = "committed"
+    if "mode" not in table:
+        table["mode"] = "sync"
+    table["mode"] = table["mode"].fillna("sync")
+    return table[(table["status"].fillna("committed") == "committed") & (table["blocking_ms"] > 0)]
+
+
+def _number(row: Any, column: str, default: float = math.nan) -> float:
+    """``row[column]`` as a float, ``default`` when the column is missing or empty (None, NaN)."""
+    value = row.get(column)
+    if value is None or value != value:  # None or NaN
+        return default
+    return float(value)
 
 
 def _latency_bandwidth(samples: Sequence[tuple[float, float]], default_GBps: float) -> tuple[float, float]:
@@ -306,12 +396,15 @@ def preemption_loss_s(
 ) -> float:
     """Expected seconds lost to preemptions over ``training_s`` of work.
 
-    With checkpoints every ``interval_s`` (Young/Daly's τ by default) the loss is the
-    checkpoint overhead ``(training_s/τ)·C`` plus, for each of the expected
-    ``wall/MTBF`` preemptions, half an interval of redone work and ``restart_s``
-    (re-assembly and restore). ``wall`` is solved as the fixed point
-    ``wall = training_s + overhead + (wall/MTBF)·(τ/2 + restart_s)``; if a
+    With checkpoints every ``interval_s`` (Young/Daly's τ by default), each stalling training
+    ``checkpoint_s`` (C: :meth:`CheckpointModel.stall_s`), the loss is the checkpoint overhead
+    ``(training_s/τ)·C`` plus, for each of the expected ``wall/MTBF`` preemptions, half an
+    interval of redone work and ``restart_s`` (re-assembly and restore). ``wall`` is solved as
+    the fixed point ``wall = training_s + overhead + (wall/MTBF)·(τ/2 + restart_s)``; if a
     preemption costs more than the MTBF, the job never finishes and ``inf`` is returned.
+    ``interval_s`` may be 0 only for free checkpoints (``checkpoint_s=0``). The work a
+    preemption loses while an asynchronous save is still being written (at most one write) is
+    not counted. Returns seconds.
     """
     training_s = check_time("training_s", training_s)
     checkpoint_s = check_time("checkpoint_s", checkpoint_s)
@@ -320,7 +413,7 @@ def preemption_loss_s(
     tau = (
         young_daly_interval_s(checkpoint_s, mtbf_s)
         if interval_s is None
-        else check_time("interval_s", interval_s, allow_zero=False)
+        else check_time("interval_s", interval_s, allow_zero=checkpoint_s == 0)
     )
     if tau == 0:  # free checkpoints: checkpoint continuously, lose only restarts
         overhead, redo = 0.0, 0.0

@@ -58,7 +58,8 @@ class PlanInputs:
     assembly: AssemblyModel
     """Seconds from launch to the first step, by ``(P, D)``."""
     checkpoint: CheckpointModel
-    """Seconds of a checkpoint save, restore and the final cleanup, by the largest shard."""
+    """Seconds of a periodic checkpoint's stall, a waited save, a restore and the final cleanup, by the largest
+    shard."""
     mtbf_s: float | None
     """Mean time between preemptions of one GPU (> 0); None: no preemptions."""
     optimizer: str

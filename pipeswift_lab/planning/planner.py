@@ -88,7 +88,9 @@ def plan(
       (or RunResults / ``(P, assembly_s)`` pairs to calibrate one); ``checkpoint`` — a
       :class:`~pipeswift_lab.core.costs.CheckpointModel`;
     * ``mtbf_s`` — mean time between preemptions of *one GPU*; a job on ``N`` GPUs is
-      preempted every ``mtbf_s / N`` on average and checkpoints at the Young/Daly interval;
+      preempted every ``mtbf_s / N`` on average and checkpoints at the Young/Daly interval of the
+      checkpoint's stall (``CheckpointModel.interval_s``: the staging copy of an asynchronous save, never
+      closer than one write), each checkpoint stalling training ``CheckpointModel.stall_s``;
     * ``precision`` — bytes of training state per parameter (Adam): ``None`` the profile's
       ``param_bytes`` x 4; ``"fp32"`` and ``"bf16-mixed"`` 16 B/param; ``"bf16-mixed-zero1"``
       ``4 + 12 / D`` B/param, the fp32 master and moments sharded over the ``D`` replicas

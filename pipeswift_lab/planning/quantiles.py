@@ -10,7 +10,9 @@ Two random processes lengthen a job beyond its expected JCT:
   would shrink it by ``sqrt(steps)``, to nothing for long jobs.
 * **failures.** Preemptions arrive as a Poisson process with rate ``gpus / mtbf_s`` in
   wall-clock time (MTBF per GPU, as :func:`~pipeswift_lab.core.costs.preemption_loss_s`). The job
-  checkpoints every ``tau`` seconds of work (Young/Daly's ``sqrt(2 C MTBF)``), paying ``C``
+  checkpoints every ``tau`` seconds of work (:meth:`CheckpointModel.interval_s
+  <pipeswift_lab.core.costs.CheckpointModel.interval_s>`: Young/Daly's ``sqrt(2 C MTBF)``, never shorter than
+  an asynchronous save's write), paying the stall ``C`` (:meth:`~pipeswift_lab.core.costs.CheckpointModel.stall_s`)
   each time; a failure loses the work since the last completed checkpoint and costs the
   restart ``R`` (re-assembly plus restore). Each sample replays this until the work is
   done. Its mean matches the closed form the planner's expected ``preemption_loss_s`` uses
@@ -98,14 +100,21 @@ def failure_wall_s(
     job_mtbf_s: float,
     rng: np.random.Generator,
     max_failures: int = 100_000,
+    interval_s: float | None = None,
 ) -> np.ndarray:
     """Wall seconds to finish ``work_s`` of training (one value per sample) under Poisson failures.
 
-    Checkpoints every Young/Daly interval of work, each costing ``checkpoint_s``; a failure
-    (mean time between them ``job_mtbf_s``) loses the work since the last checkpoint and
-    costs ``restart_s``. Returns ``inf`` for samples still unfinished after ``max_failures``.
+    Checkpoints every ``interval_s`` of work (the Young/Daly interval of ``checkpoint_s`` when None), each
+    stalling training ``checkpoint_s``; a failure (mean time between them ``job_mtbf_s``) loses the work since the
+    last checkpoint and costs ``restart_s``. Returns the wall seconds per sample, ``inf`` for samples still
+    unfinished after ``max_failures``.
     """
-    tau = young_daly_interval_s(checkpoint_s, job_mtbf_s)
+    checkpoint_s = check_time("checkpoint_s", checkpoint_s)
+    tau = (
+        young_daly_interval_s(checkpoint_s, job_mtbf_s)
+        if interval_s is None
+        else check_time("interval_s", interval_s, allow_zero=checkpoint_s == 0)
+    )
     remaining = np.asarray(work_s, float).copy()
     wall = np.zeros_like(remaining)
     active = remaining > 0
@@ -158,7 +167,9 @@ def jct_quantile(
         if mtbf_s is not None:
             shard = float(row["_shard_bytes"])
             restart = float(row["assembly_s"]) + checkpoint.restore_s(shard)
-            work = failure_wall_s(work, checkpoint.save_s(shard), restart, mtbf_s / float(row["gpus"]), rng)
+            job_mtbf_s = mtbf_s / float(row["gpus"])
+            interval = checkpoint.interval_s(shard, job_mtbf_s)
+            work = failure_wall_s(work, checkpoint.stall_s(shard), restart, job_mtbf_s, rng, interval_s=interval)
         fixed = float(row["queue_s"]) + float(row["assembly_s"]) + float(row["cleanup_s"])
         out.append(fixed + float(np.quantile(work, quantile)))
     return pd.Series(out, index=rows.index, dtype=float)

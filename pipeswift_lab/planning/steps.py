@@ -20,7 +20,7 @@ from typing import Any
 import pandas as pd
 
 from ..core.analytic import bubble_ratio
-from ..core.costs import allreduce_ms, preemption_loss_s, young_daly_interval_s
+from ..core.costs import allreduce_ms, preemption_loss_s
 from ..core.display import distinct_hours, hours
 from ..core.jct import TERMS
 from ..core.precision import OPTIMIZER_STATES, checkpoint_bytes_per_param, grad_bytes_per_param
@@ -120,8 +120,7 @@ def _bound(config: Config, inputs: PlanInputs, evaluator: Evaluator) -> tuple[Ro
         return row, None, f"preempted more often than it can checkpoint (every {every} on {p * d} GPUs)"
     row["jct_lower_bound_s"] = row["queue_s"] + row["assembly_s"] + row["cleanup_s"] + lower_training + lower_loss
     if inputs.mtbf_s is not None:
-        save_s = inputs.checkpoint.save_s(row["_shard_bytes"])
-        row["checkpoint_interval_s"] = young_daly_interval_s(save_s, inputs.mtbf_s / (p * d))
+        row["checkpoint_interval_s"] = inputs.checkpoint.interval_s(row["_shard_bytes"], inputs.mtbf_s / (p * d))
     return row, split, ""
 
 
@@ -146,13 +145,21 @@ def _fixed_terms(inputs: PlanInputs, split: Split, p: int, d: int, queue_s: floa
 
 
 def terms(inputs: PlanInputs, row: Row, pipeline_ms: float) -> tuple[float, float]:
-    """``(training_s, preemption_loss_s)`` of a configuration whose pipeline step takes ``pipeline_ms``."""
+    """``(training_s, preemption_loss_s)`` of a configuration whose pipeline step takes ``pipeline_ms``.
+
+    The preemption loss has each periodic checkpoint stall training :meth:`CheckpointModel.stall_s
+    <pipeswift_lab.core.costs.CheckpointModel.stall_s>` at :meth:`~pipeswift_lab.core.costs.CheckpointModel.interval_s`
+    (Young/Daly's, never shorter than an asynchronous save's write).
+    """
     training_s = inputs.steps * (pipeline_ms + row["allreduce_ms"] + row["optimizer_ms"]) / 1000.0
     if inputs.mtbf_s is None:
         return training_s, 0.0
-    checkpoint, shard = inputs.checkpoint, row["_shard_bytes"]
+    checkpoint, shard, job_mtbf_s = inputs.checkpoint, row["_shard_bytes"], inputs.mtbf_s / row["gpus"]
     restart = row["assembly_s"] + checkpoint.restore_s(shard)
-    return training_s, preemption_loss_s(training_s, checkpoint.save_s(shard), restart, inputs.mtbf_s / row["gpus"])
+    interval = checkpoint.interval_s(shard, job_mtbf_s)
+    return training_s, preemption_loss_s(
+        training_s, checkpoint.stall_s(shard), restart, job_mtbf_s, interval_s=interval
+    )
 
 
 # --------------------------------------------------------------------------- 3. branch and bound

@@ -3,7 +3,8 @@
 Both take the simulated, feasible ``start`` rows of :func:`pipeswift_lab.planning.planner.plan` (one
 configuration held from start to end) and build rows of a job that changes configuration
 once, paying the change as :func:`pipeswift_lab.runner.run` measures it (``resize_at``): a
-checkpoint save on the old configuration, a new assembly and a restore on the new one
+checkpoint save on the old configuration (a whole one, ``CheckpointModel.save_s``: the job waits for
+its write), a new assembly and a restore on the new one
 (``costs.CheckpointModel`` and ``costs.AssemblyModel``, both calibratable from
 ``RunResult.segments``). The steps done before the change are kept; the partial step it cuts
 short is lost. Neither is weighed with ``mtbf_s`` (the preemption term of a job that changes

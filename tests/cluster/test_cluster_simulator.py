@@ -61,17 +61,18 @@ def test_capacity_drop_loses_work_since_the_last_checkpoint():
     every = 100.0
     r = cluster.simulate(jobs((0.0, 1, 1000.0)), [(0, 1), (500, 0), (600, 1)], checkpoint_every_s=every, progress=False)
     row = r.jobs.iloc[0]
-    save, restore = SMALL.save_s[1], SMALL.restore_s[1]
+    stall, restore = SMALL.stall_s[1], SMALL.restore_s[1]  # a periodic checkpoint stalls for its staging copy
+    assert 0 < stall < SMALL.save_s[1]  # asynchronous saves by default: less than the whole write
     x = 500.0 - SMALL.assembly_s[1]  # training phase elapsed when the GPU vanished
-    cycles = int(x // (every + save))
-    lost = x - cycles * (every + save)
+    cycles = int(x // (every + stall))
+    lost = x - cycles * (every + stall)
     assert row["preemptions"] == 1 and row["restarts"] == 1
     assert row["lost_work_s"] == pytest.approx(lost)
     assert row["training_s"] == pytest.approx(1000.0)  # the kept 400 s plus the 600 s redone after the restart
     assert row["queue_s"] == pytest.approx(100.0)
     assert row["assembly_s"] == pytest.approx(2 * SMALL.assembly_s[1])
     later = math.ceil((1000.0 - cycles * every) / every) - 1
-    assert row["preemption_loss_s"] == pytest.approx(cycles * save + lost + restore + later * save)
+    assert row["preemption_loss_s"] == pytest.approx(cycles * stall + lost + restore + later * stall)
     check_invariants(r)
 
 

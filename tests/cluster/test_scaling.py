@@ -53,7 +53,13 @@ def test_step_is_the_closed_form_of_the_slowest_balanced_stage():
     for n in (1, 2, 4):
         shard = max(partition(prof, model.P[n]).stage_param_bytes) * 3  # parameters + Adam's two moments
         assert model.save_s[n] == pytest.approx(CheckpointModel().save_s(shard))
+        assert (
+            model.stall_s[n] == pytest.approx(CheckpointModel().stall_s(shard)) and model.stall_s[n] < model.save_s[n]
+        )
         assert model.restore_s[n] == pytest.approx(CheckpointModel().restore_s(shard))
+    sync = ScalingModel(prof, checkpoint=CheckpointModel(asynchronous=False))
+    sync.ensure(4)
+    assert sync.stall_s[1:] == sync.save_s[1:] == model.save_s[1:]  # a synchronous checkpoint stalls for its write
 
 
 def test_memory_decides_the_fewest_gpus():
@@ -74,4 +80,7 @@ def test_bad_profile():
 def test_table():
     t = ScalingModel(profile_library()["gpt-small"]).table(4)
     assert t["gpus"].tolist() == [1, 2, 3, 4]
-    assert {"P", "D", "speed_samples_per_s", "assembly_s", "save_s", "restore_s", "cleanup_s"} <= set(t.columns)
+    assert {"P", "D", "speed_samples_per_s", "assembly_s", "stall_s", "save_s", "restore_s", "cleanup_s"} <= set(
+        t.columns
+    )
+    assert (t["stall_s"] < t["save_s"]).all()

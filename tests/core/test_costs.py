@@ -1,5 +1,7 @@
 import math
+from types import SimpleNamespace
 
+import pandas as pd
 import pytest
 
 from pipeswift_lab.core.costs import (
@@ -102,3 +104,88 @@ def test_checkpoint_model_latency_and_bandwidth_fit():
     assert model.save_s(1e9) == pytest.approx(1.5) and model.restore_s(2e9) == pytest.approx(1.25)
     with pytest.raises(ValueError, match="save_latency_s"):
         CheckpointModel(save_latency_s=-1)
+
+
+def test_asynchronous_checkpoints_stall_for_the_staging_copy():
+    ckpt = CheckpointModel(write_GBps=1, staging_GBps=4, staging_latency_s=0.5, save_latency_s=1.0, teardown_s=5)
+    assert ckpt.asynchronous  # the runner's default
+    assert ckpt.stall_s(8e9) == pytest.approx(0.5 + 2.0) and ckpt.save_s(8e9) == pytest.approx(1.0 + 8.0)
+    assert ckpt.stall_s(8e9) < ckpt.save_s(8e9)
+    assert ckpt.cleanup_s(8e9) == pytest.approx(9.0 + 5.0)  # the final save is waited for: the whole write
+    sync = CheckpointModel(write_GBps=1, staging_GBps=4, save_latency_s=1.0, asynchronous=False)
+    assert sync.stall_s(8e9) == sync.save_s(8e9) == pytest.approx(9.0)
+    with pytest.raises(ValueError, match="staging_GBps=0.0 is invalid"):
+        CheckpointModel(staging_GBps=0)
+    with pytest.raises(ValueError, match="staging_latency_s=-1.0 is invalid"):
+        CheckpointModel(staging_latency_s=-1)
+    with pytest.raises(TypeError, match="asynchronous must be True or False"):
+        CheckpointModel(asynchronous=1)
+
+
+def test_the_checkpoint_interval_is_young_daly_of_the_stall_floored_at_one_write():
+    ckpt = CheckpointModel(write_GBps=1, staging_GBps=4)
+    shard, mtbf = 40e9, 3600.0  # a 40 s write, a 10 s stall
+    assert ckpt.min_interval_s(shard) == pytest.approx(40.0)
+    assert ckpt.interval_s(shard, mtbf) == pytest.approx(young_daly_interval_s(10.0, mtbf))  # 268 s > 40 s
+    assert ckpt.interval_s(shard, 60.0) == pytest.approx(40.0)  # √(2·10·60) ≈ 35 s: a save due sooner is skipped
+    sync = CheckpointModel(write_GBps=1, asynchronous=False)
+    assert sync.min_interval_s(shard) == 0.0
+    assert sync.interval_s(shard, 60.0) == pytest.approx(young_daly_interval_s(40.0, 60.0))
+    free = CheckpointModel(staging_GBps=4)
+    assert free.interval_s(0.0, mtbf) == 0.0 and preemption_loss_s(100.0, 0.0, 1.0, mtbf, interval_s=0.0) > 0
+    with pytest.raises(ValueError, match="interval_s=0.0 is invalid"):  # a checkpoint that costs needs an interval
+        preemption_loss_s(100.0, 1.0, 1.0, mtbf, interval_s=0.0)
+
+
+def fake_run(rows, cleanup_s=1.0, columns=None):
+    """A stand-in for a RunResult with ``rows`` as its checkpoints table (``columns`` of it only, if given)."""
+    table = pd.DataFrame(rows)
+    if columns is not None:
+        table = table[list(columns)]
+    jct = SimpleNamespace(cleanup_s=cleanup_s)
+    return SimpleNamespace(checkpoints=table, jct=jct, segments=None, meta={}, restore_s=0.0)
+
+
+def row(step, kind="periodic", mode="async", status="committed", blocking=10.0, staging=10.0, write=90.0, size=1e6):
+    committed = status == "committed"
+    return {
+        "step": step,
+        "largest_rank_bytes": size * 1.01 if committed else math.nan,
+        "largest_rank_state_bytes": size if committed else math.nan,
+        "blocking_ms": blocking if committed else 0.0,
+        "staging_ms": staging if committed else math.nan,
+        "write_ms": write if committed else math.nan,
+        "kind": kind,
+        "status": status,
+        "mode": mode,
+    }
+
+
+def test_calibrate_fits_the_stall_to_asynchronous_saves_and_the_write_to_all():
+    rows = [
+        row(1, staging=8.0, blocking=8.0, write=80.0),
+        row(2, status="skipped"),  # due while step 1's save was written: ignored
+        row(3, staging=12.0, blocking=12.0, write=100.0),
+        row(4, kind="final", mode="waited", blocking=150.0, staging=9.0, write=90.0),
+    ]
+    with pytest.warns(UserWarning, match="nothing was restored"):
+        model = CheckpointModel.calibrate(fake_run(rows, cleanup_s=0.4))
+    assert model.asynchronous and model.staging_GBps == 4.0 and model.write_GBps == 1.0  # one size: defaults
+    assert model.stall_s(1e6) == pytest.approx(0.010)  # the median staging stall
+    # saves: staging + write of the asynchronous ones (88, 112 ms), the whole stall of the waited one (150 ms)
+    assert model.save_s(1.01e6) == pytest.approx(0.112)
+    assert model.stall_s(1e6) < model.save_s(1e6) == model.min_interval_s(1e6)
+    assert model.teardown_s == pytest.approx(0.4 - 0.150)
+
+
+def test_calibrate_reads_synchronous_and_older_runs_as_waited_saves():
+    sync = [row(s, mode="sync", blocking=100.0 + s, staging=5.0, write=50.0) for s in (1, 2, 3)]
+    old = [{k: v for k, v in r.items() if k not in ("staging_ms", "write_ms", "status", "mode")} for r in sync]
+    for rows in (sync, old):
+        with pytest.warns(UserWarning, match="nothing was restored"):
+            model = CheckpointModel.calibrate(fake_run(rows))
+        assert not model.asynchronous and model.staging_latency_s == 0.0 and model.staging_GBps == 4.0
+        assert model.stall_s(1.01e6) == model.save_s(1.01e6) == pytest.approx(0.102)  # the median stall
+        assert model.min_interval_s(1.01e6) == 0.0
+    with pytest.raises(ValueError, match="saved checkpoints"):
+        CheckpointModel.calibrate(fake_run([row(1, status="skipped")]))

@@ -137,9 +137,8 @@ def test_memory_cap_forces_more_stages_and_names_misses():
     assert "gpus=2" in str(info.value)
 
 
-def test_preemption_term_uses_young_daly_and_scales_with_gpus():
-    ckpt = CheckpointModel(write_GBps=1, read_GBps=2, teardown_s=0)
-    result = plan(
+def _preempted_plan(ckpt):
+    return plan(
         model_profile(),
         gpus=8,
         global_batch=32,
@@ -149,13 +148,47 @@ def test_preemption_term_uses_young_daly_and_scales_with_gpus():
         schedules=["1F1B"],
         progress=False,
     )
+
+
+def test_preemption_term_uses_young_daly_and_scales_with_gpus():
+    ckpt = CheckpointModel(write_GBps=1, read_GBps=2, teardown_s=0, asynchronous=False)
+    result = _preempted_plan(ckpt)
     row = result.feasible.iloc[0]
     shard = (8 / row["P"]) * 1e8 * 3  # parameters plus two Adam moments of the busiest rank
-    expected = preemption_loss_s(
-        row["training_s"], shard / 1e9, row["assembly_s"] + shard / 2e9, 8 * 24 * 3600.0 / row["gpus"]
-    )
+    job_mtbf_s = 8 * 24 * 3600.0 / row["gpus"]
+    expected = preemption_loss_s(row["training_s"], shard / 1e9, row["assembly_s"] + shard / 2e9, job_mtbf_s)
     assert row["preemption_loss_s"] == pytest.approx(expected)
     assert row["preemption_loss_s"] > 0
+    assert row["checkpoint_interval_s"] == pytest.approx(math.sqrt(2 * shard / 1e9 * job_mtbf_s))
+
+
+def test_asynchronous_checkpoints_stall_for_the_staging_copy_at_a_floored_interval():
+    ckpt = CheckpointModel(write_GBps=1, read_GBps=2, teardown_s=0, staging_GBps=4)
+    row = _preempted_plan(ckpt).feasible.iloc[0]
+    shard = (8 / row["P"]) * 1e8 * 3
+    job_mtbf_s = 8 * 24 * 3600.0 / row["gpus"]
+    stall, save = shard / 4e9, shard / 1e9
+    interval = max(math.sqrt(2 * stall * job_mtbf_s), save)
+    assert row["checkpoint_interval_s"] == pytest.approx(interval)
+    expected = preemption_loss_s(
+        row["training_s"], stall, row["assembly_s"] + shard / 2e9, job_mtbf_s, interval_s=interval
+    )
+    assert row["preemption_loss_s"] == pytest.approx(expected)
+    assert row["cleanup_s"] == pytest.approx(save)  # the final save is waited for: the whole write
+
+
+def test_a_cheaper_checkpoint_stall_gives_a_shorter_jct():
+    sync = _preempted_plan(CheckpointModel(asynchronous=False))
+    async_ = _preempted_plan(CheckpointModel(asynchronous=True))
+    by_config = ["P", "D", "m", "microbatch_size", "schedule", "v"]
+    both = sync.feasible.merge(async_.feasible, on=by_config, suffixes=("_sync", "_async"))
+    assert len(both) == len(sync.feasible) > 1
+    # same steps, same final save: only the periodic checkpoints' stall and their interval differ
+    assert (both["training_s_sync"] == both["training_s_async"]).all()
+    assert (both["cleanup_s_sync"] == both["cleanup_s_async"]).all()
+    assert (both["preemption_loss_s_async"] < 0.75 * both["preemption_loss_s_sync"]).all()
+    assert (both["total_s_async"] < both["total_s_sync"]).all()
+    assert async_.best.total_s < sync.best.total_s
 
 
 def test_calibrated_assembly_model():

@@ -5,7 +5,7 @@ import pandas as pd
 import pytest
 
 import pipeswift_lab as psl
-from pipeswift_lab.core.costs import preemption_loss_s
+from pipeswift_lab.core.costs import CheckpointModel, preemption_loss_s
 from pipeswift_lab.planning.quantiles import check_quantile, failure_wall_s, jct_quantile, quantile_column
 
 
@@ -34,6 +34,29 @@ def test_failure_monte_carlo_mean_matches_the_closed_form():
     # free checkpoints lose only the restarts
     free = failure_wall_s(np.full(5_000, work), 0.0, restart, mtbf, np.random.default_rng(2))
     assert free.mean() == pytest.approx(work / (1 - restart / mtbf), rel=0.03)
+
+
+def test_failure_monte_carlo_at_a_given_interval_and_the_asynchronous_stall():
+    work, restart, mtbf = 50_000.0, 120.0, 5_000.0
+    stall, interval = 2.0, 600.0  # an asynchronous save: a short stall, but no closer than its write
+    wall = failure_wall_s(np.full(20_000, work), stall, restart, mtbf, np.random.default_rng(1), interval_s=interval)
+    expected = work + preemption_loss_s(work, stall, restart, mtbf, interval_s=interval)
+    assert wall.mean() == pytest.approx(expected, rel=0.05)
+    rows = pd.DataFrame(
+        {
+            "queue_s": [0.0],
+            "assembly_s": [60.0],
+            "cleanup_s": [10.0],
+            "training_s": [work],
+            "gpus": [1],
+            "_shard_bytes": [30e9],
+        }
+    )
+    q_async = jct_quantile(rows, 0.95, mtbf_s=mtbf, checkpoint=CheckpointModel()).iloc[0]
+    q_sync = jct_quantile(rows, 0.95, mtbf_s=mtbf, checkpoint=CheckpointModel(asynchronous=False)).iloc[0]
+    assert q_async < q_sync  # each checkpoint stalls 7.5 s of staging instead of the 30 s write
+    with pytest.raises(ValueError, match="interval_s=0.0 is invalid"):
+        failure_wall_s(np.full(3, work), stall, restart, mtbf, np.random.default_rng(1), interval_s=0.0)
 
 
 def test_bad_quantile_arguments():

@@ -57,6 +57,8 @@ def first_attempt(rank):
 
 
 def sigkill_rank1_at_5(step):
+    if step == 4:  # a slow step 4: a checkpoint taken after step 3 is committed in the background before the kill
+        time.sleep(0.3)
     if step == 5 and first_attempt(1):
         os.kill(os.getpid(), signal.SIGKILL)
     return batch(step)
@@ -100,7 +102,7 @@ def reference(request):
 
 def test_checkpointing_changes_nothing_and_keeps_the_newest(tmp_path, reference):
     name, ref = reference
-    result = go(optimizer=name, checkpoint_dir=tmp_path, checkpoint_every=3, keep=2)
+    result = go(data=paced, optimizer=name, checkpoint_dir=tmp_path, checkpoint_every=3, keep=2)
     assert bitwise(result.state_dict(), ref.state_dict())
     assert list(result.checkpoints["step"]) == [3, 6, 8]
     assert list(result.checkpoints["kind"]) == ["periodic", "periodic", "final"]
@@ -332,9 +334,13 @@ def test_calibrated_checkpoint_model(tmp_path):
     resumed = go(steps=STEPS + 2, resume_from=tmp_path)
     model = CheckpointModel.calibrate([saved, resumed])
     stalls = pd.concat([saved.checkpoints, resumed.checkpoints])
+    stalls = stalls[stalls["status"] == "committed"]  # on a loaded machine a save may be skipped: it cost nothing
     size = stalls["largest_rank_state_bytes"].iloc[0]
     assert (stalls["largest_rank_state_bytes"] == size).all()  # one shard size: the stall is taken as latency
-    assert model.save_s(size) == pytest.approx(stalls["blocking_ms"].median() / 1e3, rel=1e-9)
+    background = stalls[(stalls["status"] == "committed") & (stalls["mode"] == "async")]
+    assert model.asynchronous and len(background) >= 1
+    assert model.stall_s(size) == pytest.approx(background["blocking_ms"].median() / 1e3, rel=1e-9)
+    assert model.stall_s(size) < model.save_s(size)  # the step loop waits for the copy, not for the write
     assert model.restore_s(resumed.meta["restore_bytes"]) == pytest.approx(resumed.restore_s, rel=1e-9)
     final = saved.checkpoints["blocking_ms"].iloc[-1] / 1e3
     assert model.teardown_s == pytest.approx(saved.jct.cleanup_s - final, rel=1e-9)  # the resumed run saved nothing
