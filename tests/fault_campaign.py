@@ -240,8 +240,8 @@ def trial(kind: str, rng: random.Random, want: dict, workdir: Path) -> dict:
             expect = ("died", rank)
             go(data=signal_at(batch, step=step, rank=rank, sig="SIGKILL"))
         elif kind == "kill_rank_restart":
-            result = go(
-                data=signal_at(batch, step=step, rank=rank, sig="SIGKILL"),
+            result = go(  # paced: each background write is committed before the next save, so one interval is redone
+                data=signal_at(paced_batch, step=step, rank=rank, sig="SIGKILL"),
                 max_restarts=1,
                 checkpoint_dir=ck,
                 checkpoint_every=EVERY,
@@ -282,7 +282,7 @@ def trial(kind: str, rng: random.Random, want: dict, workdir: Path) -> dict:
             expect = ("raised", None)  # every rank holding data raises: either may be named
             go(data=RaiseAt(step))
         elif kind == "corrupt_checkpoint":
-            go(checkpoint_dir=ck, checkpoint_every=EVERY, keep=3)
+            go(data=paced_batch, checkpoint_dir=ck, checkpoint_every=EVERY, keep=3)
             newest = latest_checkpoint(ck)
             files = sorted(newest.path.glob("rank-*.bin"))
             victim = files[rng.randrange(len(files))]

@@ -8,8 +8,9 @@ on small shards, so the layout here is our own:
 * a :class:`FlatLayout` gives every tensor an offset in one byte buffer (8-byte aligned, in the state's order, so
   the model's, the optimizer's and the RNG's tensors each lie in one contiguous range). It is planned once per
   topology and reused while the state keeps its keys, shapes and dtypes (DCP's plans are the part it replaces);
-* :func:`stage` copies the state into a staging buffer allocated once (pinned on CUDA, copied without blocking;
-  the write waits for the copy's event) and pickles the non-tensor values (learning rates, betas) after it;
+* a :class:`Stager` copies the state into a staging buffer allocated once (pinned on CUDA, copied without
+  blocking; the write waits for the copy's event), in one ``torch._foreach_copy_`` on CPU, and pickles the
+  non-tensor values (learning rates, betas);
 * :func:`write_rank_file` writes the buffer and the objects with a few large writes, calls ``fsync``, and hashes the
   bytes from memory; it returns the rank's *record*: the file's size and SHA-256 and where each key lies.
 
@@ -125,29 +126,46 @@ def staging_buffer(nbytes: int, device: torch.device | str) -> torch.Tensor:
     return torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
 
 
-def stage(flat: dict[str, Any], layout: FlatLayout, buffer: torch.Tensor) -> StagedState:
-    """Copy ``flat``'s tensors into ``buffer`` at ``layout``'s offsets and pickle its other values.
+class Stager:
+    """Copies a rank's flat states, all of one layout, into one staging buffer allocated once.
 
-    GPU tensors are copied without blocking (the buffer is pinned); the returned state's ``event`` marks the end of
-    the copies, and the writer waits on it. CPU tensors are copied at once.
+    The destination views are made once too, so a save is one ``torch._foreach_copy_`` on CPU (GPU tensors are
+    copied without blocking into the pinned buffer, and the returned state's ``event`` marks the end of the copies;
+    the writer waits on it) and the non-tensor values pickled.
     """
-    import torch
 
-    on_gpu = False
-    objects: dict[str, bytes] = {}
-    for key, value in flat.items():
-        if isinstance(value, torch.Tensor):
-            offset, nbytes, _, shape = layout.entries[key]
-            target = buffer[offset : offset + nbytes].view(value.dtype).view(shape)
-            on_gpu |= value.is_cuda
-            target.copy_(value.detach(), non_blocking=value.is_cuda)
-        else:
-            objects[key] = pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
-    event = None
-    if on_gpu:  # pragma: no cover - needs a GPU
-        event = torch.cuda.Event()
-        event.record()
-    return StagedState(layout, buffer, objects, event)
+    def __init__(self, flat: dict[str, Any], device: torch.device | str) -> None:
+        self.layout = FlatLayout.of(flat)
+        self.buffer = staging_buffer(self.layout.nbytes, device)
+        self._keys = list(self.layout.entries)
+        self._views = [
+            self.buffer[offset : offset + nbytes].view(_dtype(dtype)).view(shape)
+            for offset, nbytes, dtype, shape in self.layout.entries.values()
+        ]
+
+    def fits(self, flat: dict[str, Any]) -> bool:
+        """Whether ``flat`` has this stager's layout (keys, dtypes, shapes, in order)."""
+        return self.layout.fits(flat)
+
+    def stage(self, flat: dict[str, Any]) -> StagedState:
+        """Copy ``flat`` (of this layout) into the buffer; returns the staged state."""
+        import torch
+
+        sources = [flat[key].detach() for key in self._keys]
+        event = None
+        if any(t.is_cuda for t in sources):  # pragma: no cover - needs a GPU
+            for target, source in zip(self._views, sources):
+                target.copy_(source, non_blocking=source.is_cuda)
+            event = torch.cuda.Event()
+            event.record()
+        elif sources:
+            torch._foreach_copy_(self._views, sources)
+        objects = {
+            key: pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
+            for key, value in flat.items()
+            if not isinstance(value, torch.Tensor)
+        }
+        return StagedState(self.layout, self.buffer, objects, event)
 
 
 def _bytes_of(buffer: torch.Tensor) -> memoryview:
@@ -205,8 +223,7 @@ def write_flat_state(
     """Stage ``flat`` and write it as rank ``rank``'s file in ``tmp_dir`` (created), at once, in this thread: the
     record :func:`~pipeswift_lab.runner.checkpoint.commit` takes. For one-process saves; a run's ranks stage once
     and write in the background (:mod:`~pipeswift_lab.runner.rank.background_writer`)."""
-    layout = FlatLayout.of(flat)
-    staged = stage(flat, layout, staging_buffer(layout.nbytes, "cpu"))
+    staged = Stager(flat, "cpu").stage(flat)
     Path(tmp_dir).mkdir(parents=True, exist_ok=True)
     record = write_rank_file(Path(tmp_dir) / rank_file_name(rank), staged)
     record.update(rank=rank, pp_rank=rank if pp_rank is None else pp_rank, replica=replica, file=rank_file_name(rank))
@@ -359,8 +376,8 @@ __all__ = [
     "rank_file_name",
     "read_section",
     "RNG",
-    "stage",
     "StagedState",
+    "Stager",
     "staging_buffer",
     "write_flat_state",
     "write_rank_file",

@@ -29,7 +29,7 @@ SAVER = textwrap.dedent("""
     from pathlib import Path
     from torch import nn
     from pipeswift_lab.runner import checkpoint as ckpt
-    from pipeswift_lab.runner.checkpoint_files import FlatLayout, stage, staging_buffer
+    from pipeswift_lab.runner.checkpoint_files import Stager
     from pipeswift_lab.runner.rank.background_writer import RankWriter, SaveJob
     from pipeswift_lab.runner.rank.state_files import rank_flat_state
     root, steps = Path(sys.argv[1]), int(sys.argv[2])
@@ -42,17 +42,15 @@ SAVER = textwrap.dedent("""
         print(job.step, flush=True)
 
     writer = RankWriter(0, 1, {"pp_rank": 0, "replica": 0}, commit)
-    layout = buffer = None
+    stager = None
     for step in range(1, steps + 1):
         writer.wait()  # one save in flight: the staging buffer is free again
         with torch.no_grad():
             for p in model.parameters():
                 p.fill_(float(step))
         flat = rank_flat_state(0, model, opt, "cpu")
-        if layout is None:
-            layout = FlatLayout.of(flat)
-            buffer = staging_buffer(layout.nbytes, "cpu")
-        staged = stage(flat, layout, buffer)
+        stager = stager or Stager(flat, "cpu")
+        staged = stager.stage(flat)
         tmp = ckpt.new_tmp_dir(root, step, "t")
         writer.submit(SaveJob(step=step, kind="periodic", tmp_dir=tmp, staged=staged, started_ns=time.time_ns(),
                               staging_ms=0.0, waited=False))

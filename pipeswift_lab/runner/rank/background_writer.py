@@ -27,7 +27,11 @@ from ..checkpoint_files import StagedState, rank_file_name, write_rank_file
 
 __all__ = ["CheckpointWriteError", "RankWriter", "SaveJob"]
 
-_POLL_S = 0.002
+#: Rank 0's first and longest pause between looks for the other ranks' records (it doubles in between): rare
+#: looks, so that the writer thread seldom takes the interpreter from the training loop.
+_POLL_S, _MAX_POLL_S = 0.002, 0.05
+#: The writer thread's nice value: the lowest priority.
+WRITER_NICE = 19
 
 
 class CheckpointWriteError(RuntimeError):
@@ -71,6 +75,15 @@ def _write_atomic(path: Path, text: str) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(part, path)
+
+
+def _yield_to_training() -> None:
+    """Lower this thread's scheduling priority (Linux: a thread is a task with its own nice value), so that the
+    write takes the cores the step loop leaves idle (pipeline bubbles, waits for peers) rather than slowing steps."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), WRITER_NICE)
+    except (AttributeError, OSError):  # not Linux, or not allowed: the write competes as it is
+        pass
 
 
 class RankWriter:
@@ -129,6 +142,7 @@ class RankWriter:
     def _run(self, job: SaveJob) -> None:
         from ..faults import raise_write_fault
 
+        _yield_to_training()
         try:
             raise_write_fault(self._fault, job.step, self.rank, job.tmp_dir)
             job.tmp_dir.mkdir(parents=True, exist_ok=True)
@@ -162,12 +176,14 @@ class RankWriter:
         """Rank 0: every other rank's record, once each is on disk (they are removed before the commit lists the
         directory); ``None`` when a rank failed to write its part."""
         records = []
+        pause = _POLL_S
         for rank in range(1, self.world):
             path, failed = tmp_dir / _record_name(rank), tmp_dir / _failed_name(rank)
             while not path.exists():
                 if failed.exists():
                     return None
-                time.sleep(_POLL_S)
+                time.sleep(pause)
+                pause = min(2 * pause, _MAX_POLL_S)
             records.append(json.loads(path.read_text()))
             path.unlink()
         return records

@@ -25,12 +25,12 @@ from typing import Any
 import torch
 
 from .. import checkpoint as ckpt
-from ..checkpoint_files import FlatLayout, stage, staging_buffer
+from ..checkpoint_files import Stager
 from ..result import CHECKPOINT_COLUMNS as CHECKPOINT_FIELDS
 from ..stages.tied import alias_map, parameter_names
 from .background_writer import RankWriter, SaveJob
 from .inputs import RankInputs
-from .state_files import rank_flat_state
+from .state_files import rank_flat_state, same_state
 
 __all__ = ["Checkpointer", "CHECKPOINTS_LOG", "broadcast", "gather", "append_line"]
 
@@ -90,22 +90,26 @@ class Checkpointer:
             fault=self.job.write_fault,
             pace_s=getattr(self.job, "slow_disk_s", 0.0),
         )
-        self._layout: FlatLayout | None = None
-        self._buffer: torch.Tensor | None = None
+        self._stager: Stager | None = None
+        self._direct: bool | None = None  # whether reading the state without get_state_dict gives the same
         if self.enabled:
-            self._stage_into(self._flat())  # the staging buffer exists before the first step (and is measured)
+            self._stager_for(self._flat())  # the staging buffer exists before the first step (and is measured)
 
     def _flat(self) -> dict[str, Any]:
-        return rank_flat_state(
-            self.rank, self.module, self.optimizer, self.inputs.device, self.aliases, self.training_state
-        )
+        """This rank's flat state: the first time with torch's ``get_state_dict``, compared with the direct read;
+        from then on the direct read when the two agreed."""
+        args = (self.rank, self.module, self.optimizer, self.inputs.device, self.aliases, self.training_state)
+        if self._direct is None and self.optimizer.state:
+            flat = rank_flat_state(*args)
+            self._direct = same_state(flat, rank_flat_state(*args, direct=True))
+            return flat
+        return rank_flat_state(*args, direct=bool(self._direct))
 
-    def _stage_into(self, flat: dict[str, Any]) -> torch.Tensor:
-        """The staging buffer for ``flat``'s layout: planned and allocated once per topology and state shape."""
-        if self._layout is None or self._buffer is None or not self._layout.fits(flat):
-            self._layout = FlatLayout.of(flat)
-            self._buffer = staging_buffer(self._layout.nbytes, self.inputs.device)
-        return self._buffer
+    def _stager_for(self, flat: dict[str, Any]) -> Stager:
+        """The stager of ``flat``'s layout: planned and allocated once per topology and state shape."""
+        if self._stager is None or not self._stager.fits(flat):
+            self._stager = Stager(flat, self.inputs.device)
+        return self._stager
 
     @property
     def enabled(self) -> bool:
@@ -169,9 +173,7 @@ class Checkpointer:
         started_ns, t0 = time.time_ns(), time.perf_counter()
         self.writer.wait()  # one save in flight at most: a save that may not be skipped waits for the last one
         flat = self._flat()
-        buffer = self._stage_into(flat)
-        assert self._layout is not None
-        staged = stage(flat, self._layout, buffer)
+        staged = self._stager_for(flat).stage(flat)
         staging_s = time.perf_counter() - t0
         self.writer.submit(
             SaveJob(

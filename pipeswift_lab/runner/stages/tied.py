@@ -131,6 +131,8 @@ def canonical_key(key: str, aliases: dict[str, str]) -> str:
 
 def canonical_state(state: dict[str, Any], aliases: dict[str, str]) -> dict[str, Any]:
     """``state`` with every key under its canonical name (:func:`canonical_key`), a tied tensor once (the first)."""
+    if not aliases:
+        return dict(state)
     out: dict[str, Any] = {}
     for key, value in state.items():
         out.setdefault(canonical_key(key, aliases), value)
