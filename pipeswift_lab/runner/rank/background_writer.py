@@ -121,6 +121,13 @@ class RankWriter:
         self._thread.daemon = True
         self._thread.start()
 
+    def write_now(self, job: SaveJob) -> None:
+        """Write ``job`` in this thread, at its priority, after the write in flight (a save the step loop waits for
+        gains nothing from a background thread); raise if it failed."""
+        self.wait()
+        self._run(job, background=False)
+        self.raise_if_failed()
+
     def wait(self, timeout_s: float | None = None) -> bool:
         """Wait for the write in flight (``timeout_s`` at most); raise its error if it failed. Returns whether
         nothing is in flight any more."""
@@ -139,10 +146,11 @@ class RankWriter:
                 "stands"
             ) from exc
 
-    def _run(self, job: SaveJob) -> None:
+    def _run(self, job: SaveJob, background: bool = True) -> None:
         from ..faults import raise_write_fault
 
-        _yield_to_training()
+        if background:
+            _yield_to_training()
         try:
             raise_write_fault(self._fault, job.step, self.rank, job.tmp_dir)
             job.tmp_dir.mkdir(parents=True, exist_ok=True)

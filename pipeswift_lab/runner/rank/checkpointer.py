@@ -172,23 +172,24 @@ class Checkpointer:
         wait = wait or not self.asynchronous
         started_ns, t0 = time.time_ns(), time.perf_counter()
         self.writer.wait()  # one save in flight at most: a save that may not be skipped waits for the last one
+        t_stage = time.perf_counter()
         flat = self._flat()
         staged = self._stager_for(flat).stage(flat)
-        staging_s = time.perf_counter() - t0
-        self.writer.submit(
-            SaveJob(
-                step=step,
-                kind=kind,
-                tmp_dir=ckpt.new_tmp_dir(self.root, step, self.tag),
-                staged=staged,
-                started_ns=started_ns,
-                staging_ms=staging_s * 1e3,
-                waited=wait,
-                interval_steps=self.interval_steps(),
-            )
+        staging_s = time.perf_counter() - t_stage
+        job = SaveJob(
+            step=step,
+            kind=kind,
+            tmp_dir=ckpt.new_tmp_dir(self.root, step, self.tag),
+            staged=staged,
+            started_ns=started_ns,
+            staging_ms=staging_s * 1e3,
+            waited=wait,
+            interval_steps=self.interval_steps(),
         )
         if wait:
-            self.writer.wait()
+            self.writer.write_now(job)
+        else:
+            self.writer.submit(job)
         if self.rank == 0:
             self.save_s.append(time.perf_counter() - t0)
         self.last_saved_step = step
