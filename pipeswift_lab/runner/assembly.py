@@ -416,8 +416,9 @@ def _timeline(spec: RunSpec, ranks: list[Payload], clock: _Clock, meta: dict[str
 def _standing_checkpoint(ranks: list[Payload], recovery: _Recovery) -> str | None:
     """The newest complete checkpoint: one a rank reported, else the last one logged, else the one restored."""
     standing = next((p.get("checkpoint") for p in ranks if p.get("checkpoint")), None)
-    if standing is None and len(recovery.checkpoints):
-        standing = str(recovery.checkpoints["path"].iloc[-1])
+    committed = [p for p in recovery.checkpoints["path"] if isinstance(p, str)] if len(recovery.checkpoints) else []
+    if standing is None and committed:
+        standing = committed[-1]
     if standing is None and recovery.restored:
         standing = recovery.restored[0]["path"]
     return standing

@@ -114,10 +114,11 @@ class RankWriter:
         """Whether a save handed over is still being written (on rank 0: not yet committed)."""
         return self._thread is not None and self._thread.is_alive()
 
-    def submit(self, job: SaveJob) -> None:
-        """Start writing ``job`` in the background (after the previous write has ended)."""
+    def submit(self, job: SaveJob, yield_cores: bool = True) -> None:
+        """Start writing ``job`` in the background (after the previous write has ended); ``yield_cores`` at the
+        lowest priority, so that training goes first."""
         self.wait()
-        self._thread = threading.Thread(target=self._run, args=(job,), name=f"checkpoint-writer-{job.step}")
+        self._thread = threading.Thread(target=self._run, args=(job, yield_cores), name=f"checkpoint-writer-{job.step}")
         self._thread.daemon = True
         self._thread.start()
 
@@ -125,7 +126,7 @@ class RankWriter:
         """Write ``job`` in this thread, at its priority, after the write in flight (a save the step loop waits for
         gains nothing from a background thread); raise if it failed."""
         self.wait()
-        self._run(job, background=False)
+        self._run(job, yield_cores=False)
         self.raise_if_failed()
 
     def wait(self, timeout_s: float | None = None) -> bool:
@@ -146,10 +147,10 @@ class RankWriter:
                 "stands"
             ) from exc
 
-    def _run(self, job: SaveJob, background: bool = True) -> None:
+    def _run(self, job: SaveJob, yield_cores: bool = True) -> None:
         from ..faults import raise_write_fault
 
-        if background:
+        if yield_cores:
             _yield_to_training()
         try:
             raise_write_fault(self._fault, job.step, self.rank, job.tmp_dir)

@@ -5,7 +5,8 @@ A save stalls the step loop only for a copy of the rank's state into a staging b
 CUDA; :mod:`~pipeswift_lab.runner.checkpoint_files`); the file, its fsync, its checksum and the commit run in a
 background thread (:mod:`.background_writer`). At most one save is in flight: a periodic or ``"auto"`` save that
 falls due while the last one is still being written is skipped, on every rank alike (the ranks agree on it in the
-step's all-reduce), and logged with ``status="skipped"``. Final, preemption and rebalance saves are never skipped:
+step's all-reduce), and logged with ``status="skipped"``; so is one due when the steps left take less time than a
+background write (the final save would only wait for it). Final, preemption and rebalance saves are never skipped:
 they wait for the write in flight, and then for their own. ``checkpoint_async=False`` waits for every save.
 
 The automatic interval is Young/Daly's √(2·C·MTBF) (Young, CACM 1974; Daly, FGCS 2006) from the *measured* stall C
@@ -125,6 +126,17 @@ class Checkpointer:
         """Whether this rank's last save is still being written (on rank 0: not yet committed)."""
         return self.writer.busy()
 
+    def holding(self, done: int) -> bool:
+        """Whether a periodic or automatic save due after ``done`` steps is to be skipped (every rank agrees on rank
+        0's answer): the last save is still being written, or, in the background mode, the steps left take less
+        time than a background write, so that the final save would only wait for it."""
+        if self.busy():
+            return True
+        if self.rank != 0 or not self.asynchronous or not self.writer.write_s or not self.step_s:
+            return False
+        left_s = (self.spec.steps - done) * statistics.median(self.step_s)
+        return left_s < statistics.median(self.writer.write_s)
+
     def periodic_due(self, done: int) -> bool:
         """Whether ``checkpoint_every=N`` asks for a save after ``done`` steps (the final save is separate)."""
         every = self.job.checkpoint_every
@@ -144,7 +156,7 @@ class Checkpointer:
         """Rank 0's vote at ``"auto"``: save after this attempt's first step (to measure C), then every τ steps."""
         if not self.enabled or self.job.checkpoint_every != "auto" or self.rank != 0 or done >= self.spec.steps:
             return False
-        if self.busy():  # the last save is still being written: vote when it is done
+        if self.holding(done):  # the last save is still being written (vote when it is done), or the end is near
             return False
         interval = self.interval_steps()
         if not self.save_s or interval is None or self.last_saved_step is None:
@@ -156,17 +168,18 @@ class Checkpointer:
         self.writer.raise_if_failed()
 
     def skip(self, step: int, kind: str) -> None:
-        """Rank 0 logs a save due after ``step`` steps that was skipped because the last one was still being
-        written."""
+        """Rank 0 logs a save due after ``step`` steps that was skipped (:meth:`holding`)."""
         if self.rank == 0:
             record = dict.fromkeys(CHECKPOINT_FIELDS)
             record.update(step=step, kind=kind, status="skipped", attempt=self.attempt, blocking_ms=0.0)
             record.update(mode="async", interval_steps=self.interval_steps())
             append_line(self.inputs.out_dir / CHECKPOINTS_LOG, json.dumps(record))
 
-    def save(self, step: int, kind: str, wait: bool = False) -> None:
+    def save(self, step: int, kind: str, wait: bool = False, at_exit: bool = False) -> None:
         """Stage this rank's state for ``step`` steps done and hand it to the writer; with ``wait`` (or
-        ``checkpoint_async=False``) return only when it is written (on rank 0: committed)."""
+        ``checkpoint_async=False``) return only when it is written (on rank 0: committed). ``at_exit`` (the final
+        save): written in the background at full priority while the results are gathered, and waited for by
+        :meth:`close` before the worker exits (logged as waited)."""
         if self.root is None:
             raise RuntimeError("Checkpointer.save needs a checkpoint root (the run has no checkpoint_dir)")
         wait = wait or not self.asynchronous
@@ -183,13 +196,13 @@ class Checkpointer:
             staged=staged,
             started_ns=started_ns,
             staging_ms=staging_s * 1e3,
-            waited=wait,
+            waited=wait or at_exit,
             interval_steps=self.interval_steps(),
         )
         if wait:
             self.writer.write_now(job)
         else:
-            self.writer.submit(job)
+            self.writer.submit(job, yield_cores=not at_exit)
         if self.rank == 0:
             self.save_s.append(time.perf_counter() - t0)
         self.last_saved_step = step

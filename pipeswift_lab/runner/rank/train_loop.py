@@ -11,8 +11,9 @@ updates, the ranks agree in one small all-reduce (MAX over three flags) on
 * ``save`` — rank 0's vote for a checkpoint at ``checkpoint_every="auto"``: the Young/Daly
   interval √(2·C·MTBF) (Young, CACM 1974; Daly, FGCS 2006) from the *measured* save stall C
   and step time (:mod:`.checkpointer`);
-* ``busy`` — rank 0's last save is still being written in the background: a periodic or
-  automatic save due now is skipped on every rank.
+* ``hold`` — rank 0's last save is still being written in the background, or the steps left
+  take less time than a background write: a periodic or automatic save due now is skipped on
+  every rank.
 
 Files written into the run directory for the launcher: ``steps.log`` (the last rank: one
 ``attempt step start_ns end_ns`` line per step), ``checkpoints.log`` (rank 0: one JSON line
@@ -156,10 +157,14 @@ def train(inputs: RankInputs) -> list[dict[str, Any]] | None:
     interval = state.saver.interval_steps()  # the interval the run used, before the final save joins the measurements
     job, saver = inputs.spec.job, state.saver
     if log.status == "completed" and saver.enabled and job.final_kind and saver.last_saved_step != inputs.spec.steps:
-        saver.save(inputs.spec.steps, job.final_kind, wait=True)
-    saver.close()  # a save still in flight (the last good state, even at a non-finite loss) is committed first
+        saver.save(inputs.spec.steps, job.final_kind, at_exit=True)  # written while the results are gathered
     final_ns = state.recorder.now_ns()
-    return gather(_payload(inputs, state, log, interval, final_ns), inputs.rank, inputs.world, inputs.gather_group)
+    gathered = gather(_payload(inputs, state, log, interval, final_ns), inputs.rank, inputs.world, inputs.gather_group)
+    saver.close()  # the save in flight (the final one, or the last good state at a non-finite loss) is committed
+    if gathered is not None and saver.latest is not None:
+        for payload in gathered:
+            payload["checkpoint"] = saver.latest
+    return gathered
 
 
 def _set_up(inputs: RankInputs) -> RankState:
@@ -267,7 +272,7 @@ def _train_steps(inputs: RankInputs, state: RankState) -> StepLog:
         saver.raise_if_failed()  # a background write that failed ends the run here, naming the checkpoint
         with state.memory.step(step):
             start_ns, loss = _run_step(inputs, state, step)
-            bad, stopping, vote, busy = _agree(inputs, state, loss, step + 1)
+            bad, stopping, vote, hold = _agree(inputs, state, loss, step + 1)
             if bad and job.on_nonfinite == "raise":
                 log.status = "nonfinite"
                 log.nonfinite = {
@@ -291,7 +296,7 @@ def _train_steps(inputs: RankInputs, state: RankState) -> StepLog:
                 saver.save(done, "preempt", wait=True)
             break
         if saver.periodic_due(done) or vote:
-            if busy:
+            if hold:
                 saver.skip(done, "auto" if vote else "periodic")
             else:
                 saver.save(done, "auto" if vote else "periodic")
@@ -337,8 +342,8 @@ def _run_step(inputs: RankInputs, state: RankState, step: int) -> tuple[int, flo
 
 
 def _agree(inputs: RankInputs, state: RankState, loss: float, done: int) -> tuple[bool, bool, bool, bool]:
-    """One all-reduce (MAX) over every rank's flags: ``(non-finite loss, stop requested, rank 0 votes to save, a save
-    still in flight)``."""
+    """One all-reduce (MAX) over every rank's flags: ``(non-finite loss, stop requested, rank 0 votes to save, periodic
+    saves on hold: :meth:`~.checkpointer.Checkpointer.holding`)``."""
     import torch.distributed as dist
 
     flags = torch.tensor(
@@ -346,13 +351,13 @@ def _agree(inputs: RankInputs, state: RankState, loss: float, done: int) -> tupl
             int(_holds_last(inputs) and not math.isfinite(loss)),
             int(state.stop.requested()),
             int(state.saver.auto_vote(done)),
-            int(state.saver.busy()),
+            int(state.saver.holding(done)),
         ],
         dtype=torch.int64,
     )
     dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=inputs.gather_group)
-    bad, stopping, vote, busy = (bool(x) for x in flags.tolist())
-    return bad, stopping, vote, busy
+    bad, stopping, vote, hold = (bool(x) for x in flags.tolist())
+    return bad, stopping, vote, hold
 
 
 def _record_step(inputs: RankInputs, state: RankState, log: StepLog, step: int, start_ns: int, loss: float) -> None:
