@@ -43,10 +43,8 @@ from ..core.checks import check_choice, check_int
 from ..core.link import Link, check_link
 from ..core.precision import state_bytes
 from .bottleneck import Infeasible, MinMaxSplit
-from .layers import Layers, split
+from .layers import Bounds, Layers, capped_split, split
 from .memory import (
-    CAP_RETRIES,
-    MEM_RTOL,
     DoesNotFit,
     Layout,
     memory_cap,
@@ -121,20 +119,21 @@ def _split_partition(layers: Layers, layout: Layout, method: str, link: Link | N
 
     The exact solver bounds each stage's steady memory (training state and activations in flight); the rank's
     replayed peak (:meth:`Partition.memory`) adds buffers and transients. When that peak exceeds the cap, the
-    solver runs again with the cap lowered by the excess, a few times, before giving up."""
+    solver runs again with the cap lowered by the excess, a few times, before giving up (:func:`capped_split`)."""
     if limit is None:
         return Partition._of_layout(
             layers, split(layers, layout, method, link, None), layout, link=link, method=method, mem_per_gpu_bytes=None
         )
-    budget = limit
-    for _ in range(CAP_RETRIES):
-        bounds = split(layers, layout, method, link, budget)
-        part = Partition._of_layout(layers, bounds, layout, link=link, method=method, mem_per_gpu_bytes=None)
-        excess = max(part.rank_mem_bytes) - limit
-        if excess <= limit * MEM_RTOL or method != "balanced":
-            return Partition._of_layout(layers, bounds, layout, link=link, method=method, mem_per_gpu_bytes=limit)
-        budget -= excess
-    raise DoesNotFit(no_fit_head(limit, method, layout.P, layout.v))
+
+    def peaks(bounds: Bounds) -> tuple[float, ...]:
+        return Partition._of_layout(
+            layers, bounds, layout, link=link, method=method, mem_per_gpu_bytes=None
+        ).rank_mem_bytes
+
+    bounds = capped_split(layers, layout, method, link, limit, peaks)
+    if bounds is None:
+        raise DoesNotFit(no_fit_head(limit, method, layout.P, layout.v))
+    return Partition._of_layout(layers, bounds, layout, link=link, method=method, mem_per_gpu_bytes=limit)
 
 
 def _memory_error(layers: Layers, part: Partition, layout: Layout, limit: float, method: str, link: Link | None) -> str:

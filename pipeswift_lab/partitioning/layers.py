@@ -9,7 +9,7 @@ The planner's search reuses both across candidates.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import numpy as np
@@ -17,11 +17,12 @@ import pandas as pd
 
 from ..core.checks import check_int, nonnegative_column
 from ..core.link import Link
-from .bottleneck import MinMaxSplit
-from .memory import Layout, memory_windows
+from .bottleneck import Infeasible, MinMaxSplit
+from .memory import CAP_RETRIES, MEM_RTOL, Layout, memory_windows
 
 __all__ = [
     "Bounds",
+    "capped_split",
     "Layers",
     "check_bounds",
     "split",
@@ -199,3 +200,31 @@ def split(layers: Layers, layout: Layout, method: str, link: Link | None, limit:
 
 
 # -- the names the planner's search and the sweep import (planning.search, simulation.sweeps) -----------------------
+
+
+def capped_split(
+    layers: Layers,
+    layout: Layout,
+    method: str,
+    link: Link | None,
+    limit: float,
+    peak_of: Callable[[Bounds], Sequence[float]],
+) -> Bounds | None:
+    """The :func:`split` of ``layout`` whose ranks' replayed peaks (``peak_of(bounds)``, one per rank) fit
+    ``limit`` bytes; ``None`` when none does.
+
+    The exact solver's windows bound each stage's steady memory; the replay adds buffers and transients. When the
+    fullest rank exceeds the cap, a balanced split is solved again with the cap lowered by the excess, up to
+    :data:`~pipeswift_lab.partitioning.memory.CAP_RETRIES` times; another method's split is returned as it is,
+    for the caller to check."""
+    budget = limit
+    for _ in range(CAP_RETRIES):
+        try:
+            bounds = split(layers, layout, method, link, budget)
+        except Infeasible:
+            return None
+        excess = max(peak_of(bounds)) - limit
+        if excess <= limit * MEM_RTOL or method != "balanced":
+            return bounds
+        budget -= excess
+    return None

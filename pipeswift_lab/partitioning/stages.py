@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -249,10 +250,10 @@ class Partition:
         mean = sum(times) / len(times)
         return max(times) / mean if mean > 0 else 1.0
 
-    @property
+    @cached_property
     def rank_mem_bytes(self) -> tuple[float, ...]:
         """Predicted peak memory of each rank: :meth:`memory`'s ``predicted_peak_bytes`` (NaN where the profile has
-        no memory columns)."""
+        no memory columns); replayed once per Partition (it is frozen)."""
         if self.layers is None or any(math.isnan(x) for x in self.stage_mem_bytes):
             return tuple(rank_totals(self.stage_mem_bytes, self.stage_to_rank, self.P))
         try:

@@ -21,9 +21,8 @@ from ..core.checks import check_int
 from ..core.link import Link
 from ..core.precision import state_bytes
 from ..core.vocabulary import stage_to_rank
-from ..partitioning.bottleneck import Infeasible
-from ..partitioning.layers import Layers, split
-from ..partitioning.memory import CAP_RETRIES, MEM_RTOL, Layout, no_fit_head, rank_totals
+from ..partitioning.layers import Layers, capped_split, split
+from ..partitioning.memory import Layout, no_fit_head, rank_totals
 from ..partitioning.rank_memory import rank_memory
 from ..partitioning.stages import Partition
 from ..simulation.calibration import SimulatorCalibration
@@ -319,17 +318,14 @@ class Evaluator:
                 precision=self.precision,
                 D=D if zero1 else 1,
             )
-            self._capped[key], budget = None, limit
-            for _ in range(CAP_RETRIES):  # the windows bound the steady terms; the replay may need a lower cap
-                try:
-                    bounds = split(layers, layout, "balanced", self.link, budget)
-                except Infeasible:
-                    break
-                excess = max(self.peak_memory(P, m, b, schedule, v, D, bounds)) - limit
-                if excess <= limit * MEM_RTOL:
-                    self._capped[key] = bounds
-                    break
-                budget -= excess
+            self._capped[key] = capped_split(
+                layers,
+                layout,
+                "balanced",
+                self.link,
+                limit,
+                lambda bounds: self.peak_memory(P, m, b, schedule, v, D, bounds),
+            )
         capped = self._capped[key]
         if capped is None:
             raise ValueError(no_fit_head(limit, "balanced", P, v))
