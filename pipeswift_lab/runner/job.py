@@ -118,8 +118,8 @@ def run(
       mesh, each stage wrapped in DDP over its ``D`` copies (gradients are all-reduced at the
       last micro-batch's backward); replica ``d`` trains on rows ``d*B/D .. (d+1)*B/D - 1`` of
       each global batch ``B``, ``m`` micro-batches each, so a step equals one process on the
-      global batch. ``D`` must divide ``B``. Checkpoints hold the replicated state once (DCP
-      deduplicates it) and resume on any ``D``; not yet with resizes or rebalancing, nor with
+      global batch. ``D`` must divide ``B``. Checkpoints hold the replicated state once (replica
+      0 writes it) and resume on any ``D``; not yet with resizes or rebalancing, nor with
       the zero-bubble schedules.
     * ``nprocs`` — worker processes; one per rank, so ``None`` or ``P * D``.
     * ``backend``/``devices`` — ``None``: NCCL and one GPU per rank when there are GPUs, gloo and

@@ -160,7 +160,8 @@ def test_a_planned_p2_d2_row_runs_as_is():
 
 
 def test_replicas_checkpoint_and_resume_on_another_d(tmp_path):
-    """DCP saves the replicated state once (its planner deduplicates the replicas' keys); any D resumes it by name."""
+    """Replica 0 saves the replicated state (once); the same D resumes it by reading each rank's file, any D by name
+    through DCP."""
     model = make_model(4)
     x, y = global_batch()
     part = partition(Profile.synthetic(fwd_ms=[1.0] * 4, bwd_ms=[2.0] * 4), 2, method="uniform", schedule="1F1B", m=2)
@@ -192,7 +193,7 @@ def test_replicas_checkpoint_and_resume_on_another_d(tmp_path):
         D=2,
         resume_from=tmp_path / "ck",
     )
-    assert again.first_step == 1
+    assert again.first_step == 1 and again.meta["restore_read"] == "direct"
     assert_same_parameters(again.state_dict(), want_state)
     single = run(
         model,
