@@ -129,13 +129,11 @@ class RankWriter:
         self._run(job, yield_cores=False)
         self.raise_if_failed()
 
-    def wait(self, timeout_s: float | None = None) -> bool:
-        """Wait for the write in flight (``timeout_s`` at most); raise its error if it failed. Returns whether
-        nothing is in flight any more."""
+    def wait(self) -> None:
+        """Wait for the write in flight; raise its error if it failed."""
         if self._thread is not None:
-            self._thread.join(timeout_s)
+            self._thread.join()
         self.raise_if_failed()
-        return not self.busy()
 
     def raise_if_failed(self) -> None:
         """Raise :class:`CheckpointWriteError` when a write of this rank failed."""

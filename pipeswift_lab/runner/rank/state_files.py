@@ -105,9 +105,7 @@ def direct_state_dicts(module: torch.nn.Module, optimizer: torch.optim.Optimizer
     without state yet, with nested state, or holding a parameter ``module`` does not name."""
     if not optimizer.state:
         return None
-    names: dict[int, str] = {}
-    for name, param in module.named_parameters():
-        names.setdefault(id(param), name)
+    names = parameter_fqns(module)
     state: dict[str, Any] = {}
     groups: dict[str, Any] = {}
     for group in optimizer.param_groups:
@@ -122,6 +120,15 @@ def direct_state_dicts(module: torch.nn.Module, optimizer: torch.optim.Optimizer
                 state[f"state.{fqn}.{key}"] = value
             groups.update((f"param_groups.{fqn}.{k}", v) for k, v in hyper)
     return module.state_dict(), {**state, **groups}
+
+
+def parameter_fqns(module: torch.nn.Module, aliases: dict[str, str] | None = None) -> dict[int, str]:
+    """``{id(parameter): name}`` of ``module``'s parameters, each by its first name (torch's optimizer-state key),
+    mapped to its canonical name when ``aliases`` are given."""
+    names: dict[int, str] = {}
+    for name, param in module.named_parameters():
+        names.setdefault(id(param), canonical_key(name, aliases) if aliases else name)
+    return names
 
 
 def same_state(a: dict[str, Any], b: dict[str, Any]) -> bool:
@@ -244,9 +251,7 @@ def _optimizer_state_dict(
     """``optimizer.state_dict()``'s form of a flattened optimizer state (torch's ``state.<param>.<name>`` and
     ``param_groups.<param>.<hyperparameter>`` keys), for this rank's parameters in the optimizer's order; ``None``
     when a key does not split into a parameter of ``module`` and one name."""
-    names: dict[int, str] = {}
-    for name, param in module.named_parameters():
-        names.setdefault(id(param), canonical_key(name, aliases))
+    names = parameter_fqns(module, aliases)
     known = set(names.values())
     per_param: dict[str, dict[str, Any]] = {}
     hyper: dict[str, dict[str, Any]] = {}
@@ -296,6 +301,7 @@ def state_bytes(obj: object) -> int:
 
 __all__ = [
     "direct_state_dicts",
+    "parameter_fqns",
     "rank_flat_state",
     "restore_rank_state",
     "rng_states",
