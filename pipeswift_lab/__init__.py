@@ -21,7 +21,7 @@ from .core.analytic import activation_memory_bytes, bubble_overhead, bubble_rati
 from .core.jct import JCT
 from .core.link import Link
 from .core.vocabulary import SCHEDULES
-from .fidelity import Calibration, Comparison, calibrate, compare
+from .fidelity import Calibration, Comparison, MeasuredRun, calibrate, compare
 from .partitioning import Partition, partition
 from .planning import Plan, plan
 from .profiling import Profile, profile, profile_step
@@ -61,6 +61,7 @@ __all__ = [
     "ClusterResult",
     "Comparison",
     "Link",
+    "MeasuredRun",
     "Partition",
     "Plan",
     "Profile",

@@ -8,15 +8,19 @@ returns a :class:`Calibration` to pass back::
     cal.error([run_d])                                  # measured vs predicted step, before and after
     psl.compare(psl.simulate(part, m=8, calibration=cal), run_d).step_rel_error
 
-Modules: :mod:`.comparison`, :mod:`.replays` (a measured step re-run through the simulator), :mod:`.calibrator`,
-:mod:`.measurements` (what calibration reads from the runs) and :mod:`.fitting` (its fits). This room never imports
-the runner: runs are values.
+A job the toolkit did not launch comes in as a :class:`MeasuredRun` (a Timeline from its profiler traces and the
+partition it ran), which both read as a RunResult.
+
+Modules: :mod:`.comparison`, :mod:`.measured_run`, :mod:`.replays` (a measured step re-run through the simulator),
+:mod:`.calibrator`, :mod:`.measurements` (what calibration reads from the runs) and :mod:`.fitting` (its fits).
+This room never imports the runner: runs are values.
 """
 
 from __future__ import annotations
 
 from .calibrator import Calibration, CalibrationWarning, calibrate
 from .comparison import Comparison, compare
+from .measured_run import MeasuredRun
 from .replays import replay
 
-__all__ = ["Calibration", "CalibrationWarning", "Comparison", "calibrate", "compare", "replay"]
+__all__ = ["Calibration", "CalibrationWarning", "Comparison", "MeasuredRun", "calibrate", "compare", "replay"]

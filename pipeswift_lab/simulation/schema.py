@@ -14,9 +14,13 @@ from ..core.vocabulary import KINDS
 
 #: Columns of ``Timeline.df``, in order.
 COLUMNS = ("step", "rank", "stage", "microbatch", "kind", "start_ms", "end_ms")
-#: Integer columns a Timeline may carry besides COLUMNS: ``segment`` (a run's configuration since its last
-#: resize or rebalance) and ``replica`` (the data-parallel replica; 0 when the rows do not say, as in a simulation).
-OPTIONAL_COLUMNS = ("segment", "replica")
+#: Columns a Timeline may carry besides COLUMNS: ``segment`` (a run's configuration since its last resize or
+#: rebalance), ``replica`` (the data-parallel replica; 0 when the rows do not say, as in a simulation), both integers,
+#: and ``time_source`` (an imported profiler trace's: ``"device"`` where the row spans the GPU kernels its action
+#: launched, ``"host"`` where it spans the CPU work).
+OPTIONAL_COLUMNS = ("segment", "replica", "time_source")
+#: Values of the ``time_source`` column.
+TIME_SOURCES = ("device", "host")
 
 
 def normalize(df: pd.DataFrame) -> pd.DataFrame:
@@ -27,8 +31,11 @@ def normalize(df: pd.DataFrame) -> pd.DataFrame:
     if "replica" not in df.columns:
         df = df.assign(replica=np.zeros(len(df), np.int64))
     present = COLUMNS + tuple(c for c in OPTIONAL_COLUMNS if c in df.columns)
-    cols = {c: _int_column(df, c) for c in ("step", "rank", "stage", "microbatch") + present[len(COLUMNS) :]}
+    integers = ("step", "rank", "stage", "microbatch") + tuple(c for c in ("segment", "replica") if c in present)
+    cols = {c: _int_column(df, c) for c in integers}
     cols["kind"] = _kind_column(df)
+    if "time_source" in present:
+        cols["time_source"] = _time_source_column(df)
     cols.update({c: _time_column(df, c) for c in ("start_ms", "end_ms")})
     if (cols["end_ms"] < cols["start_ms"]).any():
         i = int(np.flatnonzero(cols["end_ms"] < cols["start_ms"])[0])
@@ -80,6 +87,15 @@ def _kind_column(df: pd.DataFrame) -> np.ndarray:
     return kind
 
 
+def _time_source_column(df: pd.DataFrame) -> np.ndarray:
+    """The ``time_source`` column as an object array, every value one of :data:`TIME_SOURCES`."""
+    values = df["time_source"].to_numpy(dtype=object)
+    bad = sorted(set(pd.unique(values).tolist()) - set(TIME_SOURCES), key=str)
+    if bad:
+        raise ValueError(f"Timeline column 'time_source' holds {bad}; valid values are {list(TIME_SOURCES)}")
+    return values
+
+
 def _time_column(df: pd.DataFrame, c: str) -> np.ndarray:
     """Column ``c`` as finite floats (ms)."""
     values = pd.to_numeric(df[c], errors="coerce").to_numpy(dtype=float)
@@ -108,4 +124,4 @@ def jsonable(value: Any) -> Any:
     return str(value)
 
 
-__all__ = ["COLUMNS", "OPTIONAL_COLUMNS", "device_index", "jsonable", "normalize"]
+__all__ = ["COLUMNS", "OPTIONAL_COLUMNS", "TIME_SOURCES", "device_index", "jsonable", "normalize"]

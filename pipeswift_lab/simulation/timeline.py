@@ -1,11 +1,11 @@
 """The Timeline: one row per executed action, simulated or measured, and its metrics.
 
-One schema serves :func:`pipeswift_lab.simulation.simulator` and the real runner, so predicted and
-measured runs compare with plain pandas. Columns (exactly): ``step``, ``rank``, ``stage``,
-``microbatch``, ``kind`` (``F``, ``B``, ``I``, ``W``, ``SEND_F``, ``RECV_F``, ``SEND_B``,
+One schema serves :func:`pipeswift_lab.simulation.simulator`, the real runner and the traces of other jobs
+(:meth:`Timeline.from_profiler`), so predicted and measured runs compare with plain pandas. Columns (exactly):
+``step``, ``rank``, ``stage``, ``microbatch``, ``kind`` (``F``, ``B``, ``I``, ``W``, ``SEND_F``, ``RECV_F``, ``SEND_B``,
 ``RECV_B``, ``REDUCE_GRAD``), ``start_ms``, ``end_ms``, ``replica`` (the data-parallel replica,
 0 in a simulation; ``rank`` is the pipeline rank within the replica) and, for a run that
-changed configuration, ``segment``.
+changed configuration, ``segment``; for an imported trace, ``time_source`` (``"device"`` or ``"host"``).
 
 Metric definitions (every metric works on one or many steps):
 
@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 from os import PathLike
@@ -315,6 +316,10 @@ class Timeline:
                 out[k] = self.meta[k]
         if len(self.replicas) > 1:
             out["replicas"] = len(self.replicas)
+        if "imported_from" in self.meta:
+            out["imported_from"] = self.meta["imported_from"]
+            out["time_source"] = ", ".join(f"{k} {v}" for k, v in self.meta.get("time_source", {}).items())
+            out["clock_skew_ms"] = self.meta.get("clock_skew_ms")
         out.update(
             {
                 "steps": len(self.steps),
@@ -351,6 +356,22 @@ class Timeline:
             fh.write(_CSV_HEADER + json.dumps({"source": self.source, "meta": jsonable(self.meta)}) + "\n")
             self.df.to_csv(fh, index=False)
         return str(path)
+
+    @classmethod
+    def from_profiler(
+        cls, path_or_paths: str | PathLike[str] | Sequence[str | PathLike[str]], schedule: str | None = None
+    ) -> Timeline:
+        """The measured Timeline of a real pipeline job from its ``torch.profiler`` traces, one per rank: a folder
+        written by ``tensorboard_trace_handler``, or ``export_chrome_trace`` files (gzipped or not).
+
+        One row per action (``PP:{stage}{kind}{mb}`` spans of torch's pipelining runtime, GPipe's ``Forward i`` /
+        ``Backward i``), its ``step`` from ``ProfilerStep#N``, its time on the GPU kernels it launched
+        (``time_source="device"``) or its CPU ops (``"host"``), ranks on one clock (``meta["clock_skew_ms"]``, the
+        alignment's error bound). See :func:`~pipeswift_lab.simulation.trace_import.timeline_from_profiler`.
+        """
+        from .trace_import import timeline_from_profiler
+
+        return timeline_from_profiler(path_or_paths, schedule=schedule)
 
     @classmethod
     def read_csv(cls, path: str | PathLike[str]) -> Timeline:
