@@ -67,6 +67,7 @@ def run(
     progress: bool = True,
     save_spec: str | os.PathLike[str] | None = None,
     instrument: bool = True,
+    profiler_trace: str | os.PathLike[str] | None = None,
     seed: int = 0,
     start_method: str = "forkserver",
     checkpoint_dir: str | os.PathLike[str] | None = None,
@@ -130,6 +131,14 @@ def run(
     * ``save_spec`` — also write the run's spec there, for
       ``torchrun --nproc-per-node P -m pipeswift_lab.runner SPEC``.
     * ``instrument`` — record every compute action (False: step times only, the overhead baseline).
+    * ``profiler_trace`` — a directory (made if missing; an existing file is a ``ValueError``): every rank records
+      its steps with ``torch.profiler`` (CPU, and CUDA on a GPU) and writes
+      ``rank{r}.{time_ns}.pt.trace.json`` there (``r`` the global rank) for Perfetto or
+      ``Timeline.from_profiler(dir)``: a ``ProfilerStep#N`` span per step, ``N`` the run's step (a resumed run
+      starts at its checkpoint's), around torch's spans (``PP:{stage}{kind}{mb}`` from the runtime schedules
+      such as Interleaved1F1B, ``Forward i``/``Backward i`` from GPipe; torch's 1F1B marks none). Each attempt
+      and segment (restart, resize, rebalance) writes its own file per rank; ``meta["profiler_trace"]`` names
+      the directory. ``None``: no profiler (see :mod:`~pipeswift_lab.runner.rank.profiler_trace`).
     * ``seed`` — ``torch.manual_seed`` on every rank before the first step.
     * ``start_method`` — ``"forkserver"`` (warm workers) or ``"subprocess"`` (cold interpreters,
       as under torchrun); see :mod:`~pipeswift_lab.runner.launcher`.
@@ -187,6 +196,7 @@ def run(
         progress=progress,
         save_spec=save_spec,
         instrument=instrument,
+        profiler_trace=profiler_trace,
         seed=seed,
         start_method=start_method,
     )

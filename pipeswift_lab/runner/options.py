@@ -29,7 +29,15 @@ from .faults import active_slow_disk_s, active_write_fault
 if TYPE_CHECKING:
     from .rebalance import RebalancePlan
 
-__all__ = ["ON_NONFINITE", "JobOptions", "LaunchOptions", "CheckpointOptions", "ElasticOptions", "job_options"]
+__all__ = [
+    "ON_NONFINITE",
+    "JobOptions",
+    "LaunchOptions",
+    "CheckpointOptions",
+    "ElasticOptions",
+    "job_options",
+    "check_trace_dir",
+]
 
 #: What ``run(..., on_nonfinite=...)`` may do at a NaN/inf loss.
 ON_NONFINITE = ("raise", "skip", "ignore")
@@ -37,6 +45,26 @@ ON_NONFINITE = ("raise", "skip", "ignore")
 START_METHODS = ("forkserver", "subprocess")
 #: The longest ``preempt_grace_s`` (seconds).
 MAX_GRACE_S = 1e6
+
+
+def check_trace_dir(directory: str | os.PathLike[str] | None) -> str | None:
+    """``profiler_trace`` as an absolute path (``None`` stays ``None``); a path that is, or lies under, an existing
+    file raises ``ValueError``. Nothing is created here: each rank makes the directory when it starts profiling."""
+    if directory is None:
+        return None
+    if not isinstance(directory, (str, os.PathLike)):
+        raise TypeError(
+            f"profiler_trace must be a directory (str or os.PathLike) or None; got {type(directory).__name__}"
+        )
+    path = Path(directory).resolve()
+    existing = next(p for p in (path, *path.parents) if p.exists())
+    if not existing.is_dir():
+        what = "exists and is not a directory" if existing == path else f"lies under {str(existing)!r}, a file"
+        raise ValueError(
+            f"profiler_trace={str(directory)!r} {what}: give a directory (made if missing) for every rank's "
+            "torch.profiler trace file"
+        )
+    return str(path)
 
 
 def _set(record: object, name: str, value: object) -> None:
@@ -63,6 +91,9 @@ class LaunchOptions:
     """Also write the first segment's spec there, for ``torchrun ... -m pipeswift_lab.runner SPEC``."""
     instrument: bool = True
     """Record every compute action (False: step times only, the overhead baseline)."""
+    profiler_trace: str | os.PathLike[str] | None = None
+    """A directory: every rank writes a ``torch.profiler`` trace of its steps there
+    (:mod:`~pipeswift_lab.runner.rank.profiler_trace`); ``None``: no profiler."""
     seed: int = 0
     """``torch.manual_seed`` on every rank before the first step; data callables get ``seed + step``."""
     start_method: str = "forkserver"

@@ -124,6 +124,7 @@ def plan_job(
         "devices": launch.devices,
         "timeout_s": launch.timeout_s,
         "instrument": launch.instrument,
+        "profiler_trace": launch.profiler_trace,
         "seed": launch.seed,
         "D": D,
         "split": split,

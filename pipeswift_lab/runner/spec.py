@@ -31,7 +31,7 @@ from torch import nn
 from ..core.checks import check_choice, check_flag, check_int, check_time
 from .devices import CPU_RANKS_PER_CORE, available_cores, resolve_devices
 from .memory_report import predicted_memory
-from .options import ON_NONFINITE, JobOptions
+from .options import ON_NONFINITE, JobOptions, check_trace_dir
 from .sources import DataSource, make_data_source
 from .stages.sequential import StagePlan, TensorSpec, plan_stages
 from .stages.shapes import stage_shapes
@@ -115,6 +115,8 @@ class RunSpec:
     """``model.state_dict()`` keys, in order."""
     instrument: bool = True
     """Record every F/B/I/W action; False for the overhead baseline."""
+    profiler_trace: str | None = None
+    """Every rank writes a ``torch.profiler`` trace of its steps into this directory; ``None``: no profiler."""
     seed: int = 0
     """``torch.manual_seed`` on every rank before the first step; data callables get ``seed + step``."""
     timeout_s: float = 300.0
@@ -301,6 +303,7 @@ def make_spec(
     devices: Any = None,
     timeout_s: float = 300.0,
     instrument: bool = True,
+    profiler_trace: str | os.PathLike[str] | None = None,
     seed: int = 0,
     job: JobOptions | None = None,
     D: int = 1,
@@ -322,6 +325,7 @@ def make_spec(
     seed = check_int("seed", seed)
     timeout_s = _check_timeout(timeout_s)
     check_flag("instrument", instrument)
+    profiler_trace = check_trace_dir(profiler_trace)
     _check_nprocs(nprocs, plan.P, D)
     _check_schedule(plan, m, D)
     optimizer = _check_training(model, plan, loss_fn, optimizer)
@@ -330,7 +334,7 @@ def make_spec(
     source = make_data_source(data, steps, seed)
     global_batch, batch_size = _replica_batch(source, D, m)
     shapes = stage_shapes(model, partition, plan, source, batch_size // m, loss_fn, split)
-    meta = _spec_meta(plan, D, m, global_batch, batch_size, shapes.layer_names)
+    meta = {**_spec_meta(plan, D, m, global_batch, batch_size, shapes.layer_names), "profiler_trace": profiler_trace}
     if instrument:
         meta["memory_predicted"] = predicted_memory(
             partition,
@@ -356,6 +360,7 @@ def make_spec(
         boundaries=shapes.boundaries,
         state_keys=tuple(model.state_dict().keys()),
         instrument=instrument,
+        profiler_trace=profiler_trace,
         seed=seed,
         timeout_s=timeout_s,
         job=job if job is not None else JobOptions(),

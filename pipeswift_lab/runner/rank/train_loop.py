@@ -26,6 +26,7 @@ import json
 import math
 import os
 from collections import OrderedDict
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -39,6 +40,7 @@ from .checkpointer import CHECKPOINTS_LOG, Checkpointer, append_line, broadcast,
 from .inputs import RankInputs
 from .instrument import ActionRecorder
 from .memory_probe import MemoryProbe, probed_step
+from .profiler_trace import StepTrace
 from .state_files import restore_rank_state
 from .stop_request import PREEMPT_FILE, StopRequest
 
@@ -118,6 +120,8 @@ class RankState:
     ``rng_restored``; ``None`` when nothing was restored."""
     ready_ns: int = 0
     """Wall clock when the rank was ready to train (stages built, state restored)."""
+    trace: StepTrace | None = None
+    """The profiler over the step loop (``run(..., profiler_trace=DIR)``); ``None``: no profiler at all."""
 
 
 @dataclass(kw_only=True)
@@ -152,8 +156,11 @@ def train(inputs: RankInputs) -> list[dict[str, Any]] | None:
     """
     state = _set_up(inputs)
     _restore(inputs, state)
-    _announce(inputs, state)
-    log = _train_steps(inputs, state)
+    if inputs.spec.profiler_trace is not None:
+        state.trace = StepTrace(inputs.spec.profiler_trace, inputs.rank, inputs.device, state.first_step)
+    with state.trace if state.trace is not None else nullcontext():  # the profiler warms up before the barrier
+        _announce(inputs, state)
+        log = _train_steps(inputs, state)
     interval = state.saver.interval_steps()  # the interval the run used, before the final save joins the measurements
     job, saver = inputs.spec.job, state.saver
     if log.status == "completed" and saver.enabled and job.final_kind and saver.last_saved_step != inputs.spec.steps:
@@ -269,6 +276,8 @@ def _train_steps(inputs: RankInputs, state: RankState) -> StepLog:
     log = StepLog()
     state.memory.start()
     for step in range(state.first_step, spec.steps):
+        if state.trace is not None:
+            state.trace.begin(step)  # ProfilerStep#step
         saver.raise_if_failed()  # a background write that failed ends the run here, naming the checkpoint
         with state.memory.step(step):
             start_ns, loss = _run_step(inputs, state, step)
