@@ -40,6 +40,23 @@ def parse_bounds(text: str) -> list[tuple[int, int]]:
     return [(int(a), int(b)) for a, b in (part.split(":") for part in text.split(","))]
 
 
+def one_f_one_b_order(P: int, m: int) -> dict[int, list[torch_schedules._Action]]:
+    """1F1B's per-rank order as a table (what torchtitan reads from a CSV): ``P - 1 - r`` warm-up forwards on rank
+    ``r``, then a forward and a backward in turn, then the remaining backwards (Narayanan et al., SOSP 2019)."""
+    order = {}
+    for r in range(P):
+        warm = min(P - 1 - r, m)
+        actions = [f"{r}F{i}" for i in range(warm)]
+        forward = warm
+        for backward in range(m):
+            if forward < m:
+                actions.append(f"{r}F{forward}")
+                forward += 1
+            actions.append(f"{r}B{backward}")
+        order[r] = [torch_schedules._Action.from_str(a) for a in actions]
+    return order
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--schedule", default="Interleaved1F1B", choices=SCHEDULES)
@@ -53,6 +70,12 @@ def main() -> None:
     parser.add_argument("--trace-dir", required=True)
     parser.add_argument("--chrome", action="store_true", help="export_chrome_trace files instead of the handler's")
     parser.add_argument("--cuda", action="store_true")
+    parser.add_argument(
+        "--through-runtime",
+        action="store_true",
+        help="run 1F1B through torch's _PipelineScheduleRuntime loaded with 1F1B's order as a table (as torchtitan "
+        "runs a CSV schedule): it labels every action in the trace; torch's Schedule1F1B labels none",
+    )
     args = parser.parse_args()
 
     device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if args.cuda else "cpu")
@@ -63,7 +86,11 @@ def main() -> None:
     multi = args.schedule not in ("GPipe", "1F1B")
     n_stages = world * (2 if multi else 1)
     n = len(model)
-    bounds = parse_bounds(args.bounds) if args.bounds else [(s * n // n_stages, (s + 1) * n // n_stages) for s in range(n_stages)]
+    bounds = (
+        parse_bounds(args.bounds)
+        if args.bounds
+        else [(s * n // n_stages, (s + 1) * n // n_stages) for s in range(n_stages)]
+    )
     if len(bounds) != n_stages:
         raise SystemExit(f"--bounds gives {len(bounds)} stages; {args.schedule} on {world} ranks needs {n_stages}")
     example = torch.randn(args.batch // args.microbatches, args.width, device=device)
@@ -74,7 +101,12 @@ def main() -> None:
         stages.append(PipelineStage(module, s, n_stages, device))
     schedule_class = getattr(torch_schedules, f"Schedule{args.schedule}")
     loss_fn = nn.MSELoss()
-    if multi:
+    if args.through_runtime and args.schedule == "1F1B":
+        # torchtitan's way for a schedule it has as a table: the runtime, loaded with the schedule's own order
+        order = one_f_one_b_order(world, args.microbatches)
+        pipe = torch_schedules._PipelineScheduleRuntime(stages, n_microbatches=args.microbatches, loss_fn=loss_fn)
+        pipe._prepare_schedule_with_comms(order)
+    elif multi:
         pipe = schedule_class(stages, n_microbatches=args.microbatches, loss_fn=loss_fn)
     else:
         pipe = schedule_class(stages[0], n_microbatches=args.microbatches, loss_fn=loss_fn)
@@ -88,7 +120,9 @@ def main() -> None:
     wait = args.steps - args.active - 1
     handler = None if args.chrome else tensorboard_trace_handler(args.trace_dir, worker_name=f"rank{rank}")
     with profile(
-        activities=activities, schedule=schedule(wait=max(wait, 0), warmup=1, active=args.active), on_trace_ready=handler
+        activities=activities,
+        schedule=schedule(wait=max(wait, 0), warmup=1, active=args.active),
+        on_trace_ready=handler,
     ) as prof:
         for _ in range(args.steps):
             optimizer.zero_grad()

@@ -10,11 +10,15 @@ torch's pipelining runtime labels its actions with ``record_function``:
   micro-batch ``i``; the ``c10d::send``/``c10d::recv_`` ops inside become the ``SEND_*``/``RECV_*`` rows;
 * ``Schedule1F1B`` in this torch version: no per-action spans (:func:`rank_actions` says so and how to get them).
 
-Where an action's span holds waiting for its input (torch waits on the receive inside the forward's span), that
-wait is not work: a compute row runs from the first to the last non-communication op inside the span (host time),
-or, on GPU traces, over the kernels those ops launched (device time: the launch's ``correlation`` id joins a
-``cuda_runtime``/``cuda_driver`` event to its ``kernel``/``gpu_memcpy`` event). Communication kernels (NCCL)
-launched inside an action make its transfer rows' device time. Each row says which time it has in ``time_source``.
+A span is not all work. torch waits for an action's input inside its span (``_wait_batch_p2p`` before
+``forward_one_chunk``; GPipe's ``Forward i`` also posts its receives and sends), and that wait is idle time, the
+pipeline's bubble. On the host, a compute row therefore starts at the span's first compute op, moved back by the
+shortest such lead of its (stage, kind) (the runtime's own preparation, which the runner's recorder counts too),
+and ends with the span (or where GPipe's sends begin). The receive wait itself is not profiled on gloo, so the
+shortest lead stands for the preparation. On GPU traces a row spans the kernels the span launched (device time: a
+launch's ``correlation`` id joins its ``cuda_runtime``/``cuda_driver`` event to its ``kernel``/``gpu_memcpy``
+event), where the wait is a stream wait and no kernel runs. Communication kernels (NCCL) launched inside an action
+make its transfer rows' device time. Each row says which time it has in ``time_source``.
 """
 
 from __future__ import annotations
@@ -216,7 +220,9 @@ def _runtime_actions(name: str) -> list[tuple[int, str, int]]:
 
 
 def _timed(ts: float, end: float, ops: _Spans | None, device: _Kernels | None, comm: bool) -> tuple[float, float, str]:
-    """``(start, end, time_source)`` of the action labelled over [ts, end)."""
+    """``(start, end, time_source)`` of the action labelled over [ts, end). A host-timed compute action starts at its
+    first compute op (its lead, :func:`_without_waits`, is added back later) and ends where the span ends or, when
+    the span posts sends after its compute (GPipe's), where the first of them starts."""
     if device is not None:
         span = device.span(ts, end, comm=comm)
         if span is not None:
@@ -224,11 +230,26 @@ def _timed(ts: float, end: float, ops: _Spans | None, device: _Kernels | None, c
     if comm or ops is None:
         return ts, end, "host"
     inside = ops.inside(ts, end)
-    work = ops.comm[inside] == _WORK
-    if not work.any():
+    codes = ops.comm[inside]
+    work = np.flatnonzero(codes == _WORK)
+    if not len(work):
         return ts, end, "host"
-    starts, ends = ops.ts[inside][work], ops.end[inside][work]
-    return float(starts[0]), float(min(ends.max(), end)), "host"
+    first = float(ops.ts[inside][work[0]])
+    sends = np.flatnonzero(codes[work[0] :] == _SEND)
+    stop = float(ops.ts[inside][work[0] + sends[0]]) if len(sends) else end
+    return first, stop, "host"
+
+
+def _without_waits(df: pd.DataFrame) -> pd.DataFrame:
+    """Host-timed compute rows started back by their preparation: for every (stage, kind), the shortest lead from a
+    span's start to its first compute op is the runtime's own work before the compute (taken as busy, as the
+    runner's recorder does); whatever a span's lead has beyond it is the wait for its input (idle)."""
+    host = (df["time_source"] == "host") & df["kind"].isin(["F", "B", "I", "W"])
+    if not host.any():
+        return df
+    lead = (df["start_us"] - df["label_us"]).where(host)
+    shortest = lead.groupby([df["stage"], df["kind"]]).transform("min")
+    return df.assign(start_us=np.where(host, df["start_us"] - shortest.fillna(0.0), df["start_us"]))
 
 
 def _comm_window(ops: _Spans | None, ts: float, end: float, direction: int) -> tuple[float, float] | None:
@@ -249,6 +270,7 @@ def _assign_steps(
     in a trace without step spans, the action's occurrence count (the k-th ``1F0`` is step k). Actions outside every
     step span (profiling began mid-step) are dropped."""
     df = pd.DataFrame(rows, columns=["stage", "microbatch", "kind", "start_us", "end_us", "time_source", "label_us"])
+    df = _without_waits(df)
     if df.empty:
         raise TraceError(f"{trace.path}: rank {trace.rank}'s pipeline spans name no actions")
     if len(steps):

@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any
 
 import pandas as pd
 
+from ..core.schedule_orders import compute_orders
 from ..core.vocabulary import COMPUTE_KINDS, SCHEDULES
 from .trace_actions import RankActions, rank_actions
 from .trace_files import TraceError, TraceFile, read_trace, trace_paths
@@ -48,8 +49,9 @@ def timeline_from_profiler(
 
     ``source`` is a folder written by ``tensorboard_trace_handler`` (several profiling cycles of one rank are
     joined), a trace file, or a list of files (``export_chrome_trace``'s, gzipped or not). ``schedule`` names the
-    schedule when the labels cannot tell it (e.g. ``"ZBVZeroBubble"`` from ``"InterleavedZeroBubble"``); it is
-    inferred otherwise. The Timeline has a ``time_source`` column, and in ``meta``: ``schedule``, ``P``, ``v``,
+    schedule; by default it is the one whose per-rank order, as torch builds it, the first step's actions follow
+    (``meta["schedule_order_matched"]``; when none does, as for a custom CSV schedule, one with the same kinds and
+    placement). The Timeline has a ``time_source`` column, and in ``meta``: ``schedule``, ``P``, ``v``,
     ``m``, ``D``, ``step_ms`` and ``first_step`` (per profiled step), ``clock_skew_ms``, ``clock_alignment``,
     ``traces`` (the files), ``imported_from`` (``"torch.profiler"``) and ``dropped_actions``.
 
@@ -239,7 +241,7 @@ def _meta(
     if schedule is not None and schedule not in SCHEDULES:
         raise ValueError(f"schedule={schedule!r} is not one of {list(SCHEDULES)}")
     meta: dict[str, Any] = {
-        "schedule": schedule or ("GPipe" if gpipe_labels else _infer_schedule(compute, P, v)),
+        "schedule": schedule,
         "P": P,
         "v": v,
         "m": int(compute["microbatch"].max()) + 1,
@@ -248,6 +250,10 @@ def _meta(
         "traces": [str(p) for p in paths],
         "time_source": df["time_source"].value_counts().to_dict(),
     }
+    if schedule is None:
+        meta["schedule"], meta["schedule_order_matched"] = (
+            ("GPipe", True) if gpipe_labels else _infer_schedule(compute, P, v)
+        )
     if len(step_spans):
         whole = step_spans.groupby("step").agg(start=("start_us", "min"), end=("end_us", "max"))
         whole = whole[whole.index.isin(df["step"].unique())]
@@ -259,30 +265,31 @@ def _meta(
     return meta
 
 
-def _infer_schedule(compute: pd.DataFrame, P: int, v: int) -> str:
-    """The schedule the runtime's actions look like (:data:`~pipeswift_lab.core.vocabulary.SCHEDULES` names)."""
+def _infer_schedule(compute: pd.DataFrame, P: int, v: int) -> tuple[str, bool]:
+    """The schedule whose per-rank order (:func:`~pipeswift_lab.core.schedule_orders.compute_orders`, read from torch)
+    the first step's actions follow, and True; when none does (a custom CSV schedule), a schedule of the same kinds
+    and placement, and False."""
+    m = int(compute["microbatch"].max()) + 1
+    first = compute[compute["step"] == compute["step"].min()].sort_values(["rank", "start_ms"], kind="stable")
+    seen = {
+        int(r): list(zip(g["kind"], g["stage"].astype(int), g["microbatch"].astype(int)))
+        for r, g in first.groupby("rank")
+    }
+    for name in SCHEDULES:
+        try:
+            orders = compute_orders(P, m, name, v)
+        except (ValueError, NotImplementedError, RuntimeError):
+            continue
+        if all([tuple(a) for a in orders.get(r, [])] == seen.get(r, []) for r in range(P)):
+            return name, True
     kinds = set(compute["kind"])
     if v == 1:
-        return "GPipe" if not ({"I", "W"} & kinds) and _all_forwards_first(compute) else "1F1B"
-    stages = compute.groupby("rank")["stage"].agg(lambda s: tuple(sorted(set(s))))
+        return "1F1B", False
+    stages = compute.groupby("rank")["stage"].agg(lambda x: tuple(sorted(set(x))))
     v_shape = all(st == (r, 2 * P - 1 - r) for r, st in stages.items())
     if {"I", "W"} & kinds:
-        return "ZBVZeroBubble" if v_shape else "InterleavedZeroBubble"
-    first = compute[(compute["rank"] == 0) & (compute["step"] == compute["step"].min())].sort_values("start_ms")
-    forwards = first[first["kind"] == "F"]["stage"].tolist()
-    m = int(compute["microbatch"].max()) + 1
-    if forwards[:m] == [forwards[0]] * m and len(set(forwards)) > 1:
-        return "LoopedBFS"
-    return "Interleaved1F1B"
-
-
-def _all_forwards_first(compute: pd.DataFrame) -> bool:
-    """Every rank runs all its forwards of a step before any backward (GPipe's order)."""
-    for _, group in compute.groupby(["step", "rank"]):
-        order = group.sort_values("start_ms")["kind"].tolist()
-        if "B" in order and "F" in order[order.index("B") :]:
-            return False
-    return True
+        return ("ZBVZeroBubble" if v_shape else "InterleavedZeroBubble"), False
+    return "Interleaved1F1B", False
 
 
 __all__ = ["timeline_from_profiler"]
