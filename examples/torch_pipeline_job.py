@@ -3,7 +3,7 @@
 No pipeswift_lab here: this is the kind of script a cluster runs (torchtitan's pipeline does the same with its own
 model), and what ``psl.Timeline.from_profiler`` reads back. Launch it with torch's elastic launcher::
 
-    torchrun --nproc-per-node 2 examples/torch_pipeline_job.py --schedule Interleaved1F1B --microbatches 4 --trace-dir traces
+    torchrun --nproc-per-node 2 examples/torch_pipeline_job.py --schedule Interleaved1F1B --trace-dir traces
 
 Each rank builds the stages it holds from ``--bounds`` (layer ranges of :func:`build_model`, stage ``s`` on rank
 ``s % world_size``), trains ``--steps`` steps on gloo (NCCL when ``--cuda``) and profiles the last ``--active``
@@ -93,7 +93,6 @@ def main() -> None:
     )
     if len(bounds) != n_stages:
         raise SystemExit(f"--bounds gives {len(bounds)} stages; {args.schedule} on {world} ranks needs {n_stages}")
-    example = torch.randn(args.batch // args.microbatches, args.width, device=device)
     stages = []
     for s in range(rank, n_stages, world):
         a, b = bounds[s]

@@ -22,3 +22,23 @@ def close_figures():
 
     if "matplotlib.pyplot" in sys.modules:
         sys.modules["matplotlib.pyplot"].close("all")
+
+
+#: The traced jobs' size: 8 blocks of width 256, batch 64, m=4, 4 profiled steps after 2 unprofiled.
+TRACED_JOB = {"m": 4, "steps": 4}
+
+
+@pytest.fixture(scope="session")
+def interleaved_traces(tmp_path_factory):
+    """A folder of ``tensorboard_trace_handler`` traces of a plain torch Interleaved1F1B job (P=2, v=2)."""
+    from torch_jobs import torch_job
+
+    return torch_job(tmp_path_factory.mktemp("interleaved"), "Interleaved1F1B", "--microbatches", 4, "--active", 4)
+
+
+@pytest.fixture(scope="session")
+def gpipe_traces(tmp_path_factory):
+    """``export_chrome_trace`` files of a plain torch GPipe job (P=2)."""
+    from torch_jobs import torch_job
+
+    return torch_job(tmp_path_factory.mktemp("gpipe"), "GPipe", "--microbatches", 4, "--active", 4, "--chrome")

@@ -60,10 +60,23 @@ def profiler_steps(names):
     return sorted(int(n.removeprefix("ProfilerStep#")) for n in names if n.startswith("ProfilerStep#"))
 
 
+def wide_run(schedule, v, m, steps, **kw):
+    """A run whose actions last about a millisecond (8 blocks of width 256), so runtime overheads do not dominate."""
+    torch.manual_seed(0)
+    wide = nn.Sequential(*[nn.Sequential(nn.Linear(256, 256), nn.GELU()) for _ in range(8)])
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(64, 256, generator=g), torch.randn(64, 256, generator=g)
+    profile = Profile.synthetic(fwd_ms=[1.0] * 8, bwd_ms=[2.0] * 8)
+    part = partition(profile, 2, method="uniform", v=v, schedule=schedule, m=m)
+    return psl.run(
+        wide, (x, y), nn.functional.mse_loss, part, m, steps=steps, progress=False, timeout_s=120, **kw
+    ), part
+
+
 def test_interleaved_ranks_write_one_trace_each_with_a_span_per_step_and_per_action(tmp_path):
     where = tmp_path / "not" / "yet"  # made by the ranks
-    m, steps = 2, 2
-    result, part = go("Interleaved1F1B", 2, m, steps=steps, profiler_trace=where)
+    m, steps = 4, 5
+    result, part = wide_run("Interleaved1F1B", 2, m, steps, profiler_trace=where)
     assert result.meta["profiler_trace"] == str(where.resolve())
     by_rank = traces(where)
     forwards = Counter()
@@ -76,6 +89,26 @@ def test_interleaved_ranks_write_one_trace_each_with_a_span_per_step_and_per_act
     assert sorted(forwards) == [(s, i) for s in range(n_stages) for i in range(m)]
     assert set(forwards.values()) == {steps} and sum(forwards.values()) == n_stages * m * steps
     assert any(re.fullmatch(r"PP:\d+B\d+", n) for n in by_rank[0])  # the backwards too
+
+    # the importer reads the run's own traces, and agrees with the runner's recorder
+    imported = psl.Timeline.from_profiler(where)
+    key = ["step", "rank", "stage", "microbatch", "kind"]
+    recorded = result.timeline.df
+    recorded = recorded[recorded["kind"].isin(["F", "B"])]
+    read = imported.df[imported.df["kind"].isin(["F", "B"])]
+    both = recorded.merge(read, on=key, suffixes=("_run", "_trace"))
+    assert len(both) == len(recorded) == len(read) == n_stages * m * steps * 2
+    duration_gap = (both["end_ms_trace"] - both["start_ms_trace"]) - (both["end_ms_run"] - both["start_ms_run"])
+    typical = float((both["end_ms_run"] - both["start_ms_run"]).median())
+    assert float(duration_gap.abs().median()) <= max(0.15, 0.15 * typical), (duration_gap.describe(), typical)
+    offset = both["start_ms_trace"] - both["start_ms_run"]  # the two clocks' origins differ by a constant
+    assert float((offset - offset.median()).abs().median()) <= 0.15
+    busy_run = result.timeline.idle_by_rank.set_index("rank")["busy_ms"]
+    busy_trace = imported.idle_by_rank.set_index("rank")["busy_ms"]
+    for rank in range(2):
+        assert busy_trace[rank] == pytest.approx(busy_run[rank], rel=0.10), (busy_trace, busy_run)
+    assert imported.meta["step_ms"] == pytest.approx(list(result.step_ms), rel=0.10)
+    assert imported.meta["schedule"] == result.schedule
 
 
 def test_gpipe_marks_forwards_and_a_resumed_run_numbers_its_steps_from_the_checkpoint(tmp_path):
