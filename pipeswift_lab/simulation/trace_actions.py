@@ -166,9 +166,10 @@ def _label_style(trace: TraceFile, labels: list[tuple[str, float, float, int]], 
         raise TraceError(
             f"{trace.path}: rank {trace.rank} sends and receives tensors but the trace has no pipeline action spans "
             "(PP:{stage}{kind}{microbatch}, or GPipe's Forward i / Backward i). torch's Schedule1F1B emits none in "
-            "this torch version: run the job through torch's _PipelineScheduleRuntime, as torchtitan does, e.g. "
-            "ScheduleInterleaved1F1B([stage], n_microbatches) (with one stage per rank it runs 1F1B's order) or "
-            "_PipelineScheduleRuntime with a CSV schedule, then profile again"
+            "this torch version: run the job through torch's _PipelineScheduleRuntime, as torchtitan does for a CSV "
+            "schedule (--parallelism.pipeline_parallel_schedule_csv; in a script, _PipelineScheduleRuntime(stages, m, "
+            "loss_fn=...) loaded with the schedule's per-rank order, as examples/torch_pipeline_job.py "
+            "--through-runtime does), then profile again"
         )
     raise TraceError(
         f"{trace.path}: not a pipeline job's trace: rank {trace.rank} has no pipeline action spans "
