@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from functools import lru_cache
 
 import numpy as np
 import pandas as pd
@@ -98,6 +99,7 @@ def _is_comm(name: str) -> bool:
     return name.startswith(COMM_PREFIXES)
 
 
+@lru_cache(maxsize=4096)
 def _comm_code(name: str) -> int:
     """``_WORK`` for compute, else which communication the op is."""
     if not _is_comm(name):

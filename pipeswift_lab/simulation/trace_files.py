@@ -11,10 +11,12 @@ peak memory is its largest file's, not the folder's.
 
 from __future__ import annotations
 
+import gc
 import gzip
 import json
 import re
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from os import PathLike
 from pathlib import Path
@@ -71,6 +73,19 @@ def trace_paths(source: str | PathLike[str] | Sequence[str | PathLike[str]]) -> 
     return sorted(dict.fromkeys(out))
 
 
+@contextmanager
+def _collector_paused() -> Iterator[None]:
+    """The cyclic garbage collector off while a trace's millions of small dicts are built: they hold no cycles,
+    and its passes over them cost a third of the load."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
 def read_trace(path: Path, single: bool) -> TraceFile:
     """Read one trace file. ``single``: the only file given, so a trace without a rank is rank 0.
 
@@ -80,7 +95,7 @@ def read_trace(path: Path, single: bool) -> TraceFile:
         with open(path, "rb") as fh:
             gzipped = fh.read(2) == b"\x1f\x8b"
         opener = gzip.open if gzipped else open
-        with opener(path, "rb") as fh:
+        with opener(path, "rb") as fh, _collector_paused():
             trace = json.load(fh)
     except (json.JSONDecodeError, UnicodeDecodeError, EOFError, gzip.BadGzipFile) as err:
         raise TraceError(
