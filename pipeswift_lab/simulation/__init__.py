@@ -10,8 +10,10 @@ lasting what the profile measured::
 Modules: :mod:`.schedules` (per-rank orders), :mod:`.reconciliation` (:func:`reconcile`: which schedule, ``v`` and
 placement a partition runs under), :mod:`.simulator` (:func:`simulate`), :mod:`.engine` (the event loop),
 :mod:`.timeline` and :mod:`.schema` (the :class:`Timeline` type), :mod:`.gantt` and :mod:`.chrome_trace` (its chart
-and trace export), :mod:`.sweeps` (:func:`sweep` and its :class:`Sweep`), :mod:`.calibration` (the calibration value
-the simulator applies) and :mod:`.steady` (which measured step is "the measured step").
+and trace export), :mod:`.trace_files`, :mod:`.trace_actions` and :mod:`.trace_import` (:meth:`Timeline.from_profiler`:
+the ``torch.profiler`` traces of any pipeline job), :mod:`.sweeps` (:func:`sweep` and its :class:`Sweep`),
+:mod:`.calibration` (the calibration value the simulator applies) and :mod:`.steady` (which measured step is "the
+measured step").
 """
 
 from __future__ import annotations
