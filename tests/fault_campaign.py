@@ -3,7 +3,12 @@
 Used by ``benchmarks/bench_faults.py`` (100+ trials) and ``tests/runner/test_fault_campaign.py``
 (one trial of each kind). A trial runs a 6-step, two-rank 1F1B job with dropout (so restoring
 RNG states matters) and one fault; ``trial()`` returns one row: the fault, where it struck, the
-outcome and each check. The checks (every one must hold in every trial):
+outcome and each check. No save a trial aims at is skipped (a periodic save due while the last one
+is written is): a kill finds every save due before it committed (``checkpoint_pacing.AwaitSaves``),
+and the kill and corruption trials save once before the final save (an attempt's first save is
+never skipped; a later one may be on a loaded machine when the steps left are few); a disk fault's
+job reads through ``AwaitSaves`` too, has more steps after its faulty save, and ends there. The
+checks (every one must hold in every trial):
 
 * ``ended_well`` — the run completed, was preempted, or raised a ``RunError`` of the expected reason;
 * ``named_right`` — a ``RunError`` names the rank, step and cause the fault had;
@@ -30,6 +35,7 @@ import time
 from pathlib import Path
 
 import torch
+from checkpoint_pacing import AwaitSaves
 from torch import nn
 
 from pipeswift_lab.partitioning.stages import Partition
@@ -47,6 +53,10 @@ from pipeswift_lab.runner.job import clean_stale_run_dirs
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS, EVERY, M, P = 6, 2, 4, 2
+#: The interval of the trials that need a save committed before their fault: one periodic save (3) before the final
+#: one, the attempt's first, which is never skipped (a later one may be on a loaded machine: due when the steps left
+#: take less time than a starved background write).
+EVERY_ONCE = STEPS // 2
 PART = Partition.from_bounds(Profile.synthetic(fwd_ms=[1.0] * 5, bwd_ms=[2.0] * 5), [(0, 2), (2, 5)], schedule="1F1B")
 KINDS = (
     "kill_rank",
@@ -78,13 +88,6 @@ def model() -> nn.Module:
 
 def batch(step: int):
     return torch.randn(8, 6), torch.randn(8, 3)
-
-
-def paced_batch(step: int):
-    """``batch``, 50 ms late: a background write of this small model's state (kilobytes) ends within the two steps
-    between saves even on a loaded machine, so the save a disk fault is aimed at is never skipped."""
-    time.sleep(0.05)
-    return batch(step)
 
 
 class NanAt:
@@ -161,7 +164,7 @@ def go(data=batch, loss_fn=nn.functional.mse_loss, net=None, **kw):
         loss_fn,
         PART,
         M,
-        steps=STEPS,
+        steps=kw.pop("steps", STEPS),
         progress=False,
         timeout_s=kw.pop("timeout_s", 120),
         **kw,
@@ -240,13 +243,13 @@ def trial(kind: str, rng: random.Random, want: dict, workdir: Path) -> dict:
             expect = ("died", rank)
             go(data=signal_at(batch, step=step, rank=rank, sig="SIGKILL"))
         elif kind == "kill_rank_restart":
-            result = go(  # paced: each background write is committed before the next save, so one interval is redone
-                data=signal_at(paced_batch, step=step, rank=rank, sig="SIGKILL"),
+            result = go(  # the kill finds every save due before its step committed: at most one interval is redone
+                data=AwaitSaves(signal_at(batch, step=step, rank=rank, sig="SIGKILL"), str(ck), EVERY_ONCE),
                 max_restarts=1,
                 checkpoint_dir=ck,
-                checkpoint_every=EVERY,
+                checkpoint_every=EVERY_ONCE,
             )
-            row["redo_within_interval"] = result.restarts == 1 and result.steps_redone <= EVERY
+            row["redo_within_interval"] = result.restarts == 1 and result.steps_redone <= EVERY_ONCE
             row["outcome"] = f"restarted, {result.status}"
         elif kind == "preempt_caller":
             marker = workdir / "marker"
@@ -282,7 +285,7 @@ def trial(kind: str, rng: random.Random, want: dict, workdir: Path) -> dict:
             expect = ("raised", None)  # every rank holding data raises: either may be named
             go(data=RaiseAt(step))
         elif kind == "corrupt_checkpoint":
-            go(data=paced_batch, checkpoint_dir=ck, checkpoint_every=EVERY, keep=3)
+            go(checkpoint_dir=ck, checkpoint_every=EVERY_ONCE, keep=3)  # saves 3 and 6 (final): neither is skipped
             newest = latest_checkpoint(ck)
             files = sorted(newest.path.glob("rank-*.bin"))
             victim = files[rng.randrange(len(files))]
@@ -302,7 +305,7 @@ def trial(kind: str, rng: random.Random, want: dict, workdir: Path) -> dict:
                 row["no_corrupt_load"] &= fallback is not None and fallback.step < newest.step
                 result = go(resume_from=ck)
             row["no_corrupt_load"] &= result.first_step == fallback.step
-            row["redo_within_interval"] = newest.step - result.first_step <= EVERY
+            row["redo_within_interval"] = newest.step - result.first_step <= EVERY_ONCE
             row["step"] = newest.step
             row["outcome"] = f"resumed from {fallback.step}: {result.status}"
         elif kind == "disk_fault":
@@ -310,7 +313,10 @@ def trial(kind: str, rng: random.Random, want: dict, workdir: Path) -> dict:
             row["step"] = step
             expect = ("raised", rank)
             with write_fault(step=step, rank=rank, error=rng.choice(("ENOSPC", "EROFS"))):
-                go(data=paced_batch, checkpoint_dir=ck, checkpoint_every=EVERY)
+                # the save before the faulty one has ended when it falls due, and the faulty rank's write before the
+                # next step; steps left after it keep it from being skipped for the end being near (the run ends there)
+                data = AwaitSaves(batch, str(ck), EVERY)
+                go(data=data, checkpoint_dir=ck, checkpoint_every=EVERY, steps=10 * STEPS)
         elif kind == "kill_caller":
             marker = workdir / "marker"
             caller = subprocess.Popen(

@@ -8,10 +8,10 @@ preemption lands are decided by the test, not by the machine's speed.
 
 import os
 import signal
-import time
 
 import pytest
 import torch
+from checkpoint_pacing import AwaitSaves
 from torch import nn
 
 from pipeswift_lab.partitioning.stages import Partition
@@ -32,13 +32,6 @@ def model():
 
 def batch(step):
     return torch.randn(8, 6), torch.randn(8, 3)
-
-
-def paced(step):
-    """``batch``, 50 ms late: a background write of this model's state ends before the next save is due, so no
-    save a test aims a fault at is skipped."""
-    time.sleep(0.05)
-    return batch(step)
 
 
 def sigterm_rank0_at_4(step):
@@ -122,7 +115,9 @@ def test_a_same_partition_restore_reads_its_own_file_and_another_goes_through_dc
 
 def test_a_background_write_that_fails_is_named_with_its_step_and_path_and_the_last_checkpoint_stands(tmp_path):
     with write_fault(step=4, rank=1, error="ENOSPC"), pytest.raises(RunError) as info:
-        go(data=paced, checkpoint_dir=tmp_path, checkpoint_every=2, steps=8)
+        # save 2 has ended before save 4 falls due, and rank 1's failed write before step 5; the steps left after
+        # save 4 keep it from being skipped for the end being nearer than a (starved) background write
+        go(data=AwaitSaves(batch, tmp_path, every=2), checkpoint_dir=tmp_path, checkpoint_every=2, steps=60)
     err, message = info.value, str(info.value)
     assert err.rank == 1 and err.step in (4, 5)  # noticed at the step loop's next check
     assert "No space left on device" in message and "checkpoint of step 4" in message
