@@ -33,9 +33,9 @@ def normalize(df: pd.DataFrame) -> pd.DataFrame:
     present = COLUMNS + tuple(c for c in OPTIONAL_COLUMNS if c in df.columns)
     integers = ("step", "rank", "stage", "microbatch") + tuple(c for c in ("segment", "replica") if c in present)
     cols = {c: _int_column(df, c) for c in integers}
-    cols["kind"] = _kind_column(df)
+    cols["kind"] = _choice_column(df, "kind", KINDS)
     if "time_source" in present:
-        cols["time_source"] = _time_source_column(df)
+        cols["time_source"] = _choice_column(df, "time_source", TIME_SOURCES)
     cols.update({c: _time_column(df, c) for c in ("start_ms", "end_ms")})
     if (cols["end_ms"] < cols["start_ms"]).any():
         i = int(np.flatnonzero(cols["end_ms"] < cols["start_ms"])[0])
@@ -78,21 +78,13 @@ def _int_column(df: pd.DataFrame, c: str) -> np.ndarray:
     return values
 
 
-def _kind_column(df: pd.DataFrame) -> np.ndarray:
-    """The ``kind`` column as an object array, every value one of :data:`~pipeswift_lab.core.vocabulary.KINDS`."""
-    kind = df["kind"].to_numpy(dtype=object)
-    bad_kinds = sorted(set(pd.unique(kind).tolist()) - set(KINDS), key=str)
-    if bad_kinds:
-        raise ValueError(f"Timeline column 'kind' holds {bad_kinds}; valid kinds are {list(KINDS)}")
-    return kind
-
-
-def _time_source_column(df: pd.DataFrame) -> np.ndarray:
-    """The ``time_source`` column as an object array, every value one of :data:`TIME_SOURCES`."""
-    values = df["time_source"].to_numpy(dtype=object)
-    bad = sorted(set(pd.unique(values).tolist()) - set(TIME_SOURCES), key=str)
+def _choice_column(df: pd.DataFrame, c: str, valid: tuple[str, ...]) -> np.ndarray:
+    """Column ``c`` as an object array, every value one of ``valid`` (for ``kind``,
+    :data:`~pipeswift_lab.core.vocabulary.KINDS`; for ``time_source``, :data:`TIME_SOURCES`)."""
+    values = df[c].to_numpy(dtype=object)
+    bad = sorted(set(pd.unique(values).tolist()) - set(valid), key=str)
     if bad:
-        raise ValueError(f"Timeline column 'time_source' holds {bad}; valid values are {list(TIME_SOURCES)}")
+        raise ValueError(f"Timeline column {c!r} holds {bad}; valid values are {list(valid)}")
     return values
 
 

@@ -108,6 +108,7 @@ def test_release_and_acquire_at_the_same_time_do_not_add_up():
         (lambda d: d.assign(extra=1), ValueError, "unexpected \\['extra'\\]"),
         (lambda d: d.drop(columns="kind"), ValueError, "missing \\['kind'\\]"),
         (lambda d: d.assign(kind="X"), ValueError, "holds \\['X'\\]"),
+        (lambda d: d.assign(time_source="gpu"), ValueError, "'time_source' holds \\['gpu'\\]; valid values"),
         (lambda d: d.assign(end_ms=d["start_ms"] - 1), ValueError, "ends before it starts"),
         (lambda d: d.assign(start_ms=np.nan), ValueError, "finite"),
         (lambda d: d.assign(rank=-1), ValueError, "integers >= 0"),
