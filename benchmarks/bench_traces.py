@@ -200,10 +200,11 @@ def _rss() -> int:
         return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-def _vm_data() -> int:
-    with open("/proc/self/status") as fh:
+def _proc_bytes(path: str, key: str) -> int:
+    """The ``key:`` line of a ``/proc`` status file (in kB) as bytes, 0 when absent."""
+    with open(path) as fh:
         for line in fh:
-            if line.startswith("VmData:"):
+            if line.startswith(f"{key}:"):
                 return int(line.split()[1]) * 1024
     return 0
 
@@ -238,7 +239,7 @@ def worker(mode: str, folder: Path, warm: Path, repeats: int, memory_allowance: 
         pass
     base = _rss()
     if memory_allowance:  # a MemoryError here rather than the machine swapping or the OOM killer
-        limit = _vm_data() + memory_allowance
+        limit = _proc_bytes("/proc/self/status", "VmData") + memory_allowance
         resource.setrlimit(resource.RLIMIT_DATA, (limit, resource.getrlimit(resource.RLIMIT_DATA)[1]))
     if mode == "cprofile":
         import cProfile
@@ -282,14 +283,6 @@ def measure(mode: str, folder: Path, warm: Path, repeats: int, memory_allowance:
 
 
 # ---------------------------------------------------------------------------------------------- main
-
-
-def _available() -> int:
-    with open("/proc/meminfo") as fh:
-        for line in fh:
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    return 0
 
 
 def _size(folder: Path) -> tuple[int, int]:
@@ -339,9 +332,10 @@ def main() -> None:
             raise SystemExit(f"--steps {bad}: not multiples of the {per_copy} profiled steps")
         warm = work / f"steps-{min(steps)}"
         tile(templates, min(steps) // per_copy, warm)
+        available_gib = _proc_bytes("/proc/meminfo", "MemAvailable") / 2**30
         print(
             f"real traces: {len(real)} ranks, {per_copy} steps, {sum(p.stat().st_size for p in real) / MB:.2f} MB "
-            f"(job {job_s:.0f} s); memory available {_available() / 2**30:.1f} GiB; {os.cpu_count()} cores",
+            f"(job {job_s:.0f} s); memory available {available_gib:.1f} GiB; {os.cpu_count()} cores",
             flush=True,
         )
 
@@ -375,7 +369,7 @@ def main() -> None:
                 f"{repeats} run(s) ...",
                 flush=True,
             )
-            allowance = int(0.8 * _available()) if big else 0
+            allowance = int(0.8 * _proc_bytes("/proc/meminfo", "MemAvailable")) if big else 0
             found: dict[str, list[dict[str, Any]]] = {"json": [], "import": []}
             for r in range(rounds):  # fresh interpreters, json and import in turn, the order alternated
                 for mode in ("json", "import") if r % 2 == 0 else ("import", "json"):
@@ -456,7 +450,7 @@ def _too_big(rows: list[dict[str, Any]], templates: list[TraceTemplate], copies:
     per_copy = [sum(len(p) for p in t.pieces) + len(t.values) * 17 for t in templates]  # ~17 bytes a value
     largest_mb, folder_mb = max(per_copy) * copies / MB, sum(per_copy) * copies / MB
     peak_mb = max(last["import peak / largest file"], last["json peak MB"] / last["largest file MB"]) * largest_mb
-    available_mb = _available() / MB
+    available_mb = _proc_bytes("/proc/meminfo", "MemAvailable") / MB
     free_mb = shutil.disk_usage(work).free / MB
     if peak_mb > 0.8 * available_mb:
         return (

@@ -20,7 +20,7 @@ import pandas as pd
 from ..core.checks import check_int
 from ..core.display import html_card, text_card
 from ..partitioning.stages import Partition
-from ..simulation.steady import steady_step_index
+from ..simulation.steady import steady_step_index, step_time_stats
 from ..simulation.timeline import Timeline
 
 
@@ -152,24 +152,10 @@ class MeasuredRun:
         return float(self.step_ms[self.steady_step - self.first_step])
 
     def step_stats(self) -> pd.DataFrame:
-        """Step-time dispersion of the steps after the first: one row ``window="all"`` with ``steps``, ``mean_ms``,
-        ``std_ms``, ``cv``, ``p50_ms``, ``p95_ms``, ``max_ms`` (the columns of ``RunResult.step_stats``)."""
-        times = pd.Series(self.step_ms[1:] if len(self.step_ms) > 1 else self.step_ms, dtype=float)
-        std = float(times.std(ddof=1)) if len(times) > 1 else float("nan")
-        return pd.DataFrame(
-            [
-                {
-                    "window": "all",
-                    "steps": len(times),
-                    "mean_ms": float(times.mean()),
-                    "std_ms": std,
-                    "cv": std / float(times.mean()),
-                    "p50_ms": float(times.quantile(0.5)),
-                    "p95_ms": float(times.quantile(0.95)),
-                    "max_ms": float(times.max()),
-                }
-            ]
-        )
+        """Step-time dispersion of the steps after the first: one row ``window="all"`` with the columns of
+        ``RunResult.step_stats`` (:func:`~pipeswift_lab.simulation.steady.step_time_stats`)."""
+        steps = pd.Series(self.step_ms, index=range(self.first_step, self.first_step + len(self.step_ms)), dtype=float)
+        return pd.DataFrame([{"window": "all", **step_time_stats(steps.iloc[1:] if len(steps) > 1 else steps)}])
 
     # ------------------------------------------------------------------ display
     def _summary(self) -> dict[str, Any]:

@@ -184,6 +184,7 @@ class RunResult:
         (``segment`` = -1); "the 100-step mean and variance after every change" is one call.
         """
         from ..core.checks import check_int
+        from ..simulation.steady import step_time_stats
 
         window = check_int("window", window, minimum=1)
         offset = self.first_step  # step numbers, for a run resumed at a later step
@@ -191,20 +192,7 @@ class RunResult:
         starts = sorted(int(x) for x in self.segments["first_step"]) if len(self.segments) > 1 else [offset]
 
         def stats(name: int | str, part: pd.Series, segment: int) -> dict[str, Any]:
-            std = float(part.std(ddof=1)) if len(part) > 1 else float("nan")
-            return {
-                "segment": segment,
-                "window": name,
-                "first_step": int(part.index[0]),
-                "last_step": int(part.index[-1]),
-                "steps": len(part),
-                "mean_ms": float(part.mean()),
-                "std_ms": std,
-                "cv": std / float(part.mean()),
-                "p50_ms": float(part.median()),
-                "p95_ms": float(part.quantile(0.95)),
-                "max_ms": float(part.max()),
-            }
+            return {"segment": segment, "window": name, **step_time_stats(part)}
 
         rows, kept = [], []
         for seg, begin in enumerate(starts):

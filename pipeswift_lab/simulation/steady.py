@@ -41,6 +41,24 @@ def steady_step_index(times: Sequence[float] | pd.Series, skip: Collection[int] 
     return int(order.index[(len(order) - 1) // 2])
 
 
+def step_time_stats(steps: pd.Series) -> dict[str, Any]:
+    """Dispersion of step times (ms) indexed by step number: ``first_step``, ``last_step``, ``steps``, ``mean_ms``,
+    ``std_ms`` (sample std, NaN for one step), ``cv`` (std / mean), ``p50_ms``, ``p95_ms`` (linear interpolation) and
+    ``max_ms`` — one row of ``RunResult.step_stats`` and ``MeasuredRun.step_stats``."""
+    std = float(steps.std(ddof=1)) if len(steps) > 1 else float("nan")
+    return {
+        "first_step": int(steps.index[0]),
+        "last_step": int(steps.index[-1]),
+        "steps": len(steps),
+        "mean_ms": float(steps.mean()),
+        "std_ms": std,
+        "cv": std / float(steps.mean()),
+        "p50_ms": float(steps.median()),
+        "p95_ms": float(steps.quantile(0.95)),
+        "max_ms": float(steps.max()),
+    }
+
+
 def timeline_of(obj: Any, name: str) -> Any:
     """``obj``'s Timeline: ``obj`` itself or its ``.timeline``; ``TypeError`` naming ``name`` otherwise."""
     timeline = getattr(obj, "timeline", obj)
@@ -80,4 +98,4 @@ def pick_step(measured: Any, step: int | None = None) -> int:
     return steady_step_index(times, skip=getattr(measured, "probed_steps", ()))
 
 
-__all__ = ["MEASURED_STEP", "first_step", "pick_step", "steady_step_index", "timeline_of"]
+__all__ = ["MEASURED_STEP", "first_step", "pick_step", "steady_step_index", "step_time_stats", "timeline_of"]
