@@ -21,7 +21,10 @@ replay, close), :mod:`.result` (:class:`ClusterResult`, :func:`compare`).
 
 from __future__ import annotations
 
-from .policies import POLICIES, Elastic, Policy, Preemptive, Static
+from .inputs import read_capacity
+from .joint import JointJCT
+from .policies import Elastic, Policy, Preemptive, Static
+from .registry import POLICIES
 from .result import ClusterComparison, ClusterResult, compare
 from .scaling import ScalingModel, default_profile, profile_library
 from .simulator import simulate
@@ -31,6 +34,7 @@ __all__ = [
     "ClusterComparison",
     "ClusterResult",
     "Elastic",
+    "JointJCT",
     "Policy",
     "Preemptive",
     "ScalingModel",
@@ -38,5 +42,6 @@ __all__ = [
     "compare",
     "default_profile",
     "profile_library",
+    "read_capacity",
     "simulate",
 ]

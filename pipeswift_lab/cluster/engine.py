@@ -50,6 +50,7 @@ class ClusterJob:
         *("seg_start", "seg_A", "seg_L", "seg_R", "seg_k", "seg_C", "seg_stall", "seg_end"),  # the running segment
         *("queue", "assembly", "training", "cleanup", "loss", "lost_work"),  # the JCT terms so far
         *("restarts", "resizes", "preemptions", "start", "end", "held_min", "held_max", "attained"),
+        "pending_save",  # seconds of the checkpoint a suspension wrote, charged when the job restarts
     )
 
     def __init__(
@@ -81,20 +82,31 @@ class ClusterJob:
         self.start = self.end = math.nan
         self.held_min, self.held_max = 0, 0
         self.attained = 0.0  # GPU-seconds held so far
+        self.pending_save = 0.0
         self.reason = ""
         self.key: Any = None  # the policy's queue_key while queued
 
-    def wall_s(self, n: int) -> float:
-        """Seconds of training left on ``n`` GPUs (no checkpoints)."""
-        return self.work * self.ref_speed / self.model.speed[n]
+    def wall_s(self, n: int, work: float | None = None) -> float:
+        """Seconds of training left on ``n`` GPUs (no checkpoints); ``work`` overrides the work left at the segment's
+        start (seconds at the requested GPUs)."""
+        return (self.work if work is None else work) * self.ref_speed / self.model.speed[n]
 
-    def runtime_s(self, n: int, interval: float) -> float:
+    def runtime_s(self, n: int, interval: float, work: float | None = None) -> float:
         """Predicted seconds from a start on ``n`` GPUs to the end: assembly, restore, training, periodic checkpoints'
-        stalls and cleanup."""
+        stalls and cleanup (``work`` as in :meth:`wall_s`)."""
         m = self.model
-        R = self.wall_s(n)
+        R = self.wall_s(n, work)
         k = max(0, math.ceil(R / interval) - 1) if interval < math.inf and R > 0 else 0
-        return m.assembly_s[n] + (m.restore_s[n] if self.has_state else 0.0) + R + k * m.stall_s[n] + m.cleanup_s[n]
+        has_state = self.has_state or (work is not None and work < self.work)
+        return m.assembly_s[n] + (m.restore_s[n] if has_state else 0.0) + R + k * m.stall_s[n] + m.cleanup_s[n]
+
+    def work_left(self, t: float) -> float:
+        """Training left at ``t``, in seconds on the requested GPUs: the segment's work less what its training phase
+        has done by ``t`` (its checkpoints' stalls counted as training: a slight underestimate of the work left)."""
+        if self.state != "running":
+            return self.work
+        trained = max(0.0, t - self.seg_start - self.seg_A - self.seg_L)
+        return max(0.0, self.work - trained * self.model.speed[self.n] / self.ref_speed)
 
     def resizable(self, t: float) -> bool:
         """Whether the job runs at ``t`` and has not reached its cleanup (a resize would not be absurd)."""
@@ -176,6 +188,7 @@ class Cluster:
             job.start = t
             job.held_min = n
         restore = m.restore_s[n] if job.has_state else 0.0
+        resize_save_s, job.pending_save = resize_save_s + job.pending_save, 0.0
         R = job.wall_s(n)
         k = max(0, math.ceil(R / self.interval) - 1) if self.interval < math.inf and R > 0 else 0
         job.n, job.state = n, "running"
@@ -260,6 +273,19 @@ class Cluster:
         self.stop(job, t, voluntary=False)
         job.preemptions += 1
         job.restarts += 1
+        self.enqueue(job, t)
+
+    def suspend(self, job: ClusterJob, t: float) -> None:
+        """Checkpoint ``job`` and put it back in the queue, keeping all its training (Gandiva's suspend-resume).
+
+        The save (``save_s`` on its GPUs, when it has trained since its last start) is charged to its preemption loss
+        when it restarts, with the restore; its GPUs are free at once (the save's time on them is not modelled).
+        """
+        save = job.model.save_s[job.n] if job.in_training(t) else 0.0
+        self.stop(job, t, voluntary=True)
+        job.pending_save += save
+        job.restarts += 1
+        job.preemptions += 1
         self.enqueue(job, t)
 
     def resize(self, job: ClusterJob, n: int, t: float) -> None:

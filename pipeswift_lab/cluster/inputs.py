@@ -3,12 +3,15 @@
 Bad input raises ``ValueError``/``TypeError`` naming the argument, the bad value and what
 is valid. Two things are handled rather than refused, and said so with a warning:
 submissions out of order are sorted (stably), and every count is in the warning.
+:func:`read_capacity` reads a published availability trace (a CSV or a DataFrame) into
+the capacity ``simulate`` takes.
 """
 
 from __future__ import annotations
 
 import math
 import numbers
+import os
 import warnings
 from typing import Any
 
@@ -16,14 +19,26 @@ import numpy as np
 import pandas as pd
 
 from ..core.checks import check_int, check_time
+from ..core.costs import AssemblyModel, CheckpointModel
 from ..profiling.table import Profile
 
-__all__ = ["OPTIONAL_COLUMNS", "REQUIRED_COLUMNS", "check_capacity", "check_jobs"]
+__all__ = [
+    "OPTIONAL_COLUMNS",
+    "REQUIRED_COLUMNS",
+    "TIME_UNITS",
+    "Costs",
+    "check_capacity",
+    "check_costs",
+    "check_jobs",
+    "read_capacity",
+]
 
 #: Columns a job table must have.
 REQUIRED_COLUMNS = ("submit_s", "gpus", "duration_s")
 #: Columns a job table may have.
 OPTIONAL_COLUMNS = ("name", "priority", "min_gpus", "max_gpus", "profile")
+#: Seconds per unit of a numeric time column in :func:`read_capacity`.
+TIME_UNITS = {"s": 1.0, "min": 60.0, "h": 3600.0}
 
 
 def _numeric(jobs: pd.DataFrame, column: str, integer: bool, minimum: float, allow_equal: bool = True) -> np.ndarray:
@@ -140,11 +155,23 @@ def _sorted_by_submission(out: pd.DataFrame) -> pd.DataFrame:
 
 
 def check_capacity(gpus: Any) -> tuple[tuple[float, int], ...]:
-    """Normalize ``gpus`` to ``((time_s, gpus), ...)`` starting at time 0, strictly increasing times.
+    """Normalize ``gpus`` to a step function: return ``((time_s, gpus), ...)``, strictly increasing times from 0.
 
-    ``gpus`` is an int (fixed capacity), a list of ``(time_s, gpus)`` pairs or a DataFrame
-    with columns ``time_s`` and ``gpus``. Before the first time the first count holds.
-    Counts must be whole and >= 0; times finite and >= 0.
+    ``gpus`` is an int (a fixed capacity, >= 1), a list of ``(time_s, gpus)`` pairs or a
+    DataFrame with columns ``time_s`` and ``gpus`` (other columns are ignored); row ``i`` is
+    ``gpus[i]`` in the errors. The pairs are a step function: a count holds from its time
+    until the next point's, the last one for ever, and before the first time the first
+    count holds. Times are finite seconds >= 0 and must not decrease; equal times are one
+    instantaneous change and the later (last) count at a time holds, so a published trace
+    with two points per change, ``(t, old), (t, new)``, is accepted as it is. Counts are
+    whole numbers of GPUs >= 0 (``8.0`` is 8), and at least one time has a GPU.
+
+    The result has one point per time and only points where the count changes (a point
+    repeating the previous count is dropped); when the first time is after 0 a point
+    ``(0.0, first count)`` is put before it. A time going backwards raises ``ValueError``
+    naming the row, e.g. ``gpus[5] time_s=100.0 is before gpus[4] time_s=200.0``. To read
+    a CSV trace (other column names, minutes, datetimes, instances of several GPUs) use
+    :func:`read_capacity`.
     """
     if isinstance(gpus, (bool, str, bytes)):
         raise TypeError(f"gpus must be an int or (time_s, gpus) pairs; got {type(gpus).__name__} {gpus!r}")
@@ -153,17 +180,39 @@ def check_capacity(gpus: Any) -> tuple[tuple[float, int], ...]:
         if fixed < 1:
             raise ValueError(f"gpus={fixed} is invalid; a fixed capacity must be >= 1")
         return ((0.0, fixed),)
-    out = [_capacity_point(i, pair) for i, pair in enumerate(_capacity_pairs(gpus))]
-    if not out:
+    points = [_capacity_point(i, pair) for i, pair in enumerate(_capacity_pairs(gpus))]
+    if not points:
         raise ValueError("gpus is an empty capacity series; give at least one (time_s, gpus) pair")
-    times = [t for t, _ in out]
-    if any(b <= a for a, b in zip(times, times[1:])):
-        raise ValueError(f"gpus times must be strictly increasing; got {times[:10]}{' ...' if len(times) > 10 else ''}")
+    back = _first_decrease(np.array([t for t, _ in points]))
+    if back is not None:
+        raise ValueError(
+            f"gpus[{back}] time_s={points[back][0]} is before gpus[{back - 1}] time_s={points[back - 1][0]}; "
+            f"capacity times must not decrease (equal times are one change: the last count at a time holds)"
+        )
+    out = _steps(points)
     if max(n for _, n in out) < 1:
         raise ValueError("gpus is 0 at every time; the cluster must have at least 1 GPU at some time")
     if out[0][0] > 0:
         out.insert(0, (0.0, out[0][1]))
     return tuple(out)
+
+
+def _first_decrease(times: np.ndarray) -> int | None:
+    """The first row whose time is before the previous row's, or None when the times never decrease."""
+    back = np.flatnonzero(np.diff(times) < 0)
+    return int(back[0]) + 1 if len(back) else None
+
+
+def _steps(points: list[tuple[float, int]]) -> list[tuple[float, int]]:
+    """Sorted ``points`` as a step function: the last count at an equal time holds, unchanged counts are dropped."""
+    out: list[tuple[float, int]] = []
+    for t, n in points:
+        if out and out[-1][0] == t:
+            out.pop()  # an instantaneous change: the later count at this time holds
+        if out and out[-1][1] == n:
+            continue  # not a change
+        out.append((t, n))
+    return out
 
 
 def _capacity_pairs(gpus: Any) -> list[tuple[Any, ...]]:
@@ -196,3 +245,189 @@ def _capacity_point(i: int, pair: tuple[Any, ...]) -> tuple[float, int]:
     if n < 0:
         raise ValueError(f"gpus[{i}] gpus={n!r} is invalid; a capacity must be >= 0 GPUs")
     return time_s, int(round(n))
+
+
+def read_capacity(
+    source: str | os.PathLike[str] | pd.DataFrame,
+    *,
+    time_column: str = "time_s",
+    gpus_column: str = "gpus",
+    time_unit: str = "s",
+    scale: float = 1,
+) -> pd.DataFrame:
+    """Read a published GPU availability trace; return the capacity :func:`~pipeswift_lab.cluster.simulate` takes.
+
+    ``source`` is a CSV file (a ``str`` or path) or a DataFrame with one row per point of a
+    step function: a time (``time_column``) and the count available from that time on
+    (``gpus_column``). Rows are in time order (times must not decrease); the count of a row
+    holds until the next row's time, the last one for ever. Several rows may share a time:
+    it is one instantaneous change and the later row's count holds, so the common form
+    with two points per change, ``(t, old)`` then ``(t, new)``, is read as it is. Rows
+    that repeat the previous count are not changes and are dropped. Before the first
+    time the first count holds; time 0 of the result is the trace's first time.
+
+    Times are numbers in ``time_unit`` (``"s"``, ``"min"`` or ``"h"``), or dates and times
+    (a datetime column, or strings such as ``2024-03-01 08:00:00+00:00``, parsed one by one;
+    offsets are honoured, ``time_unit`` is then unused). ``scale`` is GPUs per unit of
+    the count: for a trace of 8-GPU instances give ``scale=8``. Counts times ``scale`` must
+    be whole numbers of GPUs >= 0. Rows are numbered from 0, after the CSV header.
+
+    Returns a DataFrame with ``time_s`` (float seconds since the first time, starting at 0,
+    strictly increasing) and ``gpus`` (int), one row per change. Raises ``ValueError``
+    for missing columns (naming them and the columns present), an empty trace, a bad
+    unit, a time or count that is not a number (or date) naming its row, a time before the
+    previous row's naming both rows, and a trace with no GPU at any time.
+
+    Example, a CSV of 8-GPU spot instances counted per minute::
+
+        minute,instances
+        0,4
+        30,4
+        30,2
+        90,2
+        90,4
+
+        capacity = read_capacity("spot.csv", time_column="minute", gpus_column="instances", time_unit="min", scale=8)
+        # time_s: 0.0, 1800.0, 5400.0; gpus: 32, 16, 32
+        psl.cluster.simulate(jobs, capacity, policy="preemptive")
+    """
+    if time_unit not in TIME_UNITS:
+        raise ValueError(f"time_unit={time_unit!r} is invalid; give one of {list(TIME_UNITS)}")
+    scale = check_time("scale", scale, allow_zero=False)
+    frame = _read_trace(source)
+    missing = [c for c in (time_column, gpus_column) if c not in frame.columns]
+    if missing:
+        raise ValueError(
+            f"the capacity trace is missing the columns {missing}; it has {list(frame.columns)} "
+            f"(name them with time_column= and gpus_column=)"
+        )
+    if len(frame) == 0:
+        raise ValueError(f"the capacity trace has no rows; give at least one ({time_column}, {gpus_column}) row")
+    seconds = _trace_seconds(frame[time_column], time_column, TIME_UNITS[time_unit])
+    counts = _trace_counts(frame[gpus_column], gpus_column, scale)
+    steps = _steps(list(zip(seconds.tolist(), counts)))
+    if max(n for _, n in steps) < 1:
+        raise ValueError(f"the capacity trace has 0 GPUs at every time (column {gpus_column!r})")
+    return pd.DataFrame(
+        {"time_s": np.array([t for t, _ in steps], float), "gpus": np.array([n for _, n in steps], np.int64)}
+    )
+
+
+def _read_trace(source: Any) -> pd.DataFrame:
+    """The trace as a DataFrame: ``source`` itself, or the CSV file it names."""
+    if isinstance(source, pd.DataFrame):
+        return source
+    if not isinstance(source, (str, os.PathLike)):
+        raise TypeError(f"source must be a CSV path or a pandas DataFrame; got {type(source).__name__} {source!r}")
+    try:
+        return pd.read_csv(source)
+    except pd.errors.EmptyDataError:
+        raise ValueError(f"the capacity trace {str(source)!r} is empty; it needs a header and rows") from None
+
+
+def _trace_seconds(column: pd.Series, name: str, unit_s: float) -> np.ndarray:
+    """Seconds since the first row: numbers times ``unit_s``, or dates and times; every row checked."""
+    if pd.api.types.is_bool_dtype(column):
+        raise ValueError(f"trace[{name!r}] is boolean; give times as numbers or dates")
+    if pd.api.types.is_numeric_dtype(column):
+        raw = column.to_numpy(float)
+        bad = np.flatnonzero(~np.isfinite(raw))
+        if len(bad):
+            i = int(bad[0])
+            raise ValueError(f"trace[{name!r}]={_shown(column.iloc[i])} at row {i} is invalid; a time must be finite")
+        seconds = (raw - raw[0]) * unit_s
+    else:
+        if pd.api.types.is_datetime64_any_dtype(column):
+            stamps = column
+        else:
+            stamps = pd.to_datetime(column, errors="coerce", utc=True, format="mixed")
+        bad = np.flatnonzero(stamps.isna().to_numpy())
+        if len(bad):
+            i = int(bad[0])
+            raise ValueError(
+                f"trace[{name!r}]={_shown(column.iloc[i])} at row {i} is not a time; "
+                f"give numbers (in time_unit) or dates"
+            )
+        seconds = (stamps - stamps.iloc[0]).dt.total_seconds().to_numpy(float)
+    back = _first_decrease(seconds)
+    if back is not None:
+        raise ValueError(
+            f"trace[{name!r}]={_shown(column.iloc[back])} at row {back} is before row {back - 1}'s "
+            f"{_shown(column.iloc[back - 1])}; capacity times must not decrease"
+        )
+    return seconds
+
+
+def _trace_counts(column: pd.Series, name: str, scale: float) -> list[int]:
+    """Each row's count times ``scale`` as a whole number of GPUs >= 0; a bad row is named."""
+    out = []
+    for i, value in enumerate(column.tolist()):
+        try:
+            number = math.nan if isinstance(value, bool) else float(value)
+        except (TypeError, ValueError):
+            number = math.nan
+        if not math.isfinite(number):
+            raise ValueError(f"trace[{name!r}]={_shown(value)} at row {i} is not a number; a count must be finite")
+        gpus = number * scale
+        if gpus < 0:
+            raise ValueError(f"trace[{name!r}]={_shown(value)} at row {i} is invalid; a count must be >= 0")
+        if gpus != round(gpus):
+            raise ValueError(
+                f"trace[{name!r}]={_shown(value)} at row {i} is invalid; times scale={scale:g} it is {gpus:g} GPUs, "
+                f"not a whole number"
+            )
+        out.append(int(round(gpus)))
+    return out
+
+
+def _shown(value: Any) -> str:
+    """A trace value as an error message shows it: ``100``, ``'n/a'``, ``2024-03-01 08:00:00`` (no numpy wrappers)."""
+    if isinstance(value, pd.Timestamp):
+        return str(value)
+    return repr(value.item() if isinstance(value, np.generic) else value)
+
+
+#: The cost models a cluster simulation takes: ``(assembly, checkpoint)``, ``None`` for the default of each.
+Costs = tuple[AssemblyModel | None, CheckpointModel | None]
+
+
+def check_costs(costs: Any) -> Costs:
+    """``simulate``'s ``costs=`` as ``(AssemblyModel | None, CheckpointModel | None)``.
+
+    Accepts ``None``; one :class:`~pipeswift_lab.core.costs.AssemblyModel` or
+    :class:`~pipeswift_lab.core.costs.CheckpointModel` (e.g. from ``AssemblyModel.calibrate(runs)`` or
+    ``CheckpointModel.calibrate(runs)`` on this toolkit's own ``RunResult``s); a list or tuple of them, at most one
+    of each kind; or a dict with the keys ``"assembly"`` and/or ``"checkpoint"``. Raises ``TypeError`` naming the
+    item of a wrong type, ``ValueError`` for two models of one kind or an unknown key.
+    """
+    kinds = {"assembly": AssemblyModel, "checkpoint": CheckpointModel}
+    if costs is None:
+        return None, None
+    if isinstance(costs, dict):
+        unknown = sorted(set(map(str, costs)) - set(kinds))
+        if unknown:
+            raise ValueError(f"costs has unknown keys {unknown}; use 'assembly' and/or 'checkpoint'")
+        items = []
+        for key, model in costs.items():
+            if model is not None and not isinstance(model, kinds[key]):
+                raise TypeError(f"costs[{key!r}] is {type(model).__name__}; give a costs.{kinds[key].__name__}")
+            items.append((f"costs[{key!r}]", model))
+    elif isinstance(costs, (AssemblyModel, CheckpointModel)):
+        items = [("costs", costs)]
+    elif isinstance(costs, (list, tuple)):
+        items = [(f"costs[{i}]", v) for i, v in enumerate(costs)]
+    else:
+        items = [("costs", costs)]
+    found: dict[type, Any] = {}
+    for where, model in items:
+        if model is None:
+            continue
+        if not isinstance(model, (AssemblyModel, CheckpointModel)):
+            raise TypeError(
+                f"{where} is {type(model).__name__} {model!r}; give a costs.AssemblyModel or costs.CheckpointModel "
+                "(e.g. AssemblyModel.calibrate(runs), CheckpointModel.calibrate(runs)), a list of them or a dict"
+            )
+        if type(model) in found:
+            raise ValueError(f"costs has two {type(model).__name__}s; give at most one of each")
+        found[type(model)] = model
+    return found.get(AssemblyModel), found.get(CheckpointModel)

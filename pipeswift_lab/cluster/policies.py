@@ -31,10 +31,10 @@ from __future__ import annotations
 
 from collections.abc import Hashable
 
-from ..core.checks import check_choice, check_time
+from ..core.checks import check_time
 from .engine import DEMOTE, Cluster, ClusterJob
 
-__all__ = ["POLICIES", "Elastic", "Policy", "Preemptive", "Static", "get_policy"]
+__all__ = ["Elastic", "Policy", "Preemptive", "Static"]
 
 
 class Policy:
@@ -280,9 +280,7 @@ class Elastic(Policy):
             if not job.resizable(t):
                 continue
             n = min(job.max_gpus, job.n + cluster.free)
-            trained = max(0.0, t - job.seg_start - job.seg_A - job.seg_L)
-            left = job.work - trained * job.model.speed[job.n] / job.ref_speed
-            saved = max(0.0, left) * job.ref_speed * (1.0 / job.model.speed[job.n] - 1.0 / job.model.speed[n])
+            saved = job.work_left(t) * job.ref_speed * (1.0 / job.model.speed[job.n] - 1.0 / job.model.speed[n])
             cost = self._cost(job, n)
             if saved > self.gain_factor * cost:
                 options.append((-(saved - cost), idx))
@@ -291,21 +289,3 @@ class Elastic(Policy):
             n = min(job.max_gpus, job.n + cluster.free)
             if n > job.n:
                 cluster.resize(job, n, t)
-
-
-#: Built-in policies by name.
-POLICIES: dict[str, type[Policy]] = {"static": Static, "elastic": Elastic, "preemptive": Preemptive}
-
-
-def get_policy(policy: str | Policy | type[Policy]) -> Policy:
-    """A :class:`Policy` instance from a name in :data:`POLICIES` (any case), a :class:`Policy` subclass
-    (instantiated) or an instance (returned as is). Raises ``ValueError`` for an unknown name listing the known
-    ones, ``TypeError`` for anything else."""
-    if isinstance(policy, Policy):
-        return policy
-    if isinstance(policy, type) and issubclass(policy, Policy):
-        return policy()
-    if isinstance(policy, str) and policy.lower() in POLICIES:
-        policy = policy.lower()
-    hint = ", or a pipeswift_lab.cluster.Policy subclass or instance"
-    return POLICIES[check_choice("policy", policy, POLICIES, hint=hint)]()

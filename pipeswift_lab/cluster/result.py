@@ -43,8 +43,10 @@ class ClusterResult:
       ``min_gpus_held``/``max_gpus_held``, ``finished`` and, if not, the ``reason``;
     * ``usage`` — the step function ``time_s``, ``gpus_used``, ``capacity``;
     * ``summary`` — jobs, finished, mean/p50/p95/p99 JCT, mean queue, makespan, utilization,
-      events and the simulation's wall time;
-    * ``label`` (the policy's name by default), ``inputs`` (policy, checkpoint interval, seed, capacity).
+      restarts, resizes, preemptions, events and the simulation's wall time;
+    * ``label`` (the policy's name by default), ``inputs`` (policy, checkpoint interval, seed, capacity and,
+      when given, the ``workload`` label), ``workload`` (the window the result belongs to);
+    * ``compare(*others)`` — a :class:`ClusterComparison` of this result and others.
     """
 
     jobs: pd.DataFrame = field(repr=False)
@@ -63,12 +65,15 @@ class ClusterResult:
         checkpoint_every_s: float | None,
         wall_s: float,
         seed: int,
+        workload: str | None = None,
     ) -> ClusterResult:
-        """Collect a finished :class:`~pipeswift_lab.cluster.engine.Cluster` into a result."""
+        """Collect a finished :class:`~pipeswift_lab.cluster.engine.Cluster` into a result (``workload``: the label
+        of its window, ``None`` to derive one, see :attr:`workload`). Returns the :class:`ClusterResult`."""
         rows = [_job_row(job, profile) for job, profile in zip(cluster.jobs, profile_names)]
         jobs = pd.DataFrame(rows, columns=list(JOB_COLUMNS))
         usage = pd.DataFrame(cluster.usage, columns=["time_s", "gpus_used", "capacity"])
         inputs = {"policy": policy.name, "checkpoint_every_s": checkpoint_every_s, "seed": seed, "capacity": capacity}
+        inputs["workload"] = workload
         stats = {"events": cluster.events, "wall_s": wall_s}
         return cls(jobs, usage, policy.name, inputs, stats)
 
@@ -77,6 +82,20 @@ class ClusterResult:
         if not isinstance(label, str) or not label:
             raise TypeError(f"label must be a non-empty str; got {label!r}")
         return ClusterResult(self.jobs, self.usage, label, self.inputs, self.stats)
+
+    @property
+    def workload(self) -> str:
+        """The window this result belongs to: ``inputs["workload"]`` when one was given, else a label from the
+        jobs and the capacity, e.g. ``"1,234 jobs, days 42.0-49.0, 512 GPUs"`` (``"≤512 GPUs"`` when the capacity
+        varies; ``hours`` when the submissions span less than a day). Results of the same jobs and capacity get
+        the same label, so :meth:`ClusterComparison.ranking` ranks them together. Returns a str."""
+        given = self.inputs.get("workload")
+        if given is not None:
+            return str(given)
+        capacity = self.inputs.get("capacity")
+        if not capacity:
+            capacity = tuple(zip(self.usage["time_s"].tolist(), self.usage["capacity"].tolist()))
+        return _workload_label(self.jobs["submit_s"].to_numpy(float), capacity)
 
     @property
     def finished(self) -> pd.DataFrame:
@@ -98,7 +117,8 @@ class ClusterResult:
 
     @property
     def summary(self) -> dict[str, Any]:
-        """Mean, p50, p95, p99 JCT (s) of the finished jobs, mean queue, makespan, utilization, events, wall time."""
+        """Mean, p50, p95, p99 JCT (s) of the finished jobs, mean queue, makespan, utilization, restarts, resizes,
+        preemptions (sums over the jobs), events, wall time. Returns a dict."""
         jct = self.finished["jct_s"].to_numpy(float)
         pct = np.percentile(jct, [50, 95, 99]) if len(jct) else [math.nan] * 3
         events, wall = self.stats["events"], self.stats["wall_s"]
@@ -116,10 +136,17 @@ class ClusterResult:
             "makespan_s": makespan,
             "utilization": self.utilization,
             "restarts": int(self.jobs["restarts"].sum()),
+            "resizes": int(self.jobs["resizes"].sum()),
+            "preemptions": int(self.jobs["preemptions"].sum()),
             "events": events,
             "wall_s": wall,
             "events_per_s": events / wall if wall > 0 else math.nan,
         }
+
+    def compare(self, *others: ClusterResult) -> ClusterComparison:
+        """This result side by side with ``others`` (``static.compare(elastic, preemptive)``): the same as
+        :func:`compare` ``(self, *others)``. Returns a :class:`ClusterComparison`."""
+        return compare(self, *others)
 
     def breakdown(self) -> pd.DataFrame:
         """Mean seconds per finished job of each JCT term (one row), with ``jct_s``."""
@@ -185,6 +212,19 @@ def _scale(unit: str) -> float:
     return UNITS[check_choice("unit", unit, UNITS)]
 
 
+def _workload_label(submit_s: np.ndarray, capacity: Sequence[tuple[float, int]]) -> str:
+    """``"<n> jobs, days <first>-<last submission>, <max> GPUs"`` (``≤<max>`` when the capacity varies)."""
+    parts = [f"{len(submit_s):,} jobs"]
+    if len(submit_s):
+        lo, hi = float(submit_s.min()), float(submit_s.max())
+        unit, scale = ("days", 86400.0) if hi - lo >= 86400.0 else ("hours", 3600.0)
+        parts.append(f"{unit} {lo / scale:.1f}-{hi / scale:.1f}")
+    gpus = [int(n) for _, n in capacity]
+    if gpus:
+        parts.append(f"{'' if len(set(gpus)) == 1 else '≤'}{max(gpus):,} GPUs")
+    return ", ".join(parts)
+
+
 def _job_row(job: ClusterJob, profile: str) -> tuple[Any, ...]:
     """One row of :attr:`ClusterResult.jobs`, in the order of :data:`JOB_COLUMNS`."""
     finished = job.state == "done"
@@ -197,9 +237,20 @@ def _job_row(job: ClusterJob, profile: str) -> tuple[Any, ...]:
 
 @dataclass(frozen=True, eq=False)
 class ClusterComparison:
-    """Several :class:`ClusterResult` side by side: ``table`` (one summary row each), CDFs, breakdowns."""
+    """Several :class:`ClusterResult` side by side, from one window (workload) or several.
+
+    * ``ranking`` — per workload, the policies from the lowest mean JCT: mean, p50, p95 JCT, the mean JCT terms,
+      utilization, resizes, restarts, preemptions (hours; what a researcher reads first);
+    * ``table`` — one :attr:`ClusterResult.summary` row each (seconds), ``breakdown()`` — the mean terms (seconds);
+    * ``plot()`` — JCT CDFs and GPU usage over time, ``plot_usage()``, ``plot_breakdown()``.
+    """
 
     results: tuple[ClusterResult, ...] = field(repr=False)
+
+    @property
+    def workloads(self) -> list[str]:
+        """The results' :attr:`ClusterResult.workload` labels, each once, in order of first appearance."""
+        return list(dict.fromkeys(r.workload for r in self.results))
 
     @property
     def table(self) -> pd.DataFrame:
@@ -208,18 +259,109 @@ class ClusterComparison:
         table["mean_jct_vs_first"] = table["mean_jct_s"] / table["mean_jct_s"].iloc[0] - 1.0
         return table
 
+    @property
+    def ranking(self) -> pd.DataFrame:
+        """The policies ranked per workload; returns a DataFrame, one row per result.
+
+        Columns: ``workload``, ``rank`` (1 = the lowest mean JCT in its workload; ties go to the lower p95, then
+        to the earlier result; a result with no finished job ranks last), ``policy`` (the label), ``jobs``,
+        ``finished``, ``mean_jct_h``, ``p50_jct_h``, ``p95_jct_h`` (of the finished jobs), the mean hours per
+        finished job of each JCT term — ``queue_h``, ``assembly_h``, ``training_h``, ``cleanup_h``,
+        ``preemption_loss_h``, which sum to ``mean_jct_h`` — ``utilization``, ``resizes``, ``restarts``,
+        ``preemptions`` (sums over the jobs) and ``mean_vs_best`` (mean JCT over the best mean JCT of its
+        workload, minus 1: 0.23 is 23% slower). Sorted by workload (in order of first appearance), then rank.
+        """
+        rows = []
+        for r in self.results:
+            s, finished = r.summary, r.finished
+            row: dict[str, Any] = {"workload": r.workload, "policy": r.label, "jobs": s["jobs"]}
+            row["finished"] = s["finished"]
+            row.update({f"{q}_jct_h": s[f"{q}_jct_s"] / 3600.0 for q in ("mean", "p50", "p95")})
+            for term in TERMS:
+                mean = float(finished[term].mean()) if len(finished) else math.nan
+                row[f"{term.removesuffix('_s')}_h"] = mean / 3600.0
+            row.update({k: s[k] for k in ("utilization", "resizes", "restarts", "preemptions")})
+            rows.append(row)
+        df = pd.DataFrame(rows)
+        order = {w: i for i, w in enumerate(self.workloads)}
+        df["_workload"], df["_position"] = df["workload"].map(order), range(len(df))
+        keys = ["_workload", "mean_jct_h", "p95_jct_h", "_position"]
+        df = df.sort_values(keys, na_position="last", kind="stable")
+        df.insert(1, "rank", df.groupby("_workload").cumcount() + 1)
+        df["mean_vs_best"] = df["mean_jct_h"] / df.groupby("_workload")["mean_jct_h"].transform("min") - 1.0
+        return df.drop(columns=["_workload", "_position"]).reset_index(drop=True)
+
     def breakdown(self) -> pd.DataFrame:
         """Mean seconds per finished job of each JCT term, one row per result."""
         return pd.concat([r.breakdown() for r in self.results])
 
-    def plot(self, ax: Axes | None = None, unit: str = "h") -> Axes:
-        """JCT CDFs of every result on one Axes. Returns the Axes."""
+    # -- plots ----------------------------------------------------------------------------
+    def _of(self, workload: str | None) -> tuple[str, list[ClusterResult]]:
+        """The workload (the first when ``None``; checked) and its results, in order."""
+        names = self.workloads
+        name = names[0] if workload is None else check_choice("workload", workload, names)
+        return name, [r for r in self.results if r.workload == name]
+
+    def plot(self, ax: Axes | None = None, unit: str = "h", workload: str | None = None) -> Axes:
+        """Each policy's JCT distribution (CDF) and, with ``ax=None``, the cluster's GPU usage over time.
+
+        With ``ax``: the JCT CDFs on that Axes — of ``workload``'s results, or of every result when ``workload``
+        is None (labelled ``"policy (workload)"`` when there are several workloads). With ``ax=None``: a new
+        figure of two panels for one workload (``workload``, by default the first): left the JCT CDF of each of
+        its results, right :meth:`plot_usage`, in matching colors. Returns the Axes of the CDFs (the usage panel
+        of a new figure is ``ax.figure.axes[1]``).
+        """
+        if ax is not None:
+            if workload is not None:
+                results = self._of(workload)[1]
+            elif len(self.workloads) > 1:
+                results = [r.relabel(f"{r.label} ({r.workload})") for r in self.results]
+            else:
+                results = list(self.results)
+            for r in results:
+                r.plot_cdf(ax=ax, unit=unit)
+            ax.legend(loc="lower right", fontsize="small")
+            return ax
+        import matplotlib.pyplot as plt
+        import seaborn as sns
+
+        name, results = self._of(workload)
+        _scale(unit)
+        sns.set_theme(style="whitegrid", context="notebook")
+        fig, (left, right) = plt.subplots(1, 2, figsize=(12, 3.8))
+        for r, color in zip(results, sns.color_palette(n_colors=len(results))):
+            r.plot_cdf(ax=left, unit=unit, color=color)
+        left.legend(loc="lower right", fontsize="small")
+        left.set_title(f"JCT: {name}", fontsize="medium")
+        self.plot_usage(ax=right, unit=unit, workload=name)
+        fig.tight_layout()
+        return left
+
+    def plot_usage(self, ax: Axes | None = None, unit: str = "h", workload: str | None = None) -> Axes:
+        """GPUs in use over time under each policy of ``workload`` (by default the first): one step line per
+        result, the capacity dashed once (the first result's). Returns the Axes."""
+        import seaborn as sns
+        from matplotlib.ticker import MaxNLocator
+
         from ..core.plot import get_ax
 
+        name, results = self._of(workload)
+        scale = _scale(unit)
         ax = get_ax(ax)
-        for r in self.results:
-            r.plot_cdf(ax=ax, unit=unit)
-        ax.legend(loc="lower right", fontsize="small")
+        end = max(float(r.usage["time_s"].max()) for r in results)
+        cap = results[0].usage
+        t = np.append(cap["time_s"].to_numpy(float), end) / scale
+        capacity = np.append(cap["capacity"].to_numpy(float), float(cap["capacity"].iloc[-1]))
+        ax.step(t, capacity, where="post", color="0.2", linestyle="--", linewidth=1.2, label="capacity", zorder=3)
+        for r, color in zip(results, sns.color_palette(n_colors=len(results))):
+            u = r.usage
+            ax.step(u["time_s"] / scale, u["gpus_used"], where="post", color=color, linewidth=1.0, label=r.label)
+        ax.set_xlabel(f"time ({unit})")
+        ax.set_ylabel("GPUs in use")
+        ax.set_ylim(bottom=0)
+        ax.yaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.set_title(f"GPU usage: {name}", fontsize="medium")
+        ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize="small", frameon=False)
         return ax
 
     def plot_breakdown(self, ax: Axes | None = None, unit: str = "h") -> Axes:
@@ -231,20 +373,34 @@ class ClusterComparison:
         return JCT.plot_many(jcts, ax=ax, unit=unit)
 
     def _repr_html_(self) -> str:
-        return html_card(
-            f"{len(self.results)} cluster simulations", {"labels": ", ".join(r.label for r in self.results)}, self.table
-        )
+        ranking = self.ranking
+        best = ranking[ranking["rank"] == 1]
+        summary = {
+            "workloads": "; ".join(self.workloads),
+            "labels": ", ".join(r.label for r in self.results),
+            "best (mean JCT)": "; ".join(f"{p} ({w})" for p, w in zip(best["policy"], best["workload"])),
+        }
+        return html_card(f"{len(self.results)} cluster simulations", summary, ranking)
 
 
 def compare(*results: ClusterResult) -> ClusterComparison:
-    """Compare results of :func:`~pipeswift_lab.cluster.simulate` (distinct labels; see
-    :meth:`ClusterResult.relabel`)."""
+    """Compare results of :func:`~pipeswift_lab.cluster.simulate`; returns a :class:`ClusterComparison`.
+
+    Results may come from several workloads (:attr:`ClusterResult.workload`); within one, labels must be
+    distinct (see :meth:`ClusterResult.relabel`)."""
     if not results:
         raise ValueError("compare needs at least one ClusterResult")
     for r in results:
         if not isinstance(r, ClusterResult):
             raise TypeError(f"compare takes ClusterResult objects; got {type(r).__name__}")
-    labels = [r.label for r in results]
-    if len(set(labels)) != len(labels):
-        raise ValueError(f"labels must be distinct to compare results; got {labels} (use result.relabel('...'))")
+    seen: set[tuple[str, str]] = set()
+    for r in results:
+        key = (r.workload, r.label)
+        if key in seen:
+            labels = [x.label for x in results if x.workload == r.workload]
+            raise ValueError(
+                f"labels must be distinct within a workload to compare results; {r.label!r} appears more than once "
+                f"in workload {r.workload!r} (its labels: {labels}; use result.relabel('...'))"
+            )
+        seen.add(key)
     return ClusterComparison(tuple(results))

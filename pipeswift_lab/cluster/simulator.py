@@ -8,15 +8,18 @@ import time
 import warnings
 from collections.abc import Sequence
 from functools import cache
+from typing import Any
 
 import numpy as np
 import pandas as pd
 
 from ..core.checks import check_flag, check_int, check_time
+from ..core.costs import AssemblyModel, CheckpointModel
 from ..profiling.table import Profile
 from .engine import CAPACITY, FINISH, Cluster, ClusterJob
-from .inputs import check_capacity, check_jobs
-from .policies import Policy, Preemptive, get_policy
+from .inputs import check_capacity, check_costs, check_jobs
+from .policies import Policy, Preemptive
+from .registry import get_policy
 from .result import ClusterResult
 from .scaling import ScalingModel, default_profile, profile_library
 
@@ -29,6 +32,8 @@ def simulate(
     policy: str | Policy | type[Policy] = "static",
     *,
     checkpoint_every_s: float | None = None,
+    costs: Any = None,
+    workload: str | None = None,
     progress: bool = True,
     seed: int = 0,
 ) -> ClusterResult:
@@ -43,12 +48,21 @@ def simulate(
     * ``gpus`` — the capacity: an int, or ``(time_s, gpus)`` pairs (a list or a DataFrame
       with ``time_s`` and ``gpus``) for a capacity that changes, e.g. spot instances; when it
       drops below the GPUs in use, the policy's victims are preempted.
-    * ``policy`` — ``"static"``, ``"elastic"``, ``"preemptive"`` (:data:`~pipeswift_lab.cluster.POLICIES`), or a
+      Published availability traces (two points per change, ``(t, old), (t, new)``) are accepted as they are: at
+      equal times the later count holds (:func:`~pipeswift_lab.cluster.read_capacity` reads such a file).
+    * ``policy`` — ``"static"``, ``"elastic"``, ``"preemptive"``, ``"jct"``
+      (:data:`~pipeswift_lab.cluster.POLICIES`; ``"jct"`` is :class:`~pipeswift_lab.cluster.JointJCT`), or a
       :class:`~pipeswift_lab.cluster.Policy` instance or subclass.
     * ``checkpoint_every_s`` — periodic checkpoints every that many seconds of training
       (each stalls the job ``ScalingModel.stall_s``: the staging copy of an asynchronous save, the whole
       write of a synchronous one); ``None``: none, so a preempted job loses
       everything since its last (re)start.
+    * ``costs`` — the assembly and checkpoint cost models every job's moves pay, e.g. calibrated on this toolkit's
+      own runs: ``costs=(AssemblyModel.calibrate(runs), CheckpointModel.calibrate(runs))`` (one model, a list
+      or tuple, or a dict ``{"assembly": ..., "checkpoint": ...}``; the defaults of ``core.costs`` otherwise).
+      With asynchronous saves the periodic checkpoint's stall is the calibrated staging copy.
+    * ``workload`` — a label for the window these jobs and GPUs are (:attr:`ClusterResult.workload`, by which
+      :meth:`ClusterComparison.ranking` groups); derived from the jobs and capacity when ``None``.
     * ``seed`` — seeds ``cluster.rng``, the generator a policy may draw from (the built-in
       policies are deterministic); the same seed gives identical results.
 
@@ -68,10 +82,13 @@ def simulate(
     if checkpoint_every_s is not None:
         checkpoint_every_s = check_time("checkpoint_every_s", checkpoint_every_s, allow_zero=False)
     seed = check_int("seed", seed)
+    assembly, checkpoint = check_costs(costs)
+    if workload is not None and (not isinstance(workload, str) or not workload):
+        raise TypeError(f"workload must be a non-empty str or None; got {type(workload).__name__} {workload!r}")
     progress = check_flag("progress", progress)
     if isinstance(policy, Preemptive):
         policy.las = "priority" not in table.columns  # least-attained service unless the jobs carry priorities
-    profile_names, models = _models(table)
+    profile_names, models = _models(table, assembly, checkpoint)
     cluster_jobs = _cluster_jobs(table, models, profile_names, policy, max(n for _, n in capacity))
     cluster = Cluster(cluster_jobs, capacity, checkpoint_every_s, policy, seed=seed)
     policy.reset(cluster)
@@ -79,33 +96,44 @@ def simulate(
     _replay(cluster, table["submit_s"].to_numpy(float), progress)
     wall_s = time.perf_counter() - started
     _close(cluster)
-    return ClusterResult.from_cluster(cluster, profile_names, policy, capacity, checkpoint_every_s, wall_s, seed)
+    return ClusterResult.from_cluster(
+        cluster, profile_names, policy, capacity, checkpoint_every_s, wall_s, seed, workload=workload
+    )
 
 
 # --------------------------------------------------------------------------- resolve
+def _library_model(
+    name: str, assembly: AssemblyModel | None = None, checkpoint: CheckpointModel | None = None
+) -> ScalingModel:
+    """The shared ScalingModel of a library profile under the given cost models (one per distinct arguments)."""
+    return _shared_model(name, assembly, checkpoint)
+
+
 @cache
-def _library_model(name: str) -> ScalingModel:
-    """The shared ScalingModel of a library profile (pure: tables depend only on the profile)."""
+def _shared_model(name: str, assembly: AssemblyModel | None, checkpoint: CheckpointModel | None) -> ScalingModel:
+    """:func:`_library_model`, cached on its positional arguments (pure: tables depend only on them)."""
     library = profile_library()
     if name not in library:
         raise ValueError(
             f"profile={name!r} is not in the library; use one of {list(library)} or a pipeswift_lab.Profile"
         )
-    return ScalingModel(library[name])
+    return ScalingModel(library[name], assembly, checkpoint)
 
 
-def _models(table: pd.DataFrame) -> tuple[list[str], list[ScalingModel]]:
-    """Each job's profile name and :class:`ScalingModel` (one per distinct profile)."""
+def _models(
+    table: pd.DataFrame, assembly: AssemblyModel | None = None, checkpoint: CheckpointModel | None = None
+) -> tuple[list[str], list[ScalingModel]]:
+    """Each job's profile name and :class:`ScalingModel` under the cost models (one per distinct profile)."""
     names, models = [], []
     by_id: dict[int, ScalingModel] = {}
     profiles = table["profile"] if "profile" in table.columns else [None] * len(table)
     for gpus, profile in zip(table["gpus"], profiles):
         if isinstance(profile, Profile):
-            model = by_id.setdefault(id(profile), ScalingModel(profile))
+            model = by_id.setdefault(id(profile), ScalingModel(profile, assembly, checkpoint))
             names.append(profile.meta.get("model", "custom"))
         else:
             name = profile if isinstance(profile, str) else default_profile(int(gpus))
-            model = _library_model(name)
+            model = _library_model(name, assembly, checkpoint)
             names.append(name)
         models.append(model)
     return names, models

@@ -106,7 +106,7 @@ def window():
     return philly_jobs(window=(21 * 86400, 22 * 86400))
 
 
-@pytest.mark.parametrize("policy", ["static", "elastic", "preemptive"])
+@pytest.mark.parametrize("policy", ["static", "elastic", "preemptive", "jct"])
 @pytest.mark.parametrize("every", [None, 1800.0])
 def test_invariants_on_a_trace_window_with_varying_capacity(window, policy, every):
     capacity = [(0, 64), (21.3 * 86400, 16), (21.5 * 86400, 128), (21.8 * 86400, 40), (22.5 * 86400, 128)]
@@ -119,7 +119,7 @@ def test_invariants_on_a_trace_window_with_varying_capacity(window, policy, ever
     assert r.jobs["preemptions"].sum() > 0  # the drops to 16 and 40 GPUs preempt running jobs
 
 
-@pytest.mark.parametrize("policy", ["static", "elastic", "preemptive"])
+@pytest.mark.parametrize("policy", ["static", "elastic", "preemptive", "jct"])
 def test_same_seed_same_result(window, policy):
     a = cluster.simulate(window, 64, policy=policy, seed=3, progress=False)
     b = cluster.simulate(window, 64, policy=policy, seed=3, progress=False)

@@ -5,7 +5,7 @@ import pandas as pd
 import pytest
 
 from pipeswift_lab import cluster
-from pipeswift_lab.cluster.policies import get_policy
+from pipeswift_lab.cluster.registry import get_policy
 from pipeswift_lab.cluster.simulator import _library_model
 
 

@@ -1,0 +1,133 @@
+"""The joint-objective policy (policy="jct"): making room, costs from measurements, growing, and its inputs."""
+
+import pandas as pd
+import pytest
+
+from pipeswift_lab import cluster
+from pipeswift_lab.cluster.simulator import _library_model
+from pipeswift_lab.core.costs import AssemblyModel, CheckpointModel
+
+
+def jobs(*rows, **extra):
+    """A job table from (submit_s, gpus, duration_s) rows."""
+    df = pd.DataFrame(rows, columns=["submit_s", "gpus", "duration_s"])
+    for k, v in extra.items():
+        df[k] = v
+    return df
+
+
+def by_name(result):
+    return result.jobs.set_index("name")
+
+
+def simulate(table, gpus, policy="jct", **kwargs):
+    return by_name(cluster.simulate(table, gpus, policy=policy, progress=False, **kwargs))
+
+
+def test_shrinks_a_running_job_to_admit_a_queued_one_when_the_sum_drops():
+    # A holds all 4 GPUs for ~28 h; B (2 GPUs, 1,000 s) would wait for all of it. Shrinking A to 2 GPUs costs A
+    # its slower remaining run plus a move; B's wait saved is far larger.
+    t = jobs((0, 4, 100_000.0), (1000, 2, 1000.0), name=["A", "B"])
+    static = simulate(t, 4, policy="static")
+    jct = simulate(t, 4)
+    assert static.loc["B", "start_s"] == pytest.approx(static.loc["A", "end_s"])
+    assert jct.loc["B", "start_s"] == 1000 and jct.loc["B", "queue_s"] == 0
+    assert jct.loc["A", "min_gpus_held"] == 2 and jct.loc["A", "resizes"] >= 1 and jct.loc["A", "lost_work_s"] == 0
+    assert jct["jct_s"].sum() < static["jct_s"].sum()
+
+
+def test_suspends_a_long_job_for_a_short_one_and_loses_no_training():
+    t = jobs((0, 1, 50_000.0), (1000, 1, 100.0), name=["long", "short"])
+    r = simulate(t, 1)
+    model = _library_model("gpt-small")
+    assert r.loc["short", "start_s"] == 1000
+    assert r.loc["long", "preemptions"] == 1 and r.loc["long", "lost_work_s"] == 0
+    # the suspension's save and the restore are charged to the long job when it restarts
+    assert r.loc["long", "preemption_loss_s"] == pytest.approx(model.save_s[1] + model.restore_s[1])
+    assert r.loc["long", "start_s"] == 0 and r.loc["long", "training_s"] == pytest.approx(50_000.0)
+
+
+def test_does_not_move_a_job_when_the_saving_is_below_the_measured_cost():
+    # "long" ends ~4,000 s after "short" arrives. With the default assembly (~1 min) suspending it pays; with an
+    # assembly measured at 75 minutes the move costs more than the short job's wait, so it waits.
+    t = jobs((0, 1, 5000.0), (1000, 1, 100.0), name=["long", "short"])
+    cheap = simulate(t, 1)
+    assert cheap.loc["short", "start_s"] == 1000 and cheap.loc["long", "preemptions"] == 1
+    measured = AssemblyModel.calibrate([(1, 4500.0), (1, 4500.0)])
+    slow = simulate(t, 1, costs=measured)
+    assert slow["restarts"].sum() == 0
+    assert slow.loc["short", "start_s"] == pytest.approx(slow.loc["long", "end_s"])
+    assert slow.loc["long", "assembly_s"] == pytest.approx(measured.seconds(1, 1)) == 4500.0
+
+
+def test_grows_onto_idle_gpus_and_gives_the_loan_back():
+    t = jobs((0, 1, 20_000.0), (5000, 1, 1000.0), name=["A", "B"])
+    r = simulate(t, 2)
+    assert r.loc["A", "max_gpus_held"] == 2 and r.loc["A", "min_gpus_held"] == 1
+    assert r.loc["B", "start_s"] == 5000 and r.loc["A", "lost_work_s"] == 0
+
+
+def test_never_moves_a_job_for_one_that_is_not_shorter():
+    # B (1 GPU) asks for more GPU-time than A has left: A keeps its GPU under the mean objective
+    t = jobs((0, 1, 3000.0), (100, 1, 50_000.0), name=["A", "B"])
+    r = simulate(t, 1)
+    assert r["restarts"].sum() == 0 and r.loc["B", "start_s"] == pytest.approx(r.loc["A", "end_s"])
+
+
+def test_p95_objective_orders_by_virtual_finish_time():
+    # X (long, early) and Y (short, late) queue behind a running job: SRPT runs Y first, the p95 objective X,
+    # whose submission plus remaining run time comes first
+    t = jobs((0, 1, 4000.0), (10, 1, 3000.0), (3000, 1, 2000.0), name=["run", "X", "Y"])
+    mean = simulate(t, 1, policy=cluster.JointJCT("mean", margin=100.0))
+    tail = simulate(t, 1, policy=cluster.JointJCT("p95", margin=100.0))
+    assert mean.loc["Y", "start_s"] < mean.loc["X", "start_s"]
+    assert tail.loc["X", "start_s"] < tail.loc["Y", "start_s"]
+    assert cluster.JointJCT("p95").name == "jct-p95" and cluster.JointJCT().name == "jct"
+
+
+def test_capacity_drop_preempts_the_lowest_priority_first():
+    t = jobs((0, 1, 1000.0), (0, 1, 90_000.0), name=["short", "long"])
+    r = simulate(t, [(0, 2), (100, 1), (200, 2)])
+    assert r.loc["long", "preemptions"] == 1 and r.loc["short", "preemptions"] == 0
+
+
+def test_named_policy_and_bad_arguments():
+    assert isinstance(cluster.registry.get_policy("JCT"), cluster.JointJCT)
+    with pytest.raises(ValueError, match="objective"):
+        cluster.JointJCT(objective="p99")
+    with pytest.raises(ValueError, match="margin"):
+        cluster.JointJCT(margin=0.5)
+
+
+def test_costs_from_calibrated_models_reach_every_job():
+    checkpoint = CheckpointModel(write_GBps=0.1, read_GBps=0.05, teardown_s=1.0)
+    t = jobs((0, 1, 1000.0), name=["A"])
+    r = simulate(t, 1, costs={"checkpoint": checkpoint, "assembly": AssemblyModel(base_s=5.0)})
+    model = _library_model("gpt-small", AssemblyModel(base_s=5.0), checkpoint)
+    assert r.loc["A", "assembly_s"] == pytest.approx(model.assembly_s[1]) and model.assembly_s[1] < 10
+    assert r.loc["A", "cleanup_s"] == pytest.approx(model.cleanup_s[1])
+    assert model.cleanup_s[1] == pytest.approx(checkpoint.cleanup_s(model._stage_of(1)[3]))
+    both = simulate(t, 1, costs=[AssemblyModel(base_s=5.0), checkpoint])
+    pd.testing.assert_frame_equal(both, r)
+
+
+@pytest.mark.parametrize(
+    ("costs", "error", "match"),
+    [
+        (30.0, TypeError, "costs is float 30.0"),
+        ([AssemblyModel(), "fast"], TypeError, r"costs\[1\] is str"),
+        ({"assembly": CheckpointModel()}, TypeError, r"costs\['assembly'\] is CheckpointModel"),
+        ((AssemblyModel(), AssemblyModel()), ValueError, "two AssemblyModels"),
+        ({"restore": CheckpointModel()}, ValueError, "unknown keys"),
+    ],
+)
+def test_bad_costs_are_refused(costs, error, match):
+    with pytest.raises(error, match=match):
+        cluster.simulate(jobs((0, 1, 10.0)), 1, costs=costs, progress=False)
+
+
+def test_workload_label_reaches_the_result():
+    r = cluster.simulate(jobs((0, 1, 10.0)), 1, policy="jct", workload="tiny", progress=False)
+    assert r.workload == "tiny" and r.label == "jct"
+    with pytest.raises(TypeError, match="workload"):
+        cluster.simulate(jobs((0, 1, 10.0)), 1, workload=3, progress=False)
