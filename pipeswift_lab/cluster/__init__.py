@@ -3,8 +3,8 @@
 Reads a job trace, the GPUs and a policy; returns a :class:`ClusterResult`::
 
     static = psl.cluster.simulate(psl.data.philly_jobs(), 256, policy="static")
-    elastic = psl.cluster.simulate(psl.data.philly_jobs(), 256, policy="elastic")
-    psl.cluster.compare(static, elastic).table
+    jct = psl.cluster.simulate(psl.data.philly_jobs(), 256, policy="jct")
+    psl.cluster.compare(static, jct).ranking
 
 ``psl.cluster.simulate(jobs, gpus, policy)`` replays a job trace (e.g.
 :func:`pipeswift_lab.data.philly_jobs`) on a cluster of ``gpus`` under a scheduling policy
@@ -12,11 +12,13 @@ and returns a :class:`ClusterResult`: every job's JCT split into queue, assembly
 training, cleanup and preemption loss, the GPUs in use over time, and a summary.
 ``psl.cluster.compare(*results)`` puts policies side by side.
 
-Modules: :mod:`.inputs` (checking jobs and capacity), :mod:`.scaling` (a job's speed and
-costs on any GPU count, from a profile and the cost models), :mod:`.engine` (the event
-heap, :class:`~.engine.ClusterJob` segments and the JCT accounting), :mod:`.policies` (static, elastic,
-preemptive, and the :class:`Policy` base for custom ones), :mod:`.simulator` (:func:`simulate`: check, resolve,
-replay, close), :mod:`.result` (:class:`ClusterResult`, :func:`compare`).
+Modules: :mod:`.inputs` (checking jobs, capacity and costs; :func:`read_capacity` for availability traces),
+:mod:`.scaling` (a job's speed and costs on any GPU count, from a profile and the cost models), :mod:`.engine` (the
+event heap, :class:`~.engine.ClusterJob` segments and the JCT accounting), :mod:`.policies` (static, elastic,
+preemptive, and the :class:`Policy` base for custom ones), :mod:`.joint` (:class:`JointJCT`, ``policy="jct"``: queue
+and GPU counts chosen together for the lowest predicted JCT), :mod:`.registry` (the policies by name),
+:mod:`.simulator` (:func:`simulate`: check, resolve, replay, close), :mod:`.result` (:class:`ClusterResult`,
+:func:`compare` and its per-workload ``ranking``).
 """
 
 from __future__ import annotations

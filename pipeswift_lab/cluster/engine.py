@@ -9,9 +9,10 @@ last checkpoint (when there is one) plus, after a resize, the checkpoint written
 it (a whole save, ``save_s``: the job waits for it); ``R`` is the remaining work at the segment's
 speed; a periodic checkpoint stalls training ``stall_s`` (only its staging copy when saves are
 asynchronous, :meth:`~pipeswift_lab.core.costs.CheckpointModel.stall_s`); ``C`` is the final checkpoint and
-teardown. A segment ends in one event (its finish), or early when the policy resizes the
-job (a *voluntary* stop: all training so far is checkpointed) or preempts it (an
-*involuntary* stop: the training since the last periodic checkpoint is lost).
+teardown. A segment ends in one event (its finish), or early when the policy resizes or
+suspends the job (a *voluntary* stop: all training so far is checkpointed; a suspended job
+queues again) or preempts it (an *involuntary* stop: the training since the last periodic
+checkpoint is lost).
 
 Every second of a job's life is charged to exactly one term, so
 ``end_s - submit_s = queue_s + assembly_s + training_s + cleanup_s + preemption_loss_s``:

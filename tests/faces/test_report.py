@@ -17,7 +17,8 @@ def test_cluster_section_is_in_the_report_and_fast(tmp_path):
     page = result.path.read_text()
     assert "Philly trace" in page and "Jeon et al." in page and "data:image/png;base64," in page
     table = pd.read_csv(tmp_path / "rep" / "cluster_policies.csv")
-    assert table["policy"].tolist() == ["static", "elastic", "preemptive"]
+    assert table["policy"].tolist() == ["static", "elastic", "preemptive", "jct"]
+    assert table.set_index("policy")["mean_jct_s"].idxmin() == "jct"
     assert (table["finished"] == table["jobs"]).all()
     breakdown = pd.read_csv(tmp_path / "rep" / "cluster_breakdown.csv")
     terms = ["queue_s", "assembly_s", "training_s", "cleanup_s", "preemption_loss_s"]
