@@ -37,16 +37,17 @@ class JointJCT(Elastic):
       before its predicted end after waiting (the wait read from the running jobs' predicted ends); EASY
       backfilling behind the head, as the static policy;
     * **make room**: when the head cannot start, the policy frees GPUs for it if that lowers the predicted sum of
-      JCTs. It takes GPUs a job holds beyond its request first, then from jobs of lower priority: shrinking one
-      that can run smaller (its JCT grows by its slower remaining run plus the move), else suspending it (a
-      checkpoint; it waits and restarts later: its JCT grows by the head's run time at most, plus the move). It
-      acts when the head's predicted wait exceeds ``margin`` times the sum of those losses: the exchange
-      argument behind SRPT, with each move's cost counted, as Optimus (Peng et al., EuroSys 2018) weighs
-      marginal gains and Sia (Jayaram Subramanya et al., SOSP 2023) counts re-allocation costs;
+      JCTs. GPUs a grown job holds beyond its request come back first (a loan: the move back was paid for when
+      it grew). Then it takes GPUs from jobs of lower priority, for about as long as the head runs: shrinking
+      one that can run smaller (its JCT grows by the training it forgoes meanwhile, plus the move), else
+      suspending it (a checkpoint; it waits and restarts later: its JCT grows by the head's run time at most,
+      plus the move). It acts when the head's predicted wait exceeds ``margin`` times the sum of those losses:
+      the exchange argument behind SRPT, with each move's cost counted, as Optimus (Peng et al., EuroSys 2018)
+      weighs marginal gains and Sia (Jayaram Subramanya et al., SOSP 2023) counts re-allocation costs;
     * **grow**: with nobody waiting, running jobs grow onto free GPUs when the training time saved exceeds
-      ``margin`` times the move's cost, largest net saving first, as Pollux (Qiao et al., OSDI 2021) re-sizes
-      jobs to their goodput. Pollux charges every re-allocation a fixed 30 s; here each move pays its job's
-      own save, assembly and restore.
+      ``margin`` times the cost of the move there and back, largest net saving first, as Pollux (Qiao et al.,
+      OSDI 2021) re-sizes jobs to their goodput. Pollux charges every re-allocation a fixed 30 s; here each move
+      pays its job's own save, assembly and restore.
 
     Running jobs are suspended with a checkpoint (Gandiva's suspend-resume, Xiao et al., OSDI 2018), so a move
     loses no training. Only a capacity drop preempts (involuntarily), lowest priority first.
@@ -139,26 +140,34 @@ class JointJCT(Elastic):
             if freed >= need:
                 break
             keep = max(targets[victim.idx], victim.n - (need - freed))
-            plan.append((victim, keep, self._move_s(victim, keep)))  # GPUs on loan: giving them back costs the move
+            plan.append((victim, keep, 0.0))  # GPUs on loan: the move back was paid for when the job grew
             freed += victim.n - keep
         for _, victim in sorted(lower, key=lambda pair: (-pair[0], -pair[1].idx)):
             if freed >= need:
                 break
             keep = victim.n - (need - freed)
             if keep >= victim.min_gpus and victim.model.speed[keep] > 0:
-                plan.append((victim, keep, self._shrink_loss(cluster, victim, keep, t)))
+                plan.append((victim, keep, self._shrink_loss(victim, keep, delay, t)))
             else:
                 keep = 0
                 plan.append((victim, 0, delay + self._move_s(victim, victim.n)))
             freed += victim.n - keep
         return plan if freed >= need else None
 
+    def _cost(self, job: ClusterJob, n: int) -> float:
+        """What growing ``job`` to ``n`` GPUs must save: the move there and the move back to its request, since GPUs
+        lent to a grown job come back whenever a queued job needs them."""
+        m, target = job.model, self._targets[job.idx]
+        return self._move_s(job, n) + m.save_s[n] + m.assembly_s[target] + m.restore_s[target]
+
     def _move_s(self, job: ClusterJob, n: int) -> float:
         """Seconds a move of ``job`` to ``n`` GPUs costs it: a save on its GPUs, an assembly and a restore on ``n``."""
         m = job.model
         return m.save_s[job.n] + m.assembly_s[n] + m.restore_s[n]
 
-    def _shrink_loss(self, cluster: Cluster, job: ClusterJob, n: int, t: float) -> float:
-        """Seconds ``job``'s JCT grows if it moves to ``n`` GPUs at ``t`` (its slower run and the move)."""
-        after = job.runtime_s(n, cluster.interval, work=job.work_left(t)) + job.model.save_s[job.n]
-        return max(0.0, after - (job.seg_end - t))
+    def _shrink_loss(self, job: ClusterJob, n: int, delay: float, t: float) -> float:
+        """Seconds ``job``'s JCT grows if it lends GPUs for ``delay`` seconds, running on ``n`` meanwhile: the training
+        it does not do in that time (capped by its remaining run) plus the move."""
+        m = job.model
+        slower = min(delay, job.seg_end - t) * (1.0 - m.speed[n] / m.speed[job.n])
+        return slower + self._move_s(job, n)
