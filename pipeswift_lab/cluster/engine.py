@@ -17,8 +17,8 @@ checkpoint is lost).
 Every second of a job's life is charged to exactly one term, so
 ``end_s - submit_s = queue_s + assembly_s + training_s + cleanup_s + preemption_loss_s``:
 queue is time holding no GPU; assembly every segment's ``A``; training the training kept;
-cleanup the final ``C``; preemption loss the restores, the checkpoints' stalls (periodic
-and before resizes) and the training lost to preemptions.
+cleanup the final ``C``; preemption loss the restores, the checkpoints' stalls (periodic,
+and the whole saves before resizes and suspensions) and the training lost to preemptions.
 """
 
 from __future__ import annotations
@@ -48,10 +48,10 @@ class ClusterJob:
     __slots__ = (
         *("idx", "name", "submit", "gpus", "min_gpus", "max_gpus", "priority", "model", "ref_speed", "work"),
         *("has_state", "state", "n", "version", "wait_since", "reason", "key"),
-        *("seg_start", "seg_A", "seg_L", "seg_R", "seg_k", "seg_C", "seg_stall", "seg_end"),  # the running segment
+        *("seg_start", "seg_A", "seg_L", "seg_save", "seg_R", "seg_k", "seg_C", "seg_stall", "seg_end"),  # its segment
         *("queue", "assembly", "training", "cleanup", "loss", "lost_work"),  # the JCT terms so far
-        *("restarts", "resizes", "preemptions", "start", "end", "held_min", "held_max", "attained"),
-        "pending_save",  # seconds of the checkpoint a suspension wrote, charged when the job restarts
+        *("restarts", "resizes", "preemptions", "suspensions", "start", "end", "held_min", "held_max", "attained"),
+        "pending_save",  # seconds of a checkpoint written but not yet charged (a suspension's), paid at the next start
     )
 
     def __init__(
@@ -74,12 +74,13 @@ class ClusterJob:
         self.state = "pending"
         self.n = 0
         self.version = 0
-        self.seg_start = self.seg_A = self.seg_L = self.seg_R = self.seg_C = self.seg_stall = self.seg_end = 0.0
+        self.seg_start = self.seg_A = self.seg_L = self.seg_save = self.seg_R = self.seg_C = self.seg_stall = 0.0
+        self.seg_end = 0.0
         self.seg_k = 0
         self.wait_since = submit
         self.queue = self.assembly = self.training = self.cleanup = self.loss = 0.0
         self.lost_work = 0.0  # training (and partial cleanup) lost to preemptions, inside ``loss``
-        self.restarts = self.resizes = self.preemptions = 0
+        self.restarts = self.resizes = self.preemptions = self.suspensions = 0
         self.start = self.end = math.nan
         self.held_min, self.held_max = 0, 0
         self.attained = 0.0  # GPU-seconds held so far
@@ -189,11 +190,12 @@ class Cluster:
             job.start = t
             job.held_min = n
         restore = m.restore_s[n] if job.has_state else 0.0
-        resize_save_s, job.pending_save = resize_save_s + job.pending_save, 0.0
+        save, job.pending_save = resize_save_s + job.pending_save, 0.0
         R = job.wall_s(n)
         k = max(0, math.ceil(R / self.interval) - 1) if self.interval < math.inf and R > 0 else 0
         job.n, job.state = n, "running"
-        job.seg_start, job.seg_A, job.seg_L, job.seg_R, job.seg_k = t, m.assembly_s[n], restore + resize_save_s, R, k
+        job.seg_start, job.seg_A, job.seg_L, job.seg_R, job.seg_k = t, m.assembly_s[n], restore + save, R, k
+        job.seg_save = save
         job.seg_stall, job.seg_C = m.stall_s[n], m.cleanup_s[n]
         job.seg_end = t + job.seg_A + job.seg_L + R + k * job.seg_stall + job.seg_C
         job.held_min, job.held_max = min(job.held_min, n), max(job.held_max, n)
@@ -232,6 +234,8 @@ class Cluster:
         """
         elapsed = t - job.seg_start
         A, L = job.seg_A, job.seg_L
+        # the checkpoint this segment carries (the first part of L) was written: what is not yet charged moves on
+        job.pending_save += min(job.seg_save, max(0.0, A + job.seg_save - elapsed))
         if elapsed <= A:
             job.assembly += elapsed
         elif elapsed <= A + L:
@@ -280,13 +284,14 @@ class Cluster:
         """Checkpoint ``job`` and put it back in the queue, keeping all its training (Gandiva's suspend-resume).
 
         The save (``save_s`` on its GPUs, when it has trained since its last start) is charged to its preemption loss
-        when it restarts, with the restore; its GPUs are free at once (the save's time on them is not modelled).
+        when it restarts, with the restore (and carried on if that segment is stopped before the save is charged);
+        its GPUs are free at once (the save's time on them is not modelled).
         """
         save = job.model.save_s[job.n] if job.in_training(t) else 0.0
         self.stop(job, t, voluntary=True)
         job.pending_save += save
         job.restarts += 1
-        job.preemptions += 1
+        job.suspensions += 1
         self.enqueue(job, t)
 
     def resize(self, job: ClusterJob, n: int, t: float) -> None:

@@ -167,8 +167,8 @@ def check_capacity(gpus: Any) -> tuple[tuple[float, int], ...]:
     whole numbers of GPUs >= 0 (``8.0`` is 8), and at least one time has a GPU.
 
     The result has one point per time and only points where the count changes (a point
-    repeating the previous count is dropped); when the first time is after 0 a point
-    ``(0.0, first count)`` is put before it. A time going backwards raises ``ValueError``
+    repeating the previous count is dropped), and its first point is at time 0 (a first time
+    after 0 moves to 0, since the first count holds before it). A time going backwards raises ``ValueError``
     naming the row, e.g. ``gpus[5] time_s=100.0 is before gpus[4] time_s=200.0``. To read
     a CSV trace (other column names, minutes, datetimes, instances of several GPUs) use
     :func:`read_capacity`.
@@ -193,7 +193,7 @@ def check_capacity(gpus: Any) -> tuple[tuple[float, int], ...]:
     if max(n for _, n in out) < 1:
         raise ValueError("gpus is 0 at every time; the cluster must have at least 1 GPU at some time")
     if out[0][0] > 0:
-        out.insert(0, (0.0, out[0][1]))
+        out[0] = (0.0, out[0][1])  # before the first time the first count holds
     return tuple(out)
 
 
@@ -329,6 +329,12 @@ def _trace_seconds(column: pd.Series, name: str, unit_s: float) -> np.ndarray:
     """Seconds since the first row: numbers times ``unit_s``, or dates and times; every row checked."""
     if pd.api.types.is_bool_dtype(column):
         raise ValueError(f"trace[{name!r}] is boolean; give times as numbers or dates")
+    if pd.api.types.is_timedelta64_dtype(column):
+        column = column.dt.total_seconds() / unit_s
+    elif column.dtype == object:
+        numbers = pd.to_numeric(column, errors="coerce")
+        if numbers.notna().all() and not any(isinstance(v, (bool, str)) for v in column):
+            column = numbers  # numbers held as objects are numbers, not nanoseconds
     if pd.api.types.is_numeric_dtype(column):
         raw = column.to_numpy(float)
         bad = np.flatnonzero(~np.isfinite(raw))
@@ -427,7 +433,8 @@ def check_costs(costs: Any) -> Costs:
                 f"{where} is {type(model).__name__} {model!r}; give a costs.AssemblyModel or costs.CheckpointModel "
                 "(e.g. AssemblyModel.calibrate(runs), CheckpointModel.calibrate(runs)), a list of them or a dict"
             )
-        if type(model) in found:
-            raise ValueError(f"costs has two {type(model).__name__}s; give at most one of each")
-        found[type(model)] = model
+        kind = AssemblyModel if isinstance(model, AssemblyModel) else CheckpointModel
+        if kind in found:
+            raise ValueError(f"costs has two {kind.__name__}s; give at most one of each")
+        found[kind] = model
     return found.get(AssemblyModel), found.get(CheckpointModel)

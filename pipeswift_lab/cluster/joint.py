@@ -40,10 +40,11 @@ class JointJCT(Elastic):
       JCTs. GPUs a grown job holds beyond its request come back first (a loan: the move back was paid for when
       it grew). Then it takes GPUs from jobs of lower priority, for about as long as the head runs: shrinking
       one that can run smaller (its JCT grows by the training it forgoes meanwhile, plus the move), else
-      suspending it (a checkpoint; it waits and restarts later: its JCT grows by the head's run time at most,
-      plus the move). It acts when the head's predicted wait exceeds ``margin`` times the sum of those losses:
-      the exchange argument behind SRPT, with each move's cost counted, as Optimus (Peng et al., EuroSys 2018)
-      weighs marginal gains and Sia (Jayaram Subramanya et al., SOSP 2023) counts re-allocation costs;
+      suspending it (a checkpoint; it waits and restarts later: its JCT grows by about the head's run time, plus
+      the move; more if higher-priority jobs arrive meanwhile). It acts when the head's predicted wait exceeds
+      ``margin`` times the sum of those losses: the exchange argument behind SRPT, with each move's cost counted,
+      as Optimus (Peng et al., EuroSys 2018) weighs marginal gains and Sia (Jayaram Subramanya et al., SOSP 2023)
+      counts re-allocation costs;
     * **grow**: with nobody waiting, running jobs grow onto free GPUs when the training time saved exceeds
       ``margin`` times the cost of the move there and back, largest net saving first, as Pollux (Qiao et al.,
       OSDI 2021) re-sizes jobs to their goodput. Pollux charges every re-allocation a fixed 30 s; here each move
@@ -54,7 +55,9 @@ class JointJCT(Elastic):
 
     The predicted remaining work is the job's declared length (``duration_s`` at its requested GPUs, i.e. its
     steps at its measured step time): a pipeline training job states its steps in its config. Jobs with equal
-    priority are ordered by attained GPU-seconds, then submission, as least-attained-service does.
+    priority are ordered by attained GPU-seconds, then submission, as least-attained-service does. A ``priority``
+    column of the jobs is not used: the objective sets the order. A shrunk job's loss assumes its GPUs come back
+    when the head ends; on a cluster that stays busy it runs small for longer, so shrinks are slightly favoured.
     """
 
     name = "jct"
@@ -125,7 +128,7 @@ class JointJCT(Elastic):
         mean, targets = self.objective == "mean", self._targets
         surplus, lower = [], []
         for other in cluster.running.values():  # inlined work_left, priority and resizable: the hot loop
-            if t >= other.seg_end - other.seg_C:
+            if t >= other.seg_end - other.seg_C or other.seg_start == t:  # cleaning up, or started or moved just now
                 continue
             if other.n > targets[other.idx]:
                 surplus.append(other)
@@ -152,7 +155,14 @@ class JointJCT(Elastic):
                 keep = 0
                 plan.append((victim, 0, delay + self._move_s(victim, victim.n)))
             freed += victim.n - keep
-        return plan if freed >= need else None
+        if freed < need:
+            return None
+        for move in list(plan):  # the last move may free enough alone: drop the earlier ones it makes needless
+            victim, keep, _ = move
+            if freed - (victim.n - keep) >= need:
+                plan.remove(move)
+                freed -= victim.n - keep
+        return plan
 
     def _cost(self, job: ClusterJob, n: int) -> float:
         """What growing ``job`` to ``n`` GPUs must save: the move there and the move back to its request, since GPUs

@@ -25,7 +25,7 @@ __all__ = ["JOB_COLUMNS", "UNITS", "ClusterComparison", "ClusterResult", "compar
 #: Columns of :attr:`ClusterResult.jobs`, in order.
 JOB_COLUMNS = (
     *("name", "submit_s", "gpus", "profile", "priority", "start_s", "end_s", *TERMS, "jct_s", "lost_work_s"),
-    *("restarts", "resizes", "preemptions", "min_gpus_held", "max_gpus_held", "finished", "reason"),
+    *("restarts", "resizes", "preemptions", "suspensions", "min_gpus_held", "max_gpus_held", "finished", "reason"),
 )
 #: Time units of the plots: seconds per unit.
 UNITS = {"s": 1.0, "min": 60.0, "h": 3600.0}
@@ -39,7 +39,8 @@ class ClusterResult:
       ``priority`` (at the end), ``start_s`` (first start), ``end_s``, the JCT terms
       ``queue_s``, ``assembly_s``, ``training_s``, ``cleanup_s``, ``preemption_loss_s`` and
       their sum ``jct_s = end_s - submit_s``; ``lost_work_s`` (the part of the preemption
-      loss that was training thrown away), ``restarts`` (= ``resizes + preemptions``),
+      loss that was training thrown away), ``restarts`` (= ``resizes + preemptions + suspensions``; a suspension is a
+      policy's checkpoint-and-requeue, a preemption an involuntary stop),
       ``min_gpus_held``/``max_gpus_held``, ``finished`` and, if not, the ``reason``;
     * ``usage`` — the step function ``time_s``, ``gpus_used``, ``capacity``;
     * ``summary`` — jobs, finished, mean/p50/p95/p99 JCT, mean queue, makespan, utilization,
@@ -118,7 +119,7 @@ class ClusterResult:
     @property
     def summary(self) -> dict[str, Any]:
         """Mean, p50, p95, p99 JCT (s) of the finished jobs, mean queue, makespan, utilization, restarts, resizes,
-        preemptions (sums over the jobs), events, wall time. Returns a dict."""
+        preemptions, suspensions (sums over the jobs), events, wall time. Returns a dict."""
         jct = self.finished["jct_s"].to_numpy(float)
         pct = np.percentile(jct, [50, 95, 99]) if len(jct) else [math.nan] * 3
         events, wall = self.stats["events"], self.stats["wall_s"]
@@ -138,6 +139,7 @@ class ClusterResult:
             "restarts": int(self.jobs["restarts"].sum()),
             "resizes": int(self.jobs["resizes"].sum()),
             "preemptions": int(self.jobs["preemptions"].sum()),
+            "suspensions": int(self.jobs["suspensions"].sum()),
             "events": events,
             "wall_s": wall,
             "events_per_s": events / wall if wall > 0 else math.nan,
@@ -230,7 +232,7 @@ def _job_row(job: ClusterJob, profile: str) -> tuple[Any, ...]:
     finished = job.state == "done"
     end = job.end if finished else math.nan
     terms = (job.queue, job.assembly, job.training, job.cleanup, job.loss)
-    counts = (job.restarts, job.resizes, job.preemptions, job.held_min, job.held_max)
+    counts = (job.restarts, job.resizes, job.preemptions, job.suspensions, job.held_min, job.held_max)
     identity = (job.name, job.submit, job.gpus, profile, job.priority, job.start, end)
     return (*identity, *terms, end - job.submit, job.lost_work, *counts, finished, job.reason)
 
@@ -240,7 +242,7 @@ class ClusterComparison:
     """Several :class:`ClusterResult` side by side, from one window (workload) or several.
 
     * ``ranking`` — per workload, the policies from the lowest mean JCT: mean, p50, p95 JCT, the mean JCT terms,
-      utilization, resizes, restarts, preemptions (hours; what a researcher reads first);
+      utilization, resizes, restarts, preemptions, suspensions (hours; what a researcher reads first);
     * ``table`` — one :attr:`ClusterResult.summary` row each (seconds), ``breakdown()`` — the mean terms (seconds);
     * ``plot()`` — JCT CDFs and GPU usage over time, ``plot_usage()``, ``plot_breakdown()``.
     """
@@ -268,8 +270,8 @@ class ClusterComparison:
         ``finished``, ``mean_jct_h``, ``p50_jct_h``, ``p95_jct_h`` (of the finished jobs), the mean hours per
         finished job of each JCT term — ``queue_h``, ``assembly_h``, ``training_h``, ``cleanup_h``,
         ``preemption_loss_h``, which sum to ``mean_jct_h`` — ``utilization``, ``resizes``, ``restarts``,
-        ``preemptions`` (sums over the jobs) and ``mean_vs_best`` (mean JCT over the best mean JCT of its
-        workload, minus 1: 0.23 is 23% slower). Sorted by workload (in order of first appearance), then rank.
+        ``preemptions``, ``suspensions`` (sums over the jobs) and ``mean_vs_best`` (mean JCT over the best mean
+        JCT of its workload, minus 1: 0.23 is 23% slower). Sorted by workload (in order of first appearance), then rank.
         """
         rows = []
         for r in self.results:
@@ -280,7 +282,7 @@ class ClusterComparison:
             for term in TERMS:
                 mean = float(finished[term].mean()) if len(finished) else math.nan
                 row[f"{term.removesuffix('_s')}_h"] = mean / 3600.0
-            row.update({k: s[k] for k in ("utilization", "resizes", "restarts", "preemptions")})
+            row.update({k: s[k] for k in ("utilization", "resizes", "restarts", "preemptions", "suspensions")})
             rows.append(row)
         df = pd.DataFrame(rows)
         order = {w: i for i, w in enumerate(self.workloads)}

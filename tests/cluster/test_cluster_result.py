@@ -139,7 +139,7 @@ def test_ranking_ranks_each_workload_by_mean_jct(windows):
     terms = [f"{t.removesuffix('_s')}_h" for t in TERMS]
     assert list(ranking.columns) == [
         *("workload", "rank", "policy", "jobs", "finished", "mean_jct_h", "p50_jct_h", "p95_jct_h", *terms),
-        *("utilization", "resizes", "restarts", "preemptions", "mean_vs_best"),
+        *("utilization", "resizes", "restarts", "preemptions", "suspensions", "mean_vs_best"),
     ]
     assert ranking["workload"].tolist() == [run["static"].workload] * 3 + [spot["static"].workload] * 3
     for window in (run, spot):

@@ -33,7 +33,7 @@ def check_invariants(result):
     assert (j.loc[j["finished"], "reason"] == "").all()
     u = result.usage
     assert (u["gpus_used"] <= u["capacity"]).all() and (u["gpus_used"] >= 0).all()
-    assert (j["restarts"] == j["resizes"] + j["preemptions"]).all()
+    assert (j["restarts"] == j["resizes"] + j["preemptions"] + j["suspensions"]).all()
 
 
 def test_one_job_by_hand():

@@ -79,7 +79,7 @@ def test_capacity_forms_agree():
     frame = pd.DataFrame({"time_s": [0.0, 100.0], "gpus": [8, 4]})
     assert check_capacity(frame) == check_capacity([(0, 8), (100, 4)]) == ((0.0, 8), (100.0, 4))
     assert check_capacity(16) == ((0.0, 16),)
-    assert check_capacity([(50, 4)]) == ((0.0, 4), (50.0, 4))  # the first count holds before its time
+    assert check_capacity([(50, 4)]) == ((0.0, 4),)  # the first count holds before its time
 
 
 @pytest.mark.parametrize(
@@ -266,3 +266,10 @@ def test_read_capacity_trace_simulates_as_the_deduplicated_trace(tmp_path, forty
     a = cluster.simulate(forty_jobs, capacity, policy="preemptive", progress=False)
     b = cluster.simulate(forty_jobs, DEDUPLICATED, policy="preemptive", progress=False)
     pd.testing.assert_frame_equal(a.jobs, b.jobs)
+
+
+def test_read_capacity_numbers_held_as_objects_and_timedeltas():
+    as_objects = pd.DataFrame({"time_s": pd.Series([0, 1800, 5400], dtype=object), "gpus": [8, 4, 8]})
+    assert cluster.read_capacity(as_objects)["time_s"].tolist() == [0.0, 1800.0, 5400.0]
+    as_timedeltas = pd.DataFrame({"time_s": pd.to_timedelta([0, 30, 90], unit="min"), "gpus": [8, 4, 8]})
+    assert cluster.read_capacity(as_timedeltas)["time_s"].tolist() == [0.0, 1800.0, 5400.0]
