@@ -51,6 +51,7 @@ class ClusterJob:
         *("seg_start", "seg_A", "seg_L", "seg_save", "seg_R", "seg_k", "seg_C", "seg_stall", "seg_end"),  # its segment
         *("queue", "assembly", "training", "cleanup", "loss", "lost_work"),  # the JCT terms so far
         *("restarts", "resizes", "preemptions", "suspensions", "start", "end", "held_min", "held_max", "attained"),
+        "declared",  # the run time the job declares over its true one: what a policy believes, 1 when exact
         "pending_save",  # seconds of a checkpoint written but not yet charged (a suspension's), paid at the next start
     )
 
@@ -85,6 +86,7 @@ class ClusterJob:
         self.held_min, self.held_max = 0, 0
         self.attained = 0.0  # GPU-seconds held so far
         self.pending_save = 0.0
+        self.declared = 1.0
         self.reason = ""
         self.key: Any = None  # the policy's queue_key while queued
 

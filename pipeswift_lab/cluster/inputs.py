@@ -36,7 +36,7 @@ __all__ = [
 #: Columns a job table must have.
 REQUIRED_COLUMNS = ("submit_s", "gpus", "duration_s")
 #: Columns a job table may have.
-OPTIONAL_COLUMNS = ("name", "priority", "min_gpus", "max_gpus", "profile")
+OPTIONAL_COLUMNS = ("name", "priority", "min_gpus", "max_gpus", "profile", "declared_s")
 #: Seconds per unit of a numeric time column in :func:`read_capacity`.
 TIME_UNITS = {"s": 1.0, "min": 60.0, "h": 3600.0}
 
@@ -76,7 +76,8 @@ def check_jobs(jobs: Any) -> pd.DataFrame:
     Required: ``submit_s`` (>= 0 s), ``gpus`` (whole, >= 1) and ``duration_s`` (> 0 s: the
     run time on the requested GPUs). Optional: ``name``, ``priority`` (numeric, larger is
     more important), ``min_gpus``/``max_gpus`` (whole, ``1 <= min_gpus <= max_gpus``),
-    ``profile`` (a library name or a :class:`~pipeswift_lab.Profile`). Unsorted
+    ``profile`` (a library name or a :class:`~pipeswift_lab.Profile`), ``declared_s`` (> 0 s: the
+    run time the job declares, which may differ from ``duration_s``). Unsorted
     submissions are sorted (stable) with a warning that counts the rows out of order.
     """
     _check_frame(jobs)
@@ -118,9 +119,12 @@ def _names(jobs: pd.DataFrame) -> np.ndarray:
 
 
 def _add_optional(jobs: pd.DataFrame, out: pd.DataFrame) -> None:
-    """Check the optional columns ``priority``, ``min_gpus``, ``max_gpus`` and ``profile`` and add them to ``out``."""
+    """Check the optional columns ``priority``, ``min_gpus``, ``max_gpus``, ``profile`` and ``declared_s`` and add
+    them to ``out``."""
     if "priority" in jobs.columns:
         out["priority"] = _numeric(jobs, "priority", False, -np.inf)
+    if "declared_s" in jobs.columns:
+        out["declared_s"] = _numeric(jobs, "declared_s", False, 0.0, allow_equal=False)
     for column in ("min_gpus", "max_gpus"):
         if column in jobs.columns:
             out[column] = _numeric(jobs, column, True, 1.0)

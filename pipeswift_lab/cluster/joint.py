@@ -53,8 +53,10 @@ class JointJCT(Elastic):
     Running jobs are suspended with a checkpoint (Gandiva's suspend-resume, Xiao et al., OSDI 2018), so a move
     loses no training. Only a capacity drop preempts (involuntarily), lowest priority first.
 
-    The predicted remaining work is the job's declared length (``duration_s`` at its requested GPUs, i.e. its
-    steps at its measured step time): a pipeline training job states its steps in its config. Jobs with equal
+    The order comes from the job's declared length: a pipeline training job states its steps in its config, and
+    its step time is measured. A ``declared_s`` column of the jobs gives it (seconds at the requested GPUs; an
+    estimate, which may be wrong), else the true ``duration_s`` is used. The predicted run times that weigh a
+    move come from the simulator's own estimates, as for the other policies' backfilling. Jobs with equal
     priority are ordered by attained GPU-seconds, then submission, as least-attained-service does. A ``priority``
     column of the jobs is not used: the objective sets the order. A shrunk job's loss assumes its GPUs come back
     when the head ends; on a cluster that stays busy it runs small for longer, so shrinks are slightly favoured.
@@ -74,7 +76,7 @@ class JointJCT(Elastic):
 
     def priority(self, job: ClusterJob, t: float) -> float:
         """The job's place at ``t`` (smaller first): remaining GPU-seconds (``"mean"``) or virtual finish time."""
-        left = job.work_left(t)
+        left = job.work_left(t) * job.declared
         return left * job.gpus if self.objective == "mean" else job.submit + left
 
     def reset(self, cluster: Cluster) -> None:
@@ -135,7 +137,8 @@ class JointJCT(Elastic):
                 continue
             trained = t - other.seg_start - other.seg_A - other.seg_L
             left = other.work - trained * other.model.speed[other.n] / other.ref_speed if trained > 0 else other.work
-            rank = max(0.0, left) * other.gpus if mean else other.submit + max(0.0, left)
+            left = max(0.0, left) * other.declared
+            rank = left * other.gpus if mean else other.submit + left
             if rank > head:
                 lower.append((rank, other))
         plan, freed = [], 0

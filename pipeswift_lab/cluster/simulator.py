@@ -43,7 +43,8 @@ def simulate(
       time on the requested GPUs), optionally ``name``, ``priority``, ``min_gpus``,
       ``max_gpus`` and ``profile`` (a library name, see
       :func:`~pipeswift_lab.cluster.scaling.profile_library`, or a
-      :class:`~pipeswift_lab.Profile`; by default chosen by requested GPUs). E.g.
+      :class:`~pipeswift_lab.Profile`; by default chosen by requested GPUs) and ``declared_s`` (the run time
+      the job declares, an estimate the ``"jct"`` policy orders by; ``duration_s`` when absent). E.g.
       :func:`pipeswift_lab.data.philly_jobs`.
     * ``gpus`` — the capacity: an int, or ``(time_s, gpus)`` pairs (a list or a DataFrame
       with ``time_s`` and ``gpus``) for a capacity that changes, e.g. spot instances; when it
@@ -166,6 +167,8 @@ def _cluster_jobs(
             model=model,
         )
         job.work = float(row.duration_s)
+        if "declared_s" in has:
+            job.declared = float(row.declared_s) / job.work
         job.ref_speed = max(model.speed[g], 0.0)
         job.reason = _never_runs(job, profile_names[i], policy, max_capacity)
         out.append(job)

@@ -179,3 +179,15 @@ def test_costs_accept_subclasses_of_the_models():
 
     r = simulate(jobs((0, 1, 100.0), name=["A"]), 1, costs=Measured(base_s=1.0))
     assert r.loc["A", "assembly_s"] == pytest.approx(Measured(base_s=1.0).seconds(1, 1))
+
+
+def test_orders_by_the_declared_length_when_one_is_given():
+    # X is truly short but declares itself long: SRPT on the declarations runs Y first
+    t = jobs((0, 1, 4000.0), (10, 1, 500.0), (20, 1, 3000.0), name=["run", "X", "Y"])
+    truth = simulate(t, 1, policy=cluster.JointJCT(margin=100.0))
+    fooled = simulate(t.assign(declared_s=[4000.0, 50_000.0, 3000.0]), 1, policy=cluster.JointJCT(margin=100.0))
+    assert truth.loc["X", "start_s"] < truth.loc["Y", "start_s"]
+    assert fooled.loc["Y", "start_s"] < fooled.loc["X", "start_s"]
+    assert fooled.loc["X", "training_s"] == pytest.approx(truth.loc["X", "training_s"])  # the truth still runs
+    with pytest.raises(ValueError, match="declared_s"):
+        cluster.simulate(t.assign(declared_s=[1.0, 0.0, 1.0]), 1, progress=False)
