@@ -109,6 +109,7 @@ def jct_table(workloads: list[tuple[str, pd.DataFrame, int, float]]) -> pd.DataF
                 "jct_lowest_mean": all(jct["mean_jct_s"] <= s[p]["mean_jct_s"] for p in others),
                 "jct_finished_no_fewer": all(jct["finished"] >= s[p]["finished"] for p in POLICIES),
                 "jct_resizes": jct["resizes"],
+                "jct_suspensions": jct["suspensions"],
                 "jct_preemptions": jct["preemptions"],
             }
         )
@@ -155,7 +156,15 @@ def main(argv: list[str] | None = None) -> None:
     print(speed_table(jobs).to_string(index=False))
     columns = ["workload", "offered_load", *(f"{p}_mean_h" for p in POLICIES), "best_other", "jct_vs_best_other"]
     tail = ["workload", *(f"{p}_p95_h" for p in POLICIES), "jct_p95_vs_best_other_p95"]
-    checks = ["workload", "jobs", "jct_lowest_mean", "jct_finished_no_fewer", "jct_resizes", "jct_preemptions"]
+    checks = [
+        "workload",
+        "jobs",
+        "jct_lowest_mean",
+        "jct_finished_no_fewer",
+        "jct_resizes",
+        "jct_suspensions",
+        "jct_preemptions",
+    ]
     sections = [
         ("2. The issue's windows (mean JCT, hours)", trace_windows(WINDOWS[2:3] if quick else WINDOWS)),
         ("3. Held-out weeks (mean JCT, hours)", trace_windows(HELD_OUT[:1] if quick else HELD_OUT)),
