@@ -177,6 +177,9 @@ class ClusterResult:
         t = u["time_s"].to_numpy(float) / _scale(unit)
         ax.step(t, u["capacity"], where="post", color="0.3", linestyle="--", label="capacity")
         ax.fill_between(t, u["gpus_used"], step="post", alpha=0.6, label=f"used ({self.label})")
+        first, end = float(self.jobs["submit_s"].min()), float(u["time_s"].max())
+        if end > first and ax.get_xscale() == "linear":
+            ax.set_xlim(first / _scale(unit), end / _scale(unit))  # from the first submission
         ax.set_xlabel(f"time ({unit})")
         ax.set_ylabel("GPUs")
         ax.legend(loc="upper right", fontsize="small")
@@ -358,6 +361,9 @@ class ClusterComparison:
         for r, color in zip(results, sns.color_palette(n_colors=len(results))):
             u = r.usage
             ax.step(u["time_s"] / scale, u["gpus_used"], where="post", color=color, linewidth=1.0, label=r.label)
+        first = min(float(r.jobs["submit_s"].min()) for r in results)
+        if end > first and ax.get_xscale() == "linear":
+            ax.set_xlim(first / scale, end / scale)  # from the first submission: a trace's clock may start long before
         ax.set_xlabel(f"time ({unit})")
         ax.set_ylabel("GPUs in use")
         ax.set_ylim(bottom=0)
