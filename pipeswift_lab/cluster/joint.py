@@ -86,16 +86,9 @@ class JointJCT(Elastic):
     def queue_key(self, job: ClusterJob) -> Hashable:
         return (self.priority(job, job.wait_since), job.attained, job.idx)
 
-    def victims(self, cluster: Cluster, deficit: int, t: float) -> list[ClusterJob]:
-        """The capacity dropped: preempt the lowest-priority jobs first until ``deficit`` GPUs are free."""
-        order = sorted(cluster.running.values(), key=lambda j: (-self.priority(j, t), -j.idx))
-        chosen, freed = [], 0
-        for job in order:
-            if freed >= deficit:
-                break
-            chosen.append(job)
-            freed += job.n
-        return chosen
+    def victim_key(self, job: ClusterJob, t: float) -> tuple[float, ...]:
+        """When the capacity drops, the lowest priority (the largest :meth:`priority`) is preempted first."""
+        return (-self.priority(job, t), -job.idx)
 
     def rebalance(self, cluster: Cluster, t: float) -> None:
         if not cluster.queue and cluster.free > 0 and self.growable:

@@ -10,7 +10,7 @@ resizes or preempts jobs through it. The hooks, all optional to override:
   than the cluster ever has are reported unfinished, never silently dropped);
 * :meth:`Policy.blocked` — what to do when the head of the queue cannot start (preempt);
 * :meth:`Policy.rebalance` — after admissions (grow or shrink running jobs);
-* :meth:`Policy.victims` — whom to stop when the capacity drops.
+* :meth:`Policy.victims` — whom to stop when the capacity drops (in :meth:`Policy.victim_key` order).
 
 A custom policy is a few lines, e.g. shortest-job-first with the same backfilling::
 
@@ -73,12 +73,15 @@ class Policy:
     def rebalance(self, cluster: Cluster, t: float) -> None:
         """After admissions: grow or shrink running jobs."""
 
-    def victims(self, cluster: Cluster, deficit: int, t: float) -> list[ClusterJob]:
-        """Running jobs to preempt when the capacity drops ``deficit`` GPUs below those in use.
+    def victim_key(self, job: ClusterJob, t: float) -> tuple[float, ...]:
+        """Sort key of a running job when the capacity drops (smaller is preempted first). Default: the lowest
+        priority first, then the most recently started (least work lost)."""
+        return (job.priority, -job.seg_start, -job.idx)
 
-        Default: the lowest priority first, then the most recently started (least work lost).
-        """
-        order = sorted(cluster.running.values(), key=lambda j: (j.priority, -j.seg_start, -j.idx))
+    def victims(self, cluster: Cluster, deficit: int, t: float) -> list[ClusterJob]:
+        """Running jobs to preempt when the capacity drops ``deficit`` GPUs below those in use, in
+        :meth:`victim_key` order until enough GPUs are free."""
+        order = sorted(cluster.running.values(), key=lambda j: self.victim_key(j, t))
         chosen, freed = [], 0
         for job in order:
             if freed >= deficit:

@@ -6,6 +6,7 @@ import warnings
 import numpy as np
 import pandas as pd
 import pytest
+from cluster_tables import jobs
 
 from pipeswift_lab import cluster
 from pipeswift_lab.cluster.simulator import _library_model
@@ -13,14 +14,6 @@ from pipeswift_lab.core.jct import TERMS
 from pipeswift_lab.data import philly_jobs
 
 SMALL = _library_model("gpt-small")  # the profile a 1-GPU job gets
-
-
-def jobs(*rows, **extra):
-    """A job table from (submit_s, gpus, duration_s) rows."""
-    df = pd.DataFrame(rows, columns=["submit_s", "gpus", "duration_s"])
-    for k, v in extra.items():
-        df[k] = v
-    return df
 
 
 def check_invariants(result):

@@ -2,22 +2,11 @@
 
 import pandas as pd
 import pytest
+from cluster_tables import by_name, jobs
 
 from pipeswift_lab import cluster
 from pipeswift_lab.cluster.simulator import _library_model
 from pipeswift_lab.core.costs import AssemblyModel, CheckpointModel
-
-
-def jobs(*rows, **extra):
-    """A job table from (submit_s, gpus, duration_s) rows."""
-    df = pd.DataFrame(rows, columns=["submit_s", "gpus", "duration_s"])
-    for k, v in extra.items():
-        df[k] = v
-    return df
-
-
-def by_name(result):
-    return result.jobs.set_index("name")
 
 
 def simulate(table, gpus, policy="jct", **kwargs):

@@ -3,21 +3,11 @@
 import numpy as np
 import pandas as pd
 import pytest
+from cluster_tables import by_name, jobs
 
 from pipeswift_lab import cluster
 from pipeswift_lab.cluster.registry import get_policy
 from pipeswift_lab.cluster.simulator import _library_model
-
-
-def jobs(*rows, **extra):
-    df = pd.DataFrame(rows, columns=["submit_s", "gpus", "duration_s"])
-    for k, v in extra.items():
-        df[k] = v
-    return df
-
-
-def by_name(result):
-    return result.jobs.set_index("name")
 
 
 def test_static_backfills_short_jobs_without_delaying_the_head():
