@@ -90,19 +90,17 @@ class ClusterJob:
         self.reason = ""
         self.key: Any = None  # the policy's queue_key while queued
 
-    def wall_s(self, n: int, work: float | None = None) -> float:
-        """Seconds of training left on ``n`` GPUs (no checkpoints); ``work`` overrides the work left at the segment's
-        start (seconds at the requested GPUs)."""
-        return (self.work if work is None else work) * self.ref_speed / self.model.speed[n]
+    def wall_s(self, n: int) -> float:
+        """Seconds of training left on ``n`` GPUs (no checkpoints)."""
+        return self.work * self.ref_speed / self.model.speed[n]
 
-    def runtime_s(self, n: int, interval: float, work: float | None = None) -> float:
+    def runtime_s(self, n: int, interval: float) -> float:
         """Predicted seconds from a start on ``n`` GPUs to the end: assembly, restore, training, periodic checkpoints'
-        stalls and cleanup (``work`` as in :meth:`wall_s`)."""
+        stalls and cleanup."""
         m = self.model
-        R = self.wall_s(n, work)
+        R = self.wall_s(n)
         k = max(0, math.ceil(R / interval) - 1) if interval < math.inf and R > 0 else 0
-        has_state = self.has_state or (work is not None and work < self.work)
-        return m.assembly_s[n] + (m.restore_s[n] if has_state else 0.0) + R + k * m.stall_s[n] + m.cleanup_s[n]
+        return m.assembly_s[n] + (m.restore_s[n] if self.has_state else 0.0) + R + k * m.stall_s[n] + m.cleanup_s[n]
 
     def work_left(self, t: float) -> float:
         """Training left at ``t``, in seconds on the requested GPUs: the segment's work less what its training phase
