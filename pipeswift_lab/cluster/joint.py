@@ -20,7 +20,7 @@ __all__ = ["OBJECTIVES", "JointJCT"]
 #: What :class:`JointJCT` minimizes, and the order it gives jobs for it.
 OBJECTIVES = {
     "mean": "least predicted remaining GPU-time first (SRPT): the lowest mean JCT",
-    "p95": "earliest virtual finish first (submission + remaining run time, as fair queueing): a shorter tail",
+    "p95": "earliest virtual finish first (submission + remaining run time, as fair queueing): aims at the tail",
 }
 
 
