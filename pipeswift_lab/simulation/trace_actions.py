@@ -43,7 +43,7 @@ _LAUNCH_CATS = ("cuda_runtime", "cuda_driver")
 _DEVICE_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
 _DROPPED = ("UNSHARD", "RESHARD")
 #: Columns of :func:`rank_actions`'s frame.
-ACTION_COLUMNS = ("step", "stage", "microbatch", "kind", "start_us", "end_us", "time_source")
+ACTION_COLUMNS = ("step", "stage", "microbatch", "kind", "start_us", "end_us", "time_source", "compute_us")
 
 
 @dataclass(frozen=True)
@@ -247,6 +247,7 @@ def _without_waits(df: pd.DataFrame) -> pd.DataFrame:
     """Host-timed compute rows started back by their preparation: for every (stage, kind), the shortest lead from a
     span's start to its first compute op is the runtime's own work before the compute (taken as busy, as the
     runner's recorder does); whatever a span's lead has beyond it is the wait for its input (idle)."""
+    df = df.assign(compute_us=df["start_us"])  # when the compute itself began: after the input arrived
     host = (df["time_source"] == "host") & df["kind"].isin(["F", "B", "I", "W"])
     if not host.any():
         return df

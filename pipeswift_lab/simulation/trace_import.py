@@ -85,10 +85,7 @@ def timeline_from_profiler(
     position, replica = _positions(per_rank, style)
     for r, (actions, steps) in per_rank.items():
         shift = (hosts[r][1] - hosts[ranks[0]][1]) / 1e3  # onto rank 0's clock base, µs
-        per_rank[r] = (
-            actions.assign(start_us=actions["start_us"] + shift, end_us=actions["end_us"] + shift),
-            steps.assign(start_us=steps["start_us"] + shift, end_us=steps["end_us"] + shift),
-        )
+        per_rank[r] = _shifted(actions, steps, shift)
     one_host = len({hosts[r][0] for r in ranks}) == 1 and hosts[ranks[0]][0] is not None
     skew_ms, alignment = 0.0, "one host: every rank's trace on the same clock"
     if not one_host:
@@ -197,32 +194,35 @@ def _align_hosts(
             offset = (low + high) / 2  # b's clock minus a's
             total_half += abs(high - low) / 2
             for r in [x for x in per_rank if replica[x] == d and position[x] >= p]:
-                actions, steps = per_rank[r]
-                per_rank[r] = (
-                    actions.assign(start_us=actions["start_us"] - offset, end_us=actions["end_us"] - offset),
-                    steps.assign(start_us=steps["start_us"] - offset, end_us=steps["end_us"] - offset),
-                )
+                per_rank[r] = _shifted(*per_rank[r], -offset)
         worst = max(worst, total_half)
     return worst / 1e3, "several hosts: offsets from the hand-offs between adjacent stages (NTP-style midpoint)"
+
+
+def _shifted(actions: pd.DataFrame, steps: pd.DataFrame, by_us: float) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """A rank's actions and step spans with every time moved by ``by_us``."""
+    moved = {c: actions[c] + by_us for c in ("start_us", "end_us", "compute_us")}
+    return actions.assign(**moved), steps.assign(start_us=steps["start_us"] + by_us, end_us=steps["end_us"] + by_us)
 
 
 def _offset_bounds(a: pd.DataFrame, b: pd.DataFrame) -> tuple[float, float]:
     """The interval ``(low, high)`` of ``clock(b) - clock(a)`` (µs) the hand-offs allow between ranks ``a`` and
     ``b`` (``b`` holds the next stages): a forward on ``b`` starts after the previous stage's forward ended on ``a``
-    (an upper bound), a backward on ``a`` after the next stage's backward ended on ``b`` (a lower bound). Infinite
-    where no such hand-off exists."""
+    (an upper bound), a backward on ``a`` after the next stage's backward ended on ``b`` (a lower bound). The starts
+    are the compute's own (``compute_us``), not the rows' starts, which include the runtime's preparation before the
+    input arrived. Infinite where no such hand-off exists."""
     key = ["step", "stage", "microbatch"]
     fwd = (
         a[a["kind"] == "F"]
         .assign(stage=lambda x: x["stage"] + 1)
         .merge(b[b["kind"] == "F"], on=key, suffixes=("_a", "_b"))
     )
-    high = float((fwd["start_us_b"] - fwd["end_us_a"]).min()) if len(fwd) else math.inf
+    high = float((fwd["compute_us_b"] - fwd["end_us_a"]).min()) if len(fwd) else math.inf
     back = ["B", "I"]
     bwd = a[a["kind"].isin(back)].merge(
         b[b["kind"].isin(back)].assign(stage=lambda x: x["stage"] - 1), on=key, suffixes=("_a", "_b")
     )
-    low = float((bwd["end_us_b"] - bwd["start_us_a"]).max()) if len(bwd) else -math.inf
+    low = float((bwd["end_us_b"] - bwd["compute_us_a"]).max()) if len(bwd) else -math.inf
     return low, high
 
 
