@@ -10,6 +10,9 @@ attribution with any copy (``README.md`` in this folder, also :data:`PHILLY_ATTR
   Learning*, OSDI 2021 (the derived trace, ``petuum/adaptdl`` branch ``osdi21-artifact``,
   ``simulator/traces/philly.csv``, Apache-2.0).
 
+:func:`spot_instances` reads a real spot-availability trace (16 AWS ``p2.xlarge`` spot instances over 88.7 hours,
+November 2020, published with Bamboo, NSDI 2023; see :mod:`pipeswift_lab.data.spot`).
+
 The files are read with :mod:`importlib.resources`, so they load from an installed
 wheel as well as from a source checkout.
 """
@@ -122,4 +125,17 @@ def _sample(df: pd.DataFrame, n: int, seed: int) -> pd.DataFrame:
     return df.iloc[keep].reset_index(drop=True)
 
 
-__all__ = ["PHILLY_ATTRIBUTION", "PHILLY_FILE", "PHILLY_SHA256", "data_path", "philly_jobs"]
+from .spot import SPOT_ATTRIBUTION, SPOT_FILE, SPOT_REQUESTED, SPOT_SHA256, spot_instances  # noqa: E402
+
+__all__ = [
+    "PHILLY_ATTRIBUTION",
+    "PHILLY_FILE",
+    "PHILLY_SHA256",
+    "SPOT_ATTRIBUTION",
+    "SPOT_FILE",
+    "SPOT_REQUESTED",
+    "SPOT_SHA256",
+    "data_path",
+    "philly_jobs",
+    "spot_instances",
+]

@@ -9,7 +9,15 @@ import pytest
 import tomllib
 
 import pipeswift_lab as psl
-from pipeswift_lab.data import PHILLY_SHA256, data_path, philly_jobs
+from pipeswift_lab.data import (
+    PHILLY_SHA256,
+    SPOT_FILE,
+    SPOT_REQUESTED,
+    SPOT_SHA256,
+    data_path,
+    philly_jobs,
+    spot_instances,
+)
 
 
 @pytest.fixture(scope="module")
@@ -36,7 +44,7 @@ def test_package_data_globs_cover_the_shipped_files():
     globs = config["tool"]["setuptools"]["package-data"]["pipeswift_lab.data"]
     folder = root / "pipeswift_lab" / "data"
     assert (folder / "__init__.py").is_file()
-    for name in ("philly_jobs.csv", "README.md"):
+    for name in ("philly_jobs.csv", "aws_spot_p2_xlarge.csv", "README.md"):
         assert (folder / name).is_file()
         assert any(fnmatch(name, g) for g in globs), (name, globs)
 
@@ -103,3 +111,34 @@ def test_data_and_cluster_keep_the_package_import_light():
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
+
+
+def test_spot_trace_is_the_published_file_with_its_attribution():
+    digest = hashlib.sha256(data_path(SPOT_FILE).read_bytes()).hexdigest()
+    assert digest == SPOT_SHA256
+    readme = data_path("README.md").read_text(encoding="utf-8")
+    for needle in ("Bamboo", "NSDI 2023", "MIT", "847083d", SPOT_SHA256):
+        assert needle in readme
+
+
+def test_spot_instances_reads_as_a_capacity_trace():
+    df = spot_instances()
+    assert list(df.columns) == ["hour", "instances"]
+    assert df["hour"].is_monotonic_increasing and df["hour"].iloc[0] == 0.0
+    assert df["instances"].between(0, SPOT_REQUESTED).all() and df["instances"].max() == SPOT_REQUESTED
+    assert "Bamboo" in df.attrs["source"]
+    capacity = psl.cluster.read_capacity(df, time_column="hour", gpus_column="instances", time_unit="h", scale=8)
+    # two points a change become one; the counts it keeps are the trace's, times 8 GPUs an instance
+    assert set(capacity["gpus"]) <= set(df["instances"] * 8)
+    assert (capacity["gpus"].diff().dropna() != 0).all()
+    assert capacity["time_s"].iloc[-1] == pytest.approx(df["hour"].iloc[-1] * 3600)
+
+
+def test_top_level_data_folder_points_at_the_shipped_files():
+    """``data/`` at the top of the checkout holds each shipped dataset once: links into the package."""
+    root = Path(__file__).resolve().parents[2]
+    for name in ("philly_jobs.csv", "aws_spot_p2_xlarge.csv"):
+        link = root / "data" / name
+        assert link.is_symlink(), name
+        assert link.resolve() == (root / "pipeswift_lab" / "data" / name).resolve()
+    assert "Bamboo" in (root / "data" / "README.md").read_text(encoding="utf-8")
