@@ -287,14 +287,23 @@ def complete_checkpoints(root: str | os.PathLike[str]) -> list[Path]:
     return [p for p in _step_dirs(Path(root)) if (p / MANIFEST).is_file()]
 
 
-def load_checkpoint(path: str | os.PathLike[str]) -> Checkpoint:
-    """The checkpoint at ``path``: a ``step-*`` directory, or a checkpoint root (its newest complete checkpoint).
+def load_checkpoint(path: str | os.PathLike[str] | Checkpoint) -> Checkpoint:
+    """The checkpoint at ``path``: a ``step-*`` directory, a checkpoint root (its newest complete checkpoint), or a
+    :class:`Checkpoint` (``latest_checkpoint(root)``'s answer), whose directory is read and checked again.
 
-    Raises :class:`CheckpointError` (a ``ValueError``) when ``path`` does not exist, holds no
+    Returns the :class:`Checkpoint`. Raises :class:`CheckpointError` (a ``ValueError``) when ``path`` is ``None``
+    (what ``latest_checkpoint`` returns when a root holds no complete checkpoint), does not exist, holds no
     complete checkpoint, or its manifest is missing, unreadable or does not match the files.
     """
+    if path is None:
+        raise CheckpointError(
+            "load_checkpoint(None): there is no checkpoint to load (latest_checkpoint(root) returns None when root "
+            "holds no complete checkpoint); give a step-* directory, a checkpoint root or a Checkpoint"
+        )
+    if isinstance(path, Checkpoint):
+        path = path.path
     if not isinstance(path, (str, os.PathLike)):
-        raise TypeError(f"path must be a str or os.PathLike; got {type(path).__name__}")
+        raise TypeError(f"path must be a str, an os.PathLike or a Checkpoint; got {type(path).__name__}")
     path = Path(path)
     if not path.exists():
         raise CheckpointError(f"checkpoint path {str(path)!r} does not exist")

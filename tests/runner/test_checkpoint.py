@@ -104,6 +104,29 @@ def test_state_dict_has_model_keys_and_values(three_saves):
     assert load_checkpoint(three_saves / "step-00000002").step == 2
 
 
+def test_a_checkpoint_from_latest_checkpoint_loads_and_is_checked_again(tmp_path, three_saves):
+    import shutil
+
+    found = latest_checkpoint(three_saves)
+    loaded = load_checkpoint(found)  # psl.load_checkpoint(psl.latest_checkpoint(root))
+    assert isinstance(loaded, Checkpoint) and loaded.step == 3 and loaded.path == found.path
+    assert all(torch.equal(t, torch.full_like(t, 3.0)) for t in loaded.state_dict().values())
+    root = tmp_path / "copy"
+    shutil.copytree(three_saves, root)
+    copied = latest_checkpoint(root)
+    data = copied.path / "rank-00000.bin"
+    raw = bytearray(data.read_bytes())
+    raw[len(raw) // 2] ^= 0xFF
+    data.write_bytes(bytes(raw))  # changed after latest_checkpoint checked it
+    with pytest.raises(CheckpointError, match=r"rank-00000\.bin does not match its SHA-256"):
+        load_checkpoint(copied)
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert latest_checkpoint(empty) is None
+    with pytest.raises(CheckpointError, match=r"load_checkpoint\(None\): there is no checkpoint to load"):
+        load_checkpoint(latest_checkpoint(empty))
+
+
 def test_corrupt_file_is_skipped_with_a_warning_naming_it(tmp_path, three_saves):
     import shutil
 
@@ -143,7 +166,7 @@ def test_bad_paths(tmp_path, content, match):
         path.mkdir()
     with pytest.raises(CheckpointError, match=match):
         load_checkpoint(path)
-    with pytest.raises(TypeError, match="path must be"):
+    with pytest.raises(TypeError, match="path must be a str, an os.PathLike or a Checkpoint"):
         load_checkpoint(3)
 
 
