@@ -96,7 +96,7 @@ class JointJCT(Elastic):
 
     def blocked(self, cluster: Cluster, job: ClusterJob, t: float) -> bool:
         """Make room for the blocked head ``job`` when the predicted sum of JCTs drops; return whether it started."""
-        target = self.target(job)
+        target = self._targets[job.idx]
         need = target - cluster.free
         wait = cluster.when_free(target, t)[0] - t
         run = job.runtime_s(target, cluster.interval)
@@ -165,11 +165,6 @@ class JointJCT(Elastic):
         lent to a grown job come back whenever a queued job needs them."""
         m, target = job.model, self._targets[job.idx]
         return self._move_s(job, n) + m.save_s[n] + m.assembly_s[target] + m.restore_s[target]
-
-    def _move_s(self, job: ClusterJob, n: int) -> float:
-        """Seconds a move of ``job`` to ``n`` GPUs costs it: a save on its GPUs, an assembly and a restore on ``n``."""
-        m = job.model
-        return m.save_s[job.n] + m.assembly_s[n] + m.restore_s[n]
 
     def _shrink_loss(self, job: ClusterJob, n: int, delay: float, t: float) -> float:
         """Seconds ``job``'s JCT grows if it lends GPUs for ``delay`` seconds, running on ``n`` meanwhile: the training

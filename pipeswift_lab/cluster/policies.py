@@ -248,6 +248,11 @@ class Elastic(Policy):
             self.growable.add(job.idx)
 
     def _cost(self, job: ClusterJob, n: int) -> float:
+        """What growing ``job`` to ``n`` GPUs must save: the move there."""
+        return self._move_s(job, n)
+
+    def _move_s(self, job: ClusterJob, n: int) -> float:
+        """Seconds a move of ``job`` to ``n`` GPUs costs it: a save on its GPUs, an assembly and a restore on ``n``."""
         m = job.model
         return m.save_s[job.n] + m.assembly_s[n] + m.restore_s[n]
 
