@@ -8,10 +8,11 @@ time::
     JCT = queue + assembly + steps * step + cleanup + preemption loss
     step = simulated pipeline step + gradient all-reduce over D replicas + optimizer step
 
-It also weighs *starting small and growing*: run on the GPUs free now, then, when more
-free up, checkpoint, re-assemble on more and finish there; and *shrinking*: when GPUs a
-configuration holds are taken mid-run (availability drops), it is no longer feasible as
-planned, and the plan continues it on what stays free (see :mod:`.strategies`).
+Each row of the plan has a ``strategy``, named by what it does: ``now`` (start now on GPUs free now and keep one
+configuration to the end), ``wait`` (wait for the GPUs, then one configuration), ``grow`` (start on the GPUs free
+now, then, when more free up, checkpoint, re-assemble on more and finish there) and ``shrink`` (when GPUs a
+configuration holds are taken mid-run, availability drops, it is no longer feasible as planned, and the plan
+continues it on what stays free); see :mod:`.strategies`.
 
 The profile is taken at one micro-batch size ``b0`` (``profile.meta["batch_size"]``);
 layer times and activation bytes are scaled linearly to other micro-batch sizes, which

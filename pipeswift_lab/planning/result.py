@@ -14,6 +14,7 @@ from ..core.jct import JCT, TERMS
 from ..partitioning.balance import partition
 from ..partitioning.stages import Partition
 from .search import MicrobatchCosts
+from .strategies import HOLDING, STRATEGIES, check_strategy
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
@@ -23,7 +24,12 @@ __all__ = ["Plan", "PlannedConfig"]
 
 @dataclass(frozen=True)
 class PlannedConfig:
-    """One configuration and its predicted JCT terms (seconds) and step."""
+    """One configuration and its predicted JCT terms (seconds) and step.
+
+    ``strategy`` is one of :data:`~pipeswift_lab.planning.strategies.STRATEGIES` (``"now"``, ``"wait"``, ``"grow"``,
+    ``"shrink"``); for a move (grow, shrink), ``change`` says when and from which configuration, and the other fields
+    are the configuration it finishes on.
+    """
 
     P: int
     D: int
@@ -39,7 +45,11 @@ class PlannedConfig:
     step_ms: float
     bubble_ratio: float
     peak_mem_bytes: float
-    strategy: str = "start"
+    strategy: str = "now"
+    change: str = ""
+
+    def __post_init__(self) -> None:
+        check_strategy(self.strategy)
 
     @property
     def total_s(self) -> float:
@@ -53,9 +63,10 @@ class PlannedConfig:
 
     @property
     def label(self) -> str:
-        """A short name: ``P4×D2 m16 1F1B``."""
+        """A short name: ``P4×D2 m16 b2 1F1B``; a move's starts with its strategy and change, ``grow at 2.00 h from
+        P4×D2 m32 b2 1F1B: P4×D4 m16 b2 1F1B``."""
         v = f" v{self.v}" if self.v > 1 else ""
-        prefix = "" if self.strategy == "start" else f"{self.strategy}: "
+        prefix = "" if self.strategy in HOLDING else f"{self.strategy} {self.change}: "
         return f"{prefix}P{self.P}×D{self.D} m{self.m} b{self.microbatch_size} {self.schedule}{v}"
 
     @property
@@ -71,14 +82,23 @@ class PlannedConfig:
         ints = ("P", "D", "m", "microbatch_size", "v")
         floats = ("step_ms", "bubble_ratio", "peak_mem_bytes", *TERMS)
         values: dict[str, Any] = {k: int(row[k]) for k in ints} | {k: float(row[k]) for k in floats}
-        return cls(**values, schedule=str(row["schedule"]), strategy=str(row["strategy"]))
+        change = row.get("change", "")
+        return cls(
+            **values,
+            schedule=str(row["schedule"]),
+            strategy=str(row["strategy"]),
+            change=change if isinstance(change, str) else "",
+        )
 
 
 @dataclass(frozen=True)
 class Plan:
     """Every configuration the planner weighed, ranked by predicted JCT.
 
-    * ``table`` — one row per configuration: the simulated feasible ones ranked by
+    * ``table`` — one row per configuration: its ``strategy`` (``"now"``: start now on GPUs free now, one
+      configuration to the end; ``"wait"``: wait for the GPUs, ``queue_s > 0``, then one configuration; ``"grow"`` and
+      ``"shrink"``: change configuration once, as the ``change`` column says; :meth:`strategy_rows` selects them);
+      the simulated feasible ones ranked by
       ``total_s``, then the feasible ones the branch and bound did not simulate (``simulated``
       False), ranked after them by ``jct_lower_bound_s`` (column ``ranked_by`` names what each
       ``rank`` is by), then the unranked rejected ones with their ``reason``; the JCT terms in the columns
@@ -107,6 +127,13 @@ class Plan:
             raise ValueError(f"row {row.name} has no predicted JCT ({row['reason'] or 'not simulated'})")
         return PlannedConfig.from_row(row)
 
+    def strategy_rows(self, *names: str) -> pd.DataFrame:
+        """The feasible, simulated rows of the named strategies (``"now"``, ``"wait"``, ``"grow"``, ``"shrink"``;
+        all four when none is named), ranked. Raises ``ValueError`` on any other name, saying what the old
+        ``"start"`` became."""
+        wanted = [check_strategy(name) for name in names] or list(STRATEGIES)
+        return self.feasible[self.feasible["strategy"].isin(wanted)]
+
     @property
     def best(self) -> PlannedConfig:
         """The configuration with the shortest predicted JCT (at the plan's ``objective``: the mean, or a quantile
@@ -115,8 +142,9 @@ class Plan:
 
     @property
     def throughput_best(self) -> PlannedConfig:
-        """The start-now-or-wait configuration with the shortest training term (the highest throughput)."""
-        rows = self.feasible[self.feasible["strategy"] == "start"]
+        """The configuration held from start to end (strategy ``now`` or ``wait``) with the shortest training term (the
+        highest throughput)."""
+        rows = self.strategy_rows(*HOLDING)
         return PlannedConfig.from_row(rows.loc[rows["training_s"].idxmin()])
 
     @property
@@ -128,7 +156,7 @@ class Plan:
         smallest closed-form bubble (ties: the most micro-batch chunks), the one a
         bubble-minded choice would make, so that what choosing by the bubble costs is shown.
         """
-        start = self.feasible[self.feasible["strategy"] == "start"]
+        start = self.strategy_rows(*HOLDING)
         rows = start[(start["P"] > 1) & (start["gpus"] == self.best.gpus)]
         if rows.empty:
             rows = start[start["P"] > 1]
@@ -201,7 +229,8 @@ class Plan:
             )
         else:
             fits = "no memory cap is given (mem_per_gpu_bytes=None), so the whole model is taken to fit one GPU"
-        piped = self.feasible[(self.feasible["P"] > 1) & (self.feasible["strategy"] == "start")]
+        held = self.strategy_rows(*HOLDING)
+        piped = held[held["P"] > 1]
         text = (
             f"No pipeline (P=1, {best.D} data-parallel replicas) wins because {fits}, and a pipeline only adds a "
             f"bubble and stage transfers"

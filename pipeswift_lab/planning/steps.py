@@ -28,7 +28,7 @@ from ..core.vocabulary import SINGLE_CHUNK_SCHEDULES, validate
 from .inputs import PlanInputs, divisors
 from .quantiles import jct_quantile, quantile_column
 from .search import Evaluator, Split
-from .strategies import first_drop, grow_rows, shrink_rows, split_by_drops
+from .strategies import HOLDING, first_drop, grow_rows, shrink_rows, split_by_drops
 
 __all__ = [
     "OPTIMIZER_TRAFFIC_FACTOR",
@@ -49,7 +49,7 @@ OPTIMIZER_TRAFFIC_FACTOR = 7.0
 #: The columns of :attr:`Plan.table <pipeswift_lab.planning.result.Plan.table>`, in order (a quantile column such as
 #: ``total_s_p95`` follows ``total_s`` when one is asked for).
 TABLE_COLUMNS = (
-    *("rank", "ranked_by", "strategy", "P", "D", "gpus", "m", "microbatch_size", "schedule", "v"),
+    *("rank", "ranked_by", "strategy", "change", "P", "D", "gpus", "m", "microbatch_size", "schedule", "v"),
     *("feasible", "simulated", "reason", *TERMS, "total_s", "jct_lower_bound_s", "checkpoint_interval_s"),
     *("step_ms", "pipeline_ms", "allreduce_ms", "optimizer_ms", "bubble_ratio", "peak_mem_bytes", "samples_per_s"),
 )
@@ -101,8 +101,9 @@ def _bound(config: Config, inputs: PlanInputs, evaluator: Evaluator) -> tuple[Ro
     """``(row, split, "")`` of a configuration that may run, with its terms and JCT lower bound; ``(row, None,
     reason)`` of one that cannot."""
     p, d, m, b, schedule, v = config
-    row: Row = {"strategy": "start", "P": p, "D": d, "gpus": p * d, "m": m, "microbatch_size": b}
-    row.update(schedule=schedule, v=v)
+    queue = inputs.availability.wait_s(p * d)
+    row: Row = {"strategy": "now" if queue == 0 else "wait", "change": "", "P": p, "D": d, "gpus": p * d}
+    row.update(m=m, microbatch_size=b, schedule=schedule, v=v)
     try:
         if p * v > inputs.n_layers:
             raise ValueError(f"P*v={p * v} stages exceed the {inputs.n_layers} layers")
@@ -110,7 +111,6 @@ def _bound(config: Config, inputs: PlanInputs, evaluator: Evaluator) -> tuple[Ro
         split = evaluator.split(p, m, b, schedule, v, d)
     except ValueError as error:
         return row, None, str(error).split("; ")[0]
-    queue = inputs.availability.wait_s(p * d)
     if queue == math.inf:
         return row, None, f"{p * d} GPUs are never free (at most {inputs.availability.max_gpus})"
     row.update(_fixed_terms(inputs, split, p, d, queue))
@@ -227,7 +227,7 @@ def _simulate_bubble_pick(
 ) -> None:
     """Simulate, in place of its pruned row, the pipelined configuration with the smallest closed-form bubble on the
     best's GPU count, unless a simulated one already has a bubble as small."""
-    done = [r for r in rows if r.get("simulated") and r["feasible"] and r["strategy"] == "start"]
+    done = [r for r in rows if r.get("simulated") and r["feasible"] and r["strategy"] in HOLDING]
     if not (done and pruned):
         return
     gpus_best = min(done, key=lambda r: sum(r[t] for t in TERMS))["gpus"]
@@ -286,6 +286,7 @@ def _assemble(ranked: pd.DataFrame, lost: pd.DataFrame, table: pd.DataFrame, inp
     out["feasible"] = out["feasible"].astype(bool)
     out["simulated"] = out["simulated"].fillna(False).astype(bool)
     out["reason"] = out["reason"].fillna("")
+    out["change"] = out["change"].fillna("")
     n_ranked = len(ranked) + len(unsimulated)  # every feasible row: simulated ones by JCT, the pruned by their bound
     out["rank"] = pd.array([i + 1 if i < n_ranked else pd.NA for i in range(len(out))], dtype="Int64")
     out["ranked_by"] = (

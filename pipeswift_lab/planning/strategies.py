@@ -1,8 +1,11 @@
 """The planner's strategies for a job whose GPUs come and go: grow when more free up, shrink when some are taken.
 
-Both take the simulated, feasible ``start`` rows of :func:`pipeswift_lab.planning.planner.plan` (one
-configuration held from start to end) and build rows of a job that changes configuration
-once, paying the change as :func:`pipeswift_lab.runner.run` measures it (``resize_at``): a
+The plan's ``strategy`` column names what a row does (:data:`STRATEGIES`): ``"now"`` starts at once on GPUs free
+now and keeps one configuration to the end; ``"wait"`` waits for its GPUs (``queue_s > 0``), then keeps one
+configuration; ``"grow"`` starts on what is free now and moves to more GPUs when they free up; ``"shrink"`` moves to
+fewer when availability drops mid-run. Both moves are built from the simulated, feasible ``now`` and ``wait`` rows of
+:func:`pipeswift_lab.planning.planner.plan` (one configuration held from start to end): a row of a job that changes
+configuration once, paying the change as :func:`pipeswift_lab.runner.run` measures it (``resize_at``): a
 checkpoint save on the old configuration (a whole one, ``CheckpointModel.save_s``: the job waits for
 its write), a new assembly and a restore on the new one
 (``costs.CheckpointModel`` and ``costs.AssemblyModel``, both calibratable from
@@ -22,7 +25,29 @@ from ..core.costs import AssemblyModel, Availability, CheckpointModel
 from ..core.display import hours
 from ..core.jct import TERMS
 
-__all__ = ["first_drop", "grow_rows", "shrink_rows", "split_by_drops"]
+__all__ = ["HOLDING", "STRATEGIES", "check_strategy", "first_drop", "grow_rows", "shrink_rows", "split_by_drops"]
+
+#: The planner's strategies, the values of the plan table's ``strategy`` column: ``"now"`` (start now on GPUs free
+#: now, one configuration to the end), ``"wait"`` (wait for the GPUs, then one configuration), ``"grow"`` (start on
+#: what is free now, move to more GPUs when they free up), ``"shrink"`` (move to fewer GPUs when availability drops
+#: mid-run). A move's ``change`` column says when and from which configuration.
+STRATEGIES = ("now", "wait", "grow", "shrink")
+#: The strategies that hold one configuration from start to end.
+HOLDING = ("now", "wait")
+
+
+def check_strategy(name: str) -> str:
+    """Return ``name`` if it is one of :data:`STRATEGIES`; raise ``ValueError`` naming them otherwise (and what the
+    old ``"start"`` became)."""
+    if name in STRATEGIES:
+        return name
+    hint = (
+        ': "start" was split into "now" (start on the GPUs free now) and "wait" (wait for GPUs, queue_s > 0), '
+        'both holding one configuration to the end; filter on strategy.isin(["now", "wait"]) for both'
+        if name == "start"
+        else ""
+    )
+    raise ValueError(f"unknown strategy {name!r}; the planner's strategies are {', '.join(STRATEGIES)}{hint}")
 
 
 def _label(row: pd.Series) -> str:
@@ -45,6 +70,7 @@ def _switch(
     assembly: AssemblyModel,
     checkpoint: CheckpointModel,
     strategy: str,
+    change: str,
     queue_s: float,
 ) -> dict[str, Any] | None:
     """A row: ``old`` from its start until ``t_switch`` (seconds from now), then ``new`` to the end; None if it never
@@ -58,6 +84,7 @@ def _switch(
     row = new.to_dict()
     row.update(
         strategy=strategy,
+        change=change,
         queue_s=queue_s,
         assembly_s=old["assembly_s"] + _move_s(old, new, assembly, checkpoint) + lost,
         training_s=done * old["step_ms"] / 1000.0 + (steps - done) * new["step_ms"] / 1000.0,
@@ -79,7 +106,7 @@ def grow_rows(
 
     One row per later availability level with more GPUs than the start.
     """
-    now = feasible[(feasible["queue_s"] == 0) & (feasible["strategy"] == "start")]
+    now = feasible[feasible["strategy"] == "now"]
     if now.empty or len(availability.points) < 2 or mtbf_s is not None:
         return feasible.iloc[0:0]
     small = now.loc[now["total_s"].idxmin()]
@@ -92,7 +119,7 @@ def grow_rows(
         if later.empty:
             continue
         big = later.loc[later["training_s"].idxmin()]
-        row = _switch(small, big, t, steps, assembly, checkpoint, f"grow at {hours(t)} from {_label(small)}", 0.0)
+        row = _switch(small, big, t, steps, assembly, checkpoint, "grow", f"at {hours(t)} from {_label(small)}", 0.0)
         if row is not None and t > small["assembly_s"]:
             rows.append(row)
     return pd.DataFrame(rows, columns=feasible.columns)
@@ -108,14 +135,15 @@ def first_drop(availability: Availability, gpus: int, start_s: float, end_s: flo
 
 
 def split_by_drops(feasible: pd.DataFrame, availability: Availability) -> tuple[pd.DataFrame, pd.DataFrame]:
-    """``(kept, lost)``: ``start`` rows that keep their GPUs to the end, and those whose GPUs are taken mid-run.
+    """``(kept, lost)``: ``now`` and ``wait`` rows that keep their GPUs to the end, and those whose GPUs are taken
+    mid-run.
 
     A lost row's ``reason`` says when and to how many GPUs availability drops; it is no longer
     feasible as planned (the shrink strategy may rescue it).
     """
     lost_index, reasons = [], {}
     for index, row in feasible.iterrows():
-        if row["strategy"] != "start":
+        if row["strategy"] not in HOLDING:
             continue
         end = row["queue_s"] + row["assembly_s"] + row["training_s"] + row["cleanup_s"] + row["preemption_loss_s"]
         drop = first_drop(availability, int(row["gpus"]), row["queue_s"], end)
@@ -144,11 +172,11 @@ def shrink_rows(
 
     "Best" is the fewest remaining training seconds among the feasible configurations on at
     most the GPUs that stay free from the drop on. One row per rescued configuration (the
-    best few of them, by JCT), named ``shrink at <time> from <configuration>``.
+    best few of them, by JCT): strategy ``shrink``, ``change`` ``at <time> from <configuration>``.
     """
     if lost.empty or mtbf_s is not None:
         return feasible.iloc[0:0]
-    candidates = feasible[feasible["strategy"] == "start"]
+    candidates = feasible[feasible["strategy"].isin(HOLDING)]
     rows = []
     for _, old in lost.iterrows():
         end = old["queue_s"] + old["assembly_s"] + old["training_s"] + old["cleanup_s"]
@@ -168,7 +196,8 @@ def shrink_rows(
             steps,
             assembly,
             checkpoint,
-            f"shrink at {hours(t_drop)} from {_label(old)}",
+            "shrink",
+            f"at {hours(t_drop)} from {_label(old)}",
             old["queue_s"],
         )
         if row is not None:

@@ -89,6 +89,9 @@ def test_planner_explorer_replans_on_every_change():
     assert explorer.availability == [(0.0, 2), (3600.0, 8)]
     assert explorer.plan.inputs["availability"] == ((0.0, 2), (3600.0, 8))
     assert explorer.plan.best.total_s > first.total_s  # fewer GPUs now or a wait: the job ends later
+    rows = explorer.plan.feasible
+    assert set(rows["strategy"]) <= {"now", "wait", "grow", "shrink"}
+    assert (rows.loc[rows["strategy"] == "wait", "queue_s"] == 3600).all() and (rows["strategy"] == "now").any()
     explorer.steps = 10
     assert explorer.plan.best.gpus <= 2  # a tiny job does not wait an hour
     explorer.global_batch = 7

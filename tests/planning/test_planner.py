@@ -80,12 +80,12 @@ def test_waiting_for_more_gpus_loses_on_a_short_job_and_wins_on_a_long_one():
     short = plan(model_profile(), steps=2_000, **kwargs)
     assert short.best.queue_s == 0 and short.best.gpus <= 4
     long = plan(model_profile(), steps=2_000_000, **kwargs)
-    strategies = set(long.feasible["strategy"])
-    assert any(s.startswith("grow at 2.00 h") for s in strategies)
+    assert set(long.feasible["strategy"]) == {"now", "wait", "grow"}
+    assert long.strategy_rows("grow")["change"].str.startswith("at 2.00 h from P").all()
     # a long job gains most from starting now on 4 and growing to 8 when they free up
-    assert long.best.strategy.startswith("grow")
-    waits = long.feasible[(long.feasible["strategy"] == "start") & (long.feasible["queue_s"] > 0)]
-    stays = long.feasible[(long.feasible["strategy"] == "start") & (long.feasible["queue_s"] == 0)]
+    assert long.best.strategy == "grow"
+    waits, stays = long.strategy_rows("wait"), long.strategy_rows("now")
+    assert (waits["queue_s"] == 2 * 3600).all() and (stays["queue_s"] == 0).all() and (stays["gpus"] <= 4).all()
     assert long.best.total_s < waits["total_s"].min() and long.best.total_s < stays["total_s"].min()
 
 
@@ -313,7 +313,7 @@ def test_calibrated_plan_steps_and_its_bound_stays_a_bound():
     )
     prof = model_profile()
     result = plan(prof, gpus=8, global_batch=32, steps=1000, calibration=cal, exhaustive=True, progress=False)
-    rows = result.feasible[result.feasible["strategy"] == "start"]
+    rows = result.strategy_rows("now", "wait")
     assert (rows["jct_lower_bound_s"] <= rows["total_s"] + 1e-9).all()  # the branch and bound's bound holds calibrated
     row = rows[rows["P"] > 1].iloc[0]
     part = result.partition_of(row)

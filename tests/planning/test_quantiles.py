@@ -97,11 +97,11 @@ def test_p95_ranking_differs_from_the_mean_ranking():
         and by_mean.table.columns.get_loc("total_s_p95") == by_mean.table.columns.get_loc("total_s") + 1
     )
     grow, wait = by_mean.best, by_p95.best
-    assert grow.strategy.startswith("grow") and wait.strategy == "start" and wait.queue_s == 600
+    assert grow.strategy == "grow" and wait.strategy == "wait" and wait.queue_s == 600
     rows = by_mean.feasible.set_index(by_mean.feasible.apply(lambda r: (r["strategy"], r["P"], r["D"], r["m"]), axis=1))
     g, w = (
         rows.loc[[(grow.strategy, grow.P, grow.D, grow.m)]].iloc[0],
-        rows.loc[[("start", wait.P, wait.D, wait.m)]].iloc[0],
+        rows.loc[[("wait", wait.P, wait.D, wait.m)]].iloc[0],
     )
     assert g["total_s"] < w["total_s"] and g["total_s_p95"] > w["total_s_p95"]
     assert g["training_s"] > w["training_s"]  # the reason: more training time, a wider tail

@@ -30,15 +30,16 @@ def test_a_falling_availability_is_no_longer_ignored():
     result = plan(model_profile(), steps=2_000_000, availability=drop, **KW)
     table = result.table
     on_8 = table[
-        (table["strategy"] == "start") & (table["gpus"] > 4) & table["reason"].str.contains("drops to 4", na=False)
+        (table["strategy"] == "now") & (table["gpus"] > 4) & table["reason"].str.contains("drops to 4", na=False)
     ]
     assert len(on_8) and not on_8["feasible"].any()  # they cannot keep 8 GPUs past the first hour
-    shrinks = result.feasible[result.feasible["strategy"].str.startswith("shrink at 1.00 h")]
-    assert len(shrinks) and (shrinks["gpus"] <= 4).all()
-    stays = result.feasible[(result.feasible["strategy"] == "start") & (result.feasible["gpus"] <= 4)]
+    shrinks = result.strategy_rows("shrink")
+    assert len(shrinks) and (shrinks["gpus"] <= 4).all() and shrinks["change"].str.startswith("at 1.00 h from P").all()
+    stays = result.strategy_rows("now", "wait")
+    assert (stays["gpus"] <= 4).all() and (stays["strategy"] == "now").all()  # 4 are free from now to the end
     # an hour on 8 GPUs, then 4: faster than 4 all along when the move is cheap next to an hour of training
     assert shrinks["total_s"].min() < stays["total_s"].min()
-    assert result.best.strategy.startswith("shrink")
+    assert result.best.strategy == "shrink" and result.best.label.startswith("shrink at 1.00 h from P")
     best = shrinks.loc[shrinks["total_s"].idxmin()]
     assert best["total_s"] == pytest.approx(
         sum(best[t] for t in ("queue_s", "assembly_s", "training_s", "cleanup_s", "preemption_loss_s"))
@@ -47,14 +48,14 @@ def test_a_falling_availability_is_no_longer_ignored():
 
 def test_a_short_job_that_ends_before_the_drop_keeps_its_gpus():
     result = plan(model_profile(), steps=2_000, availability=[(0, 8), (36_000, 4)], **KW)
-    assert result.best.strategy == "start" and result.best.gpus == 8
-    assert not result.feasible["strategy"].str.startswith("shrink").any()
+    assert result.best.strategy == "now" and result.best.gpus == 8 and result.best.change == ""
+    assert result.strategy_rows("shrink").empty
 
 
 def test_an_expensive_move_makes_shrinking_lose():
     costly = AssemblyModel(base_s=50_000.0, per_stage_s=0.0)
     result = plan(model_profile(), steps=2_000_000, availability=[(0, 8), (3600, 4)], assembly=costly, **KW)
-    assert not result.best.strategy.startswith("shrink")
+    assert result.best.strategy != "shrink"
 
 
 def test_measured_moves_feed_the_shrink_rows():
@@ -63,7 +64,7 @@ def test_measured_moves_feed_the_shrink_rows():
     slow = plan(model_profile(), steps=2_000_000, availability=[(0, 8), (3600, 4)], checkpoint=slow_disk, **KW)
 
     def shrink_assembly_s(result):
-        return result.feasible[result.feasible["strategy"].str.startswith("shrink")]["assembly_s"].min()
+        return result.strategy_rows("shrink")["assembly_s"].min()
 
     assert shrink_assembly_s(slow) > shrink_assembly_s(fast)
 
@@ -73,3 +74,21 @@ def test_first_drop():
     assert first_drop(availability, 8, 0, 50) is None
     assert first_drop(availability, 8, 0, 150) == (100, 4)
     assert first_drop(availability, 4, 0, math.inf) is None
+
+
+def test_strategies_are_named_by_what_they_do_and_the_old_name_says_what_it_became():
+    from pipeswift_lab.planning.result import PlannedConfig
+    from pipeswift_lab.planning.strategies import STRATEGIES
+
+    result = plan(model_profile(), steps=2_000_000, availability=[(0, 2), (3600, 8), (7200, 4)], **KW)
+    table = result.table
+    assert set(table["strategy"]) <= set(STRATEGIES) and set(result.feasible["strategy"]) == set(STRATEGIES)
+    holding = table[table["strategy"].isin(["now", "wait"]) & table["queue_s"].notna()]  # the queue is known
+    assert ((holding["strategy"] == "wait") == (holding["queue_s"] > 0)).all() and (holding["change"] == "").all()
+    moves = result.strategy_rows("grow", "shrink")
+    assert moves["change"].str.match(r"at \d").all()  # when, and from which configuration
+    assert len(result.strategy_rows()) == len(result.feasible)
+    with pytest.raises(ValueError, match='"start" was split into "now".*"wait"'):
+        result.strategy_rows("start")
+    with pytest.raises(ValueError, match="unknown strategy 'start'"):
+        PlannedConfig.from_row(result.feasible.iloc[0].copy().replace(result.best.strategy, "start"))

@@ -129,6 +129,7 @@ class PlannerExplorer(Explorer):
 
         columns = [
             "strategy",
+            "change",
             "P",
             "D",
             "m",
@@ -141,7 +142,8 @@ class PlannerExplorer(Explorer):
             "step_ms",
             "bubble_ratio",
         ]
-        columns[8:8] = [c for c in shown.table.columns if c.startswith("total_s_p")]
+        at = columns.index("total_s") + 1
+        columns[at:at] = [c for c in shown.table.columns if c.startswith("total_s_p")]
 
         def draw() -> None:
             display(shown.top(5)[columns])
