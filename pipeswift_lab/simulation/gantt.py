@@ -2,7 +2,8 @@
 
 Idle time is left empty. Micro-batch numbers label the bars wide enough to hold them; with several stages per rank,
 later chunks are drawn lighter. Transfers (``SEND_*``) and the gradient all-reduce (``REDUCE_GRAD``) show as thin bars
-under the rank's row. With several replicas every (replica, rank) gets a row.
+under the rank's row. With several replicas every (replica, rank) gets a row. The bottleneck, the busiest rank
+(:meth:`Timeline.bottleneck_rank`), gets a shaded lane and a bold "bottleneck" tick label.
 """
 
 from __future__ import annotations
@@ -22,6 +23,9 @@ if TYPE_CHECKING:
 
 #: Most compute bars that get a micro-batch label (beyond it the labels are unreadable and slow).
 MAX_LABELS = 800
+
+#: Color of the bottleneck's shaded lane and tick label.
+BOTTLENECK_COLOR = "#B8860B"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -43,12 +47,18 @@ class _Bars:
 
 
 def plot_timeline(
-    timeline: Timeline, ax: Axes | None = None, step: int | None = None, labels: bool = True, comms: bool = True
+    timeline: Timeline,
+    ax: Axes | None = None,
+    step: int | None = None,
+    labels: bool = True,
+    comms: bool = True,
+    bottleneck: bool = True,
 ) -> Axes:
     """Draw ``timeline`` as a Gantt chart on ``ax`` (a new figure when None); return the Axes.
 
     ``step`` picks one step of a multi-step timeline (times then start at that step's start); None draws all steps.
-    ``labels`` writes micro-batch numbers on wide bars; ``comms`` draws the transfers and the all-reduce.
+    ``labels`` writes micro-batch numbers on wide bars; ``comms`` draws the transfers and the all-reduce;
+    ``bottleneck`` shades the busiest rank's lane (every replica's) and labels it (none when all are equally busy).
     """
     from ..core.plot import get_ax
 
@@ -63,7 +73,22 @@ def plot_timeline(
     span = hi - lo if hi > lo else 1.0
     if labels:
         _draw_labels(ax, bars, span)
+    marked = _bottleneck_rows(timeline, step) if bottleneck else []
+    for i in marked:
+        names[i] = f"{names[i]} · bottleneck"
     ax.set_yticks(range(len(names)), names)
+    for i in marked:
+        ax.get_yticklabels()[i].set(color=BOTTLENECK_COLOR, fontweight="bold")
+        ax.fill_between(
+            [lo, lo + span * 1.01],
+            i - 0.5,
+            i + 0.5,
+            color=BOTTLENECK_COLOR,
+            alpha=0.18,
+            linewidth=0,
+            zorder=0,
+            label="bottleneck (busiest rank)" if i == marked[0] else None,
+        )
     ax.set_ylim(len(names) - 0.2 if names else 1, -0.6)
     ax.set_xlim(lo, lo + span * 1.01)
     ax.set_xlabel("time since step start (ms)" if step is not None else "time (ms)")
@@ -93,6 +118,16 @@ def _bars(timeline: Timeline, step: int | None) -> _Bars:
         stage=df["stage"].to_numpy(np.int64),
         mb=df["microbatch"].to_numpy(np.int64),
     )
+
+
+def _bottleneck_rows(timeline: Timeline, step: int | None) -> list[int]:
+    """The device rows of the busiest rank (one per replica), or none when every rank is equally busy."""
+    rank = timeline.bottleneck_rank(step)
+    if rank is None:
+        return []
+    replicas = np.asarray(timeline.replicas, dtype=np.int64)
+    rows = device_index(timeline.replicas, timeline.ranks, replicas, np.full(len(replicas), rank))
+    return [int(i) for i in rows]
 
 
 def _row_names(timeline: Timeline) -> list[str]:
@@ -187,4 +222,4 @@ def _legend(ax: Axes, later_chunks: bool) -> None:
     ax.legend(handles=handles, **where)
 
 
-__all__ = ["MAX_LABELS", "plot_timeline"]
+__all__ = ["BOTTLENECK_COLOR", "MAX_LABELS", "plot_timeline"]

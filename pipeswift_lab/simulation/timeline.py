@@ -180,6 +180,19 @@ class Timeline:
         keys = ["replica", "rank"] if len(self.replicas) > 1 else "rank"
         return self._busy.groupby(keys, as_index=False)[["busy_ms", "idle_ms", "idle_ratio"]].mean()
 
+    def bottleneck_rank(self, step: int | None = None) -> int | None:
+        """The pipeline rank with the most busy time (mean over steps and replicas; ``step`` alone when given), or
+        None when every rank is equally busy (within 1e-9 relative) and there is no bottleneck to name. Of ranks
+        tied at the most, the lowest."""
+        busy = self._busy if step is None else self._busy[self._busy["step"] == step]
+        if step is not None and busy.empty:
+            raise ValueError(f"step={step!r} is not in this timeline; steps are {self.steps}")
+        per_rank = busy.groupby("rank")["busy_ms"].mean()
+        top, low = float(per_rank.max()), float(per_rank.min())
+        if len(per_rank) < 2 or top - low <= 1e-9 * max(abs(top), 1e-12):
+            return None
+        return int(per_rank[per_rank >= top - 1e-9 * abs(top)].index.min())
+
     @property
     def bubble_ratio(self) -> float:
         """Idle share of the step, averaged over ranks and steps (GPipe's convention)."""
@@ -295,8 +308,18 @@ class Timeline:
         return self._peak(np.asarray(stage_bytes, dtype=float)).rename("peak_activation_bytes")
 
     # ------------------------------------------------------------------ display
-    def plot(self, ax: Axes | None = None, step: int | None = None, labels: bool = True, comms: bool = True) -> Axes:
+    def plot(
+        self,
+        ax: Axes | None = None,
+        step: int | None = None,
+        labels: bool = True,
+        comms: bool = True,
+        bottleneck: bool = True,
+    ) -> Axes:
         """Gantt chart: one row per rank, compute bars colored by kind, idle time left empty.
+
+        ``bottleneck`` shades the lane of :meth:`bottleneck_rank` (the busiest rank of the drawn steps; of every
+        replica) and labels it "bottleneck"; nothing is marked when all ranks are equally busy.
 
         ``step`` picks one step of a multi-step timeline (times then start at that step's
         start); None draws all steps. Micro-batch numbers label bars wide enough to hold them;
@@ -307,7 +330,7 @@ class Timeline:
         """
         from .gantt import plot_timeline
 
-        return plot_timeline(self, ax, step=step, labels=labels, comms=comms)
+        return plot_timeline(self, ax, step=step, labels=labels, comms=comms, bottleneck=bottleneck)
 
     def _summary(self) -> dict[str, Any]:
         out: dict[str, Any] = {"source": self.source}
