@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import os
 from collections import OrderedDict
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import pandas as pd
@@ -139,6 +141,19 @@ class RunResult:
         """Copy the final state into ``model`` (``load_state_dict``, strict) and return it."""
         model.load_state_dict(self.state_dict())
         return model
+
+    def save(self, path: str | os.PathLike[str], *, overwrite: bool = False) -> Path:
+        """Write this result into the directory ``path``; return it. ``load_result(path)`` reads it back.
+
+        The layout (:mod:`~pipeswift_lab.runner.result_files`): ``result.json`` (every scalar, step times, losses,
+        JCT, meta, the tables' dtypes, each file's SHA-256), ``state.pt`` (the final state, loadable with
+        ``torch.load(..., weights_only=True)``), ``timeline.csv`` and one CSV per table (``ranks``,
+        ``checkpoints``, ``segments``, ``rebalances``). Loading runs no code. ``path`` must not exist or be empty;
+        ``overwrite=True`` replaces an earlier saved result there.
+        """
+        from .result_files import save_result
+
+        return save_result(self, path, overwrite=overwrite)
 
     @property
     def steady_step(self) -> int:

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from pandas.testing import assert_frame_equal
 from torch import nn
 
 from pipeswift_lab.partitioning.stages import Partition
@@ -86,6 +87,12 @@ def test_torchrun_runs_the_saved_spec_like_the_notebook(notebook_run, tmp_path):
     assert again.jct.assembly_s > 0 and again.jct.training_s > 0
     assert len(again.timeline.df) == len(result.timeline.df)
     assert_no_gloo_threads_after_teardown(out, ranks=2)
+    # kept as JSON, CSV and weights-only tensors: it loads without the pickled spec
+    kept = load_result(again.save(tmp_path / "kept"))
+    assert kept.meta["launched_by"] == "torchrun" and kept.jct == again.jct and kept.step_ms == again.step_ms
+    assert_frame_equal(kept.timeline.df, again.timeline.df, check_exact=True)
+    assert_frame_equal(kept.ranks, again.ranks, check_exact=True)
+    assert all(torch.equal(a, b) for a, b in zip(kept.state_dict().values(), again.state_dict().values()))
 
 
 def assert_no_gloo_threads_after_teardown(out, ranks):
