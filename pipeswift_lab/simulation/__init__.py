@@ -13,7 +13,8 @@ placement a partition runs under), :mod:`.simulator` (:func:`simulate`), :mod:`.
 and trace export), :mod:`.trace_files`, :mod:`.trace_actions` and :mod:`.trace_import` (:meth:`Timeline.from_profiler`:
 the ``torch.profiler`` traces of any pipeline job), :mod:`.sweeps` (:func:`sweep` and its :class:`Sweep`),
 :mod:`.calibration` (the calibration value the simulator applies) and :mod:`.steady` (which measured step is "the
-measured step").
+measured step": :data:`MEASURED_STEP` says it in words, as ``RunResult.steady_step_ms``, ``compare`` and
+``calibrate`` take it).
 """
 
 from __future__ import annotations
@@ -22,10 +23,12 @@ from ..core.schedule_orders import compute_orders
 from .engine import ScheduleDeadlock
 from .reconciliation import Reconciled, reconcile
 from .simulator import simulate, simulate_step_ms
+from .steady import MEASURED_STEP
 from .sweeps import Sweep, explore, sweep
 from .timeline import Timeline
 
 __all__ = [
+    "MEASURED_STEP",
     "Reconciled",
     "ScheduleDeadlock",
     "Sweep",

@@ -14,7 +14,9 @@ import pandas as pd
 
 from ..core.checks import check_int
 
-#: The one definition of "the measured step" used by RunResult.steady_step_ms, compare, calibrate and the report.
+#: The one definition of "the measured step", in words: the step ``RunResult.steady_step_ms`` reports and
+#: ``compare``, ``calibrate`` and the report take (``Comparison.statistic`` prints it). Public as
+#: ``pipeswift_lab.simulation.MEASURED_STEP``; :func:`steady_step_index` is its rule in code.
 MEASURED_STEP = (
     "median step after the first (the lower middle one for an even count; the step whose memory was measured "
     "left out when others remain), from the first rank starting it to the last rank finishing it, optimizer step "
