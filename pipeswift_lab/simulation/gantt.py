@@ -79,10 +79,11 @@ def plot_timeline(
     ax.set_yticks(range(len(names)), names)
     for i in marked:
         ax.get_yticklabels()[i].set(color=BOTTLENECK_COLOR, fontweight="bold")
-        ax.fill_between(
-            [lo, lo + span * 1.01],
+        ax.fill_between(  # x in Axes fractions: the band spans the chart whatever its limits become
+            [0.0, 1.0],
             i - 0.5,
             i + 0.5,
+            transform=ax.get_yaxis_transform(),
             color=BOTTLENECK_COLOR,
             alpha=0.18,
             linewidth=0,
