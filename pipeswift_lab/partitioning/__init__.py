@@ -5,7 +5,7 @@ schedule keeps in flight counted per stage::
 
     part = psl.partition(prof, P=4, schedule="1F1B", m=8, mem_per_gpu_bytes=16 * 2**30)
     part.df              # one row per stage: layers, time, memory
-    part.bottleneck_ms   # the slowest stage
+    part.bottleneck_ms   # the slowest stage; part.bottleneck_rank_ms the busiest rank (its v stages summed)
 
 Modules: :mod:`.balance` (:func:`partition`), :mod:`.stages` (the :class:`Partition` type), :mod:`.layers` (the
 per-layer arrays and the split by method), :mod:`.memory` (memory per stage and the cap), :mod:`.bottleneck` (the

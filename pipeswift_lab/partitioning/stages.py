@@ -240,15 +240,38 @@ class Partition:
 
     @property
     def bottleneck_ms(self) -> float:
-        """The slowest stage's ``stage_cost_ms``."""
+        """The slowest *stage*'s ``stage_cost_ms`` (ms per micro-batch). With ``v > 1`` a rank holds ``v`` stages and
+        works through all of them per micro-batch: :attr:`bottleneck_rank_ms` is the busiest rank's figure."""
         return max(self.stage_cost_ms)
 
     @property
     def imbalance(self) -> float:
-        """Slowest stage over the mean stage (``stage_ms``); 1.0 is perfect balance."""
-        times = self.stage_ms
-        mean = sum(times) / len(times)
-        return max(times) / mean if mean > 0 else 1.0
+        """Slowest *stage* over the mean stage (``stage_ms``); 1.0 is perfect balance. With ``v > 1``
+        :attr:`rank_imbalance` compares the ranks, each the sum of its ``v`` stages."""
+        return _max_over_mean(self.stage_ms)
+
+    @property
+    def rank_ms(self) -> tuple[float, ...]:
+        """Forward plus backward compute of each *rank* for one micro-batch (ms): the sum of ``stage_ms`` over the
+        ``v`` stages it holds (``stage_to_rank``); ``stage_ms`` itself when ``v == 1``."""
+        return tuple(rank_totals(self.stage_ms, self.stage_to_rank, self.P))
+
+    @property
+    def rank_cost_ms(self) -> tuple[float, ...]:
+        """Each rank's ``rank_ms`` plus the transfers its stages send (``stage_comm_ms``), per micro-batch (ms)."""
+        return tuple(rank_totals(self.stage_cost_ms, self.stage_to_rank, self.P))
+
+    @property
+    def bottleneck_rank_ms(self) -> float:
+        """The busiest rank's ``rank_cost_ms`` (ms per micro-batch): what paces the pipeline; equal to
+        :attr:`bottleneck_ms` when ``v == 1``."""
+        return max(self.rank_cost_ms)
+
+    @property
+    def rank_imbalance(self) -> float:
+        """Busiest rank over the mean rank (``rank_ms``); 1.0 is perfect balance; equal to :attr:`imbalance` when
+        ``v == 1``."""
+        return _max_over_mean(self.rank_ms)
 
     @cached_property
     def rank_mem_bytes(self) -> tuple[float, ...]:
@@ -366,11 +389,11 @@ class Partition:
         ax.axhline(mean, color="0.3", ls="--", lw=1, label=f"mean {mean:.3g} ms")
         ax.set_xticks(x, [f"s{s}\nr{r}" for s, r in enumerate(self.stage_to_rank)], fontsize="small")
         ax.set_ylabel("time per micro-batch (ms)")
-        ax.set_title(
-            f"{self.method} split, P={self.P}"
-            + (f", v={self.v}" if self.v > 1 else "")
-            + f": imbalance {self.imbalance:.2f}"
-        )
+        if self.v > 1:
+            balance = f", v={self.v}: stage imbalance {self.imbalance:.2f}, rank {self.rank_imbalance:.2f}"
+        else:
+            balance = f": imbalance {self.imbalance:.2f}"
+        ax.set_title(f"{self.method} split, P={self.P}{balance}")
         ax.legend(fontsize="small", loc="best")
         return ax
 
@@ -384,6 +407,8 @@ class Partition:
             "bottleneck_ms": self.bottleneck_ms,
             "imbalance": self.imbalance,
         }
+        if self.v > 1:  # a rank holds v stages: its figures differ from a stage's
+            out.update(bottleneck_rank_ms=self.bottleneck_rank_ms, rank_imbalance=self.rank_imbalance)
         if not any(math.isnan(x) for x in self.stage_mem_bytes):
             out["max_rank_mem_bytes"] = max(self.rank_mem_bytes)
         return out
@@ -396,6 +421,12 @@ class Partition:
         return text_card(f"Partition {list(self.bounds)}", self._summary())
 
     __str__ = __repr__
+
+
+def _max_over_mean(times: Sequence[float]) -> float:
+    """The largest of ``times`` over their mean (1.0 when the mean is 0)."""
+    mean = sum(times) / len(times)
+    return max(times) / mean if mean > 0 else 1.0
 
 
 class _StageSums:

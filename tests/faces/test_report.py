@@ -52,3 +52,20 @@ def test_sections_must_be_section_functions(tmp_path):
     with pytest.raises(TypeError, match=r"sections\[1\] must be a section function.*got str 'cluster'"):
         build_report(tmp_path / "rep", sections=[section_cluster, "cluster"], quick=True, progress=False)
     assert not (tmp_path / "rep").exists()  # refused before anything is written
+
+
+def test_partition_and_schedule_sections_give_the_busiest_rank_beside_the_slowest_stage():
+    from pipeswift_lab import Profile
+    from pipeswift_lab.faces.report.base import ReportContext
+    from pipeswift_lab.faces.report.model import section_partition, section_timeline
+
+    prof = Profile.synthetic(fwd_ms=[1.0 + i for i in range(8)], bwd_ms=[2.0 + 2 * i for i in range(8)])
+    ctx = ReportContext(quick=True, progress=False, cache={"profile": prof})  # a profile instead of measuring one
+    assert "ranks of the profiled GPT, v=1 stage each, so the slowest stage is the busiest rank" in (
+        section_partition(ctx).intro_html
+    )
+    rows = section_timeline(ctx).tables["schedules"]
+    one, two = rows[rows["v"] == 1], rows[rows["v"] == 2]
+    assert len(one) and len(two)
+    assert (one["busiest_rank_ms"] == one["slowest_stage_ms"]).all()  # one stage per rank
+    assert (two["busiest_rank_ms"] > two["slowest_stage_ms"]).all()  # a rank works through its two stages

@@ -70,8 +70,15 @@ def test_pipeline_explorer_resimulates_on_every_change():
     explorer.method = "uniform"
     assert explorer.partition.bounds == ((0, 2), (2, 4), (4, 6))
     assert explorer.result["bottleneck_ms"] == pytest.approx(3 * (3 + 4))
+    assert explorer.result["bottleneck_rank_ms"] == explorer.result["bottleneck_ms"]  # v=1: a rank is a stage
     explorer.schedule = "Interleaved1F1B"
     assert explorer.result["v"] == 2 and len(explorer.partition.bounds) == 6
+    part, r = explorer.partition, explorer.result
+    by_rank = [sum(t for t, rank in zip(part.stage_cost_ms, part.stage_to_rank) if rank == k) for k in range(3)]
+    assert r["bottleneck_rank_ms"] == pytest.approx(max(by_rank)) and r["bottleneck_rank_ms"] > r["bottleneck_ms"]
+    assert r["rank_imbalance"] == pytest.approx(part.rank_imbalance)
+    shown = explorer._numbers.value
+    assert f"busiest rank {max(by_rank):.4g} ms per micro-batch" in shown and "slowest stage" in shown
 
 
 def test_planner_explorer_replans_on_every_change():

@@ -165,7 +165,8 @@ def section_partition(ctx: ReportContext) -> Section:
     else:
         verdict = f"finds the equal-count split already optimal here (slowest stage {balanced.bottleneck_ms:.4g} ms)"
     intro = (
-        f"<p>P={P} stages of the profiled GPT. Equal layer counts ignore how long each layer takes; the balanced "
+        f"<p>P={P} ranks of the profiled GPT, v={balanced.v} stage each, so the slowest stage is the busiest rank. "
+        "Equal layer counts ignore how long each layer takes; the balanced "
         f"split (exactly minimizing the slowest stage's forward+backward) {verdict}. Memory per stage counts "
         f"parameters, gradients, Adam state and activations of the micro-batches in flight.</p>"
     )
@@ -231,11 +232,22 @@ def _schedules_simulated(
     fig, axes = plt.subplots(len(schedules), 1, figsize=(11, 1.6 * len(schedules) + 1), sharex=True)
     for ax, schedule in zip(axes, schedules):
         v = default_v(schedule)
-        tl = simulate(partition(prof, P, v=v, schedule=schedule, m=m), m, schedule)
+        part = partition(prof, P, v=v, schedule=schedule, m=m)
+        tl = simulate(part, m, schedule)
         tl.plot(ax=ax)
         ax.set_title(f"{schedule}: step {tl.step_ms:.3g} ms, bubble_ratio {tl.bubble_ratio:.3f}", fontsize="small")
         rows.append(
-            {"schedule": schedule, "v": v, "P": P, "m": m, "step_ms": tl.step_ms, "bubble_ratio": tl.bubble_ratio}
+            {
+                "schedule": schedule,
+                "v": v,
+                "P": P,
+                "m": m,
+                "step_ms": tl.step_ms,
+                "bubble_ratio": tl.bubble_ratio,
+                # per micro-batch: a rank works through its v stages, so with v > 1 the two differ
+                "busiest_rank_ms": part.bottleneck_rank_ms,
+                "slowest_stage_ms": part.bottleneck_ms,
+            }
         )
     fig.tight_layout()
     return fig, rows

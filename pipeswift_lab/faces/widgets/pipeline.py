@@ -27,7 +27,9 @@ class PipelineExplorer(Explorer):
 
     Every change re-partitions and re-simulates (:func:`pipeswift_lab.simulation.sweeps.explore`);
     ``.partition``, ``.timeline`` and ``.result`` hold what is shown, and ``.error``
-    the message when torch refuses the combination (e.g. 1F1B with m < P).
+    the message when torch refuses the combination (e.g. 1F1B with m < P). ``result`` holds the busiest rank's
+    ``bottleneck_rank_ms`` and ``rank_imbalance`` (a rank's ``v`` stages summed; the figures shown) beside the
+    per-stage ``bottleneck_ms`` and ``imbalance`` (shown too when ``v > 1``).
     """
 
     def __init__(
@@ -155,14 +157,20 @@ class PipelineExplorer(Explorer):
             "bubble_ratio": tl.bubble_ratio,
             "bottleneck_ms": part.bottleneck_ms,
             "imbalance": part.imbalance,
+            "bottleneck_rank_ms": part.bottleneck_rank_ms,
+            "rank_imbalance": part.rank_imbalance,
         }
         r = self.result
+        # a rank works through its v stages per micro-batch: the rank's figures pace the pipeline
+        stages = (
+            f" (slowest stage {r['bottleneck_ms']:.4g} ms, stage imbalance {r['imbalance']:.2f})" if r["v"] > 1 else ""
+        )
         self._numbers.value = (
             (f"<i>{html.escape(self.note)}</i><br>" if self.note else "")
             + f"<b>{r['schedule']}</b> (v={r['v']}), {r['method']} split of P={r['P']}, m={r['m']}: "
             f"{'calibrated' if self.calibration is not None else 'simulated'} step "
-            f"<b>{r['step_ms']:.4g} ms</b>, bubble_ratio <b>{r['bubble_ratio']:.3f}</b>, slowest stage "
-            f"{r['bottleneck_ms']:.4g} ms, imbalance {r['imbalance']:.2f}"
+            f"<b>{r['step_ms']:.4g} ms</b>, bubble_ratio <b>{r['bubble_ratio']:.3f}</b>, busiest rank "
+            f"{r['bottleneck_rank_ms']:.4g} ms per micro-batch, rank imbalance {r['rank_imbalance']:.2f}{stages}"
         )
         self._redraw(self._figure, tl.plot)
 
