@@ -32,6 +32,7 @@ import torch
 from torch import nn
 
 from .assembly import build_result, read_history
+from .checkpoint import Checkpoint
 from .errors import RunError
 from .launcher import Preemption, check_main_guard, launch
 from .options import CheckpointOptions, ElasticOptions, LaunchOptions, job_options
@@ -73,7 +74,7 @@ def run(
     checkpoint_dir: str | os.PathLike[str] | None = None,
     checkpoint_every: int | str | None = None,
     keep: int = 2,
-    resume_from: str | os.PathLike[str] | None = None,
+    resume_from: str | os.PathLike[str] | Checkpoint | None = None,
     max_restarts: int = 0,
     mtbf_s: float | None = None,
     checkpoint_async: bool = True,
@@ -155,8 +156,8 @@ def run(
       still being written is skipped, and ``RunResult.checkpoints`` says so). Final, preemption
       and rebalance saves are never skipped and are committed before the workers exit.
       ``checkpoint_async=False`` waits for every write.
-    * ``resume_from`` — a checkpoint root (its newest complete checkpoint) or one ``step-*``
-      directory: training continues at its step, on this or another partition and P
+    * ``resume_from`` — a checkpoint root (its newest complete checkpoint), one ``step-*``
+      directory or a ``Checkpoint`` (``latest_checkpoint(root)``): training continues at its step, on this or another partition and P
       (parameters and optimizer state are regrouped by name; RNG states are restored when
       the partition is the same).
     * ``max_restarts`` — after a worker dies or raises, torch's elastic agent restarts all

@@ -115,7 +115,7 @@ class CheckpointOptions:
     ``None`` (no periodic saves)."""
     keep: int = 2
     """Newest complete checkpoints kept."""
-    resume_from: str | os.PathLike[str] | None = None
+    resume_from: str | os.PathLike[str] | ckpt.Checkpoint | None = None
     """A checkpoint root (its newest complete checkpoint) or one ``step-*`` directory to continue from."""
     mtbf_s: float | None = None
     """The job's mean time between failures (seconds), for ``checkpoint_every="auto"`` only."""
