@@ -32,7 +32,13 @@ def main() -> None:
     setup = psl.models.reference("gpt", batch_size=16, vocab_size=4096, seq_len=32, d_model=64, n_layers=4, n_heads=4)
     for b in MICROBATCH_SIZES:
         prof = psl.profile(
-            setup.model, setup.inputs[:b], target=setup.targets[:b], loss_fn=setup.loss_fn, warmup=5, repeats=30
+            setup.model,
+            setup.inputs[:b],
+            target=setup.targets[:b],
+            loss_fn=setup.loss_fn,
+            warmup=5,
+            repeats=30,
+            progress=False,
         )
         prof.meta.update(
             model="reference gpt (vocab 4096, seq 32, d_model 64, 4 layers, 4 heads)",
