@@ -142,3 +142,15 @@ def test_top_level_data_folder_points_at_the_shipped_files():
         assert link.is_symlink(), name
         assert link.resolve() == (root / "pipeswift_lab" / "data" / name).resolve()
     assert "Bamboo" in (root / "data" / "README.md").read_text(encoding="utf-8")
+
+
+def test_saved_profiles_load_and_match_the_reference_model():
+    """``data/profiles`` holds profiles of the tutorials' small GPT that ``notebooks/00_start_here`` reads."""
+    root = Path(__file__).resolve().parents[2]
+    setup = psl.models.reference("gpt", batch_size=16, vocab_size=4096, seq_len=32, d_model=64, n_layers=4, n_heads=4)
+    names = [name for name, _ in setup.model.named_children()]
+    for b in (1, 2, 4, 8):
+        prof = psl.Profile.read_csv(root / "data" / "profiles" / f"gpt_small_cpu_b{b}.csv")
+        assert prof.df["name"].tolist() == names
+        assert prof.meta["microbatch_size"] == b and prof.meta["batch_shape"] == [b, 32]
+        assert (prof.df["total_ms"] > 0).all() and prof.meta["cores"] >= 1
