@@ -157,7 +157,8 @@ def run(
       and rebalance saves are never skipped and are committed before the workers exit.
       ``checkpoint_async=False`` waits for every write.
     * ``resume_from`` — a checkpoint root (its newest complete checkpoint), one ``step-*``
-      directory or a ``Checkpoint`` (``latest_checkpoint(root)``): training continues at its step, on this or another partition and P
+      directory or a ``Checkpoint`` (``latest_checkpoint(root)``): training continues at its step,
+      on this or another partition and P
       (parameters and optimizer state are regrouped by name; RNG states are restored when
       the partition is the same).
     * ``max_restarts`` — after a worker dies or raises, torch's elastic agent restarts all
