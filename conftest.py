@@ -12,11 +12,17 @@ os.environ.setdefault("MPLBACKEND", "Agg")
 
 #: Notebooks whose cells start worker processes (pipeswift_lab.run): marked ``processes`` like the tests that do.
 PROCESS_NOTEBOOKS = (
+    "00_start_here",
+    "03_balanced_vs_uniform",
     "04_schedules_and_microbatches",
     "05_real_pipeline_run",
+    "06_jct_planner",
     "07_checkpoints_and_preemption",
     "08_fidelity",
     "09_elastic_and_rebalancing",
+    "10_cluster_jct",
+    "11_your_own_model",
+    "12_your_cluster_runs",
 )
 
 

@@ -78,7 +78,9 @@ def test_gpipe_first_rank_grows_with_m_and_1f1b_does_not(gpt_profile, gpt_runs):
     assert gpipe[0] < gpipe[1] < gpipe[2]
     # 1F1B's rank 0 holds P = 2 micro-batches' activations whatever m is; only its m receive buffers grow
     assert ofob[2] - ofob[0] < 0.2 * (gpipe[2] - gpipe[0])
-    assert gpipe[2] > 1.5 * ofob[2]  # clearly apart at m = 8
+    # at m = 8 GPipe holds six micro-batches' activations more than 1F1B: most of what it gained from m = 2 (the
+    # weights and optimizer state are the same, and their share depends on the split the measured profile gives)
+    assert gpipe[2] - ofob[2] > 0.7 * (gpipe[2] - gpipe[0])
 
 
 def test_the_rank_with_the_lm_head_and_loss_is_fullest():
