@@ -139,7 +139,13 @@ def _split_partition(layers: Layers, layout: Layout, method: str, link: Link | N
 def _memory_error(layers: Layers, part: Partition, layout: Layout, limit: float, method: str, link: Link | None) -> str:
     """Why no ``method`` split fits ``limit``: the worst stage of the unconstrained split ``part``, and the smallest
     ``P`` that would fit."""
-    worst = max(range(part.n_stages), key=lambda s: part.stage_mem_bytes[s] - limit / part.v)
+    peaks = part.rank_mem_bytes
+    fullest = int(np.argmax(peaks))
+    replayed_ok = bool(np.isfinite(peaks[fullest]))
+    # the worst stage: on the rank whose replayed peak is the highest (the steady estimate of one stage leaves out
+    # buffers and transients, so it can point at a rank that is not the fullest)
+    candidates = [s for s in range(part.n_stages) if part.stage_to_rank[s] == fullest] if replayed_ok else []
+    worst = max(candidates or range(part.n_stages), key=lambda s: part.stage_mem_bytes[s] - limit / part.v)
     larger = range(part.P + 1, layers.n // part.v + 1)
     smallest = next((P2 for P2 in larger if _fits(layers, layout.with_P(P2), limit, method, link)), None)
     where = f"with m={part.m}" + (f", schedule={part.schedule!r}" if part.schedule else "")
@@ -149,11 +155,9 @@ def _memory_error(layers: Layers, part: Partition, layout: Layout, limit: float,
         else f"no P up to {layers.n // part.v} fits ({where}); {_heaviest_layer(layers, layout, limit)}"
     )
     head = no_fit_head(limit, method, part.P, part.v)
-    peaks = part.rank_mem_bytes
-    fullest = int(np.argmax(peaks))
     replayed = (
-        f"; its fullest rank, {fullest}, peaks at {peaks[fullest]:.6g} bytes (Partition.memory() has the terms)"
-        if np.isfinite(peaks[fullest])
+        f"; its rank, {fullest}, the fullest, peaks at {peaks[fullest]:.6g} bytes (Partition.memory() has the terms)"
+        if replayed_ok
         else ""
     )
     return f"{head}; in the unconstrained split, {part.describe_stage(worst)}{replayed}. {hint[0].upper() + hint[1:]}."
@@ -161,27 +165,35 @@ def _memory_error(layers: Layers, part: Partition, layout: Layout, limit: float,
 
 def _heaviest_layer(layers: Layers, layout: Layout, limit: float) -> str:
     """The layer that needs the most memory alone (a rank holding only it, with as few micro-batches in flight as any
-    rank of the layout holds: :func:`~pipeswift_lab.partitioning.rank_memory.rank_memory`), and how much at least, for
+    rank of the layout holds: :func:`~pipeswift_lab.partitioning.rank_memory.rank_memory`; when the step has two
+    micro-batches or more, also after a first backward, with the gradients allocated), and how much at least, for
     an error message."""
     from .rank_memory import rank_memory
 
     if layers.param_bytes is None or layers.activation_bytes is None:
         return "some layer alone exceeds the cap"
     held = max(1, int(np.ceil(min(layout.inflight()))))
-    alone = [
-        rank_memory(
-            layers,
-            ((j, j + 1),),
-            (0,),
-            P=1,
-            m=held,
-            schedule="GPipe",
-            precision=layout.precision,
-            optimizer=layout.optimizer,
-            D=layout.D,
-        ).iloc[0]
-        for j in range(layers.n)
-    ]
+    # (schedule, micro-batches): all `held` in flight at the first backward, and one in flight at a later backward
+    replays = [("GPipe", held)] + ([("1F1B", 2)] if layout.m >= 2 else [])
+
+    def alone_peak(j: int) -> Any:
+        rows = [
+            rank_memory(
+                layers,
+                ((j, j + 1),),
+                (0,),
+                P=1,
+                m=n,
+                schedule=schedule,
+                precision=layout.precision,
+                optimizer=layout.optimizer,
+                D=layout.D,
+            ).iloc[0]
+            for schedule, n in replays
+        ]
+        return max(rows, key=lambda row: row["predicted_peak_bytes"])
+
+    alone = [alone_peak(j) for j in range(layers.n)]
     j = int(np.argmax([row["predicted_peak_bytes"] for row in alone]))
     row = alone[j]
     verdict = "more than" if row["predicted_peak_bytes"] > limit else "close to"

@@ -176,6 +176,34 @@ def test_a_cap_no_split_meets_names_the_stage_and_the_smallest_P():
     assert partition(prof, 4, mem_per_gpu_bytes=800, **sgd).bounds == tuple((2 * i, 2 * i + 2) for i in range(4))
 
 
+def test_a_cap_no_split_meets_names_the_fullest_rank_and_counts_gradients_of_a_layer_alone():
+    # the head's stage is the smallest in steady bytes (410 against 1800) but its rank peaks highest once the loss's
+    # logits and transients are replayed (2484 against 1860): the error names the head's stage, not stage 0
+    prof = Profile.synthetic(
+        fwd_ms=[1.0, 1.0, 1.0, 3.0],
+        bwd_ms=[2.0, 2.0, 2.0, 6.0],
+        param_bytes=[100.0] * 4,
+        activation_bytes=[100.0, 100.0, 100.0, 10.0],
+        output_bytes=[10.0, 10.0, 10.0, 4.0],
+        name=["embed", "block_0", "block_1", "head"],
+        meta={"batch_size": 1, "loss_activation_bytes": 1000.0, "loss_transient_bytes": 1000.0},
+    )
+    free = partition(prof, 2, schedule="1F1B", m=4)
+    assert free.bounds == ((0, 3), (3, 4)) and free.stage_mem_bytes[0] > free.stage_mem_bytes[1]
+    assert free.rank_mem_bytes[1] > free.rank_mem_bytes[0]
+    cap = 0.95 * free.rank_mem_bytes[1]
+    with pytest.raises(ValueError) as err:
+        partition(prof, 2, schedule="1F1B", m=4, mem_per_gpu_bytes=cap)
+    text = str(err.value)
+    assert "stage 1 (layers 3..3: head, rank 1)" in text and "its rank, 1, the fullest, peaks at 2484 bytes" in text
+    # the head alone, one micro-batch in flight after a first backward: weights, gradients (100 bytes, allocated by
+    # then), Adam's two moments, the loss's logits and the backward's transient; at most its rank's replayed peak
+    # (which adds the receive buffers), and more than the cap
+    alone = float(text.split("alone needs at least ")[1].split(" bytes")[0])
+    assert "grads 100," in text and "more than the cap" in text
+    assert cap < alone <= free.rank_mem_bytes[1]
+
+
 def test_from_bounds_checks_hand_written_splits():
     prof = gpt_like()
     part = Partition.from_bounds(prof, [(0, 3), (3, 7), (7, 8)])
