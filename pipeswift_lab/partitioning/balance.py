@@ -86,8 +86,8 @@ def partition(
     (``None``: 1F1B for ``v == 1``, Interleaved1F1B otherwise). ``link`` adds boundary
     transfers to the balanced objective. With ``mem_per_gpu_bytes`` (per rank; with ``v > 1``
     each stage gets ``mem_per_gpu_bytes / v``), ``"balanced"`` returns the best split that
-    fits, and every method raises ``ValueError`` naming the stage that cannot fit and the
-    smallest P that would. ``optimizer`` is one of :data:`OPTIMIZER_STATES`.
+    fits, and every method raises ``ValueError`` naming the worst stage of the rank whose replayed
+    peak is the highest and the smallest P that would fit. ``optimizer`` is one of :data:`OPTIMIZER_STATES`.
 
     ``precision`` sets the bytes of training state per parameter (with Adam):
     ``None`` (default) — the profile's own ``param_bytes * 4`` (16 B/param for an fp32
