@@ -40,3 +40,101 @@ def qwen2():
 
     torch.manual_seed(0)
     return transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**SMALL, tie_word_embeddings=True))
+
+
+def opt():
+    """``OPTForCausalLM``, 4 layers of width 32, dropout 0 (its decoder registers its final norm before its
+    layers and runs it after them; its causal mask is an ``expand``, stride 0)."""
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.OPTConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        ffn_dim=64,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        max_position_embeddings=64,
+        word_embed_proj_dim=32,
+        dropout=0.0,
+        attention_dropout=0.0,
+        activation_dropout=0.0,
+    )
+    return transformers.OPTForCausalLM(config)
+
+
+#: The images :func:`vit` classifies: 3 × 16 × 16, 4 × 4 patches, 5 classes.
+IMAGE, CLASSES = (3, 16, 16), 5
+
+
+def vit():
+    """``ViTForImageClassification``, 4 layers of width 32, dropout 0 (its patch tokens are a transposed view)."""
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.ViTConfig(
+        image_size=IMAGE[1],
+        patch_size=4,
+        num_channels=IMAGE[0],
+        hidden_size=32,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        intermediate_size=64,
+        num_labels=CLASSES,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+    )
+    return transformers.ViTForImageClassification(config)
+
+
+def bert():
+    """``BertForMaskedLM``, 4 layers of width 32, dropout 0 (its decoder's bias is an alias of
+    ``cls.predictions.bias``; the decoder's weight is tied to the word embedding)."""
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.BertConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        intermediate_size=64,
+        max_position_embeddings=64,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+    )
+    return transformers.BertForMaskedLM(config)
+
+
+def t5():
+    """``T5ForConditionalGeneration``, 2 encoder and 2 decoder blocks of width 32, dropout 0 (an encoder–decoder:
+    its forward needs the decoder's input beside ``input_ids``)."""
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.T5Config(
+        vocab_size=VOCAB,
+        d_model=32,
+        d_kv=8,
+        d_ff=64,
+        num_layers=2,
+        num_decoder_layers=2,
+        num_heads=4,
+        dropout_rate=0.0,
+        decoder_start_token_id=0,
+        pad_token_id=0,
+    )
+    return transformers.T5ForConditionalGeneration(config)
+
+
+class Seq2Seq(torch.nn.Module):
+    """An encoder–decoder fed one tensor: the source and the decoder's input side by side, as the refusal of a bare
+    encoder–decoder suggests (:func:`pipeswift_lab.profiling.units.decoder_inputs_refusal`)."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, ids):
+        source, decoder_input = ids.chunk(2, dim=1)
+        return self.model(input_ids=source, decoder_input_ids=decoder_input)

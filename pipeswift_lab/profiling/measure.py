@@ -24,7 +24,17 @@ from ..core.display import first_line
 from .clocks import make_clock
 from .hooks import LayerRecorder, StepRecord, current_unit, iter_tensors, shapes
 from .table import COLUMNS, MEMORY_COLUMNS, Profile
-from .units import locate_failure, model_device, move_to_device, preserved_state, select_units
+from .units import (
+    AUTO,
+    auto_announcement,
+    decoder_inputs_refusal,
+    locate_failure,
+    model_device,
+    move_to_device,
+    preserved_state,
+    select_units,
+    units_in_run_order,
+)
 
 __all__ = ["profile", "profile_step"]
 
@@ -71,19 +81,21 @@ def profile(
     sample_kwargs = _check_sample(sample_args, sample_kwargs)
     _check_loss(loss_fn, target)
     _check_trainable(model)
-    units = select_units(model, layers)
+    refusal = decoder_inputs_refusal(model, given=list(sample_kwargs))
+    if refusal is not None:
+        raise ValueError(refusal)
+    auto = isinstance(layers, str) and layers == AUTO
+    units = select_units(model, layers, announce=False)
     device = _resolve_device(model, device)
     runnable, units = _on_device(model, units, device)
-    step = _TrainingStep(
-        model=runnable,
-        units=units,
-        args=move_to_device(sample_args, device),
-        kwargs=move_to_device(sample_kwargs, device),
-        target=move_to_device(target, device),
-        loss_fn=loss_fn,
-    )
+    args, kwargs = move_to_device(sample_args, device), move_to_device(sample_kwargs, device)
     with preserved_state(runnable, device):
         runnable.train()
+        if auto:  # the blocks and the modules around them, in the order they run
+            units, left_out = units_in_run_order(units, lambda: runnable(*args, **kwargs))
+            print(auto_announcement(runnable, units, left_out))
+        target = move_to_device(target, device)
+        step = _TrainingStep(model=runnable, units=units, args=args, kwargs=kwargs, target=target, loss_fn=loss_fn)
         records = _measure(
             runnable, units, device, step, warmup=warmup, repeats=repeats, progress=progress, desc=_desc(model)
         )
@@ -116,8 +128,13 @@ def profile_step(
         )
     warmup, repeats, progress = _check_repeats(warmup, repeats, progress)
     _check_trainable(model)
-    units = select_units(model, layers)
+    auto = isinstance(layers, str) and layers == AUTO
+    units = select_units(model, layers, announce=False)
     device = model_device(model)
+
+    def announce(record: StepRecord) -> None:  # the step really trains: its first call tells the order
+        print(auto_announcement(model, [units[u] for u in record.first_call_order]))
+
     records = _measure(
         model,
         units,
@@ -128,6 +145,7 @@ def profile_step(
         progress=progress,
         desc=f"{_desc(model)} step",
         memory=False,  # the user's step really trains: no extra step for memory
+        on_first_step=announce if auto else None,
     )
     meta = _run_meta("step", device, loss="step", warmup=warmup, repeats=repeats)
     return _build(model, units, records, meta)
@@ -252,6 +270,7 @@ def _measure(
     progress: bool,
     desc: str,
     memory: bool = True,
+    on_first_step: Callable[[StepRecord], None] | None = None,
 ) -> tuple[list[StepRecord], StepRecord | None]:
     """Run ``run_step(recorder)`` ``warmup + repeats`` times under the hooks and, with ``memory``, once more,
     untimed, measuring memory; return the kept StepRecords and the memory step's (None without)."""
@@ -273,6 +292,8 @@ def _measure(
                     raise ValueError(
                         f"layers {never} never ran in the step; remove them from layers (names or patterns)"
                     )
+                if on_first_step is not None:
+                    on_first_step(record)
             if i >= warmup:
                 records.append(record)
             bar.update(1)

@@ -151,3 +151,35 @@ def test_names_and_globs_are_unchanged(llama):
     assert names(select_units(nn.Sequential(nn.Linear(1, 1), nn.ReLU()), None)) == ["0", "1"]
     with pytest.raises(ValueError, match="matches no submodule"):
         select_units(llama, ["auto"])  # a list entry is always a pattern
+
+
+def test_auto_prints_and_orders_the_units_as_they_run(capsys):
+    """OPT registers its decoder's final norm before its layers and runs it after them: the profile's rows and its
+    printed line follow the run."""
+    model = tiny_transformers.opt()
+    ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))
+    names = [n for n, _ in select_units(model, "auto", announce=False)]
+    assert names.index("model.decoder.final_layer_norm") < names.index("model.decoder.layers.0")  # registration
+    prof = profile(model, ids, layers="auto", warmup=1, repeats=1, progress=False)
+    blocks = [f"model.decoder.layers.{i}" for i in range(4)]
+    order = ["model.decoder.embed_tokens", "model.decoder.embed_positions", *blocks, "model.decoder.final_layer_norm"]
+    assert prof.df["name"].tolist() == [*order, "lm_head"]
+    assert capsys.readouterr().out == (
+        'layers="auto": 4 × OPTDecoderLayer in model.decoder.layers, with model.decoder.embed_tokens, '
+        "model.decoder.embed_positions before and model.decoder.final_layer_norm, lm_head after\n"
+    )
+
+
+def test_auto_takes_an_encoder_decoders_two_stacks_and_leaves_out_what_never_runs(capsys):
+    model = tiny_transformers.Seq2Seq(tiny_transformers.t5())
+    ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))
+    prof = profile(model, ids, layers="auto", warmup=1, repeats=1, progress=False)
+    stack = lambda part: [f"model.{part}.embed_tokens", *(f"model.{part}.block.{i}" for i in range(2))]  # noqa: E731
+    want = [*stack("encoder"), "model.encoder.final_layer_norm", *stack("decoder"), "model.decoder.final_layer_norm"]
+    assert prof.df["name"].tolist() == [*want, "model.lm_head"]
+    assert capsys.readouterr().out == (
+        'layers="auto": 2 × T5Block in model.encoder.block and 2 × T5Block in model.decoder.block, with '
+        "model.encoder.embed_tokens before and model.encoder.final_layer_norm, model.decoder.embed_tokens between "
+        "and model.decoder.final_layer_norm, model.lm_head after; model.shared never ran in a forward and is left "
+        "out\n"
+    )

@@ -208,6 +208,7 @@ class Topology:
 def _build_stages(spec: RunSpec, topo: Topology, device: torch.device) -> list[Any]:
     from torch.distributed.pipelining import PipelineStage
 
+    from ..stages.contiguous import send_contiguous
     from ..stages.sequential import stage_module
 
     plan = spec.plan
@@ -234,17 +235,16 @@ def _build_stages(spec: RunSpec, topo: Topology, device: torch.device) -> list[A
                 module, process_group=topo.replica_group, device_ids=[device] if device.type == "cuda" else None
             )
         in_spec, out_spec = spec.boundaries[s]
-        stages.append(
-            PipelineStage(
-                module,
-                s,
-                plan.n_stages,
-                device,
-                input_args=in_spec.empty(device),
-                output_args=out_spec.empty(device) if out_spec is not None else None,
-                group=topo.pp_group,
-            )
+        stage = PipelineStage(
+            module,
+            s,
+            plan.n_stages,
+            device,
+            input_args=in_spec.empty(device),
+            output_args=out_spec.empty(device) if out_spec is not None else None,
+            group=topo.pp_group,
         )
+        stages.append(send_contiguous(stage))
     return stages
 
 

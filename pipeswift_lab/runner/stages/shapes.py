@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from ...profiling.units import decoder_inputs_refusal
 from .sequential import StagePlan, TensorSpec, boundary_specs, stage_module
 from .tied import TiedGroup, tied_groups
 
@@ -67,6 +68,9 @@ def stage_shapes(
             tied=tied_groups(model, stage_tensors),
             layer_names=layer_names,
         )
+    refusal = decoder_inputs_refusal(model)
+    if refusal is not None:
+        raise ValueError(refusal)
     layer_names = [str(name) for stage in getattr(partition, "layer_names", None) or () for name in stage]
     if split == "manual":
         from .manual import check_manual

@@ -78,9 +78,16 @@ def tied_groups(model: nn.Module, stage_tensors: Sequence[Mapping[str, torch.Ten
 
 
 def unheld_keys(model: nn.Module, stage_tensors: Sequence[Mapping[str, torch.Tensor]]) -> list[str]:
-    """The keys of ``model.state_dict()`` that no stage holds (``stage_tensors[s]``: stage ``s``'s state dict)."""
+    """The keys of ``model.state_dict()`` that no stage holds under any name of their tensor
+    (``stage_tensors[s]``: stage ``s``'s state dict).
+
+    A parameter reachable under two names (BERT's ``cls.predictions.bias``, an alias of
+    ``cls.predictions.decoder.bias``) is held when a stage holds either: torch's tracer keeps
+    one name, and :func:`with_aliases` gives the other back.
+    """
     held = set().union(*(set(tensors) for tensors in stage_tensors))
-    return [k for k in model.state_dict() if k not in held]
+    names_of = {name: group for group in parameter_names(model) for name in group}
+    return [k for k in model.state_dict() if not any(n in held for n in names_of.get(k, (k,)))]
 
 
 def alias_map(names: Iterable[tuple[str, ...]]) -> dict[str, str]:

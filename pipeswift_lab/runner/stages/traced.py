@@ -11,9 +11,9 @@ unflattens the traced hierarchy), so checkpoints and ``RunResult.state_dict()`` 
 
 Hugging Face models run unchanged: the trace and the run turn their KV cache off
 (:mod:`.settings`); whatever crosses a boundary is what the tracer cut there (several tensors
-if need be), and the last stage's output reaches ``loss_fn`` in the model's own structure
-(:mod:`.outputs`). A parameter used by two stages (tied embeddings) is held by both and kept in
-sync (:mod:`.tied`).
+if need be, each sent contiguous: :mod:`.contiguous`), and the last stage's output reaches
+``loss_fn`` in the model's own structure (:mod:`.outputs`). A parameter used by two stages
+(tied embeddings) is held by both and kept in sync (:mod:`.tied`).
 
 Everything that can fail is tried before launch (:func:`check_traceable`): split names that
 are not submodules, a forward ``torch.export`` cannot trace (its message, plus what to do:
@@ -36,6 +36,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import TreeSpec
 
+from .contiguous import contiguous_boundaries, send_contiguous
 from .outputs import checked_structure
 from .settings import training_settings
 from .skips import route_skip_connections
@@ -108,11 +109,6 @@ def trace(model: nn.Module, example: torch.Tensor, names: tuple[str, ...]) -> Pi
         for name in names
         if name in modules
     }
-    hooks = [
-        modules[name].register_forward_pre_hook(_contiguous_inputs, with_kwargs=True)
-        for name in names
-        if name in modules
-    ]
     try:
         with warnings.catch_warnings(), training_settings(model):
             warnings.simplefilter("ignore")
@@ -128,10 +124,9 @@ def trace(model: nn.Module, example: torch.Tensor, names: tuple[str, ...]) -> Pi
             "layers of the other stages, run eagerly (see pipeswift_lab.runner.stages.manual)"
         ) from exc
     finally:
-        for hook in hooks:
-            hook.remove()
         _restore_forwards(modules, saved)
     route_skip_connections(pipe)
+    contiguous_boundaries(pipe)
     if pipe.num_stages != len(names) + 1:
         raise ValueError(
             f"torch's pipeline tracer made {pipe.num_stages} stages from the split points {list(names)}, not "
@@ -202,23 +197,6 @@ def traced_stage_state(
     return known[key]
 
 
-def _contiguous_inputs(
-    module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
-) -> tuple[tuple[Any, ...], dict[str, Any]]:
-    """Make what enters a split module contiguous, in the stage before the split (traced into the graph).
-
-    torch's point-to-point send and receive need contiguous tensors, and the traced stage
-    allocates its receive buffers with the traced strides: a transposed view (a ViT's patch
-    tokens) crossing a boundary must become contiguous before the cut, so the graph's
-    metadata says what is really sent.
-    """
-
-    def contiguous(value: Any) -> Any:
-        return value.contiguous() if isinstance(value, torch.Tensor) else value
-
-    return tuple(contiguous(a) for a in args), {k: contiguous(v) for k, v in kwargs.items()}
-
-
 def build_traced_stages(
     spec: RunSpec,
     rank: int,
@@ -237,7 +215,7 @@ def build_traced_stages(
     pipe = trace(spec.model, traced.example, traced.split_names)
     stages = []
     for s in spec.plan.stages_of(rank):
-        stage = pipe.build_stage(s, device, group)
+        stage = send_contiguous(pipe.build_stage(s, device, group))
         unify_copies(stage.submod, spec.tied)
         if replica_group is not None:
             stage.submod = _traced_ddp(stage.submod, replica_group, device)
