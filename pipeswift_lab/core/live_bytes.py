@@ -32,38 +32,78 @@ class LiveTensorBytes(TorchDispatchMode):
     """Counts the bytes of the tensor storages alive while the mode is on; ``peak_bytes`` is their most at once.
 
     Storages are told apart by their data pointer, so views and in-place results add nothing.
+    Every storage carries a category: the one it was adopted under, or ``category`` (settable)
+    when an operator allocated it; :meth:`tag` moves storages to another category (a gradient
+    allocated during a backward becomes ``"grads"``). ``live_by`` gives the bytes alive per
+    category now and ``peak_by`` as they stood at the peak, so a peak can be told apart term
+    by term; ``peak_label`` is what ``label`` (settable: what is running) said when it came.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, category: str = "other") -> None:
         super().__init__()
         self.live_bytes = 0
         self.peak_bytes = 0
-        self._sizes: dict[int, int] = {}
+        self.category = category
+        self.live_by: dict[str, int] = {}
+        self.peak_by: dict[str, int] = {}
+        self.label = ""
+        self.peak_label = ""
+        self._sizes: dict[int, tuple[int, str]] = {}
 
-    def adopt(self, tensors: Iterable[torch.Tensor]) -> None:
-        """Count the storages of ``tensors`` (those alive before the mode started); their release is seen too."""
+    def adopt(self, tensors: Iterable[torch.Tensor], category: str | None = None, *, own_bytes: bool = False) -> None:
+        """Count the storages of ``tensors`` (those alive before the mode started) under ``category`` (default: the
+        current one); their release is seen too. With ``own_bytes`` a tensor counts its own elements' bytes, not its
+        whole storage's (a slice of a larger batch, as a device would hold a copy of it)."""
         for t in tensors:
-            self._add(t)
+            self._add(t, category, own_bytes=own_bytes)
+
+    def tag(self, tensors: Iterable[torch.Tensor], category: str) -> None:
+        """Move the storages of ``tensors`` that are counted to ``category`` (those not counted are left alone)."""
+        for t in tensors:
+            key = _key(t)
+            if key is None or key not in self._sizes:
+                continue
+            size, old = self._sizes[key]
+            if old != category:
+                self._sizes[key] = (size, category)
+                self.live_by[old] -= size
+                self.live_by[category] = self.live_by.get(category, 0) + size
+
+    def category_of(self, t: torch.Tensor) -> str | None:
+        """The category ``t``'s storage is counted under, or None when it is not counted."""
+        key = _key(t)
+        entry = self._sizes.get(key) if key is not None else None
+        return entry[1] if entry is not None else None
+
+    def live_keys(self) -> set[int]:
+        """The data pointers of the storages alive now."""
+        return set(self._sizes)
 
     def _release(self, key: int) -> None:
-        self.live_bytes -= self._sizes.pop(key, 0)
+        size, category = self._sizes.pop(key, (0, ""))
+        if size:
+            self.live_bytes -= size
+            self.live_by[category] -= size
 
-    def _add(self, t: torch.Tensor) -> None:
-        if t.device.type == "meta" or t.layout != torch.strided:
+    def _add(self, t: torch.Tensor, category: str | None = None, *, own_bytes: bool = False) -> None:
+        key = _key(t)
+        if key is None or key == 0 or key in self._sizes:
             return
-        try:
-            storage = t.untyped_storage()
-            key = storage.data_ptr()
-        except (RuntimeError, NotImplementedError):  # no real storage: a fake tensor left by tracing, a subclass
-            return
-        if key == 0 or key in self._sizes:
-            return
-        size = storage.nbytes()
-        self._sizes[key] = size
+        storage = t.untyped_storage()
+        size = t.numel() * t.element_size() if own_bytes else storage.nbytes()
+        category = category or self.category
+        self._sizes[key] = (size, category)
         self.live_bytes += size
+        self.live_by[category] = self.live_by.get(category, 0) + size
         weakref.finalize(storage, self._release, key).atexit = False  # nothing to count once the process ends
         if self.live_bytes > self.peak_bytes:
-            self.peak_bytes = self.live_bytes
+            self.reset_peak()
+
+    def reset_peak(self) -> None:
+        """Start a new peak at what is alive now."""
+        self.peak_bytes = self.live_bytes
+        self.peak_by = dict(self.live_by)
+        self.peak_label = self.label
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
@@ -74,6 +114,16 @@ class LiveTensorBytes(TorchDispatchMode):
                 if isinstance(t, torch.Tensor):
                     self._add(t)
         return out
+
+
+def _key(t: torch.Tensor) -> int | None:
+    """The data pointer that tells ``t``'s storage apart, or None for a tensor without a plain storage."""
+    if t.device.type == "meta" or t.layout != torch.strided:
+        return None
+    try:
+        return t.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):  # no real storage: a fake tensor left by tracing, a subclass
+        return None
 
 
 def live_tensors() -> Iterator[torch.Tensor]:
@@ -121,7 +171,7 @@ class _LiveMeter:
         self.tracker = tracker
 
     def reset_peak(self) -> None:
-        self.tracker.peak_bytes = self.tracker.live_bytes
+        self.tracker.reset_peak()
 
     def allocated(self) -> int:
         return self.tracker.live_bytes

@@ -5,17 +5,22 @@ schedule's receive buffers; the rest comes and goes with the actions of
 :func:`~pipeswift_lab.core.schedule_orders.compute_orders`:
 
 * a forward ``F`` of a micro-batch adds the activations its stage keeps until that
-  micro-batch's backward: what the layers save, the stage's output (torch's stage keeps it
-  for the backward) and on the last stage what the loss saves;
+  micro-batch's backward: what its layers allocate and the forward still holds at its end
+  (saved tensors, each storage once), what it sends that the forward would have freed (torch's
+  stage keeps its outputs for the backward) and on the last stage what the loss keeps;
 * a backward ``B`` (or the weight-gradient half ``W`` of a zero-bubble schedule, whose
   input-gradient half ``I`` leaves the graph alive) frees them; while it runs it allocates
   its transients (gradients of activations, the weight gradient of a micro-batch before it is
   added to ``.grad``, on the last stage the loss's backward); the stage's ``.grad`` tensors
   grow during its first backward of the step (its weight gradients become them) and stay
-  until ``zero_grad(set_to_none=True)`` after the optimizer step, and so do the gradients
-  torch keeps on the receive buffers of a stage that is not the first, one per micro-batch,
-  until the step ends;
-* with data-parallel replicas, DDP's gradient buckets (a copy of the gradients) for the whole run;
+  until ``zero_grad(set_to_none=True)`` after the optimizer step; on the last stage the loss
+  tensor of every micro-batch lives until the step ends, and with it what the loss retains
+  after its backward (MSE keeps a tensor of its input's size); torch drops the gradient of a
+  receive buffer once its send is queued (``stage_backward`` sets ``.grad = None``, torch 2.13);
+* for the whole step: the receive buffers torch allocates per micro-batch (activations from the
+  stage before, gradients from the stage after) and the step's batch (the first stage's
+  inputs, the last stage's targets); with data-parallel replicas, DDP's gradient buckets (a
+  copy of the gradients) for the whole run;
 * the optimizer step, after every backward, holds the weights, gradients and state and
   allocates its own temporaries (:class:`OptimizerMemory`).
 
@@ -104,6 +109,12 @@ class StageBytes:
     """One micro-batch's input, received from the previous stage (0 on the first stage)."""
     grad_recv: float = 0.0
     """One micro-batch's output gradient, received from the next stage (0 on the last stage)."""
+    retained: float = 0.0
+    """What a backward of one micro-batch leaves allocated until the step ends (on the last stage what the loss
+    retains while its loss tensor lives)."""
+    batch: float = 0.0
+    """One micro-batch of the step's batch this stage is fed: the inputs on the first stage, the targets on the
+    last."""
     buckets: float = 0.0
     """Gradient buckets kept for the whole run: DDP's copy of the gradients it all-reduces (``D > 1``)."""
     largest_param: float = 0.0
@@ -124,10 +135,10 @@ def rank_peak(
     """
     weights = sum(s.weights for s in stages.values())
     state = sum(s.optimizer for s in stages.values())
-    recv_buffers = m * sum(s.recv + s.grad_recv for s in stages.values()) + sum(s.buckets for s in stages.values())
+    buffers = m * sum(s.recv + s.grad_recv + s.batch for s in stages.values()) + sum(s.buckets for s in stages.values())
     held: dict[tuple[int, int], float] = {}
     graded: set[int] = set()
-    input_grads = 0.0  # the receive buffers' .grad, one per micro-batch backward on a stage that is not the first
+    retained = 0.0  # what the backwards so far leave until the step ends (the loss tensors' retained tensors)
     best: dict[str, float | str] = {"peak_bytes": -1.0}
 
     def consider(where: str, transient: float) -> None:
@@ -135,8 +146,8 @@ def rank_peak(
             "weights_bytes": weights,
             "grads_bytes": sum(stages[s].grads for s in graded),
             "optimizer_bytes": state,
-            "activations_bytes": sum(held.values()),
-            "buffers_bytes": recv_buffers + input_grads,
+            "activations_bytes": sum(held.values()) + retained,
+            "buffers_bytes": buffers,
             "transient_bytes": transient,
         }
         total = sum(terms.values())
@@ -161,7 +172,7 @@ def rank_peak(
         if first:
             graded.add(s)
         if kind in ("B", "I"):
-            input_grads += stage.recv
+            retained += stage.retained
         if kind in ("B", "W"):
             held.pop((s, mb), None)
     graded.update(stages)

@@ -76,11 +76,21 @@ def stage_bytes(
     layer_transient = weight_grad + activation_transient
     loss_act = _meta_bytes(layers, "loss_activation_bytes")
     loss_transient = _meta_bytes(layers, "loss_transient_bytes")
+    loss_retained = _meta_bytes(layers, "loss_retained_bytes")
+    cut = layers.df["cut_bytes"].to_numpy(float) if "cut_bytes" in layers.df else None
+    measured_cuts = cut is not None and bool(np.all(np.isfinite(cut)))
     out = []
     for a, b in bounds:
         last = b == layers.n  # the stage that ends the model runs the loss
         output = float(out_b[b - 1])
-        activations = (_sum(act, a, b) + output) * scale
+        if measured_cuts:  # what crosses the cuts, tensor by tensor; the layers hold what they allocated
+            recv = _cut_at(layers, "cut_bytes", a)
+            grad_recv = _cut_at(layers, "cut_grad_bytes", b)
+            activations = (_sum(act, a, b) + _cut_at(layers, "cut_freed_bytes", b)) * scale
+        else:  # the layers' saved tensors and the stage's output, which torch keeps for the backward
+            recv = float(out_b[a - 1]) if a > 0 else 0.0
+            grad_recv = output if not last else 0.0
+            activations = (_sum(act, a, b) + output) * scale
         # a layer's backward runs after the later layers' have freed what they saved for this micro-batch
         freed = np.concatenate([np.cumsum(act[a + 1 : b][::-1])[::-1], [0.0]]) * scale
         peak_transient = max(0.0, float(np.max(layer_transient[a:b] - freed)))
@@ -100,12 +110,22 @@ def stage_bytes(
                 activations=activations,
                 transient=peak_transient,
                 first_transient=first_transient,
-                recv=float(out_b[a - 1]) * scale if a > 0 else 0.0,
-                grad_recv=output * scale if not last else 0.0,
+                recv=recv * scale,
+                grad_recv=grad_recv * scale,
+                retained=loss_retained * scale if last else 0.0,
+                batch=(_meta_bytes(layers, "input_bytes") if a == 0 else 0.0) * scale
+                + (_meta_bytes(layers, "target_bytes") if last else 0.0) * scale,
                 largest_param=float(np.max(largest[a:b])),
             )
         )
     return out
+
+
+def _cut_at(layers: Layers, column: str, layer: int) -> float:
+    """``column`` of the cut just before ``layer`` (0 before the first layer and after the last)."""
+    if layer <= 0 or layer >= layers.n:
+        return 0.0
+    return float(layers.df[column].iloc[layer])
 
 
 def _meta_bytes(layers: Layers, key: str) -> float:

@@ -62,7 +62,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..core.live_bytes import MemoryMeter
+from ..core.live_bytes import LiveTensorBytes, MemoryMeter
 from .clocks import Clock
 
 try:  # the engine's next sequence number; a throw-away node is the fallback probe
@@ -100,6 +100,15 @@ def _storage_key_and_bytes(t: torch.Tensor) -> tuple[tuple[Any, ...], int]:
         return (t.device.type, t.device.index, storage.data_ptr()), storage.nbytes()
     except (RuntimeError, NotImplementedError, TypeError):  # tensors without a plain storage
         return ("id", id(t)), tensor_bytes(t)
+
+
+#: The categories the memory step counts storages under: alive before the step (adopted), made before the first
+#: unit, made from unit ``i``'s forward start until the next unit's (``u{i}``), by the loss, during the backward.
+_BEFORE, _BEFORE_FIRST, _UNIT, _LOSS, _BACKWARD = "before", "before first unit", "u", "loss", "backward"
+#: The category :func:`~pipeswift_lab.profiling.measure.profile`'s memory step adopts what exists before it under.
+MEMORY_STEP_BEFORE = _BEFORE
+#: The reader that stands for the model's output (a tensor it returns is read after every unit).
+_MODEL_OUTPUT = 1 << 30
 
 
 class _Call:
@@ -168,6 +177,24 @@ class StepRecord:
     loss_transient_bytes: float = float("nan")
     """The highest allocation of the loss's backward above its start, until the first unit's backward; NaN when not
     measured."""
+    loss_retained_bytes: float = float("nan")
+    """Of what the loss allocated, the bytes still alive after the backward while the loss tensor is (MSE keeps a
+    tensor of its input's size: a pipeline's last stage holds one per micro-batch until its step ends); NaN when
+    not measured."""
+    held_bytes: list[float] | None = None
+    """Per unit, the bytes of the storages allocated from the start of its forward until the next unit's (the first
+    unit also gets what the model allocates before it) that are still alive when the forward ends: what a stage
+    holding the unit keeps per micro-batch until its backward, each storage once (None when memory was not
+    measured)."""
+    cut_bytes: list[float] | None = None
+    """Per unit, the bytes a pipeline cut just before it would send per micro-batch: every tensor made before the
+    unit starts (or given to the model) that the unit or a later one reads, or the model returns (None when memory
+    was not measured)."""
+    cut_grad_bytes: list[float] | None = None
+    """Per unit, the floating-point part of ``cut_bytes``: the gradients sent back across the cut."""
+    cut_freed_bytes: list[float] | None = None
+    """Per unit, the part of ``cut_bytes`` the forward frees before it ends: a stage that sends it keeps it anyway
+    (torch holds a stage's outputs until its backward)."""
 
 
 class LayerRecorder:
@@ -183,6 +210,7 @@ class LayerRecorder:
     ) -> None:
         self.model, self.units, self.clock = model, list(units), clock
         self.meter = meter  # set for a step whose memory is measured (not timed: reading it costs time)
+        self.tracker: LiveTensorBytes | None = None  # with the meter: which unit allocated each storage
         self.handles: list[Any] = []
         self.active = False
         owners: dict[int, int] = {}
@@ -203,13 +231,19 @@ class LayerRecorder:
         self.loss_base: int | None = None  # bytes allocated before the loss ran, then before its backward
         self.loss_activation: float = float("nan")
         self.loss_transient: float = float("nan")
+        self.loss_retained: float = float("nan")
+        self.held: dict[int, float] | None = None
+        self.reads: dict[tuple[Any, ...], list[Any]] = {}  # tensor -> [producer unit, last reader, bytes, float, key]
+        self.alive_at_end: set[int] = set()
+        if self.tracker is not None:
+            self.tracker.category = _BEFORE_FIRST
 
     def __enter__(self) -> LayerRecorder:
         self._state_keys = set()
         for t in list(self.model.parameters()) + list(self.model.buffers()):
             self._state_keys.add(_storage_key_and_bytes(t)[0])
         for index, (_, module) in enumerate(self.units):
-            self.handles.append(module.register_forward_pre_hook(self._make_pre(index)))
+            self.handles.append(module.register_forward_pre_hook(self._make_pre(index), with_kwargs=True))
             self.handles.append(module.register_forward_hook(self._make_post(index), prepend=True))
         self.handles.append(self.model.register_forward_pre_hook(self._root_pre))
         self._saved_hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
@@ -276,6 +310,7 @@ class LayerRecorder:
                 transients[u] = max(beyond) if transients[u] != transients[u] else max(transients[u], *beyond)
         act = [sum(saved.values()) for saved in self.saved]
         self._remove_node_hooks()
+        held, cuts = self._held_and_cuts(order)
         return StepRecord(
             step_ms=step_ms,
             fwd_ms=fwd,
@@ -289,20 +324,85 @@ class LayerRecorder:
             batch_shape=self.batch_shape,
             loss_activation_bytes=self.loss_activation,
             loss_transient_bytes=self.loss_transient,
+            loss_retained_bytes=self.loss_retained,
+            held_bytes=held,
+            cut_bytes=cuts[0] if cuts else None,
+            cut_grad_bytes=cuts[1] if cuts else None,
+            cut_freed_bytes=cuts[2] if cuts else None,
         )
 
+    def _held_and_cuts(self, order: list[int]) -> tuple[list[float] | None, tuple[list[float], ...] | None]:
+        """Per unit, the bytes held until the backward, and ``(cut, its gradients, its freed part)`` before it (see
+        :class:`StepRecord`); None when the step's storages were not tracked."""
+        if self.held is None or not order:
+            return None, None
+        n = len(self.units)
+        held = [self.held.get(u, 0.0) for u in range(n)]
+        held[order[0]] += self.held.get(-1, 0.0)  # what the model makes before its first unit is that unit's stage's
+        rank = {u: i for i, u in enumerate(order)}
+        cut, grad, freed = [0.0] * n, [0.0] * n, [0.0] * n
+        for producer, last, nbytes, floating, key in self.reads.values():
+            first = rank.get(producer, -1) + 1  # the first cut the tensor crosses, in call order
+            end = len(order) if last == _MODEL_OUTPUT else rank.get(last, -1)
+            for i in range(max(first, 1), end + 1):
+                u = order[i] if i < len(order) else None
+                if u is None:
+                    continue
+                cut[u] += nbytes
+                grad[u] += nbytes if floating else 0.0
+                freed[u] += nbytes if key not in self.alive_at_end else 0.0
+        return held, (cut, grad, freed)
+
+    def _note_reads(self, reader: int, tensors: Iterator[torch.Tensor]) -> None:
+        """Record that unit ``reader`` (or the model's output, :data:`_MODEL_OUTPUT`) reads ``tensors``: who made
+        each (the unit its storage was allocated under, -1 before any) and the last unit that reads it."""
+        tracker = self.tracker
+        if tracker is None:
+            return
+        for t in tensors:
+            key = _storage_key_and_bytes(t)[0]
+            if key in self._state_keys:
+                continue
+            made = tracker.category_of(t)
+            if made is None:
+                continue
+            producer = int(made[1:]) if made.startswith(_UNIT) else -1
+            ident = (key, t.storage_offset(), tuple(t.shape), tuple(t.stride()))
+            entry = self.reads.setdefault(ident, [producer, reader, tensor_bytes(t), t.is_floating_point(), key[-1]])
+            entry[1] = reader  # readers come in the order they run: the latest is the last
+
     # -- the loss (a memory step only) --------------------------------------------------
-    def before_loss(self) -> None:
-        """Note the bytes allocated before the loss runs."""
+    def before_loss(self, output: Any = None) -> None:
+        """Note the bytes allocated before the loss runs, what each unit holds until the backward, and what the
+        model returns (``output``: tensors a cut before their maker's successors sends on)."""
         if self.meter is not None:
             self.loss_base = self.meter.allocated()
+        tracker = self.tracker
+        if tracker is not None:
+            self._note_reads(_MODEL_OUTPUT, iter_tensors(output))
+            self.held = {
+                (int(c[1:]) if c.startswith(_UNIT) else -1): float(b)
+                for c, b in tracker.live_by.items()
+                if c.startswith(_UNIT) or c == _BEFORE_FIRST
+            }
+            self.alive_at_end = tracker.live_keys()
+            tracker.category = _LOSS
 
     def before_backward(self) -> None:
         """Note what the loss kept, and start the peak of its backward."""
-        if self.meter is not None and self.loss_base is not None:
+        if self.tracker is not None:
+            self.loss_activation = float(self.tracker.live_by.get(_LOSS, 0))
+            self.tracker.category = _BACKWARD
+        elif self.meter is not None and self.loss_base is not None:
             self.loss_activation = float(self.meter.allocated() - self.loss_base)
+        if self.meter is not None and self.loss_base is not None:
             self.meter.reset_peak()
             self.loss_base = self.meter.allocated()
+
+    def after_backward(self) -> None:
+        """Note what the loss still holds after the backward, while the loss tensor lives."""
+        if self.tracker is not None:
+            self.loss_retained = float(self.tracker.live_by.get(_LOSS, 0))
 
     # -- forward hooks ----------------------------------------------------------------
     def _root_pre(self, module: nn.Module, args: tuple[Any, ...]) -> None:
@@ -311,10 +411,13 @@ class LayerRecorder:
             if first is not None:
                 self.batch_shape = list(first.shape)
 
-    def _make_pre(self, index: int) -> Callable[[nn.Module, tuple[Any, ...]], None]:
-        def pre_hook(module: nn.Module, args: tuple[Any, ...]) -> None:
+    def _make_pre(self, index: int) -> Callable[[nn.Module, tuple[Any, ...], dict[str, Any]], None]:
+        def pre_hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
             if not self.active:
                 return None
+            if self.tracker is not None:
+                self._note_reads(index, iter_tensors((args, kwargs)))
+                self.tracker.category = f"{_UNIT}{index}"
             call = _Call(index)
             self.calls.append(call)
             self.stack.append(call)
@@ -449,6 +552,7 @@ def shapes(obj: Any) -> list[list[int]]:
 
 __all__ = [
     "current_unit",
+    "MEMORY_STEP_BEFORE",
     "iter_tensors",
     "LayerRecorder",
     "shapes",

@@ -8,7 +8,6 @@ described in :mod:`pipeswift_lab.profiling.hooks`; which submodules are units in
 
 from __future__ import annotations
 
-import contextlib
 import copy
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -22,7 +21,7 @@ from torch import nn
 from ..core.checks import check_flag, check_int
 from ..core.display import first_line
 from .clocks import make_clock
-from .hooks import LayerRecorder, StepRecord, current_unit, iter_tensors, shapes
+from .hooks import LayerRecorder, StepRecord, current_unit, iter_tensors, shapes, tensor_bytes
 from .table import COLUMNS, MEMORY_COLUMNS, Profile
 from .units import (
     AUTO,
@@ -101,6 +100,8 @@ def profile(
         )
     loss_name = "sum of outputs" if loss_fn is None else getattr(loss_fn, "__name__", type(loss_fn).__name__)
     meta = _run_meta("profile", device, loss=loss_name, warmup=warmup, repeats=repeats)
+    meta["input_bytes"] = sum(tensor_bytes(t) for t in iter_tensors((sample_args, sample_kwargs)))
+    meta["target_bytes"] = sum(tensor_bytes(t) for t in iter_tensors(target))
     return _build(runnable, units, records, meta)
 
 
@@ -241,10 +242,11 @@ class _TrainingStep:
             output = self.model(*self.args, **self.kwargs)
         except Exception as exc:
             raise ValueError(self._misfit(recorder, exc)) from exc
-        recorder.before_loss()
+        recorder.before_loss(output)
         loss = _loss_of(output, self.target, self.loss_fn)
         recorder.before_backward()
         loss.backward()
+        recorder.after_backward()
 
     def _misfit(self, recorder: LayerRecorder, exc: Exception) -> str:
         """Why the sample does not fit the model: the unit and layer that failed, and the sample's shapes."""
@@ -304,18 +306,21 @@ def _memory_step(recorder: LayerRecorder, device: torch.device, run_step: Callab
     """One more step, its memory measured unit by unit (CUDA's allocator statistics, or on CPU every storage the
     operators allocate, :mod:`pipeswift_lab.core.live_bytes`); its times are not kept."""
     from ..core.live_bytes import LiveTensorBytes, live_tensors, memory_meter
+    from .hooks import MEMORY_STEP_BEFORE
 
-    tracker = LiveTensorBytes() if device.type != "cuda" else None
-    if tracker is not None:  # what exists already (weights, buffers): an in-place update of it allocates nothing
-        tracker.adopt(live_tensors())
+    # every storage, on CUDA too, to tell which unit allocated it; an in-place update of what exists allocates nothing
+    tracker = LiveTensorBytes()
+    tracker.adopt(live_tensors(), MEMORY_STEP_BEFORE)
     recorder.meter = memory_meter(device, tracker)
+    recorder.tracker = tracker
     try:
-        with tracker if tracker is not None else contextlib.nullcontext():
+        with tracker:
             recorder.begin_step()
             run_step(recorder)
             return recorder.end_step()
     finally:
         recorder.meter = None
+        recorder.tracker = None
 
 
 def _loss_of(output: Any, target: Any, loss_fn: Callable[..., torch.Tensor] | None) -> torch.Tensor:
@@ -380,6 +385,7 @@ def _build(
         **meta,
         "loss_activation_bytes": memory.loss_activation_bytes if memory else float("nan"),
         "loss_transient_bytes": memory.loss_transient_bytes if memory else float("nan"),
+        "loss_retained_bytes": memory.loss_retained_bytes if memory else float("nan"),
         "step_ms_samples": [float(r.step_ms) for r in kept],
     }
     return Profile(pd.DataFrame(rows, columns=[*COLUMNS, *MEMORY_COLUMNS]), meta)
@@ -409,11 +415,25 @@ def _layer_rows(units: _Units, records: list[StepRecord], memory: StepRecord | N
                 "bwd_ms_iqr": float(bwd_iqr[u]),
                 "params": int(sum(p.numel() for p in params)),
                 "param_bytes": int(sum(p.numel() * p.element_size() for p in params)),
-                "activation_bytes": int(max(r.activation_bytes[u] for r in records)),
+                "activation_bytes": _activation_bytes(u, records, memory),
                 "output_bytes": int(max(r.output_bytes[u] for r in records)),
                 "peak_bytes": float(memory.peak_bytes[u]) if memory else float("nan"),
                 "transient_bytes": float(memory.transient_bytes[u]) if memory else float("nan"),
                 "largest_param_bytes": int(max((p.numel() * p.element_size() for p in params), default=0)),
+                **{col: _cut(memory, col, u) for col in ("cut_bytes", "cut_grad_bytes", "cut_freed_bytes")},
             }
         )
     return rows
+
+
+def _activation_bytes(u: int, records: list[StepRecord], memory: StepRecord | None) -> int:
+    """What unit ``u`` holds per micro-batch until its backward: measured storage by storage in the memory step
+    (:attr:`StepRecord.held_bytes`), else the distinct storages autograd saved in its forward calls."""
+    if memory is not None and memory.held_bytes is not None:
+        return int(memory.held_bytes[u])
+    return int(max(r.activation_bytes[u] for r in records))
+
+
+def _cut(memory: StepRecord | None, column: str, u: int) -> float:
+    values = getattr(memory, column, None) if memory is not None else None
+    return float(values[u]) if values is not None else float("nan")

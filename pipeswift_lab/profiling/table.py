@@ -47,14 +47,26 @@ COLUMNS: tuple[str, ...] = (
     "peak_bytes",
 )
 #: Optional per-layer memory columns a measured profile adds: ``transient_bytes`` (the most a layer's forward or
-#: backward allocates beyond what it keeps, its weight gradients included) and ``largest_param_bytes`` (its largest
-#: parameter tensor, what a per-tensor optimizer allocates temporaries of).
-MEMORY_COLUMNS: tuple[str, ...] = ("transient_bytes", "largest_param_bytes")
+#: backward allocates beyond what it keeps, its weight gradients included), ``largest_param_bytes`` (its largest
+#: parameter tensor, what a per-tensor optimizer allocates temporaries of), and what a pipeline cut just before the
+#: layer sends per micro-batch: ``cut_bytes`` (the previous layer's output and every other tensor a later layer
+#: reads: masks, rotary tables, the encoder's output), ``cut_grad_bytes`` (its floating-point part, whose gradients
+#: come back) and ``cut_freed_bytes`` (the part the forward frees before it ends, which the sending stage holds
+#: anyway). The cut columns are 0 for the first layer.
+MEMORY_COLUMNS: tuple[str, ...] = (
+    "transient_bytes",
+    "largest_param_bytes",
+    "cut_bytes",
+    "cut_grad_bytes",
+    "cut_freed_bytes",
+)
 #: Columns every Profile table has (``calls`` and ``wgrad_ms`` are optional).
 REQUIRED_COLUMNS: tuple[str, ...] = tuple(c for c in COLUMNS if c != "calls")
 _LAYER_TIMES = ("fwd_ms", "bwd_ms", "total_ms")
 _TIME_COLUMNS = ("fwd_ms", "bwd_ms", "fwd_ms_iqr", "bwd_ms_iqr", "wgrad_ms")
 _COUNT_COLUMNS = ("calls", "params", "param_bytes", "activation_bytes", "output_bytes", "largest_param_bytes")
+#: Byte columns that may be fractional (scaled, or medians) or NaN where unknown.
+_BYTE_COLUMNS = ("peak_bytes", "transient_bytes", "cut_bytes", "cut_grad_bytes", "cut_freed_bytes")
 _CSV_HEADER = "# pipeswift_lab.Profile "
 
 
@@ -65,13 +77,16 @@ class Profile:
     ``df`` has one row per layer in execution order: ``layer`` (0..L-1), ``name``, ``type``,
     ``calls`` (forward calls per step), ``fwd_ms``, ``bwd_ms`` (medians over the repeats),
     ``total_ms`` (their sum), ``fwd_ms_iqr``, ``bwd_ms_iqr`` (interquartile ranges),
-    ``params``, ``param_bytes``, ``activation_bytes`` (bytes saved for backward: what a stage
-    holds per in-flight micro-batch), ``output_bytes`` (what crosses a stage boundary after
-    this layer), ``peak_bytes`` (the highest allocation above the start of its forward or
+    ``params``, ``param_bytes``, ``activation_bytes`` (what a stage holds per in-flight
+    micro-batch until its backward: the storages the layer's forward allocates that are still
+    alive when the model's forward ends, each storage once, measured in the memory step; the
+    storages autograd saved where memory is not measured), ``output_bytes`` (the bytes the
+    layer returns), ``peak_bytes`` (the highest allocation above the start of its forward or
     backward, measured in one extra untimed step: CUDA's allocator statistics, or on CPU every
     storage the operators allocate; NaN in a synthetic profile) and, from :func:`profile`, the
-    :data:`MEMORY_COLUMNS`; ``meta`` also holds the loss's ``loss_activation_bytes`` and
-    ``loss_transient_bytes``. ``meta`` holds the device,
+    :data:`MEMORY_COLUMNS`; ``meta`` also holds the loss's ``loss_activation_bytes``,
+    ``loss_transient_bytes`` and ``loss_retained_bytes``, and the sample's ``input_bytes`` and
+    ``target_bytes``. ``meta`` holds the device,
     dtype, batch shape, torch version, repeats, warmup and the measured whole-step times
     (``step_ms_samples``). Profiles compare equal when their tables and meta do; they are not hashable.
     """
@@ -277,7 +292,7 @@ class Profile:
 def _check_columns(df: pd.DataFrame) -> None:
     """Refuse per-layer values a Profile cannot hold: the layer times must be finite numbers >= 0;
     spreads, ``wgrad_ms`` and byte/parameter counts numbers >= 0 (NaN where unknown)."""
-    for col in _LAYER_TIMES + _TIME_COLUMNS[2:] + _COUNT_COLUMNS:
+    for col in _LAYER_TIMES + _TIME_COLUMNS[2:] + _COUNT_COLUMNS + _BYTE_COLUMNS:
         if col not in df.columns:
             continue
         required = col in _LAYER_TIMES
@@ -333,7 +348,7 @@ def _given_column(name: str, values: Any, n: int) -> list[Any]:
         return [check_time(f"{name}[{i}]", v) for i, v in enumerate(values)]
     if name in _COUNT_COLUMNS:
         return [_count(f"{name}[{i}]", v, name) for i, v in enumerate(values)]
-    if name in ("peak_bytes", "transient_bytes"):
+    if name in _BYTE_COLUMNS:
         return [
             float("nan") if isinstance(v, float) and math.isnan(v) else check_time(f"{name}[{i}]", v)
             for i, v in enumerate(values)

@@ -68,7 +68,9 @@ def predicted_memory(
 def memory_frame(measured: list[dict[str, Any]], predicted: dict[str, Any] | None) -> pd.DataFrame:
     """One row per (replica, rank): the measured peaks beside the prediction for that pipeline rank (every replica
     of a rank holds the same), ``error`` = predicted / measured - 1, then the predicted terms and ``peak_at``, then
-    what was measured besides (``measured_*_bytes`` at the probed step, ``probed_step``, ``measure``)."""
+    what was measured besides (the peak's terms ``measured_{term}_bytes`` and ``measured_peak_at``, the training
+    state ``state_*_bytes`` at the probed step, ``probed_step``, ``measure``) and ``term_off``, the term whose
+    prediction is furthest from its measure."""
     rows = pd.DataFrame(measured)
     if rows.empty:
         return pd.DataFrame(columns=list(MEMORY_COLUMNS))
@@ -80,6 +82,19 @@ def memory_frame(measured: list[dict[str, Any]], predicted: dict[str, Any] | Non
         if col not in rows:
             rows[col] = float("nan")
     rows["error"] = rows["predicted_peak_bytes"] / rows["measured_peak_bytes"] - 1
+    rows = _term_off(rows)
     terms = [f"{t}_bytes" for t in MEMORY_TERMS if f"{t}_bytes" in rows] + (["peak_at"] if "peak_at" in rows else [])
     rest = [c for c in rows.columns if c not in MEMORY_COLUMNS and c not in terms]
     return rows[list(MEMORY_COLUMNS) + terms + rest].sort_values(["replica", "rank"]).reset_index(drop=True)
+
+
+def _term_off(rows: pd.DataFrame) -> pd.DataFrame:
+    """``rows`` with ``term_off``: the term whose prediction is furthest from its measure at the peak (bytes), where
+    the peak was measured term by term (CPU) and predicted."""
+    pairs = [t for t in MEMORY_TERMS if f"{t}_bytes" in rows and f"measured_{t}_bytes" in rows]
+    if not pairs:
+        return rows
+    gaps = pd.DataFrame({t: rows[f"{t}_bytes"] - rows[f"measured_{t}_bytes"] for t in pairs})
+    rows = rows.copy()
+    rows["term_off"] = gaps.abs().fillna(-1.0).idxmax(axis=1).where(gaps.notna().any(axis=1))
+    return rows

@@ -107,8 +107,10 @@ def test_residual_modulelist_tied_kwargs_inplace_model():
     # tied weight counted in both units (each pipeline stage holds a copy); meta counts it once
     assert df.loc["head", "params"] == 80 and df.loc["embed", "params"] == 80
     assert prof.meta["model_params"] == 80 + 2 * 72
-    # in-place ReLU saves its (4, 5, 8) float32 result on each call; output is (4, 5, 8)
-    assert df.loc["act", "activation_bytes"] == 2 * 4 * 5 * 8 * 4
+    # in-place ReLU saves its (4, 5, 8) float32 result on each call, the storage of the residual sum made after the
+    # block before it: that block holds it (a stage holds each storage once), the ReLU allocates nothing
+    assert df.loc["act", "activation_bytes"] == 0
+    assert df.loc["blocks.0", "activation_bytes"] == df.loc["blocks.1", "activation_bytes"] == 4 * 5 * 8 * 4
     assert df.loc["act", "output_bytes"] == 2 * 4 * 5 * 8 * 4
     assert df.loc["head", "output_bytes"] == 4 * 5 * 10 * 4
     assert prof.meta["model"] == "Residual"
@@ -166,10 +168,15 @@ def test_activation_and_output_bytes_are_measured_exactly():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(inplace=True), nn.Linear(32, 4))
     prof = profile(model, torch.randn(8, 16), repeats=1, warmup=0, progress=False)
-    # Linear saves its input (weights are parameters, excluded); in-place ReLU saves its result,
-    # the same storage the last Linear saves as its input
-    assert list(prof.df["activation_bytes"]) == [8 * 16 * 4, 8 * 32 * 4, 8 * 32 * 4]
+    # a layer holds what it allocates and the backward needs, each storage once: the first Linear saves the sample
+    # (made before the step: no layer's), returns 8x32 that the in-place ReLU saves as its result and the last Linear
+    # as its input (one storage, the first Linear's); the last returns the 8x4 output
+    assert list(prof.df["activation_bytes"]) == [8 * 32 * 4, 0, 8 * 4 * 4]
     assert list(prof.df["output_bytes"]) == [8 * 32 * 4, 8 * 32 * 4, 8 * 4 * 4]
+    # a cut before the ReLU or the last Linear sends the 8x32 tensor (floating: its gradient comes back), which the
+    # forward keeps anyway
+    assert list(prof.df["cut_bytes"]) == list(prof.df["cut_grad_bytes"]) == [0, 8 * 32 * 4, 8 * 32 * 4]
+    assert list(prof.df["cut_freed_bytes"]) == [0, 0, 0]
     assert list(prof.df["params"]) == [16 * 32 + 32, 0, 32 * 4 + 4]
 
 

@@ -46,8 +46,8 @@ def assert_predicted_within_tolerance(result):
     assert abs(worst["error"]) <= TOLERANCE, memory[["rank", "measured_peak_bytes", "predicted_peak_bytes", "peak_at"]]
     # each rank holds its own stages' weights only (the rest of the model is released in the worker), exactly as
     # predicted, with gradients and Adam's two moments of the same size
-    assert (memory["measured_param_bytes"] == memory["weights_bytes"]).all()
-    assert (memory["measured_optimizer_bytes"] == 2 * memory["measured_param_bytes"]).all()
+    assert (memory["state_param_bytes"] == memory["weights_bytes"]).all()
+    assert (memory["state_optimizer_bytes"] == 2 * memory["state_param_bytes"]).all()
     assert memory["resident_peak_bytes"].gt(0).all()
 
 

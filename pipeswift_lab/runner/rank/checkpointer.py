@@ -112,6 +112,10 @@ class Checkpointer:
             self._stager = Stager(flat, self.inputs.device)
         return self._stager
 
+    def staging_buffers(self) -> list[torch.Tensor]:
+        """The staging buffer this rank holds for the whole run (none without one)."""
+        return [self._stager.buffer] if self._stager is not None else []
+
     @property
     def enabled(self) -> bool:
         """Whether the run has a checkpoint root."""

@@ -6,10 +6,19 @@ Two measures, kept apart because they answer different questions:
   during one step: parameters, buffers, gradients, optimizer state, saved activations, the
   schedule's send and receive buffers and every transient an operator allocates. On CUDA it is
   ``torch.cuda.max_memory_allocated`` over all steps (the caching allocator counts it for free).
-  On CPU it is :class:`~pipeswift_lab.core.live_bytes.LiveTensorBytes`, whose baseline is every
-  tensor the garbage collector reaches when it starts. It runs for one step, the *probed* step:
-  the second of the run (the first after the optimizer has built its state), since a Python call
-  per operator costs tens of percent of that step (``benchmarks/bench_memory.py`` reports it).
+  On CPU it is :class:`~pipeswift_lab.core.live_bytes.LiveTensorBytes`, counting what a device
+  would hold: the rank's stage modules, their optimizer state, torch's receive buffers and the
+  step's batch (the first stage's inputs, the last stage's targets), a checkpoint's staging
+  buffer, and everything an operator allocates during the step (not the rest of the process:
+  the other steps' batches, the spec). It runs for one step, the *probed* step: the second of
+  the run (the first after the optimizer has built its state), since a Python call per
+  operator costs tens of percent of that step (``benchmarks/bench_memory.py`` reports it).
+  The CPU measure also tells the peak apart by the memory model's terms
+  (:data:`~pipeswift_lab.core.memory_model.MEMORY_TERMS`, ``measured_{term}_bytes``) and says
+  during which action it came (``measured_peak_at``): what an operator allocates during a
+  forward (and the loss) counts as activations, during a backward or the optimizer step as
+  transient until it becomes a parameter's gradient (``grads``) or a receive buffer's
+  (``buffers``).
 * **process level** — on CPU ``resident_peak_bytes``: the process's resident high-water
   (``VmHWM``) over all steps, above its resident size just before the first step (the
   high-water is reset there through ``/proc/self/clear_refs``); it adds the allocator's and the
@@ -28,9 +37,10 @@ from typing import Any
 
 import torch
 
-from ...core.live_bytes import LiveTensorBytes, live_tensors
+from ...core.live_bytes import LiveTensorBytes
+from ...core.memory_model import MEMORY_TERMS
 
-__all__ = ["MemoryProbe", "probed_step", "resident_bytes"]
+__all__ = ["MemoryProbe", "probed_step", "resident_bytes", "STAGING"]
 
 
 def resident_bytes() -> tuple[int, int] | None:
@@ -65,9 +75,13 @@ def probed_step(first_step: int, steps: int) -> int | None:
     return first_step + 1 if steps - first_step > 1 else first_step
 
 
+#: What the CPU measure counts a storage as, besides the memory model's terms: a checkpoint's staging buffer.
+STAGING = "staging"
+
+
 class MemoryProbe:
-    """One rank's memory measure: ``start()`` just before the first step, ``step(n)`` around each step's work
-    (schedule, flags, update), ``report()`` at the end (a dict for the rank's payload)."""
+    """One rank's memory measure: ``watch()`` the stages once, ``start()`` just before the first step, ``step(n)``
+    around each step's work (schedule, flags, update), ``report()`` at the end (a dict for the rank's payload)."""
 
     def __init__(self, device: torch.device, probe_step: int | None, enabled: bool = True) -> None:
         self.cuda = device.type == "cuda"
@@ -78,6 +92,90 @@ class MemoryProbe:
         self.baseline_rss: int | None = None
         self.high_water_reset = False
         self.state_bytes: dict[str, int] = {}
+        self.stages: list[Any] = []
+        self.optimizer: torch.optim.Optimizer | None = None
+        self.staging: list[torch.Tensor] = []
+        self.report_tracker: LiveTensorBytes | None = None
+
+    def watch(self, stages: list[Any], schedule: Any, optimizer: torch.optim.Optimizer) -> None:
+        """Wrap ``stages``' compute methods and ``schedule``'s loss so that the probed step counts what each action
+        allocates under its term (forward and loss: activations; backward: transient, then grads and buffers)."""
+        self.stages, self.optimizer = stages, optimizer
+        if not self.enabled or self.cuda:
+            return
+        for stage in stages:
+            self._wrap(stage)
+        compute = schedule._maybe_compute_loss
+
+        def _maybe_compute_loss(stage: Any, output: Any, target_mbs: Any, mb_index: int, *a: Any, **k: Any) -> Any:
+            with self.during(f"loss stage {stage.stage_index} mb {mb_index}", "activations"):
+                return compute(stage, output, target_mbs, mb_index, *a, **k)
+
+        schedule._maybe_compute_loss = _maybe_compute_loss
+
+    def _wrap(self, stage: Any) -> None:
+        s = stage.stage_index
+        forward, backward, weight = stage.forward_one_chunk, stage.backward_one_chunk, stage.backward_weight_one_chunk
+
+        def forward_one_chunk(mb: int, *args: Any, **kwargs: Any) -> Any:
+            with self.during(f"F stage {s} mb {mb}", "activations"):
+                return forward(mb, *args, **kwargs)
+
+        def backward_one_chunk(mb: int, *args: Any, full_backward: bool = True, **kwargs: Any) -> Any:
+            kind = "B" if full_backward else "I"
+            with self.during(f"{kind} stage {s} mb {mb}", "transient"):
+                out = backward(mb, *args, full_backward=full_backward, **kwargs)
+            self.settle()
+            return out
+
+        def backward_weight_one_chunk(mb: int, *args: Any, **kwargs: Any) -> Any:
+            with self.during(f"W stage {s} mb {mb}", "transient"):
+                out = weight(mb, *args, **kwargs)
+            self.settle()
+            return out
+
+        stage.forward_one_chunk = forward_one_chunk
+        stage.backward_one_chunk = backward_one_chunk
+        stage.backward_weight_one_chunk = backward_weight_one_chunk
+
+    @contextlib.contextmanager
+    def during(self, action: str, category: str = "transient") -> Iterator[None]:
+        """Count what is allocated inside the block under ``category``, and name ``action`` if the peak comes there."""
+        tracker = self.tracker
+        if tracker is None:
+            yield
+            return
+        before = (tracker.label, tracker.category)
+        tracker.label, tracker.category = action, category
+        try:
+            yield
+        finally:
+            tracker.label, tracker.category = before
+
+    def settle(self) -> None:
+        """Count the gradients that exist now as what they are: a parameter's as ``grads``, a receive buffer's as
+        ``buffers`` (call after each backward, and after the tied weights' gradients are summed)."""
+        tracker = self.tracker
+        if tracker is None:
+            return
+        tracker.tag((p.grad for stage in self.stages for p in stage.submod.parameters() if p.grad is not None), "grads")
+        tracker.tag((b.grad for b in self._recv_buffers() if b.grad is not None), "buffers")
+
+    def _recv_buffers(self) -> list[torch.Tensor]:
+        """torch's receive buffers of this rank's stages: activations (per micro-batch) and output gradients."""
+        out = []
+        for stage in self.stages:
+            activations, gradients = getattr(stage, "args_recv_info", {}), getattr(stage, "grad_recv_info", {})
+            for infos in (*activations.values(), *gradients.values()):
+                for info in infos if isinstance(infos, (tuple, list)) else ():
+                    buffer = getattr(info, "buffer", None)
+                    if isinstance(buffer, torch.Tensor):
+                        out.append(buffer)
+        return out
+
+    def keep_staging(self, tensors: list[torch.Tensor]) -> None:
+        """The checkpoint staging buffers this rank holds for the whole run (counted on CPU as ``staging``)."""
+        self.staging = list(tensors)
 
     def start(self) -> None:
         """Reset the peak counters: CUDA's statistics, or the process's resident high-water."""
@@ -93,15 +191,34 @@ class MemoryProbe:
 
     @contextlib.contextmanager
     def step(self, step: int) -> Iterator[None]:
-        """Around one step's work: on CPU the probed step runs under :class:`LiveTensorBytes`."""
+        """Around one step's work: on CPU the probed step runs under :class:`LiveTensorBytes`, which starts from what
+        the rank holds for the whole run (its modules, optimizer state, receive and staging buffers)."""
         if self.cuda or step != self.probe_step:
             yield
             return
-        tracker = LiveTensorBytes()
-        tracker.adopt(live_tensors())
-        with tracker:
-            yield
+        tracker = LiveTensorBytes(category="transient")
+        modules = [stage.submod for stage in self.stages]
+        tracker.adopt((t for mod in modules for t in (*mod.parameters(), *mod.buffers())), "weights")
+        if self.optimizer is not None:
+            state = (t for st in self.optimizer.state.values() for t in st.values() if isinstance(t, torch.Tensor))
+            tracker.adopt(state, "optimizer")
+        tracker.adopt(self._recv_buffers(), "buffers")
+        tracker.adopt(self.staging, STAGING)
+        tracker.label = "between actions"
+        tracker.reset_peak()
         self.tracker = tracker
+        try:
+            with tracker:
+                yield
+        finally:
+            self.tracker = None
+        self.report_tracker = tracker
+
+    def note_batch(self, tensors: list[torch.Tensor]) -> None:
+        """Count the step's batch this rank feeds (inputs on the first stage, targets on the last) as ``buffers``,
+        each tensor its own bytes (a slice of a larger batch is what a device would hold a copy of)."""
+        if self.tracker is not None:
+            self.tracker.adopt(tensors, "buffers", own_bytes=True)
 
     def note_state(self, modules: list[torch.nn.Module], optimizer: torch.optim.Optimizer) -> None:
         """Record the bytes of this rank's parameters, buffers, gradients and optimizer state (call with the
@@ -126,18 +243,24 @@ class MemoryProbe:
 
     def report(self) -> dict[str, Any]:
         """What was measured: ``measured_peak_bytes`` and ``resident_peak_bytes`` (CPU) or ``reserved_peak_bytes``
-        (CUDA), the state bytes, and ``probed_step`` (CPU)."""
+        (CUDA), the training state's bytes (``state_*_bytes``), on CPU the peak's terms (``measured_{term}_bytes``,
+        ``measured_peak_at``) and ``probed_step``."""
         if not self.enabled:
             return {}
-        out: dict[str, Any] = {f"measured_{k}": v for k, v in self.state_bytes.items()}
+        out: dict[str, Any] = {f"state_{k}": v for k, v in self.state_bytes.items()}
         if self.cuda:  # pragma: no cover - needs a GPU
             torch.cuda.synchronize(self.device)
             out["measured_peak_bytes"] = int(torch.cuda.max_memory_allocated(self.device))
             out["reserved_peak_bytes"] = int(torch.cuda.max_memory_reserved(self.device))
             out["measure"] = "cuda max_memory_allocated (all steps)"
             return out
-        out["measured_peak_bytes"] = self.tracker.peak_bytes if self.tracker is not None else float("nan")
-        out["probed_step"] = self.probe_step if self.tracker is not None else None
+        tracker = self.report_tracker
+        out["measured_peak_bytes"] = tracker.peak_bytes if tracker is not None else float("nan")
+        out["probed_step"] = self.probe_step if tracker is not None else None
+        if tracker is not None:
+            for term in (*MEMORY_TERMS, STAGING):
+                out[f"measured_{term}_bytes"] = tracker.peak_by.get(term, 0)
+            out["measured_peak_at"] = tracker.peak_label
         rss = resident_bytes()
         if rss is not None and self.baseline_rss is not None and self.high_water_reset:
             out["resident_peak_bytes"] = max(0, rss[1] - self.baseline_rss)

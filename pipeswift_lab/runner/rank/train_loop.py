@@ -195,13 +195,16 @@ def _set_up(inputs: RankInputs) -> RankState:
     stop.install()
     attempt = attempt_number()
     saver = Checkpointer(inputs, rank_module(stages), optimizer, attempt)
+    memory = MemoryProbe(inputs.device, None, enabled=spec.instrument)
+    memory.watch(stages, schedule, optimizer)
+    memory.keep_staging(saver.staging_buffers())
     return RankState(
         stages=stages,
         optimizer=optimizer,
         tied=tied,
         schedule=schedule,
         recorder=recorder,
-        memory=MemoryProbe(inputs.device, None, enabled=spec.instrument),
+        memory=memory,
         stop=stop,
         saver=saver,
         attempt=attempt,
@@ -293,7 +296,8 @@ def _train_steps(inputs: RankInputs, state: RankState) -> StepLog:
             if bad and job.on_nonfinite == "skip":
                 log.skipped.append(step)
             else:
-                state.optimizer.step()
+                with state.memory.during("optimizer step"):
+                    state.optimizer.step()
             if step == state.memory.probe_step:
                 state.memory.note_state([unwrapped(stage.submod) for stage in state.stages], state.optimizer)
             state.optimizer.zero_grad(set_to_none=True)
@@ -339,9 +343,12 @@ def _run_step(inputs: RankInputs, state: RankState, step: int) -> tuple[int, flo
             inputs_b, targets_b = inputs_b[rows], targets_b[rows]
         args = (inputs_b.to(device),) if holds_first else ()
         kwargs = {"target": targets_b.to(device), "losses": []} if holds_last else {}
+        state.memory.note_batch([*args, *([kwargs["target"]] if holds_last else [])])
     start_ns = state.recorder.start_step(step)
     state.schedule.step(*args, return_outputs=False, **kwargs)
-    state.tied.sync()
+    with state.memory.during("tied gradients"):
+        state.tied.sync()
+    state.memory.settle()
     loss = float(torch.stack([x.detach() for x in kwargs["losses"]]).float().mean()) if holds_last else 0.0
     if holds_last and topo.replica_group is not None:  # the global batch's loss: the mean over the replicas
         mean = torch.tensor([loss], dtype=torch.float64)
