@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import gc
 import weakref
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any, Protocol
 
 import torch
@@ -37,6 +37,8 @@ class LiveTensorBytes(TorchDispatchMode):
     allocated during a backward becomes ``"grads"``). ``live_by`` gives the bytes alive per
     category now and ``peak_by`` as they stood at the peak, so a peak can be told apart term
     by term; ``peak_label`` is what ``label`` (settable: what is running) said when it came.
+    ``on_op``, when set, is called with every operator's arguments and result after it runs (what it
+    read and made). A storage's :meth:`serial` tells it apart from a later one at the same address.
     """
 
     def __init__(self, category: str = "other") -> None:
@@ -48,7 +50,10 @@ class LiveTensorBytes(TorchDispatchMode):
         self.peak_by: dict[str, int] = {}
         self.label = ""
         self.peak_label = ""
+        self.on_op: Callable[[Any, Any, Any], None] | None = None
         self._sizes: dict[int, tuple[int, str]] = {}
+        self._serials: dict[int, int] = {}
+        self._next_serial = 0
 
     def adopt(self, tensors: Iterable[torch.Tensor], category: str | None = None, *, own_bytes: bool = False) -> None:
         """Count the storages of ``tensors`` (those alive before the mode started) under ``category`` (default: the
@@ -75,12 +80,19 @@ class LiveTensorBytes(TorchDispatchMode):
         entry = self._sizes.get(key) if key is not None else None
         return entry[1] if entry is not None else None
 
-    def live_keys(self) -> set[int]:
-        """The data pointers of the storages alive now."""
-        return set(self._sizes)
+    def serial(self, t: torch.Tensor) -> int | None:
+        """The number of ``t``'s storage, counted from 0 in the order the storages were first counted (None when it
+        is not counted): unlike its address, which a later storage may reuse, it names one storage."""
+        key = _key(t)
+        return self._serials.get(key) if key is not None else None
+
+    def live_serials(self) -> set[int]:
+        """The numbers (:meth:`serial`) of the storages alive now."""
+        return set(self._serials.values())
 
     def _release(self, key: int) -> None:
         size, category = self._sizes.pop(key, (0, ""))
+        self._serials.pop(key, None)
         if size:
             self.live_bytes -= size
             self.live_by[category] -= size
@@ -93,6 +105,8 @@ class LiveTensorBytes(TorchDispatchMode):
         size = t.numel() * t.element_size() if own_bytes else storage.nbytes()
         category = category or self.category
         self._sizes[key] = (size, category)
+        self._serials[key] = self._next_serial
+        self._next_serial += 1
         self.live_bytes += size
         self.live_by[category] = self.live_by.get(category, 0) + size
         weakref.finalize(storage, self._release, key).atexit = False  # nothing to count once the process ends
@@ -113,6 +127,8 @@ class LiveTensorBytes(TorchDispatchMode):
             for t in out:
                 if isinstance(t, torch.Tensor):
                     self._add(t)
+        if self.on_op is not None:
+            self.on_op(args, kwargs, out)
         return out
 
 

@@ -14,9 +14,14 @@ schedule's receive buffers; the rest comes and goes with the actions of
   added to ``.grad``, on the last stage the loss's backward); the stage's ``.grad`` tensors
   grow during its first backward of the step (its weight gradients become them) and stay
   until ``zero_grad(set_to_none=True)`` after the optimizer step; on the last stage the loss
-  tensor of every micro-batch lives until the step ends, and with it what the loss retains
-  after its backward (MSE keeps a tensor of its input's size); torch drops the gradient of a
-  receive buffer once its send is queued (``stage_backward`` sets ``.grad = None``, torch 2.13);
+  tensor of every micro-batch lives until the schedule's step ends, and with it what the loss
+  retains after its backward (MSE keeps a tensor of its input's size); torch drops the gradient
+  of a receive buffer once its send is queued (``stage_backward`` sets ``.grad = None``, torch 2.13);
+* a tensor sent to another rank lives until torch waits on its send (:data:`SEND_WAITS`): the
+  multi-stage runtime (``Interleaved1F1B`` and every schedule after it in the vocabulary) waits
+  on every send at the end of the step, so each output it sent outlives its backward and each
+  input gradient its own; ``GPipe`` waits on its backward sends after the last backward;
+  ``1F1B`` on each send before the next;
 * for the whole step: the receive buffers torch allocates per micro-batch (activations from the
   stage before, gradients from the stage after) and the step's batch (the first stage's
   inputs, the last stage's targets); with data-parallel replicas, DDP's gradient buckets (a
@@ -38,6 +43,8 @@ from dataclasses import dataclass
 
 __all__ = [
     "MEMORY_TERMS",
+    "SEND_WAITS",
+    "send_wait",
     "OptimizerMemory",
     "StageBytes",
     "default_optimizer_memory",
@@ -46,6 +53,20 @@ __all__ = [
 
 #: The terms of a rank's peak, in the order they are shown.
 MEMORY_TERMS = ("weights", "grads", "optimizer", "activations", "buffers", "transient")
+
+#: When torch waits on a schedule's sends, which keep what they send alive until then: ``"step"`` (every send at the
+#: end of the step: ``_PipelineScheduleRuntime``), ``"backwards"`` (the backward sends after the last backward:
+#: ``ScheduleGPipe``; its forward outputs live until their backwards anyway), ``"next"`` (each before the next:
+#: ``Schedule1F1B``).
+SEND_WAITS = ("step", "backwards", "next")
+
+
+def send_wait(schedule: str) -> str:
+    """When torch's ``schedule`` waits on its sends (one of :data:`SEND_WAITS`)."""
+    from .vocabulary import canonical_schedule
+
+    name = canonical_schedule(schedule)
+    return "backwards" if name == "GPipe" else "next" if name == "1F1B" else "step"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -115,6 +136,11 @@ class StageBytes:
     batch: float = 0.0
     """One micro-batch of the step's batch this stage is fed: the inputs on the first stage, the targets on the
     last."""
+    sent_output: float = 0.0
+    """One micro-batch's output sent to a stage on another rank (0 when the next stage is on this rank, or none)."""
+    sent_grad: float = 0.0
+    """One micro-batch's input gradient sent to a stage on another rank (0 when the stage before is on this rank, or
+    none)."""
     buckets: float = 0.0
     """Gradient buckets kept for the whole run: DDP's copy of the gradients it all-reduces (``D > 1``)."""
     largest_param: float = 0.0
@@ -126,19 +152,25 @@ def rank_peak(
     order: Sequence[tuple[str, int, int]],
     m: int,
     optimizer: OptimizerMemory,
+    sends: str = "next",
 ) -> dict[str, float | str]:
     """Replay one rank's ``order`` (``(kind, stage, microbatch)`` actions, as
-    :func:`~pipeswift_lab.core.schedule_orders.compute_orders` gives them) over its ``stages`` and return its peak.
+    :func:`~pipeswift_lab.core.schedule_orders.compute_orders` gives them) over its ``stages`` and return its peak;
+    ``sends`` says when the schedule waits on its sends (:data:`SEND_WAITS`, :func:`send_wait`).
 
-    Returns a dict: ``peak_bytes``, each of :data:`MEMORY_TERMS` as ``{term}_bytes`` at the peak, and ``peak_at``
-    (the action, e.g. ``"B stage 1 mb 0"``, or ``"optimizer step"``).
+    Returns a dict: ``peak_bytes``, each of :data:`MEMORY_TERMS` as ``{term}_bytes`` at the peak, ``peak_at``
+    (the action, e.g. ``"B stage 1 mb 0"``, or ``"optimizer step"``), and each term as it stands when the rank's
+    first backward starts, ``{term}_before_backward_bytes`` (a moment without a backward's frees and transients).
     """
+    if sends not in SEND_WAITS:
+        raise ValueError(f"sends={sends!r} is not one of {list(SEND_WAITS)}")
     weights = sum(s.weights for s in stages.values())
     state = sum(s.optimizer for s in stages.values())
     buffers = m * sum(s.recv + s.grad_recv + s.batch for s in stages.values()) + sum(s.buckets for s in stages.values())
     held: dict[tuple[int, int], float] = {}
     graded: set[int] = set()
-    retained = 0.0  # what the backwards so far leave until the step ends (the loss tensors' retained tensors)
+    retained = 0.0  # what the step's backwards leave until it ends: the loss tensors' retained, the outputs sent
+    sent_grads = 0.0  # the input gradients sent and not yet waited on
     best: dict[str, float | str] = {"peak_bytes": -1.0}
 
     def consider(where: str, transient: float) -> None:
@@ -147,7 +179,7 @@ def rank_peak(
             "grads_bytes": sum(stages[s].grads for s in graded),
             "optimizer_bytes": state,
             "activations_bytes": sum(held.values()) + retained,
-            "buffers_bytes": buffers,
+            "buffers_bytes": buffers + sent_grads,
             "transient_bytes": transient,
         }
         total = sum(terms.values())
@@ -155,9 +187,17 @@ def rank_peak(
             best.clear()
             best.update(terms, peak_bytes=total, peak_at=where)
 
+    before_backward: dict[str, float] = {}
     for kind, s, mb in order:
         stage = stages[s]
         where = f"{kind} stage {s} mb {mb}"
+        if kind != "F" and not before_backward:  # what the rank holds as its first backward starts
+            saved = dict(best)
+            best["peak_bytes"] = -1.0
+            consider("before backward", 0.0)
+            before_backward = {k: float(v) for k, v in best.items() if k.endswith("_bytes") and k != "peak_bytes"}
+            best.clear()
+            best.update(saved)
         if kind == "F":
             held[(s, mb)] = stage.activations
             consider(where, 0.0)
@@ -173,9 +213,13 @@ def rank_peak(
             graded.add(s)
         if kind in ("B", "I"):
             retained += stage.retained
+            sent_grads += stage.sent_grad if sends != "next" else 0.0
         if kind in ("B", "W"):
             held.pop((s, mb), None)
+            retained += stage.sent_output if sends == "step" else 0.0
     graded.update(stages)
+    retained = sent_grads = 0.0  # the schedule's step has returned: its sends are waited on, its losses dropped
     largest = max((s.largest_param for s in stages.values()), default=0.0)
     consider("optimizer step", optimizer.transient(largest, weights))
+    best.update({f"{k.removesuffix('_bytes')}_before_backward_bytes": v for k, v in before_backward.items()})
     return best

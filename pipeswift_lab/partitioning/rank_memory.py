@@ -11,19 +11,27 @@ transients beyond a layer's weight gradient) is scaled from the profiled micro-b
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pandas as pd
 
-from ..core.memory_model import MEMORY_TERMS, OptimizerMemory, StageBytes, default_optimizer_memory, rank_peak
+from ..core.memory_model import (
+    MEMORY_TERMS,
+    OptimizerMemory,
+    StageBytes,
+    default_optimizer_memory,
+    rank_peak,
+    send_wait,
+)
 from ..core.precision import OPTIMIZER_STATES, PRECISIONS
 
 if TYPE_CHECKING:
     from .layers import Bounds, Layers
 
-__all__ = ["RANK_MEMORY_COLUMNS", "rank_memory", "stage_bytes"]
+__all__ = ["RANK_MEMORY_COLUMNS", "rank_memory", "stage_bytes", "with_sends"]
 
 #: The columns of :func:`rank_memory`, one row per rank.
 RANK_MEMORY_COLUMNS = (
@@ -74,6 +82,13 @@ def stage_bytes(
     weight_grad = np.minimum(transient, grads)  # a micro-batch's weight gradient does not scale with its size
     activation_transient = (transient - weight_grad) * scale
     layer_transient = weight_grad + activation_transient
+    accumulate = (
+        layers.df["accumulate_transient_bytes"].to_numpy(float) if "accumulate_transient_bytes" in layers.df else None
+    )
+    if accumulate is not None and bool(np.all(np.isfinite(accumulate))):
+        # measured adding to the gradients there are: one weight's temporary at a time beside the activations' ones
+        temporary = np.minimum(accumulate, largest)
+        layer_transient = temporary + (accumulate - temporary) * scale
     loss_act = _meta_bytes(layers, "loss_activation_bytes")
     loss_transient = _meta_bytes(layers, "loss_transient_bytes")
     loss_retained = _meta_bytes(layers, "loss_retained_bytes")
@@ -128,6 +143,24 @@ def _cut_at(layers: Layers, column: str, layer: int) -> float:
     return float(layers.df[column].iloc[layer])
 
 
+def with_sends(stages: Sequence[StageBytes], placement: Sequence[int]) -> list[StageBytes]:
+    """``stages`` with what each sends to another rank per micro-batch: its output where the next stage is on
+    another rank (what that stage receives), its input's gradient where the stage before is (what that one
+    receives back)."""
+    out = []
+    for s, stage in enumerate(stages):
+        ahead = s + 1 < len(stages) and placement[s + 1] != placement[s]
+        behind = s > 0 and placement[s - 1] != placement[s]
+        out.append(
+            dataclasses.replace(
+                stage,
+                sent_output=stages[s + 1].recv if ahead else 0.0,
+                sent_grad=stages[s - 1].grad_recv if behind else 0.0,
+            )
+        )
+    return out
+
+
 def _meta_bytes(layers: Layers, key: str) -> float:
     try:
         value = float(layers.meta.get(key))  # type: ignore[arg-type]  # None and text are caught below
@@ -155,7 +188,8 @@ def rank_memory(
 
     ``optimizer`` is an :class:`~pipeswift_lab.core.memory_model.OptimizerMemory` or a name of
     :data:`~pipeswift_lab.core.precision.OPTIMIZER_STATES` (torch's default implementation on the profile's
-    device). Returns a DataFrame with :data:`RANK_MEMORY_COLUMNS`, one row per rank.
+    device). Returns a DataFrame with :data:`RANK_MEMORY_COLUMNS`, then every term as it stands when the rank's first
+    backward starts (``{term}_before_backward_bytes``), one row per rank.
     """
     from ..core.schedule_orders import compute_orders
 
@@ -165,12 +199,15 @@ def rank_memory(
         optimizer = default_optimizer_memory(optimizer, str(layers.meta.get("device", "cpu")).split(":")[0])
     profiled = layers.meta.get("batch_size")
     scale = micro_batch_size / profiled if micro_batch_size and profiled else 1.0
-    per_stage = stage_bytes(layers, bounds, scale=scale, precision=precision, optimizer=optimizer, D=D)
+    per_stage = with_sends(
+        stage_bytes(layers, bounds, scale=scale, precision=precision, optimizer=optimizer, D=D), placement
+    )
     orders = compute_orders(P, m, schedule, v, check=False)
+    sends = send_wait(schedule)
     rows: list[dict[str, Any]] = []
     for r in range(P):
         mine = {s: per_stage[s] for s, rank in enumerate(placement) if rank == r}
-        peak = rank_peak(mine, orders[r], m, optimizer)
+        peak = rank_peak(mine, orders[r], m, optimizer, sends)
         rows.append(
             {
                 "rank": r,
@@ -178,6 +215,7 @@ def rank_memory(
                 "predicted_peak_bytes": peak["peak_bytes"],
                 **{f"{t}_bytes": peak[f"{t}_bytes"] for t in MEMORY_TERMS},
                 "peak_at": peak["peak_at"],
+                **{f"{t}_before_backward_bytes": peak.get(f"{t}_before_backward_bytes", 0.0) for t in MEMORY_TERMS},
             }
         )
-    return pd.DataFrame(rows, columns=list(RANK_MEMORY_COLUMNS))
+    return pd.DataFrame(rows, columns=[*RANK_MEMORY_COLUMNS, *(f"{t}_before_backward_bytes" for t in MEMORY_TERMS)])

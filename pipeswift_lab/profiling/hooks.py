@@ -56,7 +56,6 @@ The helpers that pick the units and give the model back as it was are in
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -64,6 +63,8 @@ from torch import nn
 
 from ..core.live_bytes import LiveTensorBytes, MemoryMeter
 from .clocks import Clock
+from .crossings import StorageAttribution
+from .step_record import StepRecord
 
 try:  # the engine's next sequence number; a throw-away node is the fallback probe
     _peek_sequence_nr = torch._C._autograd._get_sequence_nr
@@ -102,15 +103,6 @@ def _storage_key_and_bytes(t: torch.Tensor) -> tuple[tuple[Any, ...], int]:
         return ("id", id(t)), tensor_bytes(t)
 
 
-#: The categories the memory step counts storages under: alive before the step (adopted), made before the first
-#: unit, made from unit ``i``'s forward start until the next unit's (``u{i}``), by the loss, during the backward.
-_BEFORE, _BEFORE_FIRST, _UNIT, _LOSS, _BACKWARD = "before", "before first unit", "u", "loss", "backward"
-#: The category :func:`~pipeswift_lab.profiling.measure.profile`'s memory step adopts what exists before it under.
-MEMORY_STEP_BEFORE = _BEFORE
-#: The reader that stands for the model's output (a tensor it returns is read after every unit).
-_MODEL_OUTPUT = 1 << 30
-
-
 class _Call:
     """One call of one unit in one step."""
 
@@ -144,57 +136,6 @@ class _Call:
         self.fwd_kept: int | None = None  # bytes the forward left allocated (saved activations, outputs)
         self.bwd_base: int | None = None
         self.bwd_peak: int | None = None
-
-
-@dataclass(frozen=True, kw_only=True)
-class StepRecord:
-    """What one step measured: per-unit sums over the unit's calls (lists indexed by unit), and the whole step."""
-
-    step_ms: float
-    """The whole step, from :meth:`LayerRecorder.begin_step` to :meth:`LayerRecorder.end_step` (ms)."""
-    fwd_ms: list[float]
-    """Per unit, the forward time summed over its calls (ms)."""
-    bwd_ms: list[float]
-    """Per unit, the backward time summed over its calls (ms)."""
-    calls: list[int]
-    """Per unit, how many forward calls returned."""
-    activation_bytes: list[int]
-    """Per unit, the bytes of the distinct storages autograd saved during its forward calls."""
-    output_bytes: list[int]
-    """Per unit, the bytes of the tensors its calls returned."""
-    peak_bytes: list[float]
-    """Per unit, the highest allocation above the start of a forward or backward (NaN when memory was not
-    measured)."""
-    transient_bytes: list[float]
-    """Per unit, the most a forward or backward allocated beyond what it kept (its forward's saved activations and
-    outputs; a backward keeps nothing but the weight gradients it counts); NaN when memory was not measured."""
-    first_call_order: list[int]
-    """The units in the order of their first call (the layer order of the Profile)."""
-    batch_shape: list[int] | None = None
-    """The shape of the model's first input tensor, if any."""
-    loss_activation_bytes: float = float("nan")
-    """The bytes the loss left allocated (what it saved for backward, its value); NaN when not measured."""
-    loss_transient_bytes: float = float("nan")
-    """The highest allocation of the loss's backward above its start, until the first unit's backward; NaN when not
-    measured."""
-    loss_retained_bytes: float = float("nan")
-    """Of what the loss allocated, the bytes still alive after the backward while the loss tensor is (MSE keeps a
-    tensor of its input's size: a pipeline's last stage holds one per micro-batch until its step ends); NaN when
-    not measured."""
-    held_bytes: list[float] | None = None
-    """Per unit, the bytes of the storages allocated from the start of its forward until the next unit's (the first
-    unit also gets what the model allocates before it) that are still alive when the forward ends: what a stage
-    holding the unit keeps per micro-batch until its backward, each storage once (None when memory was not
-    measured)."""
-    cut_bytes: list[float] | None = None
-    """Per unit, the bytes a pipeline cut just before it would send per micro-batch: every tensor made before the
-    unit starts (or given to the model) that the unit or a later one reads, or the model returns (None when memory
-    was not measured)."""
-    cut_grad_bytes: list[float] | None = None
-    """Per unit, the floating-point part of ``cut_bytes``: the gradients sent back across the cut."""
-    cut_freed_bytes: list[float] | None = None
-    """Per unit, the part of ``cut_bytes`` the forward frees before it ends: a stage that sends it keeps it anyway
-    (torch holds a stage's outputs until its backward)."""
 
 
 class LayerRecorder:
@@ -232,11 +173,11 @@ class LayerRecorder:
         self.loss_activation: float = float("nan")
         self.loss_transient: float = float("nan")
         self.loss_retained: float = float("nan")
-        self.held: dict[int, float] | None = None
-        self.reads: dict[tuple[Any, ...], list[Any]] = {}  # tensor -> [producer unit, last reader, bytes, float, key]
-        self.alive_at_end: set[int] = set()
-        if self.tracker is not None:
-            self.tracker.category = _BEFORE_FIRST
+        self.attribution = (
+            StorageAttribution(self.tracker, lambda t: _storage_key_and_bytes(t)[0] in self._state_keys)
+            if self.tracker is not None
+            else None
+        )
 
     def __enter__(self) -> LayerRecorder:
         self._state_keys = set()
@@ -310,7 +251,8 @@ class LayerRecorder:
                 transients[u] = max(beyond) if transients[u] != transients[u] else max(transients[u], *beyond)
         act = [sum(saved.values()) for saved in self.saved]
         self._remove_node_hooks()
-        held, cuts = self._held_and_cuts(order)
+        attribution = self.attribution if order else None
+        held, cuts = attribution.result(order, n) if attribution is not None else (None, None)
         return StepRecord(
             step_ms=step_ms,
             fwd_ms=fwd,
@@ -331,68 +273,20 @@ class LayerRecorder:
             cut_freed_bytes=cuts[2] if cuts else None,
         )
 
-    def _held_and_cuts(self, order: list[int]) -> tuple[list[float] | None, tuple[list[float], ...] | None]:
-        """Per unit, the bytes held until the backward, and ``(cut, its gradients, its freed part)`` before it (see
-        :class:`StepRecord`); None when the step's storages were not tracked."""
-        if self.held is None or not order:
-            return None, None
-        n = len(self.units)
-        held = [self.held.get(u, 0.0) for u in range(n)]
-        held[order[0]] += self.held.get(-1, 0.0)  # what the model makes before its first unit is that unit's stage's
-        rank = {u: i for i, u in enumerate(order)}
-        cut, grad, freed = [0.0] * n, [0.0] * n, [0.0] * n
-        for producer, last, nbytes, floating, key in self.reads.values():
-            first = rank.get(producer, -1) + 1  # the first cut the tensor crosses, in call order
-            end = len(order) if last == _MODEL_OUTPUT else rank.get(last, -1)
-            for i in range(max(first, 1), end + 1):
-                u = order[i] if i < len(order) else None
-                if u is None:
-                    continue
-                cut[u] += nbytes
-                grad[u] += nbytes if floating else 0.0
-                freed[u] += nbytes if key not in self.alive_at_end else 0.0
-        return held, (cut, grad, freed)
-
-    def _note_reads(self, reader: int, tensors: Iterator[torch.Tensor]) -> None:
-        """Record that unit ``reader`` (or the model's output, :data:`_MODEL_OUTPUT`) reads ``tensors``: who made
-        each (the unit its storage was allocated under, -1 before any) and the last unit that reads it."""
-        tracker = self.tracker
-        if tracker is None:
-            return
-        for t in tensors:
-            key = _storage_key_and_bytes(t)[0]
-            if key in self._state_keys:
-                continue
-            made = tracker.category_of(t)
-            if made is None:
-                continue
-            producer = int(made[1:]) if made.startswith(_UNIT) else -1
-            ident = (key, t.storage_offset(), tuple(t.shape), tuple(t.stride()))
-            entry = self.reads.setdefault(ident, [producer, reader, tensor_bytes(t), t.is_floating_point(), key[-1]])
-            entry[1] = reader  # readers come in the order they run: the latest is the last
-
     # -- the loss (a memory step only) --------------------------------------------------
     def before_loss(self, output: Any = None) -> None:
         """Note the bytes allocated before the loss runs, what each unit holds until the backward, and what the
         model returns (``output``: tensors a cut before their maker's successors sends on)."""
         if self.meter is not None:
             self.loss_base = self.meter.allocated()
-        tracker = self.tracker
-        if tracker is not None:
-            self._note_reads(_MODEL_OUTPUT, iter_tensors(output))
-            self.held = {
-                (int(c[1:]) if c.startswith(_UNIT) else -1): float(b)
-                for c, b in tracker.live_by.items()
-                if c.startswith(_UNIT) or c == _BEFORE_FIRST
-            }
-            self.alive_at_end = tracker.live_keys()
-            tracker.category = _LOSS
+        if self.attribution is not None:
+            self.attribution.forward_done(output)
 
     def before_backward(self) -> None:
         """Note what the loss kept, and start the peak of its backward."""
-        if self.tracker is not None:
-            self.loss_activation = float(self.tracker.live_by.get(_LOSS, 0))
-            self.tracker.category = _BACKWARD
+        if self.attribution is not None:
+            self.attribution.backward_starts()
+            self.loss_activation = self.attribution.loss_kept
         elif self.meter is not None and self.loss_base is not None:
             self.loss_activation = float(self.meter.allocated() - self.loss_base)
         if self.meter is not None and self.loss_base is not None:
@@ -401,8 +295,9 @@ class LayerRecorder:
 
     def after_backward(self) -> None:
         """Note what the loss still holds after the backward, while the loss tensor lives."""
-        if self.tracker is not None:
-            self.loss_retained = float(self.tracker.live_by.get(_LOSS, 0))
+        if self.attribution is not None:
+            self.attribution.backward_done()
+            self.loss_retained = self.attribution.loss_retained
 
     # -- forward hooks ----------------------------------------------------------------
     def _root_pre(self, module: nn.Module, args: tuple[Any, ...]) -> None:
@@ -415,9 +310,8 @@ class LayerRecorder:
         def pre_hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
             if not self.active:
                 return None
-            if self.tracker is not None:
-                self._note_reads(index, iter_tensors((args, kwargs)))
-                self.tracker.category = f"{_UNIT}{index}"
+            if self.attribution is not None:
+                self.attribution.enter_unit(index)
             call = _Call(index)
             self.calls.append(call)
             self.stack.append(call)
@@ -552,7 +446,6 @@ def shapes(obj: Any) -> list[list[int]]:
 
 __all__ = [
     "current_unit",
-    "MEMORY_STEP_BEFORE",
     "iter_tensors",
     "LayerRecorder",
     "shapes",

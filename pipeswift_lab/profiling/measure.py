@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, cast
 
 import numpy as np
@@ -23,6 +23,7 @@ from ..core.display import first_line
 from .clocks import make_clock
 from .hooks import LayerRecorder, StepRecord, current_unit, iter_tensors, shapes, tensor_bytes
 from .table import COLUMNS, MEMORY_COLUMNS, Profile
+from .traced_memory import TracedMemory, traced_memory
 from .units import (
     AUTO,
     auto_announcement,
@@ -98,8 +99,17 @@ def profile(
         records = _measure(
             runnable, units, device, step, warmup=warmup, repeats=repeats, progress=progress, desc=_desc(model)
         )
+        kept, memory = records
+        graph = "eager"
+        if memory is not None and not isinstance(runnable, nn.Sequential):  # the runner runs its exported graph
+            traced = traced_memory(
+                runnable, units, kept[0].first_call_order, args, kwargs, target, lambda o, t: _loss_of(o, t, loss_fn)
+            )
+            if traced is not None:
+                records, graph = (kept, _with_traced(memory, traced)), "torch.export"
     loss_name = "sum of outputs" if loss_fn is None else getattr(loss_fn, "__name__", type(loss_fn).__name__)
     meta = _run_meta("profile", device, loss=loss_name, warmup=warmup, repeats=repeats)
+    meta["memory_graph"] = graph
     meta["input_bytes"] = sum(tensor_bytes(t) for t in iter_tensors((sample_args, sample_kwargs)))
     meta["target_bytes"] = sum(tensor_bytes(t) for t in iter_tensors(target))
     return _build(runnable, units, records, meta)
@@ -234,10 +244,14 @@ class _TrainingStep:
     """The loss target (None: the loss takes the output alone)."""
     loss_fn: Callable[..., torch.Tensor] | None
     """The loss (None: the sum of the floating-point outputs)."""
+    keep_grads: bool = False
+    """Add to the gradients there are instead of starting from none (a pipeline stage's every backward but its
+    first of a step)."""
 
     def __call__(self, recorder: LayerRecorder) -> None:
-        for p in self.model.parameters():
-            p.grad = None
+        if not self.keep_grads:
+            for p in self.model.parameters():
+                p.grad = None
         try:
             output = self.model(*self.args, **self.kwargs)
         except Exception as exc:
@@ -304,13 +318,25 @@ def _measure(
 
 def _memory_step(recorder: LayerRecorder, device: torch.device, run_step: Callable[[LayerRecorder], Any]) -> StepRecord:
     """One more step, its memory measured unit by unit (CUDA's allocator statistics, or on CPU every storage the
-    operators allocate, :mod:`pipeswift_lab.core.live_bytes`); its times are not kept."""
+    operators allocate, :mod:`pipeswift_lab.core.live_bytes`); its times are not kept. A profiled training step runs
+    twice: from no gradients (each layer's weight gradients become ``.grad`` in its backward), then adding to them
+    (each weight gradient a temporary, :attr:`StepRecord.accumulate_transient_bytes`)."""
+    first = _measured_step(recorder, device, run_step)
+    if not isinstance(run_step, _TrainingStep):
+        return first
+    again = _measured_step(recorder, device, replace(run_step, keep_grads=True))
+    return replace(first, accumulate_transient_bytes=again.transient_bytes)
+
+
+def _measured_step(
+    recorder: LayerRecorder, device: torch.device, run_step: Callable[[LayerRecorder], Any]
+) -> StepRecord:
     from ..core.live_bytes import LiveTensorBytes, live_tensors, memory_meter
-    from .hooks import MEMORY_STEP_BEFORE
+    from .crossings import BEFORE
 
     # every storage, on CUDA too, to tell which unit allocated it; an in-place update of what exists allocates nothing
     tracker = LiveTensorBytes()
-    tracker.adopt(live_tensors(), MEMORY_STEP_BEFORE)
+    tracker.adopt(live_tensors(), BEFORE)
     recorder.meter = memory_meter(device, tracker)
     recorder.tracker = tracker
     try:
@@ -419,11 +445,25 @@ def _layer_rows(units: _Units, records: list[StepRecord], memory: StepRecord | N
                 "output_bytes": int(max(r.output_bytes[u] for r in records)),
                 "peak_bytes": float(memory.peak_bytes[u]) if memory else float("nan"),
                 "transient_bytes": float(memory.transient_bytes[u]) if memory else float("nan"),
+                "accumulate_transient_bytes": _cut(memory, "accumulate_transient_bytes", u),
                 "largest_param_bytes": int(max((p.numel() * p.element_size() for p in params), default=0)),
                 **{col: _cut(memory, col, u) for col in ("cut_bytes", "cut_grad_bytes", "cut_freed_bytes")},
             }
         )
     return rows
+
+
+def _with_traced(memory: StepRecord, traced: TracedMemory) -> StepRecord:
+    """``memory`` with what it says of held and crossing bytes, and of the loss, taken from the exported graph."""
+    return replace(
+        memory,
+        held_bytes=traced.held_bytes,
+        cut_bytes=traced.cut_bytes,
+        cut_grad_bytes=traced.cut_grad_bytes,
+        cut_freed_bytes=traced.cut_freed_bytes,
+        loss_activation_bytes=traced.loss_activation_bytes,
+        loss_retained_bytes=traced.loss_retained_bytes,
+    )
 
 
 def _activation_bytes(u: int, records: list[StepRecord], memory: StepRecord | None) -> int:
@@ -435,5 +475,6 @@ def _activation_bytes(u: int, records: list[StepRecord], memory: StepRecord | No
 
 
 def _cut(memory: StepRecord | None, column: str, u: int) -> float:
+    """Unit ``u``'s value of a per-unit list of the memory step (NaN where it was not measured)."""
     values = getattr(memory, column, None) if memory is not None else None
     return float(values[u]) if values is not None else float("nan")

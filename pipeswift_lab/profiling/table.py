@@ -47,14 +47,16 @@ COLUMNS: tuple[str, ...] = (
     "peak_bytes",
 )
 #: Optional per-layer memory columns a measured profile adds: ``transient_bytes`` (the most a layer's forward or
-#: backward allocates beyond what it keeps, its weight gradients included), ``largest_param_bytes`` (its largest
-#: parameter tensor, what a per-tensor optimizer allocates temporaries of), and what a pipeline cut just before the
-#: layer sends per micro-batch: ``cut_bytes`` (the previous layer's output and every other tensor a later layer
-#: reads: masks, rotary tables, the encoder's output), ``cut_grad_bytes`` (its floating-point part, whose gradients
-#: come back) and ``cut_freed_bytes`` (the part the forward frees before it ends, which the sending stage holds
-#: anyway). The cut columns are 0 for the first layer.
+#: backward allocates beyond what it keeps, its weight gradients included, in a backward from no gradients),
+#: ``accumulate_transient_bytes`` (the same in a backward that adds to existing gradients), ``largest_param_bytes``
+#: (its largest parameter tensor, what a per-tensor optimizer allocates temporaries of), and what a pipeline cut just
+#: before the layer sends per micro-batch: ``cut_bytes`` (the previous layer's output and every other tensor a later
+#: layer reads: masks, rotary tables, the encoder's output), ``cut_grad_bytes`` (its floating-point part, whose
+#: gradients come back) and ``cut_freed_bytes`` (the part the forward frees before it ends, which the sending stage
+#: holds anyway). The cut columns are 0 for the first layer.
 MEMORY_COLUMNS: tuple[str, ...] = (
     "transient_bytes",
+    "accumulate_transient_bytes",
     "largest_param_bytes",
     "cut_bytes",
     "cut_grad_bytes",
@@ -66,7 +68,14 @@ _LAYER_TIMES = ("fwd_ms", "bwd_ms", "total_ms")
 _TIME_COLUMNS = ("fwd_ms", "bwd_ms", "fwd_ms_iqr", "bwd_ms_iqr", "wgrad_ms")
 _COUNT_COLUMNS = ("calls", "params", "param_bytes", "activation_bytes", "output_bytes", "largest_param_bytes")
 #: Byte columns that may be fractional (scaled, or medians) or NaN where unknown.
-_BYTE_COLUMNS = ("peak_bytes", "transient_bytes", "cut_bytes", "cut_grad_bytes", "cut_freed_bytes")
+_BYTE_COLUMNS = (
+    "peak_bytes",
+    "transient_bytes",
+    "accumulate_transient_bytes",
+    "cut_bytes",
+    "cut_grad_bytes",
+    "cut_freed_bytes",
+)
 _CSV_HEADER = "# pipeswift_lab.Profile "
 
 

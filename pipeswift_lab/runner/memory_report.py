@@ -20,7 +20,7 @@ from ..core.memory_model import MEMORY_TERMS
 if TYPE_CHECKING:
     from ..partitioning.stages import Partition
 
-__all__ = ["MEMORY_COLUMNS", "memory_frame", "predicted_memory"]
+__all__ = ["MEMORY_COLUMNS", "memory_frame", "memory_terms", "predicted_memory"]
 
 #: The leading columns of :attr:`RunResult.memory`; the predicted terms and the measure's details follow.
 MEMORY_COLUMNS = (
@@ -98,3 +98,30 @@ def _term_off(rows: pd.DataFrame) -> pd.DataFrame:
     rows = rows.copy()
     rows["term_off"] = gaps.abs().fillna(-1.0).idxmax(axis=1).where(gaps.notna().any(axis=1))
     return rows
+
+
+def memory_terms(memory: pd.DataFrame) -> pd.DataFrame:
+    """:meth:`RunResult.memory_terms` of a :attr:`RunResult.memory` table: one row per replica, rank, moment and
+    term, measured beside predicted."""
+    moments = (("peak", "{t}_bytes", "measured_{t}_bytes"), ("before backward", "{t}_before_backward_bytes",
+               "measured_{t}_before_backward_bytes"))  # fmt: skip
+    rows = []
+    for _, r in memory.iterrows():
+        for moment, predicted, measured in moments:
+            for t in MEMORY_TERMS:
+                p, m = predicted.format(t=t), measured.format(t=t)
+                if p not in r or m not in r or pd.isna(r[m]):
+                    continue
+                rows.append(
+                    {
+                        "replica": r["replica"],
+                        "rank": r["rank"],
+                        "moment": moment,
+                        "term": t,
+                        "measured_bytes": r[m],
+                        "predicted_bytes": r[p],
+                        "error": r[p] / r[m] - 1 if r[m] else (0.0 if r[p] == r[m] else float("inf")),
+                    }
+                )
+    columns = ["replica", "rank", "moment", "term", "measured_bytes", "predicted_bytes", "error"]
+    return pd.DataFrame(rows, columns=columns)

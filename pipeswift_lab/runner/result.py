@@ -251,6 +251,20 @@ class RunResult:
 
         return memory_frame(self.meta.get("memory_measured", []), self.meta.get("memory_predicted"))
 
+    def memory_terms(self) -> pd.DataFrame:
+        """Every term of every rank's memory, measured beside predicted, at two moments: one row per (``replica``,
+        ``rank``, ``moment``, ``term``) with ``measured_bytes``, ``predicted_bytes`` and ``error``.
+
+        ``moment`` is ``"peak"`` (each at its own peak, :attr:`memory`'s ``peak_at`` and ``measured_peak_at``,
+        which a backward's frees and transients trade between ``activations`` and ``transient``) or ``"before
+        backward"`` (as the rank's first backward starts, where each term stands alone). The terms are
+        :data:`~pipeswift_lab.core.memory_model.MEMORY_TERMS`. Empty where the peak was not told apart by term
+        (a CUDA run, or one not instrumented).
+        """
+        from .memory_report import memory_terms
+
+        return memory_terms(self.memory)
+
     @property
     def tied_weights(self) -> pd.DataFrame:
         """The parameters several stages held (tied weights), kept in sync every step: one row per parameter with

@@ -180,6 +180,62 @@ def test_activation_and_output_bytes_are_measured_exactly():
     assert list(prof.df["params"]) == [16 * 32 + 32, 0, 32 * 4 + 4]
 
 
+def test_a_storage_two_ops_save_is_held_once_by_the_layer_that_allocated_it():
+    """tanh saves its output and the next Linear saves the same tensor as its input: one storage, held by the tanh's
+    layer (which allocated it). tanh's backward needs its output, not its input: the first Linear's output is freed
+    (a cut before the tanh sends it, and only the sending stage keeps it)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 4))
+    prof = profile(model, torch.randn(8, 16), repeats=1, warmup=0, progress=False)
+    assert list(prof.df["activation_bytes"]) == [0, 8 * 32 * 4, 8 * 4 * 4]
+    assert list(prof.df["cut_freed_bytes"]) == [0, 8 * 32 * 4, 0]
+
+
+class Scale(nn.Module):
+    """``2 * x``: saves nothing for its backward (the gradient is a constant times the incoming one)."""
+
+    def forward(self, x):
+        return 2 * x
+
+
+def test_what_a_cut_sends_and_what_only_the_sending_stage_keeps():
+    """A cut before ``Scale`` sends the Linear's output, which the whole model's forward frees once ``Scale`` has read
+    it: a pipeline's sending stage keeps it anyway (torch holds a stage's outputs for its backward)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), Scale(), nn.Linear(32, 4))
+    prof = profile(model, torch.randn(8, 16), repeats=1, warmup=0, progress=False)
+    assert list(prof.df["activation_bytes"]) == [0, 8 * 32 * 4, 8 * 4 * 4]  # Scale's output is saved by the Linear
+    assert list(prof.df["cut_bytes"]) == [0, 8 * 32 * 4, 8 * 32 * 4]
+    assert list(prof.df["cut_freed_bytes"]) == [0, 8 * 32 * 4, 0]
+
+
+class SharedMask(nn.Module):
+    """A mask made once before the blocks and read by each: every cut between blocks sends it beside the hidden
+    state (a skip connection, as a Hugging Face model's causal mask)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = nn.Linear(8, 8)
+        self.blocks = nn.ModuleList([nn.Linear(8, 8) for _ in range(3)])
+
+    def forward(self, x):
+        h = self.embed(x)
+        mask = (x > 0).float()  # made outside any layer, after the first one started: that layer's stage makes it
+        for block in self.blocks:
+            h = block(h) * mask
+        return h
+
+
+def test_a_value_every_later_layer_reads_crosses_every_cut():
+    x = torch.randn(4, 8)
+    prof = profile(SharedMask(), x, layers=["embed", "blocks.*"], repeats=1, warmup=0, progress=False)
+    hidden, mask = 4 * 8 * 4, 4 * 8 * 4
+    assert list(prof.df["cut_bytes"]) == [0, hidden + mask, hidden + mask, hidden + mask]
+    assert list(prof.df["cut_grad_bytes"]) == [0, hidden + mask, hidden + mask, hidden + mask]  # float: gradients
+    assert prof.meta["input_bytes"] == 4 * 8 * 4
+
+
 def test_loss_fn_and_target_are_used():
     calls = []
 
@@ -192,7 +248,7 @@ def test_loss_fn_and_target_are_used():
     prof = profile(
         model, torch.randn(2, 3), target=torch.randn(2, 3), loss_fn=loss_fn, repeats=2, warmup=1, progress=False
     )
-    assert calls == [((2, 3), (2, 3))] * 4  # warmup, 2 repeats, and the untimed memory step
+    assert calls == [((2, 3), (2, 3))] * 5  # warmup, 2 repeats, and the two untimed memory steps
     assert prof.meta["loss"] == "loss_fn"
     assert prof.coverage < 0.5
 
@@ -272,9 +328,9 @@ def test_model_state_is_restored_exactly():
         for m in model.modules()
     ] == hooks
     assert torch.equal(torch.get_rng_state(), rng)
-    assert len(seen) == 4  # the user's hook ran during the steps (and the memory step) and is still there
+    assert len(seen) == 5  # the user's hook ran during the steps (and the two memory steps) and is still there
     model(x)
-    assert len(seen) == 5
+    assert len(seen) == 6
     # no saved-tensor hooks left behind: autograd's own in-place check works again
     a = torch.randn(3, requires_grad=True).sigmoid()
     a.mul_(2)

@@ -82,3 +82,36 @@ def test_a_stage_whose_input_gradient_is_a_transposed_view_trains_under_zbv_like
         opt_.step()
     got, want = result.state_dict(), ref.state_dict()
     assert max((got[k] - want[k]).abs().max().item() for k in want) <= 1e-6
+
+
+class ViewOut(nn.Module):
+    """A block whose output is a view of the tensor it computes (``h.view(shape)``, as a reshape at a block's end)."""
+
+    def __init__(self, n=6):
+        super().__init__()
+        self.linear = nn.Linear(n, n)
+
+    def forward(self, x):
+        h = torch.tanh(self.linear(x))
+        return h.view(x.shape)
+
+
+@pytest.mark.processes
+def test_a_stage_whose_output_is_a_view_trains_under_zbv_like_one_process():
+    """ZBVZeroBubble detaches every stage output in place, which a view refuses: the stage returns a copy instead."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[ViewOut() for _ in range(4)])
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(8, 5, 6, generator=g), torch.randn(8, 5, 6, generator=g)
+    prof = profile(model, x[:2], target=y[:2], loss_fn=F.mse_loss, warmup=1, repeats=1, progress=False)
+    part = partition(prof, P=2, v=2, schedule="ZBVZeroBubble")
+    sgd = lambda ps: torch.optim.SGD(ps, lr=0.1)  # noqa: E731
+    result = run(model, (x, y), F.mse_loss, part, 4, steps=2, optimizer=sgd, progress=False, timeout_s=240)
+    ref = copy.deepcopy(model)
+    opt_ = sgd(list(ref.parameters()))
+    for _ in range(2):
+        opt_.zero_grad()
+        torch.stack([F.mse_loss(ref(a), b) for a, b in zip(x.chunk(4), y.chunk(4))]).mean().backward()
+        opt_.step()
+    got, want = result.state_dict(), ref.state_dict()
+    assert max((got[k] - want[k]).abs().max().item() for k in want) <= 1e-6

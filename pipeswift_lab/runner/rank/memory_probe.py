@@ -17,8 +17,8 @@ Two measures, kept apart because they answer different questions:
   (:data:`~pipeswift_lab.core.memory_model.MEMORY_TERMS`, ``measured_{term}_bytes``) and says
   during which action it came (``measured_peak_at``): what an operator allocates during a
   forward (and the loss) counts as activations, during a backward or the optimizer step as
-  transient until it becomes a parameter's gradient (``grads``) or a receive buffer's
-  (``buffers``).
+  transient until it becomes a parameter's gradient (``grads``), a receive buffer's or a
+  gradient sent to the stage before (``buffers``).
 * **process level** — on CPU ``resident_peak_bytes``: the process's resident high-water
   (``VmHWM``) over all steps, above its resident size just before the first step (the
   high-water is reset there through ``/proc/self/clear_refs``); it adds the allocator's and the
@@ -96,6 +96,7 @@ class MemoryProbe:
         self.optimizer: torch.optim.Optimizer | None = None
         self.staging: list[torch.Tensor] = []
         self.report_tracker: LiveTensorBytes | None = None
+        self.before_backward: dict[str, int] | None = None
 
     def watch(self, stages: list[Any], schedule: Any, optimizer: torch.optim.Optimizer) -> None:
         """Wrap ``stages``' compute methods and ``schedule``'s loss so that the probed step counts what each action
@@ -137,6 +138,15 @@ class MemoryProbe:
         stage.forward_one_chunk = forward_one_chunk
         stage.backward_one_chunk = backward_one_chunk
         stage.backward_weight_one_chunk = backward_weight_one_chunk
+        gradient_sends = stage.get_bwd_send_ops
+
+        def get_bwd_send_ops(mb: int) -> Any:  # a gradient sent back lives until torch waits on its send
+            ops = gradient_sends(mb)
+            if self.tracker is not None:
+                self.tracker.tag((op.tensor for op in ops if isinstance(op.tensor, torch.Tensor)), "buffers")
+            return ops
+
+        stage.get_bwd_send_ops = get_bwd_send_ops
 
     @contextlib.contextmanager
     def during(self, action: str, category: str = "transient") -> Iterator[None]:
@@ -145,6 +155,8 @@ class MemoryProbe:
         if tracker is None:
             yield
             return
+        if action[:1] in ("B", "I", "W") and self.before_backward is None:
+            self.before_backward = dict(tracker.live_by)  # what the rank holds as its first backward starts
         before = (tracker.label, tracker.category)
         tracker.label, tracker.category = action, category
         try:
@@ -244,7 +256,8 @@ class MemoryProbe:
     def report(self) -> dict[str, Any]:
         """What was measured: ``measured_peak_bytes`` and ``resident_peak_bytes`` (CPU) or ``reserved_peak_bytes``
         (CUDA), the training state's bytes (``state_*_bytes``), on CPU the peak's terms (``measured_{term}_bytes``,
-        ``measured_peak_at``) and ``probed_step``."""
+        ``measured_peak_at``), the terms as the first backward starts (``measured_{term}_before_backward_bytes``)
+        and ``probed_step``."""
         if not self.enabled:
             return {}
         out: dict[str, Any] = {f"state_{k}": v for k, v in self.state_bytes.items()}
@@ -261,6 +274,8 @@ class MemoryProbe:
             for term in (*MEMORY_TERMS, STAGING):
                 out[f"measured_{term}_bytes"] = tracker.peak_by.get(term, 0)
             out["measured_peak_at"] = tracker.peak_label
+            for term in MEMORY_TERMS:
+                out[f"measured_{term}_before_backward_bytes"] = (self.before_backward or {}).get(term, 0)
         rss = resident_bytes()
         if rss is not None and self.baseline_rss is not None and self.high_water_reset:
             out["resident_peak_bytes"] = max(0, rss[1] - self.baseline_rss)

@@ -12,11 +12,15 @@ Two rules make every transfer well formed:
 * :func:`contiguous_boundaries` rewrites a traced ``Pipe`` before its stages are built: a
   stage output that is not contiguous becomes a contiguous copy in the stage's graph (an
   ``aten.clone`` in ``contiguous_format``), and every input a stage receives from another
-  stage is traced as contiguous. The receive buffers for activations and for gradients, which
-  torch allocates from those traced strides, are then contiguous on both sides.
+  stage is traced as contiguous.
+  The receive buffers for activations and for gradients, which torch allocates from those
+  traced strides, are then contiguous on both sides.
 * :func:`send_contiguous` makes a built stage (traced, ``nn.Sequential`` or manual) send a
-  contiguous copy of any tensor that is not, forward and backward. It costs one copy where the
-  layout is wrong and nothing where it is right.
+  contiguous copy of any tensor that is not, forward and backward, and return outputs of their
+  own: an output that is a view of another tensor becomes a copy (the zero-bubble schedules
+  detach every stage output in place, which a view refuses: "Can't detach views in-place"; a
+  traced stage's view is often made inside a submodule it calls, so it is found as it runs). It
+  costs one copy where the layout is wrong and nothing where it is right.
 """
 
 from __future__ import annotations
@@ -87,7 +91,8 @@ def _contiguous_sends(ops: list[Any]) -> list[Any]:
 
 def send_contiguous(stage: Any) -> Any:
     """Make ``stage`` (a torch ``PipelineStage`` or traced ``_PipelineStage``) send a contiguous copy of every
-    activation and gradient that is not contiguous; return the stage.
+    activation and gradient that is not contiguous, and (a stage that is not the last) return no view; return the
+    stage.
 
     Receives are untouched: their buffers are what the stage reads, and they are allocated
     contiguous (:func:`contiguous_boundaries`, or the shapes the runner infers).
@@ -95,7 +100,20 @@ def send_contiguous(stage: Any) -> Any:
     forward, backward = stage.get_fwd_send_ops, stage.get_bwd_send_ops
     stage.get_fwd_send_ops = lambda chunk: _contiguous_sends(forward(chunk))
     stage.get_bwd_send_ops = lambda chunk: _contiguous_sends(backward(chunk))
+    if not stage.is_last:  # the last stage's outputs go to the loss
+        module = stage.submod.module if hasattr(stage.submod, "module") else stage.submod  # DDP's, or its own
+        module_forward = module.forward
+        module.forward = lambda *args, **kwargs: _own(module_forward(*args, **kwargs))
     return stage
+
+
+def _own(output: Any) -> Any:
+    """``output`` (a tensor or a tuple of them) with every view replaced by a copy of its own."""
+    if isinstance(output, torch.Tensor):
+        return output.clone() if output._is_view() else output
+    if isinstance(output, tuple):
+        return tuple(_own(t) for t in output)
+    return output
 
 
 __all__ = ["contiguous_boundaries", "send_contiguous"]

@@ -35,9 +35,9 @@ import torch
 from torch import nn
 from torch.utils._pytree import TreeSpec, tree_flatten
 
+from ...profiling.pipeline_settings import apply_training_settings
 from .outputs import checked_structure, describe
 from .sequential import TensorSpec
-from .settings import apply_training_settings
 from .tied import TiedGroup, tied_groups, unheld_keys
 
 
@@ -173,7 +173,7 @@ def check_manual(
 
 def _eager_output(model: nn.Module, inputs_mb: torch.Tensor) -> Any:
     """The whole model's output on one micro-batch with the training settings (the structure the loss sees)."""
-    from .settings import training_settings
+    from ...profiling.pipeline_settings import training_settings
 
     with training_settings(model):
         return model(inputs_mb)

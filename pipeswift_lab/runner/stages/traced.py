@@ -10,10 +10,10 @@ unflattens the traced hierarchy), so checkpoints and ``RunResult.state_dict()`` 
 ``model.state_dict()``.
 
 Hugging Face models run unchanged: the trace and the run turn their KV cache off
-(:mod:`.settings`); whatever crosses a boundary is what the tracer cut there (several tensors
-if need be, each sent contiguous: :mod:`.contiguous`), and the last stage's output reaches
-``loss_fn`` in the model's own structure (:mod:`.outputs`). A parameter used by two stages
-(tied embeddings) is held by both and kept in sync (:mod:`.tied`).
+(:mod:`pipeswift_lab.profiling.pipeline_settings`); whatever crosses a boundary is what the
+tracer cut there (several tensors if need be, each sent contiguous: :mod:`.contiguous`), and
+the last stage's output reaches ``loss_fn`` in the model's own structure (:mod:`.outputs`). A
+parameter used by two stages (tied embeddings) is held by both and kept in sync (:mod:`.tied`).
 
 Everything that can fail is tried before launch (:func:`check_traceable`): split names that
 are not submodules, a forward ``torch.export`` cannot trace (its message, plus what to do:
@@ -36,9 +36,9 @@ import torch
 from torch import nn
 from torch.utils._pytree import TreeSpec
 
+from ...profiling.pipeline_settings import training_settings
 from .contiguous import contiguous_boundaries, send_contiguous
 from .outputs import checked_structure
-from .settings import training_settings
 from .skips import route_skip_connections
 from .tied import TiedGroup, tied_groups, unheld_keys, unify_copies
 

@@ -1,4 +1,5 @@
-"""Model settings that make a forward pipeline-friendly, applied while the runner traces and runs it.
+"""Model settings that make a forward pipeline-friendly, applied while a model is traced and run in stages (and
+while the profiler measures the traced graph's memory, :mod:`.traced_memory`).
 
 A Hugging Face causal LM builds a KV cache in every training forward when its config says
 ``use_cache=True`` (the default): a ``DynamicCache`` object ``torch.export`` cannot carry
