@@ -171,6 +171,7 @@ def rank_peak(
     graded: set[int] = set()
     retained = 0.0  # what the step's backwards leave until it ends: the loss tensors' retained, the outputs sent
     sent_grads = 0.0  # the input gradients sent and not yet waited on
+    last_sent: dict[int, float] = {}  # with sends="next": each stage's last gradient sent
     best: dict[str, float | str] = {"peak_bytes": -1.0}
 
     def consider(where: str, transient: float) -> None:
@@ -213,7 +214,11 @@ def rank_peak(
             graded.add(s)
         if kind in ("B", "I"):
             retained += stage.retained
-            sent_grads += stage.sent_grad if sends != "next" else 0.0
+            if sends == "next":  # the last gradient sent lives until the stage's next send
+                last_sent[s] = stage.sent_grad
+                sent_grads = sum(last_sent.values())
+            else:
+                sent_grads += stage.sent_grad
         if kind in ("B", "W"):
             held.pop((s, mb), None)
             retained += stage.sent_output if sends == "step" else 0.0

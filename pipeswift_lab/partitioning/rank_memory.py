@@ -102,6 +102,8 @@ def stage_bytes(
             recv = _cut_at(layers, "cut_bytes", a)
             grad_recv = _cut_at(layers, "cut_grad_bytes", b)
             activations = (_sum(act, a, b) + _cut_at(layers, "cut_freed_bytes", b)) * scale
+            if a > 0 and "received_held_bytes" in layers.df:  # its receive buffers require grad
+                activations += float(np.nansum(layers.df["received_held_bytes"].to_numpy(float)[a:b])) * scale
         else:  # the layers' saved tensors and the stage's output, which torch keeps for the backward
             recv = float(out_b[a - 1]) if a > 0 else 0.0
             grad_recv = output if not last else 0.0

@@ -447,7 +447,10 @@ def _layer_rows(units: _Units, records: list[StepRecord], memory: StepRecord | N
                 "transient_bytes": float(memory.transient_bytes[u]) if memory else float("nan"),
                 "accumulate_transient_bytes": _cut(memory, "accumulate_transient_bytes", u),
                 "largest_param_bytes": int(max((p.numel() * p.element_size() for p in params), default=0)),
-                **{col: _cut(memory, col, u) for col in ("cut_bytes", "cut_grad_bytes", "cut_freed_bytes")},
+                **{
+                    col: _cut(memory, col, u)
+                    for col in ("cut_bytes", "cut_grad_bytes", "cut_freed_bytes", "received_held_bytes")
+                },
             }
         )
     return rows
@@ -463,6 +466,7 @@ def _with_traced(memory: StepRecord, traced: TracedMemory) -> StepRecord:
         cut_freed_bytes=traced.cut_freed_bytes,
         loss_activation_bytes=traced.loss_activation_bytes,
         loss_retained_bytes=traced.loss_retained_bytes,
+        received_held_bytes=traced.received_held_bytes,
     )
 
 

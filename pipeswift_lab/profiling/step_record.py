@@ -59,6 +59,9 @@ class StepRecord:
     """Per unit, ``transient_bytes`` in a backward that adds to the gradients there are (each weight gradient is a
     temporary, added to ``.grad`` and freed): every backward of a pipeline stage but its first of a step (None when
     not measured)."""
+    received_held_bytes: list[float] | None = None
+    """Per unit, what it holds besides in a stage that receives the floating tensors it reads from an earlier one
+    that need no gradient in the model (measured on a traced model's graph; None otherwise)."""
     cut_freed_bytes: list[float] | None = None
     """Per unit, the part of ``cut_bytes`` the forward frees before it ends: a stage that sends it keeps it anyway
     (torch holds a stage's outputs until its backward)."""

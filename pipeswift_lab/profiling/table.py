@@ -53,7 +53,9 @@ COLUMNS: tuple[str, ...] = (
 #: before the layer sends per micro-batch: ``cut_bytes`` (the previous layer's output and every other tensor a later
 #: layer reads: masks, rotary tables, the encoder's output), ``cut_grad_bytes`` (its floating-point part, whose
 #: gradients come back) and ``cut_freed_bytes`` (the part the forward frees before it ends, which the sending stage
-#: holds anyway). The cut columns are 0 for the first layer.
+#: holds anyway). The cut columns are 0 for the first layer. ``received_held_bytes`` (a traced model's): what the layer
+#: holds besides in a stage after the first, whose receive buffers require grad, so the operators reading a mask or
+#: rotary tables the stage received save for their backward.
 MEMORY_COLUMNS: tuple[str, ...] = (
     "transient_bytes",
     "accumulate_transient_bytes",
@@ -61,6 +63,7 @@ MEMORY_COLUMNS: tuple[str, ...] = (
     "cut_bytes",
     "cut_grad_bytes",
     "cut_freed_bytes",
+    "received_held_bytes",
 )
 #: Columns every Profile table has (``calls`` and ``wgrad_ms`` are optional).
 REQUIRED_COLUMNS: tuple[str, ...] = tuple(c for c in COLUMNS if c != "calls")
@@ -75,6 +78,7 @@ _BYTE_COLUMNS = (
     "cut_bytes",
     "cut_grad_bytes",
     "cut_freed_bytes",
+    "received_held_bytes",
 )
 _CSV_HEADER = "# pipeswift_lab.Profile "
 

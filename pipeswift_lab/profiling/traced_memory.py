@@ -14,7 +14,9 @@ it), then the loss and its backward. It returns, per unit, what :mod:`.hooks`' m
 measures on the eager forward: the bytes the unit allocates that the forward still holds at its
 end, and what a cut before it sends (found from the graph: every value made before the unit and
 read at or after it), its floating part and the part only the sending stage keeps; and the loss's
-kept and retained bytes.
+kept and retained bytes. A second run receives every value a unit reads from an earlier one as a
+receive buffer does (requiring grad), which makes the operators that read a mask or rotary tables
+save for their backward: what that adds is the unit's ``received_held_bytes``.
 
 Where the model cannot be exported it returns None, and the eager measure stands.
 """
@@ -55,6 +57,10 @@ class TracedMemory:
     """What the loss keeps until its backward."""
     loss_retained_bytes: float
     """What the loss still holds after its backward, while the loss tensor lives."""
+    received_held_bytes: list[float]
+    """What each unit holds besides in a stage that receives from an earlier one the floating tensors it reads that
+    need no gradient in the model (a mask, rotary tables): a receive buffer requires grad, so the operators that read
+    it save for their backward."""
 
 
 def _unit_of(node: fx.Node, names: dict[str, int]) -> int | None:
@@ -89,10 +95,40 @@ class _Counting(fx.Interpreter):
         positions: dict[fx.Node, int],
         watched: set[fx.Node],
         first_unit: int,
+        received: bool = False,
     ) -> None:
         super().__init__(gm)
         self.tracker, self.positions, self.watched, self.first_unit = tracker, positions, watched, first_unit
+        self.received = received
         self.values: dict[fx.Node, tuple[int, bool, int | None]] = {}  # node -> (bytes, floating, storage number)
+        self._leaves: dict[tuple[fx.Node, int], torch.Tensor] = {}
+
+    def fetch_args_kwargs_from_env(self, n: fx.Node) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        """The node's inputs; with ``received``, a floating value that needs no gradient and comes from an earlier
+        unit arrives as a receive buffer would: a leaf that requires grad (one per value and reading unit)."""
+        if not self.received:
+            return super().fetch_args_kwargs_from_env(n)
+        here = self.positions.get(n, -1)
+
+        def fetch(source: fx.Node) -> Any:
+            value = self.env[source]
+            if (
+                here >= 0
+                and source.op != "get_attr"
+                and self.positions.get(source, -1) < here
+                and isinstance(value, torch.Tensor)
+                and value.is_floating_point()
+                and not value.requires_grad
+            ):
+                key = (source, here)
+                if key not in self._leaves:
+                    self._leaves[key] = value.detach().requires_grad_(True)
+                return self._leaves[key]
+            return value
+
+        args = fx.node.map_arg(n.args, fetch)
+        kwargs = fx.node.map_arg(n.kwargs, fetch)
+        return tuple(args), dict(kwargs)
 
     def run_node(self, n: fx.Node) -> Any:
         position = self.positions.get(n)
@@ -148,6 +184,7 @@ def traced_memory(
             tracker.category = "backward"
             value.backward()
             retained = float(tracker.live_by.get(_LOSS, 0))
+        received = _held_receiving(gm, positions, order[0], args, kwargs, model)
     except Exception:  # the graph does not run as the model: the eager measure stands
         return None
     finally:
@@ -170,7 +207,28 @@ def traced_memory(
         cut_freed_bytes=freed,
         loss_activation_bytes=kept,
         loss_retained_bytes=retained,
+        received_held_bytes=[max(0.0, received.get(u, 0.0) - held.get(u, 0.0)) for u in range(n)],
     )
+
+
+def _held_receiving(
+    gm: fx.GraphModule,
+    positions: dict[fx.Node, int],
+    first_unit: int,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    model: nn.Module,
+) -> dict[int, float]:
+    """What each unit holds at the forward's end when every value it reads from an earlier unit arrives as a receive
+    buffer (requiring grad)."""
+    tracker = LiveTensorBytes()
+    tracker.adopt(live_tensors(), _BEFORE)
+    with torch.random.fork_rng(), training_settings(model), tracker:
+        runner = _Counting(gm, tracker, positions, set(), first_unit, received=True)
+        flat = runner.run(*pytree.arg_tree_leaves(*args, **kwargs), enable_io_processing=False)
+        held = {int(c[1:]): float(b) for c, b in tracker.live_by.items() if c.startswith("u")}
+        del flat
+    return held
 
 
 def _cross_reads(

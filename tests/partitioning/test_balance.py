@@ -179,7 +179,7 @@ def test_a_cap_no_split_meets_names_the_stage_and_the_smallest_P():
 
 def test_a_cap_no_split_meets_names_the_fullest_rank_and_counts_gradients_of_a_layer_alone():
     # the head's stage is the smallest in steady bytes (410 against 1800) but its rank peaks highest once the loss's
-    # logits and transients are replayed (2454 against 1860): the error names the head's stage, not stage 0
+    # logits and transients are replayed (2464 against 1860): the error names the head's stage, not stage 0
     prof = Profile.synthetic(
         fwd_ms=[1.0, 1.0, 1.0, 3.0],
         bwd_ms=[2.0, 2.0, 2.0, 6.0],
@@ -196,7 +196,7 @@ def test_a_cap_no_split_meets_names_the_fullest_rank_and_counts_gradients_of_a_l
     with pytest.raises(ValueError) as err:
         partition(prof, 2, schedule="1F1B", m=4, mem_per_gpu_bytes=cap)
     text = str(err.value)
-    assert "stage 1 (layers 3..3: head, rank 1)" in text and "its rank, 1, the fullest, peaks at 2454 bytes" in text
+    assert "stage 1 (layers 3..3: head, rank 1)" in text and "its rank, 1, the fullest, peaks at 2464 bytes" in text
     # the head alone, one micro-batch in flight after a first backward: weights, gradients (100 bytes, allocated by
     # then), Adam's two moments, the loss's logits and the backward's transient; at most its rank's replayed peak
     # (which adds the receive buffers), and more than the cap

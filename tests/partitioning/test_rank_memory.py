@@ -2,7 +2,7 @@
 
 import pytest
 
-from pipeswift_lab.core.memory_model import OptimizerMemory
+from pipeswift_lab.core.memory_model import MEMORY_TERMS, OptimizerMemory
 from pipeswift_lab.models import reference
 from pipeswift_lab.partitioning.balance import partition
 from pipeswift_lab.partitioning.rank_memory import RANK_MEMORY_COLUMNS
@@ -19,7 +19,11 @@ def gpt():
 def test_terms_add_up_and_the_last_rank_holds_the_loss(gpt):
     part = partition(gpt, 2, schedule="1F1B", m=4)
     mem = part.memory()
-    assert list(mem.columns) == list(RANK_MEMORY_COLUMNS)
+    assert list(mem.columns) == [*RANK_MEMORY_COLUMNS, *(f"{t}_before_backward_bytes" for t in MEMORY_TERMS)]
+    before = mem[[f"{t}_before_backward_bytes" for t in MEMORY_TERMS]]
+    assert (before.sum(axis=1) <= mem["predicted_peak_bytes"]).all() and (
+        before["transient_before_backward_bytes"] == 0
+    ).all()
     terms = mem[["weights_bytes", "grads_bytes", "optimizer_bytes", "activations_bytes", "buffers_bytes"]]
     assert (terms.sum(axis=1) + mem["transient_bytes"]).tolist() == pytest.approx(mem["predicted_peak_bytes"].tolist())
     assert part.rank_mem_bytes == tuple(mem["predicted_peak_bytes"])
