@@ -42,24 +42,25 @@ def qwen2():
     return transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**SMALL, tie_word_embeddings=True))
 
 
+#: An OPT config: 4 layers of width 32.
+OPT_SMALL = dict(
+    vocab_size=VOCAB,
+    hidden_size=32,
+    ffn_dim=64,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    max_position_embeddings=64,
+    word_embed_proj_dim=32,
+)
+
+
 def opt():
-    """``OPTForCausalLM``, 4 layers of width 32, dropout 0 (its decoder registers its final norm before its
-    layers and runs it after them; its causal mask is an ``expand``, stride 0)."""
+    """``OPTForCausalLM`` of :data:`OPT_SMALL`, dropout 0 (its decoder registers its final norm before its layers and
+    runs it after them; its causal mask is an ``expand``, stride 0)."""
     import transformers
 
     torch.manual_seed(0)
-    config = transformers.OPTConfig(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        ffn_dim=64,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        max_position_embeddings=64,
-        word_embed_proj_dim=32,
-        dropout=0.0,
-        attention_dropout=0.0,
-        activation_dropout=0.0,
-    )
+    config = transformers.OPTConfig(**OPT_SMALL, dropout=0.0, attention_dropout=0.0, activation_dropout=0.0)
     return transformers.OPTForCausalLM(config)
 
 

@@ -51,6 +51,21 @@ def test_the_traced_opt_sends_and_receives_only_contiguous_tensors():
     assert boundary_layouts(trace(model, ids, (name,))) == ([True] * len(sent), [True] * len(received))
 
 
+def assert_trains_under_zbv_like_one_process(model, x, y, m=4, steps=2):
+    prof = profile(model, x[:2], target=y[:2], loss_fn=F.mse_loss, warmup=1, repeats=1, progress=False)
+    part = partition(prof, P=2, v=2, schedule="ZBVZeroBubble")
+    sgd = lambda ps: torch.optim.SGD(ps, lr=0.1)  # noqa: E731
+    result = run(model, (x, y), F.mse_loss, part, m, steps=steps, optimizer=sgd, progress=False, timeout_s=240)
+    ref = copy.deepcopy(model)
+    opt_ = sgd(list(ref.parameters()))
+    for _ in range(steps):
+        opt_.zero_grad()
+        torch.stack([F.mse_loss(ref(a), b) for a, b in zip(x.chunk(m), y.chunk(m))]).mean().backward()
+        opt_.step()
+    got, want = result.state_dict(), ref.state_dict()
+    assert max((got[k] - want[k]).abs().max().item() for k in want) <= 1e-6
+
+
 class Mix(nn.Module):
     """Mixes along the sequence: the gradient it returns for its input is a transposed view."""
 
@@ -70,18 +85,7 @@ def test_a_stage_whose_input_gradient_is_a_transposed_view_trains_under_zbv_like
     model = nn.Sequential(*[Mix() for _ in range(4)])
     g = torch.Generator().manual_seed(1)
     x, y = torch.randn(8, 8, 6, generator=g), torch.randn(8, 8, 6, generator=g)
-    prof = profile(model, x[:2], target=y[:2], loss_fn=F.mse_loss, warmup=1, repeats=1, progress=False)
-    part = partition(prof, P=2, v=2, schedule="ZBVZeroBubble")
-    sgd = lambda ps: torch.optim.SGD(ps, lr=0.1)  # noqa: E731
-    result = run(model, (x, y), F.mse_loss, part, 4, steps=2, optimizer=sgd, progress=False, timeout_s=240)
-    ref = copy.deepcopy(model)
-    opt_ = sgd(list(ref.parameters()))
-    for _ in range(2):
-        opt_.zero_grad()
-        torch.stack([F.mse_loss(ref(a), b) for a, b in zip(x.chunk(4), y.chunk(4))]).mean().backward()
-        opt_.step()
-    got, want = result.state_dict(), ref.state_dict()
-    assert max((got[k] - want[k]).abs().max().item() for k in want) <= 1e-6
+    assert_trains_under_zbv_like_one_process(model, x, y)
 
 
 class ViewOut(nn.Module):
@@ -103,15 +107,4 @@ def test_a_stage_whose_output_is_a_view_trains_under_zbv_like_one_process():
     model = nn.Sequential(*[ViewOut() for _ in range(4)])
     g = torch.Generator().manual_seed(1)
     x, y = torch.randn(8, 5, 6, generator=g), torch.randn(8, 5, 6, generator=g)
-    prof = profile(model, x[:2], target=y[:2], loss_fn=F.mse_loss, warmup=1, repeats=1, progress=False)
-    part = partition(prof, P=2, v=2, schedule="ZBVZeroBubble")
-    sgd = lambda ps: torch.optim.SGD(ps, lr=0.1)  # noqa: E731
-    result = run(model, (x, y), F.mse_loss, part, 4, steps=2, optimizer=sgd, progress=False, timeout_s=240)
-    ref = copy.deepcopy(model)
-    opt_ = sgd(list(ref.parameters()))
-    for _ in range(2):
-        opt_.zero_grad()
-        torch.stack([F.mse_loss(ref(a), b) for a, b in zip(x.chunk(4), y.chunk(4))]).mean().backward()
-        opt_.step()
-    got, want = result.state_dict(), ref.state_dict()
-    assert max((got[k] - want[k]).abs().max().item() for k in want) <= 1e-6
+    assert_trains_under_zbv_like_one_process(model, x, y)

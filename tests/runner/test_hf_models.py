@@ -14,6 +14,7 @@ from tiny_transformers import (
     CLASSES,
     IMAGE,
     NO_DROPOUT_GPT2,
+    OPT_SMALL,
     SMALL,
     VOCAB,
     Seq2Seq,
@@ -275,16 +276,7 @@ FAMILIES = {  # Llama, Qwen2 and GPT-2 run for real above
     "Gemma": dict(SMALL, head_dim=8),
     "Phi3": dict(SMALL, pad_token_id=0),
     "GPTNeoX": {k: v for k, v in SMALL.items() if k != "num_key_value_heads"},
-    "OPT": dict(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        ffn_dim=64,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        max_position_embeddings=64,
-        word_embed_proj_dim=32,
-        pad_token_id=0,
-    ),
+    "OPT": dict(OPT_SMALL, pad_token_id=0),
 }
 
 
