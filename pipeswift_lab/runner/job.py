@@ -86,6 +86,7 @@ def run(
     rebalance_every: int | None = None,
     D: int = 1,
     split: str | None = None,
+    recompute: str | dict[int, list[str]] | None = None,
 ) -> RunResult:
     """Train ``model`` for ``steps`` steps as a real pipeline on ``torch.distributed.pipelining`` and measure it.
 
@@ -102,6 +103,12 @@ def run(
       traced), ``"trace"``, or ``"manual"`` for a forward the tracer cannot capture: each stage
       is a copy of the model without the other stages' layers, run eagerly
       (:mod:`~pipeswift_lab.runner.stages.manual`).
+    * ``recompute`` — which activations each stage recomputes in its backward instead of keeping:
+      ``None`` (none), ``"full"`` (every layer keeps only its input), ``"selective"`` (every layer
+      keeps its matrix multiplications' results and recomputes the rest) or ``{stage: [layer names or
+      globs]}`` (full recomputation of those layers), with ``torch.utils.checkpoint``
+      (non-reentrant) under every schedule; the trained parameters are the same bit for bit
+      (:mod:`~pipeswift_lab.runner.stages.recompute`).
     * ``data`` — an ``(inputs, targets)`` batch used every step, a ``callable(step) -> (inputs,
       targets)`` (called with torch's RNG seeded to ``seed + step``, so ranks agree), or an
       iterable of batches (the first ``steps`` are taken). Only the rank holding the first
@@ -231,6 +238,7 @@ def run(
         optimizer=optimizer,
         D=D,
         split=split,
+        recompute=recompute,
         launch=options,
         checkpoints=checkpoints,
         elastic=elastic,

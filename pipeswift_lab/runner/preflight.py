@@ -96,6 +96,7 @@ def plan_job(
     D: int,
     launch: LaunchOptions,
     split: str | None = None,
+    recompute: Any = None,
     checkpoints: CheckpointOptions,
     elastic: ElasticOptions,
 ) -> JobPlan:
@@ -128,6 +129,7 @@ def plan_job(
         "seed": launch.seed,
         "D": D,
         "split": split,
+        "recompute": recompute,
     }
     specs = {
         seg.start_step: make_spec(model, source, loss_fn, seg.partition, m, schedule=schedule, job=job, **spec_kwargs)

@@ -33,6 +33,7 @@ from .devices import CPU_RANKS_PER_CORE, available_cores, resolve_devices
 from .memory_report import predicted_memory
 from .options import ON_NONFINITE, JobOptions, check_trace_dir
 from .sources import DataSource, make_data_source
+from .stages.recompute import RecomputePlan, plan_recompute
 from .stages.sequential import StagePlan, TensorSpec, plan_stages
 from .stages.shapes import stage_shapes
 from .stages.tied import TiedGroup
@@ -133,6 +134,8 @@ class RunSpec:
     """Parameters held by several stages, their gradients summed every step (tied embeddings)."""
     D: int = 1
     """Data-parallel replicas of the pipeline; world size ``P * D``, global rank = replica * P + pipeline rank."""
+    recompute: RecomputePlan | None = None
+    """Which layers of each stage recompute their activations in the backward; ``None``: none."""
 
     @property
     def P(self) -> int:
@@ -308,6 +311,7 @@ def make_spec(
     job: JobOptions | None = None,
     D: int = 1,
     split: str | None = None,
+    recompute: Any = None,
 ) -> RunSpec:
     """Check every argument of :func:`pipeswift_lab.run` and build the :class:`RunSpec` (no process is started).
 
@@ -316,6 +320,7 @@ def make_spec(
     stages whose shapes do not chain, a loss that does not take the last stage's output.
     ``split`` is how a model that is not an ``nn.Sequential`` is cut: ``None``/``"trace"`` (torch's
     tracer) or ``"manual"`` (stage copies of the model, :mod:`~pipeswift_lab.runner.stages.manual`).
+    ``recompute`` is checked against the stages' layers (:func:`~pipeswift_lab.runner.stages.recompute.plan_recompute`).
     """
     split = None if split is None else check_choice("split", split, SPLITS)
     plan = plan_stages(model, partition, schedule)
@@ -334,7 +339,12 @@ def make_spec(
     source = make_data_source(data, steps, seed)
     global_batch, batch_size = _replica_batch(source, D, m)
     shapes = stage_shapes(model, partition, plan, source, batch_size // m, loss_fn, split)
-    meta = {**_spec_meta(plan, D, m, global_batch, batch_size, shapes.layer_names), "profiler_trace": profiler_trace}
+    layers = shapes.layer_names
+    recomputed = plan_recompute(recompute, [tuple(layers[a:b]) for a, b in plan.bounds])
+    meta = {**_spec_meta(plan, D, m, global_batch, batch_size, layers), "profiler_trace": profiler_trace}
+    meta["recompute"] = (
+        recompute if not isinstance(recompute, dict) else {int(k): list(v) for k, v in recompute.items()}
+    )
     if instrument:
         meta["memory_predicted"] = predicted_memory(
             partition,
@@ -369,6 +379,7 @@ def make_spec(
         manual=shapes.manual,
         tied=shapes.tied,
         D=D,
+        recompute=recomputed,
     )
 
 

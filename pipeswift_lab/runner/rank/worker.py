@@ -209,6 +209,7 @@ def _build_stages(spec: RunSpec, topo: Topology, device: torch.device) -> list[A
     from torch.distributed.pipelining import PipelineStage
 
     from ..stages.contiguous import send_contiguous
+    from ..stages.recompute import apply_recompute, schedule_splits_backward
     from ..stages.sequential import stage_module
 
     plan = spec.plan
@@ -226,6 +227,9 @@ def _build_stages(spec: RunSpec, topo: Topology, device: torch.device) -> list[A
         raise TypeError(f"a model that is not an nn.Sequential needs traced stages; got {type(spec.model).__name__}")
     stages = []
     for s, module in modules.items():
+        if spec.recompute is not None:
+            split_backward = schedule_splits_backward(spec.plan.schedule)
+            apply_recompute(module, spec.recompute.stage_layers(s), spec.recompute.mode, split_backward=split_backward)
         module = module.to(device)
         if topo.replica_group is not None:
             from torch.nn.parallel import DistributedDataParallel

@@ -1,0 +1,105 @@
+"""Activation recomputation in the stages (pipeswift_lab.runner.stages.recompute): the choices are checked before
+launch, and a run that recomputes trains to the same parameters, bit for bit, as one that does not, dropout on."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pipeswift_lab.partitioning.balance import partition
+from pipeswift_lab.profiling.measure import profile
+from pipeswift_lab.runner import make_spec, run
+from pipeswift_lab.runner.stages.recompute import SAVED_OPS, plan_recompute
+
+
+class Block(nn.Module):
+    """A pre-LN FFN block with dropout: ``x + drop(down(gelu(up(ln(x)))))``."""
+
+    def __init__(self, d=16, p=0.1):
+        super().__init__()
+        self.ln, self.up, self.down, self.drop = (
+            nn.LayerNorm(d),
+            nn.Linear(d, 4 * d),
+            nn.Linear(4 * d, d),
+            nn.Dropout(p),
+        )
+
+    def forward(self, x):
+        return x + self.drop(self.down(F.gelu(self.up(self.ln(x)))))
+
+
+def model():
+    torch.manual_seed(0)
+    return nn.Sequential(*[Block() for _ in range(4)])
+
+
+def batch():
+    g = torch.Generator().manual_seed(1)
+    return torch.randn(8, 5, 16, generator=g), torch.randn(8, 5, 16, generator=g)
+
+
+STAGES = (("0", "1"), ("2", "3"))
+
+
+def test_the_choices_name_the_layers_of_each_stage():
+    assert plan_recompute(None, STAGES) is None
+    assert plan_recompute("full", STAGES).layers == STAGES and plan_recompute("full", STAGES).mode == "full"
+    assert plan_recompute("selective", STAGES).mode == "selective"
+    chosen = plan_recompute({1: ["*"], 0: ["1"]}, STAGES)
+    assert chosen.mode == "full" and chosen.layers == (("1",), ("2", "3"))
+    assert torch.ops.aten.mm.default in SAVED_OPS and torch.ops.aten.gelu.default not in SAVED_OPS
+
+
+@pytest.mark.parametrize(
+    "bad, error, message",
+    [
+        ("some", ValueError, r"recompute='some' is not one of \['full', 'selective'\]"),
+        ({2: ["0"]}, ValueError, r"recompute has stage 2; the partition has stages 0..1"),
+        ({0: ["blocks.*"]}, ValueError, r"recompute\[0\] names 'blocks.\*', which matches none of stage 0's layers"),
+        ({0: "0"}, TypeError, r"recompute\[0\] must be a list"),
+        (["full"], TypeError, r"recompute must be None, 'full', 'selective' or a dict"),
+    ],
+)
+def test_a_bad_choice_is_refused_before_launch(bad, error, message):
+    x, y = batch()
+    net = model()
+    prof = profile(net, x[:2], target=y[:2], loss_fn=F.mse_loss, warmup=0, repeats=1, progress=False)
+    with pytest.raises(error, match=message):
+        make_spec(net, (x, y), F.mse_loss, partition(prof, 2), 4, recompute=bad)
+
+
+def trained(schedule, recompute):
+    x, y = batch()
+    net = model()
+    prof = profile(net, x[:2], target=y[:2], loss_fn=F.mse_loss, warmup=1, repeats=1, progress=False)
+    v = 2 if schedule in ("Interleaved1F1B", "ZBVZeroBubble") else 1
+    part = partition(prof, 2, v=v, schedule=schedule)
+    part = type(part).from_bounds(prof, ((0, 1), (1, 2), (2, 3), (3, 4)) if v == 2 else ((0, 2), (2, 4)), v=v,
+                                  schedule=schedule, m=4)  # fmt: skip
+    adam = lambda ps: torch.optim.Adam(ps, lr=1e-2)  # noqa: E731
+    return run(net, (x, y), F.mse_loss, part, 4, steps=3, optimizer=adam, progress=False, recompute=recompute)
+
+
+@pytest.mark.processes
+@pytest.mark.parametrize(
+    "schedule, recompute",
+    [("1F1B", "selective"), ("GPipe", "full"), ("Interleaved1F1B", "full"), ("ZBVZeroBubble", "selective")],
+)
+def test_recomputing_trains_to_the_same_parameters_bit_for_bit(schedule, recompute):
+    """Dropout is on: the recomputed forward draws the masks the first one drew (the checkpoint restores the random
+    state), or the parameters would differ; the zero-bubble schedules recompute in both their I and W passes."""
+    plain, again = trained(schedule, None), trained(schedule, recompute)
+    got, want = again.state_dict(), plain.state_dict()
+    assert all(torch.equal(got[k], want[k]) for k in want)
+    assert again.meta["recompute"] == recompute
+
+
+@pytest.mark.processes
+def test_full_recomputation_holds_less_and_a_dict_picks_layers():
+    plain, full = trained("GPipe", None), trained("GPipe", "full")
+    first = trained("GPipe", {0: ["0"]})  # only the first block of stage 0
+    held = {name: r.memory.set_index("rank")["measured_activations_before_backward_bytes"] for name, r in
+            (("plain", plain), ("full", full), ("first", first))}  # fmt: skip
+    assert (held["full"] < held["plain"]).all()
+    assert held["full"][0] < held["first"][0] < held["plain"][0] and held["first"][1] == held["plain"][1]
+    assert all(torch.equal(first.state_dict()[k], plain.state_dict()[k]) for k in plain.state_dict())
