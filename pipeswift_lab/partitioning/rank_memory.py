@@ -18,12 +18,13 @@ import numpy as np
 import pandas as pd
 
 from ..core.memory_model import MEMORY_TERMS, OptimizerMemory, StageBytes, default_optimizer_memory, rank_peak
+from ..core.peak_forms import STAGE_FIELDS, StageFields
 from ..core.precision import OPTIMIZER_STATES, PRECISIONS
 
 if TYPE_CHECKING:
     from .layers import Bounds, Layers
 
-__all__ = ["RANK_MEMORY_COLUMNS", "rank_memory", "stage_bytes"]
+__all__ = ["RANK_MEMORY_COLUMNS", "SplitBytes", "rank_memory", "stage_bytes"]
 
 #: The columns of :func:`rank_memory`, one row per rank.
 RANK_MEMORY_COLUMNS = (
@@ -161,3 +162,77 @@ def rank_memory(
             }
         )
     return pd.DataFrame(rows, columns=list(RANK_MEMORY_COLUMNS))
+
+
+class SplitBytes:
+    """:func:`stage_bytes` of any split of ``layers``, as :class:`~pipeswift_lab.core.peak_forms.StageFields`, from
+    sums over the layers taken once (the planner weighs thousands of splits of the same layers).
+
+    The arguments are :func:`stage_bytes`'s. A stage's largest transient over its layers is a running maximum
+    over the layers of a term that does not depend on where the stage starts or ends, shifted by one that depends
+    on its end only, so every field of every stage is a sum or a maximum over contiguous layers
+    (``np.add.reduceat``, ``np.maximum.reduceat``). The fields equal :func:`stage_bytes`'s to float rounding.
+    """
+
+    def __init__(
+        self,
+        layers: Layers,
+        *,
+        scale: float = 1.0,
+        precision: str | None = None,
+        optimizer: OptimizerMemory,
+        D: int = 1,
+    ) -> None:
+        self.n = layers.n
+        self.optimizer_memory = optimizer
+        """The optimizer the bytes are for."""
+        weights, grads, state = _state_per_layer(layers, precision, optimizer, D)
+        act = layers.activation_bytes if layers.activation_bytes is not None else np.zeros(layers.n)
+        self.out = layers.output_bytes if layers.output_bytes is not None else np.zeros(layers.n)
+        transient = layers.transient_bytes if layers.transient_bytes is not None else np.zeros(layers.n)
+        self.largest = layers.largest_param_bytes if layers.largest_param_bytes is not None else weights
+        weight_grad = np.minimum(transient, grads)  # as stage_bytes: a weight gradient does not scale
+        activation_transient = (transient - weight_grad) * scale
+        layer_transient = weight_grad + activation_transient
+        self.scale, self.weights, self.grads, self.state, self.act = scale, weights, grads, state, act
+        self.buckets = D > 1 and precision is None
+        # freed[i] = (A[b] - A[i + 1]) * scale and grown[i] = G[b] - G[i] for a stage [a, b), A and G prefix sums
+        self.act_prefix = np.concatenate([[0.0], np.cumsum(act)]) * scale
+        self.grad_prefix = np.concatenate([[0.0], np.cumsum(grads)])
+        self.transient_term = layer_transient + self.act_prefix[1:]
+        self.first_term = activation_transient - self.grad_prefix[:-1] + self.act_prefix[1:]
+        self.loss_act = _meta_bytes(layers, "loss_activation_bytes")
+        self.loss_transient = _meta_bytes(layers, "loss_transient_bytes")
+
+    def of(self, bounds: Bounds) -> StageFields:
+        """The fields of every stage of ``bounds`` (contiguous, from layer 0 to the last). Returns a
+        :class:`~pipeswift_lab.core.peak_forms.StageFields`."""
+        starts = np.fromiter((a for a, _ in bounds), dtype=np.int64, count=len(bounds))
+        ends = np.fromiter((b for _, b in bounds), dtype=np.int64, count=len(bounds))
+        if len(bounds) == 0 or starts[0] != 0 or ends[-1] != self.n or np.any(starts[1:] != ends[:-1]):
+            raise ValueError(f"bounds={bounds!r} must be contiguous stages from layer 0 to {self.n}")
+        scale, last = self.scale, ends == self.n
+        output = self.out[ends - 1]
+        grads = np.add.reduceat(self.grads, starts)
+        activations = (np.add.reduceat(self.act, starts) + output) * scale + np.where(last, self.loss_act * scale, 0)
+        freed_end = self.act_prefix[ends]
+        peak_transient = np.maximum(0.0, np.maximum.reduceat(self.transient_term, starts) - freed_end)
+        first_transient = np.maximum(
+            0.0, np.maximum.reduceat(self.first_term, starts) + self.grad_prefix[ends] - freed_end
+        )
+        loss = self.loss_transient * scale
+        peak_transient = np.where(last, np.maximum(peak_transient + output * scale, loss), peak_transient)
+        first_transient = np.where(last, np.maximum(first_transient + output * scale, loss), first_transient)
+        fields = {
+            "weights": np.add.reduceat(self.weights, starts),
+            "grads": grads,
+            "optimizer": np.add.reduceat(self.state, starts),
+            "activations": activations,
+            "transient": peak_transient,
+            "first_transient": first_transient,
+            "recv": np.where(starts > 0, self.out[starts - 1] * scale, 0.0),
+            "grad_recv": np.where(last, 0.0, output * scale),
+            "buckets": grads if self.buckets else np.zeros(len(bounds)),
+            "largest_param": np.maximum.reduceat(self.largest, starts),
+        }
+        return StageFields(np.stack([fields[name] for name in STAGE_FIELDS]))
