@@ -57,12 +57,16 @@ def compute_orders(
     two parts, forward first). Raises ``ValueError`` for combinations torch refuses
     (see :func:`~pipeswift_lab.core.vocabulary.validate`); ``check=False`` skips that check where the loops run
     anyway (GPipe and 1F1B with fewer micro-batches than ranks, for a memory estimate), torch's own schedules
-    raising what they refuse.
+    raising what they refuse. The orders are cached by ``(P, m, schedule, v)``; each call returns new lists.
     """
-    groups = (
-        action_groups(P, m, schedule, v) if check else _action_groups(int(P), int(m), *check_schedule_v(schedule, v))
-    )
-    return {rank: [a for group in rank_groups for a in group] for rank, rank_groups in enumerate(groups)}
+    schedule, v = validate(P, m, schedule, v) if check else check_schedule_v(schedule, v)
+    return {rank: list(actions) for rank, actions in enumerate(_orders(int(P), int(m), schedule, int(v)))}
+
+
+@lru_cache(maxsize=256)
+def _orders(P: int, m: int, schedule: str, v: int) -> tuple[tuple[Action, ...], ...]:
+    """Every rank's actions, :func:`_action_groups` flattened (cached: shared tuples)."""
+    return tuple(tuple(a for group in rank_groups for a in group) for rank_groups in _action_groups(P, m, schedule, v))
 
 
 def action_groups(P: int, m: int, schedule: str = "1F1B", v: int = 1) -> Groups:

@@ -98,9 +98,10 @@ class MinMaxSplit:
         best = self.backtrack(reach, hi_T)
         hi = self.max_cost(best)
         lo = -1.0  # costs are >= 0, so a bottleneck of -1 is infeasible
+        settled = self._none_below(hi)
         while True:
             below = float(np.nextafter(hi, -np.inf))
-            if below <= lo:
+            if settled or below <= lo:
                 return best, hi  # nothing strictly between an infeasible lo and hi: hi is optimal
             mid = lo + (hi - lo) / 2
             if not (lo < mid < hi):
@@ -111,6 +112,15 @@ class MinMaxSplit:
             else:
                 best = self.backtrack(reach, mid)
                 hi = self.max_cost(best)
+                settled = self._none_below(hi)
+
+    def _none_below(self, hi: float) -> bool:
+        """Whether no bottleneck below ``hi`` is feasible. The reachability changes only where ``T`` passes a stage
+        cost, so testing the largest stage cost below ``hi`` tells: when it fails, so would every test the
+        bisection has left, and its answer stays as it is (hundreds of float halvings saved)."""
+        costs = self.U[None, :] - self.D[:, None]  # costs[a, b]: of the stage [a, b) when a < b
+        below = costs[(costs < hi) & (self.idx[:, None] < self.idx[None, :])]
+        return len(below) == 0 or self.reach(float(below.max())) is None
 
 
 def window_max(x: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:

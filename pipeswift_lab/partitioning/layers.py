@@ -209,6 +209,7 @@ def capped_split(
     link: Link | None,
     limit: float,
     peak_of: Callable[[Bounds], Sequence[float]],
+    split_at: Callable[[float], Bounds] | None = None,
 ) -> Bounds | None:
     """The :func:`split` of ``layout`` whose ranks' replayed peaks (``peak_of(bounds)``, one per rank) fit
     ``limit`` bytes; ``None`` when none does.
@@ -216,11 +217,12 @@ def capped_split(
     The exact solver's windows bound each stage's steady memory; the replay adds buffers and transients. When the
     fullest rank exceeds the cap, a balanced split is solved again with the cap lowered by the excess, up to
     :data:`~pipeswift_lab.partitioning.memory.CAP_RETRIES` times; another method's split is returned as it is,
-    for the caller to check."""
+    for the caller to check. ``split_at(budget)``, when given, stands for ``split(layers, layout, method, link,
+    budget)`` (the planner's search remembers the splits it solved)."""
     budget = limit
     for _ in range(CAP_RETRIES):
         try:
-            bounds = split(layers, layout, method, link, budget)
+            bounds = split_at(budget) if split_at is not None else split(layers, layout, method, link, budget)
         except Infeasible:
             return None
         excess = max(peak_of(bounds)) - limit

@@ -177,10 +177,12 @@ def memory_windows(layers: Layers, layout: Layout, limit: float | None) -> list[
     static = np.concatenate([[0.0], np.cumsum(cast(np.ndarray, state))])  # known: param_bytes is
     act = np.concatenate([[0.0], np.cumsum(layers.activation_bytes)])
     budget = limit / layout.v  # a rank's v stages share its memory; each stage gets an equal share
-    return [
-        np.searchsorted(mem, mem - budget * (1 + MEM_RTOL), side="left")
-        for mem in (static + act * inflight for inflight in layout.inflight())
-    ]
+    inflight = layout.inflight()
+    window: dict[float, np.ndarray] = {}  # stages that hold as many micro-batches share one window
+    for count in set(inflight):
+        mem = static + act * count
+        window[count] = np.searchsorted(mem, mem - budget * (1 + MEM_RTOL), side="left")
+    return [window[count] for count in inflight]
 
 
 def no_fit_head(limit: float, method: str, P: int, v: int) -> str:

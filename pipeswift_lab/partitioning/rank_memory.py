@@ -26,12 +26,13 @@ from ..core.memory_model import (
     rank_peak,
     send_wait,
 )
+from ..core.peak_forms import STAGE_FIELDS, StageFields
 from ..core.precision import OPTIMIZER_STATES, PRECISIONS
 
 if TYPE_CHECKING:
     from .layers import Bounds, Layers
 
-__all__ = ["RANK_MEMORY_COLUMNS", "rank_memory", "stage_bytes", "with_sends"]
+__all__ = ["RANK_MEMORY_COLUMNS", "SplitBytes", "rank_memory", "stage_bytes", "with_sends"]
 
 #: The columns of :func:`rank_memory`, one row per rank.
 RANK_MEMORY_COLUMNS = (
@@ -221,3 +222,126 @@ def rank_memory(
             }
         )
     return pd.DataFrame(rows, columns=[*RANK_MEMORY_COLUMNS, *(f"{t}_before_backward_bytes" for t in MEMORY_TERMS)])
+
+
+class SplitBytes:
+    """:func:`stage_bytes` of any split of ``layers``, as :class:`~pipeswift_lab.core.peak_forms.StageFields`, from
+    sums over the layers taken once (the planner weighs thousands of splits of the same layers).
+
+    The arguments are :func:`stage_bytes`'s. A stage's largest transient over its layers is a running maximum
+    over the layers of a term that does not depend on where the stage starts or ends, shifted by one that depends
+    on its end only, so every field of every stage is a sum or a maximum over contiguous layers
+    (``np.add.reduceat``, ``np.maximum.reduceat``), or a value at one of its cuts. The fields equal
+    :func:`stage_bytes`'s (and, with a placement, :func:`with_sends`') to float rounding.
+    """
+
+    def __init__(
+        self,
+        layers: Layers,
+        *,
+        scale: float = 1.0,
+        precision: str | None = None,
+        optimizer: OptimizerMemory,
+        D: int = 1,
+    ) -> None:
+        self.n = layers.n
+        self.optimizer_memory = optimizer
+        """The optimizer the bytes are for."""
+        weights, grads, state = _state_per_layer(layers, precision, optimizer, D)
+        act = layers.activation_bytes if layers.activation_bytes is not None else np.zeros(layers.n)
+        self.out = layers.output_bytes if layers.output_bytes is not None else np.zeros(layers.n)
+        transient = layers.transient_bytes if layers.transient_bytes is not None else np.zeros(layers.n)
+        self.largest = layers.largest_param_bytes if layers.largest_param_bytes is not None else weights
+        weight_grad = np.minimum(transient, grads)  # as stage_bytes: a weight gradient does not scale
+        activation_transient = (transient - weight_grad) * scale
+        layer_transient = weight_grad + activation_transient
+        accumulate = _column(layers, "accumulate_transient_bytes")
+        if accumulate is not None and bool(np.all(np.isfinite(accumulate))):
+            temporary = np.minimum(accumulate, self.largest)
+            layer_transient = temporary + (accumulate - temporary) * scale
+        self.scale, self.weights, self.grads, self.state, self.act = scale, weights, grads, state, act
+        self.buckets = D > 1 and precision is None
+        # freed[i] = (A[b] - A[i + 1]) * scale and grown[i] = G[b] - G[i] for a stage [a, b), A and G prefix sums
+        self.act_prefix = np.concatenate([[0.0], np.cumsum(act)]) * scale
+        self.grad_prefix = np.concatenate([[0.0], np.cumsum(grads)])
+        self.transient_term = layer_transient + self.act_prefix[1:]
+        self.first_term = activation_transient - self.grad_prefix[:-1] + self.act_prefix[1:]
+        self.loss_act = _meta_bytes(layers, "loss_activation_bytes")
+        self.loss_transient = _meta_bytes(layers, "loss_transient_bytes")
+        self.loss_retained = _meta_bytes(layers, "loss_retained_bytes")
+        self.input_bytes, self.target_bytes = _meta_bytes(layers, "input_bytes"), _meta_bytes(layers, "target_bytes")
+        cut = _column(layers, "cut_bytes")
+        self.cuts = None
+        if cut is not None and bool(np.all(np.isfinite(cut))):
+            received = _column(layers, "received_held_bytes")
+            received = np.nan_to_num(received) if received is not None else np.zeros(layers.n)
+            grad, freed = _column(layers, "cut_grad_bytes"), _column(layers, "cut_freed_bytes")
+            self.cuts = {
+                "cut": np.append(cut, 0.0),  # the cut "before" layer n: none
+                "grad": np.append(grad if grad is not None else cut, 0.0),
+                "freed": np.append(freed if freed is not None else np.zeros(layers.n), 0.0),
+                "received": np.concatenate([[0.0], np.cumsum(received)]),
+            }
+
+    def of(self, bounds: Bounds, placement: Sequence[int] | None = None) -> StageFields:
+        """The fields of every stage of ``bounds`` (contiguous, from layer 0 to the last); with ``placement`` (each
+        stage's rank) also what each sends to another rank. Returns a
+        :class:`~pipeswift_lab.core.peak_forms.StageFields`."""
+        starts = np.fromiter((a for a, _ in bounds), dtype=np.int64, count=len(bounds))
+        ends = np.fromiter((b for _, b in bounds), dtype=np.int64, count=len(bounds))
+        if len(bounds) == 0 or starts[0] != 0 or ends[-1] != self.n or np.any(starts[1:] != ends[:-1]):
+            raise ValueError(f"bounds={bounds!r} must be contiguous stages from layer 0 to {self.n}")
+        scale, last, first = self.scale, ends == self.n, starts == 0
+        output = self.out[ends - 1]
+        grads = np.add.reduceat(self.grads, starts)
+        activations = np.add.reduceat(self.act, starts)
+        if self.cuts is not None:
+            cuts = self.cuts
+            recv = np.where(first, 0.0, cuts["cut"][starts])
+            grad_recv = np.where(last, 0.0, cuts["grad"][ends])
+            activations = activations + np.where(last, 0.0, cuts["freed"][ends])
+            received = np.where(first, 0.0, cuts["received"][ends] - cuts["received"][starts])
+            activations = activations * scale + received * scale
+        else:
+            recv = np.where(first, 0.0, self.out[np.maximum(starts - 1, 0)])
+            grad_recv = np.where(last, 0.0, output)
+            activations = (activations + output) * scale
+        activations = activations + np.where(last, self.loss_act * scale, 0.0)
+        freed_end = self.act_prefix[ends]
+        peak_transient = np.maximum(0.0, np.maximum.reduceat(self.transient_term, starts) - freed_end)
+        first_transient = np.maximum(
+            0.0, np.maximum.reduceat(self.first_term, starts) + self.grad_prefix[ends] - freed_end
+        )
+        loss = self.loss_transient * scale
+        peak_transient = np.where(last, np.maximum(peak_transient + output * scale, loss), peak_transient)
+        first_transient = np.where(last, np.maximum(first_transient + output * scale, loss), first_transient)
+        recv, grad_recv = recv * scale, grad_recv * scale
+        sent_output, sent_grad = np.zeros(len(bounds)), np.zeros(len(bounds))
+        if placement is not None:
+            ranks = np.asarray(placement)
+            ahead = np.append(ranks[1:] != ranks[:-1], False)
+            sent_output[ahead] = recv[1:][ahead[:-1]]
+            behind = np.concatenate([[False], ranks[1:] != ranks[:-1]])
+            sent_grad[behind] = grad_recv[:-1][behind[1:]]
+        fields = {
+            "weights": np.add.reduceat(self.weights, starts),
+            "grads": grads,
+            "optimizer": np.add.reduceat(self.state, starts),
+            "activations": activations,
+            "transient": peak_transient,
+            "first_transient": first_transient,
+            "recv": recv,
+            "grad_recv": grad_recv,
+            "retained": np.where(last, self.loss_retained * scale, 0.0),
+            "batch": (np.where(first, self.input_bytes, 0.0) + np.where(last, self.target_bytes, 0.0)) * scale,
+            "sent_output": sent_output,
+            "sent_grad": sent_grad,
+            "buckets": grads if self.buckets else np.zeros(len(bounds)),
+            "largest_param": np.maximum.reduceat(self.largest, starts),
+        }
+        return StageFields(np.stack([fields[name] for name in STAGE_FIELDS]))
+
+
+def _column(layers: Layers, name: str) -> np.ndarray | None:
+    """Column ``name`` of the layers' table as floats, or None where it is absent."""
+    return layers.df[name].to_numpy(float) if name in layers.df else None

@@ -9,8 +9,8 @@ what preemption costs, with branch-and-bound over the configurations::
 
 Modules: :mod:`.planner` (:func:`plan`, the steps in order), :mod:`.inputs` (:class:`PlanInputs`, the arguments
 checked once), :mod:`.steps` (enumerate, bound, branch and bound, rank), :mod:`.search` (per-micro-batch costs and
-partitions), :mod:`.strategies` (grow, shrink), :mod:`.quantiles` (JCT quantiles under failures), :mod:`.result`
-(:class:`Plan`, :class:`PlannedConfig`).
+partitions), :mod:`.peaks` (each rank's peak memory of the splits searched), :mod:`.strategies` (grow, shrink),
+:mod:`.quantiles` (JCT quantiles under failures), :mod:`.result` (:class:`Plan`, :class:`PlannedConfig`).
 """
 
 from __future__ import annotations

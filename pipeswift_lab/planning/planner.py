@@ -41,7 +41,16 @@ from .result import Plan, PlannedConfig
 from .search import Evaluator
 from .steps import bound_configs, branch_and_bound, enumerate_configs, rank_table
 
-__all__ = ["DEFAULT_DP_LINK", "OPTIMIZER_MEMORY_GBps", "Plan", "PlanInputs", "PlannedConfig", "plan"]
+__all__ = [
+    "DEFAULT_DP_LINK",
+    "OPTIMIZER_MEMORY_GBps",
+    "Plan",
+    "PlanInputs",
+    "PlannedConfig",
+    "evaluator_of",
+    "plan",
+    "search",
+]
 
 
 def plan(
@@ -117,9 +126,9 @@ def plan(
     * ``exhaustive`` — simulate every feasible configuration; ``progress`` — show a progress bar.
 
     The steps: :func:`~pipeswift_lab.planning.inputs.check_plan_inputs` (validate and resolve, once),
-    :func:`~pipeswift_lab.planning.steps.enumerate_configs`, :func:`~pipeswift_lab.planning.steps.bound_configs`,
-    :func:`~pipeswift_lab.planning.steps.branch_and_bound` (search) and
-    :func:`~pipeswift_lab.planning.steps.rank_table` (assemble).
+    :func:`evaluator_of`, then :func:`search`: :func:`~pipeswift_lab.planning.steps.enumerate_configs`,
+    :func:`~pipeswift_lab.planning.steps.bound_configs`, :func:`~pipeswift_lab.planning.steps.branch_and_bound`
+    and :func:`~pipeswift_lab.planning.steps.rank_table` (assemble).
 
     Raises ``ValueError`` when no configuration is feasible, listing the closest misses.
     """
@@ -147,14 +156,26 @@ def plan(
         step_cv=step_cv,
         precision=precision,
     )
-    evaluator = Evaluator(
+    return search(inputs, evaluator_of(inputs))
+
+
+def evaluator_of(inputs: PlanInputs, *, replay: bool = False) -> Evaluator:
+    """The :class:`~pipeswift_lab.planning.search.Evaluator` of checked inputs; ``replay=True`` takes every rank's
+    peak memory from the action-by-action replay instead of its compiled form (the reference, far slower)."""
+    return Evaluator(
         inputs.costs,
         link=inputs.link,
         mem_per_gpu_bytes=inputs.mem_per_gpu_bytes,
         optimizer=inputs.optimizer,
         calibration=inputs.calibration,
         precision=inputs.precision,
+        replay=replay,
     )
+
+
+def search(inputs: PlanInputs, evaluator: Evaluator) -> Plan:
+    """The search of :func:`plan` on checked inputs (:func:`~pipeswift_lab.planning.inputs.check_plan_inputs`) with
+    ``evaluator`` (:func:`evaluator_of`); returns a :class:`Plan`."""
     rows, candidates = bound_configs(enumerate_configs(inputs), inputs, evaluator)
     rows = branch_and_bound(candidates, rows, inputs, evaluator)
     return Plan(rank_table(rows, inputs), inputs.as_dict(), inputs.costs)

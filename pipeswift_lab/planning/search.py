@@ -21,12 +21,13 @@ from ..core.checks import check_int
 from ..core.link import Link
 from ..core.precision import state_bytes
 from ..core.vocabulary import stage_to_rank
+from ..partitioning.bottleneck import Infeasible
 from ..partitioning.layers import Layers, capped_split, split
-from ..partitioning.memory import Layout, no_fit_head, rank_totals
-from ..partitioning.rank_memory import rank_memory
+from ..partitioning.memory import MEM_RTOL, Layout, memory_windows, no_fit_head, rank_totals
 from ..partitioning.stages import Partition
 from ..simulation.calibration import SimulatorCalibration
 from ..simulation.simulator import simulate_step_ms
+from .peaks import SplitPeaks
 
 __all__ = ["Evaluator", "MicrobatchCosts", "Split"]
 
@@ -111,7 +112,13 @@ class Evaluator:
     per-stage sums cached by their bounds; a :class:`~pipeswift_lab.Partition` is built only
     for a configuration that is simulated. Memory-capped splits are cached by what the cap
     depends on (``P``, ``v``, placement, micro-batch size, the in-flight count of each rank),
-    so configurations that differ only in ``m`` or ``D`` but hold as much share one.
+    so configurations that differ only in ``m`` or ``D`` but hold as much share one, and so is
+    every split the capped search solves.
+
+    Each rank's peak memory comes from the replay compiled once per ``(P, m, schedule, v)``
+    (:class:`~pipeswift_lab.planning.peaks.SplitPeaks`); ``replay=True`` replays every action
+    instead (:func:`~pipeswift_lab.partitioning.rank_memory.rank_memory`, the reference, far
+    slower).
     """
 
     def __init__(
@@ -123,6 +130,7 @@ class Evaluator:
         optimizer: str,
         calibration: SimulatorCalibration | None = None,
         precision: str | None = None,
+        replay: bool = False,
     ) -> None:
         self.costs, self.link, self.optimizer, self.precision = costs, link, optimizer, precision
         self.mem_per_gpu_bytes = mem_per_gpu_bytes
@@ -134,7 +142,9 @@ class Evaluator:
         self._capped: dict[tuple, Bounds | None] = {}
         self._stages: dict[tuple, _StageSums] = {}
         self._inflight: dict[tuple, tuple[tuple[int, ...], list[float]]] = {}
-        self._replays: dict[tuple, list[float]] = {}
+        self.split_peaks = SplitPeaks(costs, self.layers, optimizer=optimizer, precision=precision, replay=replay)
+        """Each rank's peak of the splits weighed (:class:`~pipeswift_lab.planning.peaks.SplitPeaks`)."""
+        self._solved: dict[tuple, Bounds | None] = {}
 
     def layers(self, b: int) -> Layers:
         """The per-layer arrays at micro-batch size ``b`` (cached), with the nearest profile's meta (the loss's bytes
@@ -151,26 +161,15 @@ class Evaluator:
         return self._layers[b]
 
     def peak_memory(self, P: int, m: int, b: int, schedule: str, v: int, D: int, bounds: Bounds) -> list[float]:
-        """Each rank's replayed peak (:func:`~pipeswift_lab.partitioning.rank_memory.rank_memory`) of ``bounds`` at
-        micro-batch size ``b``, from the nearest profile (cached)."""
-        key = (P, m, b, schedule, v, D, bounds)
-        if key not in self._replays:
-            nearest = self.costs.nearest(b)
-            table = rank_memory(
-                self.layers(nearest),
-                bounds,
-                self._placement(P, m, schedule, v)[0],
-                P=P,
-                m=m,
-                schedule=schedule,
-                v=v,
-                micro_batch_size=b,
-                precision=self.precision,
-                optimizer=self.optimizer,
-                D=D,
-            )
-            self._replays[key] = [float(x) for x in table["predicted_peak_bytes"]]
-        return self._replays[key]
+        """Each rank's peak (:func:`~pipeswift_lab.partitioning.rank_memory.rank_memory`'s ``predicted_peak_bytes``)
+        of ``bounds`` at micro-batch size ``b``, from the nearest profile (cached). Returns a list, one per rank."""
+        return self.split_peaks.of(P, m, b, schedule, v, D, bounds, self._placement(P, m, schedule, v)[0])
+
+    @property
+    def peaks(self) -> dict[tuple, list[float]]:
+        """Every :meth:`peak_memory` answer so far, by its arguments ``(P, m, b, schedule, v, D, bounds)``: a new
+        dict."""
+        return self.split_peaks.answers
 
     def split(self, P: int, m: int, b: int, schedule: str, v: int, D: int = 1) -> Split:
         """The balanced split of ``P`` ranks at micro-batch size ``b`` (the fastest that fits memory), unsimulated.
@@ -187,8 +186,12 @@ class Evaluator:
         bounds = self._balanced_bounds(P, m, schedule, v, base)
         stages = self._stage_sums(base, bounds, shards)
         scale = b / base
-        mem = self.peak_memory(P, m, b, schedule, v, D, bounds)
         limit = self.mem_per_gpu_bytes
+        if limit is not None and sum(stages.state_bytes) / P > limit * (1 + MEM_RTOL):
+            # no rank's peak is below its state (it holds it all at its optimizer step), so no split fits: raise
+            # the error the replay of the balanced split would lead to, without replaying it
+            _check_average_fits(stages, P, limit)
+        mem = self.peak_memory(P, m, b, schedule, v, D, bounds)
         if limit is not None and max(mem) > limit:
             # the time-balanced split does not fit at this micro-batch size: take the fastest split that does
             _check_average_fits(stages, P, limit)
@@ -256,8 +259,9 @@ class Evaluator:
         return self._inflight[key]
 
     def _balanced_bounds(self, P: int, m: int, schedule: str, v: int, b: int) -> Bounds:
-        """The time-balanced split at micro-batch size ``b``, memory not considered (cached)."""
-        key = (P, v, schedule, b)
+        """The time-balanced split at micro-batch size ``b``, memory not considered (cached by what it depends on:
+        the stage count ``P * v``, not the schedule)."""
+        key = (P * v, b)
         if key not in self._bounds:
             layers = self.layers(b)
             layout = Layout(P=P, v=v, schedule=schedule, mem_schedule=schedule, m=m, optimizer=self.optimizer)
@@ -325,11 +329,28 @@ class Evaluator:
                 self.link,
                 limit,
                 lambda bounds: self.peak_memory(P, m, b, schedule, v, D, bounds),
+                lambda budget: self._solve(b, layout, budget),
             )
         capped = self._capped[key]
         if capped is None:
             raise ValueError(no_fit_head(limit, "balanced", P, v))
         return capped
+
+    def _solve(self, b: int, layout: Layout, budget: float) -> Bounds:
+        """The balanced split of ``layout`` at micro-batch size ``b`` within ``budget`` bytes per GPU (cached by
+        the memory windows it is solved in, which many budgets, ``m`` and ``D`` share); raises ``Infeasible``."""
+        layers = self.layers(b)
+        windows = memory_windows(layers, layout, budget)
+        key = (b, layout.n_stages, b"".join(w.tobytes() for w in windows or ()))
+        if key not in self._solved:
+            try:
+                self._solved[key] = split(layers, layout, "balanced", self.link, budget)
+            except Infeasible:
+                self._solved[key] = None
+        solved = self._solved[key]
+        if solved is None:
+            raise Infeasible
+        return solved
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -208,3 +208,12 @@ def test_bad_combinations_name_P_m_v(args, words):
 def test_schedule_names_are_case_insensitive():
     assert compute_orders(2, 4, "interleaved1f1b", 2) == compute_orders(2, 4, "Interleaved1F1B", 2)
     assert compute_orders(2, 2, "gpipe") == compute_orders(2, 2, "GPipe")
+
+
+def test_orders_are_cached_and_every_call_gets_lists_of_its_own():
+    first = compute_orders(3, 6, "Interleaved1F1B", 2)
+    first[0].clear()
+    first[1].append(("F", 99, 99))
+    again = compute_orders(3, 6, "Interleaved1F1B", 2)
+    assert len(again[0]) == len(again[2]) == 2 * 2 * 6 and ("F", 99, 99) not in again[1]
+    assert again[1] is not compute_orders(3, 6, "Interleaved1F1B", 2)[1]

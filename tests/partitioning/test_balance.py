@@ -12,6 +12,7 @@ from pipeswift_lab import analytic, models
 from pipeswift_lab.core.link import Link
 from pipeswift_lab.core.precision import OPTIMIZER_STATES
 from pipeswift_lab.partitioning.balance import partition
+from pipeswift_lab.partitioning.bottleneck import Infeasible, MinMaxSplit
 from pipeswift_lab.partitioning.stages import Partition
 from pipeswift_lab.profiling.measure import profile
 from pipeswift_lab.profiling.table import Profile
@@ -344,3 +345,50 @@ def test_the_memory_cap_has_one_name():
         partition(prof, 2, mem_limit_bytes=1e6)
     with pytest.raises(ValueError, match="mem_per_gpu_bytes=0.0 is invalid"):
         partition(prof, 2, mem_per_gpu_bytes=0)
+
+
+def bisected(split):
+    """:meth:`MinMaxSplit.solve` without its early stop: the bisection run down to adjacent floats."""
+    reach = split.reach(float(np.max(split.U) - np.min(split.D)))
+    if reach is None:
+        raise Infeasible
+    best = split.backtrack(reach, float(np.max(split.U) - np.min(split.D)))
+    hi, lo = split.max_cost(best), -1.0
+    while float(np.nextafter(hi, -np.inf)) > lo:
+        mid = lo + (hi - lo) / 2
+        if not (lo < mid < hi):
+            mid = float(np.nextafter(hi, -np.inf))
+        reach = split.reach(mid)
+        if reach is None:
+            lo = mid
+        else:
+            best = split.backtrack(reach, mid)
+            hi = split.max_cost(best)
+    return best, hi
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    times=st.lists(st.one_of(st.integers(0, 3).map(float), st.floats(0, 10)), min_size=1, max_size=24),
+    data=st.data(),
+)
+def test_the_bisection_stops_early_with_the_answer_it_would_reach(times, data):
+    """Once no stage cost below the best bottleneck is feasible the solver stops: same bounds, same bottleneck, with
+    or without memory windows, with or without transfers (non-monotone starts)."""
+    n = len(times)
+    K = data.draw(st.integers(1, n))
+    S = np.concatenate([[0.0], np.cumsum(times)])
+    transfer = np.concatenate([[0.0], data.draw(st.lists(st.floats(0, 2), min_size=n - 1, max_size=n - 1)), [0.0]])
+    U, D = (S + transfer, S - transfer) if data.draw(st.booleans()) else (S, S)
+    windows = None
+    if data.draw(st.booleans()):
+        starts = st.lists(st.integers(0, n), min_size=n + 1, max_size=n + 1)
+        windows = [np.maximum.accumulate(np.minimum(np.arange(n + 1), data.draw(starts))) for _ in range(K)]
+    split = MinMaxSplit(U, D, K, windows)
+    try:
+        want = bisected(split)
+    except Infeasible:
+        with pytest.raises(Infeasible):
+            split.solve()
+        return
+    assert split.solve() == want

@@ -1,11 +1,17 @@
 """A partition's predicted memory per rank: terms, micro-batch scaling, the optimizer, the profile's own bytes."""
 
+import numpy as np
+import pandas as pd
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from pipeswift_lab.core.memory_model import MEMORY_TERMS, OptimizerMemory
+from pipeswift_lab.core.memory_model import MEMORY_TERMS, OptimizerMemory, default_optimizer_memory
+from pipeswift_lab.core.peak_forms import StageFields
 from pipeswift_lab.models import reference
 from pipeswift_lab.partitioning.balance import partition
-from pipeswift_lab.partitioning.rank_memory import RANK_MEMORY_COLUMNS
+from pipeswift_lab.partitioning.layers import Layers, uniform_bounds
+from pipeswift_lab.partitioning.rank_memory import RANK_MEMORY_COLUMNS, SplitBytes, stage_bytes
 from pipeswift_lab.profiling.measure import profile
 from pipeswift_lab.profiling.table import Profile
 
@@ -58,3 +64,40 @@ def test_the_optimizer_counts(gpt):
 def test_a_profile_without_memory_columns_has_no_prediction():
     part = partition(Profile.synthetic(fwd_ms=[1.0, 1.0], bwd_ms=[1.0, 1.0]).df[["fwd_ms", "bwd_ms"]], 2)
     assert all(x != x for x in part.rank_mem_bytes)  # NaN
+
+
+def assert_fields_match(layers, bounds, **kwargs):
+    want = StageFields.of(stage_bytes(layers, bounds, **kwargs)).values
+    got = SplitBytes(layers, **kwargs).of(bounds).values
+    # sums over all the layers, differenced: rounding at the scale of the whole profile's bytes
+    np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12 * max(1.0, np.abs(want).sum()))
+
+
+def test_split_bytes_are_stage_bytes_of_a_measured_profile(gpt):
+    layers = Layers(gpt)
+    optimizer = default_optimizer_memory("adam", "cpu")
+    for K in range(1, layers.n + 1):
+        assert_fields_match(layers, uniform_bounds(layers.n, K), scale=2.5, optimizer=optimizer, D=2)
+    with pytest.raises(ValueError, match="contiguous stages"):
+        SplitBytes(layers, optimizer=optimizer).of(((0, 2), (3, layers.n)))
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    data=st.data(),
+    n=st.integers(1, 14),
+    precision=st.sampled_from([None, "fp32", "bf16-mixed", "bf16-mixed-zero1"]),
+    D=st.integers(1, 4),
+    scale=st.sampled_from([1.0, 0.25, 3.0]),
+)
+def test_split_bytes_are_stage_bytes_of_random_profiles_and_splits(data, n, precision, D, scale):
+    size = st.floats(0, 1e10, allow_nan=False, allow_subnormal=False)
+    columns = ["param_bytes", "activation_bytes", "output_bytes", "transient_bytes", "largest_param_bytes"]
+    df = pd.DataFrame({c: data.draw(st.lists(size, min_size=n, max_size=n)) for c in columns})
+    df = df.assign(fwd_ms=1.0, bwd_ms=1.0, params=data.draw(st.lists(st.integers(0, 10**9), min_size=n, max_size=n)))
+    layers = Layers(df)
+    layers.meta = {"loss_activation_bytes": data.draw(size), "loss_transient_bytes": data.draw(size)}
+    cuts = sorted(data.draw(st.sets(st.integers(1, max(1, n - 1)), max_size=n - 1)))
+    bounds = tuple(zip([0, *cuts], [*cuts, n]))
+    optimizer = data.draw(st.sampled_from([default_optimizer_memory("adam", "cpu"), OptimizerMemory(states=1.0)]))
+    assert_fields_match(layers, bounds, scale=scale, precision=precision, optimizer=optimizer, D=D)
