@@ -87,6 +87,7 @@ def run(
     D: int = 1,
     split: str | None = None,
     recompute: str | dict[int, list[str]] | None = None,
+    precision: str | None = None,
 ) -> RunResult:
     """Train ``model`` for ``steps`` steps as a real pipeline on ``torch.distributed.pipelining`` and measure it.
 
@@ -109,6 +110,10 @@ def run(
       globs]}`` (full recomputation of those layers), with ``torch.utils.checkpoint``
       (non-reentrant) under every schedule; the trained parameters are the same bit for bit
       (:mod:`~pipeswift_lab.runner.stages.recompute`).
+    * ``precision`` — ``None``/``"fp32"`` (the model's own dtype), ``"bf16-mixed"`` (every stage's forward and
+      the loss under ``torch.autocast`` in bf16; weights, gradients and optimizer state fp32) or
+      ``"bf16-mixed-zero1"`` (with the optimizer state sharded over the ``D`` replicas by torch's
+      ``ZeroRedundancyOptimizer``; :mod:`~pipeswift_lab.runner.stages.precision`).
     * ``data`` — an ``(inputs, targets)`` batch used every step, a ``callable(step) -> (inputs,
       targets)`` (called with torch's RNG seeded to ``seed + step``, so ranks agree), or an
       iterable of batches (the first ``steps`` are taken). Only the rank holding the first
@@ -239,6 +244,7 @@ def run(
         D=D,
         split=split,
         recompute=recompute,
+        precision=precision,
         launch=options,
         checkpoints=checkpoints,
         elastic=elastic,

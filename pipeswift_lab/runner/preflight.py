@@ -97,6 +97,7 @@ def plan_job(
     launch: LaunchOptions,
     split: str | None = None,
     recompute: Any = None,
+    precision: str | None = None,
     checkpoints: CheckpointOptions,
     elastic: ElasticOptions,
 ) -> JobPlan:
@@ -130,6 +131,7 @@ def plan_job(
         "D": D,
         "split": split,
         "recompute": recompute,
+        "precision": precision,
     }
     specs = {
         seg.start_step: make_spec(model, source, loss_fn, seg.partition, m, schedule=schedule, job=job, **spec_kwargs)

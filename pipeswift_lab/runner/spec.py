@@ -33,6 +33,7 @@ from .devices import CPU_RANKS_PER_CORE, available_cores, resolve_devices
 from .memory_report import predicted_memory
 from .options import ON_NONFINITE, JobOptions, check_trace_dir
 from .sources import DataSource, make_data_source
+from .stages.precision import check_run_precision
 from .stages.recompute import RecomputePlan, plan_recompute
 from .stages.sequential import StagePlan, TensorSpec, plan_stages
 from .stages.shapes import stage_shapes
@@ -136,6 +137,8 @@ class RunSpec:
     """Data-parallel replicas of the pipeline; world size ``P * D``, global rank = replica * P + pipeline rank."""
     recompute: RecomputePlan | None = None
     """Which layers of each stage recompute their activations in the backward; ``None``: none."""
+    precision: str | None = None
+    """The precision the stages compute in (:mod:`~pipeswift_lab.runner.stages.precision`); ``None``: the model's."""
 
     @property
     def P(self) -> int:
@@ -312,6 +315,7 @@ def make_spec(
     D: int = 1,
     split: str | None = None,
     recompute: Any = None,
+    precision: str | None = None,
 ) -> RunSpec:
     """Check every argument of :func:`pipeswift_lab.run` and build the :class:`RunSpec` (no process is started).
 
@@ -339,12 +343,19 @@ def make_spec(
     source = make_data_source(data, steps, seed)
     global_batch, batch_size = _replica_batch(source, D, m)
     shapes = stage_shapes(model, partition, plan, source, batch_size // m, loss_fn, split)
+    precision = check_run_precision(precision)
+    if precision == "bf16-mixed-zero1" and job is not None and (job.checkpoint_dir or job.resume_from):
+        raise ValueError(
+            "precision='bf16-mixed-zero1' cannot be combined with checkpoint_dir or resume_from yet: the sharded "
+            "optimizer's state is not in the distributed checkpoint; use precision='bf16-mixed' with checkpoints"
+        )
     layers = shapes.layer_names
     recomputed = plan_recompute(recompute, [tuple(layers[a:b]) for a, b in plan.bounds])
     meta = {**_spec_meta(plan, D, m, global_batch, batch_size, layers), "profiler_trace": profiler_trace}
     meta["recompute"] = (
         recompute if not isinstance(recompute, dict) else {int(k): list(v) for k, v in recompute.items()}
     )
+    meta["precision"] = precision
     if instrument:
         meta["memory_predicted"] = predicted_memory(
             partition,
@@ -380,6 +391,7 @@ def make_spec(
         tied=shapes.tied,
         D=D,
         recompute=recomputed,
+        precision=precision,
     )
 
 

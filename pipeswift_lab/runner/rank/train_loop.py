@@ -34,6 +34,7 @@ from typing import Any
 import torch
 
 from .. import checkpoint as ckpt
+from ..stages.precision import sharded_optimizer
 from ..stages.release import release_unheld
 from ..stages.tied import TiedGradients, unique_parameters
 from .checkpointer import CHECKPOINTS_LOG, Checkpointer, append_line, broadcast, gather
@@ -179,7 +180,11 @@ def _set_up(inputs: RankInputs) -> RankState:
     spec = inputs.spec
     stages = inputs.build_stages(spec, inputs.topo, inputs.device)
     release_unheld(spec.model, [unwrapped(stage.submod) for stage in stages])
-    optimizer = spec.optimizer(unique_parameters(stage.submod for stage in stages))
+    params = unique_parameters(stage.submod for stage in stages)
+    if spec.precision == "bf16-mixed-zero1":
+        optimizer = sharded_optimizer(spec.optimizer, params, inputs.topo.replica_group)
+    else:
+        optimizer = spec.optimizer(params)
     tied = TiedGradients(
         spec.tied,
         {stage.stage_index: unwrapped(stage.submod) for stage in stages},

@@ -209,6 +209,7 @@ def _build_stages(spec: RunSpec, topo: Topology, device: torch.device) -> list[A
     from torch.distributed.pipelining import PipelineStage
 
     from ..stages.contiguous import send_contiguous
+    from ..stages.precision import autocast_forward, mixed
     from ..stages.recompute import apply_recompute, schedule_splits_backward
     from ..stages.sequential import stage_module
 
@@ -230,6 +231,8 @@ def _build_stages(spec: RunSpec, topo: Topology, device: torch.device) -> list[A
         if spec.recompute is not None:
             split_backward = schedule_splits_backward(spec.plan.schedule)
             apply_recompute(module, spec.recompute.stage_layers(s), spec.recompute.mode, split_backward=split_backward)
+        if mixed(spec.precision):
+            autocast_forward(module, device.type)
         module = module.to(device)
         if topo.replica_group is not None:
             from torch.nn.parallel import DistributedDataParallel
@@ -256,9 +259,11 @@ def stage_loss(spec: RunSpec) -> Any:
     """The loss torch's schedule calls with the last stage's output: ``spec.loss_fn``, given the model's output
     structure back when the last stage returns it as a flat tuple (traced and manual stages)."""
     from ..stages.outputs import StructuredLoss
+    from ..stages.precision import autocast_loss, mixed
 
     structure = spec.traced.output if spec.traced is not None else spec.manual.output if spec.manual else None
-    return spec.loss_fn if structure is None else StructuredLoss(spec.loss_fn, structure)
+    loss = spec.loss_fn if structure is None else StructuredLoss(spec.loss_fn, structure)
+    return autocast_loss(loss, spec.device_type) if mixed(spec.precision) else loss
 
 
 def _schedule(spec: RunSpec, stages: list[Any]) -> Any:

@@ -39,6 +39,7 @@ from torch.utils._pytree import TreeSpec
 from ...profiling.pipeline_settings import training_settings
 from .contiguous import contiguous_boundaries, send_contiguous
 from .outputs import checked_structure
+from .precision import autocast_forward, mixed
 from .recompute import apply_recompute, schedule_splits_backward
 from .skips import route_skip_connections
 from .tied import TiedGroup, tied_groups, unheld_keys, unify_copies
@@ -221,6 +222,8 @@ def build_traced_stages(
         if spec.recompute is not None:
             split = schedule_splits_backward(spec.plan.schedule)
             apply_recompute(stage.submod, spec.recompute.stage_layers(s), spec.recompute.mode, split_backward=split)
+        if mixed(spec.precision):
+            autocast_forward(stage.submod, torch.device(device).type)
         if replica_group is not None:
             stage.submod = _traced_ddp(stage.submod, replica_group, device)
         _skip_self_warmup(stage)
