@@ -181,13 +181,13 @@ class Timeline:
         return self._busy.groupby(keys, as_index=False)[["busy_ms", "idle_ms", "idle_ratio"]].mean()
 
     def bottleneck_rank(self, step: int | None = None) -> int | None:
-        """The pipeline rank with the most busy time (mean over steps and replicas; ``step`` alone when given), or
-        None when every rank is equally busy (within 1e-9 relative) and there is no bottleneck to name. Of ranks
-        tied at the most, the lowest."""
+        """The pipeline rank with the most busy time (the median over steps of its mean over replicas, so a step a
+        shared machine stalled does not decide it; ``step`` alone when given), or None when every rank is equally
+        busy (within 1e-9 relative) and there is no bottleneck to name. Of ranks tied at the most, the lowest."""
         busy = self._busy if step is None else self._busy[self._busy["step"] == step]
         if step is not None and busy.empty:
             raise ValueError(f"step={step!r} is not in this timeline; steps are {self.steps}")
-        per_rank = busy.groupby("rank")["busy_ms"].mean()
+        per_rank = busy.groupby(["rank", "step"])["busy_ms"].mean().groupby("rank").median()
         top, low = float(per_rank.max()), float(per_rank.min())
         if len(per_rank) < 2 or top - low <= 1e-9 * max(abs(top), 1e-12):
             return None
