@@ -9,7 +9,8 @@ schedule's receive buffers; the rest comes and goes with the actions of
   (saved tensors, each storage once), what it sends that the forward would have freed (torch's
   stage keeps its outputs for the backward) and on the last stage what the loss keeps;
 * a backward ``B`` (or the weight-gradient half ``W`` of a zero-bubble schedule, whose
-  input-gradient half ``I`` leaves the graph alive) frees them; while it runs it allocates
+  input-gradient half ``I`` leaves the graph alive, and with recomputation what ``I`` computed
+  again) frees them; while it runs it allocates
   its transients (gradients of activations, the weight gradient of a micro-batch before it is
   added to ``.grad``, on the last stage the loss's backward); the stage's ``.grad`` tensors
   grow during its first backward of the step (its weight gradients become them) and stay
@@ -141,6 +142,9 @@ class StageBytes:
     sent_grad: float = 0.0
     """One micro-batch's input gradient sent to a stage on another rank (0 when the stage before is on this rank, or
     none)."""
+    rematerialized: float = 0.0
+    """What an input-gradient pass (``I``) of one micro-batch re-materializes of the stage's recomputed layers and
+    holds until its weight-gradient pass (``W``) has run (0 without recomputation)."""
     buckets: float = 0.0
     """Gradient buckets kept for the whole run: DDP's copy of the gradients it all-reduces (``D > 1``)."""
     largest_param: float = 0.0
@@ -169,6 +173,7 @@ def rank_peak(
     buffers = m * sum(s.recv + s.grad_recv + s.batch for s in stages.values()) + sum(s.buckets for s in stages.values())
     held: dict[tuple[int, int], float] = {}
     graded: set[int] = set()
+    again: dict[tuple[int, int], float] = {}  # recomputed activations an I holds until its W
     retained = 0.0  # what the step's backwards leave until it ends: the loss tensors' retained, the outputs sent
     sent_grads = 0.0  # the input gradients sent and not yet waited on
     last_sent: dict[int, float] = {}  # with sends="next": each stage's last gradient sent
@@ -179,7 +184,7 @@ def rank_peak(
             "weights_bytes": weights,
             "grads_bytes": sum(stages[s].grads for s in graded),
             "optimizer_bytes": state,
-            "activations_bytes": sum(held.values()) + retained,
+            "activations_bytes": sum(held.values()) + sum(again.values()) + retained,
             "buffers_bytes": buffers + sent_grads,
             "transient_bytes": transient,
         }
@@ -219,8 +224,11 @@ def rank_peak(
                 sent_grads = sum(last_sent.values())
             else:
                 sent_grads += stage.sent_grad
+        if kind == "I" and stage.rematerialized:
+            again[(s, mb)] = stage.rematerialized
         if kind in ("B", "W"):
             held.pop((s, mb), None)
+            again.pop((s, mb), None)
             retained += stage.sent_output if sends == "step" else 0.0
     graded.update(stages)
     retained = sent_grads = 0.0  # the schedule's step has returned: its sends are waited on, its losses dropped

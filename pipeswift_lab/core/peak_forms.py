@@ -57,9 +57,9 @@ STAGE_FIELDS: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(StageBy
 # branch, decided by the value), the optimizer step's; PAD_ROW fills a rank's rows up to the longest rank's
 NONE, TRANSIENT, FIRST, OPTIMIZER, PAD_ROW = range(5)
 # the counts of a moment, per stage: micro-batches held, input gradients run (B or I), graded (a first B or W ran),
-# micro-batches released (B or W), sent (an input gradient run at all)
-HELD, INPUTS, GRADED, RELEASED, SENT = range(5)
-COUNTS = 5
+# micro-batches released (B or W), sent (an input gradient run at all), between an I and its W
+HELD, INPUTS, GRADED, RELEASED, SENT, BETWEEN = range(6)
+COUNTS = 6
 
 
 @dataclass(frozen=True, eq=False)
@@ -207,14 +207,16 @@ def _moments(orders: OrderArrays, stage_of: np.ndarray, *, forwards: bool) -> _R
     held = forwarded.reshape(v, -1)[:, flat].reshape(releases.shape) - releases_before  # a forward holds its own
     graded = releases_before > 0  # rank_peak's graded: the stages whose first B or W ran
     sent = inputs_before > 0  # rank_peak's last_sent: the stages whose input gradient has been sent
-    counts = np.stack([held, inputs_before, graded, releases_before, sent], axis=0).transpose(2, 3, 0, 1).copy()
+    between = inputs_before - releases_before  # rank_peak's again: I run, W not yet (a B counts in both)
+    counts = np.stack([held, inputs_before, graded, releases_before, sent, between], axis=0)
+    counts = counts.transpose(2, 3, 0, 1).copy()
     ranks, times = np.arange(P)[:, None], np.arange(pick.shape[1])
     first = backward & ~graded[local, ranks, times]
     row_kind = np.where(~kept, PAD_ROW, np.where(kind == FORWARD, NONE, np.where(first, FIRST, TRANSIENT)))
     none = np.zeros((v, P), dtype=count)
     step = np.stack(  # the optimizer step: all released, every stage graded; the step's sends and losses gone
         [forwarded[..., -1] - releases_before[..., -1] - releases[..., -1], none, np.ones((v, P), dtype=count)]
-        + [none, none],
+        + [none, none, none],
         axis=0,
     ).transpose(2, 0, 1)  # (P, COUNTS, v)
     return _Rows(
@@ -260,7 +262,8 @@ def _front(rows: _Rows) -> _Rows:
     """The moments of ``rows`` (no forwards) that may be a peak. Of each stage's backwards (one transient, so one
     group):
 
-    * of those that hold alike only the last (``inputs`` and ``graded`` only grow, so it is no smaller);
+    * of those that hold alike (and have as many between an ``I`` and its ``W``) only the last (the other counts
+      only grow, so it is no smaller);
     * of a run left whose counts step alike from one to the next only the first and the last: the others lie
       between them, so no total over them exceeds both (1F1B's cool-down, GPipe's backwards).
     """
@@ -270,11 +273,13 @@ def _front(rows: _Rows) -> _Rows:
     flat = ranks * R + times
     counts = rows.counts.reshape(P * R, COUNTS * v)[flat]
     group = ranks * v + rows.local.reshape(-1)[flat]
-    held = counts[:, :v]
+    # the counts that rise and fall: micro-batches held, and those between an I and its W
+    held = np.concatenate([counts[:, HELD * v : (HELD + 1) * v], counts[:, BETWEEN * v : (BETWEEN + 1) * v]], axis=1)
+    width = held.shape[1]
     base = int(held.max(initial=0)) + 1
-    if P * v * float(base) ** v < 2**62:  # one integer per (group, held)
+    if P * v * float(base) ** width < 2**62:  # one integer per (group, held)
         key = group
-        for j in range(v):
+        for j in range(width):
             key = key * base + held[:, j]
         by_held = np.argsort(key, kind="stable")  # by stage, then held alike, then time
         alike = np.zeros(len(key), dtype=bool)
@@ -343,6 +348,7 @@ def _vector(stage: np.ndarray, m: int, optimizer: OptimizerMemory, sends: str) -
             field("grads"),
             field("sent_output") * (sends == "step"),
             field("sent_grad") * (sends == "next"),
+            field("rematerialized"),
             transient,
             np.where(first >= 0, first, transient + field("grads")),
             step[:, None],
@@ -385,6 +391,7 @@ def _evaluate(
         "grads": counted(GRADED, field("grads")) + np.where(first & ~has_first, own("grads"), 0.0),
         "optimizer": np.broadcast_to(field("optimizer").sum(axis=1)[:, None], rows.kind.shape),
         "activations": counted(HELD, field("activations"))
+        + counted(BETWEEN, field("rematerialized"))
         + counted(INPUTS, field("retained"))
         + (counted(RELEASED, field("sent_output")) if sends == "step" else 0.0),
         "buffers": _fixed_buffers(field, m)[:, None] + sent_grads,

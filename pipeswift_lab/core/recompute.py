@@ -1,4 +1,5 @@
-"""Activation recomputation inside each stage: which layers keep only their input and recompute the rest.
+"""Activation recomputation: which layers keep only their input, or their matrix multiplications' results, and
+recompute the rest in the backward (what each stage of a run does, and what the profiler measures).
 
 ``run(..., recompute=...)`` takes:
 
@@ -27,9 +28,10 @@ in two passes; it restores the random state for the recomputation, so dropout dr
 
 from __future__ import annotations
 
+import contextlib
 import fnmatch
 import functools
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,6 +40,7 @@ from torch import nn
 
 __all__ = [
     "RECOMPUTE_MODES",
+    "recomputing",
     "RecomputePlan",
     "apply_recompute",
     "plan_recompute",
@@ -64,7 +67,7 @@ SAVED_OPS = _ops("mm", "addmm", "bmm", "baddbmm", "linear", "matmul", "_scaled_m
 
 def schedule_splits_backward(schedule: str | None) -> bool:
     """Whether ``schedule`` runs a stage's backward in two passes, input gradients then weight gradients."""
-    from ...core.vocabulary import ZERO_BUBBLE_SCHEDULES
+    from .vocabulary import ZERO_BUBBLE_SCHEDULES
 
     return schedule in ZERO_BUBBLE_SCHEDULES
 
@@ -91,6 +94,10 @@ class RecomputePlan:
     def active(self) -> bool:
         """Whether any layer recomputes."""
         return any(self.layers)
+
+    def layer_modes(self) -> dict[str, str] | None:
+        """``{layer name: mode}`` of every layer that recomputes (None: none does)."""
+        return {name: self.mode for names in self.layers for name in names} if self.active else None
 
 
 def plan_recompute(recompute: Any, stage_layers: Sequence[Sequence[str]]) -> RecomputePlan | None:
@@ -193,3 +200,22 @@ def apply_recompute(module: nn.Module, layers: Sequence[str], mode: str, *, spli
             )
         layer.forward = _checkpointed(layer.forward, selective=mode == "selective", twice=split_backward)
     return len(layers)
+
+
+@contextlib.contextmanager
+def recomputing(layers: Sequence[nn.Module], mode: str) -> Iterator[None]:
+    """Within the block every module of ``layers`` runs under a checkpoint (``mode`` ``"full"`` or ``"selective"``);
+    afterwards each runs as it did (the profiler measures what a layer costs recomputed)."""
+    if mode not in RECOMPUTE_MODES:
+        raise ValueError(f"mode={mode!r} is not one of {list(RECOMPUTE_MODES)}")
+    saved = [(layer, layer.__dict__.get("forward")) for layer in layers]
+    try:
+        for layer in layers:
+            layer.forward = _checkpointed(layer.forward, selective=mode == "selective", twice=False)
+        yield
+    finally:
+        for layer, before in saved:
+            if before is None:
+                layer.__dict__.pop("forward", None)
+            else:
+                layer.forward = before

@@ -131,6 +131,7 @@ def stage_bytes(
                 recv=recv * scale,
                 grad_recv=grad_recv * scale,
                 retained=loss_retained * scale if last else 0.0,
+                rematerialized=_sum(_column(layers, "rematerialized_bytes"), a, b) * scale,
                 batch=(_meta_bytes(layers, "input_bytes") if a == 0 else 0.0) * scale
                 + (_meta_bytes(layers, "target_bytes") if last else 0.0) * scale,
                 largest_param=float(np.max(largest[a:b])),
@@ -270,6 +271,8 @@ class SplitBytes:
         self.loss_transient = _meta_bytes(layers, "loss_transient_bytes")
         self.loss_retained = _meta_bytes(layers, "loss_retained_bytes")
         self.input_bytes, self.target_bytes = _meta_bytes(layers, "input_bytes"), _meta_bytes(layers, "target_bytes")
+        again = _column(layers, "rematerialized_bytes")
+        self.again = (again if again is not None else np.zeros(layers.n)) * scale
         cut = _column(layers, "cut_bytes")
         self.cuts = None
         if cut is not None and bool(np.all(np.isfinite(cut))):
@@ -336,6 +339,7 @@ class SplitBytes:
             "batch": (np.where(first, self.input_bytes, 0.0) + np.where(last, self.target_bytes, 0.0)) * scale,
             "sent_output": sent_output,
             "sent_grad": sent_grad,
+            "rematerialized": np.add.reduceat(self.again, starts),
             "buckets": grads if self.buckets else np.zeros(len(bounds)),
             "largest_param": np.maximum.reduceat(self.largest, starts),
         }

@@ -8,22 +8,23 @@ described in :mod:`pipeswift_lab.profiling.hooks`; which submodules are units in
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, cast
 
-import numpy as np
-import pandas as pd
 import torch
 from torch import nn
 
 from ..core.checks import check_flag, check_int
 from ..core.display import first_line
+from .assemble import build_profile, run_meta, with_traced
 from .clocks import make_clock
 from .hooks import LayerRecorder, StepRecord, current_unit, iter_tensors, shapes, tensor_bytes
-from .table import COLUMNS, MEMORY_COLUMNS, Profile
-from .traced_memory import TracedMemory, traced_memory
+from .recompute_costs import recompute_columns
+from .table import Profile
+from .traced_memory import traced_memory
 from .units import (
     AUTO,
     auto_announcement,
@@ -52,6 +53,8 @@ def profile(
     device: torch.device | str | None = None,
     progress: bool = True,
     sample_kwargs: dict[str, Any] | None = None,
+    recompute: bool = False,
+    precision: str | None = None,
 ) -> Profile:
     """Profile one training step of ``model`` per layer; return a :class:`Profile`.
 
@@ -74,6 +77,10 @@ def profile(
 
     ``warmup`` steps are discarded, ``repeats`` kept: times are medians with interquartile
     ranges; ``coverage`` and ``cv`` compare the layers with the measured whole step.
+    ``precision="bf16-mixed"`` runs the forward and the loss under ``torch.autocast`` in bf16, as
+    ``run(..., precision="bf16-mixed")`` does (``meta["precision"]``). ``recompute=True`` measures
+    the model twice more, its layers recomputed fully and selectively, and adds what each costs
+    and keeps (:mod:`pipeswift_lab.profiling.recompute_costs`).
     Returns the Profile of one micro-batch of the given batch.
     """
     _check_model(model)
@@ -81,6 +88,8 @@ def profile(
     sample_kwargs = _check_sample(sample_args, sample_kwargs)
     _check_loss(loss_fn, target)
     _check_trainable(model)
+    check_flag("recompute", recompute)
+    precision = _check_precision(precision)
     refusal = decoder_inputs_refusal(model, given=list(sample_kwargs))
     if refusal is not None:
         raise ValueError(refusal)
@@ -95,24 +104,32 @@ def profile(
             units, left_out = units_in_run_order(units, lambda: runnable(*args, **kwargs))
             print(auto_announcement(runnable, units, left_out))
         target = move_to_device(target, device)
-        step = _TrainingStep(model=runnable, units=units, args=args, kwargs=kwargs, target=target, loss_fn=loss_fn)
-        records = _measure(
-            runnable, units, device, step, warmup=warmup, repeats=repeats, progress=progress, desc=_desc(model)
+        step = _TrainingStep(
+            model=runnable, units=units, args=args, kwargs=kwargs, target=target, loss_fn=loss_fn, precision=precision
         )
+
+        def measure(show: bool = progress) -> tuple[list[StepRecord], StepRecord | None]:
+            return _measure(runnable, units, device, step, warmup=warmup, repeats=repeats, progress=show,
+                            desc=_desc(model))  # fmt: skip
+
+        records = measure()
         kept, memory = records
         graph = "eager"
         if memory is not None and not isinstance(runnable, nn.Sequential):  # the runner runs its exported graph
             traced = traced_memory(
-                runnable, units, kept[0].first_call_order, args, kwargs, target, lambda o, t: _loss_of(o, t, loss_fn)
-            )
+                runnable, units, kept[0].first_call_order, args, kwargs, target, lambda o, t: _loss_of(o, t, loss_fn),
+                autocast=device.type if precision == "bf16-mixed" else None,
+            )  # fmt: skip
             if traced is not None:
-                records, graph = (kept, _with_traced(memory, traced)), "torch.export"
+                records, graph = (kept, with_traced(memory, traced)), "torch.export"
+        extra = recompute_columns([m for _, m in units], kept, lambda: measure(False)) if recompute else None
     loss_name = "sum of outputs" if loss_fn is None else getattr(loss_fn, "__name__", type(loss_fn).__name__)
-    meta = _run_meta("profile", device, loss=loss_name, warmup=warmup, repeats=repeats)
+    meta = run_meta("profile", device, loss=loss_name, warmup=warmup, repeats=repeats)
     meta["memory_graph"] = graph
+    meta["precision"] = precision or "fp32"
     meta["input_bytes"] = sum(tensor_bytes(t) for t in iter_tensors((sample_args, sample_kwargs)))
     meta["target_bytes"] = sum(tensor_bytes(t) for t in iter_tensors(target))
-    return _build(runnable, units, records, meta)
+    return build_profile(runnable, units, records, meta, extra)
 
 
 def profile_step(
@@ -158,8 +175,8 @@ def profile_step(
         memory=False,  # the user's step really trains: no extra step for memory
         on_first_step=announce if auto else None,
     )
-    meta = _run_meta("step", device, loss="step", warmup=warmup, repeats=repeats)
-    return _build(model, units, records, meta)
+    meta = run_meta("step", device, loss="step", warmup=warmup, repeats=repeats)
+    return build_profile(model, units, records, meta)
 
 
 # -- validate ----------------------------------------------------------------------------------
@@ -194,6 +211,15 @@ def _check_loss(loss_fn: Any, target: Any) -> None:
         raise TypeError(f"loss_fn must be callable, e.g. loss_fn(output, target); got {type(loss_fn).__name__}")
     if target is not None and loss_fn is None:
         raise ValueError("target was given without loss_fn; pass loss_fn=... so the loss is loss_fn(output, target)")
+
+
+def _check_precision(precision: Any) -> str | None:
+    if precision is None or precision in ("fp32", "bf16-mixed"):
+        return precision
+    raise ValueError(
+        f"precision={precision!r} is not one of ['fp32', 'bf16-mixed'] (or None: the model's own dtype); profile "
+        "a bf16-mixed-zero1 run as 'bf16-mixed' (ZeRO-1 changes the optimizer's state, not the layers)"
+    )
 
 
 def _check_trainable(model: nn.Module) -> None:
@@ -247,20 +273,29 @@ class _TrainingStep:
     keep_grads: bool = False
     """Add to the gradients there are instead of starting from none (a pipeline stage's every backward but its
     first of a step)."""
+    precision: str | None = None
+    """``"bf16-mixed"``: the forward and the loss under ``torch.autocast`` in bf16."""
 
     def __call__(self, recorder: LayerRecorder) -> None:
         if not self.keep_grads:
             for p in self.model.parameters():
                 p.grad = None
-        try:
-            output = self.model(*self.args, **self.kwargs)
-        except Exception as exc:
-            raise ValueError(self._misfit(recorder, exc)) from exc
-        recorder.before_loss(output)
-        loss = _loss_of(output, self.target, self.loss_fn)
+        with self._autocast():
+            try:
+                output = self.model(*self.args, **self.kwargs)
+            except Exception as exc:
+                raise ValueError(self._misfit(recorder, exc)) from exc
+            recorder.before_loss(output)
+            loss = _loss_of(output, self.target, self.loss_fn)
         recorder.before_backward()
         loss.backward()
         recorder.after_backward()
+
+    def _autocast(self) -> Any:
+        if self.precision != "bf16-mixed":
+            return contextlib.nullcontext()
+        device = next((p.device for p in self.model.parameters()), torch.device("cpu"))
+        return torch.autocast(device.type, dtype=torch.bfloat16)
 
     def _misfit(self, recorder: LayerRecorder, exc: Exception) -> str:
         """Why the sample does not fit the model: the unit and layer that failed, and the sample's shapes."""
@@ -376,109 +411,3 @@ def _loss_of(output: Any, target: Any, loss_fn: Callable[..., torch.Tensor] | No
             "check requires_grad and torch.no_grad()"
         )
     return loss
-
-
-# -- assemble ----------------------------------------------------------------------------------
-def _run_meta(source: str, device: torch.device, *, loss: str, warmup: int, repeats: int) -> dict[str, Any]:
-    """What a profile records about how it was measured."""
-    return {
-        "source": source,
-        "device": str(device),
-        "timer": make_clock(device).kind,
-        "loss": loss,
-        "repeats": repeats,
-        "warmup": warmup,
-    }
-
-
-def _build(
-    model: nn.Module, units: _Units, records: tuple[list[StepRecord], StepRecord | None], meta: dict[str, Any]
-) -> Profile:
-    """The Profile of the kept steps (the memory step last): per-layer medians and spreads, in the order the units
-    first ran, and the memory the memory step measured."""
-    kept, memory = records
-    rows = _layer_rows(units, kept, memory)
-    first_float = next((p.dtype for p in model.parameters() if p.is_floating_point()), None)
-    shape = kept[0].batch_shape
-    meta = {
-        "model": type(model).__name__,
-        "dtype": str(first_float).removeprefix("torch.") if first_float is not None else "-",
-        "batch_shape": shape,
-        "batch_size": shape[0] if shape else None,
-        "torch_version": torch.__version__,
-        "threads": torch.get_num_threads(),
-        "model_params": int(sum(p.numel() for p in model.parameters())),
-        **meta,
-        "loss_activation_bytes": memory.loss_activation_bytes if memory else float("nan"),
-        "loss_transient_bytes": memory.loss_transient_bytes if memory else float("nan"),
-        "loss_retained_bytes": memory.loss_retained_bytes if memory else float("nan"),
-        "step_ms_samples": [float(r.step_ms) for r in kept],
-    }
-    return Profile(pd.DataFrame(rows, columns=[*COLUMNS, *MEMORY_COLUMNS]), meta)
-
-
-def _layer_rows(units: _Units, records: list[StepRecord], memory: StepRecord | None) -> list[dict[str, Any]]:
-    """One row of :data:`COLUMNS` and :data:`MEMORY_COLUMNS` per unit, in first-call order."""
-    fwd = np.array([r.fwd_ms for r in records])
-    bwd = np.array([r.bwd_ms for r in records])
-    fwd_med, bwd_med = np.median(fwd, axis=0), np.median(bwd, axis=0)
-    fwd_iqr = np.percentile(fwd, 75, axis=0) - np.percentile(fwd, 25, axis=0)
-    bwd_iqr = np.percentile(bwd, 75, axis=0) - np.percentile(bwd, 25, axis=0)
-    rows = []
-    for layer, u in enumerate(records[0].first_call_order):
-        name, module = units[u]
-        params = list(module.parameters())
-        rows.append(
-            {
-                "layer": layer,
-                "name": name,
-                "type": type(module).__name__,
-                "calls": int(max(r.calls[u] for r in records)),
-                "fwd_ms": float(fwd_med[u]),
-                "bwd_ms": float(bwd_med[u]),
-                "total_ms": float(fwd_med[u] + bwd_med[u]),
-                "fwd_ms_iqr": float(fwd_iqr[u]),
-                "bwd_ms_iqr": float(bwd_iqr[u]),
-                "params": int(sum(p.numel() for p in params)),
-                "param_bytes": int(sum(p.numel() * p.element_size() for p in params)),
-                "activation_bytes": _activation_bytes(u, records, memory),
-                "output_bytes": int(max(r.output_bytes[u] for r in records)),
-                "peak_bytes": float(memory.peak_bytes[u]) if memory else float("nan"),
-                "transient_bytes": float(memory.transient_bytes[u]) if memory else float("nan"),
-                "accumulate_transient_bytes": _cut(memory, "accumulate_transient_bytes", u),
-                "largest_param_bytes": int(max((p.numel() * p.element_size() for p in params), default=0)),
-                **{
-                    col: _cut(memory, col, u)
-                    for col in ("cut_bytes", "cut_grad_bytes", "cut_freed_bytes", "received_held_bytes")
-                },
-            }
-        )
-    return rows
-
-
-def _with_traced(memory: StepRecord, traced: TracedMemory) -> StepRecord:
-    """``memory`` with what it says of held and crossing bytes, and of the loss, taken from the exported graph."""
-    return replace(
-        memory,
-        held_bytes=traced.held_bytes,
-        cut_bytes=traced.cut_bytes,
-        cut_grad_bytes=traced.cut_grad_bytes,
-        cut_freed_bytes=traced.cut_freed_bytes,
-        loss_activation_bytes=traced.loss_activation_bytes,
-        loss_retained_bytes=traced.loss_retained_bytes,
-        received_held_bytes=traced.received_held_bytes,
-    )
-
-
-def _activation_bytes(u: int, records: list[StepRecord], memory: StepRecord | None) -> int:
-    """What unit ``u`` holds per micro-batch until its backward: measured storage by storage in the memory step
-    (:attr:`StepRecord.held_bytes`), else the distinct storages autograd saved in its forward calls."""
-    if memory is not None and memory.held_bytes is not None:
-        return int(memory.held_bytes[u])
-    return int(max(r.activation_bytes[u] for r in records))
-
-
-def _cut(memory: StepRecord | None, column: str, u: int) -> float:
-    """Unit ``u``'s value of a per-unit list of the memory step (NaN where it was not measured)."""
-    values = getattr(memory, column, None) if memory is not None else None
-    return float(values[u]) if values is not None else float("nan")

@@ -16,7 +16,7 @@ import numbers
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 import pandas as pd
@@ -203,6 +203,14 @@ class Profile:
         return cls(df, {"source": "synthetic", **(meta or {})})
 
     # -- persistence --------------------------------------------------------------------
+    def with_recompute(self, recompute: str | dict[str, str] | None) -> Profile:
+        """This profile as its layers cost recomputed (``"full"``, ``"selective"`` or ``{layer or glob: mode}``), from
+        the columns ``profile(..., recompute=True)`` measures; a new Profile to partition, simulate and plan with
+        (:func:`pipeswift_lab.profiling.recompute_costs.recomputed`)."""
+        from .recompute_costs import recomputed
+
+        return cast(Profile, recomputed(self, recompute))
+
     def to_csv(self, path: str | os.PathLike[str]) -> None:
         """Write ``df`` as CSV, preceded by one ``# pipeswift_lab.Profile {meta as JSON}`` line."""
         try:

@@ -150,9 +150,12 @@ def traced_memory(
     kwargs: dict[str, Any],
     target: Any,
     loss: Callable[[Any, Any], torch.Tensor],
+    *,
+    autocast: str | None = None,
 ) -> TracedMemory | None:
     """The memory columns of ``model`` run as its exported graph on one micro-batch (``args``, ``kwargs``), per unit
-    of ``units`` (whose first calls come in ``order``, unit indices); ``loss(output, target)`` is the step's loss.
+    of ``units`` (whose first calls come in ``order``, unit indices); ``loss(output, target)`` is the step's loss;
+    ``autocast`` (a device type) runs the graph and the loss under ``torch.autocast`` in bf16.
 
     Returns a :class:`TracedMemory`, or None when ``torch.export`` cannot capture the model, a unit is not in the
     graph, or the graph does not run.
@@ -172,7 +175,7 @@ def traced_memory(
     tracker = LiveTensorBytes()
     tracker.adopt(live_tensors(), _BEFORE)
     try:
-        with torch.random.fork_rng(), training_settings(model), tracker:
+        with torch.random.fork_rng(), training_settings(model), tracker, _autocast(autocast):
             runner = _Counting(gm, tracker, positions, set(reads), order[0])
             flat = runner.run(*pytree.arg_tree_leaves(*args, **kwargs), enable_io_processing=False)
             output = gm.graph.process_outputs(flat)  # the model's own output structure
@@ -184,7 +187,8 @@ def traced_memory(
             tracker.category = "backward"
             value.backward()
             retained = float(tracker.live_by.get(_LOSS, 0))
-        received = _held_receiving(gm, positions, order[0], args, kwargs, model)
+        with _autocast(autocast):
+            received = _held_receiving(gm, positions, order[0], args, kwargs, model)
     except Exception:  # the graph does not run as the model: the eager measure stands
         return None
     finally:
@@ -209,6 +213,10 @@ def traced_memory(
         loss_retained_bytes=retained,
         received_held_bytes=[max(0.0, received.get(u, 0.0) - held.get(u, 0.0)) for u in range(n)],
     )
+
+
+def _autocast(device_type: str | None) -> Any:
+    return torch.autocast(device_type, dtype=torch.bfloat16) if device_type else contextlib.nullcontext()
 
 
 def _held_receiving(

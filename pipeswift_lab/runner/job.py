@@ -109,7 +109,7 @@ def run(
       keeps its matrix multiplications' results and recomputes the rest) or ``{stage: [layer names or
       globs]}`` (full recomputation of those layers), with ``torch.utils.checkpoint``
       (non-reentrant) under every schedule; the trained parameters are the same bit for bit
-      (:mod:`~pipeswift_lab.runner.stages.recompute`).
+      (:mod:`~pipeswift_lab.core.recompute`).
     * ``precision`` — ``None``/``"fp32"`` (the model's own dtype), ``"bf16-mixed"`` (every stage's forward and
       the loss under ``torch.autocast`` in bf16; weights, gradients and optimizer state fp32) or
       ``"bf16-mixed-zero1"`` (with the optimizer state sharded over the ``D`` replicas by torch's

@@ -10,6 +10,7 @@ with the run's own optimizer, whose state and step temporaries are measured on s
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 import pandas as pd
@@ -43,26 +44,58 @@ def predicted_memory(
     optimizer: Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer],
     device_type: str,
     staging: bool = False,
+    recompute: dict[str, str] | None = None,
+    precision: str | None = None,
+    D: int = 1,
 ) -> dict[str, Any]:
     """The predicted peak of every pipeline rank: ``{"rows": [...], "optimizer": name}``, or ``{"rows": [],
     "note": why}`` when the partition's profile has no memory columns or the prediction fails.
 
     ``staging`` (a run with checkpoints) adds ``checkpoint_staging_bytes`` on CPU ranks: the buffer a rank copies its
     weights and optimizer state into before a background write, allocated before the first step. On a GPU it is
-    pinned host memory and costs the device nothing."""
+    pinned host memory and costs the device nothing. ``recompute`` (``{layer: mode}``) replays the layers as they
+    cost recomputed (the profile's recompute columns); ``precision`` ``"bf16-mixed-zero1"`` shards the optimizer's
+    state over the ``D`` replicas (autocast keeps fp32 weights, gradients and state: the profile's own bytes)."""
     from .optimizer_memory import measure_optimizer_memory
 
     if partition.layers is None or partition.layers.param_bytes is None or partition.layers.activation_bytes is None:
         return {"rows": [], "note": "the partition's profile has no param_bytes/activation_bytes"}
+    notes = []
+    profiled = partition.layers.meta.get("precision", "fp32")
+    if (precision or "fp32").startswith("bf16") != (profiled or "fp32").startswith("bf16"):
+        notes.append(f"the profile was measured in {profiled}, the run computes in {precision or 'fp32'}")
     try:
         measured = measure_optimizer_memory(optimizer, "cuda" if device_type == "cuda" else "cpu")
+        if precision == "bf16-mixed-zero1" and D > 1:
+            measured = replace(measured, states=measured.states / D, name=f"{measured.name}, ZeRO-1 over {D}")
+        if recompute:
+            partition = _recomputed(partition, recompute)
         table = partition.memory(m=m, schedule=schedule, micro_batch_size=micro_batch_size, optimizer=measured)
     except Exception as exc:  # a prediction never stops a run
         return {"rows": [], "note": f"no prediction: {type(exc).__name__}: {exc}"}
     if staging and device_type != "cuda":
         table["checkpoint_staging_bytes"] = table["weights_bytes"] + table["optimizer_bytes"]
         table["predicted_peak_bytes"] = table["predicted_peak_bytes"] + table["checkpoint_staging_bytes"]
-    return {"rows": table.to_dict("records"), "optimizer": measured.name}
+    out: dict[str, Any] = {"rows": table.to_dict("records"), "optimizer": measured.name}
+    if notes:
+        out["note"] = "; ".join(notes)
+    return out
+
+
+def _recomputed(partition: Partition, recompute: dict[str, str]) -> Partition:
+    """``partition`` with its layers as they cost recomputed (``{layer: mode}``); raises ``ValueError`` when its
+    profile has no recompute columns."""
+    from ..partitioning.layers import Layers
+    from ..partitioning.stages import Partition as PartitionType
+    from ..profiling.recompute_costs import recomputed
+    from ..profiling.table import Profile
+
+    layers = partition.layers
+    if layers is None:
+        raise ValueError("the partition has no profile to recompute")
+    profile = Profile(layers.df, dict(layers.meta))
+    table = Layers(recomputed(profile, recompute))
+    return PartitionType.from_bounds(table, partition.bounds, v=partition.v, schedule=partition.schedule, m=partition.m)
 
 
 def memory_frame(measured: list[dict[str, Any]], predicted: dict[str, Any] | None) -> pd.DataFrame:

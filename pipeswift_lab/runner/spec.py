@@ -29,12 +29,12 @@ import torch
 from torch import nn
 
 from ..core.checks import check_choice, check_flag, check_int, check_time
+from ..core.recompute import RecomputePlan, plan_recompute
 from .devices import CPU_RANKS_PER_CORE, available_cores, resolve_devices
 from .memory_report import predicted_memory
 from .options import ON_NONFINITE, JobOptions, check_trace_dir
 from .sources import DataSource, make_data_source
 from .stages.precision import check_run_precision
-from .stages.recompute import RecomputePlan, plan_recompute
 from .stages.sequential import StagePlan, TensorSpec, plan_stages
 from .stages.shapes import stage_shapes
 from .stages.tied import TiedGroup
@@ -324,7 +324,7 @@ def make_spec(
     stages whose shapes do not chain, a loss that does not take the last stage's output.
     ``split`` is how a model that is not an ``nn.Sequential`` is cut: ``None``/``"trace"`` (torch's
     tracer) or ``"manual"`` (stage copies of the model, :mod:`~pipeswift_lab.runner.stages.manual`).
-    ``recompute`` is checked against the stages' layers (:func:`~pipeswift_lab.runner.stages.recompute.plan_recompute`).
+    ``recompute`` is checked against the stages' layers (:func:`~pipeswift_lab.core.recompute.plan_recompute`).
     """
     split = None if split is None else check_choice("split", split, SPLITS)
     plan = plan_stages(model, partition, schedule)
@@ -343,12 +343,9 @@ def make_spec(
     source = make_data_source(data, steps, seed)
     global_batch, batch_size = _replica_batch(source, D, m)
     shapes = stage_shapes(model, partition, plan, source, batch_size // m, loss_fn, split)
-    precision = check_run_precision(precision)
-    if precision == "bf16-mixed-zero1" and job is not None and (job.checkpoint_dir or job.resume_from):
-        raise ValueError(
-            "precision='bf16-mixed-zero1' cannot be combined with checkpoint_dir or resume_from yet: the sharded "
-            "optimizer's state is not in the distributed checkpoint; use precision='bf16-mixed' with checkpoints"
-        )
+    precision = check_run_precision(
+        precision, checkpoints=job is not None and bool(job.checkpoint_dir or job.resume_from)
+    )
     layers = shapes.layer_names
     recomputed = plan_recompute(recompute, [tuple(layers[a:b]) for a, b in plan.bounds])
     meta = {**_spec_meta(plan, D, m, global_batch, batch_size, layers), "profiler_trace": profiler_trace}
@@ -365,6 +362,9 @@ def make_spec(
             optimizer=optimizer,
             device_type=device_type,
             staging=job is not None and job.checkpoint_dir is not None,
+            recompute=recomputed.layer_modes() if recomputed is not None else None,
+            precision=precision,
+            D=D,
         )
     return RunSpec(
         model=model,

@@ -1,4 +1,4 @@
-"""Activation recomputation in the stages (pipeswift_lab.runner.stages.recompute): the choices are checked before
+"""Activation recomputation in the stages (pipeswift_lab.core.recompute): the choices are checked before
 launch, and a run that recomputes trains to the same parameters, bit for bit, as one that does not, dropout on."""
 
 import pytest
@@ -6,10 +6,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pipeswift_lab.core.recompute import SAVED_OPS, plan_recompute
 from pipeswift_lab.partitioning.balance import partition
 from pipeswift_lab.profiling.measure import profile
 from pipeswift_lab.runner import make_spec, run
-from pipeswift_lab.runner.stages.recompute import SAVED_OPS, plan_recompute
 
 
 class Block(nn.Module):
@@ -103,3 +103,23 @@ def test_full_recomputation_holds_less_and_a_dict_picks_layers():
     assert (held["full"] < held["plain"]).all()
     assert held["full"][0] < held["first"][0] < held["plain"][0] and held["first"][1] == held["plain"][1]
     assert all(torch.equal(first.state_dict()[k], plain.state_dict()[k]) for k in plain.state_dict())
+
+
+@pytest.mark.processes
+@pytest.mark.parametrize("schedule", ["1F1B", "ZBVZeroBubble"])
+def test_the_run_predicts_its_memory_recomputed(schedule):
+    """RunResult.memory replays the layers as they cost recomputed (the profile's recompute columns); under the
+    zero-bubble schedules what an I pass computes again is held until its W."""
+    torch.manual_seed(0)
+    net = nn.Sequential(*[Block(d=64, p=0.0) for _ in range(4)])
+    x, y = torch.randn(16, 32, 64), torch.randn(16, 32, 64)
+    prof = profile(net, x[:4], target=y[:4], loss_fn=F.mse_loss, warmup=1, repeats=1, progress=False, recompute=True)
+    v = 2 if schedule == "ZBVZeroBubble" else 1
+    part = partition(prof, 2, v=v, schedule=schedule, m=4)
+    adam = lambda ps: torch.optim.Adam(ps, lr=1e-3)  # noqa: E731
+    peaks = {}
+    for recompute in (None, "full"):
+        result = run(net, (x, y), F.mse_loss, part, 4, steps=2, optimizer=adam, progress=False, recompute=recompute)
+        assert (result.memory["error"].abs() <= 0.10).all(), result.memory[["rank", "error", "term_off"]]
+        peaks[recompute] = result.memory["measured_peak_bytes"]
+    assert (peaks["full"] < peaks[None]).all()

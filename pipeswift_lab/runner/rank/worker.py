@@ -208,9 +208,9 @@ class Topology:
 def _build_stages(spec: RunSpec, topo: Topology, device: torch.device) -> list[Any]:
     from torch.distributed.pipelining import PipelineStage
 
+    from ...core.recompute import apply_recompute, schedule_splits_backward
     from ..stages.contiguous import send_contiguous
     from ..stages.precision import autocast_forward, mixed
-    from ..stages.recompute import apply_recompute, schedule_splits_backward
     from ..stages.sequential import stage_module
 
     plan = spec.plan

@@ -29,11 +29,17 @@ __all__ = ["PRECISIONS", "autocast_forward", "autocast_loss", "check_run_precisi
 PRECISIONS = ("fp32", "bf16-mixed", "bf16-mixed-zero1")
 
 
-def check_run_precision(precision: str | None) -> str | None:
-    """``precision`` checked: ``None`` or one of :data:`PRECISIONS`; raises ``ValueError`` naming the valid ones."""
-    if precision is None or precision in PRECISIONS:
-        return precision
-    raise ValueError(f"precision={precision!r} is not one of {list(PRECISIONS)} (or None: the model's own dtype)")
+def check_run_precision(precision: str | None, *, checkpoints: bool = False) -> str | None:
+    """``precision`` checked: ``None`` or one of :data:`PRECISIONS`, and not ZeRO-1 in a run that saves or resumes
+    checkpoints (``checkpoints``); raises ``ValueError`` naming the valid ones."""
+    if precision is not None and precision not in PRECISIONS:
+        raise ValueError(f"precision={precision!r} is not one of {list(PRECISIONS)} (or None: the model's own dtype)")
+    if precision == "bf16-mixed-zero1" and checkpoints:
+        raise ValueError(
+            "precision='bf16-mixed-zero1' cannot be combined with checkpoint_dir or resume_from yet: the sharded "
+            "optimizer's state is not in the distributed checkpoint; use precision='bf16-mixed' with checkpoints"
+        )
+    return precision
 
 
 def mixed(precision: str | None) -> bool:

@@ -36,11 +36,11 @@ import torch
 from torch import nn
 from torch.utils._pytree import TreeSpec
 
+from ...core.recompute import apply_recompute, schedule_splits_backward
 from ...profiling.pipeline_settings import training_settings
 from .contiguous import contiguous_boundaries, send_contiguous
 from .outputs import checked_structure
 from .precision import autocast_forward, mixed
-from .recompute import apply_recompute, schedule_splits_backward
 from .skips import route_skip_connections
 from .tied import TiedGroup, tied_groups, unheld_keys, unify_copies
 

@@ -1,0 +1,125 @@
+"""What each layer costs and keeps when it is recomputed: the columns ``profile(..., recompute=True)`` adds.
+
+The profiler measures the model twice more, every unit under a checkpoint
+(:func:`~pipeswift_lab.core.recompute.recomputing`): once ``"full"`` (each keeps only its input),
+once ``"selective"`` (each keeps its matrix multiplications' results too). Per unit:
+
+* ``recompute_ms`` — the extra forward of full recomputation: its measured backward less the plain
+  backward (medians of each);
+* ``selective_recompute_ms`` — the same under selective recomputation (the cheap operators alone);
+* ``full_activation_bytes`` / ``selective_activation_bytes`` — what the unit holds until its
+  backward under each, measured as :mod:`.hooks`' memory step measures ``activation_bytes``
+  (on the eager forward: recomputing layers keep their inputs, which the exported graph holds
+  alike);
+* ``full_transient_bytes`` / ``selective_transient_bytes`` — the most its backward allocates
+  beyond what it keeps, the recomputed activations included.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import numpy as np
+from torch import nn
+
+from ..core.recompute import RECOMPUTE_MODES, recomputing
+from .step_record import StepRecord
+
+__all__ = ["RECOMPUTE_COLUMNS", "recompute_columns", "recomputed"]
+
+#: The columns :func:`recompute_columns` returns, in order.
+RECOMPUTE_COLUMNS = (
+    "recompute_ms",
+    "selective_recompute_ms",
+    "full_activation_bytes",
+    "selective_activation_bytes",
+    "full_transient_bytes",
+    "selective_transient_bytes",
+)
+
+
+def recompute_columns(
+    layers: list[nn.Module],
+    plain: list[StepRecord],
+    measure: Callable[[], tuple[list[StepRecord], StepRecord | None]],
+) -> dict[str, list[float]]:
+    """Per unit (``layers``, in unit order), the :data:`RECOMPUTE_COLUMNS`: ``measure()`` runs the profiler's timed
+    steps and memory step again with every unit recomputed, once per mode; ``plain`` are the timed steps without.
+
+    Returns ``{column: [value per unit]}`` (unit order, as ``StepRecord``'s lists).
+    """
+    base = np.median(np.array([r.bwd_ms for r in plain]), axis=0)
+    out: dict[str, list[float]] = {}
+    for mode in RECOMPUTE_MODES:
+        with recomputing(layers, mode):
+            kept, memory = measure()
+        extra = np.maximum(0.0, np.median(np.array([r.bwd_ms for r in kept]), axis=0) - base)
+        out["recompute_ms" if mode == "full" else "selective_recompute_ms"] = [float(x) for x in extra]
+        held = memory.held_bytes if memory is not None and memory.held_bytes is not None else None
+        out[f"{mode}_activation_bytes"] = [float(x) for x in held] if held is not None else [float("nan")] * len(base)
+        transient = memory.accumulate_transient_bytes if memory is not None else None
+        out[f"{mode}_transient_bytes"] = (
+            [float(x) for x in transient] if transient is not None else [float("nan")] * len(base)
+        )
+    return {name: out[name] for name in RECOMPUTE_COLUMNS}
+
+
+def recomputed(profile: Any, recompute: str | Mapping[str, str] | None) -> Any:
+    """``profile`` (a :class:`~pipeswift_lab.profiling.table.Profile` measured with ``recompute=True``) as its layers
+    cost recomputed: ``recompute`` is ``"full"`` or ``"selective"`` (every layer), or ``{layer name or glob: mode}``
+    (those layers; the others as they are), or None (the profile itself). Returns a new Profile.
+
+    A recomputed layer holds ``{mode}_activation_bytes`` until its backward, its backward takes ``recompute_ms``
+    (or ``selective_recompute_ms``) more (its weight-gradient part too, where ``wgrad_ms`` is given: the zero-bubble
+    schedules recompute in both passes), and its transients are its recomputed ones. Raises ``ValueError`` for a
+    profile without the recompute columns, an unknown mode, or a name that matches no layer.
+    """
+    import fnmatch
+
+    if recompute is None:
+        return profile
+    df = profile.df
+    missing = [c for c in RECOMPUTE_COLUMNS if c not in df.columns]
+    if missing:
+        raise ValueError(
+            f"the profile has no {missing[:2]} columns: profile the model with profile(..., recompute=True) to plan "
+            "or predict recomputation"
+        )
+    names = [str(n) for n in df["name"]]
+    if isinstance(recompute, str):
+        modes = {name: recompute for name in names}
+    elif isinstance(recompute, Mapping):
+        modes = {}
+        for pattern, mode in recompute.items():
+            matched = [n for n in names if n == pattern or fnmatch.fnmatchcase(n, str(pattern))]
+            if not matched:
+                raise ValueError(f"recompute names {pattern!r}, which matches no layer of the profile: {names[:12]}")
+            modes.update({n: mode for n in matched})
+    else:
+        raise TypeError(f"recompute must be None, 'full', 'selective' or a dict {{layer: mode}}; got {recompute!r}")
+    bad = sorted({m for m in modes.values() if m not in RECOMPUTE_MODES})
+    if bad:
+        raise ValueError(f"recompute mode {bad[0]!r} is not one of {list(RECOMPUTE_MODES)}")
+    out = df.copy()
+    out["rematerialized_bytes"] = 0.0  # what a split backward's I pass computes again and holds until its W
+    for mode in RECOMPUTE_MODES:
+        rows = np.array([modes.get(n) == mode for n in names])
+        if not rows.any():
+            continue
+        extra = df["recompute_ms" if mode == "full" else "selective_recompute_ms"].to_numpy(float)
+        out.loc[rows, "bwd_ms"] = df["bwd_ms"].to_numpy(float)[rows] + extra[rows]
+        if "wgrad_ms" in df.columns:
+            out.loc[rows, "wgrad_ms"] = df["wgrad_ms"].to_numpy(float)[rows] + extra[rows]
+        out.loc[rows, "activation_bytes"] = df[f"{mode}_activation_bytes"].to_numpy(float)[rows].round()
+        plain = df["activation_bytes"].to_numpy(float)
+        again = np.maximum(plain - df[f"{mode}_activation_bytes"].to_numpy(float), 0.0)
+        out.loc[rows, "rematerialized_bytes"] = again[rows]
+        transient = df[f"{mode}_transient_bytes"].to_numpy(float)
+        if "accumulate_transient_bytes" in df.columns:
+            grown = transient - np.nan_to_num(df["accumulate_transient_bytes"].to_numpy(float))
+            out.loc[rows, "transient_bytes"] = df["transient_bytes"].to_numpy(float)[rows] + np.maximum(grown, 0)[rows]
+            out.loc[rows, "accumulate_transient_bytes"] = transient[rows]
+    out["total_ms"] = out["fwd_ms"] + out["bwd_ms"]
+    out["activation_bytes"] = out["activation_bytes"].astype("int64")
+    return type(profile)(out, {**profile.meta, "recompute": {n: m for n, m in modes.items() if m}})
