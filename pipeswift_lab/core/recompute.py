@@ -17,7 +17,8 @@ recompute the rest in the backward (what each stage of a run does, and what the 
   an attention block the Q, K, V and output projections' results stay, in an FFN block the up
   (and gate) and down projections' results stay;
 * ``{stage: [layer names or globs]}`` — full recomputation of the named layers of each listed
-  stage (``"blocks.*"`` matches ``blocks.0``, ``blocks.1``, ...), nothing elsewhere.
+  stage (``"blocks.*"`` matches ``blocks.0``, ``blocks.1``, ...), nothing elsewhere; ``{stage:
+  "full" | "selective"}`` — all of a stage's layers in that mode (what the planner chooses).
 
 Every recomputed layer runs under ``torch.utils.checkpoint.checkpoint(use_reentrant=False)``
 (selective: with ``create_selective_checkpoint_contexts`` and a policy per operator), wrapped around
@@ -80,15 +81,20 @@ def _selective_policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
 
 @dataclass(frozen=True)
 class RecomputePlan:
-    """What each stage recomputes: ``layers[s]`` the layer names of stage ``s`` run under a checkpoint, ``mode``
-    ``"full"`` (each keeps only its input) or ``"selective"`` (each keeps its matrix multiplications' results)."""
+    """What each stage recomputes: ``layers[s]`` the layer names of stage ``s`` run under a checkpoint, in the mode
+    ``modes[s]``: ``"full"`` (each keeps only its input) or ``"selective"`` (each keeps its matrix multiplications'
+    results); ``""`` where the stage recomputes nothing."""
 
-    mode: str
     layers: tuple[tuple[str, ...], ...]
+    modes: tuple[str, ...]
 
     def stage_layers(self, stage: int) -> tuple[str, ...]:
         """The layers of ``stage`` that recompute."""
         return self.layers[stage] if stage < len(self.layers) else ()
+
+    def stage_mode(self, stage: int) -> str:
+        """How ``stage``'s layers recompute (``""``: they do not)."""
+        return self.modes[stage] if stage < len(self.modes) else ""
 
     @property
     def active(self) -> bool:
@@ -97,12 +103,15 @@ class RecomputePlan:
 
     def layer_modes(self) -> dict[str, str] | None:
         """``{layer name: mode}`` of every layer that recomputes (None: none does)."""
-        return {name: self.mode for names in self.layers for name in names} if self.active else None
+        if not self.active:
+            return None
+        return {name: mode for names, mode in zip(self.layers, self.modes) for name in names}
 
 
 def plan_recompute(recompute: Any, stage_layers: Sequence[Sequence[str]]) -> RecomputePlan | None:
-    """Check ``recompute`` (``None``, ``"full"``, ``"selective"`` or ``{stage: [names or globs]}``) against the
-    stages' layer names (``stage_layers[s]``, in order); return the :class:`RecomputePlan` (None: nothing recomputes).
+    """Check ``recompute`` (``None``, ``"full"``, ``"selective"``, or ``{stage: [names or globs]}`` for full
+    recomputation of those layers, or ``{stage: "full" | "selective"}`` for all of a stage's) against the stages'
+    layer names (``stage_layers[s]``, in order); return the :class:`RecomputePlan` (None: nothing recomputes).
 
     Raises ``TypeError``/``ValueError`` naming the bad value: an unknown mode, a stage that does not exist, a name or
     glob that matches no layer of its stage.
@@ -116,19 +125,28 @@ def plan_recompute(recompute: Any, stage_layers: Sequence[Sequence[str]]) -> Rec
                 f"recompute={recompute!r} is not one of {list(RECOMPUTE_MODES)}, None, or a dict {{stage: [layer names "
                 "or globs]}}"
             )
-        return RecomputePlan(recompute, tuple(tuple(names) for names in stage_layers))
+        return RecomputePlan(tuple(tuple(names) for names in stage_layers), (recompute,) * n)
     if not isinstance(recompute, Mapping):
         raise TypeError(
             f"recompute must be None, 'full', 'selective' or a dict {{stage: [layer names or globs]}}; got "
             f"{type(recompute).__name__} {recompute!r}"
         )
     chosen: list[tuple[str, ...]] = [() for _ in range(n)]
+    modes = [""] * n
     for stage, patterns in recompute.items():
         if not isinstance(stage, int) or isinstance(stage, bool) or not 0 <= stage < n:
             raise ValueError(f"recompute has stage {stage!r}; the partition has stages 0..{n - 1}")
-        if isinstance(patterns, str) or not isinstance(patterns, Sequence):
-            raise TypeError(f"recompute[{stage}] must be a list of layer names or globs; got {patterns!r}")
         names = list(stage_layers[stage])
+        if isinstance(patterns, str):
+            if patterns not in RECOMPUTE_MODES:
+                raise ValueError(
+                    f"recompute[{stage}]={patterns!r} is not one of {list(RECOMPUTE_MODES)} or a list of layer names "
+                    "or globs"
+                )
+            chosen[stage], modes[stage] = tuple(names), patterns
+            continue
+        if not isinstance(patterns, Sequence):
+            raise TypeError(f"recompute[{stage}] must be a list of layer names or globs, or a mode; got {patterns!r}")
         picked: list[str] = []
         for pattern in patterns:
             matched = [name for name in names if name == pattern or fnmatch.fnmatchcase(name, str(pattern))]
@@ -138,7 +156,8 @@ def plan_recompute(recompute: Any, stage_layers: Sequence[Sequence[str]]) -> Rec
                 )
             picked += [name for name in matched if name not in picked]
         chosen[stage] = tuple(name for name in names if name in picked)
-    return RecomputePlan("full", tuple(chosen))
+        modes[stage] = "full" if chosen[stage] else ""
+    return RecomputePlan(tuple(chosen), tuple(modes))
 
 
 def _reusable_contexts() -> tuple[Any, Any]:

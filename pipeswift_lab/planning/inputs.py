@@ -82,6 +82,8 @@ class PlanInputs:
     """Simulate every feasible configuration (also True when ranking by a quantile, whose bound is not known)."""
     progress: bool
     """Show a progress bar over the simulated configurations."""
+    recompute: str | None = None
+    """``"search"``: where memory binds, each stage's recomputation is chosen with the split; None: none."""
 
     @property
     def n_layers(self) -> int:
@@ -98,6 +100,7 @@ class PlanInputs:
             "profiled_batch_sizes": self.costs.sizes,
             "optimizer": self.optimizer,
             "precision": self.precision,
+            "recompute": self.recompute,
             "link": self.link,
             "mem_per_gpu_bytes": self.mem_per_gpu_bytes,
             "calibration": self.calibration,
@@ -131,6 +134,7 @@ def check_plan_inputs(
     objective: Any = "mean",
     step_cv: Any = None,
     precision: Any = None,
+    recompute: Any = None,
 ) -> PlanInputs:
     """Check the arguments of :func:`~pipeswift_lab.planning.planner.plan` (the meanings are there) and resolve their
     defaults; return the :class:`PlanInputs` the search reads. Raises ``TypeError``/``ValueError`` naming the argument.
@@ -165,7 +169,23 @@ def check_plan_inputs(
         step_cv=_step_cv(step_cv, calibration),
         exhaustive=check_flag("exhaustive", exhaustive) or rank_by != "total_s",
         progress=check_flag("progress", progress),
+        recompute=_recompute(recompute, mem_per_gpu_bytes, costs),
     )
+
+
+def _recompute(recompute: Any, cap: Any, costs: MicrobatchCosts) -> str | None:
+    """``recompute`` checked: None or ``"search"``, which needs a memory cap and the profile's recompute columns."""
+    from .recompute_search import has_recompute_columns
+
+    if recompute is None:
+        return None
+    if recompute != "search":
+        raise ValueError(f"recompute={recompute!r} is not 'search' or None (plan chooses each stage's recomputation)")
+    if cap is None:
+        raise ValueError('recompute="search" needs mem_per_gpu_bytes: recomputation only pays where memory binds')
+    if not all(has_recompute_columns(t) for t in costs.tables.values()):
+        raise ValueError('recompute="search" needs the recompute columns: profile the model with recompute=True')
+    return "search"
 
 
 def divisors(n: int) -> list[int]:

@@ -77,6 +77,7 @@ def plan(
     objective: str = "mean",
     step_cv: float | None = None,
     precision: str | None = None,
+    recompute: str | None = None,
 ) -> Plan:
     """Rank every feasible pipeline configuration by predicted job completion time; return a :class:`Plan`.
 
@@ -123,6 +124,12 @@ def plan(
       (:mod:`pipeswift_lab.planning.quantiles` states the model); ``objective="p95"`` ranks by it
       (``"mean"``, the default, by the expected JCT; any ``"pNN"`` with ``0 < NN < 100``). Ranking
       by a quantile simulates every configuration: the branch and bound's bound is on the mean;
+    * ``recompute="search"`` — where a configuration's balanced split does not fit ``mem_per_gpu_bytes``, choose
+      each stage's recomputation (none, selective, full) with the split, greedily for the least added time that
+      fits (:mod:`pipeswift_lab.planning.recompute_search`; AdaPipe, ASPLOS 2024), beside the splits that move
+      layers to fit; the faster wins. It needs a profile taken with ``profile(..., recompute=True)``; the table's
+      ``recompute`` column says what each configuration recomputes, and :meth:`Plan.run_arguments` carries it
+      (and ``precision``) to :func:`pipeswift_lab.run`;
     * ``exhaustive`` — simulate every feasible configuration; ``progress`` — show a progress bar.
 
     The steps: :func:`~pipeswift_lab.planning.inputs.check_plan_inputs` (validate and resolve, once),
@@ -155,6 +162,7 @@ def plan(
         objective=objective,
         step_cv=step_cv,
         precision=precision,
+        recompute=recompute,
     )
     return search(inputs, evaluator_of(inputs))
 
@@ -170,6 +178,7 @@ def evaluator_of(inputs: PlanInputs, *, replay: bool = False) -> Evaluator:
         calibration=inputs.calibration,
         precision=inputs.precision,
         replay=replay,
+        recompute_search=inputs.recompute == "search",
     )
 
 

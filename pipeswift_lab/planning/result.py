@@ -13,6 +13,7 @@ from ..core.display import hours, html_card, text_card
 from ..core.jct import JCT, TERMS
 from ..partitioning.balance import partition
 from ..partitioning.stages import Partition
+from ..profiling.table import Profile
 from .search import MicrobatchCosts
 from .strategies import HOLDING, STRATEGIES, check_strategy
 
@@ -47,6 +48,10 @@ class PlannedConfig:
     peak_mem_bytes: float
     strategy: str = "now"
     change: str = ""
+    recompute: str = ""
+    """The stages that recompute and how, ``"0:full 1:selective"`` (``""``: none; ``plan(recompute="search")``)."""
+    stage_bounds: str = ""
+    """The split a recomputing configuration found, ``"0-3 3-7"`` (``""``: the balanced split)."""
 
     def __post_init__(self) -> None:
         check_strategy(self.strategy)
@@ -63,11 +68,12 @@ class PlannedConfig:
 
     @property
     def label(self) -> str:
-        """A short name: ``P4×D2 m16 b2 1F1B``; a move's starts with its strategy and change, ``grow at 2.00 h from
-        P4×D2 m32 b2 1F1B: P4×D4 m16 b2 1F1B``."""
+        """A short name: ``P4×D2 m16 b2 1F1B`` (``... 1F1B recompute 0:full`` where stages recompute); a move's
+        starts with its strategy and change, ``grow at 2.00 h from P4×D2 m32 b2 1F1B: P4×D4 m16 b2 1F1B``."""
         v = f" v{self.v}" if self.v > 1 else ""
         prefix = "" if self.strategy in HOLDING else f"{self.strategy} {self.change}: "
-        return f"{prefix}P{self.P}×D{self.D} m{self.m} b{self.microbatch_size} {self.schedule}{v}"
+        recompute = f" recompute {self.recompute}" if self.recompute else ""
+        return f"{prefix}P{self.P}×D{self.D} m{self.m} b{self.microbatch_size} {self.schedule}{v}{recompute}"
 
     @property
     def jct(self) -> JCT:
@@ -82,13 +88,23 @@ class PlannedConfig:
         ints = ("P", "D", "m", "microbatch_size", "v")
         floats = ("step_ms", "bubble_ratio", "peak_mem_bytes", *TERMS)
         values: dict[str, Any] = {k: int(row[k]) for k in ints} | {k: float(row[k]) for k in floats}
-        change = row.get("change", "")
+
+        def text(key: str) -> str:
+            value = row.get(key, "")
+            return value if isinstance(value, str) else ""
+
         return cls(
             **values,
             schedule=str(row["schedule"]),
             strategy=str(row["strategy"]),
-            change=change if isinstance(change, str) else "",
+            change=text("change"),
+            recompute=text("recompute"),
+            stage_bounds=text("stage_bounds"),
         )
+
+    def recompute_by_stage(self) -> dict[int, str]:
+        """``{stage: "full" | "selective"}`` of the stages that recompute (what :func:`pipeswift_lab.run` takes)."""
+        return {int(s): mode for s, mode in (item.split(":") for item in self.recompute.split())}
 
 
 @dataclass(frozen=True)
@@ -173,6 +189,24 @@ class Plan:
             raise TypeError(f"config must be a PlannedConfig or a row of Plan.table; got {type(config).__name__}")
         if self.costs is None:
             raise ValueError("this Plan holds no costs (Plan.costs is None); plan again to split its configurations")
+        if config.recompute:  # the split found with each stage's recomputation
+            table = self.costs.table(config.microbatch_size)
+            bounds = [tuple(int(x) for x in item.split("-")) for item in config.stage_bounds.split()]
+            names = [str(n) for n in table["name"]]
+            by_layer = {names[i]: mode for (a, e), mode in zip(bounds, _modes(config, len(bounds))) if mode
+                        for i in range(a, e)}  # fmt: skip
+            profile = Profile(table, dict(self.costs.metas[self.costs.nearest(config.microbatch_size)]))
+            return Partition.from_bounds(
+                profile.with_recompute(by_layer),
+                bounds,
+                v=config.v,
+                schedule=config.schedule,
+                m=config.m,
+                optimizer=self.inputs["optimizer"],
+                link=self.inputs["link"],
+                precision=self.inputs.get("precision"),
+                D=config.D,
+            )
         return partition(
             self.costs.table(config.microbatch_size),
             config.P,
@@ -188,17 +222,23 @@ class Plan:
         )
 
     def run_arguments(self, row: PlannedConfig | pd.Series | Hashable) -> dict[str, Any]:
-        """``{"partition", "m", "schedule", "D"}`` of a ranked row (a label, a row of :attr:`table` or a
+        """``{"partition", "m", "schedule", "D"}`` (and ``recompute``, ``precision`` where the plan has them) of a
+        ranked row (a label, a row of :attr:`table` or a
         :class:`PlannedConfig`): the keyword arguments :func:`pipeswift_lab.run` takes, so a planned configuration
         runs as is with a global batch of ``microbatch_size * m * D`` samples:
         ``psl.run(model, data, loss_fn, **plan.run_arguments(0), steps=...)``."""
         config = row if isinstance(row, PlannedConfig) else self.config(row)
-        return {
+        args: dict[str, Any] = {
             "partition": self.partition_of(config),
             "m": int(config.m),
             "schedule": config.schedule,
             "D": int(config.D),
         }
+        if config.recompute:
+            args["recompute"] = config.recompute_by_stage()
+        if self.inputs.get("precision") is not None:
+            args["precision"] = self.inputs["precision"]
+        return args
 
     def top(self, n: int = 5) -> pd.DataFrame:
         """The ``n`` best feasible rows."""
@@ -299,3 +339,9 @@ def _versus(best: PlannedConfig, name: str, other: PlannedConfig) -> str:
         f"term is {hours(diffs[worst])} longer"
         + (f"; its gains ({', '.join(gain)}) do not make up for it." if gain else ".")
     )
+
+
+def _modes(config: PlannedConfig, n_stages: int) -> list[str]:
+    """Each stage's recomputation of ``config`` (``""``: none)."""
+    chosen = config.recompute_by_stage()
+    return [chosen.get(s, "") for s in range(n_stages)]

@@ -28,6 +28,7 @@ from ..partitioning.stages import Partition
 from ..simulation.calibration import SimulatorCalibration
 from ..simulation.simulator import simulate_step_ms
 from .peaks import SplitPeaks
+from .recompute_search import RecomputedSplit, has_recompute_columns, recompute_split
 
 __all__ = ["Evaluator", "MicrobatchCosts", "Split"]
 
@@ -131,8 +132,10 @@ class Evaluator:
         calibration: SimulatorCalibration | None = None,
         precision: str | None = None,
         replay: bool = False,
+        recompute_search: bool = False,
     ) -> None:
         self.costs, self.link, self.optimizer, self.precision = costs, link, optimizer, precision
+        self.recompute_search = recompute_search  # where memory binds, choose each stage's recomputation too
         self.mem_per_gpu_bytes = mem_per_gpu_bytes
         self.calibration = calibration  # fixed per-action costs do not scale with b: no sharing across sizes
         self.shared = costs.proportional and link is None and calibration is None
@@ -192,14 +195,32 @@ class Evaluator:
             # the error the replay of the balanced split would lead to, without replaying it
             _check_average_fits(stages, P, limit)
         mem = self.peak_memory(P, m, b, schedule, v, D, bounds)
+        recomputing: RecomputedSplit | None = None
         if limit is not None and max(mem) > limit:
-            # the time-balanced split does not fit at this micro-batch size: take the fastest split that does
+            # the time-balanced split does not fit at this micro-batch size: take the fastest split that does, of the
+            # splits that move layers and (with recompute="search") those whose stages recompute
             _check_average_fits(stages, P, limit)
-            bounds = self._capped_bounds(P, m, b, schedule, v, D, tuple(inflight_by_rank), limit)
+            try:
+                capped: Bounds | None = self._capped_bounds(P, m, b, schedule, v, D, tuple(inflight_by_rank), limit)
+                error = None
+            except ValueError as exc:
+                capped, error = None, exc
+            recomputing = self._recomputed_split(P, m, b, schedule, v, D, limit) if self.recompute_search else None
+            if recomputing is not None and capped is not None:
+                capped_ms = max(rank_totals(self._stage_sums(b, capped, shards).stage_ms, placement, P))
+                recomputing = recomputing if _rank_ms(recomputing, placement, P) < capped_ms else None
+            if recomputing is None and capped is None:
+                raise error if error is not None else ValueError(no_fit_head(limit, "balanced", P, v))
             base, scale = b, 1.0
-            stages = self._stage_sums(b, bounds, shards)
-            mem = self.peak_memory(P, m, b, schedule, v, D, bounds)
-        bound = m * max(rank_totals(stages.stage_ms, placement, P)) * scale
+            if recomputing is not None:
+                bounds, mem = recomputing.bounds, recomputing.peaks
+                stages = self._stage_sums(b, bounds, shards)
+            else:
+                bounds = capped  # type: ignore[assignment]  # not None: checked above
+                stages = self._stage_sums(b, bounds, shards)
+                mem = self.peak_memory(P, m, b, schedule, v, D, bounds)
+        stage_ms = stages.stage_ms if recomputing is None else _stage_ms(recomputing)
+        bound = m * max(rank_totals(stage_ms, placement, P)) * scale
         if self.calibration is not None:  # calibrated actions take at least scale(P) x profiled, plus fixed costs
             bound = bound * self.calibration.scale(P) + self.calibration.step_overhead_ms(schedule)
         return Split(
@@ -215,7 +236,42 @@ class Evaluator:
             rank_params=_rank_max(stages.params, placement, P),
             lower_bound_ms=bound,
             evaluator=self,
-            build=(self.layers(base), bounds, v, schedule, m, D),
+            build=(self.layers(base) if recomputing is None else recomputing.timing, bounds, v, schedule, m, D),
+            recompute=recomputing.label if recomputing is not None else "",
+        )
+
+    def _recomputed_split(self, P: int, m: int, b: int, schedule: str, v: int, D: int, limit: float) -> Any:
+        """The split whose stages recompute to fit ``limit`` at micro-batch size ``b``
+        (:func:`~pipeswift_lab.planning.recompute_search.recompute_split`), or None; refuses a profile without the
+        recompute columns."""
+        from ..core.memory_model import default_optimizer_memory
+
+        nearest = self.costs.nearest(b)
+        memory_table = self.costs.tables[nearest]
+        if not has_recompute_columns(memory_table):
+            raise ValueError(
+                'recompute="search" needs the profile\'s recompute columns: profile the model with '
+                "profile(..., recompute=True)"
+            )
+        timing_table = self.costs.table(b).copy()
+        for column in ("recompute_ms", "selective_recompute_ms"):  # as the layer times scale with the micro-batch
+            timing_table[column] = memory_table[column] * (b / nearest)
+        meta = dict(self.layers(nearest).meta)
+        optimizer = default_optimizer_memory(self.optimizer, str(meta.get("device", "cpu")).split(":")[0])
+        return recompute_split(
+            timing_table=timing_table,
+            memory_table=memory_table,
+            meta=meta,
+            scale=b / nearest,
+            P=P,
+            v=v,
+            m=m,
+            schedule=schedule,
+            limit=limit,
+            optimizer=optimizer,
+            precision=self.precision,
+            D=D,
+            link=self.link,
         )
 
     def partition(self, layers: Layers, bounds: Bounds, v: int, schedule: str, m: int, D: int) -> Partition:
@@ -237,7 +293,7 @@ class Evaluator:
 
         With a calibration the step is the calibrated span plus the runtime's per-step overhead.
         """
-        key = (split.P, split.m, split.schedule, split.v, split.bounds, split.base)
+        key = (split.P, split.m, split.schedule, split.v, split.bounds, split.base, split.recompute)
         if key not in self._sims:
             self._sims[key] = self._timed(split.part, split.m, split.schedule, split.v)
         step, bubble = self._sims[key]
@@ -399,6 +455,8 @@ class Split:
     """The evaluator that builds the :class:`~pipeswift_lab.Partition` on first use."""
     build: tuple[Layers, Bounds, int, str, int, int] = field(repr=False, compare=False)
     """The arguments of :meth:`Evaluator.partition`."""
+    recompute: str = ""
+    """The stages that recompute and how, ``"0:full 1:selective"`` (``""``: none)."""
 
     @cached_property
     def part(self) -> Partition:
@@ -435,6 +493,17 @@ def _check_average_fits(stages: _StageSums, P: int, limit: float) -> None:
     average = sum(stages.state_bytes) / P
     if average > limit:
         raise ValueError(f"needs at least {average / 2**30:.3g} GiB per GPU on average > mem_per_gpu_bytes={limit:.4g}")
+
+
+def _stage_ms(recomputing: RecomputedSplit) -> tuple[float, ...]:
+    """Forward + backward per micro-batch of each stage of a recomputing split (its backwards recompute)."""
+    layers = recomputing.timing
+    return tuple(float((layers.fwd[a:e] + layers.bwd[a:e]).sum()) for a, e in recomputing.bounds)
+
+
+def _rank_ms(recomputing: RecomputedSplit, placement: Sequence[int], P: int) -> float:
+    """The busiest rank's forward + backward per micro-batch of a recomputing split."""
+    return max(rank_totals(_stage_ms(recomputing), placement, P))
 
 
 def _rank_max(per_stage: Sequence[float], placement: Sequence[int], P: int) -> float:

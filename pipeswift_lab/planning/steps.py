@@ -52,6 +52,7 @@ TABLE_COLUMNS = (
     *("rank", "ranked_by", "strategy", "change", "P", "D", "gpus", "m", "microbatch_size", "schedule", "v"),
     *("feasible", "simulated", "reason", *TERMS, "total_s", "jct_lower_bound_s", "checkpoint_interval_s"),
     *("step_ms", "pipeline_ms", "allreduce_ms", "optimizer_ms", "bubble_ratio", "peak_mem_bytes", "samples_per_s"),
+    *("recompute", "stage_bounds"),
 )
 
 #: A configuration: ``(P, D, m, microbatch_size, schedule, v)``.
@@ -140,6 +141,8 @@ def _fixed_terms(inputs: PlanInputs, split: Split, p: int, d: int, queue_s: floa
         "allreduce_ms": allreduce_ms(grad_bytes, d, inputs.dp_link.bandwidth_GBps, inputs.dp_link.latency_ms),
         "optimizer_ms": OPTIMIZER_TRAFFIC_FACTOR * rank_param_bytes / (inputs.mem_GBps * 1e6),
         "peak_mem_bytes": split.peak_mem_bytes,
+        "recompute": split.recompute,
+        "stage_bounds": " ".join(f"{a}-{e}" for a, e in split.bounds) if split.recompute else "",
         "_shard_bytes": shard_bytes,
     }
 
@@ -319,7 +322,10 @@ def no_fit_message(table: pd.DataFrame, inputs: PlanInputs) -> str:
         )
         for _, r in memory.sort_values(["P", "microbatch_size"], ascending=[False, True]).head(3).iterrows():
             lines.append(f"  P={r.P} D={r.D} m={r.m} b={r.microbatch_size} {r.schedule} v={r.v}: {r.reason}")
-        lines.append("  they fit with more GPUs (more stages), smaller micro-batches, or a larger mem_per_gpu_bytes")
+        hint = "" if inputs.recompute else ', or recomputing activations (plan(..., recompute="search"))'
+        lines.append(
+            "  they fit with more GPUs (more stages), smaller micro-batches, or a larger mem_per_gpu_bytes" + hint
+        )
     preempted = table[table["reason"].str.startswith("preempted more often", na=False)]
     if inputs.mtbf_s is not None and not preempted.empty:
         lines.append(

@@ -43,10 +43,12 @@ STAGES = (("0", "1"), ("2", "3"))
 
 def test_the_choices_name_the_layers_of_each_stage():
     assert plan_recompute(None, STAGES) is None
-    assert plan_recompute("full", STAGES).layers == STAGES and plan_recompute("full", STAGES).mode == "full"
-    assert plan_recompute("selective", STAGES).mode == "selective"
+    assert plan_recompute("full", STAGES).layers == STAGES and plan_recompute("full", STAGES).modes == ("full",) * 2
+    assert plan_recompute("selective", STAGES).modes == ("selective", "selective")
     chosen = plan_recompute({1: ["*"], 0: ["1"]}, STAGES)
-    assert chosen.mode == "full" and chosen.layers == (("1",), ("2", "3"))
+    assert chosen.modes == ("full", "full") and chosen.layers == (("1",), ("2", "3"))
+    per_stage = plan_recompute({0: "selective"}, STAGES)
+    assert per_stage.layer_modes() == {"0": "selective", "1": "selective"} and per_stage.stage_mode(1) == ""
     assert torch.ops.aten.mm.default in SAVED_OPS and torch.ops.aten.gelu.default not in SAVED_OPS
 
 
@@ -56,7 +58,7 @@ def test_the_choices_name_the_layers_of_each_stage():
         ("some", ValueError, r"recompute='some' is not one of \['full', 'selective'\]"),
         ({2: ["0"]}, ValueError, r"recompute has stage 2; the partition has stages 0..1"),
         ({0: ["blocks.*"]}, ValueError, r"recompute\[0\] names 'blocks.\*', which matches none of stage 0's layers"),
-        ({0: "0"}, TypeError, r"recompute\[0\] must be a list"),
+        ({0: "0"}, ValueError, r"recompute\[0\]='0' is not one of \['full', 'selective'\]"),
         (["full"], TypeError, r"recompute must be None, 'full', 'selective' or a dict"),
     ],
 )

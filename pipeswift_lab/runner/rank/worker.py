@@ -230,7 +230,9 @@ def _build_stages(spec: RunSpec, topo: Topology, device: torch.device) -> list[A
     for s, module in modules.items():
         if spec.recompute is not None:
             split_backward = schedule_splits_backward(spec.plan.schedule)
-            apply_recompute(module, spec.recompute.stage_layers(s), spec.recompute.mode, split_backward=split_backward)
+            apply_recompute(
+                module, spec.recompute.stage_layers(s), spec.recompute.stage_mode(s), split_backward=split_backward
+            )
         if mixed(spec.precision):
             autocast_forward(module, device.type)
         module = module.to(device)

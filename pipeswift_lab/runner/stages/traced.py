@@ -221,7 +221,9 @@ def build_traced_stages(
         unify_copies(stage.submod, spec.tied)
         if spec.recompute is not None:
             split = schedule_splits_backward(spec.plan.schedule)
-            apply_recompute(stage.submod, spec.recompute.stage_layers(s), spec.recompute.mode, split_backward=split)
+            apply_recompute(
+                stage.submod, spec.recompute.stage_layers(s), spec.recompute.stage_mode(s), split_backward=split
+            )
         if mixed(spec.precision):
             autocast_forward(stage.submod, torch.device(device).type)
         if replica_group is not None:

@@ -1,0 +1,187 @@
+"""Which stages recompute, chosen with the split: what ``plan(..., recompute="search")`` does where memory binds.
+
+A configuration whose time-balanced split does not fit ``mem_per_gpu_bytes`` can still run if some stages
+recompute their activations (:mod:`pipeswift_lab.core.recompute`): each stage keeps less per micro-batch in flight
+and takes longer in its backward. AdaPipe (Sun et al., *AdaPipe: Optimizing Pipeline Parallelism with Adaptive
+Recomputation and Partitioning*, ASPLOS 2024) chooses the recomputation of every stage together with the split,
+for the shortest step that fits; the first stages, which hold the most micro-batches under 1F1B, often recompute
+where the last do not. :func:`recompute_split` does it greedily:
+
+1. every stage starts recomputing nothing; the split is time-balanced with each layer's time as it is recomputed;
+2. while a rank is over the cap, the stage of the fullest rank that saves the most bytes per millisecond it adds
+   moves up, nothing → ``"selective"`` or ``"full"``, ``"selective"`` → ``"full"`` (whichever step saves the most
+   per millisecond), and the split is balanced again with the new times (a stage's choice applies to whatever
+   layers it holds);
+3. it stops when every rank fits, or when the fullest rank has no stage left to raise (None: no choice fits);
+4. on the split that fits, every stage is lowered again as far as it still fits (a stage raised for an earlier
+   split may not need it on the last), the one whose lowering saves the most time first. The answer: the bounds
+   and each stage's choice.
+
+It needs a profile measured with ``recompute=True`` (its recompute columns,
+:mod:`pipeswift_lab.profiling.recompute_costs`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from ..core.memory_model import OptimizerMemory
+from ..core.peak_forms import peak_form
+from ..core.vocabulary import stage_to_rank
+from ..partitioning.layers import Bounds, Layers, split
+from ..partitioning.memory import Layout
+from ..partitioning.rank_memory import SplitBytes
+from ..profiling.recompute_costs import RECOMPUTE_COLUMNS, recomputed
+from ..profiling.table import Profile
+
+__all__ = ["LEVELS", "RecomputedSplit", "has_recompute_columns", "recompute_split"]
+
+#: A stage's choices, from the least recomputation to the most.
+LEVELS = ("", "selective", "full")
+
+
+@dataclass(frozen=True)
+class RecomputedSplit:
+    """A split that fits with recomputation: its ``bounds``, each stage's ``modes`` (``""``: none), the per-layer
+    table its times come from (``timing``) and each rank's ``peaks``."""
+
+    bounds: Bounds
+    modes: tuple[str, ...]
+    timing: Layers
+    peaks: list[float]
+
+    @property
+    def label(self) -> str:
+        """``"0:full 1:selective"``: the stages that recompute and how (``""`` for none)."""
+        return " ".join(f"{s}:{mode}" for s, mode in enumerate(self.modes) if mode)
+
+
+def has_recompute_columns(table: pd.DataFrame) -> bool:
+    """Whether a per-layer table holds what recomputing its layers costs (``profile(..., recompute=True)``)."""
+    return all(c in table.columns for c in RECOMPUTE_COLUMNS)
+
+
+def _by_layer(bounds: Bounds, modes: tuple[str, ...], names: list[str]) -> dict[str, str]:
+    return {names[i]: mode for (a, b), mode in zip(bounds, modes) if mode for i in range(a, b)}
+
+
+def recompute_split(
+    *,
+    timing_table: pd.DataFrame,
+    memory_table: pd.DataFrame,
+    meta: dict[str, Any],
+    scale: float,
+    P: int,
+    v: int,
+    m: int,
+    schedule: str,
+    limit: float,
+    optimizer: OptimizerMemory,
+    precision: str | None,
+    D: int,
+    link: Any = None,
+) -> RecomputedSplit | None:
+    """The split of ``P * v`` stages and each stage's recomputation, found as the module docs say, whose every rank
+    fits ``limit``; None when none does. ``timing_table`` is the per-layer table at the micro-batch size (times),
+    ``memory_table`` the nearest profile's, whose bytes ``scale`` takes to it."""
+    names = [str(n) for n in timing_table["name"]]
+    n_stages = P * v
+    modes: tuple[str, ...] = ("",) * n_stages
+    ranks = stage_to_rank(P, v, schedule)
+    placement = np.asarray(ranks)
+    form = peak_form(P, m, schedule, v)
+    layout = Layout(P=P, v=v, schedule=schedule, mem_schedule=schedule, m=m)
+
+    def layers_of(table: pd.DataFrame, bounds: Bounds | None, modes: tuple[str, ...]) -> Layers:
+        chosen = _by_layer(bounds, modes, names) if bounds is not None else {}
+        return Layers(recomputed(Profile(table, dict(meta)), chosen or None))
+
+    def peaks_of(bounds: Bounds, modes: tuple[str, ...]) -> list[float]:
+        memory = layers_of(memory_table, bounds, modes)
+        fields = SplitBytes(memory, scale=scale, precision=precision, optimizer=optimizer, D=D).of(bounds, ranks)
+        return [float(x) for x in form.peaks(fields, optimizer)]
+
+    bounds: Bounds | None = None
+    for _ in range(2 * n_stages + 1):
+        # balanced with each layer's time as the stage that held it last recomputes it
+        bounds = split(layers_of(timing_table, bounds, modes), layout, "balanced", link, None)
+        peaks = peaks_of(bounds, modes)
+        if max(peaks) <= limit:
+            modes, peaks = _lowered(modes, bounds, timing_table, limit, peaks_of, peaks)
+            return RecomputedSplit(bounds, modes, layers_of(timing_table, bounds, modes), peaks)
+        raised = _raise_one(modes, bounds, placement, int(np.argmax(peaks)), timing_table, scale)
+        if raised is None:
+            return None
+        modes = raised
+    return None
+
+
+def _lowered(
+    modes: tuple[str, ...],
+    bounds: Bounds,
+    table: pd.DataFrame,
+    limit: float,
+    peaks_of: Any,
+    peaks: list[float],
+) -> tuple[tuple[str, ...], list[float]]:
+    """``modes`` with every stage lowered as far as the split still fits (a stage raised for an earlier split may
+    not need it on the last), the stage whose lowering saves the most time first; and the peaks."""
+    while True:
+        options = []
+        for s, now in enumerate(modes):
+            for lower in LEVELS[: LEVELS.index(now)]:
+                a, b = bounds[s]
+                saved_ms = _added_ms(table.iloc[a:b], now) - _added_ms(table.iloc[a:b], lower)
+                if saved_ms > 0:
+                    options.append((saved_ms, s, lower))
+        for _, s, lower in sorted(options, reverse=True):
+            trial = tuple(lower if i == s else mode for i, mode in enumerate(modes))
+            trial_peaks = peaks_of(bounds, trial)
+            if max(trial_peaks) <= limit:
+                modes, peaks = trial, trial_peaks
+                break
+        else:
+            return modes, peaks
+
+
+def _raise_one(
+    modes: tuple[str, ...],
+    bounds: Bounds,
+    placement: np.ndarray,
+    rank: int,
+    table: pd.DataFrame,
+    scale: float,
+) -> tuple[str, ...] | None:
+    """``modes`` with one stage of ``rank`` raised to a higher level: of every stage of the rank and every level
+    above its own, the one that saves the most activation bytes per millisecond its backward gains (so a stage may
+    go straight to ``"full"`` where selective recomputation saves less for more time, as where its dispatch costs
+    more than the operators it spares); None when every stage of the rank already recomputes fully."""
+    best: tuple[float, int, str] | None = None
+    for s in (int(x) for x in np.flatnonzero(placement == rank)):
+        a, b = bounds[s]
+        rows = table.iloc[a:b]
+        now = modes[s]
+        for after in LEVELS[LEVELS.index(now) + 1 :]:
+            saved = float((_held(rows, now) - _held(rows, after)).sum()) * scale
+            added = max(_added_ms(rows, after) - _added_ms(rows, now), 1e-9)
+            if saved > 0 and (best is None or saved / added > best[0]):
+                best = (saved / added, s, after)
+    if best is None:
+        return None
+    _, stage, level = best
+    return tuple(level if i == stage else mode for i, mode in enumerate(modes))
+
+
+def _held(rows: pd.DataFrame, mode: str) -> pd.Series:
+    """What each layer of ``rows`` holds per micro-batch in flight recomputing as ``mode`` (``""``: not)."""
+    return rows["activation_bytes"] if not mode else rows[f"{mode}_activation_bytes"]
+
+
+def _added_ms(rows: pd.DataFrame, mode: str) -> float:
+    """The milliseconds the layers of ``rows`` add to their backward recomputing as ``mode``."""
+    column = {"": None, "selective": "selective_recompute_ms", "full": "recompute_ms"}[mode]
+    return 0.0 if column is None else float(rows[column].sum())

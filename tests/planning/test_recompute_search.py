@@ -1,0 +1,181 @@
+"""plan(..., recompute="search") (pipeswift_lab.planning.recompute_search): where memory binds, each stage's
+recomputation is chosen with the split, for the least time that fits; the plan carries it to run()."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pipeswift_lab import Profile
+from pipeswift_lab.core.memory_model import default_optimizer_memory
+from pipeswift_lab.partitioning.stages import Partition
+from pipeswift_lab.planning.planner import plan
+from pipeswift_lab.planning.recompute_search import recompute_split
+from pipeswift_lab.profiling.measure import profile
+from pipeswift_lab.runner import run
+
+GB = 1e9
+
+
+def recomputable(layers=8):
+    """Equal layers of 1 ms forward, 2 ms backward, 1 GB held per micro-batch: selective recomputation keeps half
+    for 0.3 ms more, full keeps 5% for 1 ms more (selective saves more per millisecond)."""
+    return Profile.synthetic(
+        fwd_ms=[1.0] * layers,
+        bwd_ms=[2.0] * layers,
+        param_bytes=[1e8] * layers,
+        activation_bytes=[1e9] * layers,
+        output_bytes=[1e6] * layers,
+        recompute_ms=[1.0] * layers,
+        selective_recompute_ms=[0.3] * layers,
+        full_activation_bytes=[5e7] * layers,
+        selective_activation_bytes=[5e8] * layers,
+        full_transient_bytes=[0.0] * layers,
+        selective_transient_bytes=[0.0] * layers,
+        meta={"batch_size": 1, "device": "cuda"},
+    )
+
+
+KW = dict(global_batch=8, steps=1000, schedules=["1F1B"], microbatch_sizes=[1], progress=False, exhaustive=True)
+
+
+def rows_on(result, P):
+    return result.feasible[(result.feasible["P"] == P) & (result.feasible["strategy"] == "now")]
+
+
+def test_recomputation_fits_where_no_split_does_and_the_first_stages_recompute_more():
+    """Under 1F1B the first of 4 ranks holds 4 micro-batches, the last 1: at 3.5 GB no split fits 4 GPUs (one layer
+    on the first rank holds 4 GB), and with recomputation the first stages recompute, the last does not."""
+    cap = 3.5 * GB
+    with pytest.raises(ValueError, match=r'no feasible configuration(.|\n)*recompute="search"'):
+        plan(recomputable(), gpus=4, mem_per_gpu_bytes=cap, **KW)
+    searched = plan(recomputable(), gpus=4, mem_per_gpu_bytes=cap, recompute="search", **KW)
+    best = rows_on(searched, 4).iloc[0]
+    modes = {int(s): mode for s, mode in (item.split(":") for item in best["recompute"].split())}
+    assert modes.get(0) == "full" and 3 not in modes, best["recompute"]
+    levels = ["", "selective", "full"]
+    assert [levels.index(modes.get(s, "")) for s in range(4)] == sorted(
+        (levels.index(modes.get(s, "")) for s in range(4)), reverse=True
+    ), "a later stage, holding fewer micro-batches, recomputes no more than an earlier one"
+    assert best["peak_mem_bytes"] <= cap
+    bounds = [tuple(int(x) for x in item.split("-")) for item in best["stage_bounds"].split()]
+    assert bounds[0][0] == 0 and bounds[-1][1] == 8 and len(bounds) == 4
+    replayed = Partition.from_bounds(
+        recomputable().with_recompute({f"layer_{i}": mode for s, mode in modes.items() for i in range(*bounds[s])}),
+        bounds,
+        schedule="1F1B",
+        m=8,
+    )
+    assert max(replayed.memory(micro_batch_size=1)["predicted_peak_bytes"]) == pytest.approx(best["peak_mem_bytes"])
+    assert searched.best.label.endswith(f"recompute {best['recompute']}") or searched.best.P != 4
+
+
+def test_the_search_takes_recomputation_only_where_it_is_faster_than_moving_layers():
+    """At 6 GB a split that moves layers off the first rank fits; the plan weighs it against recomputing and the
+    faster wins: no configuration of the searched plan is slower than the same one planned without recomputation."""
+    cap = 6 * GB
+    plain = plan(recomputable(), gpus=4, mem_per_gpu_bytes=cap, **KW)
+    searched = plan(recomputable(), gpus=4, mem_per_gpu_bytes=cap, recompute="search", **KW)
+    key = ["P", "D", "m", "microbatch_size", "schedule"]
+    both = rows_on(plain, 4).merge(rows_on(searched, 4), on=key, suffixes=("_plain", "_searched"))
+    assert not both.empty
+    assert (both["step_ms_searched"] <= both["step_ms_plain"] * (1 + 1e-9)).all()
+    unbound = plan(recomputable(), gpus=4, mem_per_gpu_bytes=100 * GB, recompute="search", **KW)
+    assert (unbound.feasible["recompute"] == "").all(), "nothing recomputes where memory does not bind"
+
+
+def test_recomputing_on_fewer_gpus_now_beats_waiting_for_more():
+    """Two GPUs now, four in an hour: without recomputation P=2 does not fit and the plan waits; recomputing, it
+    starts now, and its JCT is shorter."""
+    kw = dict(KW, steps=20_000, availability=[(0, 2), (3600, 4)], gpus=4, mem_per_gpu_bytes=6 * GB)
+    plain = plan(recomputable(), **kw)
+    searched = plan(recomputable(), recompute="search", **kw)
+    assert plain.best.queue_s == 3600 and plain.best.recompute == ""
+    assert searched.best.P == 2 and searched.best.queue_s == 0 and searched.best.recompute
+    assert searched.best.total_s < plain.best.total_s
+    assert searched.best.recompute in searched.strategy_rows("now")["recompute"].tolist()
+
+
+def test_the_split_is_lowered_where_it_fits_and_refused_where_nothing_does():
+    prof = recomputable()
+    kwargs = dict(
+        timing_table=prof.df,
+        memory_table=prof.df,
+        meta=prof.meta,
+        scale=1.0,
+        P=4,
+        v=1,
+        m=8,
+        schedule="1F1B",
+        optimizer=default_optimizer_memory("adam", "cuda"),
+        precision=None,
+        D=1,
+    )
+    found = recompute_split(limit=3.5 * GB, **kwargs)
+    assert found is not None and max(found.peaks) <= 3.5 * GB
+    levels = ("", "selective", "full")
+    for s, mode in enumerate(found.modes):  # no stage recomputes more than the split needs: lowering any breaks it
+        for lower in levels[: levels.index(mode)]:
+            chosen = [lower if t == s else m for t, m in enumerate(found.modes)]
+            layers = {f"layer_{i}": m for (a, e), m in zip(found.bounds, chosen) if m for i in range(a, e)}
+            part = Partition.from_bounds(prof.with_recompute(layers or None), found.bounds, schedule="1F1B", m=8)
+            assert max(part.memory(micro_batch_size=1)["predicted_peak_bytes"]) > 3.5 * GB, (s, lower)
+    assert recompute_split(limit=0.5 * GB, **kwargs) is None
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        (dict(recompute="full"), ValueError, r"recompute='full' is not 'search' or None"),
+        (dict(recompute="search", mem_per_gpu_bytes=None), ValueError, r"needs mem_per_gpu_bytes"),
+    ],
+)
+def test_bad_recompute_arguments_are_refused(kwargs, error, match):
+    args = dict(KW, gpus=4, mem_per_gpu_bytes=3.5 * GB) | kwargs
+    with pytest.raises(error, match=match):
+        plan(recomputable(), **args)
+
+
+def test_a_profile_without_the_recompute_columns_is_refused():
+    prof = Profile.synthetic(
+        fwd_ms=[1.0] * 4, bwd_ms=[2.0] * 4, activation_bytes=[1e9] * 4, meta={"device": "cuda", "batch_size": 1}
+    )
+    with pytest.raises(ValueError, match=r"profile the model with recompute=True"):
+        plan(prof, gpus=2, mem_per_gpu_bytes=GB, recompute="search", **KW)
+
+
+class Block(nn.Module):
+    def __init__(self, d=64):
+        super().__init__()
+        self.ln, self.up, self.down = nn.LayerNorm(d), nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
+
+    def forward(self, x):
+        return x + self.down(F.gelu(self.up(self.ln(x))))
+
+
+@pytest.mark.processes
+def test_the_planned_recomputation_runs_as_planned():
+    """A plan on a measured profile whose cap only recomputation meets on 2 GPUs: run(**plan.run_arguments(best))
+    trains it, and every rank's measured peak is within 10% of what the plan predicted, under the cap."""
+    torch.manual_seed(0)
+    net = nn.Sequential(*[Block() for _ in range(6)])
+    x, y = torch.randn(16, 64, 64), torch.randn(16, 64, 64)
+    prof = profile(net, x[:2], target=y[:2], loss_fn=F.mse_loss, warmup=1, repeats=1, progress=False, recompute=True)
+    kw = dict(gpus=2, global_batch=16, steps=100, schedules=["1F1B"], microbatch_sizes=[2], progress=False)
+    from pipeswift_lab.partitioning.balance import partition
+
+    plain = partition(prof, 2, schedule="1F1B", m=8).memory(micro_batch_size=2)["predicted_peak_bytes"]
+    full = Partition.from_bounds(prof.with_recompute("full"), [(0, 3), (3, 6)], schedule="1F1B", m=8)
+    floor = max(full.memory(micro_batch_size=2)["predicted_peak_bytes"])
+    cap = floor + 0.3 * (min(plain) - floor)
+    searched = plan(prof, mem_per_gpu_bytes=cap, recompute="search", optimizer="adam", **kw)
+    best = searched.best
+    assert best.P == 2 and best.recompute, searched.table[["P", "reason", "recompute"]]
+    args = searched.run_arguments(best)
+    assert args["recompute"] == best.recompute_by_stage() and args["m"] == 8
+    adam = lambda ps: torch.optim.Adam(ps, lr=1e-3)  # noqa: E731
+    result = run(net, (x, y), F.mse_loss, steps=2, optimizer=adam, progress=False, **args)
+    memory = result.memory
+    assert (memory["error"].abs() <= 0.10).all(), memory[["rank", "error", "term_off"]]
+    assert memory["measured_peak_bytes"].max() <= cap * 1.10
+    assert max(memory["predicted_peak_bytes"]) == pytest.approx(best.peak_mem_bytes, rel=1e-6)
