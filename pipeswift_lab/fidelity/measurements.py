@@ -122,9 +122,21 @@ def partition_of(run: Run, table: pd.DataFrame, batch_size: int | None, index: i
     mb = run.meta.get("microbatch_size")
     if batch_size and mb and int(mb) != batch_size:
         table = table.copy()
-        for col in ("fwd_ms", "bwd_ms", "wgrad_ms", "activation_bytes", "output_bytes"):
+        scaled = ("fwd_ms", "bwd_ms", "wgrad_ms", "recompute_ms", "selective_recompute_ms", "activation_bytes")
+        for col in (*scaled, "output_bytes"):
             if col in table.columns:
                 table[col] = table[col] * (int(mb) / batch_size)
+    layer_modes = run.meta.get("recompute_layers")
+    if layer_modes:  # the run's backwards recomputed these layers: time them as they ran
+        from ..profiling.recompute_costs import RECOMPUTE_COLUMNS, recomputed
+        from ..profiling.table import Profile
+
+        if not all(c in table.columns for c in RECOMPUTE_COLUMNS):
+            raise ValueError(
+                f"runs[{index}] ({run.schedule} P={run.P} m={run.m}) recomputed {len(layer_modes)} layers but the "
+                "profile has no recompute columns; profile the model with profile(..., recompute=True)"
+            )
+        table = recomputed(Profile(table, {}), layer_modes).df
     return Partition.from_bounds(table, bounds, v=run.v, schedule=run.schedule, m=run.m)
 
 

@@ -190,23 +190,7 @@ class Plan:
         if self.costs is None:
             raise ValueError("this Plan holds no costs (Plan.costs is None); plan again to split its configurations")
         if config.recompute:  # the split found with each stage's recomputation
-            table = self.costs.table(config.microbatch_size)
-            bounds = [tuple(int(x) for x in item.split("-")) for item in config.stage_bounds.split()]
-            names = [str(n) for n in table["name"]]
-            by_layer = {names[i]: mode for (a, e), mode in zip(bounds, _modes(config, len(bounds))) if mode
-                        for i in range(a, e)}  # fmt: skip
-            profile = Profile(table, dict(self.costs.metas[self.costs.nearest(config.microbatch_size)]))
-            return Partition.from_bounds(
-                profile.with_recompute(by_layer),
-                bounds,
-                v=config.v,
-                schedule=config.schedule,
-                m=config.m,
-                optimizer=self.inputs["optimizer"],
-                link=self.inputs["link"],
-                precision=self.inputs.get("precision"),
-                D=config.D,
-            )
+            return self._recomputed_partition(config)
         return partition(
             self.costs.table(config.microbatch_size),
             config.P,
@@ -217,6 +201,36 @@ class Plan:
             optimizer=self.inputs["optimizer"],
             link=self.inputs["link"],
             mem_per_gpu_bytes=self.inputs["mem_per_gpu_bytes"],
+            precision=self.inputs.get("precision"),
+            D=config.D,
+        )
+
+    def _recomputed_partition(self, config: PlannedConfig) -> Partition:
+        """The split a recomputing configuration found, its layers as they cost recomputed: times at its micro-batch
+        size, bytes as the nearest profile measured them (its ``meta["batch_size"]`` scales them, as the search did)."""
+        assert self.costs is not None
+        b, nearest = config.microbatch_size, self.costs.nearest(config.microbatch_size)
+        df = self.costs.tables[nearest].copy()
+        at_b = self.costs.table(b)
+        for column in ("fwd_ms", "bwd_ms", "wgrad_ms"):
+            if column in df.columns:
+                df[column] = at_b[column]
+        for column in ("recompute_ms", "selective_recompute_ms"):
+            df[column] = df[column] * (b / nearest)
+        df["total_ms"] = df["fwd_ms"] + df["bwd_ms"]
+        bounds = [tuple(int(x) for x in item.split("-")) for item in config.stage_bounds.split()]
+        names = [str(n) for n in df["name"]]
+        chosen = config.recompute_by_stage()
+        by_layer = {names[i]: chosen[s] for s, (a, e) in enumerate(bounds) if s in chosen for i in range(a, e)}
+        profile = Profile(df, {**self.costs.metas[nearest], "batch_size": nearest})
+        return Partition.from_bounds(
+            profile.with_recompute(by_layer),
+            bounds,
+            v=config.v,
+            schedule=config.schedule,
+            m=config.m,
+            optimizer=self.inputs["optimizer"],
+            link=self.inputs["link"],
             precision=self.inputs.get("precision"),
             D=config.D,
         )
@@ -339,9 +353,3 @@ def _versus(best: PlannedConfig, name: str, other: PlannedConfig) -> str:
         f"term is {hours(diffs[worst])} longer"
         + (f"; its gains ({', '.join(gain)}) do not make up for it." if gain else ".")
     )
-
-
-def _modes(config: PlannedConfig, n_stages: int) -> list[str]:
-    """Each stage's recomputation of ``config`` (``""``: none)."""
-    chosen = config.recompute_by_stage()
-    return [chosen.get(s, "") for s in range(n_stages)]

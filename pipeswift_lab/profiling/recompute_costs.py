@@ -72,8 +72,9 @@ def recomputed(profile: Any, recompute: str | Mapping[str, str] | None) -> Any:
 
     A recomputed layer holds ``{mode}_activation_bytes`` until its backward, its backward takes ``recompute_ms``
     (or ``selective_recompute_ms``) more (its weight-gradient part too, where ``wgrad_ms`` is given: the zero-bubble
-    schedules recompute in both passes), and its transients are its recomputed ones. Raises ``ValueError`` for a
-    profile without the recompute columns, an unknown mode, or a name that matches no layer.
+    schedules recompute in both passes), and its transients are its recomputed ones. A profile already recomputed
+    this way is returned as it is (``meta["recompute"]`` says how). Raises ``ValueError`` for a profile without the
+    recompute columns, one already recomputed another way, an unknown mode, or a name that matches no layer.
     """
     import fnmatch
 
@@ -101,6 +102,15 @@ def recomputed(profile: Any, recompute: str | Mapping[str, str] | None) -> Any:
     bad = sorted({m for m in modes.values() if m not in RECOMPUTE_MODES})
     if bad:
         raise ValueError(f"recompute mode {bad[0]!r} is not one of {list(RECOMPUTE_MODES)}")
+    modes = {n: m for n, m in modes.items() if m}
+    already = profile.meta.get("recompute")
+    if already:  # the columns now hold the recomputed costs: a second pass would add to them
+        if already == modes:
+            return profile
+        raise ValueError(
+            f"the profile already costs its layers recomputed ({_listed(already)}); recompute from the profile as "
+            "measured"
+        )
     out = df.copy()
     out["rematerialized_bytes"] = 0.0  # what a split backward's I pass computes again and holds until its W
     for mode in RECOMPUTE_MODES:
@@ -122,4 +132,9 @@ def recomputed(profile: Any, recompute: str | Mapping[str, str] | None) -> Any:
             out.loc[rows, "accumulate_transient_bytes"] = transient[rows]
     out["total_ms"] = out["fwd_ms"] + out["bwd_ms"]
     out["activation_bytes"] = out["activation_bytes"].astype("int64")
-    return type(profile)(out, {**profile.meta, "recompute": {n: m for n, m in modes.items() if m}})
+    return type(profile)(out, {**profile.meta, "recompute": modes})
+
+
+def _listed(modes: Mapping[str, str]) -> str:
+    items = [f"{name}: {mode}" for name, mode in list(modes.items())[:4]]
+    return ", ".join(items) + (", ..." if len(modes) > 4 else "")

@@ -350,8 +350,11 @@ def make_spec(
     recomputed = plan_recompute(recompute, [tuple(layers[a:b]) for a, b in plan.bounds])
     meta = {**_spec_meta(plan, D, m, global_batch, batch_size, layers), "profiler_trace": profiler_trace}
     meta["recompute"] = (
-        recompute if not isinstance(recompute, dict) else {int(k): list(v) for k, v in recompute.items()}
+        recompute
+        if not isinstance(recompute, dict)
+        else {int(k): v if isinstance(v, str) else list(v) for k, v in recompute.items()}
     )
+    meta["recompute_layers"] = recomputed.layer_modes() if recomputed is not None else None
     meta["precision"] = precision
     if instrument:
         meta["memory_predicted"] = predicted_memory(
