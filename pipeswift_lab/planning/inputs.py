@@ -18,8 +18,8 @@ from ..core.link import Link, check_link
 from ..core.precision import check_optimizer, check_precision
 from ..core.vocabulary import MULTI_CHUNK_SCHEDULES, SCHEDULES, V_SHAPE_SCHEDULES, canonical_schedule
 from ..simulation.calibration import SimulatorCalibration, check_calibration
+from .costs import MicrobatchCosts
 from .quantiles import check_quantile
-from .search import MicrobatchCosts
 
 __all__ = ["DEFAULT_DP_LINK", "OPTIMIZER_MEMORY_GBps", "PlanInputs", "check_plan_inputs", "divisors"]
 

@@ -28,7 +28,7 @@ __all__ = ["SplitPeaks"]
 class SplitPeaks:
     """Each rank's peak of the splits of one profile, by ``(P, m, b, schedule, v, D, bounds)`` (cached).
 
-    ``costs`` is the search's :class:`~pipeswift_lab.planning.search.MicrobatchCosts`; ``layers_at(b)`` its per-layer
+    ``costs`` is the search's :class:`~pipeswift_lab.planning.costs.MicrobatchCosts`; ``layers_at(b)`` its per-layer
     arrays at micro-batch size ``b``; ``optimizer`` and ``precision`` as :func:`rank_memory` takes them.
     """
 

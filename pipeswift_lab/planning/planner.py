@@ -84,7 +84,7 @@ def plan(
     * ``profile`` — a :class:`~pipeswift_lab.Profile` (or per-layer DataFrame) taken at
       micro-batch size ``profile.meta["batch_size"]``, or a list of Profiles of the same
       model at several sizes (times are then interpolated between them, see
-      :class:`~pipeswift_lab.planning.search.MicrobatchCosts`);
+      :class:`~pipeswift_lab.planning.costs.MicrobatchCosts`);
     * ``gpus`` — the most GPUs the job may use; ``global_batch`` — samples per step;
       ``steps`` — training steps;
     * ``link`` — pipeline point-to-point :class:`~pipeswift_lab.Link` (None: free);

@@ -14,7 +14,7 @@ from ..core.jct import JCT, TERMS
 from ..partitioning.balance import partition
 from ..partitioning.stages import Partition
 from ..profiling.table import Profile
-from .search import MicrobatchCosts
+from .costs import MicrobatchCosts
 from .strategies import HOLDING, STRATEGIES, check_strategy
 
 if TYPE_CHECKING:
