@@ -45,6 +45,7 @@ __all__ = [
     "RecomputePlan",
     "apply_recompute",
     "plan_recompute",
+    "recompute_weight_pass_once",
     "SAVED_OPS",
     "schedule_splits_backward",
 ]
@@ -219,6 +220,30 @@ def apply_recompute(module: nn.Module, layers: Sequence[str], mode: str, *, spli
             )
         layer.forward = _checkpointed(layer.forward, selective=mode == "selective", twice=split_backward)
     return len(layers)
+
+
+def recompute_weight_pass_once(stage: Any) -> Any:
+    """Make ``stage`` (a torch ``PipelineStage`` or traced ``_PipelineStage``) recompute its checkpointed layers at
+    most once per weight-gradient (``W``) pass; return the stage.
+
+    torch's ``stage_backward_weight`` takes one ``torch.autograd.grad`` per parameter group, each a graph task of its
+    own, and a non-reentrant checkpoint recomputes its region once per graph task: a block with six weight matrices
+    ran its forward six times in every ``W`` and kept what each time left unread until the graph was freed (a
+    recomputing ZBVZeroBubble step took 2.6 times its step without; torchtitan#773 saw zero-bubble schedules slow
+    down under activation checkpointing). Under one ``torch.utils.checkpoint.GraphExecGroup`` per ``W`` the groups,
+    which read disjoint saved tensors, share one recomputation. The input-gradient (``I``) pass is one graph task
+    and recomputes once already.
+    """
+    from torch.utils.checkpoint import GraphExecGroup
+
+    weight_pass = stage.backward_weight_one_chunk
+
+    def once(*args: Any, **kwargs: Any) -> Any:
+        with GraphExecGroup():
+            return weight_pass(*args, **kwargs)
+
+    stage.backward_weight_one_chunk = once
+    return stage
 
 
 @contextlib.contextmanager

@@ -22,6 +22,7 @@ from ..core.display import first_line
 from .assemble import build_profile, run_meta, with_traced
 from .clocks import make_clock
 from .hooks import LayerRecorder, StepRecord, current_unit, iter_tensors, shapes, tensor_bytes
+from .pipeline_settings import training_settings
 from .recompute_costs import recompute_columns
 from .table import Profile
 from .traced_memory import traced_memory
@@ -72,8 +73,11 @@ def profile(
     ``sample_kwargs`` are keyword arguments for ``model.forward``. Sample tensors are moved
     to ``device`` (default: where the parameters are); a model on another device is
     profiled as a copy moved there. The model runs in training mode
-    during the steps and comes back exactly as it was: training flags, parameters,
-    gradients, buffers, hooks, ``requires_grad`` and the random state.
+    during the steps, with a Hugging Face config's ``use_cache``, ``output_attentions`` and
+    ``output_hidden_states`` off as the runner trains it (:mod:`.pipeline_settings`: a KV cache
+    grown in a forward would also change what a recomputed layer computes again), and comes back
+    exactly as it was: training flags, parameters, gradients, buffers, hooks, ``requires_grad``,
+    the config and the random state.
 
     ``warmup`` steps are discarded, ``repeats`` kept: times are medians with interquartile
     ranges; ``coverage`` and ``cv`` compare the layers with the measured whole step.
@@ -98,7 +102,7 @@ def profile(
     device = _resolve_device(model, device)
     runnable, units = _on_device(model, units, device)
     args, kwargs = move_to_device(sample_args, device), move_to_device(sample_kwargs, device)
-    with preserved_state(runnable, device):
+    with preserved_state(runnable, device), training_settings(runnable):
         runnable.train()
         if auto:  # the blocks and the modules around them, in the order they run
             units, left_out = units_in_run_order(units, lambda: runnable(*args, **kwargs))

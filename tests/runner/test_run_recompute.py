@@ -125,3 +125,34 @@ def test_the_run_predicts_its_memory_recomputed(schedule):
         assert (result.memory["error"].abs() <= 0.10).all(), result.memory[["rank", "error", "term_off"]]
         peaks[recompute] = result.memory["measured_peak_bytes"]
     assert (peaks["full"] < peaks[None]).all()
+
+
+@pytest.mark.processes
+@pytest.mark.parametrize("schedule, recompute", [("1F1B", "selective"), ("ZBVZeroBubble", "full")])
+def test_a_hf_llama_recomputes_as_profiled_and_trains_bit_for_bit(schedule, recompute):
+    """A LlamaForCausalLM with its KV cache on, as built: the profiler and the runner train it with the cache off (a
+    cache grown in the forward would make the recomputed forward differ), its blocks are recomputed per stage, and
+    the parameters equal those of the run without, bit for bit; the profile says what each block keeps."""
+    from tiny_transformers import VOCAB, llama
+
+    model = llama()
+    assert model.config.use_cache
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randint(0, VOCAB, (8, 16), generator=g), torch.randint(0, VOCAB, (8, 16), generator=g)
+
+    def lm_loss(out, target):
+        return F.cross_entropy(out.logits.flatten(0, 1), target.flatten())
+
+    prof = profile(model, x[:2], target=y[:2], loss_fn=lm_loss, layers="auto", warmup=1, repeats=1, progress=False,
+                   recompute=True)  # fmt: skip
+    assert model.config.use_cache  # given back as it was
+    blocks = prof.df[prof.df["name"].str.startswith("model.layers.")]
+    assert (blocks["full_activation_bytes"] < blocks["selective_activation_bytes"]).all()
+    assert (blocks["selective_activation_bytes"] < blocks["activation_bytes"]).all()
+    part = partition(prof, 2, v=2 if schedule == "ZBVZeroBubble" else 1, schedule=schedule, m=4)
+    adam = lambda ps: torch.optim.Adam(ps, lr=1e-3)  # noqa: E731
+    plain, again = (run(model, (x, y), lm_loss, part, 4, steps=2, optimizer=adam, progress=False, recompute=rc)
+                    for rc in (None, recompute))  # fmt: skip
+    want, got = plain.state_dict(), again.state_dict()
+    assert list(got) == list(model.state_dict())
+    assert all(torch.equal(got[k], want[k]) for k in want)

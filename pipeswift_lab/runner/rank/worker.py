@@ -208,7 +208,7 @@ class Topology:
 def _build_stages(spec: RunSpec, topo: Topology, device: torch.device) -> list[Any]:
     from torch.distributed.pipelining import PipelineStage
 
-    from ...core.recompute import apply_recompute, schedule_splits_backward
+    from ...core.recompute import apply_recompute, recompute_weight_pass_once, schedule_splits_backward
     from ..stages.contiguous import send_contiguous
     from ..stages.precision import autocast_forward, mixed
     from ..stages.sequential import stage_module
@@ -253,6 +253,8 @@ def _build_stages(spec: RunSpec, topo: Topology, device: torch.device) -> list[A
             output_args=out_spec.empty(device) if out_spec is not None else None,
             group=topo.pp_group,
         )
+        if spec.recompute is not None and schedule_splits_backward(spec.plan.schedule):
+            recompute_weight_pass_once(stage)
         stages.append(send_contiguous(stage))
     return stages
 

@@ -36,7 +36,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import TreeSpec
 
-from ...core.recompute import apply_recompute, schedule_splits_backward
+from ...core.recompute import apply_recompute, recompute_weight_pass_once, schedule_splits_backward
 from ...profiling.pipeline_settings import training_settings
 from .contiguous import contiguous_boundaries, send_contiguous
 from .outputs import checked_structure
@@ -224,6 +224,8 @@ def build_traced_stages(
             apply_recompute(
                 stage.submod, spec.recompute.stage_layers(s), spec.recompute.stage_mode(s), split_backward=split
             )
+            if split:
+                recompute_weight_pass_once(stage)
         if mixed(spec.precision):
             autocast_forward(stage.submod, torch.device(device).type)
         if replica_group is not None:
