@@ -30,7 +30,6 @@ class CountingBlock(nn.Module):
 def test_torch_weight_pass_recomputes_once_per_parameter_group_and_once_in_one_graph_exec_group():
     """The mechanism recompute_weight_pass_once answers: torch's stage_backward_weight runs one autograd.grad per
     parameter group, each recomputing a non-reentrant checkpoint; under one GraphExecGroup they share one."""
-    from torch.distributed.pipelining._backward import get_param_groups  # noqa: F401  (the API in use)
     from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
     from torch.utils.checkpoint import GraphExecGroup, checkpoint
 
