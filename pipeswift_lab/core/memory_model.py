@@ -142,9 +142,12 @@ class StageBytes:
     sent_grad: float = 0.0
     """One micro-batch's input gradient sent to a stage on another rank (0 when the stage before is on this rank, or
     none)."""
-    rematerialized: float = 0.0
-    """What an input-gradient pass (``I``) of one micro-batch re-materializes of the stage's recomputed layers and
-    holds until its weight-gradient pass (``W``) has run (0 without recomputation)."""
+    weight_pass_held: float = 0.0
+    """What an input-gradient pass (``I``) of one micro-batch holds until its weight-gradient pass (``W``) has run,
+    beyond the forward's activations: the gradients torch's ``stage_backward_input`` keeps for ``W`` to start from
+    (the profile's ``weight_pass_bytes``, with what ``I`` recomputed of checkpointed layers that ``W`` reads), 0 on
+    the first stage, which has no ``I``: its ``W`` runs the whole backward. During the ``W`` they count in its
+    ``transient``, which holds a backward's gradients."""
     buckets: float = 0.0
     """Gradient buckets kept for the whole run: DDP's copy of the gradients it all-reduces (``D > 1``)."""
     largest_param: float = 0.0
@@ -208,6 +211,8 @@ def rank_peak(
             held[(s, mb)] = stage.activations
             consider(where, 0.0)
             continue
+        if kind == "W":  # what its I kept is what its transient computes the weight gradients from
+            again.pop((s, mb), None)
         first = kind in ("B", "W") and s not in graded
         if first and stage.first_transient >= 0:  # its .grad tensors grow during this backward: in first_transient
             consider(where, stage.first_transient)
@@ -224,8 +229,8 @@ def rank_peak(
                 sent_grads = sum(last_sent.values())
             else:
                 sent_grads += stage.sent_grad
-        if kind == "I" and stage.rematerialized:
-            again[(s, mb)] = stage.rematerialized
+        if kind == "I" and stage.weight_pass_held:
+            again[(s, mb)] = stage.weight_pass_held
         if kind in ("B", "W"):
             held.pop((s, mb), None)
             again.pop((s, mb), None)

@@ -207,7 +207,8 @@ def _moments(orders: OrderArrays, stage_of: np.ndarray, *, forwards: bool) -> _R
     held = forwarded.reshape(v, -1)[:, flat].reshape(releases.shape) - releases_before  # a forward holds its own
     graded = releases_before > 0  # rank_peak's graded: the stages whose first B or W ran
     sent = inputs_before > 0  # rank_peak's last_sent: the stages whose input gradient has been sent
-    between = inputs_before - releases_before  # rank_peak's again: I run, W not yet (a B counts in both)
+    # rank_peak's again: I run, W not yet (a B counts in both); a W's own counts in its transient
+    between = inputs_before - releases_before - (own & (kind == BACKWARD_WEIGHT))
     counts = np.stack([held, inputs_before, graded, releases_before, sent, between], axis=0)
     counts = counts.transpose(2, 3, 0, 1).copy()
     ranks, times = np.arange(P)[:, None], np.arange(pick.shape[1])
@@ -348,7 +349,7 @@ def _vector(stage: np.ndarray, m: int, optimizer: OptimizerMemory, sends: str) -
             field("grads"),
             field("sent_output") * (sends == "step"),
             field("sent_grad") * (sends == "next"),
-            field("rematerialized"),
+            field("weight_pass_held"),
             transient,
             np.where(first >= 0, first, transient + field("grads")),
             step[:, None],
@@ -391,7 +392,7 @@ def _evaluate(
         "grads": counted(GRADED, field("grads")) + np.where(first & ~has_first, own("grads"), 0.0),
         "optimizer": np.broadcast_to(field("optimizer").sum(axis=1)[:, None], rows.kind.shape),
         "activations": counted(HELD, field("activations"))
-        + counted(BETWEEN, field("rematerialized"))
+        + counted(BETWEEN, field("weight_pass_held"))
         + counted(INPUTS, field("retained"))
         + (counted(RELEASED, field("sent_output")) if sends == "step" else 0.0),
         "buffers": _fixed_buffers(field, m)[:, None] + sent_grads,

@@ -247,15 +247,16 @@ def recompute_weight_pass_once(stage: Any) -> Any:
 
 
 @contextlib.contextmanager
-def recomputing(layers: Sequence[nn.Module], mode: str) -> Iterator[None]:
-    """Within the block every module of ``layers`` runs under a checkpoint (``mode`` ``"full"`` or ``"selective"``);
-    afterwards each runs as it did (the profiler measures what a layer costs recomputed)."""
+def recomputing(layers: Sequence[nn.Module], mode: str, *, split_backward: bool = False) -> Iterator[None]:
+    """Within the block every module of ``layers`` runs under a checkpoint (``mode`` ``"full"`` or ``"selective"``;
+    ``split_backward``: as :func:`apply_recompute` wraps it for two backwards, ``I`` then ``W``); afterwards each
+    runs as it did (the profiler measures what a layer costs recomputed)."""
     if mode not in RECOMPUTE_MODES:
         raise ValueError(f"mode={mode!r} is not one of {list(RECOMPUTE_MODES)}")
     saved = [(layer, layer.__dict__.get("forward")) for layer in layers]
     try:
         for layer in layers:
-            layer.forward = _checkpointed(layer.forward, selective=mode == "selective", twice=False)
+            layer.forward = _checkpointed(layer.forward, selective=mode == "selective", twice=split_backward)
         yield
     finally:
         for layer, before in saved:

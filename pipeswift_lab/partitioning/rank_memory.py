@@ -131,13 +131,21 @@ def stage_bytes(
                 recv=recv * scale,
                 grad_recv=grad_recv * scale,
                 retained=loss_retained * scale if last else 0.0,
-                rematerialized=_sum(_column(layers, "rematerialized_bytes"), a, b) * scale,
+                weight_pass_held=_sum(_weight_pass_held(layers), a, b) * scale if a > 0 else 0.0,
                 batch=(_meta_bytes(layers, "input_bytes") if a == 0 else 0.0) * scale
                 + (_meta_bytes(layers, "target_bytes") if last else 0.0) * scale,
                 largest_param=float(np.max(largest[a:b])),
             )
         )
     return out
+
+
+def _weight_pass_held(layers: Layers) -> np.ndarray:
+    """Per layer, what a zero-bubble ``I`` pass of one micro-batch holds until its ``W`` (``weight_pass_bytes``: the
+    gradients torch keeps for ``W``, and what a checkpointed layer's ``I`` recomputed that ``W`` reads again); 0
+    where the profile has no such column."""
+    values = _column(layers, "weight_pass_bytes")
+    return np.nan_to_num(values) if values is not None else np.zeros(layers.n)
 
 
 def _cut_at(layers: Layers, column: str, layer: int) -> float:
@@ -271,8 +279,7 @@ class SplitBytes:
         self.loss_transient = _meta_bytes(layers, "loss_transient_bytes")
         self.loss_retained = _meta_bytes(layers, "loss_retained_bytes")
         self.input_bytes, self.target_bytes = _meta_bytes(layers, "input_bytes"), _meta_bytes(layers, "target_bytes")
-        again = _column(layers, "rematerialized_bytes")
-        self.again = (again if again is not None else np.zeros(layers.n)) * scale
+        self.again = _weight_pass_held(layers) * scale
         cut = _column(layers, "cut_bytes")
         self.cuts = None
         if cut is not None and bool(np.all(np.isfinite(cut))):
@@ -339,7 +346,7 @@ class SplitBytes:
             "batch": (np.where(first, self.input_bytes, 0.0) + np.where(last, self.target_bytes, 0.0)) * scale,
             "sent_output": sent_output,
             "sent_grad": sent_grad,
-            "rematerialized": np.add.reduceat(self.again, starts),
+            "weight_pass_held": np.where(first, 0.0, np.add.reduceat(self.again, starts)),
             "buckets": grads if self.buckets else np.zeros(len(bounds)),
             "largest_param": np.maximum.reduceat(self.largest, starts),
         }

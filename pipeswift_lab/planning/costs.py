@@ -12,7 +12,18 @@ import pandas as pd
 
 from ..core.checks import check_int
 
-__all__ = ["MicrobatchCosts"]
+__all__ = ["TIME_COLUMNS", "MicrobatchCosts"]
+
+#: The per-layer times that follow the micro-batch size (the recomputation's among them).
+TIME_COLUMNS = (
+    "fwd_ms",
+    "bwd_ms",
+    "wgrad_ms",
+    "recompute_ms",
+    "selective_recompute_ms",
+    "recompute_forward_ms",
+    "selective_recompute_forward_ms",
+)
 
 
 class MicrobatchCosts:
@@ -66,8 +77,8 @@ class MicrobatchCosts:
             for col in ("activation_bytes", "output_bytes"):
                 if col in df.columns:
                     df[col] = df[col] * (b / nearest)
-            for col in ("fwd_ms", "bwd_ms", "wgrad_ms"):
-                if col in df.columns:
+            for col in TIME_COLUMNS:
+                if col in df.columns and all(col in t.columns for t in self.tables.values()):
                     df[col] = self._time(col, b)
             self._cache[b] = df
         return self._cache[b]

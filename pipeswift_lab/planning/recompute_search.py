@@ -35,7 +35,7 @@ from ..core.vocabulary import stage_to_rank
 from ..partitioning.layers import Bounds, Layers, split
 from ..partitioning.memory import Layout
 from ..partitioning.rank_memory import SplitBytes
-from ..profiling.recompute_costs import RECOMPUTE_COLUMNS, recomputed
+from ..profiling.recompute_costs import FORWARD_COLUMNS, RECOMPUTE_COLUMNS, recomputed
 from ..profiling.table import Profile
 
 __all__ = ["LEVELS", "RecomputedSplit", "has_recompute_columns", "recompute_split"]
@@ -182,6 +182,9 @@ def _held(rows: pd.DataFrame, mode: str) -> pd.Series:
 
 
 def _added_ms(rows: pd.DataFrame, mode: str) -> float:
-    """The milliseconds the layers of ``rows`` add to their backward recomputing as ``mode``."""
-    column = {"": None, "selective": "selective_recompute_ms", "full": "recompute_ms"}[mode]
-    return 0.0 if column is None else float(rows[column].sum())
+    """The milliseconds the layers of ``rows`` add to their forward and backward recomputing as ``mode``."""
+    if not mode:
+        return 0.0
+    backward = float(rows["selective_recompute_ms" if mode == "selective" else "recompute_ms"].sum())
+    forward = FORWARD_COLUMNS[mode]
+    return backward + (float(rows[forward].sum()) if forward in rows.columns else 0.0)

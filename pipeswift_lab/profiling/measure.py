@@ -19,6 +19,7 @@ from torch import nn
 
 from ..core.checks import check_flag, check_int
 from ..core.display import first_line
+from ..core.recompute import RECOMPUTE_MODES
 from .assemble import build_profile, run_meta, with_traced
 from .clocks import make_clock
 from .hooks import LayerRecorder, StepRecord, current_unit, iter_tensors, shapes, tensor_bytes
@@ -37,6 +38,7 @@ from .units import (
     select_units,
     units_in_run_order,
 )
+from .weight_pass import weight_pass_bytes
 
 __all__ = ["profile", "profile_step"]
 
@@ -126,7 +128,14 @@ def profile(
             )  # fmt: skip
             if traced is not None:
                 records, graph = (kept, with_traced(memory, traced)), "torch.export"
-        extra = recompute_columns([m for _, m in units], kept, lambda: measure(False)) if recompute else None
+        extra: dict[str, list[float]] = {}
+        if recompute:
+            extra.update(recompute_columns([m for _, m in units], kept, lambda: measure(False)))
+        if memory is not None:  # what a zero-bubble I pass keeps for its W
+            with step._autocast():
+                extra.update(
+                    weight_pass_bytes(units, lambda: runnable(*args, **kwargs), RECOMPUTE_MODES if recompute else ())
+                )
     loss_name = "sum of outputs" if loss_fn is None else getattr(loss_fn, "__name__", type(loss_fn).__name__)
     meta = run_meta("profile", device, loss=loss_name, warmup=warmup, repeats=repeats)
     meta["memory_graph"] = graph

@@ -7,6 +7,9 @@ once ``"selective"`` (each keeps its matrix multiplications' results too). Per u
 * ``recompute_ms`` — the extra forward of full recomputation: its measured backward less the plain
   backward (medians of each);
 * ``selective_recompute_ms`` — the same under selective recomputation (the cheap operators alone);
+* ``recompute_forward_ms`` / ``selective_recompute_forward_ms`` — what the checkpointed forward itself
+  takes more (selective checkpointing caches every kept result through a dispatch mode: on CPU it
+  costs as much again as the recomputation);
 * ``full_activation_bytes`` / ``selective_activation_bytes`` — what the unit holds until its
   backward under each, measured as :mod:`.hooks`' memory step measures ``activation_bytes``
   (on the eager forward: recomputing layers keep their inputs, which the exported graph holds
@@ -26,7 +29,7 @@ from torch import nn
 from ..core.recompute import RECOMPUTE_MODES, recomputing
 from .step_record import StepRecord
 
-__all__ = ["RECOMPUTE_COLUMNS", "recompute_columns", "recomputed"]
+__all__ = ["FORWARD_COLUMNS", "RECOMPUTE_COLUMNS", "recompute_columns", "recomputed"]
 
 #: The columns :func:`recompute_columns` returns, in order.
 RECOMPUTE_COLUMNS = (
@@ -37,6 +40,8 @@ RECOMPUTE_COLUMNS = (
     "full_transient_bytes",
     "selective_transient_bytes",
 )
+#: Columns :func:`recompute_columns` adds that an older profile may lack (then 0: a forward that costs what it did).
+FORWARD_COLUMNS = {"full": "recompute_forward_ms", "selective": "selective_recompute_forward_ms"}
 
 
 def recompute_columns(
@@ -44,25 +49,29 @@ def recompute_columns(
     plain: list[StepRecord],
     measure: Callable[[], tuple[list[StepRecord], StepRecord | None]],
 ) -> dict[str, list[float]]:
-    """Per unit (``layers``, in unit order), the :data:`RECOMPUTE_COLUMNS`: ``measure()`` runs the profiler's timed
-    steps and memory step again with every unit recomputed, once per mode; ``plain`` are the timed steps without.
+    """Per unit (``layers``, in unit order), the :data:`RECOMPUTE_COLUMNS` and :data:`FORWARD_COLUMNS`: ``measure()``
+    runs the profiler's timed steps and memory step again with every unit recomputed, once per mode; ``plain`` are
+    the timed steps without.
 
     Returns ``{column: [value per unit]}`` (unit order, as ``StepRecord``'s lists).
     """
     base = np.median(np.array([r.bwd_ms for r in plain]), axis=0)
+    base_forward = np.median(np.array([r.fwd_ms for r in plain]), axis=0)
     out: dict[str, list[float]] = {}
     for mode in RECOMPUTE_MODES:
         with recomputing(layers, mode):
             kept, memory = measure()
         extra = np.maximum(0.0, np.median(np.array([r.bwd_ms for r in kept]), axis=0) - base)
         out["recompute_ms" if mode == "full" else "selective_recompute_ms"] = [float(x) for x in extra]
+        forward = np.maximum(0.0, np.median(np.array([r.fwd_ms for r in kept]), axis=0) - base_forward)
+        out[FORWARD_COLUMNS[mode]] = [float(x) for x in forward]
         held = memory.held_bytes if memory is not None and memory.held_bytes is not None else None
         out[f"{mode}_activation_bytes"] = [float(x) for x in held] if held is not None else [float("nan")] * len(base)
         transient = memory.accumulate_transient_bytes if memory is not None else None
         out[f"{mode}_transient_bytes"] = (
             [float(x) for x in transient] if transient is not None else [float("nan")] * len(base)
         )
-    return {name: out[name] for name in RECOMPUTE_COLUMNS}
+    return {name: out[name] for name in (*RECOMPUTE_COLUMNS, *FORWARD_COLUMNS.values())}
 
 
 def recomputed(profile: Any, recompute: str | Mapping[str, str] | None) -> Any:
@@ -70,9 +79,11 @@ def recomputed(profile: Any, recompute: str | Mapping[str, str] | None) -> Any:
     cost recomputed: ``recompute`` is ``"full"`` or ``"selective"`` (every layer), or ``{layer name or glob: mode}``
     (those layers; the others as they are), or None (the profile itself). Returns a new Profile.
 
-    A recomputed layer holds ``{mode}_activation_bytes`` until its backward, its backward takes ``recompute_ms``
-    (or ``selective_recompute_ms``) more (its weight-gradient part too, where ``wgrad_ms`` is given: the zero-bubble
-    schedules recompute in both passes), and its transients are its recomputed ones. A profile already recomputed
+    A recomputed layer holds ``{mode}_activation_bytes`` until its backward, its forward takes
+    ``recompute_forward_ms`` (or ``selective_recompute_forward_ms``) more, its backward ``recompute_ms`` (or
+    ``selective_recompute_ms``) more (its weight-gradient part too, where ``wgrad_ms`` is given: the zero-bubble
+    schedules recompute in both passes), its transients are its recomputed ones, and what a zero-bubble ``I`` pass
+    keeps of it for ``W`` is ``{mode}_weight_pass_bytes`` where the profile measured it. A profile already recomputed
     this way is returned as it is (``meta["recompute"]`` says how). Raises ``ValueError`` for a profile without the
     recompute columns, one already recomputed another way, an unknown mode, or a name that matches no layer.
     """
@@ -112,19 +123,20 @@ def recomputed(profile: Any, recompute: str | Mapping[str, str] | None) -> Any:
             "measured"
         )
     out = df.copy()
-    out["rematerialized_bytes"] = 0.0  # what a split backward's I pass computes again and holds until its W
     for mode in RECOMPUTE_MODES:
         rows = np.array([modes.get(n) == mode for n in names])
         if not rows.any():
             continue
         extra = df["recompute_ms" if mode == "full" else "selective_recompute_ms"].to_numpy(float)
         out.loc[rows, "bwd_ms"] = df["bwd_ms"].to_numpy(float)[rows] + extra[rows]
+        if FORWARD_COLUMNS[mode] in df.columns:
+            forward = np.nan_to_num(df[FORWARD_COLUMNS[mode]].to_numpy(float))
+            out.loc[rows, "fwd_ms"] = df["fwd_ms"].to_numpy(float)[rows] + forward[rows]
         if "wgrad_ms" in df.columns:
             out.loc[rows, "wgrad_ms"] = df["wgrad_ms"].to_numpy(float)[rows] + extra[rows]
         out.loc[rows, "activation_bytes"] = df[f"{mode}_activation_bytes"].to_numpy(float)[rows].round()
-        plain = df["activation_bytes"].to_numpy(float)
-        again = np.maximum(plain - df[f"{mode}_activation_bytes"].to_numpy(float), 0.0)
-        out.loc[rows, "rematerialized_bytes"] = again[rows]
+        if f"{mode}_weight_pass_bytes" in df.columns:
+            out.loc[rows, "weight_pass_bytes"] = df[f"{mode}_weight_pass_bytes"].to_numpy(float)[rows]
         transient = df[f"{mode}_transient_bytes"].to_numpy(float)
         if "accumulate_transient_bytes" in df.columns:
             grown = transient - np.nan_to_num(df["accumulate_transient_bytes"].to_numpy(float))

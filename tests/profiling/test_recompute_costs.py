@@ -7,7 +7,7 @@ from torch import nn
 
 from pipeswift_lab.partitioning.stages import Partition
 from pipeswift_lab.profiling.measure import profile
-from pipeswift_lab.profiling.recompute_costs import RECOMPUTE_COLUMNS
+from pipeswift_lab.profiling.recompute_costs import FORWARD_COLUMNS, RECOMPUTE_COLUMNS
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -38,7 +38,8 @@ HIDDEN, WIDE = B * T * D * 4, B * T * H * 4
 def test_each_layer_keeps_less_recomputed(measured):
     _, _, _, prof = measured
     df = prof.df
-    assert list(df.columns[-len(RECOMPUTE_COLUMNS) :]) == list(RECOMPUTE_COLUMNS)
+    added = [*RECOMPUTE_COLUMNS, *FORWARD_COLUMNS.values(), "full_weight_pass_bytes", "selective_weight_pass_bytes"]
+    assert set(added) <= set(df.columns)
     # plain: up's and GELU's outputs and the block's own (the next block's input); full: only the block's output,
     # which the next (recomputed) block keeps as its input; selective: the matrix multiplications' results too (up's
     # and down's), GELU's output recomputed
@@ -47,6 +48,9 @@ def test_each_layer_keeps_less_recomputed(measured):
     assert df["selective_activation_bytes"].tolist() == [WIDE + 2 * HIDDEN] * 3
     assert (df["recompute_ms"] >= 0).all() and (df["selective_recompute_ms"] >= 0).all()
     assert (df["full_transient_bytes"] > df["accumulate_transient_bytes"]).all()  # the backward makes them again
+    # torch's I pass keeps the gradients at up's and down's outputs for W (down's is the block's output gradient,
+    # passed on by the residual add); the first block is fed the batch, which requires no gradient: no I
+    assert df["weight_pass_bytes"].tolist() == [0, WIDE + HIDDEN, WIDE + HIDDEN]
 
 
 def test_a_profile_as_its_layers_cost_recomputed(measured):
@@ -54,7 +58,8 @@ def test_a_profile_as_its_layers_cost_recomputed(measured):
     full = prof.with_recompute("full")
     assert full.df["activation_bytes"].tolist() == prof.df["full_activation_bytes"].tolist()
     assert full.df["bwd_ms"].tolist() == pytest.approx((prof.df["bwd_ms"] + prof.df["recompute_ms"]).tolist())
-    assert full.df["rematerialized_bytes"].tolist() == [2 * WIDE] * 3  # what a split backward's I holds until W
+    assert full.df["fwd_ms"].tolist() == pytest.approx((prof.df["fwd_ms"] + prof.df["recompute_forward_ms"]).tolist())
+    assert full.df["weight_pass_bytes"].tolist() == prof.df["weight_pass_bytes"].tolist()  # I holds them
     one = prof.with_recompute({"0": "selective"})
     assert one.df["activation_bytes"].tolist() == [WIDE + 2 * HIDDEN, 2 * WIDE + HIDDEN, 2 * WIDE + HIDDEN]
     assert one.meta["recompute"] == {"0": "selective"} and prof.with_recompute(None) is prof
