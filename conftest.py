@@ -23,6 +23,7 @@ PROCESS_NOTEBOOKS = (
     "10_cluster_jct",
     "11_your_own_model",
     "12_your_cluster_runs",
+    "13_recompute_and_precision",
 )
 
 
