@@ -48,17 +48,25 @@ DEFAULT_WGRAD_FRACTION = 0.5
 _ZB_WGRAD_MULTIPLIER = {"InterleavedZeroBubble": 1.0, "ZBVZeroBubble": 2.0, "DualPipeV": 2.0}
 
 
-def backward_parts(bwd_ms: Sequence[float], wgrad_ms: Sequence[float] | None = None) -> tuple[list[float], list[float]]:
+def backward_parts(
+    bwd_ms: Sequence[float], wgrad_ms: Sequence[float] | None = None, recomputed_ms: Sequence[float] | None = None
+) -> tuple[list[float], list[float]]:
     """Per stage, the ``(input-grad I, weight-grad W)`` durations of a backward split as a zero-bubble schedule runs
     it.
 
     ``I = bwd - wgrad`` and ``W = wgrad`` (``wgrad_ms=None``: :data:`DEFAULT_WGRAD_FRACTION` of ``bwd``), except on
     the first stage: its input is the data, which needs no gradient, so torch's input-grad pass has nothing to compute
     there and its weight-grad pass runs the stage's whole backward (``I = 0``, ``W = bwd``; measured on this machine:
-    ``I`` 0.02 ms). The one place this rule lives (the simulator and the calibration's fit use it).
+    ``I`` 0.02 ms). ``recomputed_ms`` is the recomputation inside each ``bwd`` (checkpointed layers): both passes
+    recompute, so it is in ``W`` (its default share is taken of the rest) and ``I`` runs it once more. The one place
+    this rule lives (the simulator and the calibration's fit use it).
     """
-    wgrad = [DEFAULT_WGRAD_FRACTION * b for b in bwd_ms] if wgrad_ms is None else list(wgrad_ms)
-    igrad = [max(0.0, b - w) for b, w in zip(bwd_ms, wgrad)]
+    again = [0.0] * len(bwd_ms) if recomputed_ms is None else list(recomputed_ms)
+    if wgrad_ms is None:
+        wgrad = [DEFAULT_WGRAD_FRACTION * (b - r) + r for b, r in zip(bwd_ms, again)]
+    else:
+        wgrad = list(wgrad_ms)
+    igrad = [max(0.0, b - w + r) for b, w, r in zip(bwd_ms, wgrad, again)]
     if bwd_ms:
         igrad[0], wgrad[0] = 0.0, bwd_ms[0]
     return igrad, wgrad

@@ -39,7 +39,7 @@ class Layers:
     """The per-layer columns of a profile as numpy arrays (None where an optional column is absent).
 
     ``profile`` is a :class:`~pipeswift_lab.profiling.Profile` (anything with a ``df``) or a DataFrame with one row
-    per layer: ``fwd_ms``, ``bwd_ms``, and optionally ``wgrad_ms``, ``params``, ``param_bytes``,
+    per layer: ``fwd_ms``, ``bwd_ms``, and optionally ``wgrad_ms``, ``recomputed_ms``, ``params``, ``param_bytes``,
     ``activation_bytes``, ``output_bytes``, ``name`` and ``layer`` (the order, 0..L-1).
     """
 
@@ -53,6 +53,7 @@ class Layers:
         self.fwd = self._column(df, "fwd_ms")
         self.bwd = self._column(df, "bwd_ms")
         self.wgrad = self._optional(df, "wgrad_ms")
+        self.recomputed = self._optional(df, "recomputed_ms")
         self.params = self._optional(df, "params")
         self.param_bytes = self._optional(df, "param_bytes")
         self.activation_bytes = self._optional(df, "activation_bytes")

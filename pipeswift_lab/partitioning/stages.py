@@ -103,6 +103,9 @@ class Partition:
     layers: Layers | None = field(default=None, compare=False, repr=False)
     """The profile's per-layer arrays the stages were summed from (what :meth:`memory` replays)."""
     mem_schedule: str | None = None
+    stage_recomputed_ms: tuple[float, ...] | None = None
+    """The recomputation in each stage's backward (ms, inside ``stage_bwd_ms``), which a zero-bubble schedule runs
+    once more: in its input-gradient pass as well as its weight-gradient pass; None without recomputation."""
     """The schedule whose action order :meth:`memory` replays (``schedule``, or 1F1B / Interleaved1F1B)."""
 
     # ---- construction
@@ -181,6 +184,7 @@ class Partition:
             stage_fwd_ms=sums(layers.fwd),
             stage_bwd_ms=sums(layers.bwd),
             stage_wgrad_ms=sums(layers.wgrad) if layers.wgrad is not None else None,
+            stage_recomputed_ms=sums(layers.recomputed) if layers.recomputed is not None else None,
             stage_comm_ms=stage_comm_ms(bounds, layers, link),
             stage_params=sums(layers.params, as_int=True),
             stage_param_bytes=sums(layers.param_bytes),
@@ -366,12 +370,15 @@ class Partition:
         return pd.DataFrame(rows)
 
     def stage_table(self) -> pd.DataFrame:
-        """The per-stage input of :func:`pipeswift_lab.simulation.simulator`: ``fwd_ms``, ``bwd_ms`` (+ ``wgrad_ms``),
-        bytes."""
+        """The per-stage input of :func:`pipeswift_lab.simulation.simulator`: ``fwd_ms``, ``bwd_ms`` (+ ``wgrad_ms``,
+        ``recomputed_ms``), bytes."""
         cols = ["fwd_ms", "bwd_ms", "output_bytes", "activation_bytes"] + (
             ["wgrad_ms"] if self.stage_wgrad_ms is not None else []
         )
-        return self.df[cols]
+        table = self.df[cols]
+        if self.stage_recomputed_ms is not None:
+            table = table.assign(recomputed_ms=list(self.stage_recomputed_ms))
+        return table
 
     # ---- display
     def plot(self, ax: Axes | None = None) -> Axes:

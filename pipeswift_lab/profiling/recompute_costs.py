@@ -81,11 +81,12 @@ def recomputed(profile: Any, recompute: str | Mapping[str, str] | None) -> Any:
 
     A recomputed layer holds ``{mode}_activation_bytes`` until its backward, its forward takes
     ``recompute_forward_ms`` (or ``selective_recompute_forward_ms``) more, its backward ``recompute_ms`` (or
-    ``selective_recompute_ms``) more (its weight-gradient part too, where ``wgrad_ms`` is given: the zero-bubble
-    schedules recompute in both passes), its transients are its recomputed ones, and what a zero-bubble ``I`` pass
-    keeps of it for ``W`` is ``{mode}_weight_pass_bytes`` where the profile measured it. A profile already recomputed
-    this way is returned as it is (``meta["recompute"]`` says how). Raises ``ValueError`` for a profile without the
-    recompute columns, one already recomputed another way, an unknown mode, or a name that matches no layer.
+    ``selective_recompute_ms``) more (``recomputed_ms`` says how much: the zero-bubble schedules run it in both
+    their passes, and ``wgrad_ms``, where given, grows by it), its transients are its recomputed ones, and what a
+    zero-bubble ``I`` pass keeps of it for ``W`` is ``{mode}_weight_pass_bytes`` where the profile measured it. A
+    profile already recomputed this way is returned as it is (``meta["recompute"]`` says how). Raises
+    ``ValueError`` for a profile without the recompute columns, one already recomputed another way, an unknown mode,
+    or a name that matches no layer.
     """
     import fnmatch
 
@@ -123,12 +124,14 @@ def recomputed(profile: Any, recompute: str | Mapping[str, str] | None) -> Any:
             "measured"
         )
     out = df.copy()
+    out["recomputed_ms"] = 0.0  # what the backward recomputes: a zero-bubble schedule's I and W each run it
     for mode in RECOMPUTE_MODES:
         rows = np.array([modes.get(n) == mode for n in names])
         if not rows.any():
             continue
         extra = df["recompute_ms" if mode == "full" else "selective_recompute_ms"].to_numpy(float)
         out.loc[rows, "bwd_ms"] = df["bwd_ms"].to_numpy(float)[rows] + extra[rows]
+        out.loc[rows, "recomputed_ms"] = extra[rows]
         if FORWARD_COLUMNS[mode] in df.columns:
             forward = np.nan_to_num(df[FORWARD_COLUMNS[mode]].to_numpy(float))
             out.loc[rows, "fwd_ms"] = df["fwd_ms"].to_numpy(float)[rows] + forward[rows]

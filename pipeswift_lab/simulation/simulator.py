@@ -71,6 +71,9 @@ class _Stages:
     """Bytes of the activation leaving each stage; None when unknown (then no link can be given)."""
     act_bytes: list[float] | None
     """Activation bytes saved per micro-batch; None when unknown."""
+    recomputed: list[float] | None = None
+    """The recomputation inside each backward (ms), run once more by a zero-bubble input-gradient pass; None
+    without."""
 
     @property
     def S(self) -> int:
@@ -124,7 +127,11 @@ def _setup(
     if link is not None and stages.out_bytes is None and stages.S > 1:
         raise ValueError("link is given but the stage table has no 'output_bytes' column (bytes leaving each stage)")
     wgrad, split_source = _weight_grad(stages, wgrad_fraction)
-    durations: tuple[Sequence[float], ...] = (stages.fwd, stages.bwd, *backward_parts(stages.bwd, wgrad))
+    durations: tuple[Sequence[float], ...] = (
+        stages.fwd,
+        stages.bwd,
+        *backward_parts(stages.bwd, wgrad, stages.recomputed),
+    )
     out_bytes = stages.out_bytes if stages.out_bytes is not None else [0.0] * stages.S
     transfer = [link.transfer_ms(b) for b in out_bytes] if link is not None else [0.0] * stages.S
     calibration = check_calibration(calibration)
@@ -152,6 +159,7 @@ def _from_partition(part: Partition) -> _Stages:
         wgrad=list(part.stage_wgrad_ms) if part.stage_wgrad_ms is not None else None,
         out_bytes=list(part.stage_output_bytes),
         act_bytes=act,
+        recomputed=list(part.stage_recomputed_ms) if part.stage_recomputed_ms is not None else None,
     )
 
 
@@ -162,6 +170,7 @@ def _from_table(df: pd.DataFrame) -> _Stages:
         wgrad=_column(df, "wgrad_ms", required=False),
         out_bytes=_column(df, "output_bytes", required=False),
         act_bytes=_column(df, "activation_bytes", required=False),
+        recomputed=_column(df, "recomputed_ms", required=False),
     )
 
 
@@ -312,7 +321,7 @@ def simulate_order(
         transfer = [link.transfer_ms(b) for b in stages.out_bytes]
     else:
         transfer = [0.0] * S
-    durations = (stages.fwd, stages.bwd, *backward_parts(stages.bwd, stages.wgrad))
+    durations = (stages.fwd, stages.bwd, *backward_parts(stages.bwd, stages.wgrad, stages.recomputed))
     ops = lower(tuple(tuple((a,) for a in orders[r]) for r in range(P)), "custom", P, m, S, placement)
     df = rows_frame(compute_table(ops), execute(ops, P, m, S, durations, transfer, link is not None))
     meta: dict[str, Any] = {"schedule": "custom", "P": P, "m": m, "stage_to_rank": list(placement)}

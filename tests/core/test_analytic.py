@@ -158,3 +158,17 @@ def test_the_first_stage_has_no_input_gradient_to_split():
     igrad, wgrad = analytic.backward_parts([2.0, 2.0, 4.0], [0.5, 0.5, 1.0])
     assert igrad == [0.0, 1.5, 3.0] and wgrad == [2.0, 0.5, 1.0]  # the first stage's W is its whole backward
     assert analytic.backward_parts([], []) == ([], [])
+
+
+def test_a_split_backward_recomputes_in_both_passes():
+    """A checkpointed stage recomputes in its I and again in its W: the two add up to the backward (which holds one
+    recomputation) and one recomputation more; the first stage has no I, and its W is the backward."""
+    from pipeswift_lab.core.analytic import DEFAULT_WGRAD_FRACTION, backward_parts
+
+    igrad, wgrad = backward_parts([6.0, 6.0], recomputed_ms=[2.0, 2.0])
+    assert igrad == [0.0, pytest.approx((1 - DEFAULT_WGRAD_FRACTION) * 4.0 + 2.0)]
+    assert wgrad == [6.0, pytest.approx(DEFAULT_WGRAD_FRACTION * 4.0 + 2.0)]
+    assert igrad[1] + wgrad[1] == pytest.approx(6.0 + 2.0)
+    measured_split = backward_parts([6.0, 6.0], wgrad_ms=[4.0, 4.0], recomputed_ms=[0.0, 2.0])  # wgrad includes it
+    assert measured_split == ([0.0, 4.0], [6.0, 4.0])
+    assert backward_parts([6.0, 6.0]) == backward_parts([6.0, 6.0], recomputed_ms=[0.0, 0.0])
