@@ -162,12 +162,22 @@ def test_the_planned_recomputation_runs_as_planned():
     x, y = torch.randn(16, 64, 64), torch.randn(16, 64, 64)
     prof = profile(net, x[:2], target=y[:2], loss_fn=F.mse_loss, warmup=1, repeats=1, progress=False, recompute=True)
     kw = dict(gpus=2, global_batch=16, steps=100, schedules=["1F1B"], microbatch_sizes=[2], progress=False)
-    from pipeswift_lab.partitioning.balance import partition
 
-    plain = partition(prof, 2, schedule="1F1B", m=8).memory(micro_batch_size=2)["predicted_peak_bytes"]
-    full = Partition.from_bounds(prof.with_recompute("full"), [(0, 3), (3, 6)], schedule="1F1B", m=8)
-    floor = max(full.memory(micro_batch_size=2)["predicted_peak_bytes"])
-    cap = floor + 0.3 * (min(plain) - floor)
+    def smallest_cap(recompute):  # bisected on the plan's feasibility at P = 2, so measured times cannot move it
+        lo, hi = 1e5, 1e9
+        for _ in range(16):
+            mid = (lo + hi) / 2
+            try:
+                fits = (plan(prof, mem_per_gpu_bytes=mid, recompute=recompute, optimizer="adam", **kw).feasible["P"]
+                        == 2).any()  # fmt: skip
+            except ValueError:
+                fits = False
+            lo, hi = (lo, mid) if fits else (mid, hi)
+        return hi
+
+    floor, plain = smallest_cap("search"), smallest_cap(None)
+    assert floor < 0.9 * plain, (floor, plain)
+    cap = floor + 0.3 * (plain - floor)
     searched = plan(prof, mem_per_gpu_bytes=cap, recompute="search", optimizer="adam", **kw)
     best = searched.best
     assert best.P == 2 and best.recompute, searched.table[["P", "reason", "recompute"]]
