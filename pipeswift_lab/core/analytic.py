@@ -34,6 +34,7 @@ micro-batch (all its chunks together), ``bwd_ms`` its whole backward, split as
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -49,7 +50,10 @@ _ZB_WGRAD_MULTIPLIER = {"InterleavedZeroBubble": 1.0, "ZBVZeroBubble": 2.0, "Dua
 
 
 def backward_parts(
-    bwd_ms: Sequence[float], wgrad_ms: Sequence[float] | None = None, recomputed_ms: Sequence[float] | None = None
+    bwd_ms: Sequence[float],
+    wgrad_ms: Sequence[float] | None = None,
+    recomputed_ms: Sequence[float] | None = None,
+    passes_ms: tuple[Sequence[float], Sequence[float]] | None = None,
 ) -> tuple[list[float], list[float]]:
     """Per stage, the ``(input-grad I, weight-grad W)`` durations of a backward split as a zero-bubble schedule runs
     it.
@@ -58,8 +62,11 @@ def backward_parts(
     the first stage: its input is the data, which needs no gradient, so torch's input-grad pass has nothing to compute
     there and its weight-grad pass runs the stage's whole backward (``I = 0``, ``W = bwd``; measured on this machine:
     ``I`` 0.02 ms). ``recomputed_ms`` is the recomputation inside each ``bwd`` (checkpointed layers): both passes
-    recompute, so it is in ``W`` (its default share is taken of the rest) and ``I`` runs it once more. The one place
-    this rule lives (the simulator and the calibration's fit use it).
+    recompute, so it is in ``W`` (its default share is taken of the rest) and ``I`` runs it once more.
+    ``passes_ms``, ``(I, W)`` per stage as torch's own split passes took them (the profile's ``input_pass_ms`` and
+    ``weight_pass_ms``: split, a backward costs more than whole), replaces the split of ``bwd`` wherever both are
+    finite (the recomputation added to each). The one place this rule lives (the simulator and the calibration's fit
+    use it).
     """
     again = [0.0] * len(bwd_ms) if recomputed_ms is None else list(recomputed_ms)
     if wgrad_ms is None:
@@ -67,6 +74,10 @@ def backward_parts(
     else:
         wgrad = list(wgrad_ms)
     igrad = [max(0.0, b - w + r) for b, w, r in zip(bwd_ms, wgrad, again)]
+    if passes_ms is not None:
+        for s, (i, w) in enumerate(zip(*passes_ms)):
+            if math.isfinite(i) and math.isfinite(w):
+                igrad[s], wgrad[s] = i + again[s], w + again[s]
     if bwd_ms:
         igrad[0], wgrad[0] = 0.0, bwd_ms[0]
     return igrad, wgrad

@@ -54,6 +54,8 @@ class Layers:
         self.bwd = self._column(df, "bwd_ms")
         self.wgrad = self._optional(df, "wgrad_ms")
         self.recomputed = self._optional(df, "recomputed_ms")
+        self.input_pass = _measured_or_none(df, "input_pass_ms")
+        self.weight_pass = _measured_or_none(df, "weight_pass_ms")
         self.params = self._optional(df, "params")
         self.param_bytes = self._optional(df, "param_bytes")
         self.activation_bytes = self._optional(df, "activation_bytes")
@@ -81,6 +83,14 @@ class Layers:
                 "values must be finite numbers >= 0"
             )
         return values
+
+
+def _measured_or_none(df: pd.DataFrame, col: str) -> np.ndarray | None:
+    """Column ``col`` as floats with NaN where unmeasured (a first layer's pass), or None where it is absent."""
+    if col not in df.columns:
+        return None
+    values = pd.to_numeric(df[col], errors="coerce").to_numpy(float)
+    return values if bool(np.any(np.isfinite(values))) else None
 
 
 def _unknown_as_zero(df: pd.DataFrame, col: str) -> np.ndarray | None:

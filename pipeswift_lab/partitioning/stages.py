@@ -104,6 +104,11 @@ class Partition:
     """The profile's per-layer arrays the stages were summed from (what :meth:`memory` replays)."""
     mem_schedule: str | None = None
     stage_recomputed_ms: tuple[float, ...] | None = None
+    stage_input_pass_ms: tuple[float, ...] | None = None
+    """Each stage's input-gradient pass as torch's ``stage_backward_input`` took it, layer by layer (ms; NaN where a
+    layer's was not measured); None when the profile has no ``input_pass_ms``."""
+    stage_weight_pass_ms: tuple[float, ...] | None = None
+    """The same of its weight-gradient pass (``stage_backward_weight``)."""
     """The recomputation in each stage's backward (ms, inside ``stage_bwd_ms``), which a zero-bubble schedule runs
     once more: in its input-gradient pass as well as its weight-gradient pass; None without recomputation."""
     """The schedule whose action order :meth:`memory` replays (``schedule``, or 1F1B / Interleaved1F1B)."""
@@ -185,6 +190,8 @@ class Partition:
             stage_bwd_ms=sums(layers.bwd),
             stage_wgrad_ms=sums(layers.wgrad) if layers.wgrad is not None else None,
             stage_recomputed_ms=sums(layers.recomputed) if layers.recomputed is not None else None,
+            stage_input_pass_ms=sums(layers.input_pass) if layers.input_pass is not None else None,
+            stage_weight_pass_ms=sums(layers.weight_pass) if layers.weight_pass is not None else None,
             stage_comm_ms=stage_comm_ms(bounds, layers, link),
             stage_params=sums(layers.params, as_int=True),
             stage_param_bytes=sums(layers.param_bytes),
@@ -378,6 +385,10 @@ class Partition:
         table = self.df[cols]
         if self.stage_recomputed_ms is not None:
             table = table.assign(recomputed_ms=list(self.stage_recomputed_ms))
+        if self.stage_input_pass_ms is not None and self.stage_weight_pass_ms is not None:
+            table = table.assign(
+                input_pass_ms=list(self.stage_input_pass_ms), weight_pass_ms=list(self.stage_weight_pass_ms)
+            )
         return table
 
     # ---- display

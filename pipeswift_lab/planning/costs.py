@@ -23,6 +23,8 @@ TIME_COLUMNS = (
     "selective_recompute_ms",
     "recompute_forward_ms",
     "selective_recompute_forward_ms",
+    "input_pass_ms",
+    "weight_pass_ms",
 )
 
 

@@ -38,7 +38,7 @@ from .units import (
     select_units,
     units_in_run_order,
 )
-from .weight_pass import weight_pass_bytes
+from .weight_pass import split_backward_columns
 
 __all__ = ["profile", "profile_step"]
 
@@ -131,11 +131,10 @@ def profile(
         extra: dict[str, list[float]] = {}
         if recompute:
             extra.update(recompute_columns([m for _, m in units], kept, lambda: measure(False)))
-        if memory is not None:  # what a zero-bubble I pass keeps for its W
+        if memory is not None:  # what a zero-bubble I pass keeps for its W, and what I and W take
             with step._autocast():
-                extra.update(
-                    weight_pass_bytes(units, lambda: runnable(*args, **kwargs), RECOMPUTE_MODES if recompute else ())
-                )
+                modes = RECOMPUTE_MODES if recompute else ()
+                extra.update(split_backward_columns(units, lambda: runnable(*args, **kwargs), modes))
     loss_name = "sum of outputs" if loss_fn is None else getattr(loss_fn, "__name__", type(loss_fn).__name__)
     meta = run_meta("profile", device, loss=loss_name, warmup=warmup, repeats=repeats)
     meta["memory_graph"] = graph

@@ -1,4 +1,5 @@
-"""What a zero-bubble schedule's input-gradient pass holds, per layer, until its weight-gradient pass.
+"""What a zero-bubble schedule's two backward passes cost per layer: what the input-gradient pass holds until the
+weight-gradient pass, and how long each takes.
 
 The zero-bubble schedules (Qi et al., *Zero Bubble Pipeline Parallelism*, ICLR 2024) split a stage's
 backward in two: ``I`` computes the gradient of the stage's input, ``W`` later the weights'.
@@ -13,15 +14,19 @@ gradient it hands back (that is sent, not kept): the unit's ``weight_pass_bytes`
 ``modes`` the same recomputed (``{mode}_weight_pass_bytes``). The gradient the unit is given counts
 where ``I`` keeps it (a residual block passes its output's gradient on to its last linear unchanged):
 inside a stage it is the next unit's input gradient, at the stage's end its receive buffer, counted
-there as well.
+there as well. The same runs time each pass, ``input_pass_ms`` and ``weight_pass_ms`` (medians): split, the
+backward costs more than whole (two graph traversals, the second starting from the kept gradients, one
+``autograd.grad`` per parameter group), which a share of the whole backward cannot say.
 """
 
 from __future__ import annotations
 
 import gc
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import numpy as np
 import torch
 import torch.utils._pytree as pytree
 from torch import nn
@@ -30,17 +35,20 @@ from ..core.live_bytes import LiveTensorBytes, live_tensors
 from ..core.recompute import recomputing
 from .hooks import iter_tensors
 
-__all__ = ["weight_pass_bytes"]
+__all__ = ["split_backward_columns"]
 
 
-def weight_pass_bytes(
+def split_backward_columns(
     units: Sequence[tuple[str, nn.Module]],
     run_forward: Callable[[], Any],
     modes: Sequence[str] = (),
+    repeats: int = 5,
 ) -> dict[str, list[float]]:
-    """Per unit (in ``units``' order), the bytes torch's ``stage_backward_input`` keeps alive for the unit's weight
-    pass: ``{"weight_pass_bytes": [...]}``, and ``{mode}_weight_pass_bytes`` for each of ``modes`` (``"full"``,
-    ``"selective"``: the unit checkpointed as the runner checkpoints it under a split backward).
+    """Per unit (in ``units``' order): the bytes torch's ``stage_backward_input`` keeps alive for the unit's weight
+    pass, ``weight_pass_bytes``, and ``{mode}_weight_pass_bytes`` for each of ``modes`` (``"full"``,
+    ``"selective"``: the unit checkpointed as the runner checkpoints it under a split backward); the median ms of
+    ``repeats`` runs of torch's ``stage_backward_input`` and ``stage_backward_weight`` on it, ``input_pass_ms`` and
+    ``weight_pass_ms`` (NaN for a unit without an input that requires grad: in a first stage, which has no ``I``).
 
     ``run_forward()`` runs the model's forward once (gradients on) so that each unit's first call is captured; the
     units then run alone under the caller's autocast state. A unit without an input that requires grad (the model's
@@ -63,13 +71,18 @@ def weight_pass_bytes(
         for handle in handles:
             handle.remove()
 
-    out: dict[str, list[float]] = {}
+    out: dict[str, list[float]] = {"input_pass_ms": [], "weight_pass_ms": []}
+    for i, (_, module) in enumerate(units):
+        args, kwargs = received.get(i, ((), {}))
+        timed = _timed_passes(module, args, kwargs, repeats) if _needs_input_pass(args, kwargs) else None
+        out["input_pass_ms"].append(timed[0] if timed else float("nan"))
+        out["weight_pass_ms"].append(timed[1] if timed else float("nan"))
     for mode in ("", *modes):
         column = f"{mode}_weight_pass_bytes" if mode else "weight_pass_bytes"
         out[column] = []
         for i, (_, module) in enumerate(units):
             args, kwargs = received.get(i, ((), {}))
-            if not any(t.requires_grad for t in iter_tensors((list(args), kwargs))):
+            if not _needs_input_pass(args, kwargs):
                 out[column].append(0.0)
                 continue
             if mode:
@@ -105,6 +118,50 @@ def _kept_by_input_pass(module: nn.Module, args: tuple[Any, ...], kwargs: dict[s
     except (RuntimeError, TypeError, ValueError):
         return float("nan")
     return kept
+
+
+def _needs_input_pass(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    return any(t.requires_grad for t in iter_tensors((list(args), kwargs)))
+
+
+def _timed_passes(
+    module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], repeats: int
+) -> tuple[float, float] | None:
+    """Median ms of torch's ``stage_backward_input`` and ``stage_backward_weight`` on ``module(*args, **kwargs)``
+    (a fresh forward, untimed, before each; one untimed round first); None where the unit cannot run alone."""
+    from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
+
+    inputs = [t for t in iter_tensors((list(args), kwargs)) if t.requires_grad]
+    params = [p for p in module.parameters() if p.requires_grad]
+    grads_before = [p.grad for p in params]
+    device = next((t.device for t in inputs), torch.device("cpu"))
+
+    def now() -> float:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        return time.perf_counter()
+
+    times: list[tuple[float, float]] = []
+    try:
+        for _ in range(repeats + 1):
+            outputs = [t for t in iter_tensors(module(*args, **kwargs)) if t.requires_grad]
+            grads = [torch.ones_like(t) for t in outputs]
+            t0 = now()
+            _, groups = stage_backward_input(outputs, grads, inputs, module.parameters())
+            t1 = now()
+            stage_backward_weight(module.parameters(), groups)
+            t2 = now()
+            times.append(((t1 - t0) * 1e3, (t2 - t1) * 1e3))
+            for t in inputs:
+                t.grad = None
+            del outputs, grads, groups
+    except (RuntimeError, TypeError, ValueError):
+        return None
+    finally:
+        for p, g in zip(params, grads_before):
+            p.grad = g
+    kept = times[1:]
+    return float(np.median([a for a, _ in kept])), float(np.median([b for _, b in kept]))
 
 
 def _as_received(value: Any) -> Any:

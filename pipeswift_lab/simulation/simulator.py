@@ -74,6 +74,8 @@ class _Stages:
     recomputed: list[float] | None = None
     """The recomputation inside each backward (ms), run once more by a zero-bubble input-gradient pass; None
     without."""
+    passes: tuple[list[float], list[float]] | None = None
+    """``(I, W)`` per stage as torch's split passes took them (NaN where unmeasured); None when not profiled."""
 
     @property
     def S(self) -> int:
@@ -130,7 +132,7 @@ def _setup(
     durations: tuple[Sequence[float], ...] = (
         stages.fwd,
         stages.bwd,
-        *backward_parts(stages.bwd, wgrad, stages.recomputed),
+        *backward_parts(stages.bwd, wgrad, stages.recomputed, stages.passes if wgrad_fraction is None else None),
     )
     out_bytes = stages.out_bytes if stages.out_bytes is not None else [0.0] * stages.S
     transfer = [link.transfer_ms(b) for b in out_bytes] if link is not None else [0.0] * stages.S
@@ -160,6 +162,9 @@ def _from_partition(part: Partition) -> _Stages:
         out_bytes=list(part.stage_output_bytes),
         act_bytes=act,
         recomputed=list(part.stage_recomputed_ms) if part.stage_recomputed_ms is not None else None,
+        passes=(list(part.stage_input_pass_ms), list(part.stage_weight_pass_ms))
+        if part.stage_input_pass_ms is not None and part.stage_weight_pass_ms is not None
+        else None,
     )
 
 
@@ -171,7 +176,16 @@ def _from_table(df: pd.DataFrame) -> _Stages:
         out_bytes=_column(df, "output_bytes", required=False),
         act_bytes=_column(df, "activation_bytes", required=False),
         recomputed=_column(df, "recomputed_ms", required=False),
+        passes=_passes(df),
     )
+
+
+def _passes(df: pd.DataFrame) -> tuple[list[float], list[float]] | None:
+    """A stage table's ``(input_pass_ms, weight_pass_ms)`` (NaN where unmeasured), or None without both."""
+    if "input_pass_ms" not in df.columns or "weight_pass_ms" not in df.columns:
+        return None
+    as_list = lambda col: pd.to_numeric(df[col], errors="coerce").astype(float).tolist()  # noqa: E731
+    return as_list("input_pass_ms"), as_list("weight_pass_ms")
 
 
 def _column(df: pd.DataFrame, col: str, required: bool = True) -> Any:
@@ -321,7 +335,7 @@ def simulate_order(
         transfer = [link.transfer_ms(b) for b in stages.out_bytes]
     else:
         transfer = [0.0] * S
-    durations = (stages.fwd, stages.bwd, *backward_parts(stages.bwd, stages.wgrad, stages.recomputed))
+    durations = (stages.fwd, stages.bwd, *backward_parts(stages.bwd, stages.wgrad, stages.recomputed, stages.passes))
     ops = lower(tuple(tuple((a,) for a in orders[r]) for r in range(P)), "custom", P, m, S, placement)
     df = rows_frame(compute_table(ops), execute(ops, P, m, S, durations, transfer, link is not None))
     meta: dict[str, Any] = {"schedule": "custom", "P": P, "m": m, "stage_to_rank": list(placement)}

@@ -172,3 +172,13 @@ def test_a_split_backward_recomputes_in_both_passes():
     measured_split = backward_parts([6.0, 6.0], wgrad_ms=[4.0, 4.0], recomputed_ms=[0.0, 2.0])  # wgrad includes it
     assert measured_split == ([0.0, 4.0], [6.0, 4.0])
     assert backward_parts([6.0, 6.0]) == backward_parts([6.0, 6.0], recomputed_ms=[0.0, 0.0])
+
+
+def test_the_split_passes_as_torch_took_them_replace_the_share_where_measured():
+    """Profiled I and W (torch's own passes on each layer) are the durations, the recomputation added to each; a stage
+    whose passes were not measured (the first: no I) keeps the rule."""
+    from pipeswift_lab.core.analytic import backward_parts
+
+    passes = ([float("nan"), 3.0], [float("nan"), 2.5])
+    assert backward_parts([6.0, 4.0], passes_ms=passes) == ([0.0, 3.0], [6.0, 2.5])
+    assert backward_parts([6.0, 4.0], recomputed_ms=[1.0, 1.0], passes_ms=passes) == ([0.0, 4.0], [6.0, 3.5])

@@ -328,11 +328,11 @@ def test_model_state_is_restored_exactly():
         for m in model.modules()
     ] == hooks
     assert torch.equal(torch.get_rng_state(), rng)
-    # the user's hook ran during the steps, the two memory steps and the weight-pass measure (one forward of the
-    # model, then the unit alone), and is still there
-    assert len(seen) == 7
+    # the user's hook ran during the steps, the two memory steps and the split-backward measure (one forward of the
+    # model, then the unit alone: once for what I keeps, six times to time I and W), and is still there
+    assert len(seen) == 13
     model(x)
-    assert len(seen) == 8
+    assert len(seen) == 14
     # no saved-tensor hooks left behind: autograd's own in-place check works again
     a = torch.randn(3, requires_grad=True).sigmoid()
     a.mul_(2)

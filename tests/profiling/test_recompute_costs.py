@@ -51,6 +51,9 @@ def test_each_layer_keeps_less_recomputed(measured):
     # torch's I pass keeps the gradients at up's and down's outputs for W (down's is the block's output gradient,
     # passed on by the residual add); the first block is fed the batch, which requires no gradient: no I
     assert df["weight_pass_bytes"].tolist() == [0, WIDE + HIDDEN, WIDE + HIDDEN]
+    # each pass timed with torch's own functions on the layer alone; none for the first, which has no I
+    assert df["input_pass_ms"].isna().tolist() == [True, False, False]
+    assert (df["input_pass_ms"].iloc[1:] > 0).all() and (df["weight_pass_ms"].iloc[1:] > 0).all()
 
 
 def test_a_profile_as_its_layers_cost_recomputed(measured):
