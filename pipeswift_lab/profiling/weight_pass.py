@@ -7,7 +7,7 @@ torch's ``stage_backward_input`` keeps, for ``W`` to start from, the gradient ar
 node where the input's path meets a parameter's (its ``param_groups``' ``"grads"``: the outputs of
 the linears and the norms, one tensor of each per micro-batch), on top of the forward's saved
 tensors; a checkpointed layer also keeps what ``I`` recomputed and ``W`` reads again (selective
-checkpointing's cache holds its results until the graph is freed). :func:`weight_pass_bytes` runs
+checkpointing's cache holds its results until the graph is freed). :func:`split_backward_columns` runs
 torch's own ``stage_backward_input`` on each unit alone, on the input it received in one forward of
 the model, and counts what the pass allocated that is still alive when it returns, less the input
 gradient it hands back (that is sent, not kept): the unit's ``weight_pass_bytes``, and with
