@@ -150,12 +150,7 @@ def profiled_durations(part: Partition) -> dict[tuple[int, str], float]:
     """``{(stage, kind): profiled ms}`` as the simulator splits a backward
     (:func:`~pipeswift_lab.core.analytic.backward_parts`)."""
     bwd = list(part.stage_bwd_ms)
-    passes = (
-        (part.stage_input_pass_ms, part.stage_weight_pass_ms)
-        if part.stage_input_pass_ms is not None and part.stage_weight_pass_ms is not None
-        else None
-    )
-    igrad, wgrad = backward_parts(bwd, part.stage_wgrad_ms, part.stage_recomputed_ms, passes)
+    igrad, wgrad = backward_parts(bwd, part.stage_wgrad_ms, part.stage_recomputed_ms, part.split_passes_ms)
     out = {}
     for s, f in enumerate(part.stage_fwd_ms):
         out.update({(s, "F"): f, (s, "B"): bwd[s], (s, "I"): igrad[s], (s, "W"): wgrad[s]})

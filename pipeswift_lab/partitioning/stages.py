@@ -376,6 +376,13 @@ class Partition:
             )
         return pd.DataFrame(rows)
 
+    @property
+    def split_passes_ms(self) -> tuple[tuple[float, ...], tuple[float, ...]] | None:
+        """``(stage_input_pass_ms, stage_weight_pass_ms)`` where the profile timed both, else None."""
+        if self.stage_input_pass_ms is None or self.stage_weight_pass_ms is None:
+            return None
+        return self.stage_input_pass_ms, self.stage_weight_pass_ms
+
     def stage_table(self) -> pd.DataFrame:
         """The per-stage input of :func:`pipeswift_lab.simulation.simulator`: ``fwd_ms``, ``bwd_ms`` (+ ``wgrad_ms``,
         ``recomputed_ms``), bytes."""
@@ -383,12 +390,11 @@ class Partition:
             ["wgrad_ms"] if self.stage_wgrad_ms is not None else []
         )
         table = self.df[cols]
+        passes = self.split_passes_ms
+        if passes is not None:
+            table = table.assign(input_pass_ms=list(passes[0]), weight_pass_ms=list(passes[1]))
         if self.stage_recomputed_ms is not None:
             table = table.assign(recomputed_ms=list(self.stage_recomputed_ms))
-        if self.stage_input_pass_ms is not None and self.stage_weight_pass_ms is not None:
-            table = table.assign(
-                input_pass_ms=list(self.stage_input_pass_ms), weight_pass_ms=list(self.stage_weight_pass_ms)
-            )
         return table
 
     # ---- display

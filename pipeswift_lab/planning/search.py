@@ -183,9 +183,7 @@ class Evaluator:
                 'recompute="search" needs the profile\'s recompute columns: profile the model with '
                 "profile(..., recompute=True)"
             )
-        timing_table = self.costs.table(b).copy()
-        for column in ("recompute_ms", "selective_recompute_ms"):  # as the layer times scale with the micro-batch
-            timing_table[column] = memory_table[column] * (b / nearest)
+        timing_table = self.costs.table(b)  # the recomputation's times at b too (costs.TIME_COLUMNS)
         meta = dict(self.layers(nearest).meta)
         optimizer = default_optimizer_memory(self.optimizer, str(meta.get("device", "cpu")).split(":")[0])
         return recompute_split(

@@ -162,9 +162,7 @@ def _from_partition(part: Partition) -> _Stages:
         out_bytes=list(part.stage_output_bytes),
         act_bytes=act,
         recomputed=list(part.stage_recomputed_ms) if part.stage_recomputed_ms is not None else None,
-        passes=(list(part.stage_input_pass_ms), list(part.stage_weight_pass_ms))
-        if part.stage_input_pass_ms is not None and part.stage_weight_pass_ms is not None
-        else None,
+        passes=(list(part.split_passes_ms[0]), list(part.split_passes_ms[1])) if part.split_passes_ms else None,
     )
 
 
@@ -184,8 +182,10 @@ def _passes(df: pd.DataFrame) -> tuple[list[float], list[float]] | None:
     """A stage table's ``(input_pass_ms, weight_pass_ms)`` (NaN where unmeasured), or None without both."""
     if "input_pass_ms" not in df.columns or "weight_pass_ms" not in df.columns:
         return None
-    as_list = lambda col: pd.to_numeric(df[col], errors="coerce").astype(float).tolist()  # noqa: E731
-    return as_list("input_pass_ms"), as_list("weight_pass_ms")
+    measured = [
+        pd.to_numeric(df[col], errors="coerce").astype(float).tolist() for col in ("input_pass_ms", "weight_pass_ms")
+    ]
+    return measured[0], measured[1]
 
 
 def _column(df: pd.DataFrame, col: str, required: bool = True) -> Any:
