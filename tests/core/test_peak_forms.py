@@ -77,8 +77,12 @@ def test_every_rank_peak_term_and_moment_is_the_replays(data, pipeline, optimize
     want = replayed(stages, schedule, P, m, v, optimizer)
     got = form.rank_peaks(fields, optimizer)
     for r in range(P):
+        assert got[r].keys() == want[r].keys(), f"rank {r}"
         assert got[r]["peak_at"] == want[r]["peak_at"], f"rank {r}"
-        assert got[r] == pytest.approx(want[r], rel=1e-12, abs=1e-6), f"rank {r}"
+        numbers = [k for k in want[r] if k != "peak_at"]  # approx compares numbers only (pytest >= 9.2 raises on a str)
+        assert [got[r][k] for k in numbers] == pytest.approx([want[r][k] for k in numbers], rel=1e-12, abs=1e-6), (
+            f"rank {r}"
+        )
     assert form.peaks(fields, optimizer) == pytest.approx([w["peak_bytes"] for w in want], rel=1e-12, abs=1e-6)
 
 
