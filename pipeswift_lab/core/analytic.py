@@ -21,11 +21,23 @@ DualPipe). Their closed forms below are the papers' bubble terms for equal stage
 and is the reference for anything else.
 
 How the closed forms compare with torch's orders replayed with equal stages and free
-communication (the tests check the exact cases): GPipe and 1F1B match for every ``P``
-and ``m``; Interleaved1F1B and LoopedBFS for every ``m >= P`` (with ``m < P`` torch's
-order is slower); InterleavedZeroBubble matches when ``F = I = W``; torch's
-ZBVZeroBubble order runs about ``(P-1)`` chunk forwards, and DualPipeV about ``(P-1)``
-chunk forward+backward pairs, longer than the papers' forms.
+communication (the tests check the exact cases against :func:`~pipeswift_lab.simulation.simulate`):
+GPipe and 1F1B match for every ``P``, ``m``, ``F`` and ``B``; Interleaved1F1B and LoopedBFS for
+every ``m >= P`` (with ``m < P`` torch's order is slower); InterleavedZeroBubble (ZB-H1) for any
+``F``, ``I`` and ``W`` with ``W <= min(F, I)``, where the paper's form assumes the deferred ``W``
+fits the bubble (beyond it torch's order is longer); DualPipeV matches DeepSeek-V3's form
+exactly when ``F = I = W`` per chunk, as in its Table 2; torch's ZBVZeroBubble order runs up to
+about ``(P-1)`` chunk forwards longer than the paper's form.
+
+[Note: zero-bubble conventions] Two conventions differ between the Zero Bubble papers and this
+toolkit, and every comparison of a zero-bubble number has to name them:
+
+* **Span.** The papers measure each stage's own span, from its first action to its last;
+  ``step_ms`` here (the closed forms and :class:`~pipeswift_lab.simulation.Timeline` alike) is the
+  whole step, from the first action of any rank to the last of any rank.
+* **Sends.** The papers' sends do not block; torch's ``Schedule1F1B`` does (it fuses each send
+  with the next receive in one batch and waits until the tensor has arrived), and the simulator
+  follows torch.
 
 Times are per rank and per micro-batch: ``fwd_ms`` is a rank's whole forward of one
 micro-batch (all its chunks together), ``bwd_ms`` its whole backward, split as
@@ -46,7 +58,10 @@ from .vocabulary import SINGLE_CHUNK_SCHEDULES, ZERO_BUBBLE_SCHEDULES, check_sch
 #: matmul each of the same size, so an even split is the natural default.
 DEFAULT_WGRAD_FRACTION = 0.5
 
-_ZB_WGRAD_MULTIPLIER = {"InterleavedZeroBubble": 1.0, "ZBVZeroBubble": 2.0, "DualPipeV": 2.0}
+#: ``k`` of the zero-bubble bubble ``(P-1)(F + I - k*W)/v``: ZB-H1 (Qi et al. 2024's ``ZB1P``, torch's
+#: InterleavedZeroBubble) defers one ``W`` per bubble slot, ZB-V two. DualPipeV has its own form
+#: (:func:`_dualpipev_bubble_ms`).
+_ZB_WGRAD_MULTIPLIER = {"InterleavedZeroBubble": 1.0, "ZBVZeroBubble": 2.0}
 
 
 def backward_parts(
@@ -108,11 +123,23 @@ def _bubble_time_over_unit(
         bubble_ms = (P - 1) * (fwd_ms + bwd_ms)
     elif schedule in ("Interleaved1F1B", "LoopedBFS"):
         bubble_ms = (P - 1) * (fwd_ms + bwd_ms) / v
+    elif schedule == "DualPipeV":
+        bubble_ms = _dualpipev_bubble_ms(P, v, fwd_ms, bwd_ms, wgrad_ms)
     else:  # zero-bubble family: W deferred into the bubble
         igrad_ms = bwd_ms - wgrad_ms
         k = _ZB_WGRAD_MULTIPLIER[schedule]
         bubble_ms = (P - 1) * max(0.0, fwd_ms + igrad_ms - k * wgrad_ms) / v
     return bubble_ms, compute_ms
+
+
+def _dualpipev_bubble_ms(P: int, v: int, fwd_ms: float, bwd_ms: float, wgrad_ms: float) -> float:
+    """DualPipeV's bubble on each rank: ``(PP/2 - 1)(F&B + B - 3W)`` of DeepSeek-V3's Table 2 (DeepSeek-AI,
+    *DeepSeek-V3 Technical Report*, 2024, and the DualPipe README), with ``PP = 2P`` chunks and the overlapped
+    ``F&B`` drawn as ``F + B``, as the official DualPipeV figure draws it. ``F``, ``B`` and ``W`` are one chunk's:
+    a rank's times over ``v``. With ``F = I = W = 1`` per chunk, ``P = 4`` and ``m = 10`` it is 6 of a 66-unit step.
+    """
+    f, b, w = fwd_ms / v, bwd_ms / v, wgrad_ms / v
+    return (P - 1) * max(0.0, f + b + b - 3 * w)
 
 
 def bubble_overhead(
@@ -128,11 +155,18 @@ def bubble_overhead(
     """Bubble time over ideal compute time of one step (Megatron-LM's convention).
 
     Returns ``(P-1)/m`` for GPipe and 1F1B, ``(P-1)/(v*m)`` for Interleaved1F1B and
-    LoopedBFS, and for the zero-bubble schedules ``(P-1)*max(0, F+I-k*W)/(v*m*(F+I+W))``
-    with ``k=1`` for InterleavedZeroBubble (ZB-H1) and ``k=2`` for ZBVZeroBubble and
-    DualPipeV (ZB-V / ZB1P), where ``W = wgrad_fraction * bwd_ms`` and ``I = bwd_ms - W``.
-    ``fwd_ms``, ``bwd_ms`` and ``wgrad_fraction`` only matter for the zero-bubble family;
-    ``wgrad_fraction`` defaults to :data:`DEFAULT_WGRAD_FRACTION`.
+    LoopedBFS, for the zero-bubble schedules ``(P-1)*max(0, F+I-k*W)/(v*m*(F+I+W))``
+    with ``k=1`` for InterleavedZeroBubble (ZB-H1, the papers' ZB1P) and ``k=2`` for
+    ZBVZeroBubble (ZB-V), and for DualPipeV ``(P-1)*max(0, F+2B-3W)/(v*m*(F+B))``
+    (DeepSeek-V3's ``(PP/2-1)(F&B+B-3W)``), where ``B = bwd_ms``, ``W = wgrad_fraction * bwd_ms``
+    and ``I = B - W``. ``fwd_ms``, ``bwd_ms`` and ``wgrad_fraction`` only matter for the
+    zero-bubble family; ``wgrad_fraction`` defaults to :data:`DEFAULT_WGRAD_FRACTION`.
+    The bubble is the whole step's, not each stage's own span as the Zero Bubble papers
+    measure it, and torch's sends block where the papers' do not: see
+    [Note: zero-bubble conventions] in this module's docstring.
+
+    >>> bubble_overhead(4, 10, "DualPipeV", v=2, fwd_ms=2, bwd_ms=4, wgrad_fraction=0.5)
+    0.1
     """
     bubble_ms, compute_ms = _bubble_time_over_unit(P, m, schedule, v, fwd_ms, bwd_ms, wgrad_fraction)
     return bubble_ms / compute_ms

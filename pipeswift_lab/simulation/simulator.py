@@ -274,6 +274,12 @@ def simulate(
     ``meta["step_overhead_ms"]`` holds the runtime's per-step time outside the actions, so
     the whole predicted step is ``step_ms + meta["step_overhead_ms"]``
     (:func:`~pipeswift_lab.fidelity.calibrator.whole_step_ms`).
+
+    Two conventions differ from the Zero Bubble papers (see [Note: zero-bubble conventions] in
+    :mod:`pipeswift_lab.core.analytic`): ``step_ms`` is the whole step, from any rank's first
+    action to any rank's last, where the papers measure each stage's own span; and a 1F1B send
+    is waited for until it has arrived, as torch's ``Schedule1F1B`` fuses it with the next
+    receive in one blocking batch, where the papers' sends do not block.
     """
     setup = _setup(partition, m, schedule, v, link, wgrad_fraction, calibration)
     sh, m = setup.shape, setup.m

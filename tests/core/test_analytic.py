@@ -182,3 +182,10 @@ def test_the_split_passes_as_torch_took_them_replace_the_share_where_measured():
     passes = ([float("nan"), 3.0], [float("nan"), 2.5])
     assert backward_parts([6.0, 4.0], passes_ms=passes) == ([0.0, 3.0], [6.0, 2.5])
     assert backward_parts([6.0, 4.0], recomputed_ms=[1.0, 1.0], passes_ms=passes) == ([0.0, 4.0], [6.0, 3.5])
+
+
+def test_the_docstrings_worked_examples_hold():
+    import doctest
+
+    results = doctest.testmod(analytic, optionflags=doctest.NORMALIZE_WHITESPACE)
+    assert results.attempted >= 2 and results.failed == 0

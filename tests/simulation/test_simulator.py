@@ -58,6 +58,55 @@ def test_interleaved_equals_the_closed_form_for_every_m_from_P(P, v, extra, f, b
     assert tl.peak_inflight.tolist() == pytest.approx(analytic.inflight_microbatches(P, m, schedule, v=v))
 
 
+def split_stages(P, v, F, i_, W):
+    """Equal chunks of forward F, input-gradient I (``i_``) and weight-gradient W (ms)."""
+    return pd.DataFrame(
+        {"fwd_ms": [float(F)] * (P * v), "bwd_ms": [float(i_ + W)] * (P * v), "wgrad_ms": [float(W)] * (P * v)}
+    )
+
+
+def closed_form_step_ms(P, m, schedule, v, F, i_, W):
+    """The closed form with one chunk's F, I (``i_``), W given as a rank's times (v chunks each)."""
+    return analytic.step_ms(P, m, schedule, v=v, fwd_ms=v * F, bwd_ms=v * (i_ + W), wgrad_fraction=W / (i_ + W))
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.integers(1, 6), st.integers(1, 2), st.integers(0, 20), st.integers(1, 6), st.integers(1, 6), st.data())
+def test_zb_h1_equals_its_closed_form_wherever_w_fits_the_bubble(P, v, extra, F, i_, data):
+    """InterleavedZeroBubble (ZB-H1, Qi et al. 2024): (P-1)(F+I-W)/v of bubble for any F, I and W <= min(F, I)."""
+    W = data.draw(st.integers(1, min(F, i_)))
+    m = P + extra
+    assume(valid(P, m, "InterleavedZeroBubble", v))
+    tl = simulate(split_stages(P, v, F, i_, W), m, "InterleavedZeroBubble", v=v)
+    assert tl.step_ms == pytest.approx(closed_form_step_ms(P, m, "InterleavedZeroBubble", v, F, i_, W), abs=1e-9)
+
+
+def test_zb_h1_with_a_weight_gradient_longer_than_the_bubble_takes_longer_than_its_closed_form():
+    # W = 2 > min(F, i_) = 1: the deferred W no longer fits, and torch's order is a unit longer per step
+    tl = simulate(split_stages(2, 1, 1, 1, 2), 4, "InterleavedZeroBubble", v=1)
+    assert tl.step_ms == 17.0 > closed_form_step_ms(2, 4, "InterleavedZeroBubble", 1, 1, 1, 2) == 16.0
+
+
+@pytest.mark.parametrize("P", [2, 3, 4, 5])
+@pytest.mark.parametrize("extra", [0, 1, 2, 7])
+@pytest.mark.parametrize("unit", [1, 3])
+def test_dualpipev_equals_deepseeks_closed_form_with_equal_passes(P, extra, unit):
+    """DeepSeek-V3's Table 2, (PP/2-1)(F&B+B-3W) with PP = 2P chunks, is exact for F = i_ = W per chunk."""
+    m = 2 * P + extra
+    tl = simulate(split_stages(P, 2, unit, unit, unit), m, "DualPipeV", v=2)
+    assert tl.step_ms == closed_form_step_ms(P, m, "DualPipeV", 2, unit, unit, unit)
+    assert tl.step_ms - m * 6 * unit == (P - 1) * 2 * unit  # F + 2B - 3W = 2 units of idle per rank
+
+
+def test_dualpipev_worked_example_of_the_issue():
+    # P = 4, m = 10, F = i_ = W = 1 per chunk: a 66-unit step with 6 idle units per rank, bubble over compute 0.10
+    assert simulate(split_stages(4, 2, 1, 1, 1), 10, "DualPipeV", v=2).step_ms == 66.0
+    assert analytic.bubble_overhead(4, 10, "DualPipeV", v=2, fwd_ms=2, bwd_ms=4, wgrad_fraction=0.5) == pytest.approx(
+        0.1
+    )
+    assert analytic.step_ms(4, 10, "DualPipeV", v=2, fwd_ms=2, bwd_ms=4, wgrad_fraction=0.5) == 66.0
+
+
 def test_interleaved_and_looped_bfs_with_fewer_microbatches_than_ranks_exceed_the_closed_form():
     # the gap reported to the lead: torch's orders only reach (P-1)/v when m >= P
     for schedule in ("Interleaved1F1B", "LoopedBFS"):
