@@ -15,6 +15,23 @@ def one_torch_thread():
 
 
 @pytest.fixture(autouse=True)
+def processes_are_marked(request, monkeypatch):
+    """A test that starts a run's worker processes carries the ``processes`` mark (``pytest -m "not processes"``, the
+    fast inner loop, skips it): an unmarked test that launches fails here, naming the mark."""
+    if request.node.get_closest_marker("processes") is not None:
+        return
+    from pipeswift_lab.runner import launcher
+
+    def refuse(*args, **kwargs):
+        raise AssertionError(
+            f"{request.node.nodeid} starts worker processes but is not marked processes: add "
+            "`pytestmark = pytest.mark.processes` to its module (or @pytest.mark.processes to the test)"
+        )
+
+    monkeypatch.setattr(launcher, "_start_agent", refuse)
+
+
+@pytest.fixture(autouse=True)
 def close_figures():
     """Close every matplotlib figure a test opened, so the suite never holds more than a test's worth."""
     yield

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import gc
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, cast
@@ -367,7 +368,13 @@ def _memory_step(recorder: LayerRecorder, device: torch.device, run_step: Callab
     """One more step, its memory measured unit by unit (CUDA's allocator statistics, or on CPU every storage the
     operators allocate, :mod:`pipeswift_lab.core.live_bytes`); its times are not kept. A profiled training step runs
     twice: from no gradients (each layer's weight gradients become ``.grad`` in its backward), then adding to them
-    (each weight gradient a temporary, :attr:`StepRecord.accumulate_transient_bytes`)."""
+    (each weight gradient a temporary, :attr:`StepRecord.accumulate_transient_bytes`).
+
+    Garbage is collected first, once: a tensor held only by a reference cycle (what an earlier cell or test left
+    behind) would be counted as alive before the step and freed when the collector next ran, inside some layer,
+    whose kept bytes then come out negative and whose transient grows by the garbage's size. Once per profile, not
+    per measure: a full collection of a process that has imported torch takes about 0.2 s here."""
+    gc.collect()
     first = _measured_step(recorder, device, run_step)
     if not isinstance(run_step, _TrainingStep):
         return first

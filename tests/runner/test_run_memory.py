@@ -19,6 +19,8 @@ MICRO = 2
 GPT = dict(vocab_size=2048, seq_len=32, d_model=64, n_layers=4)
 TOLERANCE = 0.10
 
+pytestmark = pytest.mark.processes  # starts worker processes: `pytest -m "not processes"` skips it
+
 
 def adam(params):
     return torch.optim.Adam(params, lr=1e-3)
