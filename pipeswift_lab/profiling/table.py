@@ -246,17 +246,25 @@ class Profile:
     # -- display ------------------------------------------------------------------------
     def _summary(self) -> dict[str, Any]:
         heaviest = self.df.loc[self.df["total_ms"].idxmax(), "name"] if self.total_ms > 0 else "-"
+        unmeasured = "not measured" + (": a synthetic profile" if self.meta.get("source") == "synthetic" else "")
         return {
             "layers": self.n_layers,
             "device": self.meta.get("device", "-"),
             "batch_shape": self.meta.get("batch_shape", "-"),
             "total_ms": self.total_ms,
-            "step_ms": self.step_ms,
-            "coverage": self.coverage,
-            "cv": self.cv,
+            "step_ms": self.step_ms if math.isfinite(self.step_ms) else unmeasured,
+            "coverage": self.coverage if math.isfinite(self.coverage) else unmeasured,
+            "cv": self.cv if math.isfinite(self.cv) else unmeasured,
             "heaviest": heaviest,
             "repeats": self.meta.get("repeats", "-"),
+            **({} if self.has_bytes else {"memory": "not measured: the profile has no byte columns"}),
         }
+
+    @property
+    def has_bytes(self) -> bool:
+        """Whether the profile carries memory: some layer's ``param_bytes`` or ``activation_bytes`` is not 0 (a
+        :meth:`synthetic` profile given only times has none)."""
+        return bool(any(c in self.df and self.df[c].fillna(0).ne(0).any() for c in ("param_bytes", "activation_bytes")))
 
     def _title(self) -> str:
         return f"Profile of {self.meta.get('model', 'a model')} ({self.meta.get('source', 'measured')})"

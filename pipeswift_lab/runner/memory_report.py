@@ -13,6 +13,7 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import pandas as pd
 import torch
 
@@ -33,6 +34,10 @@ MEMORY_COLUMNS = (
     "resident_peak_bytes",
     "reserved_peak_bytes",
 )
+
+
+#: Why a run has no predicted memory when its partition's profile carries no bytes (a synthetic profile of times).
+NO_BYTE_COLUMNS = "the profile has no byte columns (param_bytes, activation_bytes)"
 
 
 def predicted_memory(
@@ -58,10 +63,16 @@ def predicted_memory(
     state over the ``D`` replicas (autocast keeps fp32 weights, gradients and state: the profile's own bytes)."""
     from .optimizer_memory import measure_optimizer_memory
 
-    if partition.layers is None or partition.layers.param_bytes is None or partition.layers.activation_bytes is None:
-        return {"rows": [], "note": "the partition's profile has no param_bytes/activation_bytes"}
+    layers = partition.layers
+    if (
+        layers is None
+        or layers.param_bytes is None
+        or layers.activation_bytes is None
+        or not (np.any(layers.param_bytes) or np.any(layers.activation_bytes))  # Profile.synthetic without bytes
+    ):
+        return {"rows": [], "note": NO_BYTE_COLUMNS}
     notes = []
-    profiled = partition.layers.meta.get("precision", "fp32")
+    profiled = layers.meta.get("precision", "fp32")
     if (precision or "fp32").startswith("bf16") != (profiled or "fp32").startswith("bf16"):
         notes.append(f"the profile was measured in {profiled}, the run computes in {precision or 'fp32'}")
     try:

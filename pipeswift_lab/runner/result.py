@@ -313,12 +313,17 @@ class RunResult:
             out["D"] = self.D
         if self.status != "completed" or self.first_step:
             out.update(status=self.status, first_step=self.first_step)
-        out.update({"device": f"{self.device_type} ({self.backend})", "steady_step_ms": self.steady_step_ms})
+        out.update(
+            {
+                "device": f"{self.device_type} ({self.backend})",
+                "steady_step_ms": self.steady_step_ms if self.step_ms else "not measured: no step finished",
+            }
+        )
         if self.D > 1:
             out["allreduce_ms"] = self.allreduce_ms
         out.update(
             {
-                "final_loss": self.losses[-1] if self.losses else float("nan"),
+                "final_loss": self.losses[-1] if self.losses else "none: no step finished",
                 "jct_total_s": self.jct.total_s,
                 "assembly_s": self.jct.assembly_s,
                 "training_s": self.jct.training_s,
@@ -342,6 +347,8 @@ class RunResult:
             if pd.notna(worst["predicted_peak_bytes"]):
                 peak += f", {worst['predicted_peak_bytes'] / 2**20:.1f} MiB predicted"
                 out["memory_error_max"] = float(memory["error"].abs().max())
+            else:
+                peak += f"; not predicted: {(self.meta.get('memory_predicted') or {}).get('note', 'no prediction')}"
             out["peak_memory"] = peak
         for g in self.meta.get("tied", []):
             out[f"tied {' = '.join(g['names'])}"] = f"stages {list(g['stages'])}, gradients summed every step"

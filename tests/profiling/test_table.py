@@ -128,3 +128,16 @@ def test_read_csv_refuses_empty_and_negative_times(tmp_path):
     path.write_text("\n".join(lines[:2]) + "\n")  # the header alone: no layers
     with pytest.raises(ValueError, match="df has no rows"):
         Profile.read_csv(path)
+
+
+def test_cards_of_a_profile_of_times_alone_say_what_they_do_not_know():
+    from pipeswift_lab.partitioning.balance import partition
+
+    times = Profile.synthetic(fwd_ms=[1.0] * 4, bwd_ms=[2.0] * 4)
+    card, split = repr(times), repr(partition(times, 2))
+    assert not times.has_bytes and "nan" not in card and "nan" not in split
+    assert "not measured: a synthetic profile" in card and "memory       not measured: the profile has no byte" in card
+    assert "max_rank_mem_bytes  not predicted: the profile has no byte columns" in split
+    with_bytes = Profile.synthetic(fwd_ms=[1.0] * 4, bwd_ms=[2.0] * 4, param_bytes=100)
+    assert with_bytes.has_bytes and "max_rank_mem_bytes  " in repr(partition(with_bytes, 2))
+    assert "not predicted" not in repr(partition(with_bytes, 2)) and "memory " not in repr(with_bytes)

@@ -236,5 +236,9 @@ def test_an_iterable_of_batches_gives_one_batch_per_step():
     html = result._repr_html_()
     assert "GPipe" in html and "assembly_s" in html
     assert "RunResult GPipe P=2 m=2" in str(result)
+    # a synthetic profile of times carries no bytes: the card says so instead of a 0 MiB prediction and a 100% error
+    assert result.memory["predicted_peak_bytes"].isna().all() and result.memory["measured_peak_bytes"].gt(0).all()
+    assert "not predicted: the profile has no byte columns" in str(result) and "memory_error_max" not in str(result)
+    assert "not predicted: the profile has no byte columns" in html
     assert set(result.assembly_phases["phase"].str.split(" -> ").str[0]) >= {"launch", "processes started"}
     assert result.assembly_phases["seconds"].sum() == pytest.approx(result.jct.assembly_s, rel=1e-6)
