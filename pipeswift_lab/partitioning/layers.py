@@ -71,6 +71,12 @@ class Layers:
                 f"bwd_ms={self.bwd[bad]}; it is a part of it"
             )
 
+    @property
+    def has_bytes(self) -> bool:
+        """Whether the profile carries memory: a ``param_bytes`` or ``activation_bytes`` column with some layer not 0
+        (a :meth:`~pipeswift_lab.profiling.Profile.synthetic` profile given only times has none)."""
+        return any(c is not None and bool(np.any(c)) for c in (self.param_bytes, self.activation_bytes))
+
     def _optional(self, df: pd.DataFrame, col: str) -> np.ndarray | None:
         return self._column(df, col) if col in df.columns else None
 

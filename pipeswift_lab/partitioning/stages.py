@@ -433,11 +433,7 @@ class Partition:
         }
         if self.v > 1:  # a rank holds v stages: its figures differ from a stage's
             out.update(bottleneck_rank_ms=self.bottleneck_rank_ms, rank_imbalance=self.rank_imbalance)
-        if (
-            self.layers is not None
-            and self.layers.param_bytes is not None
-            and not (np.any(self.layers.param_bytes) or np.any(self.layers.activation_bytes))
-        ):
+        if self.layers is not None and self.layers.param_bytes is not None and not self.layers.has_bytes:
             out["max_rank_mem_bytes"] = "not predicted: the profile has no byte columns"
         elif not any(math.isnan(x) for x in self.stage_mem_bytes):
             out["max_rank_mem_bytes"] = max(self.rank_mem_bytes)

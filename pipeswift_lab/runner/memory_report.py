@@ -13,7 +13,6 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
 import pandas as pd
 import torch
 
@@ -64,12 +63,7 @@ def predicted_memory(
     from .optimizer_memory import measure_optimizer_memory
 
     layers = partition.layers
-    if (
-        layers is None
-        or layers.param_bytes is None
-        or layers.activation_bytes is None
-        or not (np.any(layers.param_bytes) or np.any(layers.activation_bytes))  # Profile.synthetic without bytes
-    ):
+    if layers is None or layers.param_bytes is None or layers.activation_bytes is None or not layers.has_bytes:
         return {"rows": [], "note": NO_BYTE_COLUMNS}
     notes = []
     profiled = layers.meta.get("precision", "fp32")
