@@ -88,6 +88,8 @@ def run(
     split: str | None = None,
     recompute: str | dict[int, list[str]] | None = None,
     precision: str | None = None,
+    weights: str | os.PathLike[str] | Any = None,
+    init: Callable[[nn.Module], None] | None = None,
 ) -> RunResult:
     """Train ``model`` for ``steps`` steps as a real pipeline on ``torch.distributed.pipelining`` and measure it.
 
@@ -100,6 +102,19 @@ def run(
       dict, tuple or tensor). A parameter used by several stages (tied embeddings) is held by
       each and its gradients are summed between them every step, as Megatron-LM does
       (:mod:`~pipeswift_lab.runner.stages.tied`); ``RunResult.tied_weights`` lists them.
+    * ``model`` may be built on the meta device (``with torch.device("meta"): ...``, for Hugging Face
+      ``AutoModelForCausalLM.from_config(config)`` under it): no process ever holds more than its
+      stages. The spec carries the model's structure, never its tensors; each rank makes only its
+      stages' tensors on its device (``to_empty``) and fills them
+      (:mod:`~pipeswift_lab.runner.stages.materialize`). A model holding real tensors has them written
+      once, as a safetensors file in the run directory, and each rank reads only its keys.
+    * ``weights`` — the starting tensors: a Hugging Face safetensors checkpoint (a file, or a directory with
+      ``model.safetensors`` or shards and ``model.safetensors.index.json``), a ``torch.distributed.checkpoint``
+      directory or a pipeswift_lab checkpoint (:mod:`~pipeswift_lab.runner.weights`); each rank reads only its
+      stages' tensors. Their names and shapes are checked against the model before launch.
+    * ``init`` — with a meta model and no ``weights``: ``init(module)`` fills the tensors each submodule holds;
+      ``None`` takes a Hugging Face model's ``_init_weights``, else each submodule's ``reset_parameters()``. The RNG
+      is seeded by ``seed`` and the submodule's name, so the model starts the same for any P.
     * ``split`` — ``None`` (an ``nn.Sequential`` is cut between its children, any other model
       traced), ``"trace"``, or ``"manual"`` for a forward the tracer cannot capture: each stage
       is a copy of the model without the other stages' layers, run eagerly
@@ -245,6 +260,8 @@ def run(
         split=split,
         recompute=recompute,
         precision=precision,
+        weights=weights,
+        init=init,
         launch=options,
         checkpoints=checkpoints,
         elastic=elastic,

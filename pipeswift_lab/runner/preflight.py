@@ -98,6 +98,8 @@ def plan_job(
     split: str | None = None,
     recompute: Any = None,
     precision: str | None = None,
+    weights: Any = None,
+    init: Any = None,
     checkpoints: CheckpointOptions,
     elastic: ElasticOptions,
 ) -> JobPlan:
@@ -111,6 +113,11 @@ def plan_job(
     D = check_int("D", D, minimum=1)
     for name, value in elastic.changes().items() if D > 1 else ():
         raise ValueError(f"D={D} replicas cannot be combined with {name}={value!r} yet; use D=1 for {name}")
+    if weights is not None and checkpoints.resume_from is not None:
+        raise ValueError(
+            f"weights={str(weights)!r} and resume_from={str(checkpoints.resume_from)!r} both give the starting "
+            "state; a resumed job takes everything from its checkpoint, so give only one of them"
+        )
     job, resume = job_options(model, steps, checkpoints, elastic)
     source = make_data_source(data, steps, check_int("seed", launch.seed))
     first_step = resume.step if resume is not None else 0
@@ -132,6 +139,8 @@ def plan_job(
         "split": split,
         "recompute": recompute,
         "precision": precision,
+        "weights": weights,
+        "init": init,
     }
     specs = {
         seg.start_step: make_spec(model, source, loss_fn, seg.partition, m, schedule=schedule, job=job, **spec_kwargs)

@@ -12,6 +12,7 @@ torch, pipeswift_lab and other installed packages are pickled by reference.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 import json
@@ -34,10 +35,12 @@ from .devices import CPU_RANKS_PER_CORE, available_cores, resolve_devices
 from .memory_report import predicted_memory
 from .options import ON_NONFINITE, JobOptions, check_trace_dir
 from .sources import DataSource, make_data_source
+from .stages.materialize import InitFn, check_initializable, is_meta_model, structure_reducer
 from .stages.precision import check_run_precision
 from .stages.sequential import StagePlan, TensorSpec, plan_stages
 from .stages.shapes import stage_shapes
-from .stages.tied import TiedGroup
+from .stages.tied import TiedGroup, alias_map, parameter_names
+from .weights import WeightSource, check_weights, open_weights, write_weights
 
 if TYPE_CHECKING:
     from .stages.manual import ManualPlan
@@ -139,6 +142,12 @@ class RunSpec:
     """Which layers of each stage recompute their activations in the backward; ``None``: none."""
     precision: str | None = None
     """The precision the stages compute in (:mod:`~pipeswift_lab.runner.stages.precision`); ``None``: the model's."""
+    weights: WeightSource | None = None
+    """Where each rank reads its stages' starting tensors (``None``: initialized, :attr:`init`). A spec saved from a
+    model holding real tensors names a safetensors file written beside it."""
+    init: InitFn | None = None
+    """``init(module)``, which fills the tensors a submodule holds when no weights hold them; ``None``: a Hugging Face
+    model's ``_init_weights``, else ``reset_parameters``."""
 
     @property
     def P(self) -> int:
@@ -155,16 +164,19 @@ class RunSpec:
 
         The file is a header line (``SPEC_MAGIC`` + JSON: format, version, the toolkit's version,
         the payload's SHA-256 and size) and then the pickle (cloudpickle, by value for code that
-        is not an installed package). A pickle runs code when loaded: load only specs you wrote.
+        is not an installed package). The model travels as its structure: every tensor of its
+        ``state_dict`` is pickled as an empty meta tensor. The real ones the caller's model holds are
+        written once beside the spec, as ``<path stem>.safetensors``, and the spec names that file as
+        its weights (not for a spec that restores a checkpoint, which fills every tensor). A pickle
+        runs code when loaded: load only specs you wrote.
         """
-        import cloudpickle
-
         from .. import __version__
 
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
+        spec = self._with_weights_beside(path)
         with _pickled_by_value(self._code_objects()):
-            payload = cloudpickle.dumps(self)
+            payload = _dumps_structure(spec, self.model)
         header = {
             "format": _FORMAT,
             "version": _VERSION,
@@ -174,6 +186,24 @@ class RunSpec:
         }
         path.write_bytes(SPEC_MAGIC + json.dumps(header).encode() + b"\n" + payload)
         return path
+
+    def _with_weights_beside(self, path: Path) -> RunSpec:
+        """This spec, its model's real tensors written to ``<path stem>.safetensors`` and named as its weights (by a
+        path relative to the spec's directory) when it has no weights and restores no checkpoint."""
+        from .stages.tied import alias_map, canonical_state, parameter_names
+
+        if self.weights is not None or self.job.resume_from is not None:
+            return self
+        aliases = alias_map(parameter_names(self.model))
+        state = self.model.state_dict(keep_vars=True)
+        real = {k: t for k, t in canonical_state(state, aliases).items() if not t.is_meta}
+        if not real:
+            return self
+        file = path.with_name(path.stem + ".safetensors")
+        write_weights(real, file)
+        held = {k: t for k, t in state.items() if not t.is_meta}
+        source = check_weights(open_weights(file), held, {a: c for a, c in aliases.items() if a in held})
+        return dataclasses.replace(self, weights=source.relative_to(path.parent))
 
     def _code_objects(self) -> list[Any]:
         objs = [self.model, self.loss_fn, self.optimizer]
@@ -205,7 +235,30 @@ def load_spec(path: str | os.PathLike[str]) -> RunSpec:
             f"spec file {str(path)!r}: its payload ({len(payload)} bytes) does not match the checksum in its header "
             f"({header['bytes']} bytes): it was changed or cut short after it was written; nothing was unpickled"
         )
-    return cast(RunSpec, pickle.loads(payload))
+    spec = cast(RunSpec, pickle.loads(payload))
+    if spec.weights is not None:
+        spec = dataclasses.replace(spec, weights=spec.weights.resolved(path.parent))
+    return spec
+
+
+def _dumps_structure(obj: object, model: nn.Module) -> bytes:
+    """``cloudpickle.dumps(obj)`` with every tensor of ``model``'s ``state_dict`` pickled as an empty meta tensor
+    (:func:`~pipeswift_lab.runner.stages.materialize.structure_reducer`)."""
+    import io
+    import pickle
+
+    import cloudpickle
+
+    reduce = structure_reducer(model)
+
+    class StructurePickler(cloudpickle.Pickler):
+        def reducer_override(self, obj: Any) -> Any:
+            reduced = reduce(obj)
+            return reduced if reduced is not NotImplemented else super().reducer_override(obj)
+
+    buffer = io.BytesIO()
+    StructurePickler(buffer, protocol=pickle.HIGHEST_PROTOCOL).dump(obj)
+    return buffer.getvalue()
 
 
 def spec_header(path: str | os.PathLike[str], data: bytes | None = None) -> dict[str, Any]:
@@ -316,6 +369,8 @@ def make_spec(
     split: str | None = None,
     recompute: Any = None,
     precision: str | None = None,
+    weights: Any = None,
+    init: InitFn | None = None,
 ) -> RunSpec:
     """Check every argument of :func:`pipeswift_lab.run` and build the :class:`RunSpec` (no process is started).
 
@@ -325,9 +380,13 @@ def make_spec(
     ``split`` is how a model that is not an ``nn.Sequential`` is cut: ``None``/``"trace"`` (torch's
     tracer) or ``"manual"`` (stage copies of the model, :mod:`~pipeswift_lab.runner.stages.manual`).
     ``recompute`` is checked against the stages' layers (:func:`~pipeswift_lab.core.recompute.plan_recompute`).
+    ``weights`` (a checkpoint, :func:`~pipeswift_lab.runner.weights.open_weights`) is checked against the model's
+    names and shapes; a model on the meta device without them must be initializable
+    (:func:`~pipeswift_lab.runner.stages.materialize.check_initializable`).
     """
     split = None if split is None else check_choice("split", split, SPLITS)
     plan = plan_stages(model, partition, schedule)
+    source = _check_weights(model, weights, init)
     D = check_int("D", D, minimum=1)
     m = check_int("m", m, minimum=1)
     steps = check_int("steps", steps, minimum=1)
@@ -340,9 +399,9 @@ def make_spec(
     optimizer = _check_training(model, plan, loss_fn, optimizer)
     world, what = plan.P * D, f"P*D={plan.P}*{D}" if D > 1 else None
     backend, device_type, indices = resolve_devices(world, backend, devices, what=what)
-    source = make_data_source(data, steps, seed)
-    global_batch, batch_size = _replica_batch(source, D, m)
-    shapes = stage_shapes(model, partition, plan, source, batch_size // m, loss_fn, split)
+    data_source = make_data_source(data, steps, seed)
+    global_batch, batch_size = _replica_batch(data_source, D, m)
+    shapes = stage_shapes(model, partition, plan, data_source, batch_size // m, loss_fn, split)
     precision = check_run_precision(
         precision, checkpoints=job is not None and bool(job.checkpoint_dir or job.resume_from)
     )
@@ -372,7 +431,7 @@ def make_spec(
     return RunSpec(
         model=model,
         loss_fn=loss_fn,
-        data=source,
+        data=data_source,
         optimizer=optimizer,
         plan=plan,
         m=m,
@@ -395,7 +454,22 @@ def make_spec(
         D=D,
         recompute=recomputed,
         precision=precision,
+        weights=source,
+        init=init,
     )
+
+
+def _check_weights(model: nn.Module, weights: Any, init: InitFn | None) -> WeightSource | None:
+    """``weights`` indexed and checked against ``model`` (names, shapes; a dtype conversion warned); ``None`` when
+    none are given, after checking that a meta model can be initialized."""
+    if weights is None:
+        if is_meta_model(model) or init is not None:
+            check_initializable(model, init)
+        return None
+    if init is not None:
+        check_initializable(model, init)
+    aliases = alias_map(parameter_names(model))
+    return check_weights(open_weights(weights), model.state_dict(keep_vars=True), aliases)
 
 
 def _check_timeout(timeout_s: float) -> float:

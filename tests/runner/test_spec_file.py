@@ -43,7 +43,9 @@ def test_the_header_names_format_versions_and_checksum_and_the_spec_round_trips(
     assert header["bytes"] == path.stat().st_size - path.read_bytes().index(b"\n") - 1 and len(header["sha256"]) == 64
     loaded = load_spec(path)
     assert loaded.steps == 3 and loaded.state_keys == spec.state_keys
-    assert all(torch.equal(a, b) for a, b in zip(loaded.model.state_dict().values(), spec.model.state_dict().values()))
+    assert all(t.is_meta for t in loaded.model.state_dict().values())  # the spec carries structure, not weights
+    read = loaded.weights.read(spec.state_keys)
+    assert all(torch.equal(read[k], t) for k, t in spec.model.state_dict().items())
 
 
 def test_a_pickle_without_the_header_is_refused_before_it_runs(tmp_path):

@@ -32,6 +32,7 @@ import torch
 
 from ..processes import alive
 from .inputs import RankInputs
+from .stage_build import build_stages
 from .train_loop import train
 
 if TYPE_CHECKING:
@@ -205,60 +206,6 @@ class Topology:
             self.pp_group, self.replica_group = mesh.get_group("pp"), mesh.get_group("dp")
 
 
-def _build_stages(spec: RunSpec, topo: Topology, device: torch.device) -> list[Any]:
-    from torch.distributed.pipelining import PipelineStage
-
-    from ...core.recompute import apply_recompute, recompute_weight_pass_once, schedule_splits_backward
-    from ..stages.contiguous import send_contiguous
-    from ..stages.precision import autocast_forward, mixed
-    from ..stages.sequential import stage_module
-
-    plan = spec.plan
-    if spec.traced is not None:
-        from ..stages.traced import build_traced_stages
-
-        return build_traced_stages(spec, topo.pp_rank, device, group=topo.pp_group, replica_group=topo.replica_group)
-    if spec.manual is not None:
-        from ..stages.manual import build_manual_modules
-
-        modules = build_manual_modules(spec.model, spec.manual, plan.stages_of(topo.pp_rank))
-    elif isinstance(spec.model, torch.nn.Sequential):
-        modules = {s: stage_module(spec.model, plan.bounds[s]) for s in plan.stages_of(topo.pp_rank)}
-    else:
-        raise TypeError(f"a model that is not an nn.Sequential needs traced stages; got {type(spec.model).__name__}")
-    stages = []
-    for s, module in modules.items():
-        if spec.recompute is not None:
-            split_backward = schedule_splits_backward(spec.plan.schedule)
-            apply_recompute(
-                module, spec.recompute.stage_layers(s), spec.recompute.stage_mode(s), split_backward=split_backward
-            )
-        if mixed(spec.precision):
-            autocast_forward(module, device.type)
-        module = module.to(device)
-        if topo.replica_group is not None:
-            from torch.nn.parallel import DistributedDataParallel
-
-            # PipelineStage runs the micro-batches' backwards under no_sync() and all-reduces at the last one
-            module = DistributedDataParallel(
-                module, process_group=topo.replica_group, device_ids=[device] if device.type == "cuda" else None
-            )
-        in_spec, out_spec = spec.boundaries[s]
-        stage = PipelineStage(
-            module,
-            s,
-            plan.n_stages,
-            device,
-            input_args=in_spec.empty(device),
-            output_args=out_spec.empty(device) if out_spec is not None else None,
-            group=topo.pp_group,
-        )
-        if spec.recompute is not None and schedule_splits_backward(spec.plan.schedule):
-            recompute_weight_pass_once(stage)
-        stages.append(send_contiguous(stage))
-    return stages
-
-
 def stage_loss(spec: RunSpec) -> Any:
     """The loss torch's schedule calls with the last stage's output: ``spec.loss_fn``, given the model's output
     structure back when the last stage returns it as a flat tuple (traced and manual stages)."""
@@ -343,7 +290,7 @@ def run_rank(spec: RunSpec, out_dir: Path, progress: bool = False) -> None:
             gather_group=gather_group,
             proc_start_ns=proc_start,
             entered_ns=entered,
-            build_stages=_build_stages,
+            build_stages=build_stages,
             make_schedule=_schedule,
         )
         gathered = train(inputs)

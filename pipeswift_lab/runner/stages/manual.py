@@ -36,6 +36,7 @@ from torch import nn
 from torch.utils._pytree import TreeSpec, tree_flatten
 
 from ...profiling.pipeline_settings import apply_training_settings
+from .materialize import shape_pass
 from .outputs import checked_structure, describe
 from .sequential import TensorSpec
 from .tied import TiedGroup, tied_groups, unheld_keys
@@ -147,8 +148,8 @@ def check_manual(
     plan = ManualPlan(tuple(tuple(str(n) for n in stage) for stage in layers))
     copies = [stage_copy(model, plan, s) for s in range(n_stages)]
     specs: list[tuple[TensorSpec, TensorSpec | None]] = []
-    x = inputs_mb.detach().clone()
-    with torch.no_grad(), torch.random.fork_rng():
+    with torch.no_grad(), torch.random.fork_rng(), shape_pass(model) as lift:
+        x = lift(inputs_mb.detach().clone())
         for s, stage in enumerate(copies):
             stage.train(model.training)
             try:
@@ -162,8 +163,8 @@ def check_manual(
                 ) from exc
             specs.append((TensorSpec.from_tensor(x), TensorSpec.from_tensor(y) if s < n_stages - 1 else None))
             x = y
-        out = _eager_output(model, inputs_mb)
-    structure = checked_structure(loss_fn, out, targets_mb)
+        out = _eager_output(model, lift(inputs_mb))
+        structure = checked_structure(loss_fn, out, lift(targets_mb))
     stage_tensors = [stage.state_dict() for stage in copies]
     missing = unheld_keys(model, stage_tensors)
     if missing:

@@ -1,10 +1,11 @@
 """Freeing, in a worker, the weights of the layers its rank does not run.
 
-Every worker receives the whole model in its spec and builds its own stages from it, so
-without this each rank of a CPU run would keep the full model's weights beside its own (a
-GPU run keeps them in host memory). Once the stages are built the rest is never read again
-in the worker (checkpoints, tied-weight sync and the final state use the stage modules), so
-:func:`release_unheld` empties those tensors.
+Every worker receives the model's structure in its spec (its tensors on the meta device) and
+makes only its own stages' tensors. A stage initialized through the original model's modules
+(a traced or manual stage: :func:`~pipeswift_lab.runner.stages.materialize.initial_values`) leaves
+real tensors there once copied into the stage. Once the stages are built the model is never read
+again in the worker (checkpoints, tied-weight sync and the final state use the stage modules), so
+:func:`release_unheld` empties those tensors; meta tensors hold nothing and are left as they are.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ def release_unheld(model: nn.Module, held: Iterable[nn.Module]) -> int:
     seen: set[tuple[str, int]] = set()
     for t in (*model.parameters(), *model.buffers()):
         key = _storage_key(t)
-        if key in kept or key in seen or t.numel() == 0:
+        if t.is_meta or key in kept or key in seen or t.numel() == 0:
             continue
         seen.add(key)
         released += t.untyped_storage().nbytes()

@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from ...simulation.reconciliation import reconcile
+from .materialize import is_meta_model
 
 #: ``loss_fn(outputs, targets)`` -> a scalar tensor.
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -246,17 +247,20 @@ def boundary_specs(
     Tries the ``meta`` device first (no compute, no memory), then runs the first stage on the
     micro-batch for real without gradients (meta kernels do not check dtypes); if an op has no meta kernel it runs
     the micro-batch for real on a copy of the parameters and buffers (the model is not
-    changed, BatchNorm statistics included). Raises ``ValueError`` naming the stage, its
+    changed, BatchNorm statistics included). A model on the meta device is checked on meta only. Raises
+    ``ValueError`` naming the stage, its
     layers and the shape it could not take.
     """
+    on_meta = is_meta_model(model)
+    if not on_meta:
+        try:
+            specs = _pass(model, plan, inputs_mb, targets_mb, loss_fn, "meta")
+            _first_stage_for_real(model, plan, inputs_mb)
+            return specs
+        except (_StageFailure, _LossFailure, Exception):
+            pass  # no meta kernel, or a real error: the real pass below tells them apart
     try:
-        specs = _pass(model, plan, inputs_mb, targets_mb, loss_fn, "meta")
-        _first_stage_for_real(model, plan, inputs_mb)
-        return specs
-    except (_StageFailure, _LossFailure, Exception):
-        pass  # no meta kernel, or a real error: the real pass below tells them apart
-    try:
-        return _pass(model, plan, inputs_mb, targets_mb, loss_fn, "real")
+        return _pass(model, plan, inputs_mb, targets_mb, loss_fn, "meta" if on_meta else "real")
     except _StageFailure as f:
         where = _layer_names(model, plan.bounds[f.stage])
         if f.output:

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from ...profiling.units import decoder_inputs_refusal
+from .materialize import is_meta_model
 from .sequential import StagePlan, TensorSpec, boundary_specs, stage_module
 from .tied import TiedGroup, tied_groups
 
@@ -53,10 +54,13 @@ def stage_shapes(
 
     An ``nn.Sequential`` gets the shapes crossing every boundary; any other model is traced at the
     partition's split points (torch's traced stages know their boundary shapes from the graph), or
-    with ``split="manual"`` built as stage copies and run in order.
+    with ``split="manual"`` built as stage copies and run in order. A model on the meta device is
+    checked with the micro-batch on meta.
     """
     inputs, targets = source.batch(0)
     inputs_mb, targets_mb = inputs[:microbatch_size], targets[:microbatch_size]
+    if is_meta_model(model):  # shapes only: the checks run on the meta device
+        inputs_mb, targets_mb = inputs_mb.to("meta"), targets_mb.to("meta")
     if isinstance(model, nn.Sequential) and split is None:
         layer_names = [name for name, _ in model.named_children()]
         stage_tensors = [stage_module(model, b).state_dict() for b in plan.bounds]

@@ -36,19 +36,16 @@ import torch
 from torch import nn
 from torch.utils._pytree import TreeSpec
 
-from ...core.recompute import apply_recompute, recompute_weight_pass_once, schedule_splits_backward
 from ...profiling.pipeline_settings import training_settings
-from .contiguous import contiguous_boundaries, send_contiguous
+from .contiguous import contiguous_boundaries
+from .materialize import shape_pass
 from .outputs import checked_structure
-from .precision import autocast_forward, mixed
 from .skips import route_skip_connections
-from .tied import TiedGroup, tied_groups, unheld_keys, unify_copies
+from .tied import TiedGroup, tied_groups, unheld_keys
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
     from torch.distributed.pipelining import Pipe
-
-    from ..spec import RunSpec
 
 
 @dataclass(frozen=True)
@@ -170,9 +167,9 @@ def check_traceable(
             f"the traced stages do not hold {missing[:8]} of model.state_dict(); the runner cannot return or "
             "checkpoint them"
         )
-    with torch.no_grad(), training_settings(model), torch.random.fork_rng():
-        out = model(example)
-    structure = checked_structure(loss_fn, out, targets_mb)
+    with torch.no_grad(), training_settings(model), torch.random.fork_rng(), shape_pass(model) as lift:
+        out = model(lift(example))
+        structure = checked_structure(loss_fn, out, lift(targets_mb))
     return TracedPlan(names, example, structure), tied
 
 
@@ -199,40 +196,37 @@ def traced_stage_state(
     return known[key]
 
 
-def build_traced_stages(
-    spec: RunSpec,
-    rank: int,
-    device: torch.device,
-    group: ProcessGroup | None = None,
-    replica_group: ProcessGroup | None = None,
-) -> list[Any]:
-    """This pipeline rank's ``_PipelineStage`` objects, re-traced from the spec's model and example micro-batch.
+def retarget_device(module: nn.Module, device: torch.device) -> int:
+    """Point every device the tracer burned into ``module``'s graphs (nested ones included) at ``device``; returns
+    the number of nodes changed.
 
-    ``group`` is the pipeline's process group (None: the default group); with ``replica_group``
-    each stage module is wrapped in ``DistributedDataParallel`` over the replicas.
-    """
-    traced = spec.traced
-    if traced is None:
-        raise ValueError("build_traced_stages needs a spec whose model was traced (spec.traced)")
-    pipe = trace(spec.model, traced.example, traced.split_names)
-    stages = []
-    for s in spec.plan.stages_of(rank):
-        stage = send_contiguous(pipe.build_stage(s, device, group))
-        unify_copies(stage.submod, spec.tied)
-        if spec.recompute is not None:
-            split = schedule_splits_backward(spec.plan.schedule)
-            apply_recompute(
-                stage.submod, spec.recompute.stage_layers(s), spec.recompute.stage_mode(s), split_backward=split
-            )
-            if split:
-                recompute_weight_pass_once(stage)
-        if mixed(spec.precision):
-            autocast_forward(stage.submod, torch.device(device).type)
-        if replica_group is not None:
-            stage.submod = _traced_ddp(stage.submod, replica_group, device)
-        _skip_self_warmup(stage)
-        stages.append(stage)
-    return stages
+    The workers trace on the meta device (no tensor is made), so ``torch.arange(n, device=x.device)`` or
+    ``inv_freq.to(x.device)`` is recorded with ``device="meta"``. torch's ``build_stage`` rewrites the ``device``
+    keyword of the stage's top-level graph only; a rotary embedding's graph is nested."""
+    meta = torch.device("meta")
+
+    def swap(value: Any) -> Any:
+        if isinstance(value, torch.device) and value == meta:
+            return device
+        if isinstance(value, (tuple, list)):
+            return type(value)(swap(v) for v in value)
+        return value
+
+    changed = 0
+    for sub in module.modules():
+        graph = getattr(sub, "graph", None)
+        if not isinstance(graph, torch.fx.Graph):
+            continue
+        touched = False
+        for node in graph.nodes:
+            args, kwargs = swap(node.args), {k: swap(v) for k, v in node.kwargs.items()}
+            if args != node.args or kwargs != node.kwargs:
+                node.args, node.kwargs = args, kwargs
+                changed += 1
+                touched = True
+        if touched and isinstance(sub, torch.fx.GraphModule):
+            sub.recompile()
+    return changed
 
 
 def _traced_ddp(submod: nn.Module, replica_group: ProcessGroup, device: torch.device) -> nn.Module:
@@ -296,8 +290,8 @@ def _merge(dst: nn.Module, src: nn.Module) -> None:
 
 
 __all__ = [
-    "build_traced_stages",
     "check_traceable",
+    "retarget_device",
     "merged_module",
     "split_names",
     "trace",

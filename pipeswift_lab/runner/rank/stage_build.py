@@ -1,0 +1,142 @@
+"""A rank's pipeline stages, built from the spec's model structure: only this rank's tensors are ever made.
+
+The spec's model holds meta tensors (:mod:`~pipeswift_lab.runner.stages.materialize`). For each stage
+this rank runs, the stage module is cut from the structure (an ``nn.Sequential``'s children, a
+``split="manual"`` copy, or torch's traced submodule), made on the rank's device with ``to_empty``
+and filled (:func:`stage_fill`): from ``spec.weights`` (only the stage's keys are read), by
+initialization (``spec.init``, a Hugging Face model's ``_init_weights``, or ``reset_parameters``,
+seeded by name), or left empty when the run restores a checkpoint (the restore fills every tensor).
+Recomputation, precision and DDP wrap it afterwards, as for any stage.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from ..stages.materialize import initial_values, materialize
+
+if TYPE_CHECKING:
+    from ..spec import RunSpec
+    from .worker import Topology
+
+__all__ = ["build_stages", "stage_fill"]
+
+Fill = Callable[[list[str]], Mapping[str, torch.Tensor]]
+
+
+def stage_fill(spec: RunSpec, device: torch.device) -> Fill | None:
+    """How this rank fills a stage's tensors, given their names: ``None`` when a checkpoint restore fills them."""
+    if spec.job.resume_from is not None:
+        return None
+    weights = spec.weights
+
+    def fill(keys: list[str]) -> Mapping[str, torch.Tensor]:
+        stored = [k for k in keys if weights is not None and k in weights]
+        rest = [k for k in keys if k not in set(stored)]
+        out: dict[str, torch.Tensor] = {}
+        if stored and weights is not None:
+            out.update(weights.read(stored, device))
+        if rest:
+            out.update(initial_values(spec.model, rest, device, spec.seed, spec.init))
+        return out
+
+    return fill
+
+
+def _stage_modules(spec: RunSpec, stages: list[int]) -> dict[int, nn.Module]:
+    from ..stages.sequential import stage_module
+
+    if spec.manual is not None:
+        from ..stages.manual import build_manual_modules
+
+        return build_manual_modules(spec.model, spec.manual, stages)
+    if isinstance(spec.model, nn.Sequential):
+        return {s: stage_module(spec.model, spec.plan.bounds[s]) for s in stages}
+    raise TypeError(f"a model that is not an nn.Sequential needs traced stages; got {type(spec.model).__name__}")
+
+
+def build_stages(spec: RunSpec, topo: Topology, device: torch.device) -> list[Any]:
+    """This rank's ``PipelineStage`` objects (traced stages: torch's ``_PipelineStage``), made and filled on
+    ``device``; with ``D > 1`` each stage module is wrapped in ``DistributedDataParallel`` over the replicas."""
+    from torch.distributed.pipelining import PipelineStage
+
+    from ...core.recompute import apply_recompute, recompute_weight_pass_once, schedule_splits_backward
+    from ..stages.contiguous import send_contiguous
+    from ..stages.precision import autocast_forward, mixed
+
+    if spec.traced is not None:
+        return build_traced_stages(spec, topo, device)
+    plan = spec.plan
+    fill = stage_fill(spec, device)
+    stages = []
+    for s, module in _stage_modules(spec, plan.stages_of(topo.pp_rank)).items():
+        materialize(module, device, fill)
+        if spec.recompute is not None:
+            split_backward = schedule_splits_backward(spec.plan.schedule)
+            apply_recompute(
+                module, spec.recompute.stage_layers(s), spec.recompute.stage_mode(s), split_backward=split_backward
+            )
+        if mixed(spec.precision):
+            autocast_forward(module, device.type)
+        if topo.replica_group is not None:
+            from torch.nn.parallel import DistributedDataParallel
+
+            # PipelineStage runs the micro-batches' backwards under no_sync() and all-reduces at the last one
+            module = DistributedDataParallel(
+                module, process_group=topo.replica_group, device_ids=[device] if device.type == "cuda" else None
+            )
+        in_spec, out_spec = spec.boundaries[s]
+        stage = PipelineStage(
+            module,
+            s,
+            plan.n_stages,
+            device,
+            input_args=in_spec.empty(device),
+            output_args=out_spec.empty(device) if out_spec is not None else None,
+            group=topo.pp_group,
+        )
+        if spec.recompute is not None and schedule_splits_backward(spec.plan.schedule):
+            recompute_weight_pass_once(stage)
+        stages.append(send_contiguous(stage))
+    return stages
+
+
+def build_traced_stages(spec: RunSpec, topo: Topology, device: torch.device) -> list[Any]:
+    """This pipeline rank's ``_PipelineStage`` objects, re-traced on the meta device from the spec's model and
+    example micro-batch, each stage module made and filled on ``device`` before torch builds its stage."""
+    from ...core.recompute import apply_recompute, recompute_weight_pass_once, schedule_splits_backward
+    from ..stages.contiguous import send_contiguous
+    from ..stages.precision import autocast_forward, mixed
+    from ..stages.tied import unify_copies
+    from ..stages.traced import _skip_self_warmup, _traced_ddp, retarget_device, trace
+
+    traced = spec.traced
+    if traced is None:
+        raise ValueError("build_traced_stages needs a spec whose model was traced (spec.traced)")
+    pipe = trace(spec.model, traced.example.to("meta"), traced.split_names)
+    fill = stage_fill(spec, device)
+    stages = []
+    for s in spec.plan.stages_of(topo.pp_rank):
+        submod = pipe.get_stage_module(s)
+        unify_copies(submod, spec.tied)
+        materialize(submod, device, fill)
+        retarget_device(submod, device)
+        stage = send_contiguous(pipe.build_stage(s, device, topo.pp_group))
+        if spec.recompute is not None:
+            split = schedule_splits_backward(spec.plan.schedule)
+            apply_recompute(
+                stage.submod, spec.recompute.stage_layers(s), spec.recompute.stage_mode(s), split_backward=split
+            )
+            if split:
+                recompute_weight_pass_once(stage)
+        if mixed(spec.precision):
+            autocast_forward(stage.submod, torch.device(device).type)
+        if topo.replica_group is not None:
+            stage.submod = _traced_ddp(stage.submod, topo.replica_group, device)
+        _skip_self_warmup(stage)
+        stages.append(stage)
+    return stages

@@ -1,0 +1,224 @@
+"""A stage built from the model's structure: its tensors made on the rank's device, then read or initialized.
+
+The spec carries the model with every tensor of its ``state_dict`` on the meta device
+(:func:`structure_reducer`), whatever the caller's model held, so a rank unpickles code and
+shapes, never weights. Each rank then makes only its stages' tensors (``Module.to_empty``, as
+torchtitan builds its stages: meta device, ``to_empty``, then fill) and fills them in one of two
+ways (:func:`materialize`):
+
+* **from weights** (:class:`~pipeswift_lab.runner.weights.WeightSource`): only the stage's keys are
+  read (a tied weight under whichever of its names the file has);
+* **by initialization** (:func:`initial_values`): every submodule of the *original* model that owns
+  one of the stage's tensors is made on the device and initialized by ``init(module)`` when given,
+  else by a Hugging Face model's own ``_init_weights(module)``, else by ``module.reset_parameters()``.
+  Its RNG is seeded from the run's seed and the submodule's name, so a tensor starts the same
+  whatever the partition, P or the rank that builds it.
+
+Buffers that are not in the ``state_dict`` (a rotary embedding's ``inv_freq``) travel by value when
+the caller's model holds them; when they are on meta they are initialized with their module.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch import nn
+
+from .tied import alias_map, parameter_names
+
+__all__ = [
+    "InitFn",
+    "check_initializable",
+    "initial_values",
+    "init_owner",
+    "is_meta_model",
+    "materialize",
+    "meta_tensor",
+    "name_seed",
+    "shape_pass",
+    "structure_reducer",
+    "unfilled_buffers",
+]
+
+#: ``init(module)``: fills the tensors ``module`` itself holds (called under ``torch.no_grad``).
+InitFn = Callable[[nn.Module], None]
+
+
+def is_meta_model(model: nn.Module) -> bool:
+    """Whether any tensor of ``model``'s ``state_dict`` is on the meta device."""
+    return any(t.is_meta for t in model.state_dict(keep_vars=True).values())
+
+
+@contextmanager
+def shape_pass(model: nn.Module) -> Iterator[Callable[[torch.Tensor], torch.Tensor]]:
+    """Run ``model``'s forward for shapes only when it is on the meta device; yields ``lift(tensor)``, which turns an
+    input into what that forward takes.
+
+    A meta model runs under torch's ``FakeTensorMode`` on fake inputs: a meta tensor has no values, and a forward
+    that reads one (Hugging Face's check for packed sequences calls ``.item()``) sees it is being traced and skips
+    the read. A model with real tensors runs as it is and ``lift`` returns its input."""
+    if not is_meta_model(model):
+        yield lambda t: t
+        return
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+        yield lambda t: mode.from_tensor(t.to("meta"))
+
+
+def meta_tensor(shape: tuple[int, ...], dtype: torch.dtype, parameter: bool, requires_grad: bool) -> torch.Tensor:
+    """An empty tensor on the meta device (an ``nn.Parameter`` when ``parameter``); what the spec unpickles in place
+    of every ``state_dict`` tensor."""
+    t = torch.empty(shape, dtype=dtype, device="meta")
+    return nn.Parameter(t, requires_grad=requires_grad) if parameter else t
+
+
+def structure_reducer(model: nn.Module) -> Callable[[Any], Any]:
+    """A pickler's ``reducer_override`` step for ``model``: each tensor of its ``state_dict`` pickles as
+    :func:`meta_tensor` (shape, dtype, parameter or not); any other object gives ``NotImplemented``.
+
+    A tied parameter is one object, so it stays one after unpickling."""
+    ids = {id(t) for t in model.state_dict(keep_vars=True).values()}
+
+    def reduce(obj: Any) -> Any:
+        if isinstance(obj, torch.Tensor) and id(obj) in ids:
+            parameter = isinstance(obj, nn.Parameter)
+            return meta_tensor, (tuple(obj.shape), obj.dtype, parameter, bool(obj.requires_grad))
+        return NotImplemented
+
+    return reduce
+
+
+def name_seed(seed: int, name: str) -> int:
+    """The RNG seed of the submodule ``name`` in a run seeded ``seed`` (a 63-bit digest of both)."""
+    digest = hashlib.sha256(f"{seed}:{name}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
+
+
+def _hf_root(model: nn.Module) -> Any:
+    """The model when it is a Hugging Face ``PreTrainedModel`` (it knows its own ``_init_weights``), else None."""
+    init = getattr(model, "_init_weights", None)
+    return model if callable(init) and hasattr(model, "config") else None
+
+
+def init_owner(model: nn.Module, module: nn.Module, init: InitFn | None) -> None:
+    """Initialize the tensors ``module`` (a submodule of ``model``) itself holds: ``init(module)``, a Hugging Face
+    model's ``_init_weights(module)``, or ``module.reset_parameters()``."""
+    with torch.no_grad():
+        if init is not None:
+            init(module)
+            return
+        root = _hf_root(model)
+        if root is not None:
+            root._init_weights(module)
+            return
+        module.reset_parameters()  # type: ignore[operator]
+
+
+def _own_tensors(module: nn.Module) -> dict[str, torch.Tensor]:
+    return {
+        **{n: p for n, p in module._parameters.items() if p is not None},
+        **{n: b for n, b in module._buffers.items() if b is not None},
+    }
+
+
+def check_initializable(model: nn.Module, init: InitFn | None) -> None:
+    """Refuse a meta model that nothing can initialize: with no ``init`` and no Hugging Face ``_init_weights``, every
+    submodule holding a meta tensor must have ``reset_parameters``. Raises ``ValueError`` naming the first ones."""
+    if init is not None:
+        if not callable(init):
+            raise TypeError(f"init must be a callable init(module); got {type(init).__name__}")
+        return
+    if _hf_root(model) is not None:
+        return
+    lacking = []
+    for name, module in model.named_modules():
+        held = [n for n, t in _own_tensors(module).items() if t.is_meta]
+        if held and not callable(getattr(module, "reset_parameters", None)):
+            lacking.append(f"{name or '(the model)'} ({type(module).__name__}, holding {', '.join(held)})")
+    if lacking:
+        raise ValueError(
+            f"the model is on the meta device and no weights= were given, so each rank initializes its stage; "
+            f"{len(lacking)} submodules hold tensors and have no reset_parameters(): {'; '.join(lacking[:8])}. "
+            "Give weights= (a safetensors or DCP checkpoint), or init=fn, where fn(module) fills the tensors the "
+            "module holds"
+        )
+
+
+def unfilled_buffers(module: nn.Module) -> list[str]:
+    """Names of ``module``'s buffers outside its ``state_dict`` that are on the meta device (initialized with their
+    submodule, as no checkpoint holds them)."""
+    persistent = set(module.state_dict(keep_vars=True))
+    return [n for n, b in module.named_buffers() if b.is_meta and n not in persistent]
+
+
+def initial_values(
+    model: nn.Module, keys: Iterable[str], device: torch.device, seed: int, init: InitFn | None
+) -> dict[str, torch.Tensor]:
+    """``{key: tensor}`` for ``keys`` (names in ``model``): each owning submodule of ``model`` is made on ``device``
+    (unless a stage made its tensors already: an ``nn.Sequential``'s stage shares the model's modules) and
+    initialized (:func:`init_owner`) with its RNG seeded by :func:`name_seed`; a tied weight's other names take its
+    canonical name's tensor. The submodules keep their tensors (the caller frees them)."""
+    aliases = alias_map(parameter_names(model))
+    keys = list(keys)
+    owners: dict[str, None] = {}
+    for key in keys:
+        owners.setdefault(aliases.get(key, key).rpartition(".")[0], None)
+    values: dict[str, torch.Tensor] = {}
+    for owner in owners:
+        module = model.get_submodule(owner)
+        if any(t.is_meta for t in _own_tensors(module).values()):
+            kept = {n: b for n, b in module._buffers.items() if b is not None and not b.is_meta}
+            module.to_empty(device=device, recurse=False)
+            for n, b in kept.items():
+                module._buffers[n] = b.to(device)
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+            torch.manual_seed(name_seed(seed, owner))
+            init_owner(model, module, init)
+        prefix = f"{owner}." if owner else ""
+        values.update({prefix + n: t for n, t in _own_tensors(module).items()})
+    return {key: values[aliases.get(key, key)] for key in keys}
+
+
+def _retie(module: nn.Module, names: list[tuple[str, ...]]) -> None:
+    """Make every name of one parameter (``names`` from before ``to_empty``) point to one object again."""
+    for group in names:
+        if len(group) < 2:
+            continue
+        keep = module.get_parameter(group[0])
+        for name in group[1:]:
+            owner, _, attr = name.rpartition(".")
+            (module.get_submodule(owner) if owner else module)._parameters[attr] = keep
+
+
+def materialize(
+    module: nn.Module,
+    device: torch.device,
+    fill: Callable[[list[str]], Mapping[str, torch.Tensor]] | None,
+) -> int:
+    """Make ``module``'s tensors on ``device`` (``to_empty``; non-persistent buffers it holds for real are kept, tied
+    parameters stay tied) and copy ``fill(keys)`` into them, for its ``state_dict`` keys and its meta non-persistent
+    buffers; ``fill=None`` leaves them empty (a checkpoint restore fills them). Returns the bytes filled."""
+    names = parameter_names(module)
+    kept = {n: b for n, b in module.named_buffers() if not b.is_meta}
+    wanted = [*module.state_dict(keep_vars=True), *unfilled_buffers(module)]
+    module.to_empty(device=device)
+    _retie(module, names)
+    for name, buffer in kept.items():
+        owner, _, attr = name.rpartition(".")
+        (module.get_submodule(owner) if owner else module)._buffers[attr] = buffer.to(device)
+    if fill is None:
+        return 0
+    targets = {**dict(module.named_buffers()), **dict(module.state_dict(keep_vars=True))}
+    filled = 0
+    with torch.no_grad():
+        for key, value in fill(wanted).items():
+            target = targets[key]
+            if target is not value:
+                target.copy_(value)
+            filled += target.numel() * target.element_size()
+    return filled

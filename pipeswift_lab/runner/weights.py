@@ -1,0 +1,346 @@
+"""Where a run's starting weights come from, and each rank reading only its stage's tensors.
+
+``run(model, ..., weights=PATH)`` names one of:
+
+* a Hugging Face safetensors checkpoint: one ``.safetensors`` file, or a directory holding
+  ``model.safetensors`` or shards with ``model.safetensors.index.json`` (its ``weight_map`` says
+  which shard holds each tensor); a rank opens only the shards that hold its keys and reads
+  only those tensors (``safetensors.safe_open``, memory-mapped);
+* a ``torch.distributed.checkpoint`` directory (``.metadata`` and its ``.distcp`` files), the model's
+  tensors at the top level or under ``model.`` (as torchtitan saves them); each rank loads only its
+  keys (DCP's load of a partial state dict, one process each: ``no_dist=True``);
+* one of the toolkit's own checkpoints (a ``step-*`` directory with ``manifest.json``, a checkpoint
+  root, or a :class:`~pipeswift_lab.runner.checkpoint.Checkpoint`): the model part of its state.
+
+:func:`open_weights` reads only the index (names, shapes, dtypes) in the caller, so a mismatch with
+the model is refused before any process starts (:func:`check_weights`). A model that holds real
+weights in the caller is written once as a safetensors file (:func:`write_weights`) and every rank
+reads its keys from it: the spec carries the model's structure and code, never its tensors.
+A tied weight is stored once, under its canonical name (:mod:`.stages.tied`); reading any of its
+names finds it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import warnings
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+__all__ = [
+    "INDEX_FILE",
+    "SAFETENSORS_FILE",
+    "WEIGHT_KINDS",
+    "WeightSource",
+    "check_weights",
+    "open_weights",
+    "write_weights",
+]
+
+#: Hugging Face's name of a single-file checkpoint and of a sharded checkpoint's index.
+SAFETENSORS_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+#: What ``weights=`` can name.
+WEIGHT_KINDS = ("safetensors", "dcp", "checkpoint")
+#: safetensors' dtype names.
+_SAFETENSORS_DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
+#: How many mismatches an error names.
+_NAMED = 8
+
+
+@dataclass(frozen=True)
+class WeightSource:
+    """Weights on disk, indexed: ``kind`` (:data:`WEIGHT_KINDS`), ``path`` and every tensor's shape and dtype."""
+
+    kind: str
+    """``"safetensors"``, ``"dcp"`` or ``"checkpoint"``."""
+    path: str
+    """The file or directory (absolute)."""
+    shapes: dict[str, tuple[tuple[int, ...], torch.dtype]]
+    """``{name: (shape, dtype)}`` of every tensor it holds, by the names the reader takes."""
+    files: dict[str, str]
+    """safetensors: ``{name: file}`` (the shard holding it); empty for the other kinds."""
+    prefix: str = ""
+    """What precedes the model's names in a DCP checkpoint (``"model."`` or nothing)."""
+    renamed: dict[str, str] = field(default_factory=dict)
+    """``{model key: stored name}`` where they differ (a tied weight stored under another of its names)."""
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of every tensor it holds."""
+        return sum(int(torch.Size(shape).numel()) * dtype.itemsize for shape, dtype in self.shapes.values())
+
+    def __contains__(self, key: object) -> bool:
+        """Whether it holds the model's tensor ``key`` (under that name or, for a tied weight, another)."""
+        return key in self.renamed or key in self.shapes
+
+    def relative_to(self, base: str | os.PathLike[str]) -> WeightSource:
+        """This source with its paths relative to the directory ``base`` (a spec names the file written beside it)."""
+        return self._moved(lambda p: os.path.relpath(p, base))
+
+    def resolved(self, base: str | os.PathLike[str]) -> WeightSource:
+        """This source with a relative path taken from the directory ``base``."""
+        return self._moved(lambda p: p if os.path.isabs(p) else os.path.join(base, p))
+
+    def _moved(self, move: Callable[[str], str]) -> WeightSource:
+        return replace(self, path=move(self.path), files={k: move(f) for k, f in self.files.items()})
+
+    def read(self, keys: Iterable[str], device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
+        """The tensors ``keys`` (names as the model's ``state_dict`` has them, found here by :attr:`shapes`), read
+        from disk onto ``device`` and nothing else; returns ``{key: tensor}``."""
+        wanted = {key: self.renamed.get(key, key) for key in keys}
+        stored = list(dict.fromkeys(wanted.values()))
+        if self.kind == "safetensors":
+            found = self._read_safetensors(stored, torch.device(device))
+        else:
+            found = self._read_dcp(stored, torch.device(device))
+        return {key: found[name] for key, name in wanted.items()}
+
+    def _read_safetensors(self, keys: list[str], device: torch.device) -> dict[str, torch.Tensor]:
+        from safetensors import safe_open
+
+        by_file: dict[str, list[str]] = {}
+        for key in keys:
+            by_file.setdefault(self.files[key], []).append(key)
+        out: dict[str, torch.Tensor] = {}
+        for file, names in by_file.items():
+            with safe_open(file, framework="pt", device=str(device) if device.type != "cpu" else "cpu") as f:
+                for name in names:
+                    out[name] = f.get_tensor(name)
+        return out
+
+    def _read_dcp(self, keys: list[str], device: torch.device) -> dict[str, torch.Tensor]:
+        import torch.distributed.checkpoint as dcp
+
+        state = {
+            self.prefix + key: torch.empty(self.shapes[key][0], dtype=self.shapes[key][1], device=device)
+            for key in keys
+        }
+        dcp.load(state, storage_reader=self._reader(), no_dist=True)
+        return {key: state[self.prefix + key] for key in keys}
+
+    def _reader(self) -> Any:
+        if self.kind == "checkpoint":
+            from .checkpoint import load_checkpoint, storage_reader
+
+            return storage_reader(load_checkpoint(self.path))
+        from torch.distributed.checkpoint import FileSystemReader
+
+        return FileSystemReader(self.path)
+
+    def _repr_html_(self) -> str:
+        from ..core.display import html_card
+
+        return html_card(
+            "WeightSource",
+            {"kind": self.kind, "path": self.path, "tensors": len(self.shapes), "MiB": f"{self.nbytes / 2**20:.1f}"},
+        )
+
+
+def open_weights(weights: str | os.PathLike[str] | Any) -> WeightSource:
+    """Index the checkpoint ``weights`` names (see the module's doc), reading names, shapes and dtypes only.
+
+    Returns the :class:`WeightSource`. Raises ``FileNotFoundError`` when nothing is there and ``ValueError`` when
+    it is none of the kinds this reads, saying what each kind looks like.
+    """
+    from .checkpoint import Checkpoint
+
+    if isinstance(weights, WeightSource):
+        return weights
+    if isinstance(weights, Checkpoint):
+        return _checkpoint_source(weights.path)
+    if not isinstance(weights, (str, os.PathLike)):
+        raise TypeError(
+            f"weights must be a path (a .safetensors file, a directory of safetensors shards, a DCP directory or a "
+            f"pipeswift_lab checkpoint) or a Checkpoint; got {type(weights).__name__}"
+        )
+    path = Path(weights).expanduser().resolve()
+    if not path.exists():
+        raise FileNotFoundError(f"weights={str(weights)!r} does not exist")
+    if path.is_file():
+        if path.suffix == ".json" and path.name.endswith(".index.json"):
+            return _safetensors_source(path.parent, index=path)
+        if path.suffix != ".safetensors":
+            raise ValueError(
+                f"weights={str(weights)!r} is a file that is not a .safetensors file (or a safetensors index); "
+                f"give a .safetensors file, a directory holding {SAFETENSORS_FILE} or {INDEX_FILE}, a "
+                "torch.distributed.checkpoint directory or a pipeswift_lab checkpoint"
+            )
+        return _safetensors_source(path.parent, files=[path])
+    if (path / INDEX_FILE).is_file():
+        return _safetensors_source(path, index=path / INDEX_FILE)
+    if (path / SAFETENSORS_FILE).is_file():
+        return _safetensors_source(path, files=[path / SAFETENSORS_FILE])
+    from .checkpoint import MANIFEST, latest_checkpoint
+
+    if (path / MANIFEST).is_file() or latest_checkpoint(path) is not None:
+        return _checkpoint_source(path)
+    if (path / ".metadata").is_file():
+        return _dcp_source(path)
+    shards = sorted(path.glob("*.safetensors"))
+    if len(shards) == 1:
+        return _safetensors_source(path, files=shards)
+    raise ValueError(
+        f"weights={str(weights)!r} holds no checkpoint this reads: no {SAFETENSORS_FILE}, no {INDEX_FILE}"
+        f"{f' (it has {len(shards)} .safetensors files but no index naming what each holds)' if shards else ''}, no "
+        "DCP .metadata and no pipeswift_lab manifest.json"
+    )
+
+
+def _safetensors_source(root: Path, *, files: list[Path] | None = None, index: Path | None = None) -> WeightSource:
+    from safetensors import safe_open
+
+    if index is not None:
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise ValueError(f"the safetensors index {str(index)!r} has no readable weight_map: {exc}") from None
+        files = sorted({root / name for name in weight_map.values()})
+        missing = [str(f) for f in files if not f.is_file()]
+        if missing:
+            raise FileNotFoundError(f"the safetensors index {str(index)!r} names shards that do not exist: {missing}")
+    assert files is not None
+    shapes: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
+    where: dict[str, str] = {}
+    for file in files:
+        with safe_open(str(file), framework="pt") as f:
+            for key in f.keys():
+                tensor = f.get_slice(key)
+                dtype = _SAFETENSORS_DTYPES.get(tensor.get_dtype())
+                if dtype is None:
+                    raise ValueError(f"{str(file)!r}: tensor {key!r} has dtype {tensor.get_dtype()}, which torch lacks")
+                shapes[key] = (tuple(tensor.get_shape()), dtype)
+                where[key] = str(file)
+    return WeightSource("safetensors", str(files[0] if len(files) == 1 and index is None else root), shapes, where)
+
+
+def _tensor_shapes(metadata: Any) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    return {
+        key: (tuple(item.size), item.properties.dtype)
+        for key, item in metadata.state_dict_metadata.items()
+        if isinstance(item, TensorStorageMetadata)
+    }
+
+
+def _dcp_source(path: Path) -> WeightSource:
+    from torch.distributed.checkpoint import FileSystemReader
+
+    shapes = _tensor_shapes(FileSystemReader(str(path)).read_metadata())
+    return WeightSource("dcp", str(path), shapes, {})
+
+
+def _checkpoint_source(path: Path) -> WeightSource:
+    from .checkpoint import load_checkpoint, storage_reader
+    from .checkpoint_files import MODEL
+
+    found = load_checkpoint(path)
+    shapes = _tensor_shapes(storage_reader(found).read_metadata())
+    prefix = MODEL + "."
+    model = {k[len(prefix) :]: v for k, v in shapes.items() if k.startswith(prefix)}
+    return WeightSource("checkpoint", str(found.path), model, {}, prefix=prefix)
+
+
+def _dcp_prefix(source: WeightSource, keys: Iterable[str]) -> WeightSource:
+    """A DCP source read under ``model.`` when the model's names are there and not at the top level."""
+    keys = list(keys)
+    if source.kind != "dcp" or any(k in source.shapes for k in keys):
+        return source
+    prefix = "model."
+    nested = {k[len(prefix) :]: v for k, v in source.shapes.items() if k.startswith(prefix)}
+    if not nested:
+        return source
+    return WeightSource("dcp", source.path, nested, {}, prefix=prefix)
+
+
+def check_weights(
+    source: WeightSource,
+    model_state: Mapping[str, torch.Tensor],
+    aliases: Mapping[str, str],
+) -> WeightSource:
+    """Check that ``source`` holds every tensor of ``model_state`` (``model.state_dict()``, meta tensors will do) with
+    its shape, and nothing else; return the source as the ranks read it (a key of a tied weight under the name the
+    source has).
+
+    ``aliases`` maps a tied weight's other names to its canonical one (either name may be stored). Raises
+    ``ValueError`` naming the first missing, unexpected and mismatched tensors. A dtype that differs from the
+    model's is converted on load, and said so in a ``UserWarning``.
+    """
+    source = _dcp_prefix(source, model_state)
+    names_of: dict[str, list[str]] = {}
+    for alias, canonical in aliases.items():
+        names_of.setdefault(canonical, [canonical]).append(alias)
+    found: dict[str, str] = {}
+    missing = []
+    for key in model_state:
+        canonical = aliases.get(key, key)
+        candidates = [key, *names_of.get(canonical, [canonical])]
+        name = next((n for n in candidates if n in source.shapes), None)
+        if name is None:
+            missing.append(key)
+        else:
+            found[key] = name
+    used = set(found.values())
+    unexpected = [k for k in source.shapes if k not in used and aliases.get(k, k) not in used]
+    wrong = [
+        f"{key}: the model has {list(model_state[key].shape)}, the weights {list(source.shapes[name][0])}"
+        for key, name in found.items()
+        if tuple(model_state[key].shape) != source.shapes[name][0]
+    ]
+    problems = []
+    if missing:
+        problems.append(f"{len(missing)} tensors of the model are missing from them: {missing[:_NAMED]}")
+    if unexpected:
+        problems.append(f"{len(unexpected)} tensors in them are not in the model: {unexpected[:_NAMED]}")
+    if wrong:
+        problems.append(f"{len(wrong)} tensors differ in shape: {wrong[:_NAMED]}")
+    if problems:
+        raise ValueError(
+            f"weights={source.path!r} ({source.kind}) do not match the model: "
+            + "; ".join(problems)
+            + ". Were they saved from another model or config?"
+        )
+    converted = sorted(
+        {
+            f"{source.shapes[name][1]} -> {model_state[key].dtype}"
+            for key, name in found.items()
+            if source.shapes[name][1] != model_state[key].dtype
+        }
+    )
+    if converted:
+        warnings.warn(
+            f"weights={source.path!r}: tensors are converted to the model's dtype as they load "
+            f"({', '.join(converted)})",
+            UserWarning,
+            stacklevel=3,
+        )
+    return replace(source, renamed={key: name for key, name in found.items() if key != name})
+
+
+def write_weights(state: Mapping[str, torch.Tensor], path: str | os.PathLike[str]) -> Path:
+    """Write ``state`` (a model's ``state_dict``, each tied tensor once) as one safetensors file at ``path``; return
+    the path. Tensors on a GPU are copied to the CPU one at a time."""
+    from safetensors.torch import save_file
+
+    tensors = {k: t.detach().contiguous() for k, t in state.items()}
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(path), metadata={"format": "pt"})
+    return path

@@ -1,0 +1,224 @@
+"""Models built on the meta device, run as pipelines in which each rank makes and fills only its own stages.
+
+Every run is real (gloo worker processes). A meta model given ``weights=`` must train as single-process training of
+the same weights loaded eagerly does: an ``nn.Sequential`` (SGD: bit for bit), a traced Hugging Face Llama from
+sharded safetensors, ``split="manual"``, tied embeddings, a DCP directory and one of the toolkit's checkpoints.
+Without weights each rank initializes its stage seeded by name, so P=2 and P=4 start from the same tensors.
+"""
+
+import copy
+import json
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+import torch.nn.functional as F
+from safetensors.torch import save_file
+from tiny_transformers import SMALL, VOCAB
+from torch import nn
+
+import pipeswift_lab as psl
+from pipeswift_lab.partitioning.balance import partition
+from pipeswift_lab.profiling.measure import profile
+from pipeswift_lab.runner import run
+from pipeswift_lab.runner.weights import INDEX_FILE
+
+pytestmark = pytest.mark.processes  # starts worker processes: `pytest -m "not processes"` skips it
+
+transformers = pytest.importorskip("transformers")
+
+M, SEQ = 4, 16
+PROFILE6 = psl.Profile.synthetic(fwd_ms=[1.0] * 6, bwd_ms=[2.0] * 6)
+
+
+def model6():
+    torch.manual_seed(0)
+    return nn.Sequential(*[nn.Sequential(nn.Linear(8, 8), nn.Tanh()) for _ in range(6)])
+
+
+def on_meta(build, *args):
+    with torch.device("meta"):
+        return build(*args)
+
+
+def batch(step):
+    return torch.randn(8, 8), torch.randn(8, 8)
+
+
+def sgd(params):
+    return torch.optim.SGD(params, lr=0.05)
+
+
+def adam(params):
+    return torch.optim.Adam(params, lr=1e-3)
+
+
+def lm_loss(out, y):
+    return F.cross_entropy(out.logits.flatten(0, 1), y.flatten())
+
+
+def tokens(n=8):
+    g = torch.Generator().manual_seed(1)
+    return torch.randint(0, VOCAB, (n, SEQ), generator=g), torch.randint(0, VOCAB, (n, SEQ), generator=g)
+
+
+def qwen2(tied):
+    torch.manual_seed(0)
+    return transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**SMALL, tie_word_embeddings=tied))
+
+
+def llama():
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(transformers.LlamaConfig(**SMALL))
+
+
+def single_process(model, x, y, steps, loss_fn=lm_loss, optimizer=adam):
+    """The model trained in this process on the same m micro-batches per step."""
+    ref = copy.deepcopy(model)
+    opt = optimizer(list(ref.parameters()))
+    for _ in range(steps):
+        opt.zero_grad()
+        torch.stack([loss_fn(ref(a), b) for a, b in zip(x.chunk(M), y.chunk(M))]).mean().backward()
+        opt.step()
+    return ref.state_dict()
+
+
+def worst(result, want):
+    got = result.state_dict()
+    assert list(got) == list(want)
+    return max((got[k] - want[k]).abs().max().item() for k in want)
+
+
+def sharded(directory, state, shards=3):
+    """``state`` written as Hugging Face writes a large model: shards and ``model.safetensors.index.json``."""
+    keys = list(state)
+    directory.mkdir()
+    weight_map = {}
+    for i in range(shards):
+        name = f"model-{i + 1:05d}-of-{shards:05d}.safetensors"
+        part = keys[i::shards]
+        save_file({k: state[k].contiguous() for k in part}, str(directory / name))
+        weight_map.update({k: name for k in part})
+    (directory / INDEX_FILE).write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    return directory
+
+
+def hf_partition(model, x, y, P=2):
+    prof = profile(model, x[:2], target=y[:2], loss_fn=lm_loss, layers="auto", warmup=1, repeats=1, progress=False)
+    return partition(prof, P=P, schedule="1F1B")
+
+
+def test_a_meta_sequential_with_weights_trains_bit_for_bit_as_the_eager_model(tmp_path):
+    eager = model6()
+    save_file(eager.state_dict(), str(tmp_path / "w.safetensors"))
+    part = psl.partition(PROFILE6, 3, m=M)
+    want = run(eager, batch, F.mse_loss, part, M, steps=3, optimizer=sgd, progress=False)
+    got = run(
+        on_meta(model6),
+        batch,
+        F.mse_loss,
+        part,
+        M,
+        steps=3,
+        optimizer=sgd,
+        progress=False,
+        weights=tmp_path / "w.safetensors",
+    )
+    assert got.losses == want.losses
+    assert worst(got, want.state_dict()) == 0.0
+
+
+def test_a_traced_llama_on_meta_trains_from_sharded_safetensors_as_one_process(tmp_path):
+    x, y = tokens()
+    eager = llama()
+    shards = sharded(tmp_path / "llama", eager.state_dict())
+    result = run(
+        on_meta(llama),
+        (x, y),
+        lm_loss,
+        hf_partition(eager, x, y),
+        M,
+        steps=2,
+        optimizer=adam,
+        progress=False,
+        weights=shards,
+    )
+    assert worst(result, single_process(eager, x, y, 2)) <= 1e-5
+
+
+@pytest.mark.parametrize("split", [None, "manual"])
+def test_tied_embeddings_on_meta_train_as_one_process(tmp_path, split):
+    """The checkpoint holds the tied tensor once (safetensors' save_model), under the head's name."""
+    from safetensors.torch import save_model
+
+    x, y = tokens()
+    eager = qwen2(tied=True)
+    save_model(eager, str(tmp_path / "model.safetensors"))
+    result = run(
+        on_meta(qwen2, True),
+        (x, y),
+        lm_loss,
+        hf_partition(eager, x, y),
+        M,
+        steps=2,
+        optimizer=adam,
+        progress=False,
+        weights=tmp_path,
+        split=split,
+    )
+    assert len(result.tied_weights) == 1
+    assert worst(result, single_process(eager, x, y, 2)) <= 1e-5
+
+
+def test_default_init_starts_p2_and_p4_from_the_same_tensors():
+    """A zero learning rate leaves the start as it was: each tensor is seeded by its module's name, not its rank."""
+    x, y = tokens()
+    eager = llama()
+    frozen = {"optimizer": lambda params: torch.optim.SGD(params, lr=0.0), "progress": False, "steps": 1}
+    starts = [
+        run(on_meta(llama), (x, y), lm_loss, hf_partition(eager, x, y, P), M, **frozen).state_dict() for P in (2, 4)
+    ]
+    assert list(starts[0]) == list(starts[1])
+    assert all(torch.equal(starts[0][k], starts[1][k]) for k in starts[0])
+    inv_freq = eager.model.rotary_emb.inv_freq
+    assert torch.isfinite(torch.stack([t.abs().max() for t in starts[0].values()])).all()
+    assert starts[0]["model.norm.weight"].eq(1).all()  # Hugging Face's _init_weights: norms start at one
+    std = starts[0]["model.layers.0.mlp.up_proj.weight"].std().item()
+    assert abs(std - 0.02) < 0.004 and inv_freq.numel() > 0
+
+
+def test_weights_from_dcp_and_from_a_toolkit_checkpoint_resume_on_another_p(tmp_path):
+    eager = model6()
+    dcp.save({"model": eager.state_dict()}, checkpoint_id=str(tmp_path / "dcp"), no_dist=True)
+    two, three = psl.partition(PROFILE6, 2, m=M), psl.partition(PROFILE6, 3, m=M)
+    want = run(eager, batch, F.mse_loss, three, M, steps=4, optimizer=sgd, progress=False)
+    first = run(
+        on_meta(model6),
+        batch,
+        F.mse_loss,
+        three,
+        M,
+        steps=2,
+        optimizer=sgd,
+        progress=False,
+        weights=tmp_path / "dcp",
+        checkpoint_dir=tmp_path / "ck",
+    )
+    assert first.losses == want.losses[:2]
+    frozen = run(
+        on_meta(model6),
+        batch,
+        F.mse_loss,
+        two,
+        M,
+        steps=1,
+        progress=False,
+        optimizer=lambda params: torch.optim.SGD(params, lr=0.0),
+        weights=tmp_path / "ck",
+    )
+    assert worst(frozen, first.state_dict()) == 0.0  # the checkpoint's model part, read on another P
+    resumed = run(
+        on_meta(model6), batch, F.mse_loss, two, M, steps=4, optimizer=sgd, progress=False, resume_from=tmp_path / "ck"
+    )
+    assert resumed.losses[-2:] == pytest.approx(want.losses[2:], rel=1e-5)
+    assert worst(resumed, want.state_dict()) <= 1e-6
