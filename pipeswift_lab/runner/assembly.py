@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -78,7 +79,9 @@ def load_result(out_dir: str | os.PathLike[str], spec: RunSpec | None = None) ->
     spec = load_spec(out_dir / "spec.pkl") if spec is None else spec
     gathered = read_gathered(out_dir)
     starts = [p["process_start_ns"] or p["entered_ns"] for p in gathered["ranks"]]
-    return build_result(spec, gathered, launch_ns=min(starts), end_ns=gathered["gathered_ns"], launched_by="torchrun")
+    return build_result(
+        spec, gathered, launch_ns=min(starts), end_ns=gathered["gathered_ns"], launched_by="torchrun", out_dir=out_dir
+    )
 
 
 def timeline_frame(ranks: list[Payload], t0_ns: int) -> pd.DataFrame:
@@ -207,12 +210,14 @@ def build_result(
     end_ns: int,
     launched_by: str = "run",
     history: dict[str, Any] | None = None,
+    out_dir: str | os.PathLike[str] | None = None,
 ) -> RunResult:
     """Assemble a :class:`RunResult` from what rank 0 gathered (``result.pt``) and what every attempt logged.
 
     ``launch_ns`` is the wall-clock launch (``run`` entry; under torchrun the earliest rank's
     process start) and ``end_ns`` when the result was complete (``run`` return; under
-    torchrun rank 0 after the gather). ``history`` is :func:`read_history`.
+    torchrun rank 0 after the gather). ``history`` is :func:`read_history`. ``out_dir`` is the run directory, where
+    the ranks wrote the final shards (``run()``'s is temporary: they are moved out of it).
     """
     ranks = sorted(gathered["ranks"], key=lambda p: p["rank"])
     clock = _clock(ranks)
@@ -234,7 +239,7 @@ def build_result(
         instrumented=spec.instrument,
         ranks=_ranks_table(ranks, clock),
         meta=meta,
-        _state=_final_state(spec, ranks),
+        _state=_final_state(spec, ranks, Path(out_dir) if out_dir is not None else None, move=launched_by == "run"),
         status=next((p["status"] for p in ranks if p.get("status", "completed") != "completed"), "completed"),
         first_step=clock.first_step,
         checkpoints=recovery.checkpoints,
@@ -256,20 +261,18 @@ def _clock(ranks: list[Payload]) -> _Clock:
     return _Clock(first_step=int(ranks[0].get("first_step", 0)), starts=starts, ends=ends, t0=t0)
 
 
-def _final_state(spec: RunSpec, ranks: list[Payload]) -> dict[str, torch.Tensor]:
-    """The trained parameters and buffers of replica 0's ranks (the replicas hold the same; DDP keeps them equal),
-    every name of a shared parameter (tied weights) pointing to one tensor, as in the model."""
-    from .stages.tied import parameter_names, with_aliases
+def _final_state(spec: RunSpec, ranks: list[Payload], out_dir: Path | None, move: bool) -> Mapping[str, torch.Tensor]:
+    """The trained parameters and buffers: the shards replica 0's ranks wrote into ``out_dir``
+    (:class:`~pipeswift_lab.runner.final_weights.FinalWeights`, read on first use; moved out of a temporary run
+    directory when ``move``), every name of a shared parameter (tied weights) pointing to one tensor, as in the
+    model. Empty when no rank wrote a shard."""
+    from .final_weights import keep_final_weights
+    from .stages.tied import parameter_names
 
-    state: dict[str, torch.Tensor] = {}
-    for p in ranks:
-        if p.get("replica", 0) == 0:
-            state.update(p["state"])
-    try:
-        return with_aliases(state, spec.state_keys, parameter_names(spec.model))
-    except KeyError:
-        missing = [k for k in spec.state_keys if k not in state]
-        raise RuntimeError(f"the gathered state lacks {len(missing)} keys of the model, e.g. {missing[:3]}") from None
+    if out_dir is None or not any(p.get("final_shard") for p in ranks):
+        return {}
+    found = keep_final_weights(out_dir, spec.state_keys, parameter_names(spec.model), move)
+    return found if found is not None else {}
 
 
 def _recovery(history: dict[str, Any], ranks: list[Payload], clock: _Clock) -> _Recovery:

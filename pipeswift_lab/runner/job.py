@@ -358,7 +358,7 @@ def _run_segment(
             preemption=preemption,
         )
     history = read_history(run_dir)
-    return build_result(spec, gathered, segment.launch_ns, time.time_ns(), history=history)
+    return build_result(spec, gathered, segment.launch_ns, time.time_ns(), history=history, out_dir=run_dir)
 
 
 def _next_segment(plan: JobPlan, segment: _Segment, result: RunResult) -> _Segment | None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from collections import OrderedDict
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -102,7 +103,7 @@ class RunResult:
     instrumented: bool
     ranks: pd.DataFrame = field(compare=False, repr=False)
     meta: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
-    _state: dict[str, torch.Tensor] = field(default_factory=dict, compare=False, repr=False)
+    _state: Mapping[str, torch.Tensor] = field(default_factory=dict, compare=False, repr=False)
     status: str = "completed"
     first_step: int = 0
     checkpoints: pd.DataFrame = field(
@@ -136,6 +137,23 @@ class RunResult:
         """The final parameters and buffers from every rank, keyed and ordered like ``model.state_dict()`` (CPU
         tensors)."""
         return OrderedDict((k, self._state[k]) for k in self.meta["state_keys"])
+
+    def save_pretrained(self, path: str | os.PathLike[str]) -> Path:
+        """Write the trained model into the new folder ``path`` as a Hugging Face checkpoint and return it.
+
+        The shards are the ones each rank wrote from its own stages (``model-<r>-of-<P>.safetensors`` with
+        ``model.safetensors.index.json``; one rank: ``model.safetensors``), copied file by file: the model is never
+        assembled in one process. A tied weight is stored once, under its first name. A Hugging Face model's
+        ``config.json`` is written beside them, so ``AutoModelForCausalLM.from_pretrained(path)`` reads the folder;
+        a plain module reads it with ``safetensors.torch.load_file`` and ``load_state_dict`` (``strict=False`` for
+        the tied names, or through :func:`~pipeswift_lab.runner.weights.open_weights`). A result read back from
+        disk (``load_result``) writes its saved state as one file."""
+        from .final_weights import FinalWeights, write_pretrained
+
+        config = self.meta.get("hf_config")
+        if isinstance(self._state, FinalWeights):
+            return self._state.save_pretrained(path, config)
+        return write_pretrained(self.state_dict(), path, self.meta.get("aliases", {}), config)
 
     def load_into(self, model: torch.nn.Module) -> torch.nn.Module:
         """Copy the final state into ``model`` (``load_state_dict``, strict) and return it."""

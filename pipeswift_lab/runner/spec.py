@@ -4,26 +4,19 @@ Everything a worker needs (model, loss, data, optimizer factory, stage plan, bou
 devices) travels in one file, so a run started from a notebook cell and the same run under
 ``torchrun ... -m pipeswift_lab.runner SPEC`` execute the same code on the same inputs.
 
-Objects defined in a notebook (``__main__``), in a test, in a dynamically created module or
-in any module that is not an installed package are pickled *by value*
-(``cloudpickle.register_pickle_by_value``), so workers never need to import the caller's code;
-torch, pipeswift_lab and other installed packages are pickled by reference.
+Code defined in a notebook or a test is pickled by value and the model as its structure, every tensor on the meta
+device (:mod:`.spec_pickle`); the weights travel apart, once (:mod:`.weights`).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import hashlib
 import json
 import os
-import sys
-import sysconfig
-from collections.abc import Callable, Iterable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import ModuleType
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
@@ -32,15 +25,17 @@ from torch import nn
 from ..core.checks import check_choice, check_flag, check_int, check_time
 from ..core.recompute import RecomputePlan, plan_recompute
 from .devices import CPU_RANKS_PER_CORE, available_cores, resolve_devices
+from .final_weights import hf_config
 from .memory_report import predicted_memory
 from .options import ON_NONFINITE, JobOptions, check_trace_dir
 from .sources import DataSource, make_data_source
-from .stages.materialize import InitFn, check_initializable, is_meta_model, structure_reducer
+from .spec_pickle import dumps_structure, pickled_by_value
+from .stages.materialize import InitFn
 from .stages.precision import check_run_precision
 from .stages.sequential import StagePlan, TensorSpec, plan_stages
 from .stages.shapes import stage_shapes
 from .stages.tied import TiedGroup, alias_map, parameter_names
-from .weights import WeightSource, check_weights, open_weights, write_weights
+from .weights import WeightSource, check_run_weights, check_weights, open_weights, write_weights
 
 if TYPE_CHECKING:
     from .stages.manual import ManualPlan
@@ -175,8 +170,8 @@ class RunSpec:
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
         spec = self._with_weights_beside(path)
-        with _pickled_by_value(self._code_objects()):
-            payload = _dumps_structure(spec, self.model)
+        with pickled_by_value(self._code_objects()):
+            payload = dumps_structure(spec, self.model)
         header = {
             "format": _FORMAT,
             "version": _VERSION,
@@ -241,26 +236,6 @@ def load_spec(path: str | os.PathLike[str]) -> RunSpec:
     return spec
 
 
-def _dumps_structure(obj: object, model: nn.Module) -> bytes:
-    """``cloudpickle.dumps(obj)`` with every tensor of ``model``'s ``state_dict`` pickled as an empty meta tensor
-    (:func:`~pipeswift_lab.runner.stages.materialize.structure_reducer`)."""
-    import io
-    import pickle
-
-    import cloudpickle
-
-    reduce = structure_reducer(model)
-
-    class StructurePickler(cloudpickle.Pickler):
-        def reducer_override(self, obj: Any) -> Any:
-            reduced = reduce(obj)
-            return reduced if reduced is not NotImplemented else super().reducer_override(obj)
-
-    buffer = io.BytesIO()
-    StructurePickler(buffer, protocol=pickle.HIGHEST_PROTOCOL).dump(obj)
-    return buffer.getvalue()
-
-
 def spec_header(path: str | os.PathLike[str], data: bytes | None = None) -> dict[str, Any]:
     """The header of the spec file at ``path`` (format, version, toolkit version, payload SHA-256 and size), checked.
 
@@ -296,55 +271,6 @@ def spec_header(path: str | os.PathLike[str], data: bytes | None = None) -> dict
     if not isinstance(header.get("sha256"), str) or not isinstance(header.get("bytes"), int):
         raise ValueError(f"{where}: its header has no payload checksum (sha256, bytes); nothing was unpickled")
     return header
-
-
-def _is_installed(module: ModuleType) -> bool:
-    name = getattr(module, "__name__", "") or ""
-    if name.split(".")[0] in ("pipeswift_lab", "torch", "builtins"):
-        return True
-    file = getattr(module, "__file__", None)
-    if not file:
-        return name in sys.builtin_module_names
-    file = os.path.realpath(file)
-    paths = sysconfig.get_paths()
-    roots = {os.path.realpath(paths[k]) for k in ("stdlib", "platstdlib", "purelib", "platlib") if k in paths}
-    return any(file.startswith(root + os.sep) for root in roots)
-
-
-def _modules_of(obj: object) -> set[str]:
-    names = set()
-    while isinstance(obj, functools.partial):
-        obj = obj.func
-    for candidate in (obj, type(obj)):
-        name = getattr(candidate, "__module__", None)
-        if isinstance(name, str):
-            names.add(name)
-    return names
-
-
-@contextmanager
-def _pickled_by_value(objs: list[Any]) -> Iterator[None]:
-    """Register the modules of ``objs`` that are not installed packages for by-value pickling, then unregister."""
-    import cloudpickle
-
-    registered = []
-    names = set().union(*(_modules_of(o) for o in objs)) if objs else set()
-    for name in sorted(names):
-        if name == "__main__":
-            continue  # cloudpickle pickles __main__ by value already
-        module = sys.modules.get(name)
-        if module is None or _is_installed(module):
-            continue
-        try:
-            cloudpickle.register_pickle_by_value(module)
-        except ValueError:  # already registered by the caller
-            continue
-        registered.append(module)
-    try:
-        yield
-    finally:
-        for module in registered:
-            cloudpickle.unregister_pickle_by_value(module)
 
 
 def make_spec(
@@ -386,7 +312,7 @@ def make_spec(
     """
     split = None if split is None else check_choice("split", split, SPLITS)
     plan = plan_stages(model, partition, schedule)
-    source = _check_weights(model, weights, init)
+    source = check_run_weights(model, weights, init)
     D = check_int("D", D, minimum=1)
     m = check_int("m", m, minimum=1)
     steps = check_int("steps", steps, minimum=1)
@@ -415,6 +341,8 @@ def make_spec(
     )
     meta["recompute_layers"] = recomputed.layer_modes() if recomputed is not None else None
     meta["precision"] = precision
+    meta["aliases"] = alias_map(parameter_names(model))
+    meta["hf_config"] = hf_config(model)
     if instrument:
         meta["memory_predicted"] = predicted_memory(
             partition,
@@ -457,19 +385,6 @@ def make_spec(
         weights=source,
         init=init,
     )
-
-
-def _check_weights(model: nn.Module, weights: Any, init: InitFn | None) -> WeightSource | None:
-    """``weights`` indexed and checked against ``model`` (names, shapes; a dtype conversion warned); ``None`` when
-    none are given, after checking that a meta model can be initialized."""
-    if weights is None:
-        if is_meta_model(model) or init is not None:
-            check_initializable(model, init)
-        return None
-    if init is not None:
-        check_initializable(model, init)
-    aliases = alias_map(parameter_names(model))
-    return check_weights(open_weights(weights), model.state_dict(keep_vars=True), aliases)
 
 
 def _check_timeout(timeout_s: float) -> float:

@@ -28,15 +28,20 @@ import warnings
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+from torch import nn
+
+if TYPE_CHECKING:
+    from .stages.materialize import InitFn
 
 __all__ = [
     "INDEX_FILE",
     "SAFETENSORS_FILE",
     "WEIGHT_KINDS",
     "WeightSource",
+    "check_run_weights",
     "check_weights",
     "open_weights",
     "write_weights",
@@ -344,3 +349,20 @@ def write_weights(state: Mapping[str, torch.Tensor], path: str | os.PathLike[str
     path.parent.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(path), metadata={"format": "pt"})
     return path
+
+
+def check_run_weights(model: nn.Module, weights: Any, init: InitFn | None) -> WeightSource | None:
+    """``run(weights=, init=)`` checked before launch: ``weights`` indexed and checked against ``model`` (names,
+    shapes; a dtype conversion warned) and returned; ``None`` when none are given, after checking that a meta model
+    can be initialized (:func:`~pipeswift_lab.runner.stages.materialize.check_initializable`)."""
+    from .stages.materialize import check_initializable, is_meta_model
+    from .stages.tied import alias_map, parameter_names
+
+    if weights is None:
+        if is_meta_model(model) or init is not None:
+            check_initializable(model, init)
+        return None
+    if init is not None:
+        check_initializable(model, init)
+    aliases = alias_map(parameter_names(model))
+    return check_weights(open_weights(weights), model.state_dict(keep_vars=True), aliases)

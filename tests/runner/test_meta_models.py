@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 from tiny_transformers import SMALL, VOCAB
 from torch import nn
 
@@ -126,6 +126,17 @@ def test_a_meta_sequential_with_weights_trains_bit_for_bit_as_the_eager_model(tm
     )
     assert got.losses == want.losses
     assert worst(got, want.state_dict()) == 0.0
+    folder = got.save_pretrained(tmp_path / "trained")
+    assert sorted(p.name for p in folder.iterdir()) == [
+        *(f"model-0000{r}-of-00003.safetensors" for r in (1, 2, 3)),
+        "model.safetensors.index.json",
+    ]
+    index = json.loads((folder / "model.safetensors.index.json").read_text())
+    plain = model6()
+    for shard in sorted(set(index["weight_map"].values())):
+        plain.load_state_dict(load_file(str(folder / shard)), strict=False)
+    assert all(torch.equal(plain.state_dict()[k], t) for k, t in want.state_dict().items())
+    assert index["metadata"]["total_size"] == sum(t.numel() * 4 for t in plain.state_dict().values())
 
 
 def test_a_traced_llama_on_meta_trains_from_sharded_safetensors_as_one_process(tmp_path):
@@ -168,6 +179,9 @@ def test_tied_embeddings_on_meta_train_as_one_process(tmp_path, split):
     )
     assert len(result.tied_weights) == 1
     assert worst(result, single_process(eager, x, y, 2)) <= 1e-5
+    back = transformers.AutoModelForCausalLM.from_pretrained(result.save_pretrained(tmp_path / "trained"))
+    assert back.model.embed_tokens.weight is back.lm_head.weight
+    assert all(torch.equal(back.state_dict()[k], t) for k, t in result.state_dict().items())
 
 
 def test_default_init_starts_p2_and_p4_from_the_same_tensors():

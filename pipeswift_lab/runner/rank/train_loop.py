@@ -34,6 +34,7 @@ from typing import Any
 import torch
 
 from .. import checkpoint as ckpt
+from ..final_weights import write_rank_shard
 from ..stages.precision import sharded_optimizer
 from ..stages.release import release_unheld
 from ..stages.tied import TiedGradients, unique_parameters
@@ -450,11 +451,9 @@ def _first_switch_cost(inputs: RankInputs, state: RankState) -> float:
 
 
 def _payload(inputs: RankInputs, state: RankState, log: StepLog, interval: int | None, final_ns: int) -> dict[str, Any]:
-    """What this rank reports to rank 0: where it ran, its records, steps, losses, final state, restores, saves."""
+    """What this rank reports to rank 0: where it ran, its records, steps, losses, the name of its final shard (it
+    writes its stages' tensors there, :mod:`~pipeswift_lab.runner.final_weights`), restores, saves."""
     topo = inputs.topo
-    tensors: dict[str, torch.Tensor] = {}
-    for stage in state.stages:
-        tensors.update({k: t.detach().to("cpu", copy=True) for k, t in unwrapped(stage.submod).state_dict().items()})
     return {
         "rank": topo.rank,
         "pp_rank": topo.pp_rank,
@@ -467,7 +466,13 @@ def _payload(inputs: RankInputs, state: RankState, log: StepLog, interval: int |
         "step_start_ns": log.step_start_ns,
         "step_end_ns": log.step_end_ns,
         "losses": log.losses,
-        "state": tensors,
+        "final_shard": write_rank_shard(
+            inputs.out_dir,
+            inputs.spec,
+            topo.pp_rank,
+            topo.replica,
+            {s.stage_index: unwrapped(s.submod) for s in state.stages},
+        ),
         "process_start_ns": inputs.proc_start_ns,
         "entered_ns": inputs.entered_ns,
         "ready_ns": state.ready_ns,

@@ -1,0 +1,234 @@
+"""The trained model, written by each rank from its own stages and never assembled in one process.
+
+At the end of a run every rank of replica 0 writes the tensors of its stages as one safetensors shard,
+``final/model-<r+1>-of-<P>.safetensors`` in the run directory, under the model's names (a tied weight once, by
+the first stage holding it, under its canonical name: :mod:`.stages.tied`). The caller keeps the folder as
+:class:`FinalWeights`, which is what ``RunResult.state_dict()`` reads (on first use) and what
+``RunResult.save_pretrained(dir)`` copies file by file, with Hugging Face's ``model.safetensors.index.json`` (and
+the model's ``config.json`` when it has one), so ``from_pretrained(dir)`` or ``load_state_dict`` of a plain module
+reads it back.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+import weakref
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from .weights import INDEX_FILE, SAFETENSORS_FILE, write_weights
+
+if TYPE_CHECKING:
+    from torch import nn
+
+    from .spec import RunSpec
+
+__all__ = [
+    "FINAL_DIR",
+    "FinalWeights",
+    "hf_config",
+    "keep_final_weights",
+    "shard_name",
+    "write_pretrained",
+    "write_rank_shard",
+    "write_stage_shard",
+]
+
+#: The folder of the run directory the ranks write their final shards into.
+FINAL_DIR = "final"
+#: Where the caller keeps a run's final shards once its run directory is gone.
+_KEPT_PREFIX = "pipeswift-final-"
+
+
+def shard_name(pp_rank: int, P: int) -> str:
+    """The file pipeline rank ``pp_rank`` of ``P`` writes: Hugging Face's shard naming."""
+    return f"model-{pp_rank + 1:05d}-of-{P:05d}.safetensors"
+
+
+def write_stage_shard(
+    out_dir: Path,
+    pp_rank: int,
+    P: int,
+    modules: Mapping[int, torch.nn.Module],
+    state_keys: Sequence[str],
+    aliases: Mapping[str, str],
+    first_holder: Mapping[str, int],
+) -> str:
+    """Write the state of ``modules`` (``{stage: module}``, this rank's) as this rank's final shard; return its name.
+
+    Only the model's ``state_keys`` are written (a traced stage also holds buffers the model does not save), each
+    tied weight once under its canonical name, by the stage ``first_holder`` names for it."""
+    keys = set(state_keys)
+    state: dict[str, torch.Tensor] = {}
+    for stage, module in modules.items():
+        for key, tensor in module.state_dict().items():
+            if key not in keys:
+                continue
+            canonical = aliases.get(key, key)
+            if first_holder.get(canonical, stage) != stage or canonical in state:
+                continue
+            state[canonical] = tensor.detach().to("cpu")
+    name = shard_name(pp_rank, P)
+    write_weights(state, out_dir / FINAL_DIR / name)
+    return name
+
+
+def write_rank_shard(
+    out_dir: Path, spec: RunSpec, pp_rank: int, replica: int, modules: Mapping[int, torch.nn.Module]
+) -> str | None:
+    """Write a rank's trained stages (``{stage: module}``) as its shard of the final model; return the file's name.
+    Only replica 0 writes (the replicas hold the same); the others return None."""
+    from .stages.tied import alias_map, parameter_names
+
+    if replica != 0:
+        return None
+    return write_stage_shard(
+        out_dir,
+        pp_rank,
+        spec.P,
+        modules,
+        spec.state_keys,
+        alias_map(parameter_names(spec.model)),
+        {group.canonical: group.stages[0] for group in spec.tied},
+    )
+
+
+def _index(files: Iterable[Path]) -> dict[str, Any]:
+    from safetensors import safe_open
+
+    weight_map: dict[str, str] = {}
+    total = 0
+    for file in files:
+        with safe_open(str(file), framework="pt") as f:
+            for key in f.keys():
+                weight_map[key] = file.name
+                sliced = f.get_slice(key)
+                numel = 1
+                for n in sliced.get_shape():
+                    numel *= n
+                total += numel * _itemsize(sliced.get_dtype())
+    return {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+
+
+def _itemsize(dtype: str) -> int:
+    from .weights import _SAFETENSORS_DTYPES
+
+    return _SAFETENSORS_DTYPES[dtype].itemsize
+
+
+class FinalWeights(Mapping[str, torch.Tensor]):
+    """A run's trained tensors as the shards its ranks wrote: a read-only mapping keyed like ``model.state_dict()``,
+    loaded from disk on first access (a tied weight's names share one tensor)."""
+
+    def __init__(
+        self, directory: str | os.PathLike[str], keys: Sequence[str], names: Iterable[tuple[str, ...]]
+    ) -> None:
+        self.directory = Path(directory)
+        self.keys_ = tuple(keys)
+        self.names = [tuple(group) for group in names if len(group) > 1]
+        self._loaded: dict[str, torch.Tensor] | None = None
+
+    @property
+    def files(self) -> list[Path]:
+        """The shards, in pipeline order."""
+        return sorted(self.directory.glob("model-*.safetensors"))
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the tensors the shards hold (each tied tensor once)."""
+        return int(_index(self.files)["metadata"]["total_size"])
+
+    def _state(self) -> dict[str, torch.Tensor]:
+        if self._loaded is None:
+            from safetensors.torch import load_file
+
+            from .stages.tied import with_aliases
+
+            state: dict[str, torch.Tensor] = {}
+            for file in self.files:
+                state.update(load_file(str(file)))
+            self._loaded = with_aliases(state, self.keys_, self.names)
+        return self._loaded
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        return self._state()[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.keys_)
+
+    def __len__(self) -> int:
+        return len(self.keys_)
+
+    def save_pretrained(self, path: str | os.PathLike[str], config: Mapping[str, Any] | None = None) -> Path:
+        """Copy the shards into the folder ``path`` as a Hugging Face checkpoint (``model.safetensors`` for one shard,
+        else the shards and ``model.safetensors.index.json``), with ``config.json`` when ``config`` is given; return
+        the folder. No tensor is loaded."""
+        path = _empty_folder(path)
+        files = self.files
+        if len(files) == 1:
+            shutil.copyfile(files[0], path / SAFETENSORS_FILE)
+        else:
+            for file in files:
+                shutil.copyfile(file, path / file.name)
+            (path / INDEX_FILE).write_text(json.dumps(_index(path / f.name for f in files), indent=2))
+        _write_config(path, config)
+        return path
+
+
+def _empty_folder(path: str | os.PathLike[str]) -> Path:
+    path = Path(path)
+    if path.exists() and (not path.is_dir() or any(path.iterdir())):
+        raise FileExistsError(f"{str(path)!r} exists and is not an empty folder; save_pretrained writes a new one")
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def _write_config(path: Path, config: Mapping[str, Any] | None) -> None:
+    if config is not None:
+        (path / "config.json").write_text(json.dumps(dict(config), indent=2, sort_keys=True))
+
+
+def write_pretrained(
+    state: Mapping[str, torch.Tensor],
+    path: str | os.PathLike[str],
+    aliases: Mapping[str, str],
+    config: Mapping[str, Any] | None = None,
+) -> Path:
+    """Write ``state`` (keyed like ``model.state_dict()``) into the folder ``path`` as ``model.safetensors``, each tied
+    tensor once under its canonical name, with ``config.json`` when ``config`` is given; return the folder."""
+    from .stages.tied import canonical_state
+
+    path = _empty_folder(path)
+    write_weights(canonical_state(dict(state), dict(aliases)), path / SAFETENSORS_FILE)
+    _write_config(path, config)
+    return path
+
+
+def keep_final_weights(
+    run_dir: Path, keys: Sequence[str], names: Iterable[tuple[str, ...]], move: bool
+) -> FinalWeights | None:
+    """The final shards in ``run_dir`` as :class:`FinalWeights` (``None`` when the ranks wrote none); with ``move``
+    the folder is moved out of the run directory first (``run()``'s is temporary) and removed with the result."""
+    folder = run_dir / FINAL_DIR
+    if not folder.is_dir() or not any(folder.glob("model-*.safetensors")):
+        return None
+    if not move:
+        return FinalWeights(folder, keys, names)
+    kept = Path(tempfile.mkdtemp(prefix=_KEPT_PREFIX))
+    os.replace(folder, kept / FINAL_DIR)
+    weights = FinalWeights(kept / FINAL_DIR, keys, names)
+    weakref.finalize(weights, shutil.rmtree, str(kept), True)  # the folder goes with the last result holding it
+    return weights
+
+
+def hf_config(model: nn.Module) -> dict[str, Any] | None:
+    """A Hugging Face model's config as a dict (written as ``config.json`` beside the trained weights); else None."""
+    config = getattr(model, "config", None)
+    to_dict = getattr(config, "to_dict", None)
+    return json.loads(json.dumps(to_dict(), default=str)) if callable(to_dict) else None
