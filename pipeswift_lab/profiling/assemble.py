@@ -62,6 +62,7 @@ def build_profile(
         "loss_activation_bytes": memory.loss_activation_bytes if memory else float("nan"),
         "loss_transient_bytes": memory.loss_transient_bytes if memory else float("nan"),
         "loss_retained_bytes": memory.loss_retained_bytes if memory else float("nan"),
+        "live_peak_bytes": memory.live_peak_bytes if memory else float("nan"),
         "step_ms_samples": [float(r.step_ms) for r in kept],
     }
     return Profile(pd.DataFrame(rows, columns=[*COLUMNS, *MEMORY_COLUMNS, *(extra or {})]), meta)

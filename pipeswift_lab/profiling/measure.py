@@ -59,6 +59,11 @@ def profile(
     sample_kwargs: dict[str, Any] | None = None,
     recompute: bool = False,
     precision: str | None = None,
+    unit_by_unit: bool | None = None,
+    repeated: str = "all",
+    init: Callable[[nn.Module], None] | None = None,
+    seed: int = 0,
+    memory_cap: int | None = None,
 ) -> Profile:
     """Profile one training step of ``model`` per layer; return a :class:`Profile`.
 
@@ -88,8 +93,19 @@ def profile(
     ``run(..., precision="bf16-mixed")`` does (``meta["precision"]``). ``recompute=True`` measures
     the model twice more, its layers recomputed fully and selectively, and adds what each costs
     and keeps (:mod:`pipeswift_lab.profiling.recompute_costs`).
+
+    A model built on the meta device (``with torch.device("meta"): ...``), or any model with
+    ``unit_by_unit=True``, is profiled one unit at a time (:mod:`pipeswift_lab.profiling.unit_by_unit`):
+    each unit is made on ``device`` (default ``"cpu"``), initialized as ``run`` initializes (``init``,
+    seeded by ``seed`` and the submodule's name), timed on the previous unit's
+    output, and freed; the device's peak is the largest unit with its activations. ``repeated="once"``
+    times only the first of each class of identical blocks. ``memory_cap`` (bytes) is the most tensor
+    memory a unit may take: on CUDA ``torch.cuda.set_per_process_memory_fraction``, on CPU checked by the
+    live-byte counter after each unit's memory step (``MemoryError`` naming the unit).
     Returns the Profile of one micro-batch of the given batch.
     """
+    from ..core.meta_device import is_meta_model
+
     _check_model(model)
     warmup, repeats, progress = _check_repeats(warmup, repeats, progress)
     sample_kwargs = _check_sample(sample_args, sample_kwargs)
@@ -102,6 +118,26 @@ def profile(
         raise ValueError(refusal)
     auto = isinstance(layers, str) and layers == AUTO
     units = select_units(model, layers, announce=False)
+    on_meta = is_meta_model(model)
+    if unit_by_unit is None:
+        unit_by_unit = on_meta
+    if check_flag("unit_by_unit", unit_by_unit) or on_meta:
+        if not unit_by_unit:
+            raise ValueError(
+                "the model is on the meta device, so it is profiled one unit at a time; leave unit_by_unit=None"
+            )
+        from .unit_by_unit import profile_one_unit_at_a_time
+
+        return profile_one_unit_at_a_time(
+            model, units, auto, sample_args, sample_kwargs, target=target, loss_fn=loss_fn, warmup=warmup,
+            repeats=repeats, device=device, progress=progress, recompute=recompute, precision=precision,
+            repeated=repeated, init=init, seed=seed, memory_cap=memory_cap, profile_unit=profile,
+        )  # fmt: skip
+    if (repeated, init, memory_cap) != ("all", None, None):
+        raise ValueError(
+            "repeated=, init= and memory_cap= apply when a model is profiled one unit at a time: build it on the meta "
+            "device, or pass unit_by_unit=True"
+        )
     device = _resolve_device(model, device)
     runnable, units = _on_device(model, units, device)
     args, kwargs = move_to_device(sample_args, device), move_to_device(sample_kwargs, device)
@@ -397,7 +433,7 @@ def _measured_step(
         with tracker:
             recorder.begin_step()
             run_step(recorder)
-            return recorder.end_step()
+            return replace(recorder.end_step(), live_peak_bytes=float(tracker.peak_bytes))
     finally:
         recorder.meter = None
         recorder.tracker = None

@@ -65,3 +65,6 @@ class StepRecord:
     cut_freed_bytes: list[float] | None = None
     """Per unit, the part of ``cut_bytes`` the forward frees before it ends: a stage that sends it keeps it anyway
     (torch holds a stage's outputs until its backward)."""
+    live_peak_bytes: float = float("nan")
+    """The most tensor bytes the process held at once during the memory step, everything alive before it included
+    (the live-byte counter's peak)."""

@@ -98,7 +98,8 @@ class Profile:
     backward, measured in one extra untimed step: CUDA's allocator statistics, or on CPU every
     storage the operators allocate; NaN in a synthetic profile) and, from :func:`profile`, the
     :data:`MEMORY_COLUMNS`; ``meta`` also holds the loss's ``loss_activation_bytes``,
-    ``loss_transient_bytes`` and ``loss_retained_bytes``, and the sample's ``input_bytes`` and
+    ``loss_transient_bytes`` and ``loss_retained_bytes``, the memory step's ``live_peak_bytes`` (every tensor
+    byte the process held at its peak), and the sample's ``input_bytes`` and
     ``target_bytes``. ``meta`` holds the device,
     dtype, batch shape, torch version, repeats, warmup and the measured whole-step times
     (``step_ms_samples``). Profiles compare equal when their tables and meta do; they are not hashable.

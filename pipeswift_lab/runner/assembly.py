@@ -377,7 +377,8 @@ def _meta(
 
 
 def _ranks_table(ranks: list[Payload], clock: _Clock) -> pd.DataFrame:
-    """One row per rank: where it ran and when it was ready (ms after the first step started)."""
+    """One row per rank: where it ran, when it was ready (ms after the first step started), its resident size before
+    it read the spec and its resident high-water over assembly and steps (bytes; None without ``/proc``)."""
     return pd.DataFrame(
         [
             {
@@ -390,6 +391,8 @@ def _ranks_table(ranks: list[Payload], clock: _Clock) -> pd.DataFrame:
                 "stages": tuple(p["stages"]),
                 "threads": p["threads"],
                 "ready_ms": (p["ready_ns"] - clock.t0) / 1e6,
+                "resident_start_bytes": p.get("resident_start_bytes"),
+                "resident_peak_bytes": p.get("resident_peak_bytes"),
             }
             for p in ranks
         ]

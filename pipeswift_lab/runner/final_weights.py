@@ -25,14 +25,11 @@ import torch
 from .weights import INDEX_FILE, SAFETENSORS_FILE, write_weights
 
 if TYPE_CHECKING:
-    from torch import nn
-
     from .spec import RunSpec
 
 __all__ = [
     "FINAL_DIR",
     "FinalWeights",
-    "hf_config",
     "keep_final_weights",
     "shard_name",
     "write_pretrained",
@@ -225,10 +222,3 @@ def keep_final_weights(
     weights = FinalWeights(kept / FINAL_DIR, keys, names)
     weakref.finalize(weights, shutil.rmtree, str(kept), True)  # the folder goes with the last result holding it
     return weights
-
-
-def hf_config(model: nn.Module) -> dict[str, Any] | None:
-    """A Hugging Face model's config as a dict (written as ``config.json`` beside the trained weights); else None."""
-    config = getattr(model, "config", None)
-    to_dict = getattr(config, "to_dict", None)
-    return json.loads(json.dumps(to_dict(), default=str)) if callable(to_dict) else None

@@ -106,7 +106,7 @@ def run(
       ``AutoModelForCausalLM.from_config(config)`` under it): no process ever holds more than its
       stages. The spec carries the model's structure, never its tensors; each rank makes only its
       stages' tensors on its device (``to_empty``) and fills them
-      (:mod:`~pipeswift_lab.runner.stages.materialize`). A model holding real tensors has them written
+      (:mod:`~pipeswift_lab.core.meta_device`). A model holding real tensors has them written
       once, as a safetensors file in the run directory, and each rank reads only its keys.
     * ``weights`` — the starting tensors: a Hugging Face safetensors checkpoint (a file, or a directory with
       ``model.safetensors`` or shards and ``model.safetensors.index.json``), a ``torch.distributed.checkpoint``

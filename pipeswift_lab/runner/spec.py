@@ -23,19 +23,18 @@ import torch
 from torch import nn
 
 from ..core.checks import check_choice, check_flag, check_int, check_time
+from ..core.meta_device import InitFn
 from ..core.recompute import RecomputePlan, plan_recompute
 from .devices import CPU_RANKS_PER_CORE, available_cores, resolve_devices
-from .final_weights import hf_config
 from .memory_report import predicted_memory
 from .options import ON_NONFINITE, JobOptions, check_trace_dir
 from .sources import DataSource, make_data_source
 from .spec_pickle import dumps_structure, pickled_by_value
-from .stages.materialize import InitFn
 from .stages.precision import check_run_precision
 from .stages.sequential import StagePlan, TensorSpec, plan_stages
 from .stages.shapes import stage_shapes
 from .stages.tied import TiedGroup, alias_map, parameter_names
-from .weights import WeightSource, check_run_weights, check_weights, open_weights, write_weights
+from .weights import WeightSource, check_run_weights, check_weights, hf_config, open_weights, write_weights
 
 if TYPE_CHECKING:
     from .stages.manual import ManualPlan
@@ -308,7 +307,7 @@ def make_spec(
     ``recompute`` is checked against the stages' layers (:func:`~pipeswift_lab.core.recompute.plan_recompute`).
     ``weights`` (a checkpoint, :func:`~pipeswift_lab.runner.weights.open_weights`) is checked against the model's
     names and shapes; a model on the meta device without them must be initializable
-    (:func:`~pipeswift_lab.runner.stages.materialize.check_initializable`).
+    (:func:`~pipeswift_lab.core.meta_device.check_initializable`).
     """
     split = None if split is None else check_choice("split", split, SPLITS)
     plan = plan_stages(model, partition, schedule)

@@ -4,7 +4,7 @@ Objects defined in a notebook (``__main__``), in a test, in a dynamically create
 not an installed package are pickled *by value* (``cloudpickle.register_pickle_by_value``), so workers never need to
 import the caller's code; torch, pipeswift_lab and other installed packages are pickled by reference. Every tensor
 of the model's ``state_dict`` is pickled as an empty meta tensor
-(:func:`~pipeswift_lab.runner.stages.materialize.structure_reducer`): the weights travel apart, once.
+(:func:`~pipeswift_lab.core.meta_device.structure_reducer`): the weights travel apart, once.
 """
 
 from __future__ import annotations
@@ -20,14 +20,14 @@ from typing import Any
 
 from torch import nn
 
-from .stages.materialize import structure_reducer
+from ..core.meta_device import structure_reducer
 
 __all__ = ["dumps_structure", "pickled_by_value"]
 
 
 def dumps_structure(obj: object, model: nn.Module) -> bytes:
     """``cloudpickle.dumps(obj)`` with every tensor of ``model``'s ``state_dict`` pickled as an empty meta tensor
-    (:func:`~pipeswift_lab.runner.stages.materialize.structure_reducer`)."""
+    (:func:`~pipeswift_lab.core.meta_device.structure_reducer`)."""
     import io
     import pickle
 

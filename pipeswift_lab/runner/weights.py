@@ -34,7 +34,7 @@ import torch
 from torch import nn
 
 if TYPE_CHECKING:
-    from .stages.materialize import InitFn
+    from ..core.meta_device import InitFn
 
 __all__ = [
     "INDEX_FILE",
@@ -43,6 +43,7 @@ __all__ = [
     "WeightSource",
     "check_run_weights",
     "check_weights",
+    "hf_config",
     "open_weights",
     "write_weights",
 ]
@@ -354,8 +355,8 @@ def write_weights(state: Mapping[str, torch.Tensor], path: str | os.PathLike[str
 def check_run_weights(model: nn.Module, weights: Any, init: InitFn | None) -> WeightSource | None:
     """``run(weights=, init=)`` checked before launch: ``weights`` indexed and checked against ``model`` (names,
     shapes; a dtype conversion warned) and returned; ``None`` when none are given, after checking that a meta model
-    can be initialized (:func:`~pipeswift_lab.runner.stages.materialize.check_initializable`)."""
-    from .stages.materialize import check_initializable, is_meta_model
+    can be initialized (:func:`~pipeswift_lab.core.meta_device.check_initializable`)."""
+    from ..core.meta_device import check_initializable, is_meta_model
     from .stages.tied import alias_map, parameter_names
 
     if weights is None:
@@ -366,3 +367,10 @@ def check_run_weights(model: nn.Module, weights: Any, init: InitFn | None) -> We
         check_initializable(model, init)
     aliases = alias_map(parameter_names(model))
     return check_weights(open_weights(weights), model.state_dict(keep_vars=True), aliases)
+
+
+def hf_config(model: nn.Module) -> dict[str, Any] | None:
+    """A Hugging Face model's config as a dict (written as ``config.json`` beside the trained weights); else None."""
+    config = getattr(model, "config", None)
+    to_dict = getattr(config, "to_dict", None)
+    return json.loads(json.dumps(to_dict(), default=str)) if callable(to_dict) else None

@@ -139,15 +139,16 @@ def test_a_meta_sequential_with_weights_trains_bit_for_bit_as_the_eager_model(tm
     assert index["metadata"]["total_size"] == sum(t.numel() * 4 for t in plain.state_dict().values())
 
 
-def test_a_traced_llama_on_meta_trains_from_sharded_safetensors_as_one_process(tmp_path):
+def test_a_meta_llama_profiled_unit_by_unit_trains_from_sharded_safetensors_as_one_process(tmp_path):
     x, y = tokens()
     eager = llama()
     shards = sharded(tmp_path / "llama", eager.state_dict())
+    meta = on_meta(llama)  # profiled unit by unit, partitioned and run: no process ever holds the whole model
     result = run(
-        on_meta(llama),
+        meta,
         (x, y),
         lm_loss,
-        hf_partition(eager, x, y),
+        hf_partition(meta, x, y),
         M,
         steps=2,
         optimizer=adam,

@@ -10,10 +10,10 @@ import torch.distributed.checkpoint as dcp
 from safetensors.torch import save_file
 from torch import nn
 
+from pipeswift_lab.core.meta_device import initial_values, is_meta_model, materialize, name_seed
 from pipeswift_lab.partitioning.stages import Partition
 from pipeswift_lab.profiling.table import Profile
 from pipeswift_lab.runner import load_spec, make_spec, run
-from pipeswift_lab.runner.stages.materialize import initial_values, is_meta_model, materialize, name_seed
 from pipeswift_lab.runner.weights import INDEX_FILE, check_weights, open_weights, write_weights
 
 PART = Partition.from_bounds(Profile.synthetic(fwd_ms=[1.0] * 3, bwd_ms=[1.0] * 3), [(0, 1), (1, 3)])

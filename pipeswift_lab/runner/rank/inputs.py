@@ -44,6 +44,8 @@ class RankInputs:
     """Makes this rank's ``PipelineStage`` objects."""
     make_schedule: Callable[[RunSpec, list[Any]], Any]
     """Makes torch's schedule over those stages."""
+    resident_start_bytes: int | None = None
+    """The process's resident size before it read the spec: the interpreter's own (``None`` without ``/proc``)."""
 
     @property
     def rank(self) -> int:

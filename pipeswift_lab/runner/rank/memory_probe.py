@@ -40,7 +40,15 @@ import torch
 from ...core.live_bytes import LiveTensorBytes
 from ...core.memory_model import MEMORY_TERMS
 
-__all__ = ["MemoryProbe", "probed_step", "resident_bytes", "STAGING"]
+__all__ = [
+    "MMAP_THRESHOLD_BYTES",
+    "MemoryProbe",
+    "lifetime_high_water",
+    "probed_step",
+    "resident_bytes",
+    "return_freed_memory",
+    "STAGING",
+]
 
 
 def resident_bytes() -> tuple[int, int] | None:
@@ -54,6 +62,40 @@ def resident_bytes() -> tuple[int, int] | None:
         return int(fields["VmRSS"].split()[0]) * 1024, int(fields["VmHWM"].split()[0]) * 1024
     except (KeyError, ValueError, IndexError):
         return None
+
+
+#: glibc's ``M_MMAP_THRESHOLD`` option of ``mallopt``, and the size from which a CPU rank maps each allocation.
+_M_MMAP_THRESHOLD = -3
+MMAP_THRESHOLD_BYTES = 128 * 1024
+
+
+def return_freed_memory() -> bool:
+    """Make glibc map every allocation of :data:`MMAP_THRESHOLD_BYTES` or more on its own, so that freeing it gives
+    the pages back; returns False where that cannot be set (not glibc).
+
+    glibc raises its threshold to the size of the largest mapped block freed so far (up to 32 MiB): after the
+    first step frees its gradients, the next step's come from the heap, which keeps freed memory resident. A CPU
+    rank's resident peak was then about twice its weights and gradients (measured: 281 MB for a 134 MB stage in a
+    plain torch job; 164 MB with the threshold fixed). A fixed threshold also turns off the raising."""
+    import ctypes
+    import ctypes.util
+
+    name = ctypes.util.find_library("c")
+    if name is None:
+        return False
+    try:
+        libc = ctypes.CDLL(name)
+        return bool(libc.mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES))
+    except (OSError, AttributeError):
+        return False
+
+
+def lifetime_high_water(assembly_high_water: int | None) -> int | None:
+    """The process's resident high-water over its whole life: ``assembly_high_water`` (``VmHWM`` before the probe
+    reset it) or the high-water since, whichever is higher; None without ``/proc``."""
+    resident = resident_bytes()
+    peaks = [x for x in (assembly_high_water, resident[1] if resident else None) if x is not None]
+    return max(peaks) if peaks else None
 
 
 def _reset_high_water() -> bool:

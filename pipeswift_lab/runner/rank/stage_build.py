@@ -1,6 +1,6 @@
 """A rank's pipeline stages, built from the spec's model structure: only this rank's tensors are ever made.
 
-The spec's model holds meta tensors (:mod:`~pipeswift_lab.runner.stages.materialize`). For each stage
+The spec's model holds meta tensors (:mod:`~pipeswift_lab.core.meta_device`). For each stage
 this rank runs, the stage module is cut from the structure (an ``nn.Sequential``'s children, a
 ``split="manual"`` copy, or torch's traced submodule), made on the rank's device with ``to_empty``
 and filled (:func:`stage_fill`): from ``spec.weights`` (only the stage's keys are read), by
@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from ..stages.materialize import initial_values, materialize
+from ...core.meta_device import initial_values, materialize
 
 if TYPE_CHECKING:
     from ..spec import RunSpec

@@ -41,7 +41,7 @@ from ..stages.tied import TiedGradients, unique_parameters
 from .checkpointer import CHECKPOINTS_LOG, Checkpointer, append_line, broadcast, gather
 from .inputs import RankInputs
 from .instrument import ActionRecorder
-from .memory_probe import MemoryProbe, probed_step
+from .memory_probe import MemoryProbe, lifetime_high_water, probed_step, resident_bytes
 from .profiler_trace import StepTrace
 from .state_files import restore_rank_state
 from .stop_request import PREEMPT_FILE, StopRequest
@@ -121,6 +121,8 @@ class RankState:
     """What :func:`~pipeswift_lab.runner.rank.state_files.restore_rank_state` reported, with ``path``, ``step`` and
     ``rng_restored``; ``None`` when nothing was restored."""
     ready_ns: int = 0
+    assembly_high_water: int | None = None
+    """The process's resident high-water (``VmHWM``) when it was ready, before the memory probe resets it."""
     """Wall clock when the rank was ready to train (stages built, state restored)."""
     trace: StepTrace | None = None
     """The profiler over the step loop (``run(..., profiler_trace=DIR)``); ``None``: no profiler at all."""
@@ -259,6 +261,8 @@ def _restore(inputs: RankInputs, state: RankState) -> None:
         state.saver.last_saved_step = state.first_step
     state.memory.probe_step = probed_step(state.first_step, inputs.spec.steps) if state.memory.enabled else None
     state.ready_ns = state.recorder.now_ns()
+    resident = resident_bytes()
+    state.assembly_high_water = resident[1] if resident else None
 
 
 def _announce(inputs: RankInputs, state: RankState) -> None:
@@ -475,6 +479,8 @@ def _payload(inputs: RankInputs, state: RankState, log: StepLog, interval: int |
         ),
         "process_start_ns": inputs.proc_start_ns,
         "entered_ns": inputs.entered_ns,
+        "resident_start_bytes": inputs.resident_start_bytes,
+        "resident_peak_bytes": lifetime_high_water(state.assembly_high_water),
         "ready_ns": state.ready_ns,
         "threads": torch.get_num_threads(),
         "first_step": state.first_step,

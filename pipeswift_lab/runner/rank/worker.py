@@ -106,8 +106,10 @@ def main(
     faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
     try:
         from ..spec import load_spec
+        from .memory_probe import resident_bytes
 
-        run_rank(load_spec(spec_path), out_dir, progress=progress)
+        resident = resident_bytes()
+        run_rank(load_spec(spec_path), out_dir, progress=progress, resident_start=resident[0] if resident else None)
         (out_dir / f"rank{rank}.done").write_text(json.dumps({"threads_after_teardown": os_threads()}))
     except BaseException:
         text = traceback.format_exc()
@@ -249,8 +251,9 @@ def _attempt_store(rank: int, world: int, timeout: datetime.timedelta) -> Store:
     return dist.PrefixStore(f"pipeswift/attempt{attempt_number()}", store)
 
 
-def run_rank(spec: RunSpec, out_dir: Path, progress: bool = False) -> None:
-    """Train ``spec.steps`` steps on this rank, then gather every rank's measurements to rank 0."""
+def run_rank(spec: RunSpec, out_dir: Path, progress: bool = False, resident_start: int | None = None) -> None:
+    """Train ``spec.steps`` steps on this rank, then gather every rank's measurements to rank 0. ``resident_start`` is
+    the process's resident size before it read the spec."""
     import numpy  # noqa: F401 - gloo pipelining needs numpy at run time (recv_object_list)
     import torch.distributed as dist
 
@@ -267,6 +270,10 @@ def run_rank(spec: RunSpec, out_dir: Path, progress: bool = False) -> None:
         )
     if spec.threads_per_rank is not None:
         torch.set_num_threads(spec.threads_per_rank)
+    if spec.device_type == "cpu":
+        from .memory_probe import return_freed_memory
+
+        return_freed_memory()
     device = _device(spec, local_rank)
     timeout = datetime.timedelta(seconds=spec.timeout_s)
     store = _attempt_store(rank, world, timeout)
@@ -292,6 +299,7 @@ def run_rank(spec: RunSpec, out_dir: Path, progress: bool = False) -> None:
             entered_ns=entered,
             build_stages=build_stages,
             make_schedule=_schedule,
+            resident_start_bytes=resident_start,
         )
         gathered = train(inputs)
         if rank == 0:

@@ -26,29 +26,19 @@ named.
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._pytree import TreeSpec, tree_flatten
+from torch.utils._pytree import TreeSpec
 
-from ...profiling.pipeline_settings import apply_training_settings
-from .materialize import shape_pass
+from ...core.meta_device import shape_pass
+from ...profiling.unit_copies import Skipped, StageForward, stage_copy
 from .outputs import checked_structure, describe
 from .sequential import TensorSpec
 from .tied import TiedGroup, tied_groups, unheld_keys
-
-
-class Skipped(nn.Module):
-    """Stands in for a layer of another stage: returns its first input unchanged."""
-
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        if args:
-            return args[0]
-        return next(iter(kwargs.values()))
 
 
 @dataclass(frozen=True)
@@ -59,63 +49,6 @@ class ManualPlan:
     """The profiled layers of every stage (``partition.layer_names``)."""
     output: TreeSpec | None = None
     """The structure of the model's output (``None``: a tensor)."""
-
-
-class StageForward:
-    """The forward of a stage copy: the model's own forward, whose output is turned into what the stage sends.
-
-    An intermediate stage returns the one tensor in the model's output; the last stage returns the
-    output's tensors as a tuple (the loss rebuilds the structure).
-    """
-
-    def __init__(self, forward: Callable[..., Any], stage: int, last: bool) -> None:
-        self.forward, self.stage, self.last = forward, stage, last
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        out = self.forward(*args, **kwargs)
-        if isinstance(out, torch.Tensor):
-            return out.contiguous() if not self.last else out
-        leaves = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
-        if self.last:
-            return tuple(leaves)
-        if len(leaves) != 1:
-            raise ValueError(
-                f"stage {self.stage}, with the later layers skipped, returned {describe(out)}; a stage sends one "
-                "tensor to the next (the hidden states), so the model's forward must carry one tensor from layer to "
-                "layer"
-            )
-        return leaves[0].contiguous()
-
-
-def _container(model: nn.Module, name: str) -> tuple[nn.Module, str]:
-    parent, _, attr = name.rpartition(".")
-    return (model.get_submodule(parent) if parent else model), attr
-
-
-def stage_copy(model: nn.Module, plan: ManualPlan, stage: int) -> nn.Module:
-    """A copy of ``model`` holding only stage ``stage``'s layers (and every module outside the profiled layers).
-
-    Layers of other stages are not copied: one in a ``ModuleList`` / ``ModuleDict`` /
-    ``Sequential`` is dropped from it (the others keep their names), any other one is a
-    :class:`Skipped`. The copy's configs have the training settings (KV cache off); its
-    forward returns what the stage sends (:class:`StageForward`).
-    """
-    mine = set(plan.stage_layers[stage])
-    others = [name for s, names in enumerate(plan.stage_layers) if s != stage for name in names]
-    memo: dict[int, Any] = {id(model.get_submodule(name)): Skipped() for name in others}
-    copied = copy.deepcopy(model, memo)
-    for name in others:
-        if name in mine:
-            continue
-        parent, attr = _container(copied, name)
-        if isinstance(parent, (nn.ModuleList, nn.ModuleDict, nn.Sequential)):
-            del parent._modules[attr]
-        else:
-            setattr(parent, attr, Skipped())
-    apply_training_settings(copied)
-    last = stage == len(plan.stage_layers) - 1
-    copied.forward = StageForward(copied.forward, stage, last)
-    return copied
 
 
 def check_manual(
@@ -146,7 +79,7 @@ def check_manual(
             "partition made from a profile of another model?"
         )
     plan = ManualPlan(tuple(tuple(str(n) for n in stage) for stage in layers))
-    copies = [stage_copy(model, plan, s) for s in range(n_stages)]
+    copies = [stage_copy(model, plan.stage_layers, s) for s in range(n_stages)]
     specs: list[tuple[TensorSpec, TensorSpec | None]] = []
     with torch.no_grad(), torch.random.fork_rng(), shape_pass(model) as lift:
         x = lift(inputs_mb.detach().clone())
@@ -182,7 +115,7 @@ def _eager_output(model: nn.Module, inputs_mb: torch.Tensor) -> Any:
 
 def build_manual_modules(model: nn.Module, plan: ManualPlan, stages: Sequence[int]) -> dict[int, nn.Module]:
     """The stage copies of ``stages`` (a rank's), ``{stage: module}``."""
-    return {s: stage_copy(model, plan, s) for s in stages}
+    return {s: stage_copy(model, plan.stage_layers, s) for s in stages}
 
 
 __all__ = ["build_manual_modules", "check_manual", "ManualPlan", "Skipped", "stage_copy", "StageForward"]

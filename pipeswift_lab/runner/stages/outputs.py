@@ -15,17 +15,7 @@ from typing import Any
 import torch
 from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
 
-
-def describe(obj: Any) -> str:
-    """A short description of a model output for messages: its type and its tensors' shapes and dtypes."""
-    leaves, _ = tree_flatten(obj)
-    tensors = [f"{list(t.shape)} {str(t.dtype).removeprefix('torch.')}" for t in leaves if isinstance(t, torch.Tensor)]
-    if isinstance(obj, torch.Tensor):
-        return f"a tensor {tensors[0]}"
-    fields = ""
-    if isinstance(obj, dict):
-        fields = f" with keys {list(obj)}"
-    return f"a {type(obj).__name__}{fields} holding tensors {tensors}"
+from ...profiling.unit_copies import describe
 
 
 def output_structure(output: Any) -> TreeSpec:

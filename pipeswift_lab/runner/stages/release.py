@@ -2,7 +2,7 @@
 
 Every worker receives the model's structure in its spec (its tensors on the meta device) and
 makes only its own stages' tensors. A stage initialized through the original model's modules
-(a traced or manual stage: :func:`~pipeswift_lab.runner.stages.materialize.initial_values`) leaves
+(a traced or manual stage: :func:`~pipeswift_lab.core.meta_device.initial_values`) leaves
 real tensors there once copied into the stage. Once the stages are built the model is never read
 again in the worker (checkpoints, tied-weight sync and the final state use the stage modules), so
 :func:`release_unheld` empties those tensors; meta tensors hold nothing and are left as they are.

@@ -22,8 +22,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from ...core.meta_device import is_meta_model
 from ...simulation.reconciliation import reconcile
-from .materialize import is_meta_model
 
 #: ``loss_fn(outputs, targets)`` -> a scalar tensor.
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]

@@ -14,8 +14,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from ...core.meta_device import is_meta_model
 from ...profiling.units import decoder_inputs_refusal
-from .materialize import is_meta_model
 from .sequential import StagePlan, TensorSpec, boundary_specs, stage_module
 from .tied import TiedGroup, tied_groups
 

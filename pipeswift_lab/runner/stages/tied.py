@@ -24,6 +24,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from ...core.meta_device import alias_map, parameter_names
+
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
 
@@ -41,14 +43,6 @@ class TiedGroup:
     def canonical(self) -> str:
         """The name the checkpoints store the tensor under."""
         return self.names[0]
-
-
-def parameter_names(model: nn.Module) -> list[tuple[str, ...]]:
-    """Every parameter object of ``model`` as the tuple of its names, in registration order."""
-    groups: dict[int, list[str]] = {}
-    for name, p in model.named_parameters(remove_duplicate=False):
-        groups.setdefault(id(p), []).append(name)
-    return [tuple(names) for names in groups.values()]
 
 
 def tied_groups(model: nn.Module, stage_tensors: Sequence[Mapping[str, torch.Tensor]]) -> tuple[TiedGroup, ...]:
@@ -88,12 +82,6 @@ def unheld_keys(model: nn.Module, stage_tensors: Sequence[Mapping[str, torch.Ten
     held = set().union(*(set(tensors) for tensors in stage_tensors))
     names_of = {name: group for group in parameter_names(model) for name in group}
     return [k for k in model.state_dict() if not any(n in held for n in names_of.get(k, (k,)))]
-
-
-def alias_map(names: Iterable[tuple[str, ...]]) -> dict[str, str]:
-    """``{alias: canonical name}`` of every parameter with several names (:func:`parameter_names`): each name but
-    the first maps to the first."""
-    return {alias: group[0] for group in names for alias in group[1:]}
 
 
 def with_aliases(

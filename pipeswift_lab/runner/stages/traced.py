@@ -36,9 +36,9 @@ import torch
 from torch import nn
 from torch.utils._pytree import TreeSpec
 
+from ...core.meta_device import shape_pass
 from ...profiling.pipeline_settings import training_settings
 from .contiguous import contiguous_boundaries
-from .materialize import shape_pass
 from .outputs import checked_structure
 from .skips import route_skip_connections
 from .tied import TiedGroup, tied_groups, unheld_keys

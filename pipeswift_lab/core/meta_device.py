@@ -1,5 +1,7 @@
-"""A stage built from the model's structure: its tensors made on the rank's device, then read or initialized.
+"""Models on the meta device: their structure travels, their tensors are made where they are used, then filled.
 
+A pipeline stage (:mod:`pipeswift_lab.runner.rank.stage_build`) and a unit profiled on its own
+(:mod:`pipeswift_lab.profiling.unit_by_unit`) are made from a model's structure the same way.
 The spec carries the model with every tensor of its ``state_dict`` on the meta device
 (:func:`structure_reducer`), whatever the caller's model held, so a rank unpickles code and
 shapes, never weights. Each rank then makes only its stages' tensors (``Module.to_empty``, as
@@ -28,10 +30,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from .tied import alias_map, parameter_names
-
 __all__ = [
     "InitFn",
+    "alias_map",
+    "parameter_names",
     "check_initializable",
     "initial_values",
     "init_owner",
@@ -46,6 +48,21 @@ __all__ = [
 
 #: ``init(module)``: fills the tensors ``module`` itself holds (called under ``torch.no_grad``).
 InitFn = Callable[[nn.Module], None]
+
+
+def parameter_names(model: nn.Module) -> list[tuple[str, ...]]:
+    """Every parameter object of ``model`` as the tuple of its names, in registration order (a tied parameter has
+    several)."""
+    groups: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        groups.setdefault(id(p), []).append(name)
+    return [tuple(names) for names in groups.values()]
+
+
+def alias_map(names: Iterable[tuple[str, ...]]) -> dict[str, str]:
+    """``{alias: canonical name}`` of every parameter with several names (:func:`parameter_names`): each name but
+    the first maps to the first."""
+    return {alias: group[0] for group in names for alias in group[1:]}
 
 
 def is_meta_model(model: nn.Module) -> bool:
