@@ -18,7 +18,11 @@ Per row: assembly (launch to the first step, median of ``--repeats``), the calle
 each rank's resident peak above its resident size before it read anything (the interpreter's own), and that stage's
 training state (weights and gradients: SGD keeps no state). The toolkit's runs share a warm fork server, started by
 one untimed run first. Then the goals: assembly at most 1.2 x the plain job's, a meta model's caller growth at most
-5% of its weights, each rank's peak at most its stage's training state + 10%.
+5% of its weights, each rank's peak at most its stage's training state + 10%; and each rank's peak beside the plain
+job's. Besides its weights and gradients a rank holds, for a moment, the weight gradient of its largest layer (each
+micro-batch's is made, then added to ``.grad``) and a fixed share of libraries and gloo buffers (some 15 MB in the
+plain job, 40 MB in the toolkit's ranks), so a stage of four equal layers peaks near 1.14 x its training state in
+either job.
 """
 
 from __future__ import annotations
@@ -151,10 +155,11 @@ def meta(width: int) -> nn.Sequential:
 
 def goals(table: pd.DataFrame) -> pd.DataFrame:
     """One row per size, P and toolkit way: each goal's figure and whether it is met."""
-    plain = table[table["way"] == "plain"].set_index(["weights_mb", "P"])["assembly_s"]
+    plain = table[table["way"] == "plain"].set_index(["weights_mb", "P"])
     rows = []
     for _, r in table[table["way"] != "plain"].iterrows():
-        ratio = r["assembly_s"] / plain[(r["weights_mb"], r["P"])]
+        baseline = plain.loc[(r["weights_mb"], r["P"])]
+        ratio = r["assembly_s"] / baseline["assembly_s"]
         growth = r["caller_growth_mb"] / r["weights_mb"]
         peak = r["rank_peak_mb"] / r["stage_state_mb"]
         rows.append(
@@ -168,6 +173,7 @@ def goals(table: pd.DataFrame) -> pd.DataFrame:
                 "caller_ok": growth <= 0.05 if r["way"] != "eager" else None,
                 "rank_peak_vs_state": round(peak, 2),
                 "rank_ok": peak <= 1.1,
+                "rank_peak_vs_plain": round(r["rank_peak_mb"] / baseline["rank_peak_mb"], 2),
             }
         )
     return pd.DataFrame(rows)

@@ -139,11 +139,50 @@ def cuda_rng_in_checkpoints() -> str:
     return f"P={P}, dropout run resumed at step 2 of 4: bitwise equal"
 
 
+def meta_model_on_cuda() -> str:
+    """A meta model profiled unit by unit on the GPU under ``torch.cuda.set_per_process_memory_fraction``, then run
+    with each rank making its stage on ``cuda:{local_rank}`` from a safetensors checkpoint: it must train as the same
+    weights loaded eagerly on the CPU."""
+    from safetensors.torch import save_file
+
+    import pipeswift_lab as psl
+
+    P = _ranks()
+
+    def build() -> nn.Sequential:
+        torch.manual_seed(0)
+        return nn.Sequential(*[nn.Sequential(nn.Linear(1024, 1024), nn.Tanh()) for _ in range(8)])
+
+    with torch.device("meta"):
+        meta = build()
+    x, y = torch.randn(16, 1024), torch.randn(16, 1024)
+    cap = 64 * 2**20  # the 8 layers' weights alone are 32 MiB, with gradients 64 MiB: one layer at a time fits
+    prof = psl.profile(meta, x[:4], target=y[:4], loss_fn=nn.functional.mse_loss, device="cuda", memory_cap=cap,
+                       warmup=1, repeats=3, progress=False)  # fmt: skip
+    assert prof.meta["unit_by_unit"] and (prof.df["fwd_ms"] > 0).all()
+    part = psl.partition(prof, P)
+    with tempfile.TemporaryDirectory() as tmp:
+        save_file(build().state_dict(), str(Path(tmp) / "model.safetensors"))
+        kwargs = dict(steps=3, progress=False, timeout_s=240, weights=tmp)
+        gpu = psl.run(meta, (x, y), nn.functional.mse_loss, part, 4, devices="cuda", **kwargs)
+        cpu = psl.run(meta, (x, y), nn.functional.mse_loss, part, 4, devices="cpu", **kwargs)
+    worst = max(
+        ((gpu.state_dict()[k] - cpu.state_dict()[k]).norm() / cpu.state_dict()[k].norm().clamp_min(1e-12)).item()
+        for k in cpu.state_dict()
+    )
+    assert worst < 1e-3, f"the meta model's GPU and CPU runs differ by {worst:.2e} (relative)"
+    peak = prof.meta["live_peak_bytes"] / 2**20
+    return (
+        f"profile peak {peak:.0f} MiB under a {cap / 2**20:.0f} MiB cap; P={P} from safetensors, rel diff {worst:.1e}"
+    )
+
+
 CHECKS = (
     ("profiler: CUDA events + peak memory", profiler_cuda_events),
     ("torch.cuda.max_memory_allocated", max_memory_allocated),
     ("run on cuda devices with NCCL", nccl_run),
     ("CUDA RNG state in checkpoints", cuda_rng_in_checkpoints),
+    ("meta model: unit-by-unit profile under a CUDA cap, stages made on cuda:{local_rank}", meta_model_on_cuda),
 )
 
 

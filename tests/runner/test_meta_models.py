@@ -237,3 +237,20 @@ def test_weights_from_dcp_and_from_a_toolkit_checkpoint_resume_on_another_p(tmp_
     )
     assert resumed.losses[-2:] == pytest.approx(want.losses[2:], rel=1e-5)
     assert worst(resumed, want.state_dict()) <= 1e-6
+
+
+def test_no_rank_holds_the_whole_model():
+    """8 layers of 64 MiB: a rank of P=4 holds its two layers, their gradients and one layer's gradient in flight, well
+    under the model's 512 MiB, and its resident peak says so (measured from /proc, RunResult.ranks)."""
+    width = 4096
+
+    def wide():
+        return nn.Sequential(*[nn.Linear(width, width, bias=False) for _ in range(8)])
+
+    layer = width * width * 4
+    part = psl.partition(psl.Profile.synthetic(fwd_ms=[1.0] * 8, bwd_ms=[1.0] * 8), 4, m=M)
+    data = (torch.randn(8, width), torch.randn(8, width))
+    result = run(on_meta(wide), data, F.mse_loss, part, M, steps=2, optimizer=sgd, progress=False)
+    grew = result.ranks["resident_peak_bytes"] - result.ranks["resident_start_bytes"]
+    assert (grew >= 4 * layer).all()  # two layers' weights and gradients: it did hold its stage
+    assert (grew < 6 * layer).all(), grew.tolist()  # and not the 8 layers of the model
