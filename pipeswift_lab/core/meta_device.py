@@ -143,23 +143,27 @@ def _own_tensors(module: nn.Module) -> dict[str, torch.Tensor]:
     }
 
 
-def check_initializable(model: nn.Module, init: InitFn | None) -> None:
+def check_initializable(model: nn.Module, init: InitFn | None, names: Iterable[str] | None = None) -> None:
     """Refuse a meta model that nothing can initialize: with no ``init`` and no Hugging Face ``_init_weights``, every
-    submodule holding a meta tensor must have ``reset_parameters``. Raises ``ValueError`` naming the first ones."""
+    submodule holding a meta tensor (of ``names``, when given: those no weights hold) must have
+    ``reset_parameters``. Raises ``ValueError`` naming the first ones."""
     if init is not None:
         if not callable(init):
             raise TypeError(f"init must be a callable init(module); got {type(init).__name__}")
         return
     if _hf_root(model) is not None:
         return
+    only = None if names is None else set(names)
     lacking = []
     for name, module in model.named_modules():
-        held = [n for n, t in _own_tensors(module).items() if t.is_meta]
+        prefix = f"{name}." if name else ""
+        held = [n for n, t in _own_tensors(module).items() if t.is_meta and (only is None or prefix + n in only)]
         if held and not callable(getattr(module, "reset_parameters", None)):
             lacking.append(f"{name or '(the model)'} ({type(module).__name__}, holding {', '.join(held)})")
     if lacking:
+        what = "no weights= were given" if only is None else "the weights do not hold every tensor"
         raise ValueError(
-            f"the model is on the meta device and no weights= were given, so each rank initializes its stage; "
+            f"the model is on the meta device and {what}, so each rank initializes those of its stage; "
             f"{len(lacking)} submodules hold tensors and have no reset_parameters(): {'; '.join(lacking[:8])}. "
             "Give weights= (a safetensors or DCP checkpoint), or init=fn, where fn(module) fills the tensors the "
             "module holds"
@@ -179,58 +183,90 @@ def initial_values(
     """``{key: tensor}`` for ``keys`` (names in ``model``): each owning submodule of ``model`` is made on ``device``
     (unless a stage made its tensors already: an ``nn.Sequential``'s stage shares the model's modules) and
     initialized (:func:`init_owner`) with its RNG seeded by :func:`name_seed`; a tied weight's other names take its
-    canonical name's tensor. The submodules keep their tensors (the caller frees them)."""
+    canonical name's tensor. The submodules keep their tensors (the caller frees them).
+
+    The floating tensors asked for are set to NaN before the init runs: one the init leaves untouched (a Hugging
+    Face release whose ``_init_weights`` does not cover a module, a parameter a parent module owns) raises
+    ``RuntimeError`` naming it, instead of training on whatever memory ``to_empty`` gave."""
     aliases = alias_map(parameter_names(model))
     keys = list(keys)
-    owners: dict[str, None] = {}
+    wanted: dict[str, set[str]] = {}
     for key in keys:
-        owners.setdefault(aliases.get(key, key).rpartition(".")[0], None)
+        owner, _, attr = aliases.get(key, key).rpartition(".")
+        wanted.setdefault(owner, set()).add(attr)
     values: dict[str, torch.Tensor] = {}
-    for owner in owners:
+    for owner, attrs in wanted.items():
         module = model.get_submodule(owner)
         if any(t.is_meta for t in _own_tensors(module).values()):
             kept = {n: b for n, b in module._buffers.items() if b is not None and not b.is_meta}
             module.to_empty(device=device, recurse=False)
             for n, b in kept.items():
                 module._buffers[n] = b.to(device)
+        own = _own_tensors(module)
+        with torch.no_grad():
+            for attr in attrs:
+                if own[attr].is_floating_point():
+                    own[attr].fill_(float("nan"))
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
             torch.manual_seed(name_seed(seed, owner))
             init_owner(model, module, init)
+        own = _own_tensors(module)
+        untouched = sorted(a for a in attrs if own[a].is_floating_point() and bool(own[a].isnan().any()))
+        if untouched:
+            raise RuntimeError(
+                f"initializing {owner or 'the model'} ({type(module).__name__}) left {untouched} unset: its init does "
+                "not fill them. Give weights= that hold them, or init=fn, where fn(module) fills the tensors the "
+                "module holds"
+            )
         prefix = f"{owner}." if owner else ""
-        values.update({prefix + n: t for n, t in _own_tensors(module).items()})
+        values.update({prefix + n: t for n, t in own.items()})
     return {key: values[aliases.get(key, key)] for key in keys}
 
 
-def _retie(module: nn.Module, names: list[tuple[str, ...]]) -> None:
-    """Make every name of one parameter (``names`` from before ``to_empty``) point to one object again."""
-    for group in names:
+def _tensor_names(module: nn.Module) -> list[tuple[str, tuple[str, ...]]]:
+    """Every parameter and buffer object of ``module`` as ``(kind, its names)``, registration order (a tied tensor
+    has several names)."""
+    groups: dict[int, tuple[str, list[str]]] = {}
+    for name, p in module.named_parameters(remove_duplicate=False):
+        groups.setdefault(id(p), ("parameter", []))[1].append(name)
+    for name, b in module.named_buffers(remove_duplicate=False):
+        groups.setdefault(id(b), ("buffer", []))[1].append(name)
+    return [(kind, tuple(names)) for kind, names in groups.values()]
+
+
+def _retie(module: nn.Module, names: list[tuple[str, tuple[str, ...]]]) -> None:
+    """Make every name of one tensor (``names`` from :func:`_tensor_names` before ``to_empty``) point to one object
+    again: ``to_empty`` from meta makes a new tensor per module that holds it."""
+    for kind, group in names:
         if len(group) < 2:
             continue
-        keep = module.get_parameter(group[0])
+        table = "_parameters" if kind == "parameter" else "_buffers"
+        first_owner, _, first_attr = group[0].rpartition(".")
+        keep = getattr(module.get_submodule(first_owner) if first_owner else module, table)[first_attr]
         for name in group[1:]:
             owner, _, attr = name.rpartition(".")
-            (module.get_submodule(owner) if owner else module)._parameters[attr] = keep
+            getattr(module.get_submodule(owner) if owner else module, table)[attr] = keep
 
 
 def materialize(
     module: nn.Module,
     device: torch.device,
-    fill: Callable[[list[str]], Mapping[str, torch.Tensor]] | None,
+    fill: Callable[[list[str]], Mapping[str, torch.Tensor]],
 ) -> int:
-    """Make ``module``'s tensors on ``device`` (``to_empty``; non-persistent buffers it holds for real are kept, tied
-    parameters stay tied) and copy ``fill(keys)`` into them, for its ``state_dict`` keys and its meta non-persistent
-    buffers; ``fill=None`` leaves them empty (a checkpoint restore fills them). Returns the bytes filled."""
-    names = parameter_names(module)
-    kept = {n: b for n, b in module.named_buffers() if not b.is_meta}
-    wanted = [*module.state_dict(keep_vars=True), *unfilled_buffers(module)]
+    """Make ``module``'s tensors on ``device`` (``to_empty``; buffers it holds for real, which travelled by value,
+    are kept; tied tensors stay tied) and copy ``fill(keys)`` into them, for every other tensor: its ``state_dict``
+    keys and its meta buffers. A key ``fill`` leaves out stays empty (a checkpoint restore fills it). Returns the
+    bytes filled."""
+    names = _tensor_names(module)
+    kept = {n: b for n, b in module.named_buffers(remove_duplicate=False) if not b.is_meta}
+    wanted = [k for k in module.state_dict(keep_vars=True) if k not in kept]
+    wanted += [n for n in unfilled_buffers(module) if n not in wanted]
     module.to_empty(device=device)
-    _retie(module, names)
     for name, buffer in kept.items():
         owner, _, attr = name.rpartition(".")
         (module.get_submodule(owner) if owner else module)._buffers[attr] = buffer.to(device)
-    if fill is None:
-        return 0
-    targets = {**dict(module.named_buffers()), **dict(module.state_dict(keep_vars=True))}
+    _retie(module, names)
+    targets = {**dict(module.named_buffers(remove_duplicate=False)), **dict(module.state_dict(keep_vars=True))}
     filled = 0
     with torch.no_grad():
         for key, value in fill(wanted).items():

@@ -269,10 +269,10 @@ def _final_state(spec: RunSpec, ranks: list[Payload], out_dir: Path | None, move
     from .final_weights import keep_final_weights
     from .stages.tied import parameter_names
 
-    if out_dir is None or not any(p.get("final_shard") for p in ranks):
+    shards = sorted({p["final_shard"] for p in ranks if p.get("final_shard")})
+    if out_dir is None or not shards:
         return {}
-    found = keep_final_weights(out_dir, spec.state_keys, parameter_names(spec.model), move)
-    return found if found is not None else {}
+    return keep_final_weights(out_dir, spec.state_keys, parameter_names(spec.model), shards, move)
 
 
 def _recovery(history: dict[str, Any], ranks: list[Payload], clock: _Clock) -> _Recovery:

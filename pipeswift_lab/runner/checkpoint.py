@@ -322,14 +322,15 @@ def load_checkpoint(path: str | os.PathLike[str] | Checkpoint) -> Checkpoint:
 
 def check_same_model(checkpoint: Checkpoint, model: torch.nn.Module) -> None:
     """Raise :class:`CheckpointError` listing the state names and shapes in which ``model`` and ``checkpoint``
-    differ."""
+    differ (the model's non-persistent buffers, such as a rotary table, may be in the checkpoint or not)."""
     saved = checkpoint.tensor_shapes()
     for alias, canonical in (checkpoint.manifest.get("aliases") or {}).items():
         if canonical in saved:
             saved[alias] = saved[canonical]
     own = {k: tuple(t.shape) for k, t in model.state_dict().items() if hasattr(t, "shape")}
+    loose = {n for n, _ in model.named_buffers()} - set(own)  # a traced stage saves a non-persistent buffer too
     missing = sorted(set(own) - set(saved))
-    extra = sorted(set(saved) - set(own))
+    extra = sorted(set(saved) - set(own) - loose)
     shapes = sorted(k for k in set(own) & set(saved) if own[k] != saved[k])
     if not (missing or extra or shapes):
         return

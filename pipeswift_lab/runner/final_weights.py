@@ -39,8 +39,10 @@ __all__ = [
 
 #: The folder of the run directory the ranks write their final shards into.
 FINAL_DIR = "final"
-#: Where the caller keeps a run's final shards once its run directory is gone.
-_KEPT_PREFIX = "pipeswift-final-"
+#: Where the caller keeps a run's final shards once its run directory is gone: a run directory's name and owner file,
+#: so that a later run() removes the folder of a caller that died (``job.clean_stale_run_dirs``).
+KEPT_PREFIX = "pipeswift_run_final_"
+OWNER_FILE = "owner.pid"
 
 
 def shard_name(pp_rank: int, P: int) -> str:
@@ -124,17 +126,22 @@ class FinalWeights(Mapping[str, torch.Tensor]):
     loaded from disk on first access (a tied weight's names share one tensor)."""
 
     def __init__(
-        self, directory: str | os.PathLike[str], keys: Sequence[str], names: Iterable[tuple[str, ...]]
+        self,
+        directory: str | os.PathLike[str],
+        keys: Sequence[str],
+        names: Iterable[tuple[str, ...]],
+        shards: Sequence[str],
     ) -> None:
         self.directory = Path(directory)
         self.keys_ = tuple(keys)
         self.names = [tuple(group) for group in names if len(group) > 1]
+        self.shards = tuple(sorted(shards))
         self._loaded: dict[str, torch.Tensor] | None = None
 
     @property
     def files(self) -> list[Path]:
-        """The shards, in pipeline order."""
-        return sorted(self.directory.glob("model-*.safetensors"))
+        """The shards this run's ranks wrote, in pipeline order (a folder reused by an earlier run may hold more)."""
+        return [self.directory / name for name in self.shards]
 
     @property
     def nbytes(self) -> int:
@@ -150,7 +157,14 @@ class FinalWeights(Mapping[str, torch.Tensor]):
             state: dict[str, torch.Tensor] = {}
             for file in self.files:
                 state.update(load_file(str(file)))
-            self._loaded = with_aliases(state, self.keys_, self.names)
+            try:
+                self._loaded = with_aliases(state, self.keys_, self.names)
+            except KeyError:
+                missing = [k for k in self.keys_ if k not in state]
+                raise RuntimeError(
+                    f"the final shards in {str(self.directory)!r} lack {len(missing)} tensors of the model, e.g. "
+                    f"{missing[:3]}"
+                ) from None
         return self._loaded
 
     def __getitem__(self, key: str) -> torch.Tensor:
@@ -208,17 +222,16 @@ def write_pretrained(
 
 
 def keep_final_weights(
-    run_dir: Path, keys: Sequence[str], names: Iterable[tuple[str, ...]], move: bool
-) -> FinalWeights | None:
-    """The final shards in ``run_dir`` as :class:`FinalWeights` (``None`` when the ranks wrote none); with ``move``
-    the folder is moved out of the run directory first (``run()``'s is temporary) and removed with the result."""
+    run_dir: Path, keys: Sequence[str], names: Iterable[tuple[str, ...]], shards: Sequence[str], move: bool
+) -> FinalWeights:
+    """The final ``shards`` the ranks wrote into ``run_dir`` as :class:`FinalWeights`; with ``move`` the folder is
+    moved out of the run directory first (``run()``'s is temporary) and removed with the last result holding it."""
     folder = run_dir / FINAL_DIR
-    if not folder.is_dir() or not any(folder.glob("model-*.safetensors")):
-        return None
     if not move:
-        return FinalWeights(folder, keys, names)
-    kept = Path(tempfile.mkdtemp(prefix=_KEPT_PREFIX))
+        return FinalWeights(folder, keys, names, shards)
+    kept = Path(tempfile.mkdtemp(prefix=KEPT_PREFIX))
+    (kept / OWNER_FILE).write_text(str(os.getpid()))
     os.replace(folder, kept / FINAL_DIR)
-    weights = FinalWeights(kept / FINAL_DIR, keys, names)
-    weakref.finalize(weights, shutil.rmtree, str(kept), True)  # the folder goes with the last result holding it
+    weights = FinalWeights(kept / FINAL_DIR, keys, names, shards)
+    weakref.finalize(weights, shutil.rmtree, str(kept), True)
     return weights

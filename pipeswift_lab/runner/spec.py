@@ -197,10 +197,10 @@ class RunSpec:
         write_weights(real, file)
         held = {k: t for k, t in state.items() if not t.is_meta}
         source = check_weights(open_weights(file), held, {a: c for a, c in aliases.items() if a in held})
-        return dataclasses.replace(self, weights=source.relative_to(path.parent))
+        return dataclasses.replace(self, weights=source.relative_to(path.parent.resolve()))
 
     def _code_objects(self) -> list[Any]:
-        objs = [self.model, self.loss_fn, self.optimizer]
+        objs = [self.model, self.loss_fn, self.optimizer, self.init]
         objs += list(self.model.modules())
         if self.data.kind == "callable":
             objs.append(self.data.value)

@@ -65,6 +65,11 @@ _SAFETENSORS_DTYPES = {
     "I8": torch.int8,
     "U8": torch.uint8,
     "BOOL": torch.bool,
+    "U16": torch.uint16,
+    "U32": torch.uint32,
+    "U64": torch.uint64,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
 }
 #: How many mismatches an error names.
 _NAMED = 8
@@ -280,12 +285,14 @@ def check_weights(
     source: WeightSource,
     model_state: Mapping[str, torch.Tensor],
     aliases: Mapping[str, str],
+    ignored: Iterable[str] = (),
 ) -> WeightSource:
     """Check that ``source`` holds every tensor of ``model_state`` (``model.state_dict()``, meta tensors will do) with
     its shape, and nothing else; return the source as the ranks read it (a key of a tied weight under the name the
     source has).
 
-    ``aliases`` maps a tied weight's other names to its canonical one (either name may be stored). Raises
+    ``aliases`` maps a tied weight's other names to its canonical one (either name may be stored); stored tensors
+    named in ``ignored`` are not unexpected (a model's non-persistent buffers, which a traced stage saves). Raises
     ``ValueError`` naming the first missing, unexpected and mismatched tensors. A dtype that differs from the
     model's is converted on load, and said so in a ``UserWarning``.
     """
@@ -304,7 +311,8 @@ def check_weights(
         else:
             found[key] = name
     used = set(found.values())
-    unexpected = [k for k in source.shapes if k not in used and aliases.get(k, k) not in used]
+    skip = set(ignored)
+    unexpected = [k for k in source.shapes if k not in used and aliases.get(k, k) not in used and k not in skip]
     wrong = [
         f"{key}: the model has {list(model_state[key].shape)}, the weights {list(source.shapes[name][0])}"
         for key, name in found.items()
@@ -356,17 +364,17 @@ def check_run_weights(model: nn.Module, weights: Any, init: InitFn | None) -> We
     """``run(weights=, init=)`` checked before launch: ``weights`` indexed and checked against ``model`` (names,
     shapes; a dtype conversion warned) and returned; ``None`` when none are given, after checking that a meta model
     can be initialized (:func:`~pipeswift_lab.core.meta_device.check_initializable`)."""
-    from ..core.meta_device import check_initializable, is_meta_model
-    from .stages.tied import alias_map, parameter_names
+    from ..core.meta_device import alias_map, check_initializable, is_meta_model, parameter_names
 
     if weights is None:
         if is_meta_model(model) or init is not None:
             check_initializable(model, init)
         return None
-    if init is not None:
-        check_initializable(model, init)
-    aliases = alias_map(parameter_names(model))
-    return check_weights(open_weights(weights), model.state_dict(keep_vars=True), aliases)
+    state = model.state_dict(keep_vars=True)
+    loose = [n for n, _ in model.named_buffers() if n not in state]  # in no checkpoint: initialized with their module
+    source = check_weights(open_weights(weights), state, alias_map(parameter_names(model)), ignored=loose)
+    check_initializable(model, init, names=loose)
+    return source
 
 
 def hf_config(model: nn.Module) -> dict[str, Any] | None:

@@ -254,3 +254,45 @@ def test_no_rank_holds_the_whole_model():
     grew = result.ranks["resident_peak_bytes"] - result.ranks["resident_start_bytes"]
     assert (grew >= 4 * layer).all()  # two layers' weights and gradients: it did hold its stage
     assert (grew < 6 * layer).all(), grew.tolist()  # and not the 8 layers of the model
+
+
+def test_a_meta_llama_resumed_on_another_p_trains_as_the_uninterrupted_run(tmp_path):
+    """The resumed stages take their weights from the checkpoint and their rotary tables (in no checkpoint) from
+    Hugging Face's own init."""
+    x, y = tokens()
+    meta = on_meta(llama)
+    two, three = hf_partition(llama(), x, y, P=2), hf_partition(llama(), x, y, P=3)
+    kwargs = dict(optimizer=adam, progress=False)
+    whole = run(meta, (x, y), lm_loss, two, M, steps=4, **kwargs)
+    run(meta, (x, y), lm_loss, two, M, steps=2, checkpoint_dir=tmp_path, **kwargs)
+    resumed = run(meta, (x, y), lm_loss, three, M, steps=4, resume_from=tmp_path, **kwargs)
+    assert resumed.losses == pytest.approx(whole.losses[2:], rel=1e-5)
+    assert worst(resumed, whole.state_dict()) <= 1e-5
+
+
+class Scaled(nn.Module):
+    """A traced model (not an nn.Sequential) with a non-persistent buffer and no reset_parameters of its own."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = nn.Linear(8, 16)
+        self.blocks = nn.ModuleList(nn.Linear(16, 16) for _ in range(4))
+        self.head = nn.Linear(16, 8)
+        self.register_buffer("scale", torch.linspace(0.5, 1.5, 16), persistent=False)
+
+    def forward(self, x):
+        h = self.embed(x)
+        for block in self.blocks:
+            h = torch.tanh(block(h)) * self.scale
+        return self.head(h)
+
+
+def test_a_buffer_that_travels_by_value_reaches_the_traced_stages():
+    model = Scaled()
+    x, y = torch.randn(8, 8), torch.randn(8, 8)
+    prof = profile(model, x[:2], target=y[:2], loss_fn=F.mse_loss, layers=["embed", "blocks.*", "head"], warmup=0,
+                   repeats=1, progress=False)  # fmt: skip
+    result = run(model, (x, y), F.mse_loss, partition(prof, P=2, schedule="1F1B"), M, steps=2, optimizer=sgd,
+                 progress=False)  # fmt: skip
+    assert worst(result, single_process(model, x, y, 2, loss_fn=F.mse_loss, optimizer=sgd)) <= 1e-6

@@ -223,3 +223,29 @@ def test_materialize_keeps_ties_and_real_buffers(tmp_path):
     assert model["head"].weight is model["embed"].weight
     assert torch.equal(model["embed"].weight, torch.full((5, 3), 2.0))
     assert torch.equal(model["rotary"].freq, torch.arange(3.0))
+
+
+def test_a_tensor_the_init_leaves_unset_is_named():
+    model = meta_mlp()
+    with pytest.raises(RuntimeError, match=r"initializing 2 \(Linear\) left \['bias', 'weight'\] unset"):
+        initial_values(model, ["2.weight", "2.bias"], torch.device("cpu"), 0, lambda module: None)
+
+
+def test_weights_without_a_model_buffer_that_no_checkpoint_holds_are_accepted(tmp_path):
+    """A non-persistent buffer (a rotary table) is in no checkpoint, and a traced stage's checkpoint may hold it."""
+
+    class Scaled(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+            self.register_buffer("scale", torch.full((4,), 2.0), persistent=False)
+
+        def forward(self, x):
+            return self.lin(x) * self.scale
+
+    model = Scaled()
+    write_weights({**model.state_dict(), "scale": model.scale}, tmp_path / "w.safetensors")
+    from pipeswift_lab.runner.weights import check_run_weights
+
+    source = check_run_weights(model, tmp_path / "w.safetensors", None)
+    assert "lin.weight" in source and "scale" in source

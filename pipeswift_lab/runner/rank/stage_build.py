@@ -5,7 +5,7 @@ this rank runs, the stage module is cut from the structure (an ``nn.Sequential``
 ``split="manual"`` copy, or torch's traced submodule), made on the rank's device with ``to_empty``
 and filled (:func:`stage_fill`): from ``spec.weights`` (only the stage's keys are read), by
 initialization (``spec.init``, a Hugging Face model's ``_init_weights``, or ``reset_parameters``,
-seeded by name), or left empty when the run restores a checkpoint (the restore fills every tensor).
+seeded by name), or, for the ``state_dict``'s tensors of a run that restores a checkpoint, by the restore.
 Recomputation, precision and DDP wrap it afterwards, as for any stage.
 """
 
@@ -26,20 +26,24 @@ if TYPE_CHECKING:
 __all__ = ["build_stages", "stage_fill"]
 
 Fill = Callable[[list[str]], Mapping[str, torch.Tensor]]
+"""Given the names of a stage's tensors, their values (those it leaves out stay empty)."""
 
 
-def stage_fill(spec: RunSpec, device: torch.device) -> Fill | None:
-    """How this rank fills a stage's tensors, given their names: ``None`` when a checkpoint restore fills them."""
-    if spec.job.resume_from is not None:
-        return None
+def stage_fill(spec: RunSpec, device: torch.device, travelled: Mapping[str, torch.Tensor] | None = None) -> Fill:
+    """How this rank fills a stage's tensors, given their names: from ``travelled`` (buffers the spec carried by
+    value), from ``spec.weights``, else initialized. A run that restores a checkpoint leaves the model's
+    ``state_dict`` tensors to the restore and fills only the others (a rotary table)."""
     weights = spec.weights
+    travelled = travelled or {}
+    restored = set(spec.state_keys) if spec.job.resume_from is not None else set()
 
     def fill(keys: list[str]) -> Mapping[str, torch.Tensor]:
-        stored = [k for k in keys if weights is not None and k in weights]
-        rest = [k for k in keys if k not in set(stored)]
-        out: dict[str, torch.Tensor] = {}
+        keys = [k for k in keys if k not in restored]
+        out: dict[str, torch.Tensor] = {k: travelled[k].to(device) for k in keys if k in travelled}
+        stored = [k for k in keys if k not in out and weights is not None and k in weights]
         if stored and weights is not None:
             out.update(weights.read(stored, device))
+        rest = [k for k in keys if k not in out]
         if rest:
             out.update(initial_values(spec.model, rest, device, spec.seed, spec.init))
         return out
@@ -105,6 +109,19 @@ def build_stages(spec: RunSpec, topo: Topology, device: torch.device) -> list[An
     return stages
 
 
+def _buffers_to_meta(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Swap the buffers ``model`` holds for real (they travelled in the spec by value: a rotary table) for meta ones,
+    so that the trace runs on meta alone; return the real ones by name, to fill the traced stages with."""
+    real = {}
+    for name, buffer in model.named_buffers(remove_duplicate=False):
+        if not buffer.is_meta:
+            owner, _, attr = name.rpartition(".")
+            module = model.get_submodule(owner) if owner else model
+            real[name] = buffer
+            module._buffers[attr] = buffer.to("meta")
+    return real
+
+
 def build_traced_stages(spec: RunSpec, topo: Topology, device: torch.device) -> list[Any]:
     """This pipeline rank's ``_PipelineStage`` objects, re-traced on the meta device from the spec's model and
     example micro-batch, each stage module made and filled on ``device`` before torch builds its stage."""
@@ -117,8 +134,9 @@ def build_traced_stages(spec: RunSpec, topo: Topology, device: torch.device) -> 
     traced = spec.traced
     if traced is None:
         raise ValueError("build_traced_stages needs a spec whose model was traced (spec.traced)")
+    travelled = _buffers_to_meta(spec.model)
     pipe = trace(spec.model, traced.example.to("meta"), traced.split_names)
-    fill = stage_fill(spec, device)
+    fill = stage_fill(spec, device, travelled)
     stages = []
     for s in spec.plan.stages_of(topo.pp_rank):
         submod = pipe.get_stage_module(s)
