@@ -39,9 +39,10 @@ __all__ = [
 
 #: The folder of the run directory the ranks write their final shards into.
 FINAL_DIR = "final"
-#: Where the caller keeps a run's final shards once its run directory is gone: a run directory's name and owner file,
-#: so that a later run() removes the folder of a caller that died (``job.clean_stale_run_dirs``).
-KEPT_PREFIX = "pipeswift_run_final_"
+#: Where the caller keeps a run's final shards once its run directory is gone, with the caller's pid in an owner file
+#: (as a run directory has), so that a later run() removes the folder of a caller that died
+#: (``job.clean_stale_run_dirs``).
+KEPT_PREFIX = "pipeswift_final_"
 OWNER_FILE = "owner.pid"
 
 

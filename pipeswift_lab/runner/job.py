@@ -34,6 +34,7 @@ from torch import nn
 from .assembly import build_result, read_history
 from .checkpoint import Checkpoint
 from .errors import RunError
+from .final_weights import KEPT_PREFIX
 from .launcher import Preemption, check_main_guard, launch
 from .options import CheckpointOptions, ElasticOptions, LaunchOptions, job_options
 from .preflight import JobPlan, OptimizerFactory, plan_job
@@ -404,9 +405,11 @@ def _raise_if_nonfinite(result: RunResult) -> RunResult:
 
 
 def clean_stale_run_dirs() -> list[str]:
-    """Remove the temporary run directories of callers that died (their ``owner.pid`` is gone); return them."""
+    """Remove the temporary run directories, and the folders of final shards, of callers that died (their
+    ``owner.pid`` is gone); return them."""
     removed = []
-    for path in Path(tempfile.gettempdir()).glob(_RUN_DIR_PREFIX + "*"):
+    root = Path(tempfile.gettempdir())
+    for path in [*root.glob(_RUN_DIR_PREFIX + "*"), *root.glob(KEPT_PREFIX + "*")]:
         try:
             owner = int((path / _OWNER_FILE).read_text())
         except (OSError, ValueError):
