@@ -1,6 +1,10 @@
-"""Small Hugging Face language models built from configs (no download), shared by the tests that need them."""
+"""Small Hugging Face language models built from configs (no download), shared by the tests that need them, with
+their loss, token batches and the single-process training a pipeline run must equal."""
+
+import copy
 
 import torch
+import torch.nn.functional as F
 
 VOCAB = 64
 #: A Llama-style config: 4 layers, width 32, grouped-query attention (4 query heads over 2 key/value heads), rotary.
@@ -139,3 +143,33 @@ class Seq2Seq(torch.nn.Module):
     def forward(self, ids):
         source, decoder_input = ids.chunk(2, dim=1)
         return self.model(input_ids=source, decoder_input_ids=decoder_input)
+
+
+#: Tokens per sequence and micro-batches per step of the token batches below.
+SEQ, M = 16, 4
+
+
+def lm_loss(out, y):
+    """Cross-entropy of a causal LM's ``ModelOutput`` against token targets."""
+    return F.cross_entropy(out.logits.flatten(0, 1), y.flatten())
+
+
+def adam(params):
+    return torch.optim.Adam(params, lr=1e-3)
+
+
+def tokens(n=8):
+    """``n`` sequences of :data:`SEQ` random tokens and their targets, seeded."""
+    g = torch.Generator().manual_seed(1)
+    return torch.randint(0, VOCAB, (n, SEQ), generator=g), torch.randint(0, VOCAB, (n, SEQ), generator=g)
+
+
+def single_process(model, x, y, steps, loss_fn=lm_loss, optimizer=adam):
+    """The model trained in this process on the same :data:`M` micro-batches per step; returns its state dict."""
+    ref = copy.deepcopy(model)
+    opt = optimizer(list(ref.parameters()))
+    for _ in range(steps):
+        opt.zero_grad()
+        torch.stack([loss_fn(ref(a), b) for a, b in zip(x.chunk(M), y.chunk(M))]).mean().backward()
+        opt.step()
+    return ref.state_dict()

@@ -144,11 +144,6 @@ class FinalWeights(Mapping[str, torch.Tensor]):
         """The shards this run's ranks wrote, in pipeline order (a folder reused by an earlier run may hold more)."""
         return [self.directory / name for name in self.shards]
 
-    @property
-    def nbytes(self) -> int:
-        """Bytes of the tensors the shards hold (each tied tensor once)."""
-        return int(_index(self.files)["metadata"]["total_size"])
-
     def _state(self) -> dict[str, torch.Tensor]:
         if self._loaded is None:
             from safetensors.torch import load_file

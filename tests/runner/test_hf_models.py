@@ -15,17 +15,23 @@ from tiny_transformers import (
     IMAGE,
     NO_DROPOUT_GPT2,
     OPT_SMALL,
+    SEQ,
     SMALL,
     VOCAB,
+    M,
     Seq2Seq,
+    adam,
     bert,
     gpt2,
     llama,
+    lm_loss,
     opt,
     qwen2,
+    single_process,
     t5,
     vit,
 )
+from tiny_transformers import tokens as batch
 from torch import nn
 
 from pipeswift_lab.partitioning.balance import partition
@@ -36,32 +42,6 @@ from pipeswift_lab.runner import make_spec, run
 from pipeswift_lab.runner.stages.tied import TiedGroup, tied_groups
 
 transformers = pytest.importorskip("transformers")
-
-SEQ, M = 16, 4
-
-
-def lm_loss(out, y):
-    return F.cross_entropy(out.logits.flatten(0, 1), y.flatten())
-
-
-def adam(params):
-    return torch.optim.Adam(params, lr=1e-3)
-
-
-def batch(n=8):
-    g = torch.Generator().manual_seed(1)
-    return torch.randint(0, VOCAB, (n, SEQ), generator=g), torch.randint(0, VOCAB, (n, SEQ), generator=g)
-
-
-def single_process(model, x, y, steps, loss_fn=lm_loss):
-    """The model trained in this process on the same m micro-batches per step."""
-    ref = copy.deepcopy(model)
-    opt = adam(list(ref.parameters()))
-    for _ in range(steps):
-        opt.zero_grad()
-        torch.stack([loss_fn(ref(a), b) for a, b in zip(x.chunk(M), y.chunk(M))]).mean().backward()
-        opt.step()
-    return ref.state_dict()
 
 
 def assert_equal_training(result, want, atol=1e-5):

@@ -6,7 +6,6 @@ sharded safetensors, ``split="manual"``, tied embeddings, a DCP directory and on
 Without weights each rank initializes its stage seeded by name, so P=2 and P=4 start from the same tensors.
 """
 
-import copy
 import json
 
 import pytest
@@ -14,7 +13,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
-from tiny_transformers import SMALL, VOCAB
+from tiny_transformers import M, adam, llama, lm_loss, qwen2, single_process, tokens
 from torch import nn
 
 import pipeswift_lab as psl
@@ -27,7 +26,6 @@ pytestmark = pytest.mark.processes  # starts worker processes: `pytest -m "not p
 
 transformers = pytest.importorskip("transformers")
 
-M, SEQ = 4, 16
 PROFILE6 = psl.Profile.synthetic(fwd_ms=[1.0] * 6, bwd_ms=[2.0] * 6)
 
 
@@ -47,40 +45,6 @@ def batch(step):
 
 def sgd(params):
     return torch.optim.SGD(params, lr=0.05)
-
-
-def adam(params):
-    return torch.optim.Adam(params, lr=1e-3)
-
-
-def lm_loss(out, y):
-    return F.cross_entropy(out.logits.flatten(0, 1), y.flatten())
-
-
-def tokens(n=8):
-    g = torch.Generator().manual_seed(1)
-    return torch.randint(0, VOCAB, (n, SEQ), generator=g), torch.randint(0, VOCAB, (n, SEQ), generator=g)
-
-
-def qwen2(tied):
-    torch.manual_seed(0)
-    return transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**SMALL, tie_word_embeddings=tied))
-
-
-def llama():
-    torch.manual_seed(0)
-    return transformers.LlamaForCausalLM(transformers.LlamaConfig(**SMALL))
-
-
-def single_process(model, x, y, steps, loss_fn=lm_loss, optimizer=adam):
-    """The model trained in this process on the same m micro-batches per step."""
-    ref = copy.deepcopy(model)
-    opt = optimizer(list(ref.parameters()))
-    for _ in range(steps):
-        opt.zero_grad()
-        torch.stack([loss_fn(ref(a), b) for a, b in zip(x.chunk(M), y.chunk(M))]).mean().backward()
-        opt.step()
-    return ref.state_dict()
 
 
 def worst(result, want):
@@ -103,27 +67,25 @@ def sharded(directory, state, shards=3):
     return directory
 
 
+def eager_and_meta(tmp_path, part, **options):
+    """The eager ``model6()`` run, and the same run of it built on meta and read from a safetensors file of its
+    weights: ``(eager result, meta result)``."""
+    eager = model6()
+    save_file(eager.state_dict(), str(tmp_path / "w.safetensors"))
+    want = run(eager, batch, F.mse_loss, part, M, progress=False, **options)
+    got = run(
+        on_meta(model6), batch, F.mse_loss, part, M, progress=False, weights=tmp_path / "w.safetensors", **options
+    )
+    return want, got
+
+
 def hf_partition(model, x, y, P=2):
     prof = profile(model, x[:2], target=y[:2], loss_fn=lm_loss, layers="auto", warmup=1, repeats=1, progress=False)
     return partition(prof, P=P, schedule="1F1B")
 
 
 def test_a_meta_sequential_with_weights_trains_bit_for_bit_as_the_eager_model(tmp_path):
-    eager = model6()
-    save_file(eager.state_dict(), str(tmp_path / "w.safetensors"))
-    part = psl.partition(PROFILE6, 3, m=M)
-    want = run(eager, batch, F.mse_loss, part, M, steps=3, optimizer=sgd, progress=False)
-    got = run(
-        on_meta(model6),
-        batch,
-        F.mse_loss,
-        part,
-        M,
-        steps=3,
-        optimizer=sgd,
-        progress=False,
-        weights=tmp_path / "w.safetensors",
-    )
+    want, got = eager_and_meta(tmp_path, psl.partition(PROFILE6, 3, m=M), steps=3, optimizer=sgd)
     assert got.losses == want.losses
     assert worst(got, want.state_dict()) == 0.0
     folder = got.save_pretrained(tmp_path / "trained")
@@ -164,10 +126,10 @@ def test_tied_embeddings_on_meta_train_as_one_process(tmp_path, split):
     from safetensors.torch import save_model
 
     x, y = tokens()
-    eager = qwen2(tied=True)
+    eager = qwen2()
     save_model(eager, str(tmp_path / "model.safetensors"))
     result = run(
-        on_meta(qwen2, True),
+        on_meta(qwen2),
         (x, y),
         lm_loss,
         hf_partition(eager, x, y),
@@ -302,24 +264,16 @@ def test_a_buffer_that_travels_by_value_reaches_the_traced_stages():
 def test_a_meta_model_with_replicas_recomputation_and_bf16_trains_as_the_eager_one(tmp_path):
     """D=2 replicas, full recomputation and bf16-mixed-zero1 on a meta model read from safetensors: the same run as
     the eager model's (which travels as a safetensors file too), bit for bit."""
-    eager = model6()
-    save_file(eager.state_dict(), str(tmp_path / "w.safetensors"))
-    part = psl.partition(PROFILE6, 2, m=M)
-    options = dict(steps=2, optimizer=adam, progress=False, D=2, recompute="full", precision="bf16-mixed-zero1")
-    want = run(eager, batch, F.mse_loss, part, M, **options)
-    got = run(on_meta(model6), batch, F.mse_loss, part, M, weights=tmp_path / "w.safetensors", **options)
+    options = dict(steps=2, optimizer=adam, D=2, recompute="full", precision="bf16-mixed-zero1")
+    want, got = eager_and_meta(tmp_path, psl.partition(PROFILE6, 2, m=M), **options)
     assert got.losses == want.losses
     assert worst(got, want.state_dict()) == 0.0
 
 
 def test_a_meta_model_resizes_through_its_checkpoints(tmp_path):
     """resize_at builds the new stages from the structure and the checkpoint: the job ends as the eager one does."""
-    eager = model6()
-    save_file(eager.state_dict(), str(tmp_path / "w.safetensors"))
-    options = dict(steps=6, optimizer=sgd, progress=False, resize_at={3: 3}, profile=PROFILE6)
-    part = psl.partition(PROFILE6, 2, m=M)
-    want = run(eager, batch, F.mse_loss, part, M, **options)
-    got = run(on_meta(model6), batch, F.mse_loss, part, M, weights=tmp_path / "w.safetensors", **options)
+    options = dict(steps=6, optimizer=sgd, resize_at={3: 3}, profile=PROFILE6)
+    want, got = eager_and_meta(tmp_path, psl.partition(PROFILE6, 2, m=M), **options)
     assert list(got.segments["P"]) == [2, 3]
     assert got.losses == want.losses
     assert worst(got, want.state_dict()) == 0.0
