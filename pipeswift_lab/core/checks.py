@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 import numbers
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping, Sequence
 from enum import Enum
 from typing import TYPE_CHECKING, Any
 
@@ -22,6 +22,7 @@ __all__ = [
     "check_fraction",
     "check_int",
     "check_time",
+    "state_mismatch",
     "nonnegative_column",
 ]
 
@@ -107,3 +108,30 @@ def nonnegative_column(column: pd.Series, allow_missing: bool = False) -> tuple[
         return values, None
     given = column.iloc[int(bad[0])]
     return values, (int(bad[0]), given.item() if hasattr(given, "item") else given)
+
+
+def state_mismatch(
+    missing: Sequence[str],
+    extra: Sequence[str],
+    shapes: Mapping[str, tuple[Sequence[int], Sequence[int]]],
+    where: str,
+    named: int = 8,
+) -> list[str]:
+    """The parts of a message saying how a model's ``state_dict`` and the tensors stored in ``where`` differ: the
+    model's names not stored, the stored names not in the model, and ``{name: (model shape, stored shape)}``; the
+    first ``named`` of each, with their counts. Empty when nothing differs."""
+
+    def first(items: Sequence[str]) -> str:
+        return f"{list(items[:named])}{' ...' if len(items) > named else ''}"
+
+    parts = []
+    if missing:
+        parts.append(f"not in {where} ({len(missing)}): {first(missing)}")
+    if extra:
+        parts.append(f"only in {where} ({len(extra)}): {first(extra)}")
+    if shapes:
+        wrong = [f"{k} {list(a)} in the model vs {list(b)} in {where}" for k, (a, b) in shapes.items()]
+        parts.append(
+            f"shapes differ ({len(wrong)}): " + ", ".join(wrong[:named]) + (" ..." if len(wrong) > named else "")
+        )
+    return parts

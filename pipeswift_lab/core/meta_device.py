@@ -59,10 +59,10 @@ def parameter_names(model: nn.Module) -> list[tuple[str, ...]]:
     return [tuple(names) for names in groups.values()]
 
 
-def alias_map(names: Iterable[tuple[str, ...]]) -> dict[str, str]:
-    """``{alias: canonical name}`` of every parameter with several names (:func:`parameter_names`): each name but
-    the first maps to the first."""
-    return {alias: group[0] for group in names for alias in group[1:]}
+def alias_map(model: nn.Module) -> dict[str, str]:
+    """``{alias: canonical name}`` of every parameter of ``model`` with several names (:func:`parameter_names`): each
+    name but the first maps to the first."""
+    return {alias: group[0] for group in parameter_names(model) for alias in group[1:]}
 
 
 def is_meta_model(model: nn.Module) -> bool:
@@ -188,7 +188,7 @@ def initial_values(
     The floating tensors asked for are set to NaN before the init runs: one the init leaves untouched (a Hugging
     Face release whose ``_init_weights`` does not cover a module, a parameter a parent module owns) raises
     ``RuntimeError`` naming it, instead of training on whatever memory ``to_empty`` gave."""
-    aliases = alias_map(parameter_names(model))
+    aliases = alias_map(model)
     keys = list(keys)
     wanted: dict[str, set[str]] = {}
     for key in keys:

@@ -45,6 +45,7 @@ import pandas as pd
 if TYPE_CHECKING:
     import torch
 
+from ..core.checks import state_mismatch
 from ..core.display import html_card, text_card
 from .checkpoint_files import MODEL, dcp_metadata, flat_file_reader
 
@@ -331,20 +332,10 @@ def check_same_model(checkpoint: Checkpoint, model: torch.nn.Module) -> None:
     loose = {n for n, _ in model.named_buffers()} - set(own)  # a traced stage saves a non-persistent buffer too
     missing = sorted(set(own) - set(saved))
     extra = sorted(set(saved) - set(own) - loose)
-    shapes = sorted(k for k in set(own) & set(saved) if own[k] != saved[k])
-    if not (missing or extra or shapes):
-        return
-    parts = []
-    if missing:
-        parts.append(f"not in the checkpoint: {missing[:8]}{' ...' if len(missing) > 8 else ''}")
-    if extra:
-        parts.append(f"only in the checkpoint: {extra[:8]}{' ...' if len(extra) > 8 else ''}")
-    if shapes:
-        parts.append(
-            "shapes differ: "
-            + ", ".join(f"{k} {list(saved[k])} in the checkpoint vs {list(own[k])} in the model" for k in shapes[:8])
-        )
-    raise CheckpointError(f"checkpoint {str(checkpoint.path)!r} is of another model; " + "; ".join(parts))
+    shapes = {k: (own[k], saved[k]) for k in sorted(set(own) & set(saved)) if own[k] != saved[k]}
+    parts = state_mismatch(missing, extra, shapes, "the checkpoint")
+    if parts:
+        raise CheckpointError(f"checkpoint {str(checkpoint.path)!r} is of another model; " + "; ".join(parts))
 
 
 def new_tmp_dir(root: Path, step: int, tag: str | None = None) -> Path:

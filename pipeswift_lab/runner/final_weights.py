@@ -84,7 +84,7 @@ def write_rank_shard(
 ) -> str | None:
     """Write a rank's trained stages (``{stage: module}``) as its shard of the final model; return the file's name.
     Only replica 0 writes (the replicas hold the same); the others return None."""
-    from .stages.tied import alias_map, parameter_names
+    from .stages.tied import alias_map
 
     if replica != 0:
         return None
@@ -94,7 +94,7 @@ def write_rank_shard(
         spec.P,
         modules,
         spec.state_keys,
-        alias_map(parameter_names(spec.model)),
+        alias_map(spec.model),
         {group.canonical: group.stages[0] for group in spec.tied},
     )
 

@@ -149,7 +149,8 @@ def plan_job(
     first = specs[planned[0].start_step]
     if resume is not None:
         _check_same_optimizer(first, resume)
-    if launch.save_spec is not None:
+    if launch.save_spec is not None:  # the model's tensors are written once, beside it, and the ranks read them there
+        first = specs[planned[0].start_step] = first.with_weights_beside(launch.save_spec)
         first.save(launch.save_spec)
     return JobPlan(
         model=model,

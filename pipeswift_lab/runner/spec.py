@@ -33,7 +33,7 @@ from .spec_pickle import dumps_structure, pickled_by_value
 from .stages.precision import check_run_precision
 from .stages.sequential import StagePlan, TensorSpec, plan_stages
 from .stages.shapes import stage_shapes
-from .stages.tied import TiedGroup, alias_map, parameter_names
+from .stages.tied import TiedGroup, alias_map
 from .weights import WeightSource, check_run_weights, check_weights, hf_config, open_weights, write_weights
 
 if TYPE_CHECKING:
@@ -168,7 +168,10 @@ class RunSpec:
 
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
-        spec = self._with_weights_beside(path)
+        spec = self.with_weights_beside(path)
+        folder = path.parent.resolve()
+        if spec.weights is not None and Path(spec.weights.path).resolve().is_relative_to(folder):
+            spec = dataclasses.replace(spec, weights=spec.weights.relative_to(folder))  # the folder may move
         with pickled_by_value(self._code_objects()):
             payload = dumps_structure(spec, self.model)
         header = {
@@ -181,23 +184,24 @@ class RunSpec:
         path.write_bytes(SPEC_MAGIC + json.dumps(header).encode() + b"\n" + payload)
         return path
 
-    def _with_weights_beside(self, path: Path) -> RunSpec:
-        """This spec, its model's real tensors written to ``<path stem>.safetensors`` and named as its weights (by a
-        path relative to the spec's directory) when it has no weights and restores no checkpoint."""
-        from .stages.tied import alias_map, canonical_state, parameter_names
+    def with_weights_beside(self, path: str | os.PathLike[str]) -> RunSpec:
+        """This spec, its model's real tensors written to ``<path stem>.safetensors`` and named as its weights, when it
+        has no weights and restores no checkpoint; else this spec. :meth:`save` calls it, and a spec it returns saves
+        without writing them again."""
+        from .stages.tied import alias_map, canonical_state
 
         if self.weights is not None or self.job.resume_from is not None:
             return self
-        aliases = alias_map(parameter_names(self.model))
+        aliases = alias_map(self.model)
         state = self.model.state_dict(keep_vars=True)
         real = {k: t for k, t in canonical_state(state, aliases).items() if not t.is_meta}
         if not real:
             return self
-        file = path.with_name(path.stem + ".safetensors")
+        file = Path(path).resolve().with_name(Path(path).stem + ".safetensors")
         write_weights(real, file)
         held = {k: t for k, t in state.items() if not t.is_meta}
         source = check_weights(open_weights(file), held, {a: c for a, c in aliases.items() if a in held})
-        return dataclasses.replace(self, weights=source.relative_to(path.parent.resolve()))
+        return dataclasses.replace(self, weights=source)
 
     def _code_objects(self) -> list[Any]:
         objs = [self.model, self.loss_fn, self.optimizer, self.init]
@@ -340,7 +344,7 @@ def make_spec(
     )
     meta["recompute_layers"] = recomputed.layer_modes() if recomputed is not None else None
     meta["precision"] = precision
-    meta["aliases"] = alias_map(parameter_names(model))
+    meta["aliases"] = alias_map(model)
     meta["hf_config"] = hf_config(model)
     if instrument:
         meta["memory_predicted"] = predicted_memory(

@@ -33,6 +33,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from ..core.checks import state_mismatch
+
 if TYPE_CHECKING:
     from ..core.meta_device import InitFn
 
@@ -71,8 +73,6 @@ _SAFETENSORS_DTYPES = {
     "F8_E4M3": torch.float8_e4m3fn,
     "F8_E5M2": torch.float8_e5m2,
 }
-#: How many mismatches an error names.
-_NAMED = 8
 
 
 @dataclass(frozen=True)
@@ -313,18 +313,12 @@ def check_weights(
     used = set(found.values())
     skip = set(ignored)
     unexpected = [k for k in source.shapes if k not in used and aliases.get(k, k) not in used and k not in skip]
-    wrong = [
-        f"{key}: the model has {list(model_state[key].shape)}, the weights {list(source.shapes[name][0])}"
+    wrong = {
+        key: (tuple(model_state[key].shape), source.shapes[name][0])
         for key, name in found.items()
         if tuple(model_state[key].shape) != source.shapes[name][0]
-    ]
-    problems = []
-    if missing:
-        problems.append(f"{len(missing)} tensors of the model are missing from them: {missing[:_NAMED]}")
-    if unexpected:
-        problems.append(f"{len(unexpected)} tensors in them are not in the model: {unexpected[:_NAMED]}")
-    if wrong:
-        problems.append(f"{len(wrong)} tensors differ in shape: {wrong[:_NAMED]}")
+    }
+    problems = state_mismatch(missing, unexpected, wrong, "the weights")
     if problems:
         raise ValueError(
             f"weights={source.path!r} ({source.kind}) do not match the model: "
@@ -364,7 +358,7 @@ def check_run_weights(model: nn.Module, weights: Any, init: InitFn | None) -> We
     """``run(weights=, init=)`` checked before launch: ``weights`` indexed and checked against ``model`` (names,
     shapes; a dtype conversion warned) and returned; ``None`` when none are given, after checking that a meta model
     can be initialized (:func:`~pipeswift_lab.core.meta_device.check_initializable`)."""
-    from ..core.meta_device import alias_map, check_initializable, is_meta_model, parameter_names
+    from ..core.meta_device import alias_map, check_initializable, is_meta_model
 
     if weights is None:
         if is_meta_model(model) or init is not None:
@@ -372,7 +366,7 @@ def check_run_weights(model: nn.Module, weights: Any, init: InitFn | None) -> We
         return None
     state = model.state_dict(keep_vars=True)
     loose = [n for n, _ in model.named_buffers() if n not in state]  # in no checkpoint: initialized with their module
-    source = check_weights(open_weights(weights), state, alias_map(parameter_names(model)), ignored=loose)
+    source = check_weights(open_weights(weights), state, alias_map(model), ignored=loose)
     check_initializable(model, init, names=loose)
     return source
 

@@ -186,8 +186,8 @@ def test_another_model_lists_names_and_shapes(three_saves):
     with pytest.raises(CheckpointError) as info:
         latest.load_into(other)
     message = str(info.value)
-    assert "not in the checkpoint: ['2.bias', '2.weight']" in message
-    assert "0.weight [256, 64] in the checkpoint vs [128, 64] in the model" in message
+    assert "not in the checkpoint (2): ['2.bias', '2.weight']" in message
+    assert "0.weight [128, 64] in the model vs [256, 64] in the checkpoint" in message
 
 
 def test_kill_during_a_background_write_never_leaves_a_corrupt_checkpoint(tmp_path):

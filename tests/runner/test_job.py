@@ -377,7 +377,7 @@ def test_bad_resumes_fail_before_launch_and_touch_nothing(tmp_path):
     with pytest.raises(ValueError, match="steps=4 is the job's total, but the checkpoint .* is already at step 4"):
         go(steps=4, resume_from=tmp_path)
     other = nn.Sequential(nn.Linear(6, 10), nn.Tanh(), nn.Linear(10, 12), nn.Tanh(), nn.Linear(12, 3))
-    with pytest.raises(CheckpointError, match=r"0\.weight \[12, 6\] in the checkpoint vs \[10, 6\] in the model"):
+    with pytest.raises(CheckpointError, match=r"0\.weight \[10, 6\] in the model vs \[12, 6\] in the checkpoint"):
         run(other, batch, nn.functional.mse_loss, TWO, 4, steps=8, progress=False, resume_from=tmp_path)
     with pytest.raises(ValueError, match="torch.optim.adam.Adam optimizer, but optimizer makes a torch.optim.sgd.SGD"):
         go(steps=8, optimizer="sgd_momentum", resume_from=tmp_path)

@@ -48,6 +48,21 @@ def test_the_header_names_format_versions_and_checksum_and_the_spec_round_trips(
     assert all(torch.equal(read[k], t) for k, t in spec.model.state_dict().items())
 
 
+def test_the_weights_are_written_once_beside_the_spec_and_move_with_its_folder(saved, tmp_path):
+    spec, _ = saved
+    path = tmp_path / "a" / "job.pkl"
+    path.parent.mkdir()
+    beside = spec.with_weights_beside(path)  # as run(save_spec=...) does before it launches the same spec
+    written = path.with_suffix(".safetensors").stat().st_mtime_ns
+    assert beside.with_weights_beside(path) is beside
+    beside.save(path)
+    assert path.with_suffix(".safetensors").stat().st_mtime_ns == written  # named, not written again
+    os.rename(path.parent, tmp_path / "b")
+    loaded = load_spec(tmp_path / "b" / "job.pkl")
+    read = loaded.weights.read(spec.state_keys)
+    assert all(torch.equal(read[k], t) for k, t in spec.model.state_dict().items())
+
+
 def test_a_pickle_without_the_header_is_refused_before_it_runs(tmp_path):
     marker = tmp_path / "ran"
     (tmp_path / "evil.pkl").write_bytes(pickle.dumps(Tripwire(marker)))

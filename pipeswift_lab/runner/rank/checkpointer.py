@@ -28,7 +28,7 @@ import torch
 from .. import checkpoint as ckpt
 from ..checkpoint_files import Stager
 from ..result import CHECKPOINT_COLUMNS as CHECKPOINT_FIELDS
-from ..stages.tied import alias_map, parameter_names
+from ..stages.tied import alias_map
 from .background_writer import RankWriter, SaveJob
 from .inputs import RankInputs
 from .state_files import rank_flat_state, same_state
@@ -79,7 +79,7 @@ class Checkpointer:
         self.last_saved_step: int | None = None
         self.latest: str | None = None
         self.saves = 0  # saves this attempt began, counted on every rank
-        self.aliases = alias_map(parameter_names(self.spec.model))  # tied weights: stored once, under one name
+        self.aliases = alias_map(self.spec.model)  # tied weights: stored once, under one name
         self.tag = f"{(self.job.run_id or 'run')[:8]}-a{attempt}"  # the saves' directory names, on every rank
         topo = inputs.topo
         self.training_state = getattr(topo, "replica", 0) == 0  # replicas hold the same state: replica 0 saves it
