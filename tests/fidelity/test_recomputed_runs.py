@@ -35,7 +35,9 @@ def runs():
 
 def test_the_profile_measures_the_forward_that_recomputation_repeats(runs):
     prof, _ = runs
-    assert (prof.df["recompute_ms"] >= FWD_MS * 0.95).all() and (prof.df["recompute_ms"] < FWD_MS + SLACK_MS).all()
+    # a difference of two measured backwards (with and without the forward again): the plain one a load can stretch
+    # too, so no exact lower bound; half a forward tells the repeated forward from none
+    assert (prof.df["recompute_ms"] >= FWD_MS / 2).all() and (prof.df["recompute_ms"] < FWD_MS + SLACK_MS).all()
 
 
 @pytest.mark.filterwarnings("ignore:calibrate. the runs cannot determine")

@@ -85,8 +85,8 @@ def test_repeated_once_times_the_first_block_of_each_class_and_gives_its_rows_to
     for column in ("fwd_ms", "bwd_ms", "activation_bytes", "output_bytes", "param_bytes"):
         assert blocks[column].nunique() == 1, column
     assert prof.df["fwd_ms"].gt(0).all() and prof.df["activation_bytes"].gt(0).all()
-    part = partition(prof, P=2, schedule="1F1B")
-    assert part.layer_names[1][0].startswith("model.layers.")
+    part = partition(prof, P=2, schedule="1F1B")  # the profile partitions as any other (where is a matter of time)
+    assert [name for stage in part.layer_names for name in stage] == names
 
 
 def test_options_of_unit_by_unit_profiling_are_checked():
