@@ -12,7 +12,10 @@ where the last do not. :func:`recompute_split` does it greedily:
    moves up, nothing → ``"selective"`` or ``"full"``, ``"selective"`` → ``"full"`` (whichever step saves the most
    per millisecond), and the split is balanced again with the new times (a stage's choice applies to whatever
    layers it holds);
-3. it stops when every rank fits, or when the fullest rank has no stage left to raise (None: no choice fits);
+3. it stops when every rank fits, or when the fullest rank has no stage left to raise: then every stage recomputes
+   fully on a split balanced within the cap (:func:`~pipeswift_lab.partitioning.layers.capped_split`), since a
+   time-balanced split can pile onto one rank layers that are quick but large (weights, optimizer state) and that
+   no recomputation there makes fit (None: that does not fit either);
 4. on the split that fits, every stage is lowered again as far as it still fits (a stage raised for an earlier
    split may not need it on the last), the one whose lowering saves the most time first. The answer: the bounds
    and each stage's choice.
@@ -32,7 +35,7 @@ import pandas as pd
 from ..core.memory_model import OptimizerMemory
 from ..core.peak_forms import peak_form
 from ..core.vocabulary import stage_to_rank
-from ..partitioning.layers import Bounds, Layers, split
+from ..partitioning.layers import Bounds, Layers, capped_split, split
 from ..partitioning.memory import Layout
 from ..partitioning.rank_memory import SplitBytes
 from ..profiling.recompute_costs import FORWARD_COLUMNS, RECOMPUTE_COLUMNS, recomputed
@@ -105,19 +108,34 @@ def recompute_split(
         fields = SplitBytes(memory, scale=scale, precision=precision, optimizer=optimizer, D=D).of(bounds, ranks)
         return [float(x) for x in form.peaks(fields, optimizer)]
 
+    def fitted(bounds: Bounds, modes: tuple[str, ...], peaks: list[float]) -> RecomputedSplit:
+        modes, peaks = _lowered(modes, bounds, timing_table, limit, peaks_of, peaks)
+        return RecomputedSplit(bounds, modes, layers_of(timing_table, bounds, modes), peaks)
+
     bounds: Bounds | None = None
     for _ in range(2 * n_stages + 1):
         # balanced with each layer's time as the stage that held it last recomputes it
         bounds = split(layers_of(timing_table, bounds, modes), layout, "balanced", link, None)
         peaks = peaks_of(bounds, modes)
         if max(peaks) <= limit:
-            modes, peaks = _lowered(modes, bounds, timing_table, limit, peaks_of, peaks)
-            return RecomputedSplit(bounds, modes, layers_of(timing_table, bounds, modes), peaks)
+            return fitted(bounds, modes, peaks)
         raised = _raise_one(modes, bounds, placement, int(np.argmax(peaks)), timing_table, scale)
         if raised is None:
-            return None
+            break
         modes = raised
-    return None
+    full = ("full",) * n_stages
+    everything = [(0, len(names))]
+    capped = capped_split(
+        layers_of(timing_table, everything, ("full",)),
+        layout,
+        "balanced",
+        link,
+        limit,
+        lambda bounds: peaks_of(bounds, full),
+    )
+    if capped is None or max(peaks_of(capped, full)) > limit:
+        return None
+    return fitted(capped, full, peaks_of(capped, full))
 
 
 def _lowered(

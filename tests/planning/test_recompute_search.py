@@ -123,6 +123,59 @@ def test_the_split_is_lowered_where_it_fits_and_refused_where_nothing_does():
     assert recompute_split(limit=0.5 * GB, **kwargs) is None
 
 
+def lopsided(layers=8):
+    """The first half of the layers quick (0.1 ms forward), the second slow (1 ms), all alike in memory: a split
+    balanced by time piles the quick ones, with their weights and optimizer state, onto the first rank."""
+    quick = layers // 2
+    slow = layers - quick
+    return Profile.synthetic(
+        fwd_ms=[0.1] * quick + [1.0] * slow,
+        bwd_ms=[0.2] * quick + [2.0] * slow,
+        param_bytes=[1e8] * layers,
+        activation_bytes=[1e9] * layers,
+        output_bytes=[1e6] * layers,
+        recompute_ms=[0.1] * quick + [1.0] * slow,
+        selective_recompute_ms=[0.03] * quick + [0.3] * slow,
+        full_activation_bytes=[5e7] * layers,
+        selective_activation_bytes=[5e8] * layers,
+        full_transient_bytes=[0.0] * layers,
+        selective_transient_bytes=[0.0] * layers,
+        meta={"batch_size": 1, "device": "cuda"},
+    )
+
+
+def test_where_no_recomputation_of_a_time_balanced_split_fits_full_recomputation_fits_a_capped_split():
+    """At 2.4 GB a time-balanced split holds 5 or 6 layers on the first rank, over the cap however they recompute;
+    every stage recomputing fully on the split balanced within the cap (4 and 4 layers) fits, and the plan finds it."""
+    prof = lopsided()
+    kwargs = dict(
+        timing_table=prof.df,
+        memory_table=prof.df,
+        meta=prof.meta,
+        scale=1.0,
+        P=2,
+        v=1,
+        m=8,
+        schedule="1F1B",
+        optimizer=default_optimizer_memory("adam", "cuda"),
+        precision=None,
+        D=1,
+    )
+    found = recompute_split(limit=2.4 * GB, **kwargs)
+    assert found is not None and found.bounds == ((0, 4), (4, 8)) and found.modes == ("full", "full")
+    layers = {f"layer_{i}": "full" for i in range(8)}
+    replayed = Partition.from_bounds(prof.with_recompute(layers), found.bounds, schedule="1F1B", m=8)
+    assert max(replayed.memory(micro_batch_size=1)["predicted_peak_bytes"]) == pytest.approx(max(found.peaks))
+    assert max(found.peaks) <= 2.4 * GB
+    # between this floor and the cap the greedy search meets alone (3.5 GB), every cap is met
+    assert all(recompute_split(limit=cap * GB, **kwargs) is not None for cap in (2.2, 2.6, 2.8, 3.0, 3.5))
+    assert recompute_split(limit=1.5 * GB, **kwargs) is None
+    with pytest.raises(ValueError, match="no feasible configuration"):
+        plan(prof, gpus=2, mem_per_gpu_bytes=2.4 * GB, **KW)
+    searched = plan(prof, gpus=2, mem_per_gpu_bytes=2.4 * GB, recompute="search", **KW)
+    assert searched.best.P == 2 and searched.best.recompute == "0:full 1:full"
+
+
 @pytest.mark.parametrize(
     ("kwargs", "error", "match"),
     [
@@ -163,7 +216,7 @@ def test_the_planned_recomputation_runs_as_planned():
     prof = profile(net, x[:2], target=y[:2], loss_fn=F.mse_loss, warmup=1, repeats=1, progress=False, recompute=True)
     kw = dict(gpus=2, global_batch=16, steps=100, schedules=["1F1B"], microbatch_sizes=[2], progress=False)
 
-    def smallest_cap(recompute):  # bisected on the plan's feasibility at P = 2, so measured times cannot move it
+    def smallest_cap(recompute):  # bisected on the plan's feasibility at P = 2
         lo, hi = 1e5, 1e9
         for _ in range(16):
             mid = (lo + hi) / 2
