@@ -124,7 +124,7 @@ def recompute_split(
             break
         modes = raised
     full = ("full",) * n_stages
-    everything = [(0, len(names))]
+    everything = ((0, len(names)),)
     capped = capped_split(
         layers_of(timing_table, everything, ("full",)),
         layout,
