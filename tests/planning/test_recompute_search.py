@@ -96,14 +96,14 @@ def test_recomputing_on_fewer_gpus_now_beats_waiting_for_more():
     assert searched.best.recompute in searched.strategy_rows("now")["recompute"].tolist()
 
 
-def test_the_split_is_lowered_where_it_fits_and_refused_where_nothing_does():
-    prof = recomputable()
-    kwargs = dict(
+def split_arguments(prof, P):
+    """recompute_split's arguments but the cap: ``prof`` for times and bytes, P ranks of 1F1B, m=8, Adam on CUDA."""
+    return dict(
         timing_table=prof.df,
         memory_table=prof.df,
         meta=prof.meta,
         scale=1.0,
-        P=4,
+        P=P,
         v=1,
         m=8,
         schedule="1F1B",
@@ -111,6 +111,11 @@ def test_the_split_is_lowered_where_it_fits_and_refused_where_nothing_does():
         precision=None,
         D=1,
     )
+
+
+def test_the_split_is_lowered_where_it_fits_and_refused_where_nothing_does():
+    prof = recomputable()
+    kwargs = split_arguments(prof, P=4)
     found = recompute_split(limit=3.5 * GB, **kwargs)
     assert found is not None and max(found.peaks) <= 3.5 * GB
     levels = ("", "selective", "full")
@@ -148,19 +153,7 @@ def test_where_no_recomputation_of_a_time_balanced_split_fits_full_recomputation
     """At 2.4 GB a time-balanced split holds 5 or 6 layers on the first rank, over the cap however they recompute;
     every stage recomputing fully on the split balanced within the cap (4 and 4 layers) fits, and the plan finds it."""
     prof = lopsided()
-    kwargs = dict(
-        timing_table=prof.df,
-        memory_table=prof.df,
-        meta=prof.meta,
-        scale=1.0,
-        P=2,
-        v=1,
-        m=8,
-        schedule="1F1B",
-        optimizer=default_optimizer_memory("adam", "cuda"),
-        precision=None,
-        D=1,
-    )
+    kwargs = split_arguments(prof, P=2)
     found = recompute_split(limit=2.4 * GB, **kwargs)
     assert found is not None and found.bounds == ((0, 4), (4, 8)) and found.modes == ("full", "full")
     layers = {f"layer_{i}": "full" for i in range(8)}
