@@ -133,9 +133,8 @@ def recompute_split(
         limit,
         lambda bounds: peaks_of(bounds, full),
     )
-    if capped is None or max(peaks_of(capped, full)) > limit:
-        return None
-    return fitted(capped, full, peaks_of(capped, full))
+    peaks = peaks_of(capped, full) if capped is not None else []
+    return fitted(capped, full, peaks) if capped is not None and max(peaks) <= limit else None
 
 
 def _lowered(

@@ -33,7 +33,7 @@ from .spec_pickle import dumps_structure, pickled_by_value
 from .stages.precision import check_run_precision
 from .stages.sequential import StagePlan, TensorSpec, plan_stages
 from .stages.shapes import stage_shapes
-from .stages.tied import TiedGroup, alias_map
+from .stages.tied import TiedGroup, alias_map, canonical_state
 from .weights import WeightSource, check_run_weights, check_weights, hf_config, open_weights, write_weights
 
 if TYPE_CHECKING:
@@ -188,8 +188,6 @@ class RunSpec:
         """This spec, its model's real tensors written to ``<path stem>.safetensors`` and named as its weights, when it
         has no weights and restores no checkpoint; else this spec. :meth:`save` calls it, and a spec it returns saves
         without writing them again."""
-        from .stages.tied import alias_map, canonical_state
-
         if self.weights is not None or self.job.resume_from is not None:
             return self
         aliases = alias_map(self.model)
