@@ -119,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
         t0 = time.perf_counter()
         folder = write_checkpoint(model, Path(tmp) / "init")
         print(f"checkpoint: {time.perf_counter() - t0:.0f} s, {len(list(folder.glob('*.safetensors')))} shards")
-        part = psl.partition(prof, 4, m=M, schedule="1F1B")
+        part = plan.partition_of(plan.best)  # balanced by time within the cap
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")
         before, _ = resident()
