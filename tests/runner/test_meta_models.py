@@ -1,8 +1,11 @@
 """Models built on the meta device, run as pipelines in which each rank makes and fills only its own stages.
 
 Every run is real (gloo worker processes). A meta model given ``weights=`` must train as single-process training of
-the same weights loaded eagerly does: an ``nn.Sequential`` (SGD: bit for bit), a traced Hugging Face Llama from
-sharded safetensors, ``split="manual"``, tied embeddings, a DCP directory and one of the toolkit's checkpoints.
+the same weights loaded eagerly does, within 1e-6: an ``nn.Sequential`` (bit for bit), a traced Hugging Face Llama
+from sharded safetensors, ``split="manual"``, tied embeddings, a DCP directory and one of the toolkit's checkpoints.
+Those comparisons use SGD: summing micro-batches rounds differently from one batch (below 1e-8 here), and Adam's
+normalized step makes that 1e-7 to 1e-6 after two steps, whatever builds the stages. Adam's own path through a meta
+model is compared with the eager run's, bit for bit (replicas, recomputation, bf16) and with a resume.
 Without weights each rank initializes its stage seeded by name, so P=2 and P=4 start from the same tensors.
 """
 
@@ -113,11 +116,11 @@ def test_a_meta_llama_profiled_unit_by_unit_trains_from_sharded_safetensors_as_o
         hf_partition(meta, x, y),
         M,
         steps=2,
-        optimizer=adam,
+        optimizer=sgd,
         progress=False,
         weights=shards,
     )
-    assert worst(result, single_process(eager, x, y, 2)) <= 1e-5
+    assert worst(result, single_process(eager, x, y, 2, optimizer=sgd)) <= 1e-6
 
 
 @pytest.mark.parametrize("split", [None, "manual"])
@@ -135,13 +138,13 @@ def test_tied_embeddings_on_meta_train_as_one_process(tmp_path, split):
         hf_partition(eager, x, y),
         M,
         steps=2,
-        optimizer=adam,
+        optimizer=sgd,
         progress=False,
         weights=tmp_path,
         split=split,
     )
     assert len(result.tied_weights) == 1
-    assert worst(result, single_process(eager, x, y, 2)) <= 1e-5
+    assert worst(result, single_process(eager, x, y, 2, optimizer=sgd)) <= 1e-6
     back = transformers.AutoModelForCausalLM.from_pretrained(result.save_pretrained(tmp_path / "trained"))
     assert back.model.embed_tokens.weight is back.lm_head.weight
     assert all(torch.equal(back.state_dict()[k], t) for k, t in result.state_dict().items())
