@@ -119,7 +119,8 @@ def _split_partition(layers: Layers, layout: Layout, method: str, link: Link | N
 
     The exact solver bounds each stage's steady memory (training state and activations in flight); the rank's
     replayed peak (:meth:`Partition.memory`) adds buffers and transients. When that peak exceeds the cap, the
-    solver runs again with the cap lowered by the excess, a few times, before giving up (:func:`capped_split`)."""
+    solver runs again with the cap lowered by the excess and below what the windows allowed that split, a few times,
+    before giving up (:func:`capped_split`)."""
     if limit is None:
         return Partition._of_layout(
             layers, split(layers, layout, method, link, None), layout, link=link, method=method, mem_per_gpu_bytes=None

@@ -18,7 +18,7 @@ import pandas as pd
 from ..core.checks import check_int, nonnegative_column
 from ..core.link import Link
 from .bottleneck import Infeasible, MinMaxSplit
-from .memory import CAP_RETRIES, MEM_RTOL, Layout, memory_windows
+from .memory import CAP_RETRIES, MEM_RTOL, Layout, memory_windows, windowed_bytes
 
 __all__ = [
     "Bounds",
@@ -232,10 +232,11 @@ def capped_split(
     ``limit`` bytes; ``None`` when none does.
 
     The exact solver's windows bound each stage's steady memory; the replay adds buffers and transients. When the
-    fullest rank exceeds the cap, a balanced split is solved again with the cap lowered by the excess, up to
-    :data:`~pipeswift_lab.partitioning.memory.CAP_RETRIES` times; another method's split is returned as it is,
-    for the caller to check. ``split_at(budget)``, when given, stands for ``split(layers, layout, method, link,
-    budget)`` (the planner's search remembers the splits it solved)."""
+    fullest rank exceeds the cap, a balanced split is solved again with the cap lowered by the excess, and at least
+    below the steady memory the windows saw in the split that did not fit (:func:`windowed_bytes`), so that every
+    retry solves another split, up to :data:`~pipeswift_lab.partitioning.memory.CAP_RETRIES` times; another
+    method's split is returned as it is, for the caller to check. ``split_at(budget)``, when given, stands for
+    ``split(layers, layout, method, link, budget)`` (the planner's search remembers the splits it solved)."""
     budget = limit
     for _ in range(CAP_RETRIES):
         try:
@@ -245,5 +246,6 @@ def capped_split(
         excess = max(peak_of(bounds)) - limit
         if excess <= limit * MEM_RTOL or method != "balanced":
             return bounds
-        budget -= excess
+        # lowered by the excess alone, the windows may still allow the same split: its transients do not move
+        budget = min(budget - excess, windowed_bytes(layers, layout, bounds) * (1 - 4 * MEM_RTOL))
     return None

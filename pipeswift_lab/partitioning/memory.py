@@ -36,6 +36,7 @@ __all__ = [
     "resolve_layout",
     "resolve_m",
     "resolve_placement",
+    "windowed_bytes",
 ]
 
 #: Relative tolerance of memory comparisons (prefix sums and direct sums round differently).
@@ -168,14 +169,7 @@ def memory_windows(layers: Layers, layout: Layout, limit: float | None) -> list[
     """Per stage index: the smallest start allowed for each end under the memory cap ``limit`` (None if no cap)."""
     if limit is None:
         return None
-    if layers.param_bytes is None or layers.activation_bytes is None:
-        raise ValueError(
-            "mem_per_gpu_bytes is given but the profile lacks 'param_bytes' or 'activation_bytes'; "
-            "memory per stage is unknown"
-        )
-    state = state_bytes(layers.params, layers.param_bytes, layout.precision, layout.optimizer, layout.D)
-    static = np.concatenate([[0.0], np.cumsum(cast(np.ndarray, state))])  # known: param_bytes is
-    act = np.concatenate([[0.0], np.cumsum(layers.activation_bytes)])
+    static, act = _cumulative_bytes(layers, layout)
     budget = limit / layout.v  # a rank's v stages share its memory; each stage gets an equal share
     inflight = layout.inflight()
     window: dict[float, np.ndarray] = {}  # stages that hold as many micro-batches share one window
@@ -183,6 +177,26 @@ def memory_windows(layers: Layers, layout: Layout, limit: float | None) -> list[
         mem = static + act * count
         window[count] = np.searchsorted(mem, mem - budget * (1 + MEM_RTOL), side="left")
     return [window[count] for count in inflight]
+
+
+def windowed_bytes(layers: Layers, layout: Layout, bounds: Sequence[tuple[int, int]]) -> float:
+    """The least cap whose :func:`memory_windows` still allow ``bounds``: ``v`` times the steady bytes (training
+    state and activations in flight) of its fullest stage. Below it the balanced solver must return another split."""
+    static, act = _cumulative_bytes(layers, layout)
+    steady = (static[b] - static[a] + (act[b] - act[a]) * count for (a, b), count in zip(bounds, layout.inflight()))
+    return layout.v * float(max(steady))
+
+
+def _cumulative_bytes(layers: Layers, layout: Layout) -> tuple[np.ndarray, np.ndarray]:
+    """Prefix sums over layers of the training state and of the activation bytes per micro-batch, from 0."""
+    if layers.param_bytes is None or layers.activation_bytes is None:
+        raise ValueError(
+            "mem_per_gpu_bytes is given but the profile lacks 'param_bytes' or 'activation_bytes'; "
+            "memory per stage is unknown"
+        )
+    state = state_bytes(layers.params, layers.param_bytes, layout.precision, layout.optimizer, layout.D)
+    static = np.concatenate([[0.0], np.cumsum(cast(np.ndarray, state))])  # known: param_bytes is
+    return static, np.concatenate([[0.0], np.cumsum(layers.activation_bytes)])
 
 
 def no_fit_head(limit: float, method: str, P: int, v: int) -> str:
