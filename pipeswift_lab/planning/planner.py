@@ -126,10 +126,11 @@ def plan(
       by a quantile simulates every configuration: the branch and bound's bound is on the mean;
     * ``recompute="search"`` — where a configuration's balanced split does not fit ``mem_per_gpu_bytes``, choose
       each stage's recomputation (none, selective, full) with the split, greedily for the least added time that
-      fits (:mod:`pipeswift_lab.planning.recompute_search`; AdaPipe, ASPLOS 2024), beside the splits that move
-      layers to fit; the faster wins. It needs a profile taken with ``profile(..., recompute=True)``; the table's
-      ``recompute`` column says what each configuration recomputes, and :meth:`Plan.run_arguments` carries it
-      (and ``precision``) to :func:`pipeswift_lab.run`;
+      fits, and every stage recomputing fully on the splits balanced within the cap and tighter caps, each lowered
+      as far as it fits (:mod:`pipeswift_lab.planning.recompute_search`; AdaPipe, ASPLOS 2024), beside the split
+      that moves layers to fit; the shortest simulated step wins. It needs a profile taken with
+      ``profile(..., recompute=True)``; the table's ``recompute`` column says what each configuration recomputes,
+      and :meth:`Plan.run_arguments` carries it (and ``precision``) to :func:`pipeswift_lab.run`;
     * ``exhaustive`` — simulate every feasible configuration; ``progress`` — show a progress bar.
 
     The steps: :func:`~pipeswift_lab.planning.inputs.check_plan_inputs` (validate and resolve, once),

@@ -5,20 +5,24 @@ recompute their activations (:mod:`pipeswift_lab.core.recompute`): each stage ke
 and takes longer in its backward. AdaPipe (Sun et al., *AdaPipe: Optimizing Pipeline Parallelism with Adaptive
 Recomputation and Partitioning*, ASPLOS 2024) chooses the recomputation of every stage together with the split,
 for the shortest step that fits; the first stages, which hold the most micro-batches under 1F1B, often recompute
-where the last do not. :func:`recompute_split` does it greedily:
+where the last do not. :func:`recompute_splits` finds candidates for it, which the planner's search simulates:
 
 1. every stage starts recomputing nothing; the split is time-balanced with each layer's time as it is recomputed;
 2. while a rank is over the cap, the stage of the fullest rank that saves the most bytes per millisecond it adds
    moves up, nothing → ``"selective"`` or ``"full"``, ``"selective"`` → ``"full"`` (whichever step saves the most
    per millisecond), and the split is balanced again with the new times (a stage's choice applies to whatever
-   layers it holds);
-3. it stops when every rank fits, or when the fullest rank has no stage left to raise: then every stage recomputes
-   fully on a split balanced within the cap (:func:`~pipeswift_lab.partitioning.layers.capped_split`), since a
-   time-balanced split can pile onto one rank layers that are quick but large (weights, optimizer state) and that
-   no recomputation there makes fit (None: that does not fit either);
-4. on the split that fits, every stage is lowered again as far as it still fits (a stage raised for an earlier
-   split may not need it on the last), the one whose lowering saves the most time first. The answer: the bounds
-   and each stage's choice.
+   layers it holds), until every rank fits or the fullest rank has no stage left to raise;
+3. from the other end, every stage recomputes fully on the split balanced within the cap
+   (:func:`~pipeswift_lab.partitioning.layers.capped_split`), and on each split a tighter cap would give in turn
+   (a cap just below the last one's fullest rank). A
+   time-balanced split can pile onto one rank layers that are quick but large (weights, optimizer state) that no
+   recomputation there makes fit; and a split balanced on every stage's time recomputed fully is not the fastest
+   once some stages are lowered (under 1F1B the step also grows with the sum of the stages), so that without the
+   tighter splits a looser cap could plan a slower step than a tighter one;
+4. on every split that fits, every stage is lowered again as far as it still fits (a stage raised for an earlier
+   split may not need it on the last), the one whose lowering saves the most time first.
+
+Each candidate: its bounds and each stage's choice. The planner keeps the one whose simulated step is shortest.
 
 It needs a profile measured with ``recompute=True`` (its recompute columns,
 :mod:`pipeswift_lab.profiling.recompute_costs`).
@@ -36,15 +40,18 @@ from ..core.memory_model import OptimizerMemory
 from ..core.peak_forms import peak_form
 from ..core.vocabulary import stage_to_rank
 from ..partitioning.layers import Bounds, Layers, capped_split, split
-from ..partitioning.memory import Layout
+from ..partitioning.memory import MEM_RTOL, Layout
 from ..partitioning.rank_memory import SplitBytes
 from ..profiling.recompute_costs import FORWARD_COLUMNS, RECOMPUTE_COLUMNS, recomputed
 from ..profiling.table import Profile
 
-__all__ = ["LEVELS", "RecomputedSplit", "has_recompute_columns", "recompute_split"]
+__all__ = ["LEVELS", "TIGHTER_SPLITS", "RecomputedSplit", "has_recompute_columns", "recompute_splits"]
 
 #: A stage's choices, from the least recomputation to the most.
 LEVELS = ("", "selective", "full")
+
+#: How many splits under tighter caps step 3 of the module docs tries, after the one balanced within the cap.
+TIGHTER_SPLITS = 6
 
 
 @dataclass(frozen=True)
@@ -56,6 +63,11 @@ class RecomputedSplit:
     modes: tuple[str, ...]
     timing: Layers
     peaks: list[float]
+
+    @property
+    def stage_ms(self) -> tuple[float, ...]:
+        """Forward + backward per micro-batch of each stage (its backward recomputing as chosen)."""
+        return tuple(float((self.timing.fwd[a:e] + self.timing.bwd[a:e]).sum()) for a, e in self.bounds)
 
     @property
     def label(self) -> str:
@@ -72,7 +84,7 @@ def _by_layer(bounds: Bounds, modes: tuple[str, ...], names: list[str]) -> dict[
     return {names[i]: mode for (a, b), mode in zip(bounds, modes) if mode for i in range(a, b)}
 
 
-def recompute_split(
+def recompute_splits(
     *,
     timing_table: pd.DataFrame,
     memory_table: pd.DataFrame,
@@ -87,13 +99,12 @@ def recompute_split(
     precision: str | None,
     D: int,
     link: Any = None,
-) -> RecomputedSplit | None:
-    """The split of ``P * v`` stages and each stage's recomputation, found as the module docs say, whose every rank
-    fits ``limit``; None when none does. ``timing_table`` is the per-layer table at the micro-batch size (times),
-    ``memory_table`` the nearest profile's, whose bytes ``scale`` takes to it."""
+) -> list[RecomputedSplit]:
+    """The splits of ``P * v`` stages with each stage's recomputation, found as the module docs say, whose every
+    rank fits ``limit``, each once (empty when none does). ``timing_table`` is the per-layer table at the micro-batch
+    size (times), ``memory_table`` the nearest profile's, whose bytes ``scale`` takes to it."""
     names = [str(n) for n in timing_table["name"]]
     n_stages = P * v
-    modes: tuple[str, ...] = ("",) * n_stages
     ranks = stage_to_rank(P, v, schedule)
     placement = np.asarray(ranks)
     form = peak_form(P, m, schedule, v)
@@ -108,33 +119,39 @@ def recompute_split(
         fields = SplitBytes(memory, scale=scale, precision=precision, optimizer=optimizer, D=D).of(bounds, ranks)
         return [float(x) for x in form.peaks(fields, optimizer)]
 
-    def fitted(bounds: Bounds, modes: tuple[str, ...], peaks: list[float]) -> RecomputedSplit:
-        modes, peaks = _lowered(modes, bounds, timing_table, limit, peaks_of, peaks)
-        return RecomputedSplit(bounds, modes, layers_of(timing_table, bounds, modes), peaks)
+    answers: dict[tuple[Bounds, tuple[str, ...]], RecomputedSplit] = {}
 
+    def keep(bounds: Bounds, modes: tuple[str, ...], peaks: list[float]) -> None:
+        modes, peaks = _lowered(modes, bounds, timing_table, limit, peaks_of, peaks)
+        answers.setdefault(
+            (bounds, modes), RecomputedSplit(bounds, modes, layers_of(timing_table, bounds, modes), peaks)
+        )
+
+    modes: tuple[str, ...] = ("",) * n_stages
     bounds: Bounds | None = None
     for _ in range(2 * n_stages + 1):
         # balanced with each layer's time as the stage that held it last recomputes it
         bounds = split(layers_of(timing_table, bounds, modes), layout, "balanced", link, None)
         peaks = peaks_of(bounds, modes)
         if max(peaks) <= limit:
-            return fitted(bounds, modes, peaks)
+            keep(bounds, modes, peaks)
+            break
         raised = _raise_one(modes, bounds, placement, int(np.argmax(peaks)), timing_table, scale)
         if raised is None:
             break
         modes = raised
     full = ("full",) * n_stages
-    everything = ((0, len(names)),)
-    capped = capped_split(
-        layers_of(timing_table, everything, ("full",)),
-        layout,
-        "balanced",
-        link,
-        limit,
-        lambda bounds: peaks_of(bounds, full),
-    )
-    peaks = peaks_of(capped, full) if capped is not None else []
-    return fitted(capped, full, peaks) if capped is not None and max(peaks) <= limit else None
+    recomputing = layers_of(timing_table, ((0, len(names)),), ("full",))
+    cap = limit
+    for _ in range(1 + TIGHTER_SPLITS):
+        capped = capped_split(recomputing, layout, "balanced", link, cap, lambda bounds: peaks_of(bounds, full))
+        if capped is None:
+            break
+        peaks = peaks_of(capped, full)
+        if max(peaks) <= limit:
+            keep(capped, full, peaks)
+        cap = min(cap, max(peaks)) * (1 - 4 * MEM_RTOL)  # the cap under which this split no longer fits
+    return list(answers.values())
 
 
 def _lowered(

@@ -26,7 +26,7 @@ from ..simulation.calibration import SimulatorCalibration
 from ..simulation.simulator import simulate_step_ms
 from .costs import MicrobatchCosts
 from .peaks import SplitPeaks
-from .recompute_search import RecomputedSplit, has_recompute_columns, recompute_split
+from .recompute_search import RecomputedSplit, has_recompute_columns, recompute_splits
 
 __all__ = ["Evaluator", "MicrobatchCosts", "Split"]
 
@@ -105,7 +105,8 @@ class Evaluator:
         return self.split_peaks.answers
 
     def split(self, P: int, m: int, b: int, schedule: str, v: int, D: int = 1) -> Split:
-        """The balanced split of ``P`` ranks at micro-batch size ``b`` (the fastest that fits memory), unsimulated.
+        """The balanced split of ``P`` ranks at micro-batch size ``b``; where it does not fit memory, of the splits
+        that do, the one whose simulated step is the shortest (simulated only where there are several).
 
         ``D`` is the replica count a ZeRO-1 ``precision`` shards the optimizer state over.
         ``P``, ``m``, ``schedule`` and ``v`` must already be valid together.
@@ -115,41 +116,59 @@ class Evaluator:
         base = self.costs.b0 if self.shared else b
         zero1 = self.precision is not None and self.precision.endswith("zero1")
         shards = D if zero1 else 1  # only ZeRO-1 state depends on D
-        placement, inflight_by_rank = self._placement(P, m, schedule, v)
+        _, inflight_by_rank = self._placement(P, m, schedule, v)
         bounds = self._balanced_bounds(P, m, schedule, v, base)
         stages = self._stage_sums(base, bounds, shards)
-        scale = b / base
         limit = self.mem_per_gpu_bytes
         if limit is not None and sum(stages.state_bytes) / P > limit * (1 + MEM_RTOL):
             # no rank's peak is below its state (it holds it all at its optimizer step), so no split fits: raise
             # the error the replay of the balanced split would lead to, without replaying it
             _check_average_fits(stages, P, limit)
         mem = self.peak_memory(P, m, b, schedule, v, D, bounds)
-        recomputing: RecomputedSplit | None = None
-        if limit is not None and max(mem) > limit:
-            # the time-balanced split does not fit at this micro-batch size: take the fastest split that does, of the
-            # splits that move layers and (with recompute="search") those whose stages recompute
-            _check_average_fits(stages, P, limit)
-            try:
-                capped: Bounds | None = self._capped_bounds(P, m, b, schedule, v, D, tuple(inflight_by_rank), limit)
-                error = None
-            except ValueError as exc:
-                capped, error = None, exc
-            recomputing = self._recomputed_split(P, m, b, schedule, v, D, limit) if self.recompute_search else None
-            if recomputing is not None and capped is not None:
-                capped_ms = max(rank_totals(self._stage_sums(b, capped, shards).stage_ms, placement, P))
-                recomputing = recomputing if _rank_ms(recomputing, placement, P) < capped_ms else None
-            if recomputing is None and capped is None:
-                raise error if error is not None else ValueError(no_fit_head(limit, "balanced", P, v))
-            base, scale = b, 1.0
-            if recomputing is not None:
-                bounds, mem = recomputing.bounds, recomputing.peaks
-                stages = self._stage_sums(b, bounds, shards)
-            else:
-                bounds = capped  # type: ignore[assignment]  # not None: checked above
-                stages = self._stage_sums(b, bounds, shards)
-                mem = self.peak_memory(P, m, b, schedule, v, D, bounds)
-        stage_ms = stages.stage_ms if recomputing is None else _stage_ms(recomputing)
+        if limit is None or max(mem) <= limit:
+            return self._split_of(P, m, b, schedule, v, D, bounds, mem, base, None)
+        # the time-balanced split does not fit at this micro-batch size: take the split whose simulated step is the
+        # shortest of those that fit, moving layers and (with recompute="search") recomputing stages
+        _check_average_fits(stages, P, limit)
+        options: list[Split] = []
+        try:
+            capped = self._capped_bounds(P, m, b, schedule, v, D, tuple(inflight_by_rank), limit)
+            options.append(self._split_of(P, m, b, schedule, v, D, capped, None, b, None))
+            error = None
+        except ValueError as exc:
+            error = exc
+        if self.recompute_search:
+            options += [
+                self._split_of(P, m, b, schedule, v, D, found.bounds, found.peaks, b, found)
+                for found in self._recomputed_splits(P, m, b, schedule, v, D, limit)
+            ]
+        if not options:
+            raise error if error is not None else ValueError(no_fit_head(limit, "balanced", P, v))
+        return options[0] if len(options) == 1 else min(options, key=lambda option: self.simulate(option)[0])
+
+    def _split_of(
+        self,
+        P: int,
+        m: int,
+        b: int,
+        schedule: str,
+        v: int,
+        D: int,
+        bounds: Bounds,
+        mem: Sequence[float] | None,
+        base: int,
+        recomputing: RecomputedSplit | None,
+    ) -> Split:
+        """The :class:`Split` of ``bounds`` whose times are at micro-batch size ``base`` (the step scales by
+        ``b / base``), each stage recomputing as ``recomputing`` says (None: none do); ``mem``: its ranks' peaks
+        (None: replayed here)."""
+        zero1 = self.precision is not None and self.precision.endswith("zero1")
+        stages = self._stage_sums(base, bounds, D if zero1 else 1)
+        placement, _ = self._placement(P, m, schedule, v)
+        if mem is None:
+            mem = self.peak_memory(P, m, b, schedule, v, D, bounds)
+        scale = b / base
+        stage_ms = stages.stage_ms if recomputing is None else recomputing.stage_ms
         bound = m * max(rank_totals(stage_ms, placement, P)) * scale
         if self.calibration is not None:  # calibrated actions take at least scale(P) x profiled, plus fixed costs
             bound = bound * self.calibration.scale(P) + self.calibration.step_overhead_ms(schedule)
@@ -170,10 +189,12 @@ class Evaluator:
             recompute=recomputing.label if recomputing is not None else "",
         )
 
-    def _recomputed_split(self, P: int, m: int, b: int, schedule: str, v: int, D: int, limit: float) -> Any:
-        """The split whose stages recompute to fit ``limit`` at micro-batch size ``b``
-        (:func:`~pipeswift_lab.planning.recompute_search.recompute_split`), or None; refuses a profile without the
-        recompute columns."""
+    def _recomputed_splits(
+        self, P: int, m: int, b: int, schedule: str, v: int, D: int, limit: float
+    ) -> list[RecomputedSplit]:
+        """The splits whose stages recompute to fit ``limit`` at micro-batch size ``b``
+        (:func:`~pipeswift_lab.planning.recompute_search.recompute_splits`); refuses a profile without the recompute
+        columns."""
         from ..core.memory_model import default_optimizer_memory
 
         nearest = self.costs.nearest(b)
@@ -186,7 +207,7 @@ class Evaluator:
         timing_table = self.costs.table(b)  # the recomputation's times at b too (costs.TIME_COLUMNS)
         meta = dict(self.layers(nearest).meta)
         optimizer = default_optimizer_memory(self.optimizer, str(meta.get("device", "cpu")).split(":")[0])
-        return recompute_split(
+        return recompute_splits(
             timing_table=timing_table,
             memory_table=memory_table,
             meta=meta,
@@ -398,17 +419,6 @@ def _check_average_fits(stages: _StageSums, P: int, limit: float) -> None:
     average = sum(stages.state_bytes) / P
     if average > limit:
         raise ValueError(f"needs at least {average / 2**30:.3g} GiB per GPU on average > mem_per_gpu_bytes={limit:.4g}")
-
-
-def _stage_ms(recomputing: RecomputedSplit) -> tuple[float, ...]:
-    """Forward + backward per micro-batch of each stage of a recomputing split (its backwards recompute)."""
-    layers = recomputing.timing
-    return tuple(float((layers.fwd[a:e] + layers.bwd[a:e]).sum()) for a, e in recomputing.bounds)
-
-
-def _rank_ms(recomputing: RecomputedSplit, placement: Sequence[int], P: int) -> float:
-    """The busiest rank's forward + backward per micro-batch of a recomputing split."""
-    return max(rank_totals(_stage_ms(recomputing), placement, P))
 
 
 def _rank_max(per_stage: Sequence[float], placement: Sequence[int], P: int) -> float:
