@@ -14,11 +14,11 @@ where the last do not. :func:`recompute_splits` finds candidates for it, which t
    layers it holds), until every rank fits or the fullest rank has no stage left to raise;
 3. from the other end, every stage recomputes fully on the split balanced within the cap
    (:func:`~pipeswift_lab.partitioning.layers.capped_split`), and on each split a tighter cap would give in turn
-   (a cap just below the last one's fullest rank). A
-   time-balanced split can pile onto one rank layers that are quick but large (weights, optimizer state) that no
-   recomputation there makes fit; and a split balanced on every stage's time recomputed fully is not the fastest
-   once some stages are lowered (under 1F1B the step also grows with the sum of the stages), so that without the
-   tighter splits a looser cap could plan a slower step than a tighter one;
+   (a cap just below the last one's fullest rank). A time-balanced split can pile onto one rank layers that are
+   quick but large (weights, optimizer state) that no recomputation there makes fit; and a split balanced on every
+   stage's time recomputed fully is not the fastest once some stages are lowered (under 1F1B the step also grows
+   with the sum of the stages), so that without the tighter splits a looser cap could plan a slower step than a
+   tighter one;
 4. on every split that fits, every stage is lowered again as far as it still fits (a stage raised for an earlier
    split may not need it on the last), the one whose lowering saves the most time first.
 
