@@ -7,6 +7,7 @@ an uninterrupted one on the same partition, and within 1e-5 on another.
 """
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -414,13 +415,20 @@ ORPHAN_SCRIPT = textwrap.dedent("""
 """)
 
 
-def test_workers_die_with_their_caller(tmp_path):
+def test_workers_die_with_their_caller(tmp_path, monkeypatch):
     pids_dir = tmp_path / "pids"
     pids_dir.mkdir()
     script = tmp_path / "caller.py"
     script.write_text(ORPHAN_SCRIPT)
+    # a temporary root of its own (short, for the sockets under it): another test worker's run() removes the run
+    # directories of dead callers in the shared one, this one's included, before this test can look
+    private_tmp = Path(tempfile.mkdtemp(prefix="psl_orphan_"))
+    monkeypatch.setattr(tempfile, "tempdir", str(private_tmp))
     caller = subprocess.Popen(
-        [sys.executable, str(script), str(pids_dir)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+        [sys.executable, str(script), str(pids_dir)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        env={**os.environ, "TMPDIR": str(private_tmp)},
     )
     deadline = time.monotonic() + 120
     while len(list(pids_dir.iterdir())) < 2 and time.monotonic() < deadline:
@@ -438,6 +446,7 @@ def test_workers_die_with_their_caller(tmp_path):
     removed = clean_stale_run_dirs()
     assert {str(p) for p in stale} <= set(removed)
     assert not any(p.exists() for p in stale)
+    shutil.rmtree(private_tmp, ignore_errors=True)
 
 
 def _owned_by(path, pid):
