@@ -114,8 +114,7 @@ class Evaluator:
         Raises ``ValueError`` when no split fits ``mem_per_gpu_bytes``.
         """
         base = self.costs.b0 if self.shared else b
-        zero1 = self.precision is not None and self.precision.endswith("zero1")
-        shards = D if zero1 else 1  # only ZeRO-1 state depends on D
+        shards = self._state_shards(D)
         _, inflight_by_rank = self._placement(P, m, schedule, v)
         bounds = self._balanced_bounds(P, m, schedule, v, base)
         stages = self._stage_sums(base, bounds, shards)
@@ -146,6 +145,11 @@ class Evaluator:
             raise error if error is not None else ValueError(no_fit_head(limit, "balanced", P, v))
         return options[0] if len(options) == 1 else min(options, key=lambda option: self.simulate(option)[0])
 
+    def _state_shards(self, D: int) -> int:
+        """What the optimizer state is sharded over: ``D`` replicas under a ZeRO-1 ``precision``, else 1 (only
+        ZeRO-1 state depends on ``D``)."""
+        return D if self.precision is not None and self.precision.endswith("zero1") else 1
+
     def _split_of(
         self,
         P: int,
@@ -162,8 +166,7 @@ class Evaluator:
         """The :class:`Split` of ``bounds`` whose times are at micro-batch size ``base`` (the step scales by
         ``b / base``), each stage recomputing as ``recomputing`` says (None: none do); ``mem``: its ranks' peaks
         (None: replayed here)."""
-        zero1 = self.precision is not None and self.precision.endswith("zero1")
-        stages = self._stage_sums(base, bounds, D if zero1 else 1)
+        stages = self._stage_sums(base, bounds, self._state_shards(D))
         placement, _ = self._placement(P, m, schedule, v)
         if mem is None:
             mem = self.peak_memory(P, m, b, schedule, v, D, bounds)
@@ -316,7 +319,6 @@ class Evaluator:
         key = (P, m, v, schedule, b, D, inflight_by_rank)
         if key not in self._capped:
             layers = self.layers(b)
-            zero1 = self.precision is not None and self.precision.endswith("zero1")
             layout = Layout(
                 P=P,
                 v=v,
@@ -325,7 +327,7 @@ class Evaluator:
                 m=m,
                 optimizer=self.optimizer,
                 precision=self.precision,
-                D=D if zero1 else 1,
+                D=self._state_shards(D),
             )
             self._capped[key] = capped_split(
                 layers,
