@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from ..core.checks import check_choice, check_flag, check_int, check_time
+from ..core.fake_device import trace_device
 from ..core.meta_device import InitFn
 from ..core.recompute import RecomputePlan, plan_recompute
 from .devices import CPU_RANKS_PER_CORE, available_cores, resolve_devices
@@ -328,7 +329,9 @@ def make_spec(
     backend, device_type, indices = resolve_devices(world, backend, devices, what=what)
     data_source = make_data_source(data, steps, seed)
     global_batch, batch_size = _replica_batch(data_source, D, m)
-    shapes = stage_shapes(model, partition, plan, data_source, batch_size // m, loss_fn, split)
+    shapes = stage_shapes(
+        model, partition, plan, data_source, batch_size // m, loss_fn, split, trace_device(device_type, indices)
+    )
     precision = check_run_precision(
         precision, checkpoints=job is not None and bool(job.checkpoint_dir or job.resume_from)
     )

@@ -109,40 +109,33 @@ def build_stages(spec: RunSpec, topo: Topology, device: torch.device) -> list[An
     return stages
 
 
-def _buffers_to_meta(model: nn.Module) -> dict[str, torch.Tensor]:
-    """Swap the buffers ``model`` holds for real (they travelled in the spec by value: a rotary table) for meta ones,
-    so that the trace runs on meta alone; return the real ones by name, to fill the traced stages with."""
-    real = {}
-    for name, buffer in model.named_buffers(remove_duplicate=False):
-        if not buffer.is_meta:
-            owner, _, attr = name.rpartition(".")
-            module = model.get_submodule(owner) if owner else model
-            real[name] = buffer
-            module._buffers[attr] = buffer.to("meta")
-    return real
+def _real_buffers(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The buffers ``model`` holds for real (they travelled in the spec by value: a rotary table), by name: the
+    traced stages are filled with them."""
+    return {name: b for name, b in model.named_buffers(remove_duplicate=False) if not b.is_meta}
 
 
 def build_traced_stages(spec: RunSpec, topo: Topology, device: torch.device) -> list[Any]:
-    """This pipeline rank's ``_PipelineStage`` objects, re-traced on the meta device from the spec's model and
-    example micro-batch, each stage module made and filled on ``device`` before torch builds its stage."""
+    """This pipeline rank's ``_PipelineStage`` objects, re-traced from the spec's model and example micro-batch with
+    fake tensors on ``device`` (the graph takes the branches ``device`` takes), each stage module made and filled on
+    ``device`` before torch builds its stage."""
     from ...core.recompute import apply_recompute, recompute_weight_pass_once, schedule_splits_backward
     from ..stages.contiguous import send_contiguous
     from ..stages.precision import autocast_forward, mixed
     from ..stages.tied import unify_copies
-    from ..stages.traced import _skip_self_warmup, _traced_ddp, retarget_device, trace
+    from ..stages.traced import _skip_self_warmup, _traced_ddp, trace
 
     traced = spec.traced
     if traced is None:
         raise ValueError("build_traced_stages needs a spec whose model was traced (spec.traced)")
-    travelled = _buffers_to_meta(spec.model)
-    pipe = trace(spec.model, traced.example.to("meta"), traced.split_names)
+    travelled = _real_buffers(spec.model)
+    pipe = trace(spec.model, traced.example, traced.split_names, device)
     fill = stage_fill(spec, device, travelled)
     stages = []
     for s in spec.plan.stages_of(topo.pp_rank):
         submod = pipe.get_stage_module(s)
         unify_copies(submod, spec.tied)
         materialize(submod, device, fill)
-        retarget_device(submod, device)
         stage = send_contiguous(pipe.build_stage(s, device, topo.pp_group))
         if spec.recompute is not None:
             split = schedule_splits_backward(spec.plan.schedule)

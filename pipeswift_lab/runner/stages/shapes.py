@@ -49,13 +49,14 @@ def stage_shapes(
     microbatch_size: int,
     loss_fn: Callable[[Any, torch.Tensor], torch.Tensor],
     split: str | None,
+    device: torch.device,
 ) -> StageShapes:
     """Run one micro-batch through the stages before launch; return their :class:`StageShapes`.
 
     An ``nn.Sequential`` gets the shapes crossing every boundary; any other model is traced at the
     partition's split points (torch's traced stages know their boundary shapes from the graph), or
     with ``split="manual"`` built as stage copies and run in order. A model on the meta device is
-    checked with the micro-batch on meta.
+    checked with the micro-batch on meta; a traced model is traced for ``device``, the ranks' device.
     """
     inputs, targets = source.batch(0)
     inputs_mb, targets_mb = inputs[:microbatch_size], targets[:microbatch_size]
@@ -83,7 +84,7 @@ def stage_shapes(
         return StageShapes(boundaries=specs, traced=None, manual=manual, tied=tied, layer_names=layer_names)
     from .traced import check_traceable
 
-    traced, tied = check_traceable(model, partition, plan.n_stages, inputs_mb, targets_mb, loss_fn)
+    traced, tied = check_traceable(model, partition, plan.n_stages, inputs_mb, targets_mb, loss_fn, device)
     return StageShapes(boundaries=(), traced=traced, manual=None, tied=tied, layer_names=layer_names)
 
 

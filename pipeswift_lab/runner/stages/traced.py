@@ -36,6 +36,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import TreeSpec
 
+from ...core.fake_device import fake_to_meta, faked_on
 from ...core.meta_device import shape_pass
 from ...profiling.pipeline_settings import training_settings
 from .contiguous import contiguous_boundaries
@@ -93,11 +94,13 @@ def split_names(model: nn.Module, partition: Any, n_stages: int) -> tuple[str, .
     return firsts
 
 
-def trace(model: nn.Module, example: torch.Tensor, names: tuple[str, ...]) -> Pipe:
-    """``torch.distributed.pipelining.pipeline(model, (example,), split_spec={name: BEGINNING})``; return the ``Pipe``.
+def trace(model: nn.Module, example: torch.Tensor, names: tuple[str, ...], device: torch.device) -> Pipe:
+    """``torch.distributed.pipelining.pipeline(model, (example,), split_spec={name: BEGINNING})`` with every tensor a
+    fake one on ``device`` (:func:`~pipeswift_lab.core.fake_device.faked_on`): the graph takes the branches the
+    rank's device takes. Returns the ``Pipe``, whose stages hold meta tensors (made and filled on the rank).
 
-    Raises ``ValueError`` with the tracer's message and what to do when the model cannot be
-    traced or cut there.
+    Raises ``ValueError`` with the tracer's message, the module it failed in and what to do when the model cannot
+    be traced or cut there.
     """
     from torch.distributed.pipelining import SplitPoint, pipeline
 
@@ -109,13 +112,15 @@ def trace(model: nn.Module, example: torch.Tensor, names: tuple[str, ...]) -> Pi
         if name in modules
     }
     try:
-        with warnings.catch_warnings(), training_settings(model):
+        with warnings.catch_warnings(), training_settings(model), faked_on(model, device) as lift:
             warnings.simplefilter("ignore")
-            pipe = pipeline(model, (example,), split_spec=spec)
+            pipe = pipeline(model, (lift(example),), split_spec=spec)
     except Exception as exc:  # re-raised with what to do
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        where = failing_module(exc, model)
         raise ValueError(
-            f"torch's pipeline tracer cannot split the {type(model).__name__} at {list(names)}: {type(exc).__name__}: "
+            f"torch's pipeline tracer cannot split the {type(model).__name__} at {list(names)}"
+            f"{f' (it failed in {where})' if where else ''}, traced for {device}: {type(exc).__name__}: "
             f"{first}. The tracer (torch.export) needs a forward without data-dependent Python control flow "
             "(an `if` on a tensor's value) or unsupported ops, and each split name must be a submodule called once "
             "in forward (a Hugging Face model's KV cache is already off for the trace). Either make the forward "
@@ -124,6 +129,8 @@ def trace(model: nn.Module, example: torch.Tensor, names: tuple[str, ...]) -> Pi
         ) from exc
     finally:
         _restore_forwards(modules, saved)
+    for s in range(pipe.num_stages):
+        fake_to_meta(pipe.get_stage_module(s))
     route_skip_connections(pipe)
     contiguous_boundaries(pipe)
     if pipe.num_stages != len(names) + 1:
@@ -145,6 +152,26 @@ def _restore_forwards(modules: dict[str, nn.Module], saved: dict[str, dict[str, 
         mod.__dict__.update(attrs)
 
 
+def failing_module(exc: BaseException, model: nn.Module) -> str | None:
+    """The innermost submodule of ``model`` whose code was running when ``exc`` (or an exception it chains) was
+    raised, as ``'name (Class)'``; ``None`` when no frame belongs to one."""
+    names = {id(m): name for name, m in model.named_modules()}
+    found = None
+    seen: set[int] = set()
+    error: BaseException | None = exc
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        tb = error.__traceback__
+        while tb is not None:
+            owner = tb.tb_frame.f_locals.get("self")
+            if isinstance(owner, nn.Module) and id(owner) in names:
+                name = names[id(owner)]
+                found = f"{name or '(the model)'} ({type(owner).__name__})"
+            tb = tb.tb_next
+        error = error.__cause__ or error.__context__
+    return found
+
+
 def check_traceable(
     model: nn.Module,
     partition: Any,
@@ -152,16 +179,17 @@ def check_traceable(
     inputs_mb: torch.Tensor,
     targets_mb: torch.Tensor,
     loss_fn: Callable[[Any, torch.Tensor], torch.Tensor],
+    device: torch.device,
 ) -> tuple[TracedPlan, tuple[TiedGroup, ...]]:
-    """Trace ``model`` at the partition's split points on one micro-batch, before launch; return the
-    :class:`TracedPlan` and the tied parameters the stages share.
+    """Trace ``model`` at the partition's split points on one micro-batch for ``device`` (the ranks' device), as the
+    ranks will, before launch; return the :class:`TracedPlan` and the tied parameters the stages share.
 
     Also checks that the traced stages hold every key of ``model.state_dict()`` and that
     ``loss_fn`` takes the model's output. Raises ``ValueError`` naming what is wrong.
     """
     names = split_names(model, partition, n_stages)
     example = inputs_mb.detach().clone()
-    tied, missing = traced_stage_state(model, example, names)
+    tied, missing = traced_stage_state(model, example, names, device)
     if missing:
         raise ValueError(
             f"the traced stages do not hold {missing[:8]} of model.state_dict(); the runner cannot return or "
@@ -181,52 +209,19 @@ _TRACES: weakref.WeakKeyDictionary[nn.Module, dict[tuple[Any, ...], tuple[tuple[
 
 
 def traced_stage_state(
-    model: nn.Module, example: torch.Tensor, names: tuple[str, ...]
+    model: nn.Module, example: torch.Tensor, names: tuple[str, ...], device: torch.device
 ) -> tuple[tuple[TiedGroup, ...], list[str]]:
     """Trace ``model`` at ``names`` and return the tied parameters its stages share and the ``state_dict`` keys no
     stage holds; remembered for the same model, split, example shape and module structure."""
     structure = tuple((k, tuple(t.shape), t.dtype) for k, t in model.state_dict().items())
-    key = (names, tuple(example.shape), example.dtype, structure, tuple(id(m) for m in model.modules()))
+    key = (names, tuple(example.shape), example.dtype, structure, tuple(id(m) for m in model.modules()), str(device))
     known = _TRACES.setdefault(model, {})
     if key not in known:
-        pipe = trace(model, example, names)
+        pipe = trace(model, example, names, device)
         stage_tensors = [pipe.get_stage_module(s).state_dict() for s in range(pipe.num_stages)]
         known.clear()  # one entry per model: the latest split
         known[key] = (tied_groups(model, stage_tensors), unheld_keys(model, stage_tensors))
     return known[key]
-
-
-def retarget_device(module: nn.Module, device: torch.device) -> int:
-    """Point every device the tracer burned into ``module``'s graphs (nested ones included) at ``device``; returns
-    the number of nodes changed.
-
-    The workers trace on the meta device (no tensor is made), so ``torch.arange(n, device=x.device)`` or
-    ``inv_freq.to(x.device)`` is recorded with ``device="meta"``. torch's ``build_stage`` rewrites the ``device``
-    keyword of the stage's top-level graph only; a rotary embedding's graph is nested."""
-    meta = torch.device("meta")
-
-    def swap(value: Any) -> Any:
-        if isinstance(value, torch.device) and value == meta:
-            return device
-        if isinstance(value, (tuple, list)):
-            return type(value)(swap(v) for v in value)
-        return value
-
-    changed = 0
-    for sub in module.modules():
-        graph = getattr(sub, "graph", None)
-        if not isinstance(graph, torch.fx.Graph):
-            continue
-        touched = False
-        for node in graph.nodes:
-            args, kwargs = swap(node.args), {k: swap(v) for k, v in node.kwargs.items()}
-            if args != node.args or kwargs != node.kwargs:
-                node.args, node.kwargs = args, kwargs
-                changed += 1
-                touched = True
-        if touched and isinstance(sub, torch.fx.GraphModule):
-            sub.recompile()
-    return changed
 
 
 def _traced_ddp(submod: nn.Module, replica_group: ProcessGroup, device: torch.device) -> nn.Module:
@@ -291,7 +286,7 @@ def _merge(dst: nn.Module, src: nn.Module) -> None:
 
 __all__ = [
     "check_traceable",
-    "retarget_device",
+    "failing_module",
     "merged_module",
     "split_names",
     "trace",

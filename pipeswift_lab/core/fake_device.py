@@ -1,0 +1,113 @@
+"""A model whose tensors report the device a rank runs on, with no storage behind them: what a stage is traced with.
+
+A graph traced on one device keeps that device's choices. A forward that branches on
+``x.device.type`` (transformers' mixture-of-experts layers take a float histogram input on
+``cpu`` and an int one elsewhere), on ``x.is_cuda`` or on a device it reads from a tensor keeps
+the branch taken while tracing, and devices it passes to factories (``torch.arange(n,
+device=x.device)``) are burned into the graph. Traced on ``meta``, such a graph fails or differs
+on the rank. So the runner traces a stage with torch's fake tensors
+(``torch._subclasses.fake_tensor.FakeTensorMode``): each parameter, buffer and input is a fake
+tensor *on the rank's device* (``cpu`` or ``cuda:{local_rank}``), which has a shape, a dtype and
+a device and no memory. The traced stages then hold fake tensors; :func:`fake_to_meta` turns them
+into meta tensors, which the rank makes and fills as any meta structure
+(:func:`~pipeswift_lab.core.meta_device.materialize`).
+
+See [Note: tracing on one device and running on another] in the README's traps.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = ["fake_to_meta", "faked_on", "is_fake", "trace_device"]
+
+
+def trace_device(device_type: str, indices: tuple[int, ...] | None) -> torch.device:
+    """The device a run's first rank computes on (``cuda:{index}`` or ``cpu``): the device its stages are traced
+    on."""
+    if device_type == "cuda":
+        return torch.device("cuda", indices[0] if indices else 0)
+    return torch.device(device_type)
+
+
+def is_fake(t: Any) -> bool:
+    """Whether ``t`` is one of torch's fake tensors."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return isinstance(t, FakeTensor)
+
+
+def _swap_tensors(
+    model: nn.Module,
+    make: Callable[[torch.Tensor], torch.Tensor],
+    which: Callable[[torch.Tensor], bool] = lambda t: True,
+) -> list[tuple[dict, str, Any]]:
+    """Replace every parameter and buffer of ``model`` that is ``which`` by ``make(tensor)`` (a parameter stays a
+    parameter with its ``requires_grad``; a tensor held under several names is made once, so ties stay); return
+    ``(table, name, original)`` of each, to put back."""
+    made: dict[int, Any] = {}
+    undo: list[tuple[dict, str, Any]] = []
+    for module in model.modules():
+        for table in (module._parameters, module._buffers):
+            for name, t in list(table.items()):
+                if t is None or not which(t):
+                    continue
+                if id(t) not in made:
+                    new = make(t.detach())
+                    made[id(t)] = nn.Parameter(new, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else new
+                undo.append((table, name, t))
+                table[name] = made[id(t)]
+    return undo
+
+
+@contextmanager
+def faked_on(model: nn.Module, device: torch.device) -> Iterator[Callable[[torch.Tensor], torch.Tensor]]:
+    """Within the block every parameter and buffer of ``model`` is a fake tensor on ``device`` (same shape, dtype,
+    strides, ties and ``requires_grad``), all of one ``FakeTensorMode``; yields ``lift(tensor)``, which turns an
+    input (real or meta) into a fake tensor of that mode on ``device``. Afterwards the model holds its own tensors
+    again, whatever the block raised.
+
+    Nothing is allocated: a model of any size, real or on the meta device, can be traced for any device this way.
+    The mode is not entered: torch's tracers detect it from the fake inputs."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    mode = FakeTensorMode(allow_non_fake_inputs=False)
+    device = torch.device(device)
+
+    def lift(t: torch.Tensor) -> torch.Tensor:
+        with mode:
+            return torch.empty_strided(tuple(t.shape), tuple(t.stride()), dtype=t.dtype, device=device)
+
+    undo = _swap_tensors(model, lift)
+    try:
+        yield lift
+    finally:
+        for table, name, original in reversed(undo):
+            table[name] = original
+
+
+def fake_to_meta(module: nn.Module) -> int:
+    """Replace every fake parameter and buffer of ``module`` (a stage traced under :func:`faked_on`) by a meta
+    tensor of its shape and dtype, ties kept; returns how many tensor objects it replaced.
+
+    Raises ``ValueError`` naming the attribute when a graph holds a fake tensor that is neither a parameter nor a
+    buffer (a constant the forward made while it was traced): no checkpoint or init can give it a value."""
+    changed = _swap_tensors(module, _meta_like, is_fake)
+    for name, sub in module.named_modules():
+        for attr, value in vars(sub).items():
+            if is_fake(value):
+                raise ValueError(
+                    f"the traced stage holds a tensor constant {name + '.' if name else ''}{attr} that the forward "
+                    "made while it was traced; its values are not known on the rank. Make it a buffer of its module, "
+                    'or pass split="manual" to run(): each stage is then a copy of the model run eagerly'
+                )
+    return len({id(original) for _, _, original in changed})
+
+
+def _meta_like(t: torch.Tensor) -> torch.Tensor:
+    return torch.empty_strided(tuple(t.shape), tuple(t.stride()), dtype=t.dtype, device="meta")
