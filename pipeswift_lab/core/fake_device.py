@@ -59,7 +59,9 @@ def _swap_tensors(
                     continue
                 if id(t) not in made:
                     new = make(t.detach())
-                    made[id(t)] = nn.Parameter(new, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else new
+                    if isinstance(t, nn.Parameter):
+                        new = nn.Parameter(new, requires_grad=t.requires_grad)
+                    made[id(t)] = new
                 undo.append((table, name, t))
                 table[name] = made[id(t)]
     return undo
