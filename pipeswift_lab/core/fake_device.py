@@ -17,7 +17,8 @@ See [Note: tracing on one device and running on another] in the README's traps.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -68,29 +69,44 @@ def _swap_tensors(
 
 
 @contextmanager
-def faked_on(model: nn.Module, device: torch.device) -> Iterator[Callable[[torch.Tensor], torch.Tensor]]:
-    """Within the block every parameter and buffer of ``model`` is a fake tensor on ``device`` (same shape, dtype,
-    strides, ties and ``requires_grad``), all of one ``FakeTensorMode``; yields ``lift(tensor)``, which turns an
-    input (real or meta) into a fake tensor of that mode on ``device``. Afterwards the model holds its own tensors
-    again, whatever the block raised.
+def faked_on(
+    modules: nn.Module | Sequence[nn.Module], device: torch.device, *, run: bool = False
+) -> Iterator[Callable[[torch.Tensor], torch.Tensor]]:
+    """Within the block every parameter and buffer of ``modules`` (a model, or several sharing one mode) is a fake
+    tensor on ``device`` (same shape, dtype, strides, ties and ``requires_grad``), all of one ``FakeTensorMode``;
+    yields ``lift(tensor)``, which turns an input (real or meta) into a fake tensor of that mode on ``device``.
+    Afterwards the modules hold their own tensors again, whatever the block raised.
 
     Nothing is allocated: a model of any size, real or on the meta device, can be traced for any device this way.
-    The mode is not entered: torch's tracers detect it from the fake inputs."""
+    For a trace the mode is not entered (torch's tracers find it from the fake inputs); ``run=True`` enters it, so
+    that a forward called in the block makes its own tensors fake too, and takes the real tensors it holds
+    elsewhere. It also runs the forward as torch's tracer does, with ``torch.compiler.is_compiling()`` true: a
+    library then takes the kernels it takes in a trace (transformers' experts skip ``grouped_mm`` on a CPU in
+    float32, whose fake kernel accepts bfloat16 alone), so the shapes seen are those of the traced graph."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    mode = FakeTensorMode(allow_non_fake_inputs=False)
+    mode = FakeTensorMode(allow_non_fake_inputs=run)
     device = torch.device(device)
 
     def lift(t: torch.Tensor) -> torch.Tensor:
         with mode:
             return torch.empty_strided(tuple(t.shape), tuple(t.stride()), dtype=t.dtype, device=device)
 
-    undo = _swap_tensors(model, lift)
+    undo = [
+        u for module in ([modules] if isinstance(modules, nn.Module) else modules) for u in _swap_tensors(module, lift)
+    ]
     try:
-        yield lift
+        with mode if run else contextlib.nullcontext(), _as_traced() if run else contextlib.nullcontext():
+            yield lift
     finally:
         for table, name, original in reversed(undo):
             table[name] = original
+
+
+def _as_traced() -> contextlib.AbstractContextManager[Any]:
+    """The block runs with ``torch.compiler.is_compiling()`` true, as in a ``torch.export`` trace."""
+    session = getattr(torch.compiler, "_compile_session_context", None)
+    return session() if session is not None else contextlib.nullcontext()
 
 
 def fake_to_meta(module: nn.Module) -> int:

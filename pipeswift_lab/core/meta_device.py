@@ -71,20 +71,24 @@ def is_meta_model(model: nn.Module) -> bool:
 
 
 @contextmanager
-def shape_pass(model: nn.Module) -> Iterator[Callable[[torch.Tensor], torch.Tensor]]:
-    """Run ``model``'s forward for shapes only when it is on the meta device; yields ``lift(tensor)``, which turns an
-    input into what that forward takes.
+def shape_pass(
+    model: nn.Module, device: torch.device | str = "cpu", *copies: nn.Module
+) -> Iterator[Callable[[torch.Tensor], torch.Tensor]]:
+    """Run ``model``'s forward (or its ``copies``') for shapes only when it is on the meta device; yields
+    ``lift(tensor)``, which turns an input into what that forward takes.
 
-    A meta model runs under torch's ``FakeTensorMode`` on fake inputs: a meta tensor has no values, and a forward
-    that reads one (Hugging Face's check for packed sequences calls ``.item()``) sees it is being traced and skips
-    the read. A model with real tensors runs as it is and ``lift`` returns its input."""
+    A meta model runs with fake tensors on ``device`` (:func:`~pipeswift_lab.core.fake_device.faked_on`): a meta
+    tensor has no values, and a forward that reads one (Hugging Face's check for packed sequences calls ``.item()``)
+    sees it is being traced and skips the read; a forward that branches on its device takes the branch ``device``
+    takes (on ``meta`` a mixture of experts picks kernels the CPU does not run). A model with real tensors runs as
+    it is and ``lift`` returns its input."""
     if not is_meta_model(model):
         yield lambda t: t
         return
-    from torch._subclasses.fake_tensor import FakeTensorMode
+    from .fake_device import faked_on
 
-    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
-        yield lambda t: mode.from_tensor(t.to("meta"))
+    with faked_on([model, *copies], torch.device(device), run=True) as lift:
+        yield lift
 
 
 def meta_tensor(shape: tuple[int, ...], dtype: torch.dtype, parameter: bool, requires_grad: bool) -> torch.Tensor:

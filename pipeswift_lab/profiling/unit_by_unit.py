@@ -213,7 +213,7 @@ def profile_one_unit_at_a_time(
     resolved = torch.device("cpu") if device is None else torch.device(device)
     make_clock(resolved)  # refuse unsupported devices (the meta device among them) before anything runs
     if auto:
-        with training_settings(model), shape_pass(model) as lift:
+        with training_settings(model), shape_pass(model, resolved) as lift:
             units, left_out = units_in_run_order(units, lambda: model(*(lift(a) for a in sample_args)))
         print(auto_announcement(model, units, left_out))
     args, kwargs = move_to_device(sample_args, resolved), move_to_device(sample_kwargs, resolved)

@@ -16,7 +16,7 @@ import os
 import shutil
 import tempfile
 import weakref
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -30,6 +30,7 @@ if TYPE_CHECKING:
 __all__ = [
     "FINAL_DIR",
     "FinalWeights",
+    "StoredForm",
     "keep_final_weights",
     "shard_name",
     "write_pretrained",
@@ -37,6 +38,9 @@ __all__ = [
     "write_stage_shard",
 ]
 
+#: A shard's tensors (the model's names) as its model family stores them (the names and tensors ``save_pretrained``
+#: writes).
+StoredForm = Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]]
 #: The folder of the run directory the ranks write their final shards into.
 FINAL_DIR = "final"
 #: Where the caller keeps a run's final shards once its run directory is gone, with the caller's pid in an owner file
@@ -172,18 +176,29 @@ class FinalWeights(Mapping[str, torch.Tensor]):
     def __len__(self) -> int:
         return len(self.keys_)
 
-    def save_pretrained(self, path: str | os.PathLike[str], config: Mapping[str, Any] | None = None) -> Path:
-        """Copy the shards into the folder ``path`` as a Hugging Face checkpoint (``model.safetensors`` for one shard,
+    def save_pretrained(
+        self,
+        path: str | os.PathLike[str],
+        config: Mapping[str, Any] | None = None,
+        stored_form: StoredForm | None = None,
+    ) -> Path:
+        """Write the shards into the folder ``path`` as a Hugging Face checkpoint (``model.safetensors`` for one shard,
         else the shards and ``model.safetensors.index.json``), with ``config.json`` when ``config`` is given; return
-        the folder. No tensor is loaded."""
+        the folder. Without ``stored_form`` the files are copied and no tensor is loaded; with it each shard is read,
+        turned into the names and tensors the family stores (``stored_form(state)``,
+        :func:`~pipeswift_lab.runner.hf_conversion.to_stored`) and written, one shard in memory at a time."""
         path = _empty_folder(path)
         files = self.files
-        if len(files) == 1:
-            shutil.copyfile(files[0], path / SAFETENSORS_FILE)
-        else:
-            for file in files:
-                shutil.copyfile(file, path / file.name)
-            (path / INDEX_FILE).write_text(json.dumps(_index(path / f.name for f in files), indent=2))
+        names = [SAFETENSORS_FILE] if len(files) == 1 else [f.name for f in files]
+        for file, name in zip(files, names):
+            if stored_form is None:
+                shutil.copyfile(file, path / name)
+            else:
+                from safetensors.torch import load_file
+
+                write_weights(stored_form(load_file(str(file))), path / name)
+        if len(files) > 1:
+            (path / INDEX_FILE).write_text(json.dumps(_index(path / name for name in names), indent=2))
         _write_config(path, config)
         return path
 
@@ -206,13 +221,16 @@ def write_pretrained(
     path: str | os.PathLike[str],
     aliases: Mapping[str, str],
     config: Mapping[str, Any] | None = None,
+    stored_form: StoredForm | None = None,
 ) -> Path:
     """Write ``state`` (keyed like ``model.state_dict()``) into the folder ``path`` as ``model.safetensors``, each tied
-    tensor once under its canonical name, with ``config.json`` when ``config`` is given; return the folder."""
+    tensor once under its canonical name (in the family's stored form when ``stored_form`` is given), with
+    ``config.json`` when ``config`` is given; return the folder."""
     from .stages.tied import canonical_state
 
     path = _empty_folder(path)
-    write_weights(canonical_state(dict(state), dict(aliases)), path / SAFETENSORS_FILE)
+    state = canonical_state(dict(state), dict(aliases))
+    write_weights(stored_form(state) if stored_form is not None else state, path / SAFETENSORS_FILE)
     _write_config(path, config)
     return path
 

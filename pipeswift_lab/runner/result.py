@@ -147,13 +147,28 @@ class RunResult:
         ``config.json`` is written beside them, so ``AutoModelForCausalLM.from_pretrained(path)`` reads the folder;
         a plain module reads it with ``safetensors.torch.load_file`` and ``load_state_dict`` (``strict=False`` for
         the tied names, or through :func:`~pipeswift_lab.runner.weights.open_weights`). A result read back from
-        disk (``load_result``) writes its saved state as one file."""
+        disk (``load_result``) writes its saved state as one file.
+
+        A Hugging Face model's tensors are written as ``save_pretrained`` writes them for its family, through
+        transformers' own reverse conversion (:func:`~pipeswift_lab.runner.hf_conversion.to_stored`): GPT-NeoX's head
+        as ``embed_out.weight``, a mixture of experts one tensor per expert, so other tools read the folder too."""
         from .final_weights import FinalWeights, write_pretrained
 
         config = self.meta.get("hf_config")
+        stored_form = self._stored_form()
         if isinstance(self._state, FinalWeights):
-            return self._state.save_pretrained(path, config)
-        return write_pretrained(self.state_dict(), path, self.meta.get("aliases", {}), config)
+            return self._state.save_pretrained(path, config, stored_form)
+        return write_pretrained(self.state_dict(), path, self.meta.get("aliases", {}), config, stored_form)
+
+    def _stored_form(self) -> Any:
+        """How a shard of a Hugging Face model is stored (its family's names and tensors), or ``None``."""
+        name, config = self.meta.get("hf_class"), self.meta.get("hf_config")
+        if name is None or config is None:
+            return None
+        from .hf_conversion import model_of_class, to_stored
+
+        model = model_of_class(name, config)
+        return lambda state: to_stored(model, state)
 
     def load_into(self, model: torch.nn.Module) -> torch.nn.Module:
         """Copy the final state into ``model`` (``load_state_dict``, strict) and return it."""

@@ -27,6 +27,7 @@ from ..core.fake_device import trace_device
 from ..core.meta_device import InitFn
 from ..core.recompute import RecomputePlan, plan_recompute
 from .devices import CPU_RANKS_PER_CORE, available_cores, resolve_devices
+from .hf_conversion import hf_class
 from .memory_report import predicted_memory
 from .options import ON_NONFINITE, JobOptions, check_trace_dir
 from .sources import DataSource, make_data_source
@@ -347,6 +348,7 @@ def make_spec(
     meta["precision"] = precision
     meta["aliases"] = alias_map(model)
     meta["hf_config"] = hf_config(model)
+    meta["hf_class"] = hf_class(model)
     if instrument:
         meta["memory_predicted"] = predicted_memory(
             partition,

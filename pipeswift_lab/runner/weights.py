@@ -34,6 +34,7 @@ import torch
 from torch import nn
 
 from ..core.checks import state_mismatch
+from .hf_conversion import Converted, HFConversion, converted_shapes, hf_conversion
 
 if TYPE_CHECKING:
     from ..core.meta_device import InitFn
@@ -90,7 +91,11 @@ class WeightSource:
     prefix: str = ""
     """What precedes the model's names in a DCP checkpoint (``"model."`` or nothing)."""
     renamed: dict[str, str] = field(default_factory=dict)
-    """``{model key: stored name}`` where they differ (a tied weight stored under another of its names)."""
+    """``{model key: stored name}`` where they differ (a tied weight stored under another of its names, a Hugging
+    Face checkpoint's own name for it)."""
+    converted: dict[str, Converted] = field(default_factory=dict)
+    """``{model key: how transformers makes it}`` for the model tensors a Hugging Face checkpoint stores as several
+    tensors (a mixture of experts' fused weights, stored one tensor per expert)."""
 
     @property
     def nbytes(self) -> int:
@@ -99,7 +104,7 @@ class WeightSource:
 
     def __contains__(self, key: object) -> bool:
         """Whether it holds the model's tensor ``key`` (under that name or, for a tied weight, another)."""
-        return key in self.renamed or key in self.shapes
+        return key in self.renamed or key in self.converted or key in self.shapes
 
     def relative_to(self, base: str | os.PathLike[str]) -> WeightSource:
         """This source with its paths relative to the directory ``base`` (a spec names the file written beside it)."""
@@ -112,16 +117,32 @@ class WeightSource:
     def _moved(self, move: Callable[[str], str]) -> WeightSource:
         return replace(self, path=move(self.path), files={k: move(f) for k, f in self.files.items()})
 
-    def read(self, keys: Iterable[str], device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
-        """The tensors ``keys`` (names as the model's ``state_dict`` has them, found here by :attr:`shapes`), read
-        from disk onto ``device`` and nothing else; returns ``{key: tensor}``."""
-        wanted = {key: self.renamed.get(key, key) for key in keys}
-        stored = list(dict.fromkeys(wanted.values()))
+    def read(
+        self, keys: Iterable[str], device: torch.device | str = "cpu", model: nn.Module | None = None
+    ) -> dict[str, torch.Tensor]:
+        """The tensors ``keys`` (names as the model's ``state_dict`` has them), read from disk onto ``device`` and
+        nothing else; returns ``{key: tensor}``. A key stored as several tensors (:attr:`converted`) is made from
+        them, one group at a time, with transformers' operations, which read ``model`` (its structure on the meta
+        device will do)."""
+        keys = list(keys)
+        wanted = {key: self.renamed.get(key, key) for key in keys if key not in self.converted}
+        out = {key: tensor for key, tensor in zip(wanted, self._stored(list(wanted.values()), device))}
+        groups = {id(self.converted[k]): self.converted[k] for k in keys if k in self.converted}
+        if groups and model is None:
+            raise ValueError("reading tensors a Hugging Face checkpoint stores as several needs the model (model=)")
+        for made in groups.values():
+            stored = dict(zip(made.sources, self._stored(list(made.sources), device)))
+            out.update({k: t for k, t in made.make(model, stored).items() if k in keys})  # type: ignore[arg-type]
+        return {key: out[key] for key in keys}
+
+    def _stored(self, names: list[str], device: torch.device | str) -> list[torch.Tensor]:
+        """The stored tensors ``names`` (a name may repeat), in order."""
+        unique = list(dict.fromkeys(names))
         if self.kind == "safetensors":
-            found = self._read_safetensors(stored, torch.device(device))
+            found = self._read_safetensors(unique, torch.device(device))
         else:
-            found = self._read_dcp(stored, torch.device(device))
-        return {key: found[name] for key, name in wanted.items()}
+            found = self._read_dcp(unique, torch.device(device))
+        return [found[name] for name in names]
 
     def _read_safetensors(self, keys: list[str], device: torch.device) -> dict[str, torch.Tensor]:
         from safetensors import safe_open
@@ -286,37 +307,51 @@ def check_weights(
     model_state: Mapping[str, torch.Tensor],
     aliases: Mapping[str, str],
     ignored: Iterable[str] = (),
+    model: nn.Module | None = None,
 ) -> WeightSource:
     """Check that ``source`` holds every tensor of ``model_state`` (``model.state_dict()``, meta tensors will do) with
     its shape, and nothing else; return the source as the ranks read it (a key of a tied weight under the name the
     source has).
 
     ``aliases`` maps a tied weight's other names to its canonical one (either name may be stored); stored tensors
-    named in ``ignored`` are not unexpected (a model's non-persistent buffers, which a traced stage saves). Raises
-    ``ValueError`` naming the first missing, unexpected and mismatched tensors. A dtype that differs from the
+    named in ``ignored`` are not unexpected (a model's non-persistent buffers, which a traced stage saves). A
+    Hugging Face ``model``'s safetensors checkpoint is read as ``from_pretrained`` reads it, through transformers'
+    loading conversion (:mod:`.hf_conversion`): renamed keys, and tensors stored one per expert, are the model's.
+    Raises ``ValueError`` naming the first missing, unexpected and mismatched tensors. A dtype that differs from the
     model's is converted on load, and said so in a ``UserWarning``.
     """
     source = _dcp_prefix(source, model_state)
+    conversion = hf_conversion(model, source.shapes) if model is not None and source.kind == "safetensors" else None
+    conversion = conversion or HFConversion()
     names_of: dict[str, list[str]] = {}
     for alias, canonical in aliases.items():
         names_of.setdefault(canonical, [canonical]).append(alias)
     found: dict[str, str] = {}
+    converted = {k: c for k, c in conversion.converted.items() if k in model_state}
     missing = []
     for key in model_state:
+        if key in converted:
+            continue
         canonical = aliases.get(key, key)
-        candidates = [key, *names_of.get(canonical, [canonical])]
+        candidates = [conversion.renamed.get(n, n) for n in (key, *names_of.get(canonical, [canonical]))]
         name = next((n for n in candidates if n in source.shapes), None)
         if name is None:
             missing.append(key)
         else:
             found[key] = name
-    used = set(found.values())
+    used = set(found.values()) | {k for c in converted.values() for k in c.sources}
     skip = set(ignored)
     unexpected = [k for k in source.shapes if k not in used and aliases.get(k, k) not in used and k not in skip]
+    made = (
+        converted_shapes(model, replace(conversion, converted=converted), source.shapes)
+        if model is not None and converted
+        else {}
+    )
+    stored_shapes = {**{key: source.shapes[name][0] for key, name in found.items()}, **made}
     wrong = {
-        key: (tuple(model_state[key].shape), source.shapes[name][0])
-        for key, name in found.items()
-        if tuple(model_state[key].shape) != source.shapes[name][0]
+        key: (tuple(model_state[key].shape), shape)
+        for key, shape in stored_shapes.items()
+        if tuple(model_state[key].shape) != shape
     }
     problems = state_mismatch(missing, unexpected, wrong, "the weights")
     if problems:
@@ -325,21 +360,20 @@ def check_weights(
             + "; ".join(problems)
             + ". Were they saved from another model or config?"
         )
-    converted = sorted(
+    casts = sorted(
         {
             f"{source.shapes[name][1]} -> {model_state[key].dtype}"
             for key, name in found.items()
             if source.shapes[name][1] != model_state[key].dtype
         }
     )
-    if converted:
+    if casts:
         warnings.warn(
-            f"weights={source.path!r}: tensors are converted to the model's dtype as they load "
-            f"({', '.join(converted)})",
+            f"weights={source.path!r}: tensors are converted to the model's dtype as they load ({', '.join(casts)})",
             UserWarning,
             stacklevel=3,
         )
-    return replace(source, renamed={key: name for key, name in found.items() if key != name})
+    return replace(source, renamed={key: name for key, name in found.items() if key != name}, converted=converted)
 
 
 def write_weights(state: Mapping[str, torch.Tensor], path: str | os.PathLike[str]) -> Path:
@@ -366,7 +400,7 @@ def check_run_weights(model: nn.Module, weights: Any, init: InitFn | None) -> We
         return None
     state = model.state_dict(keep_vars=True)
     loose = [n for n, _ in model.named_buffers() if n not in state]  # in no checkpoint: initialized with their module
-    source = check_weights(open_weights(weights), state, alias_map(model), ignored=loose)
+    source = check_weights(open_weights(weights), state, alias_map(model), ignored=loose, model=model)
     check_initializable(model, init, names=loose)
     return source
 
@@ -375,4 +409,9 @@ def hf_config(model: nn.Module) -> dict[str, Any] | None:
     """A Hugging Face model's config as a dict (written as ``config.json`` beside the trained weights); else None."""
     config = getattr(model, "config", None)
     to_dict = getattr(config, "to_dict", None)
-    return json.loads(json.dumps(to_dict(), default=str)) if callable(to_dict) else None
+    if not callable(to_dict):
+        return None
+    found = json.loads(json.dumps(to_dict(), default=str))
+    if not found.get("architectures"):  # as save_pretrained writes it: AutoModel* find the class
+        found["architectures"] = [type(model).__name__]
+    return found

@@ -42,7 +42,7 @@ def stage_fill(spec: RunSpec, device: torch.device, travelled: Mapping[str, torc
         out: dict[str, torch.Tensor] = {k: travelled[k].to(device) for k in keys if k in travelled}
         stored = [k for k in keys if k not in out and weights is not None and k in weights]
         if stored and weights is not None:
-            out.update(weights.read(stored, device))
+            out.update(weights.read(stored, device, spec.model))
         rest = [k for k in keys if k not in out]
         if rest:
             out.update(initial_values(spec.model, rest, device, spec.seed, spec.init))

@@ -58,8 +58,10 @@ def check_manual(
     inputs_mb: torch.Tensor,
     targets_mb: torch.Tensor,
     loss_fn: Callable[[Any, torch.Tensor], torch.Tensor],
+    device: torch.device | str = "cpu",
 ) -> tuple[ManualPlan, tuple[tuple[TensorSpec, TensorSpec | None], ...], tuple[TiedGroup, ...]]:
-    """Build every stage copy and run one micro-batch through them in order, before launch.
+    """Build every stage copy and run one micro-batch through them in order, before launch (a meta model with fake
+    tensors on ``device``, the ranks' device).
 
     Returns the :class:`ManualPlan`, every stage's ``(input, output)`` specs (the last stage's
     output spec is ``None``: it goes to the loss) and the parameters several stages hold.
@@ -81,7 +83,7 @@ def check_manual(
     plan = ManualPlan(tuple(tuple(str(n) for n in stage) for stage in layers))
     copies = [stage_copy(model, plan.stage_layers, s) for s in range(n_stages)]
     specs: list[tuple[TensorSpec, TensorSpec | None]] = []
-    with torch.no_grad(), torch.random.fork_rng(), shape_pass(model) as lift:
+    with torch.no_grad(), torch.random.fork_rng(), shape_pass(model, device, *copies) as lift:
         x = lift(inputs_mb.detach().clone())
         for s, stage in enumerate(copies):
             stage.train(model.training)

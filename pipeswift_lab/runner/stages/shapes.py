@@ -80,7 +80,7 @@ def stage_shapes(
     if split == "manual":
         from .manual import check_manual
 
-        manual, specs, tied = check_manual(model, partition, plan.n_stages, inputs_mb, targets_mb, loss_fn)
+        manual, specs, tied = check_manual(model, partition, plan.n_stages, inputs_mb, targets_mb, loss_fn, device)
         return StageShapes(boundaries=specs, traced=None, manual=manual, tied=tied, layer_names=layer_names)
     from .traced import check_traceable
 

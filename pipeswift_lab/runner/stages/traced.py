@@ -195,7 +195,7 @@ def check_traceable(
             f"the traced stages do not hold {missing[:8]} of model.state_dict(); the runner cannot return or "
             "checkpoint them"
         )
-    with torch.no_grad(), training_settings(model), torch.random.fork_rng(), shape_pass(model) as lift:
+    with torch.no_grad(), training_settings(model), torch.random.fork_rng(), shape_pass(model, device) as lift:
         out = model(lift(example))
         structure = checked_structure(loss_fn, out, lift(targets_mb))
     return TracedPlan(names, example, structure), tied
