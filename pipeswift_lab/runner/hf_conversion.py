@@ -144,21 +144,22 @@ def hf_conversion(model: nn.Module, stored_keys: Iterable[str]) -> HFConversion 
 
 def converted_shapes(
     model: nn.Module, conversion: HFConversion, stored: Mapping[str, tuple[tuple[int, ...], torch.dtype]]
-) -> dict[str, tuple[int, ...]]:
-    """The shape each converted model key gets from the stored tensors' shapes (the conversion run on meta tensors);
-    what the check before launch compares with the model's."""
+) -> tuple[dict[str, tuple[int, ...]], dict[str, str]]:
+    """The shape each converted model key gets from the stored tensors' shapes (the conversion run on meta tensors),
+    and ``{model key: why}`` for those the conversion's operations refuse (stored experts of different shapes):
+    what the check before launch compares with the model."""
     shapes: dict[str, tuple[int, ...]] = {}
+    refused: dict[str, str] = {}
     for made in {id(c): c for c in conversion.converted.values()}.values():
         metas = {k: torch.empty(stored[k][0], dtype=stored[k][1], device="meta") for k in made.sources}
         try:
             out = made.make(model, metas)
         except Exception as exc:  # the operations refuse stored tensors that do not fit together
-            raise ValueError(
-                f"the stored tensors {list(made.sources)[:4]}... do not make {made.group!r} as transformers converts "
-                f"them: {type(exc).__name__}: {exc}"
-            ) from None
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+            refused[made.group] = f"{type(exc).__name__}: {first} (from {list(made.sources)[:2]} ...)"
+            continue
         shapes.update({k: tuple(t.shape) for k, t in out.items() if k in conversion.converted})
-    return shapes
+    return shapes, refused
 
 
 def hf_class(model: nn.Module) -> str | None:

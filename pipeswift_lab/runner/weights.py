@@ -135,6 +135,14 @@ class WeightSource:
             out.update({k: t for k, t in made.make(model, stored).items() if k in keys})  # type: ignore[arg-type]
         return {key: out[key] for key in keys}
 
+    def stored_names(self, keys: Iterable[str]) -> list[str]:
+        """The stored tensors :meth:`read` opens for the model's ``keys``, each once: a key's own (or renamed) tensor,
+        or every tensor a converted key is made of (an MoE layer's experts, nothing of another layer)."""
+        names: list[str] = []
+        for key in keys:
+            names.extend(self.converted[key].sources if key in self.converted else [self.renamed.get(key, key)])
+        return list(dict.fromkeys(names))
+
     def _stored(self, names: list[str], device: torch.device | str) -> list[torch.Tensor]:
         """The stored tensors ``names`` (a name may repeat), in order."""
         unique = list(dict.fromkeys(names))
@@ -342,10 +350,8 @@ def check_weights(
     used = set(found.values()) | {k for c in converted.values() for k in c.sources}
     skip = set(ignored)
     unexpected = [k for k in source.shapes if k not in used and aliases.get(k, k) not in used and k not in skip]
-    made = (
-        converted_shapes(model, replace(conversion, converted=converted), source.shapes)
-        if model is not None and converted
-        else {}
+    made, refused = (
+        ({}, {}) if model is None else converted_shapes(model, replace(conversion, converted=converted), source.shapes)
     )
     stored_shapes = {**{key: source.shapes[name][0] for key, name in found.items()}, **made}
     wrong = {
@@ -354,6 +360,9 @@ def check_weights(
         if tuple(model_state[key].shape) != shape
     }
     problems = state_mismatch(missing, unexpected, wrong, "the weights")
+    if refused:
+        made_from = [f"{key} ({why})" for key, why in refused.items()]
+        problems.append(f"transformers' conversion cannot make ({len(made_from)}): {'; '.join(made_from[:4])}")
     if problems:
         raise ValueError(
             f"weights={source.path!r} ({source.kind}) do not match the model: "
