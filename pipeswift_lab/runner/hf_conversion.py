@@ -81,14 +81,14 @@ class HFConversion:
         return set(self.renamed.values()) | {k for c in self.converted.values() for k in c.sources}
 
 
-def _transformers_conversion() -> tuple[Any, Any, Any, Any] | None:
+def _transformers_conversion() -> tuple[Any, Any, Any, Any, Any] | None:
     """transformers' conversion functions and classes, or ``None`` on a release without them."""
     try:
         from transformers.conversion_mapping import get_model_conversion_mapping
-        from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
+        from transformers.core_model_loading import WeightConverter, WeightRenaming, dot_natural_key, rename_source_key
     except ImportError:
         return None
-    return get_model_conversion_mapping, WeightConverter, WeightRenaming, rename_source_key
+    return get_model_conversion_mapping, WeightConverter, WeightRenaming, rename_source_key, dot_natural_key
 
 
 def is_hf_model(model: nn.Module) -> bool:
@@ -108,8 +108,7 @@ def hf_conversion(model: nn.Module, stored_keys: Iterable[str]) -> HFConversion 
     api = _transformers_conversion()
     if api is None or not is_hf_model(model):
         return None
-    get_mapping, WeightConverter, WeightRenaming, rename_source_key = api
-    from transformers.core_model_loading import dot_natural_key
+    get_mapping, WeightConverter, WeightRenaming, rename_source_key, dot_natural_key = api
 
     state = model.state_dict()
     transforms = get_mapping(model)
