@@ -11,18 +11,10 @@ OLMoE) or stored fused under other names (GraniteMoE), and attention sinks with 
 """
 
 import torch
-from tiny_transformers import VOCAB
+from tiny_transformers import SMALL
 
-#: What every config below starts from.
-BASE = dict(
-    vocab_size=VOCAB,
-    hidden_size=32,
-    intermediate_size=64,
-    num_hidden_layers=4,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=64,
-)
+#: What every config below starts from: tiny_transformers' Llama-sized config.
+BASE = SMALL
 #: Four experts, two per token, in the names each family's config takes.
 _MOE = dict(num_experts=4, num_experts_per_tok=2)
 _LOCAL_MOE = dict(num_local_experts=4, num_experts_per_tok=2)
