@@ -6,8 +6,8 @@ Each family keeps its defaults (KV cache on, its own attention, norm, rotary and
 gives a decoder: grouped-query attention, parallel attention and MLP (GPT-NeoX, Phi, Cohere, Falcon), partial
 rotary (Phi, StableLM, Persimmon-like), soft-capped logits (Gemma 2), a renamed head in the checkpoint (GPT-NeoX's
 ``embed_out``), fused experts stored one tensor per expert (Mixtral, Qwen2-MoE with a shared expert, Qwen3-MoE,
-OLMoE) or stored fused under other names (GraniteMoE), and attention sinks with biased experts stored fused
-(gpt-oss).
+OLMoE) or stored fused under other names (GraniteMoE), attention sinks with biased experts stored fused
+(gpt-oss), and a router that reads token counts as values (JetMoE).
 """
 
 import torch
@@ -44,6 +44,7 @@ MOE = {
     "Olmoe": _MOE,
     "GraniteMoe": _LOCAL_MOE,
     "GptOss": dict(_LOCAL_MOE, head_dim=8),
+    "JetMoe": _LOCAL_MOE,  # its router reads token counts as values (.tolist()): checked with symbols for them
 }
 FAMILIES = {**DENSE, **MOE}
 #: The families whose ``save_pretrained`` stores each expert's tensors apart (the module holds them fused).

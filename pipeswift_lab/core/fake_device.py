@@ -84,8 +84,10 @@ def faked_on(
     library then takes the kernels it takes in a trace (transformers' experts skip ``grouped_mm`` on a CPU in
     float32, whose fake kernel accepts bfloat16 alone), so the shapes seen are those of the traced graph."""
     from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
-    mode = FakeTensorMode(allow_non_fake_inputs=run)
+    # a value read in a run (``.item()``, ``.tolist()``) becomes a symbol, as in torch.export, instead of an error
+    mode = FakeTensorMode(allow_non_fake_inputs=run, shape_env=ShapeEnv() if run else None)
     device = torch.device(device)
 
     def lift(t: torch.Tensor) -> torch.Tensor:
