@@ -111,13 +111,13 @@ def _as_traced() -> contextlib.AbstractContextManager[Any]:
     return session() if session is not None else contextlib.nullcontext()
 
 
-def fake_to_meta(module: nn.Module) -> int:
+def fake_to_meta(module: nn.Module) -> None:
     """Replace every fake parameter and buffer of ``module`` (a stage traced under :func:`faked_on`) by a meta
-    tensor of its shape and dtype, ties kept; returns how many tensor objects it replaced.
+    tensor of its shape and dtype, ties kept.
 
     Raises ``ValueError`` naming the attribute when a graph holds a fake tensor that is neither a parameter nor a
     buffer (a constant the forward made while it was traced): no checkpoint or init can give it a value."""
-    changed = _swap_tensors(module, _meta_like, is_fake)
+    _swap_tensors(module, _meta_like, is_fake)
     for name, sub in module.named_modules():
         for attr, value in vars(sub).items():
             if is_fake(value):
@@ -126,7 +126,6 @@ def fake_to_meta(module: nn.Module) -> int:
                     "made while it was traced; its values are not known on the rank. Make it a buffer of its module, "
                     'or pass split="manual" to run(): each stage is then a copy of the model run eagerly'
                 )
-    return len({id(original) for _, _, original in changed})
 
 
 def _meta_like(t: torch.Tensor) -> torch.Tensor:

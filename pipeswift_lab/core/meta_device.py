@@ -187,12 +187,13 @@ def initial_values(
     """``{key: tensor}`` for ``keys`` (names in ``model``): each owning submodule of ``model`` is made on ``device``
     (unless a stage made its tensors already: an ``nn.Sequential``'s stage shares the model's modules) and
     initialized (:func:`init_owner`) with its RNG seeded by :func:`name_seed`; a tied weight's other names take its
-    canonical name's tensor. The submodules keep their tensors (the caller frees them).
+    canonical name's tensor, in ``model`` too. The submodules keep their tensors (the caller frees them).
 
     The floating tensors asked for are set to NaN before the init runs: one the init leaves untouched (a Hugging
     Face release whose ``_init_weights`` does not cover a module, a parameter a parent module owns) raises
     ``RuntimeError`` naming it, instead of training on whatever memory ``to_empty`` gave."""
     aliases = alias_map(model)
+    ties = _tensor_names(model)
     keys = list(keys)
     wanted: dict[str, set[str]] = {}
     for key in keys:
@@ -224,6 +225,7 @@ def initial_values(
             )
         prefix = f"{owner}." if owner else ""
         values.update({prefix + n: t for n, t in own.items()})
+    _retie(model, ties)  # to_empty gave the owner a tensor of its own: its other names (a tied head) follow it
     return {key: values[aliases.get(key, key)] for key in keys}
 
 

@@ -98,7 +98,7 @@ def write_rank_shard(
         spec.P,
         modules,
         spec.state_keys,
-        spec.meta.get("aliases") or alias_map(spec.model),  # the caller's: a rank's init can untie its structure
+        alias_map(spec.model),
         {group.canonical: group.stages[0] for group in spec.tied},
     )
 

@@ -72,13 +72,6 @@ class HFConversion:
     ``embed_out.weight``)."""
     converted: dict[str, Converted] = field(default_factory=dict)
     """``{model key: how it is made}`` where several stored tensors make it."""
-    unexpected: tuple[str, ...] = ()
-    """Stored keys that load into no tensor of the model."""
-
-    @property
-    def used(self) -> set[str]:
-        """Every stored key some model tensor is read from."""
-        return set(self.renamed.values()) | {k for c in self.converted.values() for k in c.sources}
 
 
 def _transformers_conversion() -> tuple[Any, Any, Any, Any, Any] | None:
@@ -118,14 +111,13 @@ def hf_conversion(model: nn.Module, stored_keys: Iterable[str]) -> HFConversion 
     prefix = getattr(model, "base_model_prefix", None)
     renamed: dict[str, str] = {}
     groups: dict[str, tuple[Any, dict[str, list[str]]]] = {}
-    unexpected: list[str] = []
     for key in sorted(stored_keys, key=dot_natural_key):
         target, pattern = rename_source_key(key, renamings, converters, prefix, state)
         if target not in state and key in state:  # a name the model already has (a fused checkpoint) stays
             target, pattern = key, None
         if target not in state:
-            unexpected.append(key)
-        elif pattern is None:
+            continue  # unexpected: the caller names what no model tensor uses
+        if pattern is None:
             renamed.setdefault(target, key)
         else:
             groups.setdefault(target, (converter_of[pattern], {}))[1].setdefault(pattern, []).append(key)
@@ -138,7 +130,7 @@ def hf_conversion(model: nn.Module, stored_keys: Iterable[str]) -> HFConversion 
                 converted[key] = made
         converted.setdefault(group, made)
     renamed = {k: v for k, v in renamed.items() if k not in converted}
-    return HFConversion(renamed, converted, tuple(unexpected))
+    return HFConversion(renamed, converted)
 
 
 def converted_shapes(

@@ -125,6 +125,7 @@ class WeightSource:
         them, one group at a time, with transformers' operations, which read ``model`` (its structure on the meta
         device will do)."""
         keys = list(keys)
+        asked = set(keys)
         wanted = {key: self.renamed.get(key, key) for key in keys if key not in self.converted}
         out = {key: tensor for key, tensor in zip(wanted, self._stored(list(wanted.values()), device))}
         groups = {id(self.converted[k]): self.converted[k] for k in keys if k in self.converted}
@@ -132,7 +133,7 @@ class WeightSource:
             raise ValueError("reading tensors a Hugging Face checkpoint stores as several needs the model (model=)")
         for made in groups.values():
             stored = dict(zip(made.sources, self._stored(list(made.sources), device)))
-            out.update({k: t for k, t in made.make(model, stored).items() if k in keys})  # type: ignore[arg-type]
+            out.update({k: t for k, t in made.make(model, stored).items() if k in asked})  # type: ignore[arg-type]
         return {key: out[key] for key in keys}
 
     def stored_names(self, keys: Iterable[str]) -> list[str]:

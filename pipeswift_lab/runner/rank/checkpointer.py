@@ -79,8 +79,7 @@ class Checkpointer:
         self.last_saved_step: int | None = None
         self.latest: str | None = None
         self.saves = 0  # saves this attempt began, counted on every rank
-        # tied weights: stored once, under one name (the caller's map: a rank's init can untie its structure)
-        self.aliases = self.spec.meta.get("aliases") or alias_map(self.spec.model)
+        self.aliases = alias_map(self.spec.model)  # tied weights: stored once, under one name
         self.tag = f"{(self.job.run_id or 'run')[:8]}-a{attempt}"  # the saves' directory names, on every rank
         topo = inputs.topo
         self.training_state = getattr(topo, "replica", 0) == 0  # replicas hold the same state: replica 0 saves it
