@@ -104,8 +104,9 @@ def main(argv: list[str] | None = None) -> int:
     targets = torch.randint(0, 32000, (MICRO * M, args.seq), generator=g)
 
     t0 = time.perf_counter()
-    prof = psl.profile(model, ids[:MICRO], target=targets[:MICRO], loss_fn=lm_loss, layers="auto", repeated="once",
-                       memory_cap=cap, warmup=1, repeats=2, progress=False)  # fmt: skip
+    prof = psl.profile(model, ids[:MICRO], target=targets[:MICRO], loss_fn=lm_loss, layers="auto",
+                       unit_by_unit=psl.UnitByUnit(repeated="once", memory_cap=cap), warmup=1, repeats=2,
+                       progress=False)  # fmt: skip
     print(f"profile: {time.perf_counter() - t0:.0f} s, {prof.meta['timed_units']} of {prof.n_layers} units timed, "
           f"peak {prof.meta['live_peak_bytes'] / GiB:.2f} GiB of tensors (cap {args.cap_gib:g} GiB)")  # fmt: skip
 
@@ -124,7 +125,8 @@ def main(argv: list[str] | None = None) -> int:
             f.write("5")
         before, _ = resident()
         result = psl.run(model, (ids, targets), lm_loss, part, M, steps=2, progress=False, weights=folder,
-                         optimizer=lambda ps: torch.optim.Adam(ps, lr=1e-4), timeout_s=3600)  # fmt: skip
+                         optimizer=lambda ps: torch.optim.Adam(ps, lr=1e-4),
+                         launch=psl.Launch(timeout_s=3600))  # fmt: skip
         growth = resident()[1] - before
     layer_state = 4 * prof.df["param_bytes"]
     memory = result.memory.set_index("rank")

@@ -3,9 +3,9 @@ can ever be loaded.
 
 On the reference GPT (default size, Adam, so the optimizer state is twice the parameters) at P=2 on CPU ranks (gloo),
 all measured in one run of this script (the fork server warmed first). The ``--rounds`` runs of each mode (no
-checkpoints; ``checkpoint_every=1`` asynchronous, the default; ``checkpoint_every=1, checkpoint_async=False``) are
-interleaved, their order rotated each round, and the figures are medians over them. One table, with columns
-``metric``, ``value``, ``goal`` and ``ok`` (``-`` for the raw figures a goal is computed from):
+checkpoints; ``Checkpointing(dir, every=1)`` asynchronous, the default; ``Checkpointing(dir, every=1,
+asynchronous=False)``) are interleaved, their order rotated each round, and the figures are medians over them. One
+table, with columns ``metric``, ``value``, ``goal`` and ``ok`` (``-`` for the raw figures a goal is computed from):
 
 * **end to end** — training + cleanup (``jct.total_s - jct.assembly_s``) of ``--steps`` steps with a save after
   every step, over the same without checkpoints (medians): ``<= 1.10`` for async, ``> 1.25`` a failure (a second
@@ -27,7 +27,7 @@ interleaved, their order rotated each round, and the figures are medians over th
 * **resume launch** — ``jct.assembly_s + restore_s`` of the resume run (launch to its first step) against a fresh
   start's ``assembly_s`` plus that restore (medians of 3, fresh and resume alternating): ``<= 1.00``;
 * **kill trials** — SIGKILL of rank 1 at a random moment while a save is being written in the background (the 2nd
-  to 4th save's ``.tmp-step-*`` directory exists) in a run with ``checkpoint_every=1, keep=2``, then
+  to 4th save's ``.tmp-step-*`` directory exists) in a run with ``Checkpointing(dir, every=1, keep=2)``, then
   ``latest_checkpoint`` of the root must verify and hold exactly the state the uninterrupted sync run saved at that
   step: ``0`` corrupt loads; and in how many trials the newest intact checkpoint was the one loaded (its step is the
   highest ``step-*`` with a manifest). The rows also count the kills that found a save being written;
@@ -63,6 +63,8 @@ from typing import Any
 
 import pandas as pd
 import torch
+
+from pipeswift_lab import Checkpointing, Launch
 
 #: A save being written (not the ``.tmp-step-trash-*`` of an old checkpoint being removed).
 _SAVING = re.compile(r"^\.tmp-step-\d{8}-")
@@ -297,18 +299,17 @@ def main(argv=None) -> None:
         # kill trials' reference states, async's to resume from
         modes = {
             "none": {},
-            "async": dict(checkpoint_every=1),
-            "sync": dict(checkpoint_every=1, checkpoint_async=False),
+            "async": dict(every=1),
+            "sync": dict(every=1, asynchronous=False),
         }
         runs: dict[str, list[Any]] = {mode: [] for mode in modes}
         names = list(modes)
         for r in range(rounds):
             for mode in names[r % 3 :] + names[: r % 3]:
-                kwargs = dict(modes[mode])
-                if kwargs:
-                    kwargs.update(checkpoint_dir=work / f"{mode}-{r}", keep=steps + 1)
+                saving = modes[mode]
+                kwargs = {"checkpoint": Checkpointing(work / f"{mode}-{r}", keep=steps + 1, **saving)} if saving else {}
                 runs[mode].append(run(setup.model, batch, steps=steps, **kwargs, **common))
-                if kwargs and r > 0:
+                if saving and r > 0:
                     shutil.rmtree(work / f"{mode}-{r}", ignore_errors=True)
 
         def train_cleanup(mode: str) -> float:
@@ -452,10 +453,8 @@ def main(argv=None) -> None:
                     setup.model,
                     batch,
                     steps=steps,
-                    checkpoint_dir=root,
-                    checkpoint_every=1,
-                    keep=2,
-                    timeout_s=120,
+                    checkpoint=Checkpointing(root, every=1, keep=2),
+                    launch=Launch(timeout_s=120),
                     **common,
                 )
             except RunError:

@@ -1,7 +1,7 @@
 """What changing P within a job costs on this machine, and shrink-and-continue against waiting for GPUs.
 
 1. **Reconfiguration time** — the reference GPT (default size, Adam) resized P=2→4→2 on CPU
-   ranks (``run(resize_at=...)``): for each change the measured save, teardown, assembly of
+   ranks (``run(elastic=Elastic(resize_at=...))``): for each change the measured save, teardown, assembly of
    the new workers and restore (``RunResult.segments``), against a fresh start's assembly
    (launch to first step of a plain run, warm fork server; median of 3).
 2. **Shrink and continue vs wait** — a job of layers that sleep a known time (so that 4 ranks
@@ -50,7 +50,9 @@ def reconfiguration() -> pd.DataFrame:
     batch = (setup.inputs, setup.targets)
     psl.run(setup.model, batch, partition=part, steps=2, **common)  # warm the fork server
     fresh = [psl.run(setup.model, batch, partition=part, steps=3, **common).jct.assembly_s for _ in range(3)]
-    resized = psl.run(setup.model, batch, partition=part, steps=9, resize_at={3: 4, 6: 2}, profile=prof, **common)
+    resized = psl.run(
+        setup.model, batch, partition=part, steps=9, elastic=psl.Elastic(resize_at={3: 4, 6: 2}, profile=prof), **common
+    )
     seg = resized.segments
     rows = []
     for i in range(1, len(seg)):
@@ -89,11 +91,16 @@ def shrink_vs_wait() -> pd.DataFrame:
     root = Path(tempfile.mkdtemp(prefix="pipeswift_bench_elastic_"))
     try:
         shrink = psl.run(
-            stack(), _batch, partition=four, steps=STEPS, resize_at={DROP_AT: 2, back_at: 4}, profile=prof, **job
+            stack(),
+            _batch,
+            partition=four,
+            steps=STEPS,
+            elastic=psl.Elastic(resize_at={DROP_AT: 2, back_at: 4}, profile=prof),
+            **job,
         )
-        before = psl.run(stack(), _batch, partition=four, steps=DROP_AT, checkpoint_dir=root, **job)
+        before = psl.run(stack(), _batch, partition=four, steps=DROP_AT, checkpoint=root, **job)
         time.sleep(GAP_S)
-        after = psl.run(stack(), _batch, partition=four, steps=STEPS, resume_from=root, checkpoint_dir=root, **job)
+        after = psl.run(stack(), _batch, partition=four, steps=STEPS, resume_from=root, checkpoint=root, **job)
     finally:
         shutil.rmtree(root, ignore_errors=True)
     wait = JCT(

@@ -2,7 +2,7 @@
 
     python benchmarks/bench_launch.py [--cold 30] [--two-node 30]
 
-Each cold launch is ``run(..., start_method="subprocess")`` (fresh interpreters that import torch
+Each cold launch is ``run(..., launch=Launch(start_method="subprocess"))`` (fresh interpreters that import torch
 on every rank, as torchrun starts them); each two-node launch is two ``torchrun`` agents of two
 ranks each (one replica per node, D=2), as in ``tests/runner/test_multinode.py``. Prints one row
 per kind: launches, completed, aborted at exit (SIGABRT, "terminate called ..."), other
@@ -47,14 +47,16 @@ def _measure(kind: str, n: int, launch) -> dict:
 def main(argv=None) -> int:
     """Run the launches with a core busy, print the table; return 1 on any abort or failure."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--cold", type=int, default=30, help="cold run(start_method='subprocess') launches")
+    parser.add_argument(
+        "--cold", type=int, default=30, help="cold run(launch=Launch(start_method='subprocess')) launches"
+    )
     parser.add_argument("--two-node", type=int, default=30, help="two-node torchrun launches (D=2, 2 ranks a node)")
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
         spec = save_spec(Path(tmp) / "job.pkl", D=2)
         with busy_core():
             rows = [
-                _measure('run(start_method="subprocess")', args.cold, cold_run),
+                _measure('run(launch=Launch(start_method="subprocess"))', args.cold, cold_run),
                 _measure("two torchrun nodes, D=2", args.two_node, lambda: two_node_launch(spec)),
             ]
     table = pd.DataFrame(rows)

@@ -165,7 +165,7 @@ def bench(name, model, loss_fn, layers, x, y, steps: int, repeats: int) -> tuple
                 steps=steps,
                 optimizer=lambda ps: torch.optim.Adam(ps, lr=1e-3),
                 progress=False,
-                timeout_s=300,
+                launch=psl.Launch(timeout_s=300),
             )
         )
         walls.append(time.perf_counter() - t0)

@@ -30,6 +30,8 @@ from pipeswift_lab.planning.planner import evaluator_of, search
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from sleep_layers import SleepLayer  # the same sleeping layers as the validation test
 
+from pipeswift_lab import Launch
+
 #: The planner-time goals of the large search (seconds) by GPU count, and the 1,024-GPU search's time once the memory
 #: model replayed every action of every candidate split (43 s idle on the 2-vCPU development machine, 78 s under
 #: load; 1.4 s before the memory model, which counted in-flight micro-batches in closed form).
@@ -154,7 +156,14 @@ def cpu_agreement():
     measured, wall = [], []
     for _, row in grid.iterrows():
         runs = run(
-            model, batch, loss_fn, result.partition_of(row), int(row["m"]), steps=6, progress=False, timeout_s=120
+            model,
+            batch,
+            loss_fn,
+            result.partition_of(row),
+            int(row["m"]),
+            steps=6,
+            progress=False,
+            launch=Launch(timeout_s=120),
         )
         measured.append(runs.timeline.step_ms)  # first action to last: the pipeline step
         wall.append(runs.steady_step_ms)  # the whole step, with the runtime's own overhead

@@ -10,7 +10,12 @@ Printed per model (medians over the rounds unless said otherwise):
 * ``step_cv`` — ``Profile.cv``, run-to-run variation of the step inside one profile;
 * ``total_cv`` — std / mean of ``Profile.total_ms`` across the three profiles.
 
-Usage: ``python benchmarks/bench_profile.py [--repeats 10] [--warmup 3] [--batch-size 8] [--threads N]``.
+``--unit-by-unit`` instead profiles a model of layers that sleep a known time twice, whole and one unit at a time
+(built on the meta device), and prints both readings of each unit beside its sleeps and their largest gap (once
+asserted within 3 ms in ``tests/profiling/test_unit_by_unit.py``: a timing against a timing, which a busy core moves).
+
+Usage: ``python benchmarks/bench_profile.py [--repeats 10] [--warmup 3] [--batch-size 8] [--threads N]
+[--unit-by-unit]``.
 """
 
 from __future__ import annotations
@@ -72,6 +77,44 @@ def bench(name: str, repeats: int, warmup: int, batch_size: int, rounds: int = 3
     }
 
 
+def unit_by_unit_agreement(repeats: int, warmup: int) -> None:
+    """Print each unit's times profiled whole and one unit at a time, for layers that sleep a known time."""
+    import sys
+    from pathlib import Path
+
+    import torch.nn.functional as F
+    from torch import nn
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    from sleep_layers import Sleep  # the tests' own sleeping layers
+
+    sleeps_ms = [(6.0, 10.0), (12.0, 4.0), (6.0, 10.0), (3.0, 3.0)]
+
+    def sleepy() -> nn.Module:
+        torch.manual_seed(0)
+        return nn.Sequential(*[Sleep(f / 1e3, b / 1e3) for f, b in sleeps_ms])
+
+    x, y = torch.randn(4, 8), torch.randn(4, 8)
+    kwargs = dict(target=y, loss_fn=F.mse_loss, warmup=warmup, repeats=repeats, progress=False)
+    whole = profile(sleepy(), x, **kwargs)
+    with torch.device("meta"):
+        meta = sleepy()
+    units = profile(meta, x, **kwargs)
+    gaps = []
+    print(f"{'unit':<6}{'sleep f/b ms':>14}{'whole f/b ms':>16}{'unit-by-unit f/b ms':>22}")
+    for (f, b), (_, a), (_, u) in zip(sleeps_ms, whole.df.iterrows(), units.df.iterrows()):
+        gaps += [abs(u["fwd_ms"] - a["fwd_ms"]), abs(u["bwd_ms"] - a["bwd_ms"])]
+        print(
+            f"{a['name']:<6}{f:>7.1f}/{b:<6.1f}{a['fwd_ms']:>9.2f}/{a['bwd_ms']:<6.2f}"
+            f"{u['fwd_ms']:>15.2f}/{u['bwd_ms']:<6.2f}"
+        )
+    print(
+        f"largest gap between the two readings of a unit {max(gaps):.2f} ms; steps {whole.step_ms:.1f} ms whole, "
+        f"{units.step_ms:.1f} ms unit by unit (cv {whole.cv:.3f}, {units.cv:.3f}); load average "
+        + ", ".join(f"{v:.1f}" for v in os.getloadavg())
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=10)
@@ -79,7 +122,11 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's choice)")
     parser.add_argument("--models", default="gpt,vit,mlp")
+    parser.add_argument("--unit-by-unit", action="store_true", help="whole against unit-by-unit, sleeping layers")
     args = parser.parse_args()
+    if args.unit_by_unit:
+        unit_by_unit_agreement(args.repeats, args.warmup)
+        return
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     print(

@@ -91,8 +91,8 @@ def run_model(name, setup, schedules, precision_runs=False):
         for mode in MODES:
             print(f"[{name}] {schedule} recompute={mode}", flush=True)
             runs[(schedule, mode)] = psl.run(
-                model, (x, y), loss_fn, part, M, steps=STEPS, optimizer=adam, progress=False, timeout_s=300,
-                recompute=mode,
+                model, (x, y), loss_fn, part, M, steps=STEPS, optimizer=adam, progress=False,
+                launch=psl.Launch(timeout_s=300), recompute=mode,
             )  # fmt: skip
     fit = [runs[(s, None)] for s in FIT[name] if (s, None) in runs]
     with warnings.catch_warnings():
@@ -139,8 +139,8 @@ def precision_table():
             print(f"[gpt] {schedule} precision={precision}", flush=True)
             part = psl.partition(prof, 2, v=V[schedule], schedule=schedule, m=M)
             result = psl.run(
-                model, (x, y), loss_fn, part, M, steps=STEPS, optimizer=adam, progress=False, timeout_s=300,
-                precision=precision,
+                model, (x, y), loss_fn, part, M, steps=STEPS, optimizer=adam, progress=False,
+                launch=psl.Launch(timeout_s=300), precision=precision,
             )  # fmt: skip
             memory = result.memory
             rows.append(

@@ -117,7 +117,9 @@ def main() -> pd.DataFrame:
         args = run_arguments(plan, chosen.index[0])
         args["D"] = D
         data = (setup.inputs[:batch], setup.targets[:batch])
-        result = run(setup.model, data, setup.loss_fn, steps=STEPS, progress=False, timeout_s=300, **args)
+        result = run(
+            setup.model, data, setup.loss_fn, steps=STEPS, progress=False, launch=psl.Launch(timeout_s=300), **args
+        )
         if D == 1:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", CalibrationWarning)

@@ -21,6 +21,10 @@ Because run-to-run noise hides a small overhead, the script also times the recor
 an append), measured on no-op stage methods over 200k calls; times the actions of a step it
 bounds the overhead from above (``overhead_bound``).
 
+Last, :func:`profiler_agreement` times one run's actions with both the recorder and ``torch.profiler``
+(``profiler_trace=``) and prints how far the two readings of the same actions differ (durations, clock offset,
+per-rank busy time, step time): figures a loaded machine moves, so printed here rather than asserted in a test.
+
 Run: ``python benchmarks/bench_runner.py`` (one to two minutes on 2 cores).
 """
 
@@ -30,6 +34,8 @@ import time
 
 import pandas as pd
 import torch
+
+from pipeswift_lab import Launch
 
 MICROBATCH = 4
 STEPS = 8
@@ -105,11 +111,11 @@ def main() -> pd.DataFrame:
     for schedule, v, m in CASES:
         part = partition(prof, 2, method="balanced", v=v, schedule=schedule, m=m)
         batch = (x[: MICROBATCH * m], y[: MICROBATCH * m])
-        kwargs = dict(steps=STEPS, progress=False, timeout_s=300)
+        kwargs = dict(steps=STEPS, progress=False, launch=Launch(timeout_s=300))
         measured, bare = [], []
         for _ in range(2):
             measured.append(run(setup.model, batch, setup.loss_fn, part, m, **kwargs))
-            bare.append(run(setup.model, batch, setup.loss_fn, part, m, instrument=False, **kwargs))
+            bare.append(run(setup.model, batch, setup.loss_fn, part, m, launch=Launch(instrument=False), **kwargs))
         step_ms = float(pd.Series([t for r in measured for t in r.step_ms[1:]]).median())
         step_ms_bare = float(pd.Series([t for r in bare for t in r.step_ms[1:]]).median())
         c = compare(simulate(part, m), measured[-1])
@@ -137,11 +143,62 @@ def main() -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
+def profiler_agreement(steps: int = 5, m: int = 4) -> dict:
+    """The runner's recorder against torch.profiler's own spans of the same actions (``run(...,
+    profiler_trace=DIR)`` read back with ``Timeline.from_profiler``): Interleaved1F1B at P=2, v=2, 8 blocks of width
+    256 on 64 samples (each action about a millisecond, so runtime overheads do not dominate). Once asserted in
+    ``tests/runner/test_profiler_trace_option.py`` (a busy core moved the busy ratio to 1.11); now printed: the
+    median |duration gap| of an action between the two (ms, and over the median action), the spread of the two
+    clocks' offset (median |offset - its median|, ms), each rank's median per-step busy-time ratio trace / recorder,
+    and the largest step-time ratio trace / recorder."""
+    import tempfile
+
+    from torch import nn
+
+    from pipeswift_lab import Profile, Timeline, run
+    from pipeswift_lab.partitioning.balance import partition
+
+    torch.manual_seed(0)
+    wide = nn.Sequential(*[nn.Sequential(nn.Linear(256, 256), nn.GELU()) for _ in range(8)])
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(64, 256, generator=g), torch.randn(64, 256, generator=g)
+    part = partition(
+        Profile.synthetic(fwd_ms=[1.0] * 8, bwd_ms=[2.0] * 8), 2, method="uniform", v=2, schedule="Interleaved1F1B", m=m
+    )
+    with tempfile.TemporaryDirectory() as where:
+        result = run(wide, (x, y), nn.functional.mse_loss, part, m, steps=steps, progress=False, profiler_trace=where)
+        imported = Timeline.from_profiler(where)
+    key = ["step", "rank", "stage", "microbatch", "kind"]
+    recorded = result.timeline.df[result.timeline.df["kind"].isin(["F", "B"])]
+    read = imported.df[imported.df["kind"].isin(["F", "B"])]
+    both = recorded.merge(read, on=key, suffixes=("_run", "_trace"))
+    gap = (both["end_ms_trace"] - both["start_ms_trace"]) - (both["end_ms_run"] - both["start_ms_run"])
+    typical = float((both["end_ms_run"] - both["start_ms_run"]).median())
+    offset = both["start_ms_trace"] - both["start_ms_run"]
+    busy = result.timeline._busy.merge(imported._busy, on=["step", "rank"], suffixes=("_run", "_trace"))
+    ratio = (busy["busy_ms_trace"] / busy["busy_ms_run"]).groupby(busy["rank"]).median()
+    step_ratio = pd.Series(imported.meta["step_ms"]) / pd.Series(list(result.step_ms))
+    return {
+        "actions": len(both),
+        "median_action_ms": typical,
+        "median_abs_duration_gap_ms": float(gap.abs().median()),
+        "median_abs_duration_gap_rel": float(gap.abs().median()) / typical,
+        "offset_spread_ms": float((offset - offset.median()).abs().median()),
+        "busy_ratio_by_rank": [round(float(r), 3) for r in ratio],
+        "max_step_ratio_off_1": float((step_ratio - 1).abs().max()),
+    }
+
+
 if __name__ == "__main__":
     start = time.time()
     table = main()
     with pd.option_context("display.width", 200, "display.max_columns", 20, "display.float_format", "{:.3g}".format):
         print(table.to_string(index=False))
+    agreement = profiler_agreement()
+    print(
+        "\nrecorder vs torch.profiler, the same actions (Interleaved1F1B, P=2, 5 steps): "
+        + ", ".join(f"{k} {v:.3g}" if isinstance(v, float) else f"{k} {v}" for k, v in agreement.items())
+    )
     print(
         f"\nmedian |rel_error| {table['rel_error'].abs().median():.1%}; "
         f"median overhead {table['overhead'].median():+.1%}; "

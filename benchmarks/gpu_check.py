@@ -86,8 +86,26 @@ def nccl_run() -> str:
     prof = psl.Profile.synthetic(fwd_ms=[1.0] * len(setup.model), bwd_ms=[2.0] * len(setup.model))
     part = psl.partition(prof, P)
     batch = (setup.inputs, setup.targets)
-    gpu = psl.run(setup.model, batch, setup.loss_fn, part, 4, steps=3, devices="cuda", progress=False, timeout_s=240)
-    cpu = psl.run(setup.model, batch, setup.loss_fn, part, 4, steps=3, devices="cpu", progress=False, timeout_s=240)
+    gpu = psl.run(
+        setup.model,
+        batch,
+        setup.loss_fn,
+        part,
+        4,
+        steps=3,
+        launch=psl.Launch(devices="cuda", timeout_s=240),
+        progress=False,
+    )
+    cpu = psl.run(
+        setup.model,
+        batch,
+        setup.loss_fn,
+        part,
+        4,
+        steps=3,
+        launch=psl.Launch(devices="cpu", timeout_s=240),
+        progress=False,
+    )
     worst = max(
         ((gpu.state_dict()[k] - cpu.state_dict()[k]).norm() / cpu.state_dict()[k].norm().clamp_min(1e-12)).item()
         for k in cpu.state_dict()
@@ -112,12 +130,9 @@ def cuda_rng_in_checkpoints() -> str:
             part,
             4,
             steps=4,
-            devices="cuda",
+            checkpoint=psl.Checkpointing(Path(root) / "a", every=2, keep=3),
+            launch=psl.Launch(devices="cuda", timeout_s=240),
             progress=False,
-            timeout_s=240,
-            checkpoint_dir=Path(root) / "a",
-            checkpoint_every=2,
-            keep=3,
         )
         middle = whole.checkpoints.query("step == 2")["path"].iloc[0]
         resumed = psl.run(
@@ -127,9 +142,8 @@ def cuda_rng_in_checkpoints() -> str:
             part,
             4,
             steps=4,
-            devices="cuda",
+            launch=psl.Launch(devices="cuda", timeout_s=240),
             progress=False,
-            timeout_s=240,
             resume_from=middle,
         )
     same = all(torch.equal(whole.state_dict()[k], resumed.state_dict()[k]) for k in whole.state_dict())
@@ -157,15 +171,15 @@ def meta_model_on_cuda() -> str:
         meta = build()
     x, y = torch.randn(16, 1024), torch.randn(16, 1024)
     cap = 64 * 2**20  # the 8 layers' weights alone are 32 MiB, with gradients 64 MiB: one layer at a time fits
-    prof = psl.profile(meta, x[:4], target=y[:4], loss_fn=nn.functional.mse_loss, device="cuda", memory_cap=cap,
-                       warmup=1, repeats=3, progress=False)  # fmt: skip
+    prof = psl.profile(meta, x[:4], target=y[:4], loss_fn=nn.functional.mse_loss, device="cuda",
+                       unit_by_unit=psl.UnitByUnit(memory_cap=cap), warmup=1, repeats=3, progress=False)  # fmt: skip
     assert prof.meta["unit_by_unit"] and (prof.df["fwd_ms"] > 0).all()
     part = psl.partition(prof, P)
     with tempfile.TemporaryDirectory() as tmp:
         save_file(build().state_dict(), str(Path(tmp) / "model.safetensors"))
-        kwargs = dict(steps=3, progress=False, timeout_s=240, weights=tmp)
-        gpu = psl.run(meta, (x, y), nn.functional.mse_loss, part, 4, devices="cuda", **kwargs)
-        cpu = psl.run(meta, (x, y), nn.functional.mse_loss, part, 4, devices="cpu", **kwargs)
+        kwargs = dict(steps=3, progress=False, launch=psl.Launch(timeout_s=240), weights=tmp)
+        gpu = psl.run(meta, (x, y), nn.functional.mse_loss, part, 4, launch=psl.Launch(devices="cuda"), **kwargs)
+        cpu = psl.run(meta, (x, y), nn.functional.mse_loss, part, 4, launch=psl.Launch(devices="cpu"), **kwargs)
     worst = max(
         ((gpu.state_dict()[k] - cpu.state_dict()[k]).norm() / cpu.state_dict()[k].norm().clamp_min(1e-12)).item()
         for k in cpu.state_dict()

@@ -204,7 +204,7 @@ def run_case(case: Case) -> pd.DataFrame:
     part = psl.partition(prof, case.P, v=v, schedule=case.schedule, m=case.m)
     result = psl.run(
         model, (x, y), family.loss, part, case.m, schedule=case.schedule, steps=3,
-        optimizer=_optimizer(case.optimizer), progress=False, timeout_s=300,
+        optimizer=_optimizer(case.optimizer), progress=False, launch=psl.Launch(timeout_s=300),
     )  # fmt: skip
     memory = result.memory
     return memory.assign(case=case.label, index=case.index, held_out=case.held_out)

@@ -20,15 +20,25 @@ from .core import analytic, costs, precision
 from .core.analytic import activation_memory_bytes, bubble_overhead, bubble_ratio, inflight_microbatches, step_ms
 from .core.jct import JCT
 from .core.link import Link
+from .core.version import __version__ as __version__
 from .core.vocabulary import SCHEDULES
 from .fidelity import Calibration, Comparison, MeasuredRun, calibrate, compare
 from .partitioning import Partition, partition
 from .planning import Plan, plan
-from .profiling import Profile, profile, profile_step
-from .runner import Checkpoint, RunError, RunResult, latest_checkpoint, load_checkpoint, run
+from .profiling import Profile, UnitByUnit, profile, profile_step
+from .runner import (
+    Checkpoint,
+    Checkpointing,
+    Elastic,
+    Faults,
+    Launch,
+    RunError,
+    RunResult,
+    latest_checkpoint,
+    load_checkpoint,
+    run,
+)
 from .simulation import ScheduleDeadlock, Sweep, Timeline, compute_orders, explore, simulate, sweep  # noqa: F401 - importable
-
-__version__ = "0.1.0"
 
 #: Faces loaded on first attribute access (``psl.widgets``), so that ``import pipeswift_lab`` stays light.
 _LAZY_SUBMODULES = {"widgets": ".faces.widgets", "report": ".faces.report"}
@@ -58,6 +68,10 @@ __all__ = [
     "SCHEDULES",
     "Calibration",
     "Checkpoint",
+    "Checkpointing",
+    "Elastic",
+    "Faults",
+    "Launch",
     "ClusterResult",
     "Comparison",
     "Link",
@@ -70,6 +84,7 @@ __all__ = [
     "ScheduleDeadlock",
     "Sweep",
     "Timeline",
+    "UnitByUnit",
     "activation_memory_bytes",
     "analytic",
     "bubble_overhead",

@@ -38,6 +38,7 @@ import torch
 from checkpoint_pacing import AwaitSaves
 from torch import nn
 
+from pipeswift_lab import Checkpointing, Faults, Launch
 from pipeswift_lab.partitioning.stages import Partition
 from pipeswift_lab.profiling.table import Profile
 from pipeswift_lab.runner import (
@@ -57,6 +58,8 @@ STEPS, EVERY, M, P = 6, 2, 4, 2
 #: one, the attempt's first, which is never skipped (a later one may be on a loaded machine: due when the steps left
 #: take less time than a starved background write).
 EVERY_ONCE = STEPS // 2
+#: The hang trial's ``timeout_s``: its rank sleeps for an hour, so the trial lasts about this long.
+HANG_TIMEOUT_S = 8
 PART = Partition.from_bounds(Profile.synthetic(fwd_ms=[1.0] * 5, bwd_ms=[2.0] * 5), [(0, 2), (2, 5)], schedule="1F1B")
 KINDS = (
     "kill_rank",
@@ -166,7 +169,7 @@ def go(data=batch, loss_fn=nn.functional.mse_loss, net=None, **kw):
         M,
         steps=kw.pop("steps", STEPS),
         progress=False,
-        timeout_s=kw.pop("timeout_s", 120),
+        launch=kw.pop("launch", Launch(timeout_s=120)),
         **kw,
     )
 
@@ -217,7 +220,7 @@ KILL_CALLER_SCRIPT = textwrap.dedent("""
     sys.path.insert(0, sys.argv[1])
     import fault_campaign as fc
     if __name__ == "__main__":
-        fc.go(data=fc.TouchAt(int(sys.argv[2]), sys.argv[3]), timeout_s=600)
+        fc.go(data=fc.TouchAt(int(sys.argv[2]), sys.argv[3]), launch=fc.Launch(timeout_s=600))
 """)
 
 
@@ -245,9 +248,8 @@ def trial(kind: str, rng: random.Random, want: dict, workdir: Path) -> dict:
         elif kind == "kill_rank_restart":
             result = go(  # the kill finds every save due before its step committed: at most one interval is redone
                 data=AwaitSaves(signal_at(batch, step=step, rank=rank, sig="SIGKILL"), str(ck), EVERY_ONCE),
-                max_restarts=1,
-                checkpoint_dir=ck,
-                checkpoint_every=EVERY_ONCE,
+                checkpoint=Checkpointing(ck, every=EVERY_ONCE),
+                faults=Faults(max_restarts=1),
             )
             row["redo_within_interval"] = result.restarts == 1 and result.steps_redone <= EVERY_ONCE
             row["outcome"] = f"restarted, {result.status}"
@@ -256,7 +258,7 @@ def trial(kind: str, rng: random.Random, want: dict, workdir: Path) -> dict:
             threading.Thread(
                 target=lambda: _settled(marker.exists, 60) and os.kill(os.getpid(), signal.SIGTERM), daemon=True
             ).start()
-            first = go(data=TouchAt(step, str(marker)), checkpoint_dir=ck)
+            first = go(data=TouchAt(step, str(marker)), checkpoint=ck)
             if first.status != "preempted":
                 raise AssertionError(f"status {first.status} after SIGTERM")
             saved = latest_checkpoint(ck).step  # the preemption's own save, at the step it stopped
@@ -273,7 +275,7 @@ def trial(kind: str, rng: random.Random, want: dict, workdir: Path) -> dict:
             expect = ("hung", 1)
             go(
                 net=nn.Sequential(nn.Linear(6, 12), nn.Tanh(), HangAt(step), nn.Linear(12, 12), nn.Linear(12, 3)),
-                timeout_s=8,
+                launch=Launch(timeout_s=HANG_TIMEOUT_S),
             )
         elif kind == "nonfinite":
             expect = ("nonfinite", 1)
@@ -285,7 +287,7 @@ def trial(kind: str, rng: random.Random, want: dict, workdir: Path) -> dict:
             expect = ("raised", None)  # every rank holding data raises: either may be named
             go(data=RaiseAt(step))
         elif kind == "corrupt_checkpoint":
-            go(checkpoint_dir=ck, checkpoint_every=EVERY_ONCE, keep=3)  # saves 3 and 6 (final): neither is skipped
+            go(checkpoint=Checkpointing(ck, every=EVERY_ONCE, keep=3))  # saves 3 and 6 (final): neither is skipped
             newest = latest_checkpoint(ck)
             files = sorted(newest.path.glob("rank-*.bin"))
             victim = files[rng.randrange(len(files))]
@@ -316,7 +318,7 @@ def trial(kind: str, rng: random.Random, want: dict, workdir: Path) -> dict:
                 # the save before the faulty one has ended when it falls due, and the faulty rank's write before the
                 # next step; steps left after it keep it from being skipped for the end being near (the run ends there)
                 data = AwaitSaves(batch, str(ck), EVERY)
-                go(data=data, checkpoint_dir=ck, checkpoint_every=EVERY, steps=10 * STEPS)
+                go(data=data, checkpoint=Checkpointing(ck, every=EVERY), steps=10 * STEPS)
         elif kind == "kill_caller":
             marker = workdir / "marker"
             caller = subprocess.Popen(
@@ -395,6 +397,7 @@ def campaign(trials: int, seed: int = 0, progress: bool = True):
     rows = []
     for i in tqdm(range(trials), desc="fault campaign", disable=not progress):
         kind = KINDS[i % len(KINDS)]
+        began = time.monotonic()
         with tempfile.TemporaryDirectory() as workdir:
             try:
                 rows.append(trial(kind, rng, want, Path(workdir)))
@@ -407,14 +410,18 @@ def campaign(trials: int, seed: int = 0, progress: bool = True):
                         **{check: False for check in CHECKS},
                     }
                 )
+        rows[-1]["seconds"] = time.monotonic() - began  # printed by the benchmark, never asserted: load moves it
     return pd.DataFrame(rows)
 
 
 def summary(rows):
-    """Per fault kind: trials, outcomes, and how many trials passed each check."""
+    """Per fault kind: trials, outcomes, how many trials passed each check, and the median and largest seconds a
+    trial took (a hang's: its ``timeout_s`` of ``HANG_TIMEOUT_S``, then the diagnosis and clean-up)."""
     table = rows.groupby("kind", sort=False).agg(
         trials=("kind", "size"),
         outcomes=("outcome", lambda s: ", ".join(sorted(set(s)))),
         **{check: (check, "sum") for check in CHECKS},
+        median_s=("seconds", "median"),
+        max_s=("seconds", "max"),
     )
     return table.reset_index()

@@ -1,7 +1,7 @@
 """Cold launches under load, for the stress test (tests/runner/test_launch_stress.py) and benchmarks/bench_launch.py.
 
 A cold launch starts fresh interpreters that import torch, as ``torchrun`` does on a cluster:
-``run(..., start_method="subprocess")``, or two ``torchrun`` agents as two nodes of one replica
+``run(..., launch=Launch(start_method="subprocess"))``, or two ``torchrun`` agents as two nodes of one replica
 each. :func:`busy_core` keeps one core busy meanwhile, which is how the exit abort showed (see
 [Note: the process group outlives its destroy] in ``pipeswift_lab/runner/rank/worker.py``).
 """
@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from pipeswift_lab import Launch
 from pipeswift_lab.partitioning.stages import Partition
 from pipeswift_lab.profiling.table import Profile
 from pipeswift_lab.runner import RunError, run
@@ -71,7 +72,7 @@ def job(D: int = 1):
 
 
 def cold_run() -> dict:
-    """One ``run(..., start_method="subprocess")``; returns ``{"ok", "abort", "error"}``."""
+    """One ``run(..., launch=Launch(start_method="subprocess"))``; returns ``{"ok", "abort", "error"}``."""
     model, batch, part, m = job()
     try:
         run(
@@ -82,8 +83,7 @@ def cold_run() -> dict:
             m,
             steps=2,
             progress=False,
-            start_method="subprocess",
-            timeout_s=180,
+            launch=Launch(timeout_s=180, start_method="subprocess"),
         )
         return {"ok": True, "abort": False, "error": ""}
     except RunError as exc:
@@ -94,7 +94,17 @@ def cold_run() -> dict:
 def save_spec(path: Path, D: int) -> Path:
     """Save the job's spec for ``torchrun`` (through a local run, which also gives the reference result)."""
     model, batch, part, m = job(D)
-    run(model, batch, nn.functional.mse_loss, part, m, steps=2, progress=False, save_spec=path, timeout_s=180, D=D)
+    run(
+        model,
+        batch,
+        nn.functional.mse_loss,
+        part,
+        m,
+        steps=2,
+        progress=False,
+        launch=Launch(timeout_s=180, save_spec=path),
+        D=D,
+    )
     return path
 
 

@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from ..core.checks import check_int, check_time
+from ..core.checks import check_int, check_table, check_time
 from ..core.costs import AssemblyModel, CheckpointModel
 from ..profiling.table import Profile
 
@@ -28,7 +28,6 @@ __all__ = [
     "TIME_UNITS",
     "Costs",
     "check_capacity",
-    "check_costs",
     "check_jobs",
     "read_capacity",
 ]
@@ -99,14 +98,8 @@ def _check_frame(jobs: Any) -> None:
         raise TypeError(
             f"jobs must be a pandas DataFrame with columns {list(REQUIRED_COLUMNS)}; got {type(jobs).__name__}"
         )
-    missing = [c for c in REQUIRED_COLUMNS if c not in jobs.columns]
-    if missing:
-        raise ValueError(
-            f"jobs is missing the columns {missing}; it needs {list(REQUIRED_COLUMNS)} "
-            f"(optional {list(OPTIONAL_COLUMNS)}) and has {list(jobs.columns)}"
-        )
-    if len(jobs) == 0:
-        raise ValueError("jobs has no rows; give at least one job")
+    needs = f" (it needs {list(REQUIRED_COLUMNS)}, optional {list(OPTIONAL_COLUMNS)})"
+    check_table("jobs", jobs, REQUIRED_COLUMNS, needs=needs, rows="; give at least one job")
 
 
 def _names(jobs: pd.DataFrame) -> np.ndarray:
@@ -299,14 +292,13 @@ def read_capacity(
         raise ValueError(f"time_unit={time_unit!r} is invalid; give one of {list(TIME_UNITS)}")
     scale = check_time("scale", scale, allow_zero=False)
     frame = _read_trace(source)
-    missing = [c for c in (time_column, gpus_column) if c not in frame.columns]
-    if missing:
-        raise ValueError(
-            f"the capacity trace is missing the columns {missing}; it has {list(frame.columns)} "
-            f"(name them with time_column= and gpus_column=)"
-        )
-    if len(frame) == 0:
-        raise ValueError(f"the capacity trace has no rows; give at least one ({time_column}, {gpus_column}) row")
+    check_table(
+        "the capacity trace",
+        frame,
+        (time_column, gpus_column),
+        needs=" (name them with time_column= and gpus_column=)",
+        rows=f"; give at least one ({time_column}, {gpus_column}) row",
+    )
     seconds = _trace_seconds(frame[time_column], time_column, TIME_UNITS[time_unit])
     counts = _trace_counts(frame[gpus_column], gpus_column, scale)
     steps = _steps(list(zip(seconds.tolist(), counts)))
@@ -399,46 +391,3 @@ def _shown(value: Any) -> str:
 
 #: The cost models a cluster simulation takes: ``(assembly, checkpoint)``, ``None`` for the default of each.
 Costs = tuple[AssemblyModel | None, CheckpointModel | None]
-
-
-def check_costs(costs: Any) -> Costs:
-    """``simulate``'s ``costs=`` as ``(AssemblyModel | None, CheckpointModel | None)``.
-
-    Accepts ``None``; one :class:`~pipeswift_lab.core.costs.AssemblyModel` or
-    :class:`~pipeswift_lab.core.costs.CheckpointModel` (e.g. from ``AssemblyModel.calibrate(runs)`` or
-    ``CheckpointModel.calibrate(runs)`` on this toolkit's own ``RunResult``s); a list or tuple of them, at most one
-    of each kind; or a dict with the keys ``"assembly"`` and/or ``"checkpoint"``. Raises ``TypeError`` naming the
-    item of a wrong type, ``ValueError`` for two models of one kind or an unknown key.
-    """
-    kinds = {"assembly": AssemblyModel, "checkpoint": CheckpointModel}
-    if costs is None:
-        return None, None
-    if isinstance(costs, dict):
-        unknown = sorted(set(map(str, costs)) - set(kinds))
-        if unknown:
-            raise ValueError(f"costs has unknown keys {unknown}; use 'assembly' and/or 'checkpoint'")
-        items = []
-        for key, model in costs.items():
-            if model is not None and not isinstance(model, kinds[key]):
-                raise TypeError(f"costs[{key!r}] is {type(model).__name__}; give a costs.{kinds[key].__name__}")
-            items.append((f"costs[{key!r}]", model))
-    elif isinstance(costs, (AssemblyModel, CheckpointModel)):
-        items = [("costs", costs)]
-    elif isinstance(costs, (list, tuple)):
-        items = [(f"costs[{i}]", v) for i, v in enumerate(costs)]
-    else:
-        items = [("costs", costs)]
-    found: dict[type, Any] = {}
-    for where, model in items:
-        if model is None:
-            continue
-        if not isinstance(model, (AssemblyModel, CheckpointModel)):
-            raise TypeError(
-                f"{where} is {type(model).__name__} {model!r}; give a costs.AssemblyModel or costs.CheckpointModel "
-                "(e.g. AssemblyModel.calibrate(runs), CheckpointModel.calibrate(runs)), a list of them or a dict"
-            )
-        kind = AssemblyModel if isinstance(model, AssemblyModel) else CheckpointModel
-        if kind in found:
-            raise ValueError(f"costs has two {kind.__name__}s; give at most one of each")
-        found[kind] = model
-    return found.get(AssemblyModel), found.get(CheckpointModel)

@@ -14,10 +14,10 @@ import numpy as np
 import pandas as pd
 
 from ..core.checks import check_flag, check_int, check_time
-from ..core.costs import AssemblyModel, CheckpointModel
+from ..core.costs import AssemblyModel, CheckpointModel, cost_models
 from ..profiling.table import Profile
 from .engine import CAPACITY, FINISH, Cluster, ClusterJob
-from .inputs import check_capacity, check_costs, check_jobs
+from .inputs import check_capacity, check_jobs
 from .policies import Policy, Preemptive
 from .registry import get_policy
 from .result import ClusterResult
@@ -83,7 +83,7 @@ def simulate(
     if checkpoint_every_s is not None:
         checkpoint_every_s = check_time("checkpoint_every_s", checkpoint_every_s, allow_zero=False)
     seed = check_int("seed", seed)
-    assembly, checkpoint = check_costs(costs)
+    assembly, checkpoint = cost_models(costs)
     if workload is not None and (not isinstance(workload, str) or not workload):
         raise TypeError(f"workload must be a non-empty str or None; got {type(workload).__name__} {workload!r}")
     progress = check_flag("progress", progress)

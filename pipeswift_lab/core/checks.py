@@ -6,11 +6,12 @@ the bad value and what is valid (the project convention). Nothing is clamped.
 
 from __future__ import annotations
 
+import functools
 import math
 import numbers
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from enum import Enum
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar
 
 if TYPE_CHECKING:
     import numpy as np
@@ -21,7 +22,9 @@ __all__ = [
     "check_flag",
     "check_fraction",
     "check_int",
+    "check_table",
     "check_time",
+    "moved_keywords",
     "state_mismatch",
     "nonnegative_column",
 ]
@@ -91,6 +94,16 @@ def check_choice(
     return value
 
 
+def check_table(what: str, df: pd.DataFrame, required: Iterable[str], *, needs: str = "", rows: str = "") -> None:
+    """Raise ``ValueError`` naming ``what`` when the DataFrame ``df`` lacks one of the ``required`` columns (the
+    message lists the columns it has, then ``needs``) or has no rows (then ``rows``)."""
+    missing = [c for c in required if c not in df.columns]
+    if missing:
+        raise ValueError(f"{what} is missing the columns {missing}; it has {list(df.columns)}{needs}")
+    if len(df) == 0:
+        raise ValueError(f"{what} has no rows{rows}")
+
+
 def nonnegative_column(column: pd.Series, allow_missing: bool = False) -> tuple[np.ndarray, tuple[int, Any] | None]:
     """``(values, first_bad)`` of a pandas Series of per-layer or per-stage numbers.
 
@@ -135,3 +148,29 @@ def state_mismatch(
             f"shapes differ ({len(wrong)}): " + ", ".join(wrong[:named]) + (" ..." if len(wrong) > named else "")
         )
     return parts
+
+
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+
+
+def moved_keywords(moves: Mapping[str, str]) -> Callable[[Callable[_P, _R]], Callable[_P, _R]]:
+    """A decorator: a call passing a keyword that has moved raises ``TypeError`` naming its new home.
+
+    ``moves`` maps each old keyword to where it lives now, as the user writes it
+    (``"launch=psl.Launch(timeout_s=...)"``).
+    The wrapped function keeps its signature (``inspect.signature`` follows ``__wrapped__``).
+    """
+
+    def decorate(func: Callable[_P, _R]) -> Callable[_P, _R]:
+        @functools.wraps(func)
+        def checked(*args: _P.args, **kwargs: _P.kwargs) -> _R:
+            moved = [name for name in kwargs if name in moves]
+            if moved:
+                homes = "; ".join(f"{name}= is now {moves[name]}" for name in moved)
+                raise TypeError(f"{func.__name__}() got the keyword{'s' * (len(moved) > 1)} {moved}: {homes}")
+            return func(*args, **kwargs)
+
+        return checked
+
+    return decorate

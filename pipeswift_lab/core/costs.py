@@ -161,8 +161,8 @@ class CheckpointModel:
       save (:meth:`cleanup_s`, with ``teardown_s`` of process and communicator teardown), the save
       before a resize and every save with ``asynchronous=False`` cost this.
     * :meth:`stall_s` — what a *periodic* checkpoint stalls training, the checkpoint cost C of
-      Young/Daly. ``asynchronous=True`` (``run(..., checkpoint_async=True)``, the runner's default)
-      stalls only for a copy of the state into a staging buffer,
+      Young/Daly. ``asynchronous=True`` (``Checkpointing(dir, asynchronous=True)``, the runner's default) stalls
+      only for a copy of the state into a staging buffer,
       ``staging_latency_s + bytes / staging_GBps``, and writes it in the background: staging, then
       persisting, as torch.distributed.checkpoint's ``async_save`` and CheckFreq (Mohan et al.,
       *CheckFreq: Frequent, Fine-Grained DNN Checkpointing*, FAST 2021) do. Synchronous saves stall
@@ -229,7 +229,7 @@ class CheckpointModel:
 
     @classmethod
     def calibrate(cls, runs: Any) -> CheckpointModel:
-        """Fit the model to what real runs measured (``RunResult``s of ``run(..., checkpoint_dir=...)``, or with
+        """Fit the model to what real runs measured (``RunResult``s of ``run(..., checkpoint=...)``, or with
         resizes): one ``RunResult`` or an iterable of them. Returns the fitted :class:`CheckpointModel`.
 
         Only committed checkpoints of ``RunResult.checkpoints`` count (``status``; skipped ones are ignored);
@@ -260,7 +260,7 @@ class CheckpointModel:
         samples = _CheckpointSamples.of(_as_runs(runs))
         if not samples.saves:
             raise ValueError(
-                "CheckpointModel.calibrate needs runs that saved checkpoints (run(..., checkpoint_dir=...)); "
+                "CheckpointModel.calibrate needs runs that saved checkpoints (run(..., checkpoint=...)); "
                 "none of the runs given did"
             )
         default = cls()
@@ -446,6 +446,51 @@ __all__ = [
     "AssemblyModel",
     "Availability",
     "CheckpointModel",
+    "cost_models",
     "preemption_loss_s",
     "young_daly_interval_s",
 ]
+
+
+def cost_models(costs: Any) -> tuple[AssemblyModel | None, CheckpointModel | None]:
+    """``costs=`` of :func:`~pipeswift_lab.plan` and :func:`~pipeswift_lab.cluster.simulate` as
+    ``(AssemblyModel | None, CheckpointModel | None)``: the costs a job's assembly and checkpoints pay.
+
+    Accepts ``None``; one :class:`~pipeswift_lab.core.costs.AssemblyModel` or
+    :class:`~pipeswift_lab.core.costs.CheckpointModel` (e.g. from ``AssemblyModel.calibrate(runs)`` or
+    ``CheckpointModel.calibrate(runs)`` on this toolkit's own ``RunResult``s); a list or tuple of them, at most one
+    of each kind; or a dict with the keys ``"assembly"`` and/or ``"checkpoint"``. Raises ``TypeError`` naming the
+    item of a wrong type, ``ValueError`` for two models of one kind or an unknown key.
+    """
+    kinds = {"assembly": AssemblyModel, "checkpoint": CheckpointModel}
+    if costs is None:
+        return None, None
+    if isinstance(costs, dict):
+        unknown = sorted(set(map(str, costs)) - set(kinds))
+        if unknown:
+            raise ValueError(f"costs has unknown keys {unknown}; use 'assembly' and/or 'checkpoint'")
+        items = []
+        for key, model in costs.items():
+            if model is not None and not isinstance(model, kinds[key]):
+                raise TypeError(f"costs[{key!r}] is {type(model).__name__}; give a costs.{kinds[key].__name__}")
+            items.append((f"costs[{key!r}]", model))
+    elif isinstance(costs, (AssemblyModel, CheckpointModel)):
+        items = [("costs", costs)]
+    elif isinstance(costs, (list, tuple)):
+        items = [(f"costs[{i}]", v) for i, v in enumerate(costs)]
+    else:
+        items = [("costs", costs)]
+    found: dict[type, Any] = {}
+    for where, model in items:
+        if model is None:
+            continue
+        if not isinstance(model, (AssemblyModel, CheckpointModel)):
+            raise TypeError(
+                f"{where} is {type(model).__name__} {model!r}; give a costs.AssemblyModel or costs.CheckpointModel "
+                "(e.g. AssemblyModel.calibrate(runs), CheckpointModel.calibrate(runs)), a list of them or a dict"
+            )
+        kind = AssemblyModel if isinstance(model, AssemblyModel) else CheckpointModel
+        if kind in found:
+            raise ValueError(f"costs has two {kind.__name__}s; give at most one of each")
+        found[kind] = model
+    return found.get(AssemblyModel), found.get(CheckpointModel)

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..core.checks import check_flag, check_int, check_time
-from ..core.costs import AssemblyModel, Availability, CheckpointModel
+from ..core.costs import AssemblyModel, Availability, CheckpointModel, cost_models
 from ..core.link import Link, check_link
 from ..core.precision import check_optimizer, check_precision
 from ..core.vocabulary import MULTI_CHUNK_SCHEDULES, SCHEDULES, V_SHAPE_SCHEDULES, canonical_schedule
@@ -71,7 +71,7 @@ class PlanInputs:
     calibration: SimulatorCalibration | None
     """Simulate every pipeline step calibrated; None: from the raw profile."""
     quantile: float | None
-    """The JCT quantile to add as a column (e.g. 0.95); None: no quantile."""
+    """The JCT quantile the objective ranks by, added as a column (e.g. 0.95 for ``"p95"``); None: the mean."""
     objective: str
     """What ranks the table as given: ``"mean"`` or a quantile name such as ``"p95"``."""
     rank_by: str
@@ -104,7 +104,6 @@ class PlanInputs:
             "link": self.link,
             "mem_per_gpu_bytes": self.mem_per_gpu_bytes,
             "calibration": self.calibration,
-            "quantile": self.quantile,
             "objective": self.objective,
             "step_cv": self.step_cv,
         }
@@ -122,15 +121,13 @@ def check_plan_inputs(
     schedules: Any = None,
     microbatch_sizes: Any = None,
     availability: Any = None,
-    assembly: Any = None,
-    checkpoint: Any = None,
+    costs: Any = None,
     mtbf_s: Any = None,
     P: Any = None,
     optimizer: Any = "adam",
     exhaustive: Any = False,
     progress: Any = True,
     calibration: Any = None,
-    quantile: Any = None,
     objective: Any = "mean",
     step_cv: Any = None,
     precision: Any = None,
@@ -139,11 +136,12 @@ def check_plan_inputs(
     """Check the arguments of :func:`~pipeswift_lab.planning.planner.plan` (the meanings are there) and resolve their
     defaults; return the :class:`PlanInputs` the search reads. Raises ``TypeError``/``ValueError`` naming the argument.
     """
+    assembly, checkpoint = cost_models(costs)
     costs = MicrobatchCosts(profile)
     gpus = check_int("gpus", gpus, minimum=1)
     global_batch = check_int("global_batch", global_batch, minimum=1)
     calibration = check_calibration(calibration)
-    quantile, rank_by = check_quantile(quantile, objective)
+    quantile, rank_by = check_quantile(objective)
     return PlanInputs(
         costs=costs,
         gpus=gpus,
@@ -157,8 +155,8 @@ def check_plan_inputs(
         stage_counts=_stage_counts(P, costs.n_layers, gpus),
         microbatch_sizes=_microbatch_sizes(microbatch_sizes, costs.b0, global_batch),
         availability=Availability.now(gpus) if availability is None else Availability(availability),
-        assembly=_assembly(assembly),
-        checkpoint=_checkpoint(checkpoint),
+        assembly=assembly or AssemblyModel(),
+        checkpoint=checkpoint or CheckpointModel(),
         optimizer=check_optimizer(optimizer),
         precision=check_precision(precision),
         mem_GBps=OPTIMIZER_MEMORY_GBps.get(costs.device, OPTIMIZER_MEMORY_GBps["cuda"]),
@@ -248,23 +246,6 @@ def _stage_choices(schedules: str | Sequence[str]) -> tuple[tuple[str, int], ...
         else:
             out.append((schedule, 1))
     return tuple(out)
-
-
-def _assembly(assembly: Any) -> AssemblyModel:
-    """An :class:`AssemblyModel` as given, the default one for None, else one calibrated from measurements."""
-    if assembly is None:
-        return AssemblyModel()
-    return assembly if isinstance(assembly, AssemblyModel) else AssemblyModel.calibrate(assembly)
-
-
-def _checkpoint(checkpoint: Any) -> CheckpointModel:
-    if checkpoint is None:
-        return CheckpointModel()
-    if not isinstance(checkpoint, CheckpointModel):
-        raise TypeError(
-            f"checkpoint must be a pipeswift_lab.core.costs.CheckpointModel or None; got {type(checkpoint).__name__}"
-        )
-    return checkpoint
 
 
 def _step_cv(step_cv: Any, calibration: SimulatorCalibration | None) -> float:

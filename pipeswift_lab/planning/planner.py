@@ -32,6 +32,7 @@ from typing import Any
 
 import pandas as pd
 
+from ..core.checks import moved_keywords
 from ..core.costs import AssemblyModel, Availability, CheckpointModel
 from ..core.link import Link
 from ..profiling.table import Profile
@@ -53,6 +54,15 @@ __all__ = [
 ]
 
 
+@moved_keywords(
+    {
+        "assembly": "costs=AssemblyModel(...) (or AssemblyModel.calibrate(runs); a tuple or dict with the "
+        "CheckpointModel), as in cluster.simulate",
+        "checkpoint": "costs=CheckpointModel(...) (a tuple or dict with the AssemblyModel), as in cluster.simulate",
+        "quantile": 'objective="p95" (it adds the column total_s_p95 and ranks by it; Plan.ranked_by("total_s") '
+        "ranks the same table by the mean)",
+    }
+)
 def plan(
     profile: Profile | pd.DataFrame | Sequence[Profile],
     gpus: int,
@@ -65,15 +75,13 @@ def plan(
     schedules: str | Sequence[str] | None = None,
     microbatch_sizes: int | Sequence[int] | None = None,
     availability: Availability | Sequence[tuple[float, int]] | None = None,
-    assembly: AssemblyModel | Sequence[Any] | None = None,
-    checkpoint: CheckpointModel | None = None,
+    costs: AssemblyModel | CheckpointModel | Sequence[Any] | dict[str, Any] | None = None,
     mtbf_s: float | None = None,
     P: int | Sequence[int] | None = None,
     optimizer: str = "adam",
     exhaustive: bool = False,
     progress: bool = True,
     calibration: SimulatorCalibration | None = None,
-    quantile: float | None = None,
     objective: str = "mean",
     step_cv: float | None = None,
     precision: str | None = None,
@@ -95,9 +103,10 @@ def plan(
       divisor of the layer count and every power of two up to it); ``optimizer`` — a name in
       :data:`~pipeswift_lab.core.precision.OPTIMIZER_STATES`;
     * ``availability`` — free GPUs over time, ``[(seconds_from_now, free_gpus), ...]``
-      (default: ``gpus`` free now); ``assembly`` — an :class:`~pipeswift_lab.core.costs.AssemblyModel`
-      (or RunResults / ``(P, assembly_s)`` pairs to calibrate one); ``checkpoint`` — a
-      :class:`~pipeswift_lab.core.costs.CheckpointModel`;
+      (default: ``gpus`` free now); ``costs`` — what assembly and checkpoints cost, as in
+      :func:`pipeswift_lab.cluster.simulate`: an :class:`~pipeswift_lab.core.costs.AssemblyModel` (e.g.
+      ``AssemblyModel.calibrate(runs)``), a :class:`~pipeswift_lab.core.costs.CheckpointModel`, both in a tuple, or
+      ``{"assembly": ..., "checkpoint": ...}`` (the stated defaults for what is not given);
     * ``mtbf_s`` — mean time between preemptions of *one GPU*; a job on ``N`` GPUs is
       preempted every ``mtbf_s / N`` on average and checkpoints at the Young/Daly interval of the
       checkpoint's stall (``CheckpointModel.interval_s``: the staging copy of an asynchronous save, never
@@ -118,12 +127,12 @@ def plan(
     * ``calibration`` — a :class:`~pipeswift_lab.fidelity.calibrator.Calibration`: every pipeline
       step is simulated calibrated (scaled actions, fixed costs, transfers, the runtime's step
       overhead) instead of from the raw profile;
-    * ``quantile`` (e.g. 0.95) — also the JCT each configuration finishes within with that
-      probability, column ``total_s_p95``, by Monte Carlo with a fixed seed over the step-time
-      dispersion ``step_cv`` (default: the calibration's, else 0) and preemptions at ``mtbf_s``
-      (:mod:`pipeswift_lab.planning.quantiles` states the model); ``objective="p95"`` ranks by it
-      (``"mean"``, the default, by the expected JCT; any ``"pNN"`` with ``0 < NN < 100``). Ranking
-      by a quantile simulates every configuration: the branch and bound's bound is on the mean;
+    * ``objective`` — ``"mean"`` (the default) ranks by the expected JCT; ``"p95"`` (any ``"pNN"``, ``0 < NN < 100``)
+      by the JCT each configuration finishes within with that probability, added as column ``total_s_p95``, by
+      Monte Carlo with a fixed seed over the step-time dispersion ``step_cv`` (default: the calibration's, else 0)
+      and preemptions at ``mtbf_s`` (:mod:`pipeswift_lab.planning.quantiles` states the model). Ranking by a
+      quantile simulates every configuration (the branch and bound's bound is on the mean);
+      ``Plan.ranked_by("total_s")`` shows the same table ranked by the mean;
     * ``recompute="search"`` — where a configuration's balanced split does not fit ``mem_per_gpu_bytes``, choose
       each stage's recomputation (none, selective, full) with the split, greedily for the least added time that
       fits, and every stage recomputing fully on the splits balanced within the cap and tighter caps, each lowered
@@ -151,15 +160,13 @@ def plan(
         schedules=schedules,
         microbatch_sizes=microbatch_sizes,
         availability=availability,
-        assembly=assembly,
-        checkpoint=checkpoint,
+        costs=costs,
         mtbf_s=mtbf_s,
         P=P,
         optimizer=optimizer,
         exhaustive=exhaustive,
         progress=progress,
         calibration=calibration,
-        quantile=quantile,
         objective=objective,
         step_cv=step_cv,
         precision=precision,
@@ -171,16 +178,7 @@ def plan(
 def evaluator_of(inputs: PlanInputs, *, replay: bool = False) -> Evaluator:
     """The :class:`~pipeswift_lab.planning.search.Evaluator` of checked inputs; ``replay=True`` takes every rank's
     peak memory from the action-by-action replay instead of its compiled form (the reference, far slower)."""
-    return Evaluator(
-        inputs.costs,
-        link=inputs.link,
-        mem_per_gpu_bytes=inputs.mem_per_gpu_bytes,
-        optimizer=inputs.optimizer,
-        calibration=inputs.calibration,
-        precision=inputs.precision,
-        replay=replay,
-        recompute_search=inputs.recompute == "search",
-    )
+    return Evaluator(inputs, replay=replay)
 
 
 def search(inputs: PlanInputs, evaluator: Evaluator) -> Plan:

@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from ..core.checks import check_choice, check_fraction, check_int, check_time
+from ..core.checks import check_choice, check_int, check_time
 from ..core.costs import CheckpointModel, young_daly_interval_s
 
 #: Monte Carlo samples per configuration.
@@ -49,24 +49,14 @@ def quantile_column(quantile: float) -> str:
 OBJECTIVES = ("mean", "p50", "p90", "p95", "p99")
 
 
-def check_quantile(quantile: Any, objective: Any) -> tuple[float | None, str]:
-    """Validate ``quantile`` and ``objective``; return ``(quantile or None, the Plan.table column ranked by)``.
+def check_quantile(objective: Any) -> tuple[float | None, str]:
+    """Validate ``objective``; return ``(its quantile or None, the Plan.table column ranked by)``.
 
-    ``objective`` is ``"mean"`` (the expected JCT) or ``"pNN"`` (the JCT at quantile ``NN / 100``), which sets
-    ``quantile`` when it is None and must agree with it otherwise.
+    ``objective`` is ``"mean"`` (the expected JCT) or ``"pNN"`` (the JCT at quantile ``NN / 100``, added to the
+    table as column ``total_s_pNN``).
     """
-    if quantile is not None:
-        quantile = check_fraction("quantile", quantile, allow_zero=False, allow_one=False)
-    implied = objective_quantile(objective)
-    if implied is None:
-        return quantile, "total_s"
-    if quantile is None:
-        quantile = implied
-    elif not math.isclose(quantile, implied):
-        raise ValueError(
-            f"objective={objective!r} ranks by the {implied:g} quantile but quantile={quantile}; give matching values"
-        )
-    return quantile, quantile_column(quantile)
+    quantile = objective_quantile(objective)
+    return (None, "total_s") if quantile is None else (quantile, quantile_column(quantile))
 
 
 def objective_quantile(objective: Any) -> float | None:

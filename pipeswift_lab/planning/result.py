@@ -3,6 +3,7 @@ whose rows read as :class:`PlannedConfig` values."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Hashable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -119,8 +120,8 @@ class Plan:
       False), ranked after them by ``jct_lower_bound_s`` (column ``ranked_by`` names what each
       ``rank`` is by), then the unranked rejected ones with their ``reason``; the JCT terms in the columns
       ``queue_s``, ``assembly_s``, ``training_s``, ``cleanup_s``, ``preemption_loss_s``,
-      ``total_s``, and ``step_ms``, ``bubble_ratio``, ``peak_mem_bytes``; with ``quantile=0.95``
-      also ``total_s_p95`` (the JCT at that quantile), and with ``objective="p95"`` ranked by it;
+      ``total_s``, and ``step_ms``, ``bubble_ratio``, ``peak_mem_bytes``; with ``objective="p95"`` also
+      ``total_s_p95`` (the JCT at that quantile), ranked by it (:meth:`ranked_by` ranks by another column);
     * ``best`` — the shortest JCT, a :class:`PlannedConfig`;
     * ``throughput_best`` — the shortest training term; ``bubble_best`` — the smallest bubble.
     """
@@ -149,6 +150,19 @@ class Plan:
         ``"start"`` became."""
         wanted = [check_strategy(name) for name in names] or list(STRATEGIES)
         return self.feasible[self.feasible["strategy"].isin(wanted)]
+
+    def ranked_by(self, column: str) -> Plan:
+        """This plan with its simulated feasible rows ranked by ``column`` (ties: fewer GPUs, then the shorter step),
+        e.g. ``"total_s"`` for the expected JCT of a plan ranked by ``objective="p95"``; :attr:`best` follows."""
+        if column not in self.table.columns:
+            raise ValueError(f"column={column!r} is not a column of the plan's table; give one of {list(self.table)}")
+        feasible = self.feasible.sort_values([column, "gpus", "step_ms"], kind="stable")
+        table = pd.concat([feasible, self.table.drop(feasible.index)])
+        table["rank"] = pd.array(
+            list(range(1, len(feasible) + 1)) + list(table["rank"].iloc[len(feasible) :]), dtype="Int64"
+        )
+        table["ranked_by"] = [column] * len(feasible) + list(table["ranked_by"].iloc[len(feasible) :])
+        return dataclasses.replace(self, table=table.reset_index(drop=True))
 
     @property
     def best(self) -> PlannedConfig:

@@ -9,12 +9,13 @@ on the real model (CUDA events on a GPU, ``perf_counter`` on the CPU)::
 
 Modules: :mod:`.measure` (:func:`profile`, :func:`profile_step`), :mod:`.table` (the :class:`Profile` type, its
 checks and its CSV), :mod:`.hooks` (the per-layer recorder), :mod:`.clocks`, :mod:`.units` (which modules count as
-layers).
+layers), :mod:`.unit_options` (the :class:`UnitByUnit` record of profiling one unit at a time).
 """
 
 from __future__ import annotations
 
 from .measure import profile, profile_step
 from .table import Profile
+from .unit_options import UnitByUnit
 
-__all__ = ["Profile", "profile", "profile_step"]
+__all__ = ["Profile", "UnitByUnit", "profile", "profile_step"]

@@ -18,20 +18,21 @@ from typing import Any, cast
 import torch
 from torch import nn
 
-from ..core.checks import check_flag, check_int
+from ..core.checks import moved_keywords
 from ..core.display import first_line
 from ..core.recompute import RECOMPUTE_MODES
 from .assemble import build_profile, run_meta, with_traced
 from .clocks import make_clock
 from .hooks import LayerRecorder, StepRecord, current_unit, iter_tensors, shapes, tensor_bytes
 from .pipeline_settings import training_settings
+from .profile_request import ProfileRequest, check_model, check_repeats, check_trainable
 from .recompute_costs import recompute_columns
 from .table import Profile
 from .traced_memory import traced_memory
+from .unit_options import UnitByUnit, unit_by_unit_options
 from .units import (
     AUTO,
     auto_announcement,
-    decoder_inputs_refusal,
     locate_failure,
     model_device,
     move_to_device,
@@ -46,6 +47,9 @@ __all__ = ["profile", "profile_step"]
 _Units = list[tuple[str, nn.Module]]
 
 
+@moved_keywords(
+    {name: f"unit_by_unit=psl.UnitByUnit({name}=...)" for name in ("repeated", "init", "seed", "memory_cap")}
+)
 def profile(
     model: nn.Module,
     *sample_args: Any,
@@ -59,13 +63,9 @@ def profile(
     sample_kwargs: dict[str, Any] | None = None,
     recompute: bool = False,
     precision: str | None = None,
-    unit_by_unit: bool | None = None,
-    repeated: str = "all",
-    init: Callable[[nn.Module], None] | None = None,
-    seed: int = 0,
-    memory_cap: int | None = None,
+    unit_by_unit: bool | UnitByUnit | None = None,
 ) -> Profile:
-    """Profile one training step of ``model`` per layer; return a :class:`Profile`.
+    """Profile one training step of ``model`` per layer; return a :class:`Profile` of one micro-batch of the batch.
 
     Each repeat runs ``model(*sample_args, **sample_kwargs)``, the loss and the backward,
     with every unit timed in place (see :mod:`pipeswift_lab.profiling.hooks`): ``layers=None``
@@ -95,90 +95,111 @@ def profile(
     and keeps (:mod:`pipeswift_lab.profiling.recompute_costs`).
 
     A model built on the meta device (``with torch.device("meta"): ...``), or any model with
-    ``unit_by_unit=True``, is profiled one unit at a time (:mod:`pipeswift_lab.profiling.unit_by_unit`):
-    each unit is made on ``device`` (default ``"cpu"``), initialized as ``run`` initializes (``init``,
-    seeded by ``seed`` and the submodule's name), timed on the previous unit's
-    output, and freed; the device's peak is the largest unit with its activations. ``repeated="once"``
-    times only the first of each class of identical blocks. ``memory_cap`` (bytes) is the most tensor
-    memory a unit may take: on CUDA ``torch.cuda.set_per_process_memory_fraction``, on CPU checked by the
-    live-byte counter after each unit's memory step (``MemoryError`` naming the unit).
-    Returns the Profile of one micro-batch of the given batch.
+    ``unit_by_unit=True`` or a :class:`~pipeswift_lab.UnitByUnit` record (``repeated``, ``init``, ``seed``,
+    ``memory_cap``), is profiled one unit at a time (:mod:`pipeswift_lab.profiling.unit_by_unit`): each unit is
+    made on ``device`` (default ``"cpu"``), initialized as ``run`` initializes, timed on the previous unit's
+    output, and freed; the device's peak is the largest unit with its activations.
     """
     from ..core.meta_device import is_meta_model
 
-    _check_model(model)
-    warmup, repeats, progress = _check_repeats(warmup, repeats, progress)
-    sample_kwargs = _check_sample(sample_args, sample_kwargs)
-    _check_loss(loss_fn, target)
-    _check_trainable(model)
-    check_flag("recompute", recompute)
-    precision = _check_precision(precision)
-    refusal = decoder_inputs_refusal(model, given=list(sample_kwargs))
-    if refusal is not None:
-        raise ValueError(refusal)
+    request = ProfileRequest.checked(
+        model, sample_args, sample_kwargs, target, loss_fn, warmup, repeats, progress, recompute, precision
+    )
     auto = isinstance(layers, str) and layers == AUTO
     units = select_units(model, layers, announce=False)
-    on_meta = is_meta_model(model)
-    if unit_by_unit is None:
-        unit_by_unit = on_meta
-    if check_flag("unit_by_unit", unit_by_unit) or on_meta:
-        if not unit_by_unit:
-            raise ValueError(
-                "the model is on the meta device, so it is profiled one unit at a time; leave unit_by_unit=None"
-            )
+    one_by_one = unit_by_unit_options(unit_by_unit, is_meta_model(model))
+    if one_by_one is not None:
         from .unit_by_unit import profile_one_unit_at_a_time
 
         return profile_one_unit_at_a_time(
-            model, units, auto, sample_args, sample_kwargs, target=target, loss_fn=loss_fn, warmup=warmup,
-            repeats=repeats, device=device, progress=progress, recompute=recompute, precision=precision,
-            repeated=repeated, init=init, seed=seed, memory_cap=memory_cap, profile_unit=profile,
+            model, units, auto, sample_args, request.sample_kwargs, target=target, loss_fn=loss_fn, warmup=warmup,
+            repeats=repeats, device=device, progress=request.progress, recompute=recompute,
+            precision=request.precision, unit_options=one_by_one, profile_unit=profile,
         )  # fmt: skip
-    if (repeated, init, memory_cap) != ("all", None, None):
-        raise ValueError(
-            "repeated=, init= and memory_cap= apply when a model is profiled one unit at a time: build it on the meta "
-            "device, or pass unit_by_unit=True"
-        )
-    device = _resolve_device(model, device)
+    return _profile_in_place(model, units, auto, _resolve_device(model, device), request)
+
+
+def _profile_in_place(
+    model: nn.Module, units: _Units, auto: bool, device: torch.device, request: ProfileRequest
+) -> Profile:
+    """Profile the whole model on ``device`` (a copy when it is elsewhere) and return the :class:`Profile`: the
+    units put in run order (``layers="auto"``), the steps timed, the memory step taken (on the exported graph
+    when the runner will trace the model), and the recomputation and split-backward columns added."""
     runnable, units = _on_device(model, units, device)
-    args, kwargs = move_to_device(sample_args, device), move_to_device(sample_kwargs, device)
+    args = move_to_device(request.sample_args, device)
+    kwargs = move_to_device(request.sample_kwargs, device)
     with preserved_state(runnable, device), training_settings(runnable):
         runnable.train()
         if auto:  # the blocks and the modules around them, in the order they run
             units, left_out = units_in_run_order(units, lambda: runnable(*args, **kwargs))
             print(auto_announcement(runnable, units, left_out))
-        target = move_to_device(target, device)
         step = _TrainingStep(
-            model=runnable, units=units, args=args, kwargs=kwargs, target=target, loss_fn=loss_fn, precision=precision
+            model=runnable,
+            units=units,
+            args=args,
+            kwargs=kwargs,
+            target=move_to_device(request.target, device),
+            loss_fn=request.loss_fn,
+            precision=request.precision,
         )
 
-        def measure(show: bool = progress) -> tuple[list[StepRecord], StepRecord | None]:
-            return _measure(runnable, units, device, step, warmup=warmup, repeats=repeats, progress=show,
-                            desc=_desc(model))  # fmt: skip
+        def measure(show: bool = request.progress) -> tuple[list[StepRecord], StepRecord | None]:
+            return _measure(runnable, units, device, step, warmup=request.warmup, repeats=request.repeats,
+                            progress=show, desc=_desc(model))  # fmt: skip
 
-        records = measure()
-        kept, memory = records
-        graph = "eager"
-        if memory is not None and not isinstance(runnable, nn.Sequential):  # the runner runs its exported graph
-            traced = traced_memory(
-                runnable, units, kept[0].first_call_order, args, kwargs, target, lambda o, t: _loss_of(o, t, loss_fn),
-                autocast=device.type if precision == "bf16-mixed" else None,
-            )  # fmt: skip
-            if traced is not None:
-                records, graph = (kept, with_traced(memory, traced)), "torch.export"
-        extra: dict[str, list[float]] = {}
-        if recompute:
-            extra.update(recompute_columns([m for _, m in units], kept, lambda: measure(False)))
-        if memory is not None:  # what a zero-bubble I pass keeps for its W, and what I and W take
-            with step._autocast():
-                modes = RECOMPUTE_MODES if recompute else ()
-                extra.update(split_backward_columns(units, lambda: runnable(*args, **kwargs), modes))
-    loss_name = "sum of outputs" if loss_fn is None else getattr(loss_fn, "__name__", type(loss_fn).__name__)
-    meta = run_meta("profile", device, loss=loss_name, warmup=warmup, repeats=repeats)
-    meta["memory_graph"] = graph
-    meta["precision"] = precision or "fp32"
-    meta["input_bytes"] = sum(tensor_bytes(t) for t in iter_tensors((sample_args, sample_kwargs)))
-    meta["target_bytes"] = sum(tensor_bytes(t) for t in iter_tensors(target))
+        records, graph = _with_exported_memory(measure(), step, device)
+        extra = _extra_columns(step, records[0], request.recompute, lambda: measure(False))
+    meta = _profile_meta(device, request, graph)
     return build_profile(runnable, units, records, meta, extra)
+
+
+def _with_exported_memory(
+    records: tuple[list[StepRecord], StepRecord | None], step: _TrainingStep, device: torch.device
+) -> tuple[tuple[list[StepRecord], StepRecord | None], str]:
+    """``(records, graph)``: the memory step replaced by what the exported graph keeps (``"torch.export"``) for a
+    model the runner traces (anything but an ``nn.Sequential``), when the export succeeds; else as measured
+    (``"eager"``)."""
+    kept, memory = records
+    if memory is None or isinstance(step.model, nn.Sequential):
+        return records, "eager"
+    traced = traced_memory(
+        step.model, step.units, kept[0].first_call_order, step.args, step.kwargs, step.target,
+        lambda o, t: _loss_of(o, t, step.loss_fn), autocast=device.type if step.precision == "bf16-mixed" else None,
+    )  # fmt: skip
+    if traced is None:
+        return records, "eager"
+    return (kept, with_traced(memory, traced)), "torch.export"
+
+
+def _extra_columns(
+    step: _TrainingStep,
+    kept: list[StepRecord],
+    recompute: bool,
+    measure_again: Callable[[], tuple[list[StepRecord], StepRecord | None]],
+) -> dict[str, list[float]]:
+    """The columns beyond the timed ones: what recomputing each layer costs and keeps (``recompute=True``), and what
+    a zero-bubble input-gradient pass keeps for its weight-gradient pass and what each takes."""
+    extra: dict[str, list[float]] = {}
+    modules = [m for _, m in step.units]
+    if recompute:
+        extra.update(recompute_columns(modules, kept, measure_again))
+    with step._autocast():
+        modes = RECOMPUTE_MODES if recompute else ()
+        extra.update(split_backward_columns(step.units, lambda: step.model(*step.args, **step.kwargs), modes))
+    return extra
+
+
+def _profile_meta(device: torch.device, request: ProfileRequest, graph: str) -> dict[str, Any]:
+    """What the profile says about how it was taken: the device, the loss, the repeats, the memory graph, the
+    precision and the bytes of the sample and the target."""
+    loss_fn = request.loss_fn
+    loss_name = "sum of outputs" if loss_fn is None else getattr(loss_fn, "__name__", type(loss_fn).__name__)
+    meta = run_meta("profile", device, loss=loss_name, warmup=request.warmup, repeats=request.repeats)
+    meta["memory_graph"] = graph
+    meta["precision"] = request.precision or "fp32"
+    meta["input_bytes"] = sum(tensor_bytes(t) for t in iter_tensors((request.sample_args, request.sample_kwargs)))
+    meta["target_bytes"] = sum(tensor_bytes(t) for t in iter_tensors(request.target))
+    return meta
 
 
 def profile_step(
@@ -198,13 +219,13 @@ def profile_step(
     the call of ``step``, so ``coverage`` shows the share spent outside the layers. This is
     what the ``%%pipeswift_profile`` cell magic runs. Returns the :class:`Profile`.
     """
-    _check_model(model)
+    check_model(model)
     if not callable(step):
         raise TypeError(
             f"step must be a callable with no arguments that runs one training step; got {type(step).__name__}"
         )
-    warmup, repeats, progress = _check_repeats(warmup, repeats, progress)
-    _check_trainable(model)
+    warmup, repeats, progress = check_repeats(warmup, repeats, progress)
+    check_trainable(model)
     auto = isinstance(layers, str) and layers == AUTO
     units = select_units(model, layers, announce=False)
     device = model_device(model)
@@ -226,57 +247,6 @@ def profile_step(
     )
     meta = run_meta("step", device, loss="step", warmup=warmup, repeats=repeats)
     return build_profile(model, units, records, meta)
-
-
-# -- validate ----------------------------------------------------------------------------------
-def _check_model(model: Any) -> None:
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"model must be a torch.nn.Module; got {type(model).__name__}")
-
-
-def _check_repeats(warmup: Any, repeats: Any, progress: Any) -> tuple[int, int, bool]:
-    """``(warmup, repeats, progress)`` checked (``repeats`` first, as the messages have always come)."""
-    repeats = check_int("repeats", repeats, minimum=1)
-    warmup = check_int("warmup", warmup, minimum=0)
-    return warmup, repeats, check_flag("progress", progress)
-
-
-def _check_sample(sample_args: tuple[Any, ...], sample_kwargs: Any) -> dict[str, Any]:
-    """The keyword arguments of the sample (``{}`` for None); refuse a step with no input at all."""
-    sample_kwargs = {} if sample_kwargs is None else sample_kwargs
-    if not isinstance(sample_kwargs, dict):
-        raise TypeError(
-            f"sample_kwargs must be a dict of keyword arguments for model.forward; got {type(sample_kwargs).__name__}"
-        )
-    if not sample_args and not sample_kwargs:
-        raise ValueError(
-            "profile needs a sample input: profile(model, x) runs model(x); give one representative micro-batch"
-        )
-    return sample_kwargs
-
-
-def _check_loss(loss_fn: Any, target: Any) -> None:
-    if loss_fn is not None and not callable(loss_fn):
-        raise TypeError(f"loss_fn must be callable, e.g. loss_fn(output, target); got {type(loss_fn).__name__}")
-    if target is not None and loss_fn is None:
-        raise ValueError("target was given without loss_fn; pass loss_fn=... so the loss is loss_fn(output, target)")
-
-
-def _check_precision(precision: Any) -> str | None:
-    if precision is None or precision in ("fp32", "bf16-mixed"):
-        return precision
-    raise ValueError(
-        f"precision={precision!r} is not one of ['fp32', 'bf16-mixed'] (or None: the model's own dtype); profile "
-        "a bf16-mixed-zero1 run as 'bf16-mixed' (ZeRO-1 changes the optimizer's state, not the layers)"
-    )
-
-
-def _check_trainable(model: nn.Module) -> None:
-    if not any(p.requires_grad for p in model.parameters()):
-        raise ValueError(
-            f"model ({type(model).__name__}) has no trainable parameters (none with requires_grad=True); "
-            "there is no backward to profile"
-        )
 
 
 # -- resolve -----------------------------------------------------------------------------------

@@ -31,19 +31,16 @@ import pandas as pd
 import torch
 from torch import nn
 
-from ..core.checks import check_int
 from ..core.meta_device import check_initializable, initial_values, is_meta_model, materialize, shape_pass
 from ..core.progress import progress_bar
 from .clocks import make_clock
 from .pipeline_settings import training_settings
 from .table import Profile
 from .unit_copies import StageForward, stage_copy
+from .unit_options import REPEATED, UnitByUnit
 from .units import auto_announcement, move_to_device, units_in_run_order
 
 __all__ = ["REPEATED", "profile_one_unit_at_a_time", "profile_unit_by_unit", "unit_signature"]
-
-#: How repeated identical blocks are timed: every one, or the first of each class.
-REPEATED = ("all", "once")
 
 
 def unit_signature(module: nn.Module) -> tuple[Any, ...]:
@@ -195,19 +192,12 @@ def profile_one_unit_at_a_time(
     sample_kwargs: dict[str, Any],
     *,
     device: torch.device | str | None,
-    repeated: str,
-    init: Any,
-    seed: int,
-    memory_cap: int | None,
+    unit_options: UnitByUnit,
     **options: Any,
 ) -> Profile:
     """:func:`~pipeswift_lab.profiling.measure.profile` one unit at a time (:func:`profile_unit_by_unit`), after
     checking its options and putting ``layers="auto"``'s units in run order (a forward on the meta device)."""
-    if repeated not in REPEATED:
-        raise ValueError(f"repeated={repeated!r} is not one of {list(REPEATED)}")
-    seed = check_int("seed", seed)
-    if memory_cap is not None:
-        memory_cap = check_int("memory_cap", memory_cap, minimum=1)
+    init, memory_cap = unit_options.init, unit_options.memory_cap
     if is_meta_model(model) or init is not None:
         check_initializable(model, init)
     resolved = torch.device("cpu") if device is None else torch.device(device)
@@ -220,8 +210,8 @@ def profile_one_unit_at_a_time(
     target = move_to_device(options.pop("target"), resolved)
     with _capped(resolved, memory_cap):
         return profile_unit_by_unit(
-            model, units, args, kwargs, target=target, device=resolved, repeated=repeated, seed=seed, init=init,
-            memory_cap=memory_cap, **options,
+            model, units, args, kwargs, target=target, device=resolved, repeated=unit_options.repeated,
+            seed=unit_options.seed, init=init, memory_cap=memory_cap, **options,
         )  # fmt: skip
 
 

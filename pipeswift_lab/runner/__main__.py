@@ -1,6 +1,6 @@
 """``torchrun --nproc-per-node P -m pipeswift_lab.runner SPEC [--out DIR]``: run a saved spec on every rank.
 
-``SPEC`` is a file written by ``run(..., save_spec=SPEC)``. Every rank trains its stages;
+``SPEC`` is a file written by ``run(..., launch=Launch(save_spec=SPEC))``. Every rank trains its stages;
 rank 0 gathers what all ranks measured into ``DIR/result.pt`` (default: ``SPEC`` with the
 suffix ``.out``), copies the spec to ``DIR/spec.pkl`` and prints a summary. Read the result
 back with ``pipeswift_lab.runner.load_result(DIR)``. ``pipeswift_lab.run`` starts this same
@@ -19,7 +19,7 @@ from pathlib import Path
 def main(argv: Sequence[str] | None = None) -> int:
     """Parse the command line and run this process's rank; returns the exit status."""
     parser = argparse.ArgumentParser(prog="python -m pipeswift_lab.runner", description=__doc__.splitlines()[0])
-    parser.add_argument("spec", help="spec file written by pipeswift_lab.run(..., save_spec=PATH)")
+    parser.add_argument("spec", help="spec file written by pipeswift_lab.run(..., launch=Launch(save_spec=PATH))")
     parser.add_argument(
         "--out", default=None, help="directory for the per-rank files and result.pt (default: SPEC.out)"
     )
@@ -30,17 +30,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     spec_path = Path(args.spec)
     out = Path(args.out) if args.out else spec_path.with_suffix(".out")
 
-    from torch.distributed.elastic.multiprocessing.errors import record
-
     from .rank import worker
 
-    record(worker.main)(spec_path, out, progress=args.progress, caller_pid=args.caller_pid)
+    worker.main(spec_path, out, progress=args.progress, caller_pid=args.caller_pid)  # under torch elastic's @record
     if not args.from_run and int(os.environ.get("RANK", "0")) == 0:
-        from .assembly import load_result
+        from .assembly import read_run_dir
 
         if spec_path.resolve() != (out / "spec.pkl").resolve():
             shutil.copyfile(spec_path, out / "spec.pkl")
-        result = load_result(out)
+        result = read_run_dir(out)
         print(result)
         print(f"result: {out / 'result.pt'}; read it with pipeswift_lab.runner.load_result({str(out)!r})")
     return 0

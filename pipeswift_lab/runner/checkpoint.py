@@ -1,6 +1,6 @@
 """Checkpoints of a pipeline run: one file per rank, written in the background, committed atomically.
 
-Layout under a checkpoint root (``run(..., checkpoint_dir=ROOT)``)::
+Layout under a checkpoint root (``run(..., checkpoint=ROOT)``)::
 
     ROOT/step-00000012/          one directory per checkpoint, named by the steps done
         rank-00000.bin, ...          each rank's parameters, optimizer state and RNG states, packed
@@ -48,6 +48,7 @@ if TYPE_CHECKING:
 from ..core.checks import state_mismatch
 from ..core.display import html_card, text_card
 from .checkpoint_files import MODEL, dcp_metadata, flat_file_reader
+from .manifests import read_manifest_json, sha256_of
 
 MANIFEST = "manifest.json"
 FORMAT = "pipeswift_lab.checkpoint"
@@ -62,15 +63,6 @@ _TMP_STEP = re.compile(r"^\.tmp-step-(\d{8})-(.+)$")
 def step_dir_name(step: int) -> str:
     """``step-00000012``: the directory name of the checkpoint taken after ``step`` steps."""
     return f"step-{int(step):08d}"
-
-
-def sha256_of(path: Path, chunk: int = 1 << 22) -> str:
-    """The hex SHA-256 of a file's bytes."""
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def _fsync_dir(path: Path) -> None:
@@ -207,12 +199,7 @@ def read_manifest(path: Path) -> dict[str, Any]:
     manifest_path = path / MANIFEST
     if not manifest_path.is_file():
         raise CheckpointError(f"{str(path)!r} has no {MANIFEST}: it is not a complete pipeswift_lab checkpoint")
-    try:
-        manifest = json.loads(manifest_path.read_text())
-    except (OSError, ValueError) as exc:
-        raise CheckpointError(f"the manifest {str(manifest_path)!r} cannot be read: {exc}") from None
-    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
-        raise CheckpointError(f"{str(manifest_path)!r} is not a pipeswift_lab checkpoint manifest")
+    manifest = read_manifest_json(manifest_path, FORMAT, CheckpointError, "a pipeswift_lab checkpoint manifest")
     if manifest.get("version") not in READABLE_VERSIONS:
         raise CheckpointError(
             f"{str(manifest_path)!r} is a checkpoint of format version {manifest.get('version')}; "

@@ -6,13 +6,13 @@ the first attempt only (a restarted attempt is not hit again). SIGTERM is a pree
 SIGKILL is the OOM killer or a lost node. Only the ranks that read data (the first and the last
 stage's) can be hit.
 
-``with write_fault(step=4, rank=1, error="ENOSPC"): run(..., checkpoint_dir=...)`` makes that
+``with write_fault(step=4, rank=1, error="ENOSPC"): run(..., checkpoint=...)`` makes that
 rank's checkpoint writer fail as a full (``ENOSPC``) or read-only (``EROFS``, ``EACCES``) disk
 does, when it saves the checkpoint of ``step`` steps done. Permissions cannot stage this where
 tests run as root, so the fault is injected in the writer: the run's spec carries it to the
 workers (``JobOptions.write_fault``) and the writer raises the ``OSError`` before it writes a byte.
 
-``with slow_disk(seconds=0.5): run(..., checkpoint_dir=...)`` spreads every rank file's write
+``with slow_disk(seconds=0.5): run(..., checkpoint=...)`` spreads every rank file's write
 over ``seconds`` (in pieces, with pauses between), as a slow or busy shared file system does:
 saves then outlast steps, so a background write is in flight long enough to be preempted,
 killed or skipped over.

@@ -31,12 +31,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from ..core.checks import moved_keywords
 from .assembly import build_result, read_history
 from .checkpoint import Checkpoint
 from .errors import RunError
 from .final_weights import KEPT_PREFIX
 from .launcher import Preemption, check_main_guard, launch
-from .options import CheckpointOptions, ElasticOptions, LaunchOptions, job_options
+from .options import Checkpointing, Elastic, Faults, Launch, as_checkpointing, check_record
 from .preflight import JobPlan, OptimizerFactory, plan_job
 from .processes import alive
 from .result import RunResult
@@ -46,12 +47,26 @@ from .spec import RunSpec, make_spec
 if TYPE_CHECKING:
     from ..partitioning.stages import Partition
 
-__all__ = ["run", "clean_stale_run_dirs", "read_history", "job_options"]
+__all__ = ["run", "clean_stale_run_dirs", "read_history"]
 
 _RUN_DIR_PREFIX = "pipeswift_run_"
+_LAUNCH_FIELDS = ("nprocs", "backend", "devices", "timeout_s", "start_method", "save_spec", "instrument")
 _OWNER_FILE = "owner.pid"
 
 
+_MOVED = {
+    **{name: f"launch=psl.Launch({name}=...)" for name in _LAUNCH_FIELDS},
+    "checkpoint_dir": 'checkpoint="DIR" (or psl.Checkpointing("DIR", ...))',
+    "checkpoint_every": 'checkpoint=psl.Checkpointing("DIR", every=...)',
+    "keep": 'checkpoint=psl.Checkpointing("DIR", keep=...)',
+    "checkpoint_async": 'checkpoint=psl.Checkpointing("DIR", asynchronous=...)',
+    "mtbf_s": 'checkpoint=psl.Checkpointing("DIR", every="auto", mtbf_s=...) (one GPU\'s MTBF, as in plan)',
+    **{name: f"faults=psl.Faults({name}=...)" for name in ("max_restarts", "preempt_grace_s", "on_nonfinite")},
+    **{name: f"elastic=psl.Elastic({name}=...)" for name in ("resize_at", "partitions", "profile", "rebalance_every")},
+}
+
+
+@moved_keywords(_MOVED)
 def run(
     model: nn.Module,
     data: Any,
@@ -62,192 +77,77 @@ def run(
     schedule: str | None = None,
     steps: int = 10,
     optimizer: OptimizerFactory | None = None,
-    nprocs: int | None = None,
-    backend: str | None = None,
-    devices: Any = None,
-    timeout_s: float = 300,
-    progress: bool = True,
-    save_spec: str | os.PathLike[str] | None = None,
-    instrument: bool = True,
-    profiler_trace: str | os.PathLike[str] | None = None,
     seed: int = 0,
-    start_method: str = "forkserver",
-    checkpoint_dir: str | os.PathLike[str] | None = None,
-    checkpoint_every: int | str | None = None,
-    keep: int = 2,
-    resume_from: str | os.PathLike[str] | Checkpoint | None = None,
-    max_restarts: int = 0,
-    mtbf_s: float | None = None,
-    checkpoint_async: bool = True,
-    preempt_grace_s: float = 30,
-    on_nonfinite: str = "raise",
-    resize_at: dict[int, int] | None = None,
-    partitions: dict[int, Partition] | None = None,
-    profile: Any = None,
-    rebalance_every: int | None = None,
+    progress: bool = True,
     D: int = 1,
-    split: str | None = None,
     recompute: str | dict[int, list[str]] | None = None,
     precision: str | None = None,
     weights: str | os.PathLike[str] | Any = None,
     init: Callable[[nn.Module], None] | None = None,
+    resume_from: str | os.PathLike[str] | Checkpoint | None = None,
+    split: str | None = None,
+    profiler_trace: str | os.PathLike[str] | None = None,
+    checkpoint: str | os.PathLike[str] | Checkpointing | None = None,
+    faults: Faults | None = None,
+    elastic: Elastic | None = None,
+    launch: Launch | None = None,
 ) -> RunResult:
-    """Train ``model`` for ``steps`` steps as a real pipeline on ``torch.distributed.pipelining`` and measure it.
+    """Train ``model`` for ``steps`` steps as a real pipeline on ``torch.distributed.pipelining`` and measure it;
+    return a :class:`RunResult`.
 
-    * ``model`` — an ``nn.Sequential`` (stage ``s`` is its children ``partition.bounds[s]``), or
-      any model torch's tracer can split, Hugging Face models as they are: the first layer name of
-      each stage (a Partition from ``profile(model, x, layers=[...])`` or ``layers="auto"``)
-      becomes a split point of ``torch.distributed.pipelining.pipeline`` (see
-      :mod:`~pipeswift_lab.runner.stages.traced`; a KV cache is turned off for the trace and the
-      run). The model's output reaches ``loss_fn`` as the model returns it (a ``ModelOutput``,
-      dict, tuple or tensor). A parameter used by several stages (tied embeddings) is held by
-      each and its gradients are summed between them every step, as Megatron-LM does
-      (:mod:`~pipeswift_lab.runner.stages.tied`); ``RunResult.tied_weights`` lists them.
-    * ``model`` may be built on the meta device (``with torch.device("meta"): ...``, for Hugging Face
-      ``AutoModelForCausalLM.from_config(config)`` under it): no process ever holds more than its
-      stages. The spec carries the model's structure, never its tensors; each rank makes only its
-      stages' tensors on its device (``to_empty``) and fills them
-      (:mod:`~pipeswift_lab.core.meta_device`). A model holding real tensors has them written
-      once, as a safetensors file in the run directory, and each rank reads only its keys.
-    * ``weights`` — the starting tensors: a Hugging Face safetensors checkpoint (a file, or a directory with
-      ``model.safetensors`` or shards and ``model.safetensors.index.json``), a ``torch.distributed.checkpoint``
-      directory or a pipeswift_lab checkpoint (:mod:`~pipeswift_lab.runner.weights`); each rank reads only its
-      stages' tensors. Their names and shapes are checked against the model before launch.
-    * ``init`` — with a meta model and no ``weights``: ``init(module)`` fills the tensors each submodule holds;
-      ``None`` takes a Hugging Face model's ``_init_weights``, else each submodule's ``reset_parameters()``. The RNG
-      is seeded by ``seed`` and the submodule's name, so the model starts the same for any P.
-    * ``split`` — ``None`` (an ``nn.Sequential`` is cut between its children, any other model
-      traced), ``"trace"``, or ``"manual"`` for a forward the tracer cannot capture: each stage
-      is a copy of the model without the other stages' layers, run eagerly
-      (:mod:`~pipeswift_lab.runner.stages.manual`).
-    * ``recompute`` — which activations each stage recomputes in its backward instead of keeping:
-      ``None`` (none), ``"full"`` (every layer keeps only its input), ``"selective"`` (every layer
-      keeps its matrix multiplications' results and recomputes the rest) or ``{stage: [layer names or
-      globs]}`` (full recomputation of those layers), with ``torch.utils.checkpoint``
-      (non-reentrant) under every schedule; the trained parameters are the same bit for bit
-      (:mod:`~pipeswift_lab.core.recompute`).
-    * ``precision`` — ``None``/``"fp32"`` (the model's own dtype), ``"bf16-mixed"`` (every stage's forward and
-      the loss under ``torch.autocast`` in bf16; weights, gradients and optimizer state fp32) or
-      ``"bf16-mixed-zero1"`` (with the optimizer state sharded over the ``D`` replicas by torch's
-      ``ZeroRedundancyOptimizer``; :mod:`~pipeswift_lab.runner.stages.precision`).
-    * ``data`` — an ``(inputs, targets)`` batch used every step, a ``callable(step) -> (inputs,
-      targets)`` (called with torch's RNG seeded to ``seed + step``, so ranks agree), or an
-      iterable of batches (the first ``steps`` are taken). Only the rank holding the first
-      stage reads inputs and only the one holding the last stage reads targets.
-    * ``loss_fn(outputs, targets)`` — a mean over the micro-batch; torch scales gradients by
-      ``1/m`` (``scale_grads=True``), so a step equals single-process training on the mean of
-      the ``m`` micro-batch losses.
-    * ``partition`` — a ``Partition`` (``bounds``, ``P``, ``v``, ``schedule``, ``stage_to_rank``).
-    * ``m`` — micro-batches per step; it must divide the batch size.
-    * ``schedule`` — a name from ``SCHEDULES``; ``None`` takes the partition's, or when it has
-      none ``"1F1B"`` (``v == 1``) / ``"Interleaved1F1B"`` (``v > 1``).
-    * ``steps`` — the job's total; a resumed job continues from the checkpoint's step to ``steps``.
-    * ``optimizer`` — a factory ``lambda params: torch.optim.X(params, ...)`` called on every rank
-      with its stages' parameters; ``None`` is SGD with ``lr=0.01`` (``spec.DEFAULT_LR``).
-    * ``D`` — data-parallel replicas of the pipeline: ``P * D`` processes in a ``("dp", "pp")``
-      mesh, each stage wrapped in DDP over its ``D`` copies (gradients are all-reduced at the
-      last micro-batch's backward); replica ``d`` trains on rows ``d*B/D .. (d+1)*B/D - 1`` of
-      each global batch ``B``, ``m`` micro-batches each, so a step equals one process on the
-      global batch. ``D`` must divide ``B``. Checkpoints hold the replicated state once (replica
-      0 writes it) and resume on any ``D``; not yet with resizes or rebalancing, nor with
-      the zero-bubble schedules.
-    * ``nprocs`` — worker processes; one per rank, so ``None`` or ``P * D``.
-    * ``backend``/``devices`` — ``None``: NCCL and one GPU per rank when there are GPUs, gloo and
-      one CPU process per rank (``torch.set_num_threads`` = cores // P) otherwise; see
-      :func:`~pipeswift_lab.runner.devices.resolve_devices`.
-    * ``timeout_s`` — the call raises :class:`RunError` within this many seconds if a rank
-      raises, dies or hangs, naming the rank and its traceback; no worker is left running.
-    * ``save_spec`` — also write the run's spec there, for
-      ``torchrun --nproc-per-node P -m pipeswift_lab.runner SPEC``.
-    * ``instrument`` — record every compute action (False: step times only, the overhead baseline).
-    * ``profiler_trace`` — a directory (made if missing; an existing file is a ``ValueError``): every rank records
-      its steps with ``torch.profiler`` (CPU, and CUDA on a GPU) and writes
-      ``rank{r}.{time_ns}.pt.trace.json`` there (``r`` the global rank) for Perfetto or
-      ``Timeline.from_profiler(dir)``: a ``ProfilerStep#N`` span per step, ``N`` the run's step (a resumed run
-      starts at its checkpoint's), around torch's spans (``PP:{stage}{kind}{mb}`` from the runtime schedules
-      such as Interleaved1F1B, ``Forward i``/``Backward i`` from GPipe; torch's 1F1B marks none). Each attempt
-      and segment (restart, resize, rebalance) writes its own file per rank; ``meta["profiler_trace"]`` names
-      the directory. ``None``: no profiler (see :mod:`~pipeswift_lab.runner.rank.profiler_trace`).
-    * ``seed`` — ``torch.manual_seed`` on every rank before the first step.
-    * ``start_method`` — ``"forkserver"`` (warm workers) or ``"subprocess"`` (cold interpreters,
-      as under torchrun); see :mod:`~pipeswift_lab.runner.launcher`.
+    What a cell types every time is a flat argument; each concern with rare knobs is one record (``docs/running.md``
+    and ``docs/fault_tolerance.md`` show them in use).
 
-    Surviving a shared cluster (see :mod:`~pipeswift_lab.runner.checkpoint` for the files):
+    * ``model`` — an ``nn.Sequential`` (stage ``s`` is its children ``partition.bounds[s]``), or any model torch's
+      tracer can split, Hugging Face models as they are: the first layer name of each stage becomes a split point
+      of ``torch.distributed.pipelining.pipeline`` (:mod:`~pipeswift_lab.runner.stages.traced`). A parameter used
+      by several stages (tied embeddings) is held by each and its gradients are summed every step, as Megatron-LM
+      does (:mod:`~pipeswift_lab.runner.stages.tied`). A model built on the meta device is never held whole by any
+      process: each rank makes and fills only its stages' tensors (:mod:`~pipeswift_lab.core.meta_device`).
+    * ``data`` — an ``(inputs, targets)`` batch used every step, a ``callable(step) -> (inputs, targets)`` (called
+      with torch's RNG seeded to ``seed + step``) or an iterable of batches. ``loss_fn(outputs, targets)`` — a mean
+      over the micro-batch; gradients are scaled by ``1/m``, so a step equals one process on the whole batch.
+    * ``partition`` — a :class:`~pipeswift_lab.Partition`; ``m`` — micro-batches per step (it divides the batch).
+    * ``schedule`` — a name from ``SCHEDULES``; ``None`` takes the partition's, else ``"1F1B"`` (``v == 1``) or
+      ``"Interleaved1F1B"``. ``steps`` — the job's total (a resumed job continues to it). ``optimizer`` — a factory
+      ``lambda params: torch.optim.X(params, ...)`` called on every rank (``None``: SGD, ``lr=0.01``). ``seed`` —
+      ``torch.manual_seed`` on every rank. ``progress`` — a progress bar of the steps.
+    * ``D`` — data-parallel replicas of the pipeline: ``P * D`` processes in a ``("dp", "pp")`` mesh, each stage in
+      DDP over its ``D`` copies; replica ``d`` trains on its ``B/D`` rows of each global batch.
+    * ``recompute`` — ``None``, ``"full"``, ``"selective"`` or ``{stage: [layer names or globs]}``, with
+      ``torch.utils.checkpoint`` (:mod:`~pipeswift_lab.core.recompute`). ``precision`` — ``None``/``"fp32"``,
+      ``"bf16-mixed"`` or ``"bf16-mixed-zero1"`` (:mod:`~pipeswift_lab.runner.stages.precision`).
+    * ``weights`` — the starting tensors: a Hugging Face safetensors checkpoint (file or folder, its stored names
+      converted as ``from_pretrained`` converts them), a ``torch.distributed.checkpoint`` directory or a
+      pipeswift_lab checkpoint (:mod:`~pipeswift_lab.runner.weights`); each rank reads only its stages' tensors.
+      ``init`` — with a meta model and no ``weights``: ``init(module)`` fills each submodule (``None``: a Hugging
+      Face model's ``_init_weights``, else ``reset_parameters()``), seeded by ``seed`` and the submodule's name.
+    * ``resume_from`` — a checkpoint root (its newest complete checkpoint), one ``step-*`` directory or a
+      :class:`Checkpoint`: training continues at its step, on this or another partition and P.
+    * ``split`` — ``None`` (an ``nn.Sequential`` is cut between its children, any other model traced),
+      ``"trace"``, or ``"manual"`` (each stage a copy of the model run eagerly; :mod:`~.stages.manual`).
+    * ``profiler_trace`` — a directory: every rank writes a ``torch.profiler`` trace of its steps there
+      (:mod:`~pipeswift_lab.runner.rank.profiler_trace`), read back by ``Timeline.from_profiler(dir)``.
 
-    * ``checkpoint_dir`` — a checkpoint root; with it the job saves a final checkpoint (its
-      cleanup) and a preemption saves too. ``checkpoint_every`` — an int (every N steps),
-      ``"auto"`` (Young/Daly's √(2·C·MTBF) from the measured save stall C and ``mtbf_s``) or
-      ``None``. ``keep`` — newest complete checkpoints kept. ``checkpoint_async`` (default) —
-      a save stalls the step loop only for a copy of each rank's state (one staging buffer per
-      rank, as large as its parameters and optimizer state); the file, fsync, checksums and the
-      commit run in the background, one save at a time (a periodic save due while the last is
-      still being written is skipped, and ``RunResult.checkpoints`` says so). Final, preemption
-      and rebalance saves are never skipped and are committed before the workers exit.
-      ``checkpoint_async=False`` waits for every write.
-    * ``resume_from`` — a checkpoint root (its newest complete checkpoint), one ``step-*``
-      directory or a ``Checkpoint`` (``latest_checkpoint(root)``): training continues at its step,
-      on this or another partition and P
-      (parameters and optimizer state are regrouped by name; RNG states are restored when
-      the partition is the same).
-    * ``max_restarts`` — after a worker dies or raises, torch's elastic agent restarts all
-      workers up to this many times; they resume from the newest checkpoint in ``checkpoint_dir``.
-    * SIGTERM to this process or to any worker is a preemption notice: every rank finishes its
-      step, all save at that step, and the result has ``status="preempted"``. After
-      ``preempt_grace_s`` without a clean save the workers are killed, the previous checkpoint
-      stands and :class:`RunError` (``reason="preempted"``) is raised.
-    * ``on_nonfinite`` — at a NaN/inf loss: ``"raise"`` (stop before the update; ``RunError``
-      with ``reason="nonfinite"`` naming the step and rank; the last good checkpoint stands),
-      ``"skip"`` (drop that step's update and count it in ``skipped_steps``) or ``"ignore"``.
+    The records (:mod:`~pipeswift_lab.runner.options`, each field documented there):
 
-    Changing the configuration within one job (:mod:`~pipeswift_lab.runner.segments`):
+    * ``checkpoint`` — a directory, or :class:`~pipeswift_lab.Checkpointing` (``every``, ``keep``,
+      ``asynchronous``, ``mtbf_s``): the job saves at its end, on preemption and every ``every`` steps;
+    * ``faults`` — :class:`~pipeswift_lab.Faults` (``max_restarts``, ``preempt_grace_s``, ``on_nonfinite``);
+      SIGTERM to this process or any worker is a preemption notice: every rank saves at its step and the result
+      has ``status="preempted"``;
+    * ``elastic`` — :class:`~pipeswift_lab.Elastic` (``resize_at``, ``partitions``, ``profile``,
+      ``rebalance_every``): changes of configuration within the job, through checkpoints;
+    * ``launch`` — :class:`~pipeswift_lab.Launch` (``nprocs``, ``backend``, ``devices``, ``timeout_s``,
+      ``start_method``, ``save_spec``, ``instrument``): how the workers start.
 
-    * ``resize_at={step: P}`` (with ``profile``, the Profile the partition came from) or
-      ``partitions={step: Partition}``: at each step every rank checkpoints, the workers stop,
-      the model is re-partitioned for the new P (balanced, memory caps respected) and new
-      workers restore and train on until ``steps``;
-    * ``rebalance_every=N`` (with ``profile``): every N steps each stage's measured compute is
-      compared with its profile; when the balanced partition of the rescaled profile is
-      predicted to save more over the remaining steps than a reconfiguration costs (measured),
-      the job moves its stage boundaries (same P). Every decision is a row of
-      ``RunResult.rebalances``; every segment one of ``RunResult.segments``.
-
-    Without ``checkpoint_dir`` the changes go through a temporary checkpoint root.
-
-    Objects defined in a notebook cell or a test are serialized by value (cloudpickle). Workers
-    exit when this process dies. Returns a :class:`RunResult`. Raises ``TypeError``/``ValueError``
-    before any process starts for what can be checked in advance.
+    Objects defined in a notebook cell are serialized by value (cloudpickle); workers exit when this process dies.
+    Raises ``TypeError``/``ValueError`` before any process starts for what can be checked in advance (a keyword
+    that moved into a record names its new home), :class:`RunError` for what fails in a worker.
     """
     launch_ns = time.time_ns()
-    options = LaunchOptions(
-        nprocs=nprocs,
-        backend=backend,
-        devices=devices,
-        timeout_s=timeout_s,
-        progress=progress,
-        save_spec=save_spec,
-        instrument=instrument,
-        profiler_trace=profiler_trace,
-        seed=seed,
-        start_method=start_method,
-    )
-    check_main_guard(options.start_method)
-    checkpoints = CheckpointOptions(
-        checkpoint_dir=checkpoint_dir,
-        checkpoint_every=checkpoint_every,
-        keep=keep,
-        resume_from=resume_from,
-        mtbf_s=mtbf_s,
-        checkpoint_async=checkpoint_async,
-    )
-    elastic = ElasticOptions(
-        max_restarts=max_restarts,
-        preempt_grace_s=preempt_grace_s,
-        on_nonfinite=on_nonfinite,
-        resize_at=resize_at,
-        partitions=partitions,
-        profile=profile,
-        rebalance_every=rebalance_every,
-    )
+    launch = check_record("launch", launch, Launch)
+    check_main_guard(launch.start_method)
     job = plan_job(
         model,
         data,
@@ -257,15 +157,20 @@ def run(
         schedule=schedule,
         steps=steps,
         optimizer=optimizer,
+        seed=seed,
+        progress=progress,
         D=D,
         split=split,
         recompute=recompute,
         precision=precision,
         weights=weights,
         init=init,
-        launch=options,
-        checkpoints=checkpoints,
-        elastic=elastic,
+        resume_from=resume_from,
+        profiler_trace=profiler_trace,
+        checkpoint=as_checkpointing(checkpoint),
+        faults=check_record("faults", faults, Faults),
+        elastic=check_record("elastic", elastic, Elastic),
+        launch=launch,
     )
     results, reasons = _run_segments(job, launch_ns)
     return _raise_if_nonfinite(combine(results, reasons))
@@ -352,7 +257,7 @@ def _run_segment(
             deadline,
             spec.timeout_s,
             spec.steps,
-            plan.launch.progress,
+            plan.progress,
             f"{spec.plan.schedule} P={spec.P} m={spec.m}{label}",
             plan.launch.start_method,
             max_restarts=plan.max_restarts,

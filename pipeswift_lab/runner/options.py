@@ -1,15 +1,14 @@
-"""The options of :func:`~pipeswift_lab.runner.job.run`, grouped as keyword-only records with a docstring per field.
+"""The option records of :func:`~pipeswift_lab.run`, each a concern with rare knobs, checked on creation (as
+torchtitan's job config is):
 
-``run()`` keeps its flat keyword arguments; its first step gathers them into three records, each checked in its
-``__post_init__`` (as torchtitan's job config is):
+* :class:`Checkpointing` (``checkpoint=``, or a path) — where and how often the job saves;
+* :class:`Faults` (``faults=``) — restarts after a crash, preemption grace, non-finite losses;
+* :class:`Elastic` (``elastic=``) — resizes and rebalancing within one job;
+* :class:`Launch` (``launch=``) — how the workers start: processes, backend, devices, timeout, start method.
 
-* :class:`LaunchOptions` — how the workers start: processes, backend, devices, timeout, progress, start method;
-* :class:`CheckpointOptions` — where and how often the job saves, and the checkpoint it resumes from;
-* :class:`ElasticOptions` — what the job lives through: restarts, preemption, non-finite losses, resizes and
-  rebalancing.
-
-:func:`job_options` resolves the last two (the checkpoint to resume from is read and checked against the model)
-into the :class:`JobOptions` that travel to the workers in the run's spec.
+What a cell types every time stays a flat argument of ``run``. :func:`job_options` resolves the checkpointing,
+the checkpoint to resume from (read and checked against the model) and the faults into the :class:`JobOptions`
+that travel to the workers in the run's spec.
 """
 
 from __future__ import annotations
@@ -18,7 +17,7 @@ import os
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from torch import nn
 
@@ -31,20 +30,29 @@ if TYPE_CHECKING:
 
 __all__ = [
     "ON_NONFINITE",
+    "MAX_TIMEOUT_S",
+    "Checkpointing",
+    "Elastic",
+    "Faults",
     "JobOptions",
-    "LaunchOptions",
-    "CheckpointOptions",
-    "ElasticOptions",
-    "job_options",
+    "Launch",
+    "as_checkpointing",
+    "check_record",
+    "check_timeout",
     "check_trace_dir",
+    "job_options",
 ]
 
-#: What ``run(..., on_nonfinite=...)`` may do at a NaN/inf loss.
+#: What ``Faults(on_nonfinite=...)`` may do at a NaN/inf loss.
 ON_NONFINITE = ("raise", "skip", "ignore")
 #: Ways to start the workers (see :mod:`~pipeswift_lab.runner.launcher`).
 START_METHODS = ("forkserver", "subprocess")
 #: The longest ``preempt_grace_s`` (seconds).
 MAX_GRACE_S = 1e6
+#: The longest ``timeout_s`` (seconds): torch's process groups and stores overflow beyond it.
+MAX_TIMEOUT_S = 1e9
+
+_Record = TypeVar("_Record", "Launch", "Faults", "Elastic")
 
 
 def check_trace_dir(directory: str | os.PathLike[str] | None) -> str | None:
@@ -73,121 +81,133 @@ def _set(record: object, name: str, value: object) -> None:
 
 
 @dataclass(frozen=True, kw_only=True)
-class LaunchOptions:
-    """How the workers of a run start. ``start_method`` and ``progress`` are checked here; the rest, which needs
-    the partition (``nprocs`` must be ``P * D``), by :func:`~pipeswift_lab.runner.spec.make_spec`."""
+class Launch:
+    """How the workers of a run start: ``run(..., launch=psl.Launch(...))``.
+
+    ``start_method``, ``timeout_s`` and ``instrument`` are checked here; ``nprocs``, ``backend`` and ``devices``,
+    which need the partition (``nprocs`` must be ``P * D``), by :func:`~pipeswift_lab.runner.spec.make_spec`.
+    """
 
     nprocs: int | None = None
     """Worker processes: one per rank, so ``None`` or ``P * D``."""
     backend: str | None = None
     """``None`` (``nccl`` on CUDA, ``gloo`` on CPU), ``"gloo"`` or ``"nccl"``."""
     devices: Any = None
-    """``None`` (one GPU per rank when there are GPUs), ``"cpu"``, ``"cuda"`` or a list of CUDA device indices."""
+    """``None`` (one GPU per rank when there are GPUs, else one CPU process per rank with ``cores // P`` threads),
+    ``"cpu"``, ``"cuda"`` or a list of CUDA device indices (:func:`~pipeswift_lab.runner.devices.resolve_devices`)."""
     timeout_s: float = 300.0
-    """The whole run; the call raises ``RunError`` within it if a rank raises, dies or hangs."""
-    progress: bool = True
-    """Show a progress bar of the steps done."""
+    """The whole run; the call raises ``RunError`` within it if a rank raises, dies or hangs, naming the rank and
+    its traceback; no worker is left running."""
+    start_method: str = "forkserver"
+    """``"forkserver"`` (warm workers) or ``"subprocess"`` (cold interpreters, as under torchrun); see
+    :mod:`~pipeswift_lab.runner.launcher`."""
     save_spec: str | os.PathLike[str] | None = None
-    """Also write the first segment's spec there, for ``torchrun ... -m pipeswift_lab.runner SPEC``."""
+    """Also write the first segment's spec there, for ``torchrun --nproc-per-node P -m pipeswift_lab.runner SPEC``."""
     instrument: bool = True
     """Record every compute action (False: step times only, the overhead baseline)."""
-    profiler_trace: str | os.PathLike[str] | None = None
-    """A directory: every rank writes a ``torch.profiler`` trace of its steps there
-    (:mod:`~pipeswift_lab.runner.rank.profiler_trace`); ``None``: no profiler."""
-    seed: int = 0
-    """``torch.manual_seed`` on every rank before the first step; data callables get ``seed + step``."""
-    start_method: str = "forkserver"
-    """``"forkserver"`` (warm workers) or ``"subprocess"`` (cold interpreters, as under torchrun)."""
 
     def __post_init__(self) -> None:
         check_choice("start_method", self.start_method, START_METHODS)
-        check_flag("progress", self.progress)
+        _set(self, "timeout_s", check_timeout(self.timeout_s))
+        check_flag("instrument", self.instrument)
 
 
-@dataclass(frozen=True, kw_only=True)
-class CheckpointOptions:
-    """Where and how often a job saves, and what it resumes from; checked and normalized on creation."""
+@dataclass(frozen=True)
+class Checkpointing:
+    """Where and how often a job saves: ``run(..., checkpoint="ckpt/")`` or
+    ``run(..., checkpoint=psl.Checkpointing("ckpt/", every=50))``; checked and normalized on creation.
 
-    checkpoint_dir: str | os.PathLike[str] | None = None
-    """A checkpoint root (stored as an absolute path, a ``str``); ``None``: no checkpoints."""
-    checkpoint_every: int | str | None = None
-    """An int (every N steps), ``"auto"`` (Young/Daly's interval from the measured save time and ``mtbf_s``) or
-    ``None`` (no periodic saves)."""
+    With a checkpoint directory the job saves a final checkpoint (its cleanup) and a preemption saves too
+    (:mod:`~pipeswift_lab.runner.checkpoint` describes the files).
+    """
+
+    dir: str | os.PathLike[str]
+    """The checkpoint root (stored as an absolute path, a ``str``)."""
+    every: int | str | None = None
+    """An int (every N steps), ``"auto"`` (Young/Daly's interval sqrt(2·C·MTBF) from the measured save stall C and
+    the job's MTBF, ``mtbf_s`` over its GPUs) or ``None`` (no periodic saves)."""
     keep: int = 2
     """Newest complete checkpoints kept."""
-    resume_from: str | os.PathLike[str] | ckpt.Checkpoint | None = None
-    """A checkpoint root (its newest complete checkpoint) or one ``step-*`` directory to continue from."""
+    asynchronous: bool = True
+    """A save stalls the step loop only for a copy of each rank's state (one staging buffer per rank, as large as
+    its parameters and optimizer state); the file, fsync, checksums and the commit run in the background, one save
+    at a time (a periodic save due while the last is still being written is skipped, and
+    ``RunResult.checkpoints`` says so). Final, preemption and rebalance saves are never skipped and are committed
+    before the workers exit. ``False`` waits for every write."""
     mtbf_s: float | None = None
-    """The job's mean time between failures (seconds), for ``checkpoint_every="auto"`` only."""
-    checkpoint_async: bool = True
-    """Write checkpoints in the background (the step loop waits only for a copy of the state); ``False`` waits
-    for every save."""
+    """Mean time between failures of one GPU (seconds), as in :func:`~pipeswift_lab.plan`: a job on N GPUs fails
+    every ``mtbf_s / N`` on average. For ``every="auto"`` only."""
 
     def __post_init__(self) -> None:
-        if not isinstance(self.checkpoint_async, bool):
-            raise TypeError(f"checkpoint_async must be True or False; got {self.checkpoint_async!r}")
-        directory = self.checkpoint_dir
-        if directory is not None:
-            if not isinstance(directory, (str, os.PathLike)):
-                raise TypeError(
-                    f"checkpoint_dir must be a path (str or os.PathLike) or None; got {type(directory).__name__}"
-                )
-            if Path(directory).exists() and not Path(directory).is_dir():
-                raise ValueError(f"checkpoint_dir={str(directory)!r} exists and is not a directory")
-            _set(self, "checkpoint_dir", str(Path(directory).resolve()))
-        _set(self, "checkpoint_every", self._interval())
+        if not isinstance(self.asynchronous, bool):
+            raise TypeError(f"Checkpointing.asynchronous must be True or False; got {self.asynchronous!r}")
+        _set(self, "dir", _checkpoint_root(self.dir))
+        _set(self, "every", self._interval())
         _set(self, "keep", check_int("keep", self.keep, minimum=1))
         if self.mtbf_s is not None:
             _set(self, "mtbf_s", check_time("mtbf_s", self.mtbf_s, allow_zero=False))
-            if self.checkpoint_every != "auto":
+            if self.every != "auto":
                 raise ValueError(
-                    f"mtbf_s={self.mtbf_s:g} is used only to choose the interval of checkpoint_every='auto'; "
-                    f"checkpoint_every is {self.checkpoint_every!r}"
+                    f"mtbf_s={self.mtbf_s:g} is used only to choose the interval of every='auto'; every is "
+                    f"{self.every!r}"
                 )
 
     def _interval(self) -> int | str | None:
-        """``checkpoint_every``, checked: it needs ``checkpoint_dir``, and ``"auto"`` needs ``mtbf_s``."""
-        every = self.checkpoint_every
+        """``every``, checked: ``"auto"`` needs ``mtbf_s``."""
+        every = self.every
         if every is None:
             return None
         if every == "auto":
             if self.mtbf_s is None:
                 raise ValueError(
-                    "checkpoint_every='auto' takes the Young/Daly interval sqrt(2*save_s*mtbf_s) and needs mtbf_s "
-                    "(the job's mean time between failures, in seconds)"
+                    "every='auto' takes the Young/Daly interval sqrt(2*save_s*MTBF) and needs mtbf_s (one GPU's "
+                    "mean time between failures, in seconds)"
                 )
-        elif isinstance(every, str):
-            raise ValueError(f"checkpoint_every={every!r} is not valid; use an int (every N steps), 'auto' or None")
-        else:
-            every = check_int("checkpoint_every", every, minimum=1)
-        if self.checkpoint_dir is None:
-            raise ValueError(f"checkpoint_every={every!r} needs checkpoint_dir: where should the checkpoints go?")
-        return every
+            return every
+        if isinstance(every, str):
+            raise ValueError(f"every={every!r} is not valid; use an int (every N steps), 'auto' or None")
+        return check_int("every", every, minimum=1)
+
+
+def _checkpoint_root(directory: Any) -> str:
+    """A checkpoint root as an absolute path; refuse what is not a path and a path that is a file."""
+    if not isinstance(directory, (str, os.PathLike)):
+        raise TypeError(f"the checkpoint directory must be a path (str or os.PathLike); got {type(directory).__name__}")
+    if Path(directory).exists() and not Path(directory).is_dir():
+        raise ValueError(f"checkpoint directory {str(directory)!r} exists and is not a directory")
+    return str(Path(directory).resolve())
+
+
+def as_checkpointing(checkpoint: Any) -> Checkpointing | None:
+    """``run``'s ``checkpoint=``: ``None``, a path (``Checkpointing(path)``) or a :class:`Checkpointing`."""
+    if checkpoint is None or isinstance(checkpoint, Checkpointing):
+        return checkpoint
+    if isinstance(checkpoint, (str, os.PathLike)):
+        return Checkpointing(checkpoint)
+    raise TypeError(
+        f"checkpoint must be a directory (str or os.PathLike), a pipeswift_lab.Checkpointing or None; got "
+        f"{type(checkpoint).__name__}"
+    )
 
 
 @dataclass(frozen=True, kw_only=True)
-class ElasticOptions:
-    """What a job lives through: restarts after a crash, preemption, non-finite losses, changes of configuration.
+class Faults:
+    """What a job does when something fails: ``run(..., faults=psl.Faults(max_restarts=2))``.
 
-    The numbers and the choice are checked on creation; the changes of configuration need the partition and are
-    checked by :func:`~pipeswift_lab.runner.segments.plan_segments` and the job's rebalance plan.
+    SIGTERM to the calling process or to any worker is a preemption notice: every rank finishes its step, all save
+    at that step, and the result has ``status="preempted"``.
     """
 
     max_restarts: int = 0
-    """Restarts of all workers by torch's elastic agent after one dies or raises (they resume from the newest
-    checkpoint in ``checkpoint_dir``)."""
+    """After a worker dies or raises, torch's elastic agent restarts all workers up to this many times; they resume
+    from the newest checkpoint (it needs ``checkpoint=``)."""
     preempt_grace_s: float = 30.0
-    """After SIGTERM, seconds the workers get to finish their step and save before they are killed."""
+    """After SIGTERM, seconds the workers get to finish their step and save; after that they are killed, the
+    previous checkpoint stands and ``RunError`` (``reason="preempted"``) is raised."""
     on_nonfinite: str = "raise"
-    """At a NaN/inf loss: ``"raise"``, ``"skip"`` (drop that step's update) or ``"ignore"``."""
-    resize_at: dict[int, int] | None = None
-    """``{step: P}``: at each step the job re-partitions ``profile`` for the new P and continues on it."""
-    partitions: dict[int, Any] | None = None
-    """``{step: Partition}``: at each step the job continues on the given partition."""
-    profile: Any = None
-    """The Profile the partition came from (for ``resize_at`` and ``rebalance_every``)."""
-    rebalance_every: int | None = None
-    """Every N steps, move the stage boundaries when the measured stage times say it pays."""
+    """At a NaN/inf loss: ``"raise"`` (stop before the update; ``RunError`` with ``reason="nonfinite"`` naming the
+    step and rank; the last good checkpoint stands), ``"skip"`` (drop that step's update and count it in
+    ``skipped_steps``) or ``"ignore"``."""
 
     def __post_init__(self) -> None:
         _set(self, "max_restarts", check_int("max_restarts", self.max_restarts, minimum=0))
@@ -197,10 +217,56 @@ class ElasticOptions:
         _set(self, "preempt_grace_s", grace_s)
         check_choice("on_nonfinite", self.on_nonfinite, ON_NONFINITE)
 
+
+@dataclass(frozen=True, kw_only=True)
+class Elastic:
+    """Changes of configuration within one job (:mod:`~pipeswift_lab.runner.segments`):
+    ``run(..., elastic=psl.Elastic(resize_at={20: 2}, profile=prof))``.
+
+    At each change every rank checkpoints, the workers stop and new workers restore and train on; without
+    ``checkpoint=`` the changes go through a temporary checkpoint root. Every segment is a row of
+    ``RunResult.segments``, every rebalance decision one of ``RunResult.rebalances``. The changes need the
+    partition and are checked by :func:`~pipeswift_lab.runner.segments.plan_segments` and the rebalance plan.
+    """
+
+    resize_at: dict[int, int] | None = None
+    """``{step: P}``: at each step the model is re-partitioned for the new P from ``profile`` (balanced, memory caps
+    respected) and the job continues on it."""
+    partitions: dict[int, Any] | None = None
+    """``{step: Partition}``: at each step the job continues on the given partition."""
+    profile: Any = None
+    """The Profile the partition came from (for ``resize_at`` and ``rebalance_every``)."""
+    rebalance_every: int | None = None
+    """Every N steps each stage's measured compute is compared with its profile; when the balanced partition of the
+    rescaled profile is predicted to save more over the remaining steps than a reconfiguration costs (measured),
+    the job moves its stage boundaries (same P)."""
+
     def changes(self) -> dict[str, Any]:
         """The changes of configuration asked for (``resize_at``, ``partitions``, ``rebalance_every``), by name."""
         asked = {"resize_at": self.resize_at, "partitions": self.partitions, "rebalance_every": self.rebalance_every}
         return {name: value for name, value in asked.items() if value is not None}
+
+
+def check_record(name: str, value: Any, kind: type[_Record]) -> _Record:
+    """``value`` for ``run``'s record argument ``name``: ``None`` is ``kind()`` with its defaults; anything else
+    must be a ``kind``."""
+    if value is None:
+        return kind()
+    if not isinstance(value, kind):
+        raise TypeError(f"{name} must be a pipeswift_lab.{kind.__name__} or None; got {type(value).__name__}")
+    return value
+
+
+def check_timeout(timeout_s: Any) -> float:
+    """``timeout_s`` checked: positive seconds, no more than the workers' process groups can wait."""
+    timeout_s = check_time("timeout_s", timeout_s, allow_zero=False)
+    if timeout_s > MAX_TIMEOUT_S:
+        raise ValueError(
+            f"timeout_s={timeout_s:g} is more than the {MAX_TIMEOUT_S:g} s (about 31 years) the workers' process "
+            f"groups and stores can wait (a longer timeout overflows torch's clock); give timeout_s <= "
+            f"{MAX_TIMEOUT_S:g}"
+        )
+    return timeout_s
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -219,7 +285,7 @@ class JobOptions:
     resume_from: str | None = None
     """One ``step-*`` directory (resolved from a root before launch); ``None``: start at step 0."""
     mtbf_s: float | None = None
-    """The job's mean time between failures (seconds), for ``"auto"``."""
+    """One GPU's mean time between failures (seconds), for ``"auto"``; the job's is this over its world size."""
     checkpoint_async: bool = True
     """Write checkpoints in the background; ``False``: every save waits for its write."""
     on_nonfinite: str = "raise"
@@ -242,30 +308,34 @@ class JobOptions:
 
 
 def job_options(
-    model: nn.Module, steps: int, checkpoints: CheckpointOptions, elastic: ElasticOptions
+    model: nn.Module,
+    steps: int,
+    checkpointing: Checkpointing | None,
+    resume_from: str | os.PathLike[str] | ckpt.Checkpoint | None,
+    faults: Faults,
 ) -> tuple[JobOptions, ckpt.Checkpoint | None]:
     """The :class:`JobOptions` of a job, and the checkpoint it resumes from (``None`` when it starts afresh).
 
     Everything that can be known before launch raises ``TypeError``/``ValueError`` (a
     :class:`~pipeswift_lab.runner.checkpoint.CheckpointError` for a checkpoint that cannot be
-    used) here, and nothing in ``checkpoint_dir`` is written or removed by a failed call.
+    used) here, and nothing in the checkpoint directory is written or removed by a failed call.
     """
-    if elastic.max_restarts and checkpoints.checkpoint_dir is None:
+    directory = str(checkpointing.dir) if checkpointing is not None else None
+    if faults.max_restarts and directory is None:
         raise ValueError(
-            f"max_restarts={elastic.max_restarts} restarts the workers from the newest checkpoint and needs "
-            "checkpoint_dir"
+            f"max_restarts={faults.max_restarts} restarts the workers from the newest checkpoint and needs "
+            "checkpoint= (a directory)"
         )
-    resume = _resume_checkpoint(model, steps, checkpoints)
-    directory = checkpoints.checkpoint_dir
+    resume = _resume_checkpoint(model, steps, directory, resume_from)
     options = JobOptions(
         checkpoint_dir=str(directory) if directory is not None else None,
-        checkpoint_every=checkpoints.checkpoint_every,
-        keep=checkpoints.keep,
+        checkpoint_every=checkpointing.every if checkpointing else None,
+        keep=checkpointing.keep if checkpointing else 2,
         resume_from=str(resume.path) if resume else None,
-        mtbf_s=checkpoints.mtbf_s,
-        checkpoint_async=checkpoints.checkpoint_async,
-        on_nonfinite=elastic.on_nonfinite,
-        preempt_grace_s=elastic.preempt_grace_s,
+        mtbf_s=checkpointing.mtbf_s if checkpointing else None,
+        checkpoint_async=checkpointing.asynchronous if checkpointing else True,
+        on_nonfinite=faults.on_nonfinite,
+        preempt_grace_s=faults.preempt_grace_s,
         run_id=uuid.uuid4().hex,
         write_fault=active_write_fault(),
         slow_disk_s=active_slow_disk_s(),
@@ -273,19 +343,20 @@ def job_options(
     return options, resume
 
 
-def _resume_checkpoint(model: nn.Module, steps: int, checkpoints: CheckpointOptions) -> ckpt.Checkpoint | None:
-    """The checkpoint ``resume_from`` names, checked against ``model`` and ``steps``; refuse a ``checkpoint_dir``
-    that holds an earlier run's checkpoints when not resuming."""
-    directory = checkpoints.checkpoint_dir
-    if checkpoints.resume_from is None:
+def _resume_checkpoint(
+    model: nn.Module, steps: int, directory: str | None, resume_from: str | os.PathLike[str] | ckpt.Checkpoint | None
+) -> ckpt.Checkpoint | None:
+    """The checkpoint ``resume_from`` names, checked against ``model`` and ``steps``; refuse a checkpoint
+    ``directory`` that holds an earlier run's checkpoints when not resuming."""
+    if resume_from is None:
         earlier = ckpt.complete_checkpoints(directory) if directory is not None and Path(directory).is_dir() else []
         if earlier:
             raise ValueError(
-                f"checkpoint_dir={directory!r} already holds checkpoints of an earlier run (newest "
+                f"checkpoint={directory!r} already holds checkpoints of an earlier run (newest "
                 f"{earlier[0].name}): pass resume_from={directory!r} to continue that job, or use an empty directory"
             )
         return None
-    found = ckpt.load_checkpoint(checkpoints.resume_from)
+    found = ckpt.load_checkpoint(resume_from)
     ckpt.check_same_model(found, model)
     resume = ckpt.Checkpoint(found.path.resolve(), found.manifest)  # workers may run in another directory
     if steps <= resume.step:

@@ -16,9 +16,9 @@ import pandas as pd
 import torch
 from torch import nn
 
-from ..core.checks import check_int
+from ..core.checks import check_flag, check_int
 from .checkpoint import Checkpoint
-from .options import CheckpointOptions, ElasticOptions, JobOptions, LaunchOptions, job_options
+from .options import Checkpointing, Elastic, Faults, JobOptions, Launch, job_options
 from .segments import PlannedSegment, plan_segments
 from .sources import DataSource, make_data_source
 from .spec import RunSpec, make_spec
@@ -55,8 +55,10 @@ class JobPlan:
     """:func:`~pipeswift_lab.runner.spec.make_spec`'s keyword arguments shared by every segment."""
     job: JobOptions
     """What the workers are told about checkpoints, resume, preemption and non-finite losses."""
-    launch: LaunchOptions
+    launch: Launch
     """How the workers start."""
+    progress: bool
+    """Show a progress bar of the steps done."""
     max_restarts: int
     """Restarts of all workers by torch's elastic agent after a failure."""
     planned: list[PlannedSegment]
@@ -93,15 +95,20 @@ def plan_job(
     schedule: str | None,
     steps: int,
     optimizer: OptimizerFactory | None,
-    D: int,
-    launch: LaunchOptions,
+    seed: int = 0,
+    progress: bool = True,
+    D: int = 1,
     split: str | None = None,
     recompute: Any = None,
     precision: str | None = None,
     weights: Any = None,
     init: Any = None,
-    checkpoints: CheckpointOptions,
-    elastic: ElasticOptions,
+    resume_from: Any = None,
+    profiler_trace: Any = None,
+    checkpoint: Checkpointing | None = None,
+    faults: Faults,
+    elastic: Elastic,
+    launch: Launch,
 ) -> JobPlan:
     """Check and resolve a job before any process starts; return its :class:`JobPlan`.
 
@@ -113,13 +120,13 @@ def plan_job(
     D = check_int("D", D, minimum=1)
     for name, value in elastic.changes().items() if D > 1 else ():
         raise ValueError(f"D={D} replicas cannot be combined with {name}={value!r} yet; use D=1 for {name}")
-    if weights is not None and checkpoints.resume_from is not None:
+    if weights is not None and resume_from is not None:
         raise ValueError(
-            f"weights={str(weights)!r} and resume_from={str(checkpoints.resume_from)!r} both give the starting "
+            f"weights={str(weights)!r} and resume_from={str(resume_from)!r} both give the starting "
             "state; a resumed job takes everything from its checkpoint, so give only one of them"
         )
-    job, resume = job_options(model, steps, checkpoints, elastic)
-    source = make_data_source(data, steps, check_int("seed", launch.seed))
+    job, resume = job_options(model, steps, checkpoint, resume_from, faults)
+    source = make_data_source(data, steps, check_int("seed", seed))
     first_step = resume.step if resume is not None else 0
     planned = plan_segments(
         model, partition, steps, first_step, elastic.resize_at, elastic.partitions, elastic.profile, m, schedule
@@ -128,19 +135,15 @@ def plan_job(
     spec_kwargs = {
         "steps": steps,
         "optimizer": optimizer,
-        "nprocs": launch.nprocs,
-        "backend": launch.backend,
-        "devices": launch.devices,
-        "timeout_s": launch.timeout_s,
-        "instrument": launch.instrument,
-        "profiler_trace": launch.profiler_trace,
-        "seed": launch.seed,
+        "seed": seed,
         "D": D,
         "split": split,
         "recompute": recompute,
         "precision": precision,
         "weights": weights,
         "init": init,
+        "profiler_trace": profiler_trace,
+        "launch": launch,
     }
     specs = {
         seg.start_step: make_spec(model, source, loss_fn, seg.partition, m, schedule=schedule, job=job, **spec_kwargs)
@@ -163,7 +166,8 @@ def plan_job(
         spec_kwargs=spec_kwargs,
         job=job,
         launch=launch,
-        max_restarts=elastic.max_restarts,
+        progress=check_flag("progress", progress),
+        max_restarts=faults.max_restarts,
         planned=planned,
         specs=specs,
         rebalance=rebalance,
@@ -198,7 +202,7 @@ def _rebalance_plan(
             "times with"
         )
     if not instrument:
-        raise ValueError("rebalance_every needs the measured stage times: use instrument=True")
+        raise ValueError("rebalance_every needs the measured stage times: use launch=Launch(instrument=True)")
     table = profile.df if hasattr(profile, "df") else profile
     if not isinstance(table, pd.DataFrame):
         raise TypeError(

@@ -14,33 +14,14 @@ import torch
 
 from ..core.display import html_card, text_card
 from ..core.jct import JCT
+from .run_files import CHECKPOINT_COLUMNS
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
 
     from ..simulation.timeline import Timeline
 
-__all__ = ["RunResult", "CHECKPOINT_COLUMNS", "TIMELINE_COLUMNS"]
-
-#: Columns of ``RunResult.checkpoints``: one row per checkpoint committed or skipped (``status``).
-CHECKPOINT_COLUMNS = (
-    "step",
-    "path",
-    "bytes",
-    "largest_rank_bytes",
-    "largest_rank_state_bytes",
-    "save_ms",
-    "blocking_ms",
-    "staging_ms",
-    "write_ms",
-    "kind",
-    "status",
-    "mode",
-    "attempt",
-    "interval_steps",
-)
-#: Timeline columns, in the simulator's order.
-TIMELINE_COLUMNS = ("step", "rank", "stage", "microbatch", "kind", "start_ms", "end_ms")
+__all__ = ["RunResult"]
 
 
 @dataclass(frozen=True, repr=False)
@@ -65,7 +46,7 @@ class RunResult:
       the same step on every rank) or ``"nonfinite"`` (carried by the ``RunError``);
     * ``segments`` — one row per configuration the job ran in (``P``, ``bounds``, steps, and the
       measured ``save_s``, ``teardown_s``, ``assembly_s``, ``restore_s`` of each change; see
-      ``run(resize_at=...)``); ``rebalances`` — every rebalancing decision, taken or not;
+      ``run(elastic=Elastic(resize_at=...))``); ``rebalances`` — every rebalancing decision, taken or not;
     * ``first_step`` — the step the measured steps start from: 0, or the step the run (or its
       last restart) resumed from; ``step_ms``, ``losses`` and the timeline cover steps
       ``first_step`` .. the last step done;

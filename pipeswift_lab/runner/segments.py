@@ -1,10 +1,10 @@
 """A job of several segments, one per configuration: which segments to run, and one RunResult of them all.
 
-A segment is a stretch of steps on one partition. ``run(resize_at={step: P})`` and
-``run(partitions={step: Partition})`` plan them before launch; ``run(rebalance_every=N)``
-adds one whenever a rebalance pays. Between two segments every rank saves (a ``resize`` or
-``rebalance`` checkpoint), the workers stop, and the next segment's workers start and restore
-by name; :func:`combine` joins the segments' measurements on one clock.
+A segment is a stretch of steps on one partition. ``Elastic(resize_at={step: P})`` and
+``Elastic(partitions={step: Partition})`` (``run(..., elastic=...)``) plan them before launch;
+``Elastic(rebalance_every=N)`` adds one whenever a rebalance pays. Between two segments every rank saves (a
+``resize`` or ``rebalance`` checkpoint), the workers stop, and the next segment's workers start and restore by name;
+:func:`combine` joins the segments' measurements on one clock.
 """
 
 from __future__ import annotations

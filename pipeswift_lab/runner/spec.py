@@ -22,14 +22,15 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 from torch import nn
 
-from ..core.checks import check_choice, check_flag, check_int, check_time
+from ..core.checks import check_choice, check_int
 from ..core.fake_device import trace_device
 from ..core.meta_device import InitFn
 from ..core.recompute import RecomputePlan, plan_recompute
+from ..core.version import __version__
 from .devices import CPU_RANKS_PER_CORE, available_cores, resolve_devices
 from .hf_conversion import hf_class
 from .memory_report import predicted_memory
-from .options import ON_NONFINITE, JobOptions, check_trace_dir
+from .options import ON_NONFINITE, JobOptions, Launch, check_record, check_trace_dir
 from .sources import DataSource, make_data_source
 from .spec_pickle import dumps_structure, pickled_by_value
 from .stages.precision import check_run_precision
@@ -45,7 +46,6 @@ if TYPE_CHECKING:
 __all__ = [
     "DEFAULT_LR",
     "SPEC_MAGIC",
-    "MAX_TIMEOUT_S",
     "REPLICA_UNSUPPORTED",
     "RunSpec",
     "default_optimizer",
@@ -74,8 +74,6 @@ _HEADER_MAX_BYTES = 4096
 REPLICA_UNSUPPORTED = ("InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
 #: How a model that is not an ``nn.Sequential`` is cut into stages: torch's tracer, or stage copies of the model.
 SPLITS = ("trace", "manual")
-#: The longest ``timeout_s`` a run takes (seconds): torch's process groups and stores overflow far above it.
-MAX_TIMEOUT_S = 1e9
 
 
 def default_optimizer(params: Iterable[torch.nn.Parameter]) -> torch.optim.Optimizer:
@@ -166,8 +164,6 @@ class RunSpec:
         its weights (not for a spec that restores a checkpoint, which fills every tensor). A pickle
         runs code when loaded: load only specs you wrote.
         """
-        from .. import __version__
-
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
         spec = self.with_weights_beside(path)
@@ -212,7 +208,8 @@ class RunSpec:
 
 
 def load_spec(path: str | os.PathLike[str]) -> RunSpec:
-    """Read a spec written by :meth:`RunSpec.save` (``run(..., save_spec=path)``); returns the :class:`RunSpec`.
+    """Read a spec written by :meth:`RunSpec.save` (``run(..., launch=Launch(save_spec=path))``); returns the
+    :class:`RunSpec`.
 
     The header is checked before anything is unpickled: a file without it, of another format or
     toolkit version, or whose payload does not match its checksum raises ``ValueError`` naming
@@ -245,8 +242,6 @@ def spec_header(path: str | os.PathLike[str], data: bytes | None = None) -> dict
     Raises ``ValueError`` naming the file when the header is missing, unreadable or written for
     another format or version. Nothing is unpickled.
     """
-    from .. import __version__
-
     if data is None:
         with open(path, "rb") as f:
             data = f.read(_HEADER_MAX_BYTES)
@@ -254,9 +249,9 @@ def spec_header(path: str | os.PathLike[str], data: bytes | None = None) -> dict
     where = f"spec file {str(path)!r}"
     if not line.startswith(SPEC_MAGIC):
         raise ValueError(
-            f"{where} has no pipeswift_lab spec header: it is not a spec written by run(..., save_spec=path) "
-            "by this version of pipeswift_lab; nothing was unpickled (a spec is a pickle and runs code when loaded: "
-            "load only specs you wrote)"
+            f"{where} has no pipeswift_lab spec header: it is not a spec written by "
+            "run(..., launch=Launch(save_spec=path)) by this version of pipeswift_lab; nothing was unpickled (a spec "
+            "is a pickle and runs code when loaded: load only specs you wrote)"
         )
     try:
         header = json.loads(line[len(SPEC_MAGIC) :])
@@ -286,20 +281,16 @@ def make_spec(
     schedule: str | None = None,
     steps: int = 10,
     optimizer: Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer] | None = None,
-    nprocs: int | None = None,
-    backend: str | None = None,
-    devices: Any = None,
-    timeout_s: float = 300.0,
-    instrument: bool = True,
-    profiler_trace: str | os.PathLike[str] | None = None,
     seed: int = 0,
-    job: JobOptions | None = None,
     D: int = 1,
     split: str | None = None,
     recompute: Any = None,
     precision: str | None = None,
     weights: Any = None,
     init: InitFn | None = None,
+    profiler_trace: str | os.PathLike[str] | None = None,
+    launch: Launch | None = None,
+    job: JobOptions | None = None,
 ) -> RunSpec:
     """Check every argument of :func:`pipeswift_lab.run` and build the :class:`RunSpec` (no process is started).
 
@@ -311,57 +302,46 @@ def make_spec(
     ``recompute`` is checked against the stages' layers (:func:`~pipeswift_lab.core.recompute.plan_recompute`).
     ``weights`` (a checkpoint, :func:`~pipeswift_lab.runner.weights.open_weights`) is checked against the model's
     names and shapes; a model on the meta device without them must be initializable
-    (:func:`~pipeswift_lab.core.meta_device.check_initializable`).
+    (:func:`~pipeswift_lab.core.meta_device.check_initializable`). ``launch`` (a
+    :class:`~pipeswift_lab.runner.options.Launch`) says where the ranks run and ``job`` what they do with
+    checkpoints, preemption and non-finite losses.
     """
+    launch = check_record("launch", launch, Launch)
+    job = job if job is not None else JobOptions()
     split = None if split is None else check_choice("split", split, SPLITS)
     plan = plan_stages(model, partition, schedule)
     source = check_run_weights(model, weights, init)
-    D = check_int("D", D, minimum=1)
-    m = check_int("m", m, minimum=1)
-    steps = check_int("steps", steps, minimum=1)
+    D, m, steps = (check_int(name, value, minimum=1) for name, value in (("D", D), ("m", m), ("steps", steps)))
     seed = check_int("seed", seed)
-    timeout_s = _check_timeout(timeout_s)
-    check_flag("instrument", instrument)
-    profiler_trace = check_trace_dir(profiler_trace)
-    _check_nprocs(nprocs, plan.P, D)
-    _check_schedule(plan, m, D)
+    placement = _placement(plan, D, m, launch)
     optimizer = _check_training(model, plan, loss_fn, optimizer)
-    world, what = plan.P * D, f"P*D={plan.P}*{D}" if D > 1 else None
-    backend, device_type, indices = resolve_devices(world, backend, devices, what=what)
     data_source = make_data_source(data, steps, seed)
     global_batch, batch_size = _replica_batch(data_source, D, m)
     shapes = stage_shapes(
-        model, partition, plan, data_source, batch_size // m, loss_fn, split, trace_device(device_type, indices)
+        model, partition, plan, data_source, batch_size // m, loss_fn, split, trace_device(*placement[1:])
     )
-    precision = check_run_precision(
-        precision, checkpoints=job is not None and bool(job.checkpoint_dir or job.resume_from)
-    )
+    precision = check_run_precision(precision, checkpoints=bool(job.checkpoint_dir or job.resume_from))
     layers = shapes.layer_names
     recomputed = plan_recompute(recompute, [tuple(layers[a:b]) for a, b in plan.bounds])
-    meta = {**_spec_meta(plan, D, m, global_batch, batch_size, layers), "profiler_trace": profiler_trace}
-    meta["recompute"] = (
-        recompute
-        if not isinstance(recompute, dict)
-        else {int(k): v if isinstance(v, str) else list(v) for k, v in recompute.items()}
-    )
-    meta["recompute_layers"] = recomputed.layer_modes() if recomputed is not None else None
-    meta["precision"] = precision
-    meta["aliases"] = alias_map(model)
-    meta["hf_config"] = hf_config(model)
-    meta["hf_class"] = hf_class(model)
-    if instrument:
+    meta = {
+        **_spec_meta(plan, D, m, global_batch, batch_size, layers),
+        **_model_meta(model, recompute, recomputed, precision),
+        "profiler_trace": check_trace_dir(profiler_trace),
+    }
+    if launch.instrument:
         meta["memory_predicted"] = predicted_memory(
             partition,
             m=m,
             schedule=plan.schedule,
             micro_batch_size=batch_size // m,
             optimizer=optimizer,
-            device_type=device_type,
-            staging=job is not None and job.checkpoint_dir is not None,
-            recompute=recomputed.layer_modes() if recomputed is not None else None,
+            device_type=placement[1],
+            staging=job.checkpoint_dir is not None,
+            recompute=meta["recompute_layers"],
             precision=precision,
             D=D,
         )
+    backend, device_type, indices = placement
     return RunSpec(
         model=model,
         loss_fn=loss_fn,
@@ -373,14 +353,14 @@ def make_spec(
         backend=backend,
         device_type=device_type,
         devices=indices,
-        threads_per_rank=max(1, available_cores() // world) if device_type == "cpu" else None,
+        threads_per_rank=max(1, available_cores() // (plan.P * D)) if device_type == "cpu" else None,
         boundaries=shapes.boundaries,
         state_keys=tuple(model.state_dict().keys()),
-        instrument=instrument,
-        profiler_trace=profiler_trace,
+        instrument=launch.instrument,
+        profiler_trace=meta["profiler_trace"],
         seed=seed,
-        timeout_s=timeout_s,
-        job=job if job is not None else JobOptions(),
+        timeout_s=launch.timeout_s,
+        job=job,
         meta=meta,
         traced=shapes.traced,
         manual=shapes.manual,
@@ -393,15 +373,32 @@ def make_spec(
     )
 
 
-def _check_timeout(timeout_s: float) -> float:
-    timeout_s = check_time("timeout_s", timeout_s, allow_zero=False)
-    if timeout_s > MAX_TIMEOUT_S:
-        raise ValueError(
-            f"timeout_s={timeout_s:g} is more than the {MAX_TIMEOUT_S:g} s (about 31 years) the workers' process "
-            f"groups and stores can wait (a longer timeout overflows torch's clock); give timeout_s <= "
-            f"{MAX_TIMEOUT_S:g}"
-        )
-    return timeout_s
+def _placement(plan: StagePlan, D: int, m: int, launch: Launch) -> tuple[str, str, tuple[int, ...] | None]:
+    """Where the ``P * D`` ranks run: ``(backend, device type, CUDA indices or None)``, after checking the process
+    count and the schedule's rules for P, m and v."""
+    _check_nprocs(launch.nprocs, plan.P, D)
+    _check_schedule(plan, m, D)
+    what = f"P*D={plan.P}*{D}" if D > 1 else None
+    return resolve_devices(plan.P * D, launch.backend, launch.devices, what=what)
+
+
+def _model_meta(
+    model: nn.Module, recompute: Any, recomputed: RecomputePlan | None, precision: str | None
+) -> dict[str, Any]:
+    """What the result and the checkpoints report about the model: recomputation asked for and per layer, precision,
+    tied-weight aliases and the Hugging Face config and class (``None`` for other models)."""
+    return {
+        "recompute": (
+            recompute
+            if not isinstance(recompute, dict)
+            else {int(k): v if isinstance(v, str) else list(v) for k, v in recompute.items()}
+        ),
+        "recompute_layers": recomputed.layer_modes() if recomputed is not None else None,
+        "precision": precision,
+        "aliases": alias_map(model),
+        "hf_config": hf_config(model),
+        "hf_class": hf_class(model),
+    }
 
 
 def _check_nprocs(nprocs: int | None, P: int, D: int) -> None:

@@ -1,7 +1,5 @@
 """Report sections that can be built alone (the whole report is built by tests/faces/test_cli.py)."""
 
-import time
-
 import pandas as pd
 import pytest
 
@@ -9,11 +7,10 @@ from pipeswift_lab.faces.report import SECTIONS, build_report
 from pipeswift_lab.faces.report.cluster import section_cluster
 
 
-def test_cluster_section_is_in_the_report_and_fast(tmp_path):
+def test_cluster_section_is_in_the_report(tmp_path):
     assert section_cluster in SECTIONS
-    start = time.perf_counter()
+    # a few seconds on a quiet machine (a speed is not asserted here: a loaded machine moves it)
     result = build_report(tmp_path / "rep", sections=[section_cluster], quick=True, progress=False)
-    assert time.perf_counter() - start < 30  # a few seconds on a quiet machine; generous for a shared one
     page = result.path.read_text()
     assert "Philly trace" in page and "Jeon et al." in page and "data:image/png;base64," in page
     table = pd.read_csv(tmp_path / "rep" / "cluster_policies.csv")

@@ -138,7 +138,7 @@ def test_explorers_use_a_calibration():
         steps=100,
         schedules=["1F1B"],
         calibration=cal,
-        quantile=0.95,
+        objective="p95",
     )
     assert planner.plan.inputs["calibration"] is cal and "total_s_p95" in planner.plan.table.columns
 

@@ -60,15 +60,17 @@ def test_failure_monte_carlo_at_a_given_interval_and_the_asynchronous_stall():
 
 
 def test_bad_quantile_arguments():
-    assert check_quantile(None, "mean") == (None, "total_s")
-    assert check_quantile(None, "p95") == (0.95, "total_s_p95")
+    assert check_quantile("mean") == (None, "total_s")
+    assert check_quantile("p95") == (0.95, "total_s_p95")
+    assert check_quantile("p99.5") == (0.995, "total_s_p99.5")
     assert quantile_column(0.995) == "total_s_p99.5"
-    with pytest.raises(ValueError, match="quantile=1.5 is invalid"):
-        check_quantile(1.5, "mean")
     with pytest.raises(ValueError, match="objective='fastest' is not known; valid values are \\['mean', 'p50'"):
-        check_quantile(None, "fastest")
-    with pytest.raises(ValueError, match="objective='p95' ranks by the 0.95 quantile but quantile=0.9"):
-        check_quantile(0.9, "p95")
+        check_quantile("fastest")
+    with pytest.raises(ValueError, match="objective='p100' is not known"):
+        check_quantile("p100")
+    prof = psl.Profile.synthetic(fwd_ms=[1.0] * 4, bwd_ms=[2.0] * 4, meta={"batch_size": 1})
+    with pytest.raises(TypeError, match=r'quantile= is now objective="p95"'):
+        psl.plan(prof, 4, 8, 10, quantile=0.95)
 
 
 def test_p95_ranking_differs_from_the_mean_ranking():
@@ -90,8 +92,11 @@ def test_p95_ranking_differs_from_the_mean_ranking():
         step_cv=0.3,
         progress=False,
     )
-    by_mean = psl.plan(prof, quantile=0.95, **kwargs)
     by_p95 = psl.plan(prof, objective="p95", **kwargs)
+    by_mean = by_p95.ranked_by("total_s")
+    assert by_mean.feasible["ranked_by"].eq("total_s").all() and by_mean.feasible["rank"].tolist() == list(
+        range(1, len(by_mean.feasible) + 1)
+    )
     assert (
         "total_s_p95" in by_mean.table.columns
         and by_mean.table.columns.get_loc("total_s_p95") == by_mean.table.columns.get_loc("total_s") + 1

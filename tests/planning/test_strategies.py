@@ -54,14 +54,14 @@ def test_a_short_job_that_ends_before_the_drop_keeps_its_gpus():
 
 def test_an_expensive_move_makes_shrinking_lose():
     costly = AssemblyModel(base_s=50_000.0, per_stage_s=0.0)
-    result = plan(model_profile(), steps=2_000_000, availability=[(0, 8), (3600, 4)], assembly=costly, **KW)
+    result = plan(model_profile(), steps=2_000_000, availability=[(0, 8), (3600, 4)], costs=costly, **KW)
     assert result.best.strategy != "shrink"
 
 
 def test_measured_moves_feed_the_shrink_rows():
     slow_disk = CheckpointModel(write_GBps=0.01, read_GBps=0.01, teardown_s=1.0)
     fast = plan(model_profile(), steps=2_000_000, availability=[(0, 8), (3600, 4)], **KW)
-    slow = plan(model_profile(), steps=2_000_000, availability=[(0, 8), (3600, 4)], checkpoint=slow_disk, **KW)
+    slow = plan(model_profile(), steps=2_000_000, availability=[(0, 8), (3600, 4)], costs=slow_disk, **KW)
 
     def shrink_assembly_s(result):
         return result.strategy_rows("shrink")["assembly_s"].min()

@@ -2,7 +2,9 @@
 
 Timing logic is checked with layers that sleep a known time in forward and (through a
 custom autograd Function) in backward; sleeps never return early, so lower bounds are
-exact and upper bounds allow for scheduling noise on a shared machine.
+exact. A loaded machine wakes a sleep arbitrarily late, so there is no upper bound on a
+unit's time but the one attribution itself makes: a unit that is not charged with another
+unit's (or the glue's) sleep measures less than that sleep.
 """
 
 import time
@@ -19,8 +21,6 @@ from pipeswift_lab.profiling.table import COLUMNS, Profile
 from pipeswift_lab.profiling.units import select_units
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
-
-SLACK_MS = 25.0  # scheduler noise allowed above a sleep (this machine is shared; sleeps wake up late)
 
 
 class Residual(nn.Module):
@@ -43,8 +43,8 @@ class Residual(nn.Module):
         return self.head(x) * scale
 
 
-def within(measured, expected_ms):
-    return expected_ms - 0.5 <= measured <= expected_ms + SLACK_MS
+def at_least(measured, sleep_ms):
+    return measured >= sleep_ms - 0.5
 
 
 @pytest.fixture(scope="module")
@@ -67,13 +67,14 @@ def test_sequential_sleeps_are_attributed_to_their_layers(sleepy_profile):
     assert sleepy_profile.layer_names == ("0", "1") and sleepy_profile.n_layers == 2
     assert list(df["type"]) == ["Sleep", "Sleep"] and list(df["calls"]) == [1, 1]
     for got, want in zip(df["fwd_ms"], (40, 5)):
-        assert within(got, want), (got, want)
+        assert at_least(got, want), (got, want)
     for got, want in zip(df["bwd_ms"], (10, 50)):
-        assert within(got, want), (got, want)
+        assert at_least(got, want), (got, want)
+    assert df["fwd_ms"].iloc[1] < 40 and df["bwd_ms"].iloc[0] < 50  # neither is charged with the other's long sleep
     assert np.allclose(df["total_ms"], df["fwd_ms"] + df["bwd_ms"])
     assert sleepy_profile.total_ms == pytest.approx(df["total_ms"].sum())
-    assert 0.7 < sleepy_profile.coverage <= 1.1
-    assert 0 <= sleepy_profile.cv < 0.5
+    assert 0 < sleepy_profile.coverage <= 1.1  # the layers lie inside the step (how much of it: the glue's, the load's)
+    assert sleepy_profile.cv >= 0 and sleepy_profile.step_ms >= 105 - 0.5  # every sleep is in the step
     assert len(sleepy_profile.step_samples_ms) == 3
     assert sleepy_profile.meta["repeats"] == 3 and sleepy_profile.meta["warmup"] == 1
     assert sleepy_profile.meta["batch_shape"] == [4, 8] and sleepy_profile.meta["batch_size"] == 4
@@ -98,12 +99,12 @@ def test_residual_modulelist_tied_kwargs_inplace_model():
     # rows in execution order; the in-place ReLU runs after each block
     assert prof.layer_names == ("embed", "blocks.0", "act", "blocks.1", "head")
     assert df.loc["act", "calls"] == 2 and df.loc["blocks.0", "calls"] == 1
-    assert within(df.loc["blocks.0", "fwd_ms"], 40) and within(df.loc["blocks.1", "fwd_ms"], 0)
-    assert within(df.loc["blocks.0", "bwd_ms"], 0) and within(df.loc["blocks.1", "bwd_ms"], 50)
+    assert at_least(df.loc["blocks.0", "fwd_ms"], 40) and df.loc["blocks.1", "fwd_ms"] < 40
+    assert df.loc["blocks.0", "bwd_ms"] < 50 and at_least(df.loc["blocks.1", "bwd_ms"], 50)
     # the tied weight's gradient accumulation runs after the embedding's backward: it must not stretch
     # the head's window over the blocks' backward (50 ms)
     for name in ("head", "embed", "act"):
-        assert df.loc[name, "bwd_ms"] < SLACK_MS and df.loc[name, "fwd_ms"] < SLACK_MS
+        assert df.loc[name, "bwd_ms"] < 50 and df.loc[name, "fwd_ms"] < 40
     # tied weight counted in both units (each pipeline stage holds a copy); meta counts it once
     assert df.loc["head", "params"] == 80 and df.loc["embed", "params"] == 80
     assert prof.meta["model_params"] == 80 + 2 * 72
@@ -129,9 +130,9 @@ def test_glue_between_units_is_not_attributed_to_them():
             return self.b(x)
 
     prof = profile(Glued(), torch.randn(4, 8), layers=["a", "b"], repeats=3, warmup=1, progress=False)
-    assert (prof.df["fwd_ms"] < SLACK_MS).all() and (prof.df["bwd_ms"] < SLACK_MS).all()
+    assert (prof.df["fwd_ms"] < 40).all() and (prof.df["bwd_ms"] < 50).all()  # neither glue sleep is charged
     assert prof.step_ms > 90 - 0.5
-    assert prof.coverage < 0.4
+    assert prof.coverage < 1  # the glue is in the step and in no unit
 
 
 def test_shared_block_called_twice_adds_its_calls():
@@ -147,7 +148,7 @@ def test_shared_block_called_twice_adds_its_calls():
     prof = profile(Twice(), torch.randn(2, 8), layers=["block", "out"], repeats=3, warmup=1, progress=False)
     row = prof.df.set_index("name").loc["block"]
     assert row["calls"] == 2
-    assert within(row["fwd_ms"], 40) and within(row["bwd_ms"], 30)
+    assert at_least(row["fwd_ms"], 40) and at_least(row["bwd_ms"], 30)  # both calls' sleeps
 
 
 def test_units_are_ordered_by_execution_not_registration():
@@ -325,8 +326,9 @@ def test_profile_step_attributes_a_custom_step():
     assert len(runs) == 5 and not torch.equal(model[1].weight, before)  # it really trains
     assert prof.meta["source"] == "step" and prof.meta["batch_shape"] == [4, 8]
     first = prof.df.iloc[0]
-    assert within(first["fwd_ms"], 20) and within(first["bwd_ms"], 20)
-    assert 0.3 < prof.coverage < 0.6  # about 40 ms of 80
+    assert at_least(first["fwd_ms"], 20) and at_least(first["bwd_ms"], 20)
+    assert first["fwd_ms"] < 40 and first["bwd_ms"] < 40  # the step's own 40 ms sleep, outside the model, is not
+    assert prof.step_ms >= 80 - 0.5 and 0 < prof.coverage < 1  # it is in the step (about 40 ms of 80 in the units)
 
 
 # -- the model comes back untouched -------------------------------------------------------------

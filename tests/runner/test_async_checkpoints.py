@@ -14,6 +14,7 @@ import torch
 from checkpoint_pacing import AwaitSaves
 from torch import nn
 
+from pipeswift_lab import Checkpointing
 from pipeswift_lab.partitioning.stages import Partition
 from pipeswift_lab.profiling.table import Profile
 from pipeswift_lab.runner import RunError, latest_checkpoint, load_checkpoint, run, slow_disk, write_fault
@@ -65,7 +66,7 @@ def reference():
 
 def test_a_save_due_while_one_is_written_is_skipped_and_the_final_one_waits(tmp_path, reference):
     with slow_disk(0.6):  # each write outlasts several ~10 ms steps
-        result = go(checkpoint_dir=tmp_path, checkpoint_every=1, keep=10)
+        result = go(checkpoint=Checkpointing(tmp_path, every=1, keep=10))
     assert bitwise(result.state_dict(), reference.state_dict())  # staging a copy changes nothing
     table = result.checkpoints
     committed, skipped = table[table["status"] == "committed"], table[table["status"] == "skipped"]
@@ -75,7 +76,9 @@ def test_a_save_due_while_one_is_written_is_skipped_and_the_final_one_waits(tmp_
     assert final["kind"] == "final" and final["step"] == 8 and final["mode"] == "waited"
     assert final["blocking_ms"] >= 600  # it waited for its own slow write (and the one before it)
     background = committed[committed["mode"] == "async"]
-    assert (background["blocking_ms"] < 300).all() and (background["save_ms"] >= 600).all()
+    # the step loop waited only for the copy (the stall is the staging, whatever a busy core makes of it), the write
+    # (slowed to 0.6 s) went on behind it
+    assert (background["blocking_ms"] == background["staging_ms"]).all() and (background["save_ms"] >= 600).all()
     on_disk = sorted(int(p.name[5:]) for p in tmp_path.glob("step-*"))
     assert on_disk == sorted(committed["step"])  # every committed save and only those; no .tmp- left
     assert not list(tmp_path.glob(".tmp-*"))
@@ -85,7 +88,7 @@ def test_a_save_due_while_one_is_written_is_skipped_and_the_final_one_waits(tmp_
 
 
 def test_synchronous_saves_wait_for_every_write(tmp_path):
-    result = go(checkpoint_dir=tmp_path, checkpoint_every=2, checkpoint_async=False)
+    result = go(checkpoint=Checkpointing(tmp_path, every=2, asynchronous=False))
     table = result.checkpoints
     assert list(table["mode"]) == ["sync"] * 4 and list(table["status"]) == ["committed"] * 4
     assert (table["blocking_ms"] == table["save_ms"]).all() and (table["save_ms"] >= table["write_ms"]).all()
@@ -93,18 +96,18 @@ def test_synchronous_saves_wait_for_every_write(tmp_path):
 
 def test_a_preemption_during_a_background_write_waits_for_it_then_saves_its_own_step(tmp_path, reference):
     with slow_disk(0.8):
-        result = go(data=sigterm_rank0_at_4, checkpoint_dir=tmp_path, checkpoint_every=3, keep=5)
+        result = go(data=sigterm_rank0_at_4, checkpoint=Checkpointing(tmp_path, every=3, keep=5))
     assert result.status == "preempted"
     table = result.checkpoints
     assert list(table["step"]) == [3, 5] and list(table["kind"]) == ["periodic", "preempt"]
     assert list(table["status"]) == ["committed", "committed"]  # the write in flight completed, then the stop saved
     assert latest_checkpoint(tmp_path).step == 5
-    resumed = go(resume_from=tmp_path, checkpoint_dir=tmp_path)
+    resumed = go(resume_from=tmp_path, checkpoint=tmp_path)
     assert resumed.first_step == 5 and bitwise(resumed.state_dict(), reference.state_dict())
 
 
 def test_a_same_partition_restore_reads_its_own_file_and_another_goes_through_dcp(tmp_path, reference):
-    go(checkpoint_dir=tmp_path, steps=4)
+    go(checkpoint=tmp_path, steps=4)
     same = go(resume_from=tmp_path)
     assert same.meta["restore_read"] == "direct" and same.meta["rng_restored"]
     assert bitwise(same.state_dict(), reference.state_dict())
@@ -117,7 +120,7 @@ def test_a_background_write_that_fails_is_named_with_its_step_and_path_and_the_l
     with write_fault(step=4, rank=1, error="ENOSPC"), pytest.raises(RunError) as info:
         # save 2 has ended before save 4 falls due, and rank 1's failed write before step 5; the steps left after
         # save 4 keep it from being skipped for the end being nearer than a (starved) background write
-        go(data=AwaitSaves(batch, tmp_path, every=2), checkpoint_dir=tmp_path, checkpoint_every=2, steps=60)
+        go(data=AwaitSaves(batch, tmp_path, every=2), checkpoint=Checkpointing(tmp_path, every=2), steps=60)
     err, message = info.value, str(info.value)
     assert err.rank == 1 and err.step in (4, 5)  # noticed at the step loop's next check
     assert "No space left on device" in message and "checkpoint of step 4" in message
@@ -126,5 +129,5 @@ def test_a_background_write_that_fails_is_named_with_its_step_and_path_and_the_l
 
 
 def test_checkpoint_async_must_be_a_bool(tmp_path):
-    with pytest.raises(TypeError, match="checkpoint_async must be True or False"):
-        go(checkpoint_dir=tmp_path, checkpoint_every=2, checkpoint_async="yes")
+    with pytest.raises(TypeError, match="Checkpointing.asynchronous must be True or False"):
+        go(checkpoint=Checkpointing(tmp_path, every=2, asynchronous="yes"))

@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from tiny_transformers import opt
 from torch import nn
 
+from pipeswift_lab import Launch
 from pipeswift_lab.partitioning.balance import partition
 from pipeswift_lab.profiling.measure import profile
 from pipeswift_lab.runner import run
@@ -56,7 +57,9 @@ def assert_trains_under_zbv_like_one_process(model, x, y, m=4, steps=2):
     prof = profile(model, x[:2], target=y[:2], loss_fn=F.mse_loss, warmup=1, repeats=1, progress=False)
     part = partition(prof, P=2, v=2, schedule="ZBVZeroBubble")
     sgd = lambda ps: torch.optim.SGD(ps, lr=0.1)  # noqa: E731
-    result = run(model, (x, y), F.mse_loss, part, m, steps=steps, optimizer=sgd, progress=False, timeout_s=240)
+    result = run(
+        model, (x, y), F.mse_loss, part, m, steps=steps, optimizer=sgd, progress=False, launch=Launch(timeout_s=240)
+    )
     ref = copy.deepcopy(model)
     opt_ = sgd(list(ref.parameters()))
     for _ in range(steps):

@@ -34,6 +34,7 @@ from tiny_transformers import (
 from tiny_transformers import tokens as batch
 from torch import nn
 
+from pipeswift_lab import Launch
 from pipeswift_lab.partitioning.balance import partition
 from pipeswift_lab.partitioning.stages import Partition
 from pipeswift_lab.profiling.measure import profile
@@ -74,7 +75,7 @@ def test_a_hf_model_trains_like_one_process(family, build, P, schedule):
     assert model.config.use_cache  # the config's default: the runner turns it off for the trace and the run only
     x, y = batch()
     part = auto_partition(model, x, y, P, schedule)
-    result = run(model, (x, y), lm_loss, part, M, steps=3, optimizer=adam, progress=False, timeout_s=240)
+    result = run(model, (x, y), lm_loss, part, M, steps=3, optimizer=adam, progress=False, launch=Launch(timeout_s=240))
     assert model.config.use_cache
     assert_equal_training(result, single_process(model, x, y, 3))
     fresh = build()
@@ -125,7 +126,7 @@ def test_opt_vit_bert_and_a_wrapped_t5_train_like_one_process(family):
     model = build()
     x, y = make_batch()
     part = auto_partition(model, x, y, 2, schedule, loss_fn=loss_fn)
-    result = run(model, (x, y), loss_fn, part, M, steps=3, optimizer=adam, progress=False, timeout_s=240)
+    result = run(model, (x, y), loss_fn, part, M, steps=3, optimizer=adam, progress=False, launch=Launch(timeout_s=240))
     assert list(result.state_dict()) == list(model.state_dict())
     assert_equal_training(result, single_process(model, x, y, 3, loss_fn=loss_fn), atol=1e-4)
     if family == "bert":  # the alias comes back as the one tensor it is
@@ -157,8 +158,8 @@ def test_tied_gpt2_resumes_onto_another_partition_and_stores_the_tied_tensor_onc
     model = gpt2(**NO_DROPOUT_GPT2)
     x, y = batch()
     two, three = auto_partition(model, x, y, 2, "1F1B"), auto_partition(model, x, y, 3, "1F1B")
-    kw = dict(optimizer=adam, progress=False, timeout_s=240)
-    run(model, (x, y), lm_loss, two, M, steps=2, checkpoint_dir=tmp_path / "ck", **kw)
+    kw = dict(optimizer=adam, progress=False, launch=Launch(timeout_s=240))
+    run(model, (x, y), lm_loss, two, M, steps=2, checkpoint=tmp_path / "ck", **kw)
     from pipeswift_lab.runner.checkpoint import latest_checkpoint
 
     saved = latest_checkpoint(tmp_path / "ck")
@@ -174,7 +175,9 @@ def test_a_hf_model_with_two_replicas_trains_like_one_process_on_the_global_batc
     model = gpt2(**NO_DROPOUT_GPT2)
     x, y = batch(16)
     part = auto_partition(model, x, y, 2, "1F1B")
-    result = run(model, (x, y), lm_loss, part, M, steps=2, D=2, optimizer=adam, progress=False, timeout_s=240)
+    result = run(
+        model, (x, y), lm_loss, part, M, steps=2, D=2, optimizer=adam, progress=False, launch=Launch(timeout_s=240)
+    )
     ref = copy.deepcopy(model)  # one process on the global batch: each replica's m micro-batches, averaged
     opt = adam(list(ref.parameters()))
     for _ in range(2):
@@ -193,7 +196,7 @@ def test_gpt2_with_dropout_on_trains():
     x, y = batch()
     part = auto_partition(model, x, y, 2, "1F1B")
     opt = lambda params: torch.optim.Adam(params, lr=1e-2)  # noqa: E731
-    result = run(model, (x, y), lm_loss, part, M, steps=4, optimizer=opt, progress=False, timeout_s=240)
+    result = run(model, (x, y), lm_loss, part, M, steps=4, optimizer=opt, progress=False, launch=Launch(timeout_s=240))
     assert result.losses[-1] < result.losses[0]
 
 
@@ -245,7 +248,7 @@ def test_the_tracer_refuses_a_data_dependent_model_and_offers_the_manual_path():
 def test_the_manual_path_trains_a_model_the_tracer_cannot_capture_like_one_process():
     model = DataDependentLM()
     x, y = batch()
-    kw = dict(optimizer=adam, progress=False, timeout_s=240, split="manual")
+    kw = dict(optimizer=adam, progress=False, launch=Launch(timeout_s=240), split="manual")
     result = run(model, (x, y), dict_loss, data_dependent_partition(), M, steps=3, **kw)
     assert_equal_training(result, single_process(model, x, y, 3, loss_fn=dict_loss))
     assert result.tied_weights["names"].tolist() == [("embed.weight", "head.weight")]

@@ -9,6 +9,7 @@ import torch
 from sleep_layers import SleepLayer
 from torch import nn
 
+from pipeswift_lab import Launch
 from pipeswift_lab.partitioning.stages import Partition
 from pipeswift_lab.profiling.table import Profile
 from pipeswift_lab.runner import run
@@ -46,8 +47,7 @@ def test_a_local_run_listens_on_loopback_only(start_method):
             2,
             steps=4,
             progress=False,
-            timeout_s=120,
-            start_method=start_method,
+            launch=Launch(timeout_s=120, start_method=start_method),
         )
     finally:
         stop.set()

@@ -182,7 +182,7 @@ def test_weights_from_dcp_and_from_a_toolkit_checkpoint_resume_on_another_p(tmp_
         optimizer=sgd,
         progress=False,
         weights=tmp_path / "dcp",
-        checkpoint_dir=tmp_path / "ck",
+        checkpoint=tmp_path / "ck",
     )
     assert first.losses == want.losses[:2]
     frozen = run(
@@ -230,7 +230,7 @@ def test_a_meta_llama_resumed_on_another_p_trains_as_the_uninterrupted_run(tmp_p
     two, three = hf_partition(llama(), x, y, P=2), hf_partition(llama(), x, y, P=3)
     kwargs = dict(optimizer=adam, progress=False)
     whole = run(meta, (x, y), lm_loss, two, M, steps=4, **kwargs)
-    run(meta, (x, y), lm_loss, two, M, steps=2, checkpoint_dir=tmp_path, **kwargs)
+    run(meta, (x, y), lm_loss, two, M, steps=2, checkpoint=tmp_path, **kwargs)
     resumed = run(meta, (x, y), lm_loss, three, M, steps=4, resume_from=tmp_path, **kwargs)
     assert resumed.losses == pytest.approx(whole.losses[2:], rel=1e-5)
     assert worst(resumed, whole.state_dict()) <= 1e-5
@@ -275,7 +275,7 @@ def test_a_meta_model_with_replicas_recomputation_and_bf16_trains_as_the_eager_o
 
 def test_a_meta_model_resizes_through_its_checkpoints(tmp_path):
     """resize_at builds the new stages from the structure and the checkpoint: the job ends as the eager one does."""
-    options = dict(steps=6, optimizer=sgd, resize_at={3: 3}, profile=PROFILE6)
+    options = dict(steps=6, optimizer=sgd, elastic=psl.Elastic(resize_at={3: 3}, profile=PROFILE6))
     want, got = eager_and_meta(tmp_path, psl.partition(PROFILE6, 2, m=M), **options)
     assert list(got.segments["P"]) == [2, 3]
     assert got.losses == want.losses

@@ -15,6 +15,7 @@ from model_zoo import FAMILIES, MOE, STORED_PER_EXPERT, build, model_class
 from tiny_transformers import M, lm_loss, single_process, tokens
 from torch import nn
 
+from pipeswift_lab import Launch
 from pipeswift_lab.partitioning.stages import Partition
 from pipeswift_lab.profiling.table import Profile
 from pipeswift_lab.profiling.units import auto_units
@@ -58,7 +59,7 @@ def test_a_family_trains_eager_and_from_its_checkpoint_on_meta_as_from_pretraine
     x, y = tokens()
     want = single_process(reference, x, y, 3, optimizer=sgd)
     part = halves(model)
-    kw = dict(steps=3, optimizer=sgd, progress=False, timeout_s=240)
+    kw = dict(steps=3, optimizer=sgd, progress=False, launch=Launch(timeout_s=240))
     eager = run(model, (x, y), lm_loss, part, M, **kw)
     assert worst(eager.state_dict(), want) <= 1e-5
     meta = run(build(family, "meta"), (x, y), lm_loss, part, M, weights=tmp_path / "hf", **kw)

@@ -1,4 +1,5 @@
-"""The spec written by ``save_spec=`` runs as two torchrun "nodes" on this machine and trains like the local run.
+"""The spec written by ``Launch(save_spec=...)`` runs as two torchrun "nodes" on this machine and trains like the
+local run.
 
 Two ``torchrun`` agents, one per node, meet through the static rendezvous (``--nnodes 2
 --node-rank 0|1 --master-addr 127.0.0.1 --master-port PORT``) or through c10d
@@ -23,6 +24,7 @@ from test_torchrun import (
 )  # a layer of the test suite: the saved spec carries it by value
 from torch import nn
 
+from pipeswift_lab import Launch
 from pipeswift_lab.partitioning.stages import Partition
 from pipeswift_lab.profiling.table import Profile
 from pipeswift_lab.runner import load_result, load_spec, run
@@ -41,7 +43,15 @@ def local_run(tmp_path, D):
     )
     spec_path = tmp_path / "job.pkl"
     result = run(
-        model, batch, nn.functional.mse_loss, part, 2, steps=2, progress=False, save_spec=spec_path, timeout_s=120, D=D
+        model,
+        batch,
+        nn.functional.mse_loss,
+        part,
+        2,
+        steps=2,
+        progress=False,
+        launch=Launch(timeout_s=120, save_spec=spec_path),
+        D=D,
     )
     return result, spec_path
 

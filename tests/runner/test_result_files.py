@@ -68,9 +68,8 @@ def saved(tmp_path_factory):
         4,
         steps=6,
         progress=False,
-        timeout_s=180,
-        checkpoint_dir=root / "ck",
-        checkpoint_every=2,
+        checkpoint=psl.Checkpointing(root / "ck", every=2),
+        launch=psl.Launch(timeout_s=180),
     )
     return result, result.save(root / "saved")
 

@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from pipeswift_lab import Checkpointing, Launch
 from pipeswift_lab.models import reference
 from pipeswift_lab.partitioning.balance import partition
 from pipeswift_lab.profiling.measure import profile
@@ -148,7 +149,14 @@ def test_an_uninstrumented_run_measures_nothing(gpt_profile):
     setup = reference("gpt", batch_size=MICRO * 2, **GPT)
     part = partition(gpt_profile, 2, m=2)
     result = run(
-        setup.model, (setup.inputs, setup.targets), setup.loss_fn, part, 2, steps=2, instrument=False, progress=False
+        setup.model,
+        (setup.inputs, setup.targets),
+        setup.loss_fn,
+        part,
+        2,
+        steps=2,
+        launch=Launch(instrument=False),
+        progress=False,
     )
     assert result.memory.empty
 
@@ -184,8 +192,7 @@ def test_a_run_with_checkpoints_holds_one_staged_copy_of_its_training_state(gpt_
         steps=2,
         optimizer=adam,
         progress=False,
-        checkpoint_dir=tmp_path,
-        checkpoint_every=1,
+        checkpoint=Checkpointing(tmp_path, every=1),
     )
     assert_predicted_within_tolerance(saving)
     memory = saving.memory.set_index("rank")

@@ -99,4 +99,4 @@ def test_a_bad_precision_and_zero1_with_checkpoints_are_refused(tmp_path):
         make_spec(model, (x, y), F.mse_loss, partition(prof, 2), M, precision="fp16")
     with pytest.raises(ValueError, match="bf16-mixed-zero1' cannot be combined with checkpoint_dir"):
         run(model, (x, y), F.mse_loss, partition(prof, 2), M, steps=2, precision="bf16-mixed-zero1",
-            checkpoint_dir=tmp_path, progress=False)  # fmt: skip
+            checkpoint=tmp_path, progress=False)  # fmt: skip

@@ -8,7 +8,9 @@ from torch import nn
 
 from pipeswift_lab.core.recompute import SAVED_OPS, plan_recompute
 from pipeswift_lab.partitioning.balance import partition
+from pipeswift_lab.partitioning.stages import Partition
 from pipeswift_lab.profiling.measure import profile
+from pipeswift_lab.profiling.table import Profile
 from pipeswift_lab.runner import make_spec, run
 
 
@@ -39,6 +41,9 @@ def batch():
 
 
 STAGES = (("0", "1"), ("2", "3"))
+#: The partitions' layers (named as the model's blocks) and costs: what a partition needs here, without profiling the
+#: model for it (the runs measure their own times and memory; the profiler's recompute columns are tested below)
+LAYERS = Profile.synthetic(fwd_ms=[1.0] * 4, bwd_ms=[2.0] * 4, name=["0", "1", "2", "3"])
 
 
 def test_the_choices_name_the_layers_of_each_stage():
@@ -64,22 +69,25 @@ def test_the_choices_name_the_layers_of_each_stage():
 )
 def test_a_bad_choice_is_refused_before_launch(bad, error, message):
     x, y = batch()
-    net = model()
-    prof = profile(net, x[:2], target=y[:2], loss_fn=F.mse_loss, warmup=0, repeats=1, progress=False)
     with pytest.raises(error, match=message):
-        make_spec(net, (x, y), F.mse_loss, partition(prof, 2), 4, recompute=bad)
+        make_spec(model(), (x, y), F.mse_loss, partition(LAYERS, 2), 4, recompute=bad)
+
+
+#: The runs of :func:`trained`, one per (schedule, recompute): a run is deterministic, so tests share it
+_TRAINED = {}
 
 
 def trained(schedule, recompute):
-    x, y = batch()
-    net = model()
-    prof = profile(net, x[:2], target=y[:2], loss_fn=F.mse_loss, warmup=1, repeats=1, progress=False)
-    v = 2 if schedule in ("Interleaved1F1B", "ZBVZeroBubble") else 1
-    part = partition(prof, 2, v=v, schedule=schedule)
-    part = type(part).from_bounds(prof, ((0, 1), (1, 2), (2, 3), (3, 4)) if v == 2 else ((0, 2), (2, 4)), v=v,
-                                  schedule=schedule, m=4)  # fmt: skip
-    adam = lambda ps: torch.optim.Adam(ps, lr=1e-2)  # noqa: E731
-    return run(net, (x, y), F.mse_loss, part, 4, steps=3, optimizer=adam, progress=False, recompute=recompute)
+    key = (schedule, repr(recompute))
+    if key not in _TRAINED:
+        x, y = batch()
+        v = 2 if schedule in ("Interleaved1F1B", "ZBVZeroBubble") else 1
+        part = Partition.from_bounds(LAYERS, ((0, 1), (1, 2), (2, 3), (3, 4)) if v == 2 else ((0, 2), (2, 4)), v=v,
+                                     schedule=schedule, m=4)  # fmt: skip
+        adam = lambda ps: torch.optim.Adam(ps, lr=1e-2)  # noqa: E731
+        _TRAINED[key] = run(model(), (x, y), F.mse_loss, part, 4, steps=3, optimizer=adam, progress=False,
+                            recompute=recompute)  # fmt: skip
+    return _TRAINED[key]
 
 
 @pytest.mark.processes

@@ -13,6 +13,7 @@ import pytest
 import torch
 from torch import nn
 
+from pipeswift_lab import Launch
 from pipeswift_lab.core.schedule_orders import compute_orders
 from pipeswift_lab.partitioning.balance import partition
 from pipeswift_lab.partitioning.stages import Partition
@@ -105,7 +106,7 @@ def test_every_schedule_at_p2_trains_like_one_process_in_the_predicted_order(sch
         return torch.optim.SGD(params, lr=LR, momentum=0.9)
 
     part = uniform_partition(4, P, v, schedule)
-    result = run(model, batch, loss_fn, part, m, steps=steps, optimizer=optimizer, timeout_s=120)
+    result = run(model, batch, loss_fn, part, m, steps=steps, optimizer=optimizer, launch=Launch(timeout_s=120))
 
     want_state, want_losses = reference_training(model, lambda step: batch, loss_fn, m, steps, optimizer)
     assert isinstance(result, RunResult)
@@ -144,7 +145,9 @@ def test_every_schedule_at_p4_trains_like_one_process(schedule):
     model = make_model(n_layers)
     batch = make_batch(1)
     part = uniform_partition(n_layers, P, v, schedule, m=m)
-    result = run(model, batch, nn.functional.mse_loss, part, m, steps=steps, progress=False, timeout_s=120)
+    result = run(
+        model, batch, nn.functional.mse_loss, part, m, steps=steps, progress=False, launch=Launch(timeout_s=120)
+    )
     want_state, want_losses = reference_training(
         model, lambda s: batch, nn.functional.mse_loss, m, steps, lambda p: torch.optim.SGD(p, lr=0.01)
     )
@@ -199,9 +202,8 @@ def optimizer(params):
             steps=steps,
             optimizer=module.optimizer,
             progress=False,
-            instrument=False,
+            launch=Launch(timeout_s=120, instrument=False),
             seed=7,
-            timeout_s=120,
         )
     finally:
         del sys.modules[module.__name__]
@@ -225,7 +227,9 @@ def test_an_iterable_of_batches_gives_one_batch_per_step():
     part = Partition.from_bounds(
         Profile.synthetic(fwd_ms=[1.0, 1.0], bwd_ms=[1.0, 1.0]), [(0, 1), (1, 2)], schedule="GPipe"
     )
-    result = run(model, iter(batches), nn.functional.mse_loss, part, 2, steps=3, progress=False, timeout_s=120)
+    result = run(
+        model, iter(batches), nn.functional.mse_loss, part, 2, steps=3, progress=False, launch=Launch(timeout_s=120)
+    )
     want_state, want_losses = reference_training(
         model, lambda s: batches[s], nn.functional.mse_loss, 2, 3, lambda p: torch.optim.SGD(p, lr=0.01)
     )

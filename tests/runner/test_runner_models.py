@@ -9,7 +9,7 @@ import copy
 import pytest
 import torch
 
-from pipeswift_lab import models
+from pipeswift_lab import Launch, models
 from pipeswift_lab.partitioning.balance import partition
 from pipeswift_lab.partitioning.stages import Partition
 from pipeswift_lab.profiling.table import Profile
@@ -74,7 +74,7 @@ def test_every_reference_model_runs_every_schedule_at_p2(name, schedule):
         steps=steps,
         optimizer=optimizer,
         progress=False,
-        timeout_s=120,
+        launch=Launch(timeout_s=120),
     )
     assert_close(result.state_dict(), reference_state(setup, m, steps))
 
@@ -95,6 +95,6 @@ def test_vit_splits_that_send_a_transposed_view(bounds):
         steps=2,
         optimizer=optimizer,
         progress=False,
-        timeout_s=120,
+        launch=Launch(timeout_s=120),
     )
     assert_close(result.state_dict(), reference_state(setup, 2, 2))

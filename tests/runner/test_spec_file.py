@@ -52,7 +52,9 @@ def test_the_weights_are_written_once_beside_the_spec_and_move_with_its_folder(s
     spec, _ = saved
     path = tmp_path / "a" / "job.pkl"
     path.parent.mkdir()
-    beside = spec.with_weights_beside(path)  # as run(save_spec=...) does before it launches the same spec
+    beside = spec.with_weights_beside(
+        path
+    )  # as run(launch=Launch(save_spec=...)) does before it launches the same spec
     written = path.with_suffix(".safetensors").stat().st_mtime_ns
     assert beside.with_weights_beside(path) is beside
     beside.save(path)

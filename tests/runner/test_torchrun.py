@@ -1,7 +1,7 @@
 """The same run from a spec file: ``torchrun ... -m pipeswift_lab.runner SPEC`` and cold ``subprocess`` workers.
 
 Both start fresh interpreters (torch imported on every rank), so this module takes longer than
-the others: one torchrun job and one ``start_method="subprocess"`` run.
+the others: one torchrun job and one ``Launch(start_method="subprocess")`` run.
 """
 
 import os
@@ -15,6 +15,7 @@ import torch
 from pandas.testing import assert_frame_equal
 from torch import nn
 
+from pipeswift_lab import Launch
 from pipeswift_lab.partitioning.stages import Partition
 from pipeswift_lab.profiling.table import Profile
 from pipeswift_lab.runner import load_result, load_spec, run
@@ -57,7 +58,14 @@ def notebook_run(tmp_path_factory):
     model, batch, part = setup()
     spec_path = tmp_path_factory.mktemp("spec") / "job.pkl"
     result = run(
-        model, batch, nn.functional.mse_loss, part, 4, steps=2, progress=False, save_spec=spec_path, timeout_s=120
+        model,
+        batch,
+        nn.functional.mse_loss,
+        part,
+        4,
+        steps=2,
+        progress=False,
+        launch=Launch(timeout_s=120, save_spec=spec_path),
     )
     return result, spec_path
 
@@ -111,7 +119,14 @@ def test_cold_subprocess_workers_give_the_same_run(notebook_run):
     result, _ = notebook_run
     model, batch, part = setup()
     cold = run(
-        model, batch, nn.functional.mse_loss, part, 4, steps=2, progress=False, start_method="subprocess", timeout_s=120
+        model,
+        batch,
+        nn.functional.mse_loss,
+        part,
+        4,
+        steps=2,
+        progress=False,
+        launch=Launch(timeout_s=120, start_method="subprocess"),
     )
     assert_close_states(cold.state_dict(), result.state_dict())
     assert cold.losses == pytest.approx(result.losses, rel=1e-6)

@@ -90,7 +90,15 @@ def test_profile_partition_run_compare_on_a_modulelist_model():
     part = partition(prof, 2, schedule="1F1B", m=4)
     assert part.layer_names[1][0].startswith("blocks.")
     result = run(
-        model, (x, y), nn.functional.mse_loss, part, 4, steps=2, optimizer=optimizer, progress=False, timeout_s=120
+        model,
+        (x, y),
+        nn.functional.mse_loss,
+        part,
+        4,
+        steps=2,
+        optimizer=optimizer,
+        progress=False,
+        launch=psl.Launch(timeout_s=120),
     )
     state = result.state_dict()
     assert list(state) == list(model.state_dict())
@@ -112,7 +120,15 @@ def test_traced_stages_run_under_every_kind_of_schedule(schedule):
     bounds = [(0, 2), (2, 3), (3, 4), (4, 6)] if v == 2 else [(0, 3), (3, 6)]
     part = Partition.from_bounds(prof, bounds, v=v, schedule=schedule, m=4)
     result = run(
-        model, (x, y), nn.functional.mse_loss, part, 4, steps=2, optimizer=optimizer, progress=False, timeout_s=120
+        model,
+        (x, y),
+        nn.functional.mse_loss,
+        part,
+        4,
+        steps=2,
+        optimizer=optimizer,
+        progress=False,
+        launch=psl.Launch(timeout_s=120),
     )
     assert_close(result.state_dict(), reference(model, x, y, 4, 2))
 
@@ -133,8 +149,8 @@ def test_a_traced_run_checkpoints_and_resumes_under_the_original_names(tmp_path)
         steps=1,
         optimizer=optimizer,
         progress=False,
-        timeout_s=120,
-        checkpoint_dir=tmp_path / "ck",
+        checkpoint=tmp_path / "ck",
+        launch=psl.Launch(timeout_s=120),
     )
     assert first.checkpoint is not None
     part3 = partition(prof, 2, schedule="GPipe", m=4, method="uniform")
@@ -147,7 +163,7 @@ def test_a_traced_run_checkpoints_and_resumes_under_the_original_names(tmp_path)
         steps=2,
         optimizer=optimizer,
         progress=False,
-        timeout_s=120,
+        launch=psl.Launch(timeout_s=120),
         resume_from=tmp_path / "ck",
     )
     assert_close(second.state_dict(), reference(model, x, y, 4, 2))
@@ -236,7 +252,7 @@ def test_a_traced_split_after_a_transposed_view_sends_it_contiguous():
         steps=2,
         optimizer=optimizer,
         progress=False,
-        timeout_s=120,
+        launch=psl.Launch(timeout_s=120),
     )
     ref = copy.deepcopy(model)
     opt = optimizer(list(ref.parameters()))
@@ -258,7 +274,16 @@ def test_traced_stages_with_two_replicas_train_like_one_process_on_the_global_ba
     bounds = [(0, 2), (2, 3), (3, 4), (4, 6)] if v == 2 else [(0, 3), (3, 6)]
     part = Partition.from_bounds(prof, bounds, v=v, schedule=schedule, m=2)
     result = run(
-        model, (x, y), nn.functional.mse_loss, part, 2, steps=2, optimizer=optimizer, progress=False, timeout_s=120, D=2
+        model,
+        (x, y),
+        nn.functional.mse_loss,
+        part,
+        2,
+        steps=2,
+        optimizer=optimizer,
+        progress=False,
+        launch=psl.Launch(timeout_s=120),
+        D=2,
     )
     assert list(result.state_dict()) == list(model.state_dict())
     assert_close(result.state_dict(), reference(model, x, y, 4, 2))  # 2 replicas x 2 micro-batches of the global batch

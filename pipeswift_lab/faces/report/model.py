@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, Any
 import pandas as pd
 
 from ...core import analytic
+from ...core.costs import AssemblyModel
 from ...core.display import noise_warning
 from ...core.jct import JCT
 from ...core.vocabulary import SINGLE_CHUNK_SCHEDULES, default_v
@@ -272,7 +273,7 @@ def section_plan(ctx: ReportContext) -> Section:
         global_batch,
         steps,
         availability=availability,
-        assembly=calibration,
+        costs=AssemblyModel.calibrate(calibration) if calibration else None,
         mem_per_gpu_bytes=cap,
         progress=False,
     )

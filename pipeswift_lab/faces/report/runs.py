@@ -12,6 +12,7 @@ import pandas as pd
 
 from ...core.display import noise_warning
 from ...core.jct import JCT
+from ...runner.options import Checkpointing, Elastic
 from .base import ReportContext, Section, measure_setup, reference_profile, reference_setup
 
 if TYPE_CHECKING:
@@ -308,8 +309,7 @@ def _preempt_resume_restart(
             setup.loss_fn,
             part,
             m,
-            checkpoint_dir=root,
-            checkpoint_every=max(1, steps // 4),
+            checkpoint=Checkpointing(root, every=max(1, steps // 4)),
             steps=steps,
             progress=False,
         )
@@ -320,7 +320,7 @@ def _preempt_resume_restart(
             part,
             m,
             resume_from=root,
-            checkpoint_dir=root / "resumed",
+            checkpoint=root / "resumed",
             steps=steps,
             progress=False,
         )
@@ -379,17 +379,16 @@ def section_elastic(ctx: ReportContext) -> Section:
         m,
         steps=steps,
         progress=False,
-        resize_at={third: 4, 2 * third: 2},
-        profile=prof,
+        elastic=Elastic(resize_at={third: 4, 2 * third: 2}, profile=prof),
     )
     seg = result.segments
     costs = _reconfiguration_costs(seg)
     changes = " and ".join(f"{c:.3g} s" for c in costs["reconfiguration_s"])
     intro = (
         f"<p>One job of {steps} steps that starts on 2 CPU ranks, moves to 4 at step {third} and back to 2 at step "
-        f"{2 * third} (<code>run(resize_at=...)</code>): at each change every rank checkpoints, the workers stop, the "
-        "model is re-partitioned for the new P from the profile and new workers restore by name. Each change cost "
-        f"{changes} (save, teardown, new workers, restore), against a first start of "
+        f"{2 * third} (<code>run(elastic=Elastic(resize_at=...))</code>): at each change every rank checkpoints, the "
+        "workers stop, the model is re-partitioned for the new P from the profile and new workers restore by name. "
+        f"Each change cost {changes} (save, teardown, new workers, restore), against a first start of "
         f"{seg['assembly_s'].iloc[0]:.3g} s; the job's JCT counts them as cleanup and assembly, as they happened. "
         "On this 2-core machine 4 ranks share the cores, so their steps are no faster: the section shows the "
         "mechanics and their cost, not a speed-up.</p>"

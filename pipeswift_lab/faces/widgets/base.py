@@ -23,6 +23,18 @@ class Explorer:
 
     widget: Any
 
+    def _show(self, rows: list[Any]) -> None:
+        """Lay out ``rows`` (controls and output areas) one under another as the ``widget``; then draw the first
+        state."""
+        import ipywidgets as w
+
+        self.widget = w.VBox(rows)
+        self._update()
+
+    def _update(self) -> None:
+        """Recompute from the controls' values and redraw (each explorer's own)."""
+        raise NotImplementedError
+
     @staticmethod
     def _redraw(output: Any, draw: Callable[[], object]) -> None:
         """Clear ``output`` and show what ``draw()`` plots (and displays) there."""

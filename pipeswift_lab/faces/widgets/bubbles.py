@@ -43,12 +43,9 @@ class BubbleExplorer(Explorer):
         self._figure = w.Output()
         for control in (self._P, self._m, self._schedule, self._v):
             control.observe(self._on_change, names="value")
-        self.widget = w.VBox(
-            [w.HBox([self._P, self._m]), w.HBox([self._schedule, self._v]), self._numbers, self._figure]
-        )
         self.result: dict[str, Any] = {}
         self._sync_v()
-        self._update()
+        self._show([w.HBox([self._P, self._m]), w.HBox([self._schedule, self._v]), self._numbers, self._figure])
 
     # Readable state: what the sliders say now.
     P = value_property("_P", "The number of ranks (pipeline stages) the slider shows.")

@@ -76,14 +76,11 @@ class PipelineExplorer(Explorer):
         self._figure = w.Output()
         self._syncing = self._keep_note = False
         self._observe()
-        self.widget = w.VBox(
-            [w.HBox([self._P, self._m]), w.HBox([self._schedule, self._method]), self._numbers, self._figure]
-        )
         self.partition: Partition | None = None
         self.timeline: Timeline | None = None
         self.result: dict[str, Any] = {}
         self.error: str | None = None
-        self._update()
+        self._show([w.HBox([self._P, self._m]), w.HBox([self._schedule, self._method]), self._numbers, self._figure])
 
     P = value_property("_P", "The number of ranks (pipeline stages) the slider shows.")
     schedule = value_property("_schedule", "The schedule chosen in the dropdown.")

@@ -69,12 +69,9 @@ class PlannerExplorer(Explorer):
         self._gpus.observe(self._on_gpus, names="value")
         for control in (self._batch, self._steps, self._availability):
             control.observe(self._on_change, names="value")
-        self.widget = w.VBox(
-            [w.HBox([self._gpus, self._batch, self._steps]), self._availability, self._summary, self._output]
-        )
         self.plan: Plan | None = None
         self.error: str | None = None
-        self._update()
+        self._show([w.HBox([self._gpus, self._batch, self._steps]), self._availability, self._summary, self._output])
 
     gpus = value_property("_gpus", "The GPUs of the cluster, as the control shows.")
     global_batch = value_property("_batch", "The global batch (samples per step), as the control shows.")
@@ -164,7 +161,7 @@ def planner_explorer(
     availability change.
 
     ``plan_kwargs`` go to :func:`~pipeswift_lab.planning.planner.plan`, e.g. ``calibration=cal``,
-    ``quantile=0.95`` or ``objective="p95"``.
+    ``objective="p95"``.
     """
     return PlannerExplorer(
         profile, gpus=gpus, global_batch=global_batch, steps=steps, availability=availability, **plan_kwargs

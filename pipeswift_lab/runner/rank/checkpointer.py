@@ -1,5 +1,5 @@
 """One rank's side of the run's checkpoints: :class:`Checkpointer` stages and hands over saves (all ranks), commits
-(rank 0, in the background) and decides when to save at ``checkpoint_every="auto"``.
+(rank 0, in the background) and decides when to save at ``Checkpointing(every="auto")``.
 
 A save stalls the step loop only for a copy of the rank's state into a staging buffer allocated once (pinned on
 CUDA; :mod:`~pipeswift_lab.runner.checkpoint_files`); the file, its fsync, its checksum and the commit run in a
@@ -7,7 +7,7 @@ background thread (:mod:`.background_writer`). At most one save is in flight: a 
 falls due while the last one is still being written is skipped, on every rank alike (the ranks agree on it in the
 step's all-reduce), and logged with ``status="skipped"``; so is one due when the steps left take less time than a
 background write (the final save would only wait for it). Final, preemption and rebalance saves are never skipped:
-they wait for the write in flight, and then for their own. ``checkpoint_async=False`` waits for every save.
+they wait for the write in flight, and then for their own. ``Checkpointing(asynchronous=False)`` waits for every save.
 
 The automatic interval is Young/Daly's √(2·C·MTBF) (Young, CACM 1974; Daly, FGCS 2006) from the *measured* stall C
 and step time, and never shorter than a background write (a save due sooner would be skipped). Rank 0 logs every
@@ -27,15 +27,13 @@ import torch
 
 from .. import checkpoint as ckpt
 from ..checkpoint_files import Stager
-from ..result import CHECKPOINT_COLUMNS as CHECKPOINT_FIELDS
+from ..run_files import CHECKPOINT_COLUMNS, CHECKPOINTS_LOG
 from ..stages.tied import alias_map
 from .background_writer import RankWriter, SaveJob
 from .inputs import RankInputs
 from .state_files import rank_flat_state, same_state
 
-__all__ = ["Checkpointer", "CHECKPOINTS_LOG", "broadcast", "gather", "append_line"]
-
-CHECKPOINTS_LOG = "checkpoints.log"
+__all__ = ["Checkpointer", "broadcast", "gather", "append_line"]
 
 
 def broadcast(obj: Any, group: Any) -> Any:
@@ -142,17 +140,18 @@ class Checkpointer:
         return left_s < statistics.median(self.writer.write_s)
 
     def periodic_due(self, done: int) -> bool:
-        """Whether ``checkpoint_every=N`` asks for a save after ``done`` steps (the final save is separate)."""
+        """Whether ``Checkpointing(every=N)`` asks for a save after ``done`` steps (the final save is separate)."""
         every = self.job.checkpoint_every
         return self.enabled and isinstance(every, int) and done % every == 0 and done < self.spec.steps
 
     def interval_steps(self) -> int | None:
-        """Steps between saves at ``"auto"``: τ = √(2·C·MTBF) over the median step, and at least the steps a
-        background write takes (None before the first save)."""
+        """Steps between saves at ``"auto"``: τ = √(2·C·MTBF) over the median step, MTBF the job's (one GPU's over
+        the world size), and at least the steps a background write takes (None before the first save)."""
         if self.job.checkpoint_every != "auto" or not self.save_s or not self.step_s or self.job.mtbf_s is None:
             return None
         step_s = statistics.median(self.step_s)
-        tau_s = math.sqrt(2.0 * statistics.median(self.save_s) * self.job.mtbf_s)
+        job_mtbf_s = self.job.mtbf_s / self.spec.world_size
+        tau_s = math.sqrt(2.0 * statistics.median(self.save_s) * job_mtbf_s)
         writes = math.ceil(statistics.median(self.writer.write_s) / step_s) if self.writer.write_s else 1
         return max(1, round(tau_s / step_s), writes)
 
@@ -174,14 +173,14 @@ class Checkpointer:
     def skip(self, step: int, kind: str) -> None:
         """Rank 0 logs a save due after ``step`` steps that was skipped (:meth:`holding`)."""
         if self.rank == 0:
-            record = dict.fromkeys(CHECKPOINT_FIELDS)
+            record = dict.fromkeys(CHECKPOINT_COLUMNS)
             record.update(step=step, kind=kind, status="skipped", attempt=self.attempt, blocking_ms=0.0)
             record.update(mode="async", interval_steps=self.interval_steps())
             append_line(self.inputs.out_dir / CHECKPOINTS_LOG, json.dumps(record))
 
     def save(self, step: int, kind: str, wait: bool = False, at_exit: bool = False) -> None:
         """Stage this rank's state for ``step`` steps done and hand it to the writer; with ``wait`` (or
-        ``checkpoint_async=False``) return only when it is written (on rank 0: committed). ``at_exit`` (the final
+        ``asynchronous=False``) return only when it is written (on rank 0: committed). ``at_exit`` (the final
         save): written in the background at full priority while the results are gathered, and waited for by
         :meth:`close` before the worker exits (logged as waited)."""
         if self.root is None:
