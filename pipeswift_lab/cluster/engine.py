@@ -26,16 +26,15 @@ from __future__ import annotations
 import heapq
 import math
 from bisect import bisect_left, insort
-from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Hashable, Sequence
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
 if TYPE_CHECKING:
-    from .policies import Policy
     from .scaling import ScalingModel
 
-__all__ = ["CAPACITY", "DEMOTE", "FINISH", "Cluster", "ClusterJob"]
+__all__ = ["CAPACITY", "DEMOTE", "FINISH", "Cluster", "ClusterJob", "PolicyHooks"]
 
 #: Event kinds, in the order they are handled at one instant: GPUs freed first, then
 #: capacity changes, then priority changes, then arrivals (read from the sorted jobs).
@@ -119,6 +118,40 @@ class ClusterJob:
         return self.state == "running" and self.seg_start + self.seg_A + self.seg_L <= t < self.seg_end - self.seg_C
 
 
+class PolicyHooks(Protocol):
+    """What the cluster's event loop (here and in :mod:`.simulator`) calls on its policy.
+
+    :class:`~pipeswift_lab.cluster.policies.Policy` has every hook; the engine names only this shape, so that it
+    does not import the policies that drive it.
+    """
+
+    name: str
+
+    def queue_key(self, job: ClusterJob) -> Hashable:
+        """Sort key of a queued job (smaller first)."""
+        ...
+
+    def smallest(self, job: ClusterJob) -> int:
+        """The fewest GPUs ``job`` can run on."""
+        ...
+
+    def on_start(self, cluster: Cluster, job: ClusterJob, t: float) -> None:
+        """Called after every segment start."""
+        ...
+
+    def on_event(self, cluster: Cluster, job: ClusterJob, kind: int, t: float) -> None:
+        """Called for the events the policy scheduled itself."""
+        ...
+
+    def schedule(self, cluster: Cluster, t: float) -> None:
+        """One scheduling pass over the queue and the running jobs."""
+        ...
+
+    def victims(self, cluster: Cluster, deficit: int, t: float) -> list[ClusterJob]:
+        """Running jobs to preempt when the capacity drops ``deficit`` GPUs below those in use."""
+        ...
+
+
 class Cluster:
     """GPUs, queue, running jobs and the event heap; policies act through its methods.
 
@@ -131,7 +164,7 @@ class Cluster:
         jobs: Sequence[ClusterJob],
         capacity: Sequence[tuple[float, int]],
         interval_s: float | None,
-        policy: Policy,
+        policy: PolicyHooks,
         *,
         seed: int = 0,
     ) -> None:

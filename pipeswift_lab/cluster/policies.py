@@ -29,12 +29,24 @@ they end before then or fit in the GPUs it will not need.
 
 from __future__ import annotations
 
-from collections.abc import Hashable
+from collections.abc import Hashable, Iterable
 
 from ..core.checks import check_time
 from .engine import DEMOTE, Cluster, ClusterJob
 
 __all__ = ["Elastic", "Policy", "Preemptive", "Static"]
+
+
+def _enough(order: Iterable[ClusterJob], need: int) -> tuple[list[ClusterJob], int]:
+    """``(jobs, gpus)``: the first jobs of ``order`` whose GPUs add up to ``need`` (all of them when they fall short),
+    and the GPUs they hold."""
+    chosen, freed = [], 0
+    for job in order:
+        if freed >= need:
+            break
+        chosen.append(job)
+        freed += job.n
+    return chosen, freed
 
 
 class Policy:
@@ -82,13 +94,7 @@ class Policy:
         """Running jobs to preempt when the capacity drops ``deficit`` GPUs below those in use, in
         :meth:`victim_key` order until enough GPUs are free."""
         order = sorted(cluster.running.values(), key=lambda j: self.victim_key(j, t))
-        chosen, freed = [], 0
-        for job in order:
-            if freed >= deficit:
-                break
-            chosen.append(job)
-            freed += job.n
-        return chosen
+        return _enough(order, deficit)[0]
 
     def schedule(self, cluster: Cluster, t: float) -> None:
         """One scheduling pass: admit queued jobs in order with EASY backfilling, then :meth:`rebalance`."""
@@ -174,12 +180,7 @@ class Preemptive(Policy):
             (j for j in cluster.running.values() if j.priority < job.priority),
             key=lambda j: (j.priority, -j.seg_start, -j.idx),
         )
-        chosen, freed = [], 0
-        for victim in lower:
-            if freed >= need:
-                break
-            chosen.append(victim)
-            freed += victim.n
+        chosen, freed = _enough(lower, need)
         if freed < need:
             return False
         for victim in chosen:

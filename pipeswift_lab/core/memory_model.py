@@ -40,7 +40,7 @@ ICLR 2024, for the I/W split).
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 __all__ = [
     "MEMORY_TERMS",
@@ -171,73 +171,162 @@ def rank_peak(
     """
     if sends not in SEND_WAITS:
         raise ValueError(f"sends={sends!r} is not one of {list(SEND_WAITS)}")
-    weights = sum(s.weights for s in stages.values())
-    state = sum(s.optimizer for s in stages.values())
-    buffers = m * sum(s.recv + s.grad_recv + s.batch for s in stages.values()) + sum(s.buckets for s in stages.values())
-    held: dict[tuple[int, int], float] = {}
-    graded: set[int] = set()
-    again: dict[tuple[int, int], float] = {}  # recomputed activations an I holds until its W
-    retained = 0.0  # what the step's backwards leave until it ends: the loss tensors' retained, the outputs sent
-    sent_grads = 0.0  # the input gradients sent and not yet waited on
-    last_sent: dict[int, float] = {}  # with sends="next": each stage's last gradient sent
-    best: dict[str, float | str] = {"peak_bytes": -1.0}
+    replay = _Replay.start(stages, m, sends)
+    for kind, s, mb in order:
+        if kind == "F":
+            replay.forward(s, mb)
+        else:
+            replay.note_before_backward()
+            replay.backward(kind, s, mb)
+    replay.end_step()
+    replay.optimizer_step(optimizer)
+    return replay.result()
 
-    def consider(where: str, transient: float) -> None:
-        terms = {
-            "weights_bytes": weights,
-            "grads_bytes": sum(stages[s].grads for s in graded),
-            "optimizer_bytes": state,
-            "activations_bytes": sum(held.values()) + sum(again.values()) + retained,
-            "buffers_bytes": buffers + sent_grads,
+
+class _Peak:
+    """The most a rank has held over the moments offered so far: each term there, their total and where."""
+
+    def __init__(self) -> None:
+        self.best: dict[str, float | str] = {"peak_bytes": -1.0}
+
+    def offer(self, where: str, terms: dict[str, float]) -> None:
+        """Keep the moment ``where`` if the total of its ``terms`` is above the most so far (so the earliest of tied
+        moments stays)."""
+        total = sum(terms.values())
+        if total > float(self.best["peak_bytes"]):
+            self.best = {**terms, "peak_bytes": total, "peak_at": where}
+
+    def moment(self, terms: dict[str, float]) -> dict[str, float]:
+        """``terms`` as floats, as a peak taken over their moment alone keeps them: where their total is not above
+        -1 (negative or NaN bytes), the terms of the peak so far instead (none before a moment has been kept)."""
+        kept = terms if sum(terms.values()) > -1.0 else self.best
+        return {k: float(v) for k, v in kept.items() if k.endswith("_bytes") and k != "peak_bytes"}
+
+
+@dataclass(kw_only=True)
+class _Replay:
+    """One rank's memory as :func:`rank_peak` replays its actions: what it holds for the whole step, what comes and
+    goes with the actions, and the most it has held so far."""
+
+    stages: Mapping[int, StageBytes]
+    sends: str
+    """When the schedule waits on its sends (:data:`SEND_WAITS`)."""
+    weights: float
+    state: float
+    """The stages' optimizer state."""
+    buffers: float
+    """The step's receive buffers and batch, and the run's gradient buckets."""
+    held: dict[tuple[int, int], float] = field(default_factory=dict)
+    """The activations a forward of ``(stage, micro-batch)`` keeps until its backward."""
+    graded: set[int] = field(default_factory=set)
+    """The stages whose ``.grad`` tensors exist: their first ``B`` or ``W`` of the step has run."""
+    again: dict[tuple[int, int], float] = field(default_factory=dict)
+    """What an ``I`` of ``(stage, micro-batch)`` holds until its ``W`` (recomputed activations, the gradients ``W``
+    starts from)."""
+    retained: float = 0.0
+    """What the step's backwards leave until it ends: the loss tensors' retained, the outputs sent."""
+    sent_grads: float = 0.0
+    """The input gradients sent and not yet waited on."""
+    last_sent: dict[int, float] = field(default_factory=dict)
+    """With ``sends="next"``: each stage's last input gradient sent."""
+    peak: _Peak = field(default_factory=_Peak)
+    before_backward: dict[str, float] = field(default_factory=dict)
+    """Each term as it stood when the rank's first backward started."""
+
+    @classmethod
+    def start(cls, stages: Mapping[int, StageBytes], m: int, sends: str) -> _Replay:
+        """The rank before its first action of a step of ``m`` micro-batches. Returns a :class:`_Replay`."""
+        return cls(
+            stages=stages,
+            sends=sends,
+            weights=sum(s.weights for s in stages.values()),
+            state=sum(s.optimizer for s in stages.values()),
+            buffers=m * sum(s.recv + s.grad_recv + s.batch for s in stages.values())
+            + sum(s.buckets for s in stages.values()),
+        )
+
+    def terms(self, transient: float) -> dict[str, float]:
+        """Each of :data:`MEMORY_TERMS` as ``{term}_bytes``, as the rank holds them now, with ``transient``."""
+        return {
+            "weights_bytes": self.weights,
+            "grads_bytes": sum(self.stages[s].grads for s in self.graded),
+            "optimizer_bytes": self.state,
+            "activations_bytes": sum(self.held.values()) + sum(self.again.values()) + self.retained,
+            "buffers_bytes": self.buffers + self.sent_grads,
             "transient_bytes": transient,
         }
-        total = sum(terms.values())
-        if total > float(best["peak_bytes"]):
-            best.clear()
-            best.update(terms, peak_bytes=total, peak_at=where)
 
-    before_backward: dict[str, float] = {}
-    for kind, s, mb in order:
-        stage = stages[s]
-        where = f"{kind} stage {s} mb {mb}"
-        if kind != "F" and not before_backward:  # what the rank holds as its first backward starts
-            saved = dict(best)
-            best["peak_bytes"] = -1.0
-            consider("before backward", 0.0)
-            before_backward = {k: float(v) for k, v in best.items() if k.endswith("_bytes") and k != "peak_bytes"}
-            best.clear()
-            best.update(saved)
-        if kind == "F":
-            held[(s, mb)] = stage.activations
-            consider(where, 0.0)
-            continue
+    def consider(self, where: str, transient: float) -> None:
+        """Offer the moment ``where``, with its ``transient``, as the peak."""
+        self.peak.offer(where, self.terms(transient))
+
+    def forward(self, s: int, mb: int) -> None:
+        """Replay a forward of micro-batch ``mb`` on stage ``s``: it keeps its activations."""
+        self.held[(s, mb)] = self.stages[s].activations
+        self.consider(f"F stage {s} mb {mb}", 0.0)
+
+    def note_before_backward(self) -> None:
+        """Keep each term as it stands at the first backward, before it runs (a moment without a backward's frees and
+        transients); later calls keep the first."""
+        if not self.before_backward:
+            self.before_backward = self.peak.moment(self.terms(0.0))
+
+    def backward(self, kind: str, s: int, mb: int) -> None:
+        """Replay a ``B``, ``I`` or ``W`` of micro-batch ``mb`` on stage ``s``: the moment it runs, then what it frees
+        and what it leaves behind."""
+        stage = self.stages[s]
         if kind == "W":  # what its I kept is what its transient computes the weight gradients from
-            again.pop((s, mb), None)
-        first = kind in ("B", "W") and s not in graded
-        if first and stage.first_transient >= 0:  # its .grad tensors grow during this backward: in first_transient
-            consider(where, stage.first_transient)
-        else:
-            if first:
-                graded.add(s)
-            consider(where, stage.transient)
-        if first:
-            graded.add(s)
+            self.again.pop((s, mb), None)
+        self._run_backward(kind, s, mb)
         if kind in ("B", "I"):
-            retained += stage.retained
-            if sends == "next":  # the last gradient sent lives until the stage's next send
-                last_sent[s] = stage.sent_grad
-                sent_grads = sum(last_sent.values())
-            else:
-                sent_grads += stage.sent_grad
+            self._send_input_grad(s)
         if kind == "I" and stage.weight_pass_held:
-            again[(s, mb)] = stage.weight_pass_held
+            self.again[(s, mb)] = stage.weight_pass_held
         if kind in ("B", "W"):
-            held.pop((s, mb), None)
-            again.pop((s, mb), None)
-            retained += stage.sent_output if sends == "step" else 0.0
-    graded.update(stages)
-    retained = sent_grads = 0.0  # the schedule's step has returned: its sends are waited on, its losses dropped
-    largest = max((s.largest_param for s in stages.values()), default=0.0)
-    consider("optimizer step", optimizer.transient(largest, weights))
-    best.update({f"{k.removesuffix('_bytes')}_before_backward_bytes": v for k, v in before_backward.items()})
-    return best
+            self._free(s, mb)
+
+    def _run_backward(self, kind: str, s: int, mb: int) -> None:
+        """Offer the moment a backward runs, with its transient. A stage's first ``B`` or ``W`` of the step makes its
+        ``.grad`` tensors: they count in ``grads`` from its start, or in its ``first_transient`` while they grow where
+        the stage gives one (not negative)."""
+        stage = self.stages[s]
+        first = kind in ("B", "W") and s not in self.graded
+        growing = first and stage.first_transient >= 0
+        if first and not growing:
+            self.graded.add(s)
+        self.consider(f"{kind} stage {s} mb {mb}", stage.first_transient if growing else stage.transient)
+        if first:
+            self.graded.add(s)
+
+    def _send_input_grad(self, s: int) -> None:
+        """After a ``B`` or ``I``: keep what the loss retains until the step ends, and the input gradient sent until
+        torch waits on it."""
+        stage = self.stages[s]
+        self.retained += stage.retained
+        if self.sends == "next":  # the last gradient sent lives until the stage's next send
+            self.last_sent[s] = stage.sent_grad
+            self.sent_grads = sum(self.last_sent.values())
+        else:
+            self.sent_grads += stage.sent_grad
+
+    def _free(self, s: int, mb: int) -> None:
+        """After a ``B`` or ``W``: drop the micro-batch's activations (its output sent stays until the step ends where
+        torch waits on sends then)."""
+        self.held.pop((s, mb), None)
+        self.again.pop((s, mb), None)
+        self.retained += self.stages[s].sent_output if self.sends == "step" else 0.0
+
+    def end_step(self) -> None:
+        """The schedule's step has returned: its sends are waited on, its losses dropped, every stage has ``.grad``."""
+        self.graded.update(self.stages)
+        self.retained = self.sent_grads = 0.0
+
+    def optimizer_step(self, optimizer: OptimizerMemory) -> None:
+        """Offer the optimizer's step, with its temporaries, as the peak."""
+        largest = max((s.largest_param for s in self.stages.values()), default=0.0)
+        self.consider("optimizer step", optimizer.transient(largest, self.weights))
+
+    def result(self) -> dict[str, float | str]:
+        """What :func:`rank_peak` returns: the peak, its terms and moment, then each term before the first backward."""
+        before = {f"{k.removesuffix('_bytes')}_before_backward_bytes": v for k, v in self.before_backward.items()}
+        return {**self.peak.best, **before}

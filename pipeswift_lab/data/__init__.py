@@ -19,19 +19,15 @@ wheel as well as from a source checkout.
 
 from __future__ import annotations
 
-from importlib import resources
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import pandas as pd
 
 from ..core.checks import check_int
+from .files import PHILLY_FILE, data_path
+from .spot import SPOT_ATTRIBUTION, SPOT_FILE, SPOT_REQUESTED, SPOT_SHA256, spot_instances
 
-if TYPE_CHECKING:  # importlib.resources.abc is 3.11+; the annotation only
-    from importlib.resources.abc import Traversable
-
-#: File name of the trace inside this package.
-PHILLY_FILE: str = "philly_jobs.csv"
 #: The attribution any shipped copy of the trace must keep.
 PHILLY_ATTRIBUTION: str = (
     "Philly trace: Jeon et al., 'Analysis of Large-Scale Multi-Tenant GPU Clusters for DNN Training Workloads', "
@@ -41,17 +37,6 @@ PHILLY_ATTRIBUTION: str = (
 )
 #: sha256 of the shipped CSV, as stated in the README next to it.
 PHILLY_SHA256: str = "ebffb3dd1589bdf4e7bcd74496201c5ded1d557d498ee14f560463f37ec353da"
-
-
-def data_path(name: str = PHILLY_FILE) -> Traversable:
-    """The :mod:`importlib.resources` Traversable of a shipped data file (``philly_jobs.csv``, ``README.md``)."""
-    path = resources.files(__name__).joinpath(name)
-    if not path.is_file():
-        available = sorted(
-            p.name for p in resources.files(__name__).iterdir() if p.is_file() and not p.name.endswith((".py", ".pyc"))
-        )
-        raise FileNotFoundError(f"{name!r} is not shipped in {__name__}; available: {available}")
-    return path
 
 
 def _read_raw() -> pd.DataFrame:
@@ -124,8 +109,6 @@ def _sample(df: pd.DataFrame, n: int, seed: int) -> pd.DataFrame:
     keep = np.sort(rng.choice(len(df), size=n, replace=False))
     return df.iloc[keep].reset_index(drop=True)
 
-
-from .spot import SPOT_ATTRIBUTION, SPOT_FILE, SPOT_REQUESTED, SPOT_SHA256, spot_instances  # noqa: E402
 
 __all__ = [
     "PHILLY_ATTRIBUTION",

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import pandas as pd
 
-from . import data_path
+from .files import data_path
 
 #: File name of the spot trace inside this package.
 SPOT_FILE: str = "aws_spot_p2_xlarge.csv"

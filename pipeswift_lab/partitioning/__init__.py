@@ -8,8 +8,8 @@ schedule keeps in flight counted per stage::
     part.bottleneck_ms   # the slowest stage; part.bottleneck_rank_ms the busiest rank (its v stages summed)
 
 Modules: :mod:`.balance` (:func:`partition`), :mod:`.stages` (the :class:`Partition` type), :mod:`.layers` (the
-per-layer arrays and the split by method), :mod:`.memory` (memory per stage and the cap), :mod:`.bottleneck` (the
-exact min-max contiguous split).
+split by method), :mod:`.layer_arrays` (the per-layer arrays, :class:`~.layer_arrays.Layers`), :mod:`.memory` (memory
+per stage and the cap), :mod:`.bottleneck` (the exact min-max contiguous split).
 """
 
 from __future__ import annotations

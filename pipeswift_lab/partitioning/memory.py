@@ -10,7 +10,7 @@ constraint of the exact bottleneck solver (:class:`~pipeswift_lab.partitioning.b
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, cast
 
 import numpy as np
@@ -22,7 +22,7 @@ from ..core.vocabulary import check_schedule_v, stage_to_rank
 from ..core.vocabulary import validate as validate_schedule
 
 if TYPE_CHECKING:
-    from .layers import Layers
+    from .layer_arrays import Layers
 
 __all__ = [
     "CAP_RETRIES",
@@ -89,16 +89,7 @@ class Layout:
 
     def with_P(self, P: int) -> Layout:
         """The same pipeline with ``P`` ranks (the smallest-P search of the memory error)."""
-        return Layout(
-            P=P,
-            v=self.v,
-            schedule=self.schedule,
-            mem_schedule=self.mem_schedule,
-            m=self.m,
-            optimizer=self.optimizer,
-            precision=self.precision,
-            D=self.D,
-        )
+        return replace(self, P=P)
 
 
 def resolve_placement(P: int, v: int, schedule: str | None) -> tuple[str | None, int, str]:

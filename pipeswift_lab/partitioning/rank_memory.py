@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -75,69 +76,151 @@ def stage_bytes(
     """The :class:`~pipeswift_lab.core.memory_model.StageBytes` of each stage of ``bounds``, with what scales with
     the micro-batch multiplied by ``scale`` (the run's micro-batch size over the profiled one). Returns a list in
     stage order."""
-    weights, grads, state = _state_per_layer(layers, precision, optimizer, D)
-    act = layers.activation_bytes if layers.activation_bytes is not None else np.zeros(layers.n)
-    out_b = layers.output_bytes if layers.output_bytes is not None else np.zeros(layers.n)
+    per_layer = _LayerBytes.of(layers, scale=scale, precision=precision, optimizer=optimizer, D=D)
+    measured_cuts = _measured_column(layers, "cut_bytes") is not None
+    return [_stage(per_layer, layers, a, b, measured_cuts) for a, b in bounds]
+
+
+@dataclass(frozen=True, kw_only=True)
+class _LayerBytes:
+    """Per layer, the bytes a stage's are sums and maxima of, and the loss's and the batch's from the profile's meta
+    (what :func:`stage_bytes` and :class:`SplitBytes` read alike)."""
+
+    scale: float
+    """The run's micro-batch size over the profiled one."""
+    weights: np.ndarray
+    grads: np.ndarray
+    state: np.ndarray
+    """Optimizer state, master weights included."""
+    act: np.ndarray
+    """Saved activations of a profiled micro-batch (not scaled)."""
+    out: np.ndarray
+    """Output of a profiled micro-batch (not scaled)."""
+    largest: np.ndarray
+    """The largest parameter tensor."""
+    activation_transient: np.ndarray
+    """What a backward of one micro-batch allocates beyond its weight gradient (scaled)."""
+    layer_transient: np.ndarray
+    """All a backward of one micro-batch allocates (what scales with the micro-batch scaled)."""
+    weight_pass: np.ndarray
+    """What an ``I`` pass holds until its ``W`` (:func:`_weight_pass_held`, not scaled)."""
+    buckets: bool
+    """Whether a stage keeps a copy of its gradients: the runner's DDP (``D > 1``, no ``precision``)."""
+    loss_act: float
+    loss_transient: float
+    loss_retained: float
+    input_bytes: float
+    target_bytes: float
+
+    @classmethod
+    def of(
+        cls, layers: Layers, *, scale: float, precision: str | None, optimizer: OptimizerMemory, D: int
+    ) -> _LayerBytes:
+        """The per-layer bytes of ``layers`` (:func:`stage_bytes`' arguments). Returns a :class:`_LayerBytes`."""
+        weights, grads, state = _state_per_layer(layers, precision, optimizer, D)
+        largest = layers.largest_param_bytes if layers.largest_param_bytes is not None else weights
+        activation_transient, layer_transient = _layer_transients(layers, grads, largest, scale)
+        return cls(
+            scale=scale,
+            weights=weights,
+            grads=grads,
+            state=state,
+            act=layers.activation_bytes if layers.activation_bytes is not None else np.zeros(layers.n),
+            out=layers.output_bytes if layers.output_bytes is not None else np.zeros(layers.n),
+            largest=largest,
+            activation_transient=activation_transient,
+            layer_transient=layer_transient,
+            weight_pass=_weight_pass_held(layers),
+            buckets=D > 1 and precision is None,
+            loss_act=_meta_bytes(layers, "loss_activation_bytes"),
+            loss_transient=_meta_bytes(layers, "loss_transient_bytes"),
+            loss_retained=_meta_bytes(layers, "loss_retained_bytes"),
+            input_bytes=_meta_bytes(layers, "input_bytes"),
+            target_bytes=_meta_bytes(layers, "target_bytes"),
+        )
+
+
+def _layer_transients(
+    layers: Layers, grads: np.ndarray, largest: np.ndarray, scale: float
+) -> tuple[np.ndarray, np.ndarray]:
+    """Per layer, what a backward of one micro-batch allocates: ``(beyond its weight gradient, all of it)``, with
+    what scales with the micro-batch multiplied by ``scale``."""
     transient = layers.transient_bytes if layers.transient_bytes is not None else np.zeros(layers.n)
-    largest = layers.largest_param_bytes if layers.largest_param_bytes is not None else weights
     weight_grad = np.minimum(transient, grads)  # a micro-batch's weight gradient does not scale with its size
     activation_transient = (transient - weight_grad) * scale
     layer_transient = weight_grad + activation_transient
-    accumulate = (
-        layers.df["accumulate_transient_bytes"].to_numpy(float) if "accumulate_transient_bytes" in layers.df else None
-    )
-    if accumulate is not None and bool(np.all(np.isfinite(accumulate))):
+    accumulate = _measured_column(layers, "accumulate_transient_bytes")
+    if accumulate is not None:
         # measured adding to the gradients there are: one weight's temporary at a time beside the activations' ones
         temporary = np.minimum(accumulate, largest)
         layer_transient = temporary + (accumulate - temporary) * scale
-    loss_act = _meta_bytes(layers, "loss_activation_bytes")
-    loss_transient = _meta_bytes(layers, "loss_transient_bytes")
-    loss_retained = _meta_bytes(layers, "loss_retained_bytes")
-    cut = layers.df["cut_bytes"].to_numpy(float) if "cut_bytes" in layers.df else None
-    measured_cuts = cut is not None and bool(np.all(np.isfinite(cut)))
-    out = []
-    for a, b in bounds:
-        last = b == layers.n  # the stage that ends the model runs the loss
-        output = float(out_b[b - 1])
-        if measured_cuts:  # what crosses the cuts, tensor by tensor; the layers hold what they allocated
-            recv = _cut_at(layers, "cut_bytes", a)
-            grad_recv = _cut_at(layers, "cut_grad_bytes", b)
-            activations = (_sum(act, a, b) + _cut_at(layers, "cut_freed_bytes", b)) * scale
-            if a > 0 and "received_held_bytes" in layers.df:  # its receive buffers require grad
-                activations += float(np.nansum(layers.df["received_held_bytes"].to_numpy(float)[a:b])) * scale
-        else:  # the layers' saved tensors and the stage's output, which torch keeps for the backward
-            recv = float(out_b[a - 1]) if a > 0 else 0.0
-            grad_recv = output if not last else 0.0
-            activations = (_sum(act, a, b) + output) * scale
-        # a layer's backward runs after the later layers' have freed what they saved for this micro-batch
-        freed = np.concatenate([np.cumsum(act[a + 1 : b][::-1])[::-1], [0.0]]) * scale
-        peak_transient = max(0.0, float(np.max(layer_transient[a:b] - freed)))
-        # the first backward of a step turns its weight gradients into the .grad tensors, layer by layer
-        grown = np.cumsum(grads[a:b][::-1])[::-1]
-        first_transient = max(0.0, float(np.max(activation_transient[a:b] + grown - freed)))
-        if last:
-            activations += loss_act * scale
-            peak_transient = max(peak_transient + output * scale, loss_transient * scale)
-            first_transient = max(first_transient + output * scale, loss_transient * scale)  # no .grad yet
-        out.append(
-            StageBytes(
-                weights=_sum(weights, a, b),
-                grads=_sum(grads, a, b),
-                buckets=_sum(grads, a, b) if D > 1 and precision is None else 0.0,  # the runner's DDP copy
-                optimizer=_sum(state, a, b),
-                activations=activations,
-                transient=peak_transient,
-                first_transient=first_transient,
-                recv=recv * scale,
-                grad_recv=grad_recv * scale,
-                retained=loss_retained * scale if last else 0.0,
-                weight_pass_held=_sum(_weight_pass_held(layers), a, b) * scale if a > 0 else 0.0,
-                batch=(_meta_bytes(layers, "input_bytes") if a == 0 else 0.0) * scale
-                + (_meta_bytes(layers, "target_bytes") if last else 0.0) * scale,
-                largest_param=float(np.max(largest[a:b])),
-            )
-        )
-    return out
+    return activation_transient, layer_transient
+
+
+def _stage(per_layer: _LayerBytes, layers: Layers, a: int, b: int, measured_cuts: bool) -> StageBytes:
+    """The bytes of the stage of layers ``a`` to ``b`` (excluded), from what crosses its cuts where the profile
+    measured it. Returns a :class:`~pipeswift_lab.core.memory_model.StageBytes`."""
+    p, scale = per_layer, per_layer.scale
+    last = b == layers.n  # the stage that ends the model runs the loss
+    output = float(p.out[b - 1])
+    if measured_cuts:
+        recv, grad_recv, activations = _measured_crossings(p, layers, a, b)
+    else:
+        recv, grad_recv, activations = _output_crossings(p, a, b, output, last)
+    transient, first_transient = _stage_transients(p, a, b, output, last)
+    return StageBytes(
+        weights=_sum(p.weights, a, b),
+        grads=_sum(p.grads, a, b),
+        buckets=_sum(p.grads, a, b) if p.buckets else 0.0,
+        optimizer=_sum(p.state, a, b),
+        activations=activations + p.loss_act * scale if last else activations,
+        transient=transient,
+        first_transient=first_transient,
+        recv=recv,
+        grad_recv=grad_recv,
+        retained=p.loss_retained * scale if last else 0.0,
+        weight_pass_held=_sum(p.weight_pass, a, b) * scale if a > 0 else 0.0,
+        batch=(p.input_bytes if a == 0 else 0.0) * scale + (p.target_bytes if last else 0.0) * scale,
+        largest_param=float(np.max(p.largest[a:b])),
+    )
+
+
+def _measured_crossings(p: _LayerBytes, layers: Layers, a: int, b: int) -> tuple[float, float, float]:
+    """What the stage of layers ``a`` to ``b`` receives, receives back and keeps per micro-batch where the profile
+    measured what crosses each cut, tensor by tensor: the layers hold what they allocated. Returns ``(recv,
+    grad_recv, activations)``, scaled."""
+    recv = _cut_at(layers, "cut_bytes", a)
+    grad_recv = _cut_at(layers, "cut_grad_bytes", b)
+    activations = (_sum(p.act, a, b) + _cut_at(layers, "cut_freed_bytes", b)) * p.scale
+    if a > 0 and "received_held_bytes" in layers.df:  # its receive buffers require grad
+        activations += float(np.nansum(layers.df["received_held_bytes"].to_numpy(float)[a:b])) * p.scale
+    return recv * p.scale, grad_recv * p.scale, activations
+
+
+def _output_crossings(p: _LayerBytes, a: int, b: int, output: float, last: bool) -> tuple[float, float, float]:
+    """The same as :func:`_measured_crossings` from the layers' outputs: the stage receives the output of the layer
+    before it and keeps its layers' saved tensors and its ``output``, which torch keeps for the backward. Returns
+    ``(recv, grad_recv, activations)``, scaled."""
+    recv = float(p.out[a - 1]) if a > 0 else 0.0
+    grad_recv = output if not last else 0.0
+    return recv * p.scale, grad_recv * p.scale, (_sum(p.act, a, b) + output) * p.scale
+
+
+def _stage_transients(p: _LayerBytes, a: int, b: int, output: float, last: bool) -> tuple[float, float]:
+    """The most a backward of one micro-batch on the stage of layers ``a`` to ``b`` allocates beyond what it frees,
+    and the same for its first backward of a step, whose weight gradients become the ``.grad`` tensors (on the last
+    stage the loss's backward and the output's gradient too). Returns ``(transient, first_transient)``."""
+    # a layer's backward runs after the later layers' have freed what they saved for this micro-batch
+    freed = np.concatenate([np.cumsum(p.act[a + 1 : b][::-1])[::-1], [0.0]]) * p.scale
+    transient = max(0.0, float(np.max(p.layer_transient[a:b] - freed)))
+    # the first backward of a step turns its weight gradients into the .grad tensors, layer by layer
+    grown = np.cumsum(p.grads[a:b][::-1])[::-1]
+    first_transient = max(0.0, float(np.max(p.activation_transient[a:b] + grown - freed)))
+    if last:
+        loss = p.loss_transient * p.scale
+        transient = max(transient + output * p.scale, loss)
+        first_transient = max(first_transient + output * p.scale, loss)  # no .grad yet
+    return transient, first_transient
 
 
 def _weight_pass_held(layers: Layers) -> np.ndarray:
@@ -205,10 +288,7 @@ def rank_memory(
     """
     from ..core.schedule_orders import compute_orders
 
-    if isinstance(optimizer, str):
-        if optimizer not in OPTIMIZER_STATES:
-            raise ValueError(f"optimizer={optimizer!r} is not one of {sorted(OPTIMIZER_STATES)}")
-        optimizer = default_optimizer_memory(optimizer, str(layers.meta.get("device", "cpu")).split(":")[0])
+    optimizer = _optimizer_memory(optimizer, layers)
     profiled = layers.meta.get("batch_size")
     scale = micro_batch_size / profiled if micro_batch_size and profiled else 1.0
     per_stage = with_sends(
@@ -219,18 +299,30 @@ def rank_memory(
     rows: list[dict[str, Any]] = []
     for r in range(P):
         mine = {s: per_stage[s] for s, rank in enumerate(placement) if rank == r}
-        peak = rank_peak(mine, orders[r], m, optimizer, sends)
-        rows.append(
-            {
-                "rank": r,
-                "stages": tuple(mine),
-                "predicted_peak_bytes": peak["peak_bytes"],
-                **{f"{t}_bytes": peak[f"{t}_bytes"] for t in MEMORY_TERMS},
-                "peak_at": peak["peak_at"],
-                **{f"{t}_before_backward_bytes": peak.get(f"{t}_before_backward_bytes", 0.0) for t in MEMORY_TERMS},
-            }
-        )
+        rows.append(_rank_row(r, mine, rank_peak(mine, orders[r], m, optimizer, sends)))
     return pd.DataFrame(rows, columns=[*RANK_MEMORY_COLUMNS, *(f"{t}_before_backward_bytes" for t in MEMORY_TERMS)])
+
+
+def _optimizer_memory(optimizer: OptimizerMemory | str, layers: Layers) -> OptimizerMemory:
+    """``optimizer``, or for a name torch's default implementation of it on the profile's device. Returns an
+    :class:`~pipeswift_lab.core.memory_model.OptimizerMemory`."""
+    if not isinstance(optimizer, str):
+        return optimizer
+    if optimizer not in OPTIMIZER_STATES:
+        raise ValueError(f"optimizer={optimizer!r} is not one of {sorted(OPTIMIZER_STATES)}")
+    return default_optimizer_memory(optimizer, str(layers.meta.get("device", "cpu")).split(":")[0])
+
+
+def _rank_row(r: int, mine: dict[int, StageBytes], peak: dict[str, float | str]) -> dict[str, Any]:
+    """The row of :func:`rank_memory` of rank ``r``, holding the stages ``mine``, from its :func:`rank_peak`."""
+    return {
+        "rank": r,
+        "stages": tuple(mine),
+        "predicted_peak_bytes": peak["peak_bytes"],
+        **{f"{t}_bytes": peak[f"{t}_bytes"] for t in MEMORY_TERMS},
+        "peak_at": peak["peak_at"],
+        **{f"{t}_before_backward_bytes": peak.get(f"{t}_before_backward_bytes", 0.0) for t in MEMORY_TERMS},
+    }
 
 
 class SplitBytes:
@@ -256,55 +348,64 @@ class SplitBytes:
         self.n = layers.n
         self.optimizer_memory = optimizer
         """The optimizer the bytes are for."""
-        weights, grads, state = _state_per_layer(layers, precision, optimizer, D)
-        act = layers.activation_bytes if layers.activation_bytes is not None else np.zeros(layers.n)
-        self.out = layers.output_bytes if layers.output_bytes is not None else np.zeros(layers.n)
-        transient = layers.transient_bytes if layers.transient_bytes is not None else np.zeros(layers.n)
-        self.largest = layers.largest_param_bytes if layers.largest_param_bytes is not None else weights
-        weight_grad = np.minimum(transient, grads)  # as stage_bytes: a weight gradient does not scale
-        activation_transient = (transient - weight_grad) * scale
-        layer_transient = weight_grad + activation_transient
-        accumulate = _column(layers, "accumulate_transient_bytes")
-        if accumulate is not None and bool(np.all(np.isfinite(accumulate))):
-            temporary = np.minimum(accumulate, self.largest)
-            layer_transient = temporary + (accumulate - temporary) * scale
-        self.scale, self.weights, self.grads, self.state, self.act = scale, weights, grads, state, act
-        self.buckets = D > 1 and precision is None
+        self.layer = _LayerBytes.of(layers, scale=scale, precision=precision, optimizer=optimizer, D=D)
+        """The bytes per layer, as :func:`stage_bytes` takes them."""
+        p = self.layer
         # freed[i] = (A[b] - A[i + 1]) * scale and grown[i] = G[b] - G[i] for a stage [a, b), A and G prefix sums
-        self.act_prefix = np.concatenate([[0.0], np.cumsum(act)]) * scale
-        self.grad_prefix = np.concatenate([[0.0], np.cumsum(grads)])
-        self.transient_term = layer_transient + self.act_prefix[1:]
-        self.first_term = activation_transient - self.grad_prefix[:-1] + self.act_prefix[1:]
-        self.loss_act = _meta_bytes(layers, "loss_activation_bytes")
-        self.loss_transient = _meta_bytes(layers, "loss_transient_bytes")
-        self.loss_retained = _meta_bytes(layers, "loss_retained_bytes")
-        self.input_bytes, self.target_bytes = _meta_bytes(layers, "input_bytes"), _meta_bytes(layers, "target_bytes")
-        self.again = _weight_pass_held(layers) * scale
-        cut = _column(layers, "cut_bytes")
-        self.cuts = None
-        if cut is not None and bool(np.all(np.isfinite(cut))):
-            received = _column(layers, "received_held_bytes")
-            received = np.nan_to_num(received) if received is not None else np.zeros(layers.n)
-            grad, freed = _column(layers, "cut_grad_bytes"), _column(layers, "cut_freed_bytes")
-            self.cuts = {
-                "cut": np.append(cut, 0.0),  # the cut "before" layer n: none
-                "grad": np.append(grad if grad is not None else cut, 0.0),
-                "freed": np.append(freed if freed is not None else np.zeros(layers.n), 0.0),
-                "received": np.concatenate([[0.0], np.cumsum(received)]),
-            }
+        self.act_prefix = np.concatenate([[0.0], np.cumsum(p.act)]) * scale
+        self.grad_prefix = np.concatenate([[0.0], np.cumsum(p.grads)])
+        self.transient_term = p.layer_transient + self.act_prefix[1:]
+        self.first_term = p.activation_transient - self.grad_prefix[:-1] + self.act_prefix[1:]
+        self.again = p.weight_pass * scale
+        self.cuts = _cut_values(layers)
 
     def of(self, bounds: Bounds, placement: Sequence[int] | None = None) -> StageFields:
         """The fields of every stage of ``bounds`` (contiguous, from layer 0 to the last); with ``placement`` (each
         stage's rank) also what each sends to another rank. Returns a
         :class:`~pipeswift_lab.core.peak_forms.StageFields`."""
+        starts, ends = self._starts_ends(bounds)
+        p, scale, last, first = self.layer, self.layer.scale, ends == self.n, starts == 0
+        output = p.out[ends - 1]
+        recv, grad_recv, activations = self._crossings(starts, ends, output)
+        transient, first_transient = self._transients(starts, ends, output)
+        sent_output, sent_grad = _sends(recv, grad_recv, placement)
+        grads = np.add.reduceat(p.grads, starts)
+        fields = {
+            "weights": np.add.reduceat(p.weights, starts),
+            "grads": grads,
+            "optimizer": np.add.reduceat(p.state, starts),
+            "activations": activations,
+            "transient": transient,
+            "first_transient": first_transient,
+            "recv": recv,
+            "grad_recv": grad_recv,
+            "retained": np.where(last, p.loss_retained * scale, 0.0),
+            "batch": (np.where(first, p.input_bytes, 0.0) + np.where(last, p.target_bytes, 0.0)) * scale,
+            "sent_output": sent_output,
+            "sent_grad": sent_grad,
+            "weight_pass_held": np.where(first, 0.0, np.add.reduceat(self.again, starts)),
+            "buckets": grads if p.buckets else np.zeros(len(bounds)),
+            "largest_param": np.maximum.reduceat(p.largest, starts),
+        }
+        return StageFields(np.stack([fields[name] for name in STAGE_FIELDS]))
+
+    def _starts_ends(self, bounds: Bounds) -> tuple[np.ndarray, np.ndarray]:
+        """The first layer of each stage of ``bounds`` and the one after its last, checked contiguous from layer 0 to
+        the last. Returns ``(starts, ends)``."""
         starts = np.fromiter((a for a, _ in bounds), dtype=np.int64, count=len(bounds))
         ends = np.fromiter((b for _, b in bounds), dtype=np.int64, count=len(bounds))
         if len(bounds) == 0 or starts[0] != 0 or ends[-1] != self.n or np.any(starts[1:] != ends[:-1]):
             raise ValueError(f"bounds={bounds!r} must be contiguous stages from layer 0 to {self.n}")
-        scale, last, first = self.scale, ends == self.n, starts == 0
-        output = self.out[ends - 1]
-        grads = np.add.reduceat(self.grads, starts)
-        activations = np.add.reduceat(self.act, starts)
+        return starts, ends
+
+    def _crossings(
+        self, starts: np.ndarray, ends: np.ndarray, output: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Per stage, what it receives, receives back and keeps per micro-batch (the loss's on the last), as
+        :func:`_measured_crossings` or :func:`_output_crossings` take them. Returns ``(recv, grad_recv,
+        activations)``, scaled."""
+        p, scale, last, first = self.layer, self.layer.scale, ends == self.n, starts == 0
+        activations = np.add.reduceat(p.act, starts)
         if self.cuts is not None:
             cuts = self.cuts
             recv = np.where(first, 0.0, cuts["cut"][starts])
@@ -313,46 +414,65 @@ class SplitBytes:
             received = np.where(first, 0.0, cuts["received"][ends] - cuts["received"][starts])
             activations = activations * scale + received * scale
         else:
-            recv = np.where(first, 0.0, self.out[np.maximum(starts - 1, 0)])
+            recv = np.where(first, 0.0, p.out[np.maximum(starts - 1, 0)])
             grad_recv = np.where(last, 0.0, output)
             activations = (activations + output) * scale
-        activations = activations + np.where(last, self.loss_act * scale, 0.0)
+        activations = activations + np.where(last, p.loss_act * scale, 0.0)
+        return recv * scale, grad_recv * scale, activations
+
+    def _transients(self, starts: np.ndarray, ends: np.ndarray, output: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Per stage, :func:`_stage_transients` from the running maxima of the terms taken once. Returns
+        ``(transient, first_transient)``."""
+        scale, last = self.layer.scale, ends == self.n
         freed_end = self.act_prefix[ends]
-        peak_transient = np.maximum(0.0, np.maximum.reduceat(self.transient_term, starts) - freed_end)
+        transient = np.maximum(0.0, np.maximum.reduceat(self.transient_term, starts) - freed_end)
         first_transient = np.maximum(
             0.0, np.maximum.reduceat(self.first_term, starts) + self.grad_prefix[ends] - freed_end
         )
-        loss = self.loss_transient * scale
-        peak_transient = np.where(last, np.maximum(peak_transient + output * scale, loss), peak_transient)
+        loss = self.layer.loss_transient * scale
+        transient = np.where(last, np.maximum(transient + output * scale, loss), transient)
         first_transient = np.where(last, np.maximum(first_transient + output * scale, loss), first_transient)
-        recv, grad_recv = recv * scale, grad_recv * scale
-        sent_output, sent_grad = np.zeros(len(bounds)), np.zeros(len(bounds))
-        if placement is not None:
-            ranks = np.asarray(placement)
-            ahead = np.append(ranks[1:] != ranks[:-1], False)
-            sent_output[ahead] = recv[1:][ahead[:-1]]
-            behind = np.concatenate([[False], ranks[1:] != ranks[:-1]])
-            sent_grad[behind] = grad_recv[:-1][behind[1:]]
-        fields = {
-            "weights": np.add.reduceat(self.weights, starts),
-            "grads": grads,
-            "optimizer": np.add.reduceat(self.state, starts),
-            "activations": activations,
-            "transient": peak_transient,
-            "first_transient": first_transient,
-            "recv": recv,
-            "grad_recv": grad_recv,
-            "retained": np.where(last, self.loss_retained * scale, 0.0),
-            "batch": (np.where(first, self.input_bytes, 0.0) + np.where(last, self.target_bytes, 0.0)) * scale,
-            "sent_output": sent_output,
-            "sent_grad": sent_grad,
-            "weight_pass_held": np.where(first, 0.0, np.add.reduceat(self.again, starts)),
-            "buckets": grads if self.buckets else np.zeros(len(bounds)),
-            "largest_param": np.maximum.reduceat(self.largest, starts),
-        }
-        return StageFields(np.stack([fields[name] for name in STAGE_FIELDS]))
+        return transient, first_transient
+
+
+def _cut_values(layers: Layers) -> dict[str, np.ndarray] | None:
+    """What the profile measured crossing each cut, for :class:`SplitBytes`: ``"cut"``, ``"grad"`` and ``"freed"`` at
+    the cut before each layer (and none after the last), ``"received"`` the prefix sums of what the layers' receive
+    buffers keep. Returns a dict of arrays, or None where the profile did not measure every cut."""
+    cut = _measured_column(layers, "cut_bytes")
+    if cut is None:
+        return None
+    received = _column(layers, "received_held_bytes")
+    received = np.nan_to_num(received) if received is not None else np.zeros(layers.n)
+    grad, freed = _column(layers, "cut_grad_bytes"), _column(layers, "cut_freed_bytes")
+    return {
+        "cut": np.append(cut, 0.0),  # the cut "before" layer n: none
+        "grad": np.append(grad if grad is not None else cut, 0.0),
+        "freed": np.append(freed if freed is not None else np.zeros(layers.n), 0.0),
+        "received": np.concatenate([[0.0], np.cumsum(received)]),
+    }
+
+
+def _sends(recv: np.ndarray, grad_recv: np.ndarray, placement: Sequence[int] | None) -> tuple[np.ndarray, np.ndarray]:
+    """Per stage, what it sends to a stage on another rank per micro-batch, as :func:`with_sends` takes it (none
+    without a ``placement``). Returns ``(sent_output, sent_grad)``."""
+    sent_output, sent_grad = np.zeros(len(recv)), np.zeros(len(recv))
+    if placement is not None:
+        ranks = np.asarray(placement)
+        ahead = np.append(ranks[1:] != ranks[:-1], False)
+        sent_output[ahead] = recv[1:][ahead[:-1]]
+        behind = np.concatenate([[False], ranks[1:] != ranks[:-1]])
+        sent_grad[behind] = grad_recv[:-1][behind[1:]]
+    return sent_output, sent_grad
 
 
 def _column(layers: Layers, name: str) -> np.ndarray | None:
     """Column ``name`` of the layers' table as floats, or None where it is absent."""
     return layers.df[name].to_numpy(float) if name in layers.df else None
+
+
+def _measured_column(layers: Layers, name: str) -> np.ndarray | None:
+    """Column ``name`` of the layers' table as floats where the profile measured it for every layer (all finite), or
+    None."""
+    values = _column(layers, name)
+    return values if values is not None and bool(np.all(np.isfinite(values))) else None

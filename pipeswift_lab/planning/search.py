@@ -9,24 +9,25 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from functools import cached_property
-from typing import Any
+from functools import cached_property, partial
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 
 from ..core.analytic import inflight_microbatches
-from ..core.link import Link
 from ..core.precision import state_bytes
 from ..core.vocabulary import stage_to_rank
 from ..partitioning.bottleneck import Infeasible
 from ..partitioning.layers import Layers, capped_split, split
-from ..partitioning.memory import MEM_RTOL, Layout, memory_windows, no_fit_head, rank_totals
+from ..partitioning.memory import MEM_RTOL, Layout, memory_windows, no_fit_head, rank_totals, resolve_layout
 from ..partitioning.stages import Partition
-from ..simulation.calibration import SimulatorCalibration
 from ..simulation.simulator import simulate_step_ms
 from .costs import MicrobatchCosts
 from .peaks import SplitPeaks
 from .recompute_search import RecomputedSplit, has_recompute_columns, recompute_splits
+
+if TYPE_CHECKING:
+    from .inputs import PlanInputs
 
 __all__ = ["Evaluator", "MicrobatchCosts", "Split"]
 
@@ -34,8 +35,19 @@ __all__ = ["Evaluator", "MicrobatchCosts", "Split"]
 Bounds = tuple[tuple[int, int], ...]
 
 
+class _Config(NamedTuple):
+    """One configuration at one micro-batch size, in the order :meth:`Evaluator.peak_memory` takes it."""
+
+    P: int
+    m: int
+    b: int
+    schedule: str
+    v: int
+    D: int
+
+
 class Evaluator:
-    """Partitions and simulates configurations, sharing work across candidates.
+    """Partitions and simulates the configurations of checked plan ``inputs``, sharing work across candidates.
 
     When costs scale in proportion to the micro-batch size and there is no link, the
     balanced bounds do not depend on ``b`` and the simulated step scales with it, so
@@ -52,23 +64,15 @@ class Evaluator:
     slower).
     """
 
-    def __init__(
-        self,
-        costs: MicrobatchCosts,
-        *,
-        link: Link | None,
-        mem_per_gpu_bytes: float | None,
-        optimizer: str,
-        calibration: SimulatorCalibration | None = None,
-        precision: str | None = None,
-        replay: bool = False,
-        recompute_search: bool = False,
-    ) -> None:
+    def __init__(self, inputs: PlanInputs, *, replay: bool = False) -> None:
+        costs, link, optimizer, precision = inputs.costs, inputs.link, inputs.optimizer, inputs.precision
         self.costs, self.link, self.optimizer, self.precision = costs, link, optimizer, precision
-        self.recompute_search = recompute_search  # where memory binds, choose each stage's recomputation too
-        self.mem_per_gpu_bytes = mem_per_gpu_bytes
-        self.calibration = calibration  # fixed per-action costs do not scale with b: no sharing across sizes
-        self.shared = costs.proportional and link is None and calibration is None
+        # where memory binds, choose each stage's recomputation too
+        self.recompute_search = inputs.recompute == "search"
+        self.mem_per_gpu_bytes = inputs.mem_per_gpu_bytes
+        self.calibration = inputs.calibration  # fixed per-action costs do not scale with b: no sharing across sizes
+        self.shared = costs.proportional and link is None and self.calibration is None
+        self._partition = partial(Partition.from_bounds, optimizer=optimizer, link=link, precision=precision)
         self._sims: dict[tuple, tuple[float, float]] = {}
         self._layers: dict[int, Layers] = {}
         self._bounds: dict[tuple, Bounds] = {}
@@ -113,6 +117,7 @@ class Evaluator:
 
         Raises ``ValueError`` when no split fits ``mem_per_gpu_bytes``.
         """
+        config = _Config(P, m, b, schedule, v, D)
         base = self.costs.b0 if self.shared else b
         shards = self._state_shards(D)
         _, inflight_by_rank = self._placement(P, m, schedule, v)
@@ -123,23 +128,23 @@ class Evaluator:
             # no rank's peak is below its state (it holds it all at its optimizer step), so no split fits: raise
             # the error the replay of the balanced split would lead to, without replaying it
             _check_average_fits(stages, P, limit)
-        mem = self.peak_memory(P, m, b, schedule, v, D, bounds)
+        mem = self.peak_memory(*config, bounds)
         if limit is None or max(mem) <= limit:
-            return self._split_of(P, m, b, schedule, v, D, bounds, mem, base, None)
+            return self._split_of(config, bounds, mem, base, None)
         # the time-balanced split does not fit at this micro-batch size: take the split whose simulated step is the
         # shortest of those that fit, moving layers and (with recompute="search") recomputing stages
         _check_average_fits(stages, P, limit)
         options: list[Split] = []
         try:
-            capped = self._capped_bounds(P, m, b, schedule, v, D, tuple(inflight_by_rank), limit)
-            options.append(self._split_of(P, m, b, schedule, v, D, capped, None, b, None))
+            capped = self._capped_bounds(config, tuple(inflight_by_rank), limit)
+            options.append(self._split_of(config, capped, None, b, None))
             error = None
         except ValueError as exc:
             error = exc
         if self.recompute_search:
             options += [
-                self._split_of(P, m, b, schedule, v, D, found.bounds, found.peaks, b, found)
-                for found in self._recomputed_splits(P, m, b, schedule, v, D, limit)
+                self._split_of(config, found.bounds, found.peaks, b, found)
+                for found in self._recomputed_splits(config, limit)
             ]
         if not options:
             raise error if error is not None else ValueError(no_fit_head(limit, "balanced", P, v))
@@ -152,12 +157,7 @@ class Evaluator:
 
     def _split_of(
         self,
-        P: int,
-        m: int,
-        b: int,
-        schedule: str,
-        v: int,
-        D: int,
+        config: _Config,
         bounds: Bounds,
         mem: Sequence[float] | None,
         base: int,
@@ -166,10 +166,11 @@ class Evaluator:
         """The :class:`Split` of ``bounds`` whose times are at micro-batch size ``base`` (the step scales by
         ``b / base``), each stage recomputing as ``recomputing`` says (None: none do); ``mem``: its ranks' peaks
         (None: replayed here)."""
+        P, m, b, schedule, v, D = config
         stages = self._stage_sums(base, bounds, self._state_shards(D))
         placement, _ = self._placement(P, m, schedule, v)
         if mem is None:
-            mem = self.peak_memory(P, m, b, schedule, v, D, bounds)
+            mem = self.peak_memory(*config, bounds)
         scale = b / base
         stage_ms = stages.stage_ms if recomputing is None else recomputing.stage_ms
         bound = m * max(rank_totals(stage_ms, placement, P)) * scale
@@ -192,14 +193,13 @@ class Evaluator:
             recompute=recomputing.label if recomputing is not None else "",
         )
 
-    def _recomputed_splits(
-        self, P: int, m: int, b: int, schedule: str, v: int, D: int, limit: float
-    ) -> list[RecomputedSplit]:
+    def _recomputed_splits(self, config: _Config, limit: float) -> list[RecomputedSplit]:
         """The splits whose stages recompute to fit ``limit`` at micro-batch size ``b``
         (:func:`~pipeswift_lab.planning.recompute_search.recompute_splits`); refuses a profile without the recompute
         columns."""
         from ..core.memory_model import default_optimizer_memory
 
+        P, m, b, schedule, v, D = config
         nearest = self.costs.nearest(b)
         memory_table = self.costs.tables[nearest]
         if not has_recompute_columns(memory_table):
@@ -227,18 +227,9 @@ class Evaluator:
         )
 
     def partition(self, layers: Layers, bounds: Bounds, v: int, schedule: str, m: int, D: int) -> Partition:
-        """The :class:`~pipeswift_lab.Partition` of a split (built when it is simulated)."""
-        return Partition.from_bounds(
-            layers,
-            bounds,
-            v=v,
-            schedule=schedule,
-            m=m,
-            optimizer=self.optimizer,
-            link=self.link,
-            precision=self.precision,
-            D=D,
-        )
+        """The :class:`~pipeswift_lab.Partition` of a split (built when it is simulated), with the evaluator's
+        optimizer, link and precision."""
+        return self._partition(layers, bounds, v=v, schedule=schedule, m=m, D=D)
 
     def simulate(self, split: Split) -> tuple[float, float]:
         """``(pipeline_ms, bubble_ratio)`` of a split; the bubble is ``1 - m * sum(stage fwd+bwd) / (P * step)``.
@@ -272,7 +263,7 @@ class Evaluator:
         key = (P * v, b)
         if key not in self._bounds:
             layers = self.layers(b)
-            layout = Layout(P=P, v=v, schedule=schedule, mem_schedule=schedule, m=m, optimizer=self.optimizer)
+            layout = resolve_layout(P, v, schedule, m, self.optimizer, None, 1)  # no cap: only the placement counts
             self._bounds[key] = split(layers, layout, "balanced", self.link, None)
         return self._bounds[key]
 
@@ -299,43 +290,25 @@ class Evaluator:
             )
         return self._stages[key]
 
-    def _capped_bounds(
-        self,
-        P: int,
-        m: int,
-        b: int,
-        schedule: str,
-        v: int,
-        D: int,
-        inflight_by_rank: tuple[float, ...],
-        limit: float,
-    ) -> Bounds:
+    def _capped_bounds(self, config: _Config, inflight_by_rank: tuple[float, ...], limit: float) -> Bounds:
         """The fastest split at size ``b`` that fits the cap ``limit`` (``mem_per_gpu_bytes``); raises ``ValueError``
         when none does.
 
         Cached by what the memory windows depend on, so ``m`` values with the same in-flight
         counts share one search.
         """
+        P, m, b, schedule, v, D = config
         key = (P, m, v, schedule, b, D, inflight_by_rank)
         if key not in self._capped:
             layers = self.layers(b)
-            layout = Layout(
-                P=P,
-                v=v,
-                schedule=schedule,
-                mem_schedule=schedule,
-                m=m,
-                optimizer=self.optimizer,
-                precision=self.precision,
-                D=self._state_shards(D),
-            )
+            layout = resolve_layout(P, v, schedule, m, self.optimizer, self.precision, self._state_shards(D))
             self._capped[key] = capped_split(
                 layers,
                 layout,
                 "balanced",
                 self.link,
                 limit,
-                lambda bounds: self.peak_memory(P, m, b, schedule, v, D, bounds),
+                lambda bounds: self.peak_memory(*config, bounds),
                 lambda budget: self._solve(b, layout, budget),
             )
         capped = self._capped[key]

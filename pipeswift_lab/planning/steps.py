@@ -264,9 +264,8 @@ def rank_table(rows: list[Row], inputs: PlanInputs) -> pd.DataFrame:
 
 def _ranked(feasible: pd.DataFrame, lost: pd.DataFrame, table: pd.DataFrame, inputs: PlanInputs) -> pd.DataFrame:
     """The simulated rows that keep their GPUs, and the grow and shrink strategies, by ``inputs.rank_by``."""
-    strategy = (inputs.availability, inputs.assembly, inputs.checkpoint, inputs.steps, inputs.mtbf_s)
-    shrink = shrink_rows(lost, feasible, *strategy)
-    grow = grow_rows(feasible, *strategy) if not feasible.empty else feasible
+    shrink = shrink_rows(lost, feasible, inputs)
+    grow = grow_rows(feasible, inputs) if not feasible.empty else feasible
     parts = [x for x in (feasible, grow, shrink) if not x.empty]
     if not parts:
         raise ValueError(

@@ -17,13 +17,16 @@ shape mid-way is not modelled).
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pandas as pd
 
 from ..core.costs import AssemblyModel, Availability, CheckpointModel
 from ..core.display import hours
 from ..core.jct import TERMS
+
+if TYPE_CHECKING:
+    from .inputs import PlanInputs
 
 __all__ = ["HOLDING", "STRATEGIES", "check_strategy", "first_drop", "grow_rows", "shrink_rows", "split_by_drops"]
 
@@ -63,18 +66,11 @@ def _move_s(old: pd.Series, new: pd.Series, assembly: AssemblyModel, checkpoint:
 
 
 def _switch(
-    old: pd.Series,
-    new: pd.Series,
-    t_switch: float,
-    steps: int,
-    assembly: AssemblyModel,
-    checkpoint: CheckpointModel,
-    strategy: str,
-    change: str,
-    queue_s: float,
+    old: pd.Series, new: pd.Series, t_switch: float, inputs: PlanInputs, strategy: str, change: str, queue_s: float
 ) -> dict[str, Any] | None:
-    """A row: ``old`` from its start until ``t_switch`` (seconds from now), then ``new`` to the end; None if it never
-    trains on ``old``."""
+    """A row: ``old`` from its start until ``t_switch`` (seconds from now), then ``new`` to the end, moving at the
+    cost ``inputs`` models; None if it never trains on ``old``."""
+    steps = inputs.steps
     trained_s = t_switch - queue_s - old["assembly_s"]
     first_steps = trained_s / (old["step_ms"] / 1000.0)
     if first_steps >= steps:
@@ -86,7 +82,7 @@ def _switch(
         strategy=strategy,
         change=change,
         queue_s=queue_s,
-        assembly_s=old["assembly_s"] + _move_s(old, new, assembly, checkpoint) + lost,
+        assembly_s=old["assembly_s"] + _move_s(old, new, inputs.assembly, inputs.checkpoint) + lost,
         training_s=done * old["step_ms"] / 1000.0 + (steps - done) * new["step_ms"] / 1000.0,
         preemption_loss_s=0.0,
     )
@@ -94,20 +90,15 @@ def _switch(
     return row
 
 
-def grow_rows(
-    feasible: pd.DataFrame,
-    availability: Availability,
-    assembly: AssemblyModel,
-    checkpoint: CheckpointModel,
-    steps: int,
-    mtbf_s: float | None,
-) -> pd.DataFrame:
-    """Start on the best configuration free now; when more GPUs free up, move to the best one there.
+def grow_rows(feasible: pd.DataFrame, inputs: PlanInputs) -> pd.DataFrame:
+    """Start on the best configuration free now; when more GPUs free up (``inputs.availability``), move to the best
+    one there.
 
     One row per later availability level with more GPUs than the start.
     """
+    availability = inputs.availability
     now = feasible[feasible["strategy"] == "now"]
-    if now.empty or len(availability.points) < 2 or mtbf_s is not None:
+    if now.empty or len(availability.points) < 2 or inputs.mtbf_s is not None:
         return feasible.iloc[0:0]
     small = now.loc[now["total_s"].idxmin()]
     rows = []
@@ -119,7 +110,7 @@ def grow_rows(
         if later.empty:
             continue
         big = later.loc[later["training_s"].idxmin()]
-        row = _switch(small, big, t, steps, assembly, checkpoint, "grow", f"at {hours(t)} from {_label(small)}", 0.0)
+        row = _switch(small, big, t, inputs, "grow", f"at {hours(t)} from {_label(small)}", 0.0)
         if row is not None and t > small["assembly_s"]:
             rows.append(row)
     return pd.DataFrame(rows, columns=feasible.columns)
@@ -159,23 +150,16 @@ def split_by_drops(feasible: pd.DataFrame, availability: Availability) -> tuple[
     return feasible.drop(index=lost_index), lost
 
 
-def shrink_rows(
-    lost: pd.DataFrame,
-    feasible: pd.DataFrame,
-    availability: Availability,
-    assembly: AssemblyModel,
-    checkpoint: CheckpointModel,
-    steps: int,
-    mtbf_s: float | None,
-) -> pd.DataFrame:
+def shrink_rows(lost: pd.DataFrame, feasible: pd.DataFrame, inputs: PlanInputs) -> pd.DataFrame:
     """For each configuration whose GPUs are taken mid-run: run until the drop, then continue on the best that fits.
 
     "Best" is the fewest remaining training seconds among the feasible configurations on at
     most the GPUs that stay free from the drop on. One row per rescued configuration (the
     best few of them, by JCT): strategy ``shrink``, ``change`` ``at <time> from <configuration>``.
     """
-    if lost.empty or mtbf_s is not None:
+    if lost.empty or inputs.mtbf_s is not None:
         return feasible.iloc[0:0]
+    availability = inputs.availability
     candidates = feasible[feasible["strategy"].isin(HOLDING)]
     rows = []
     for _, old in lost.iterrows():
@@ -189,17 +173,7 @@ def shrink_rows(
         if fits.empty:
             continue
         new = fits.loc[fits["training_s"].idxmin()]
-        row = _switch(
-            old,
-            new,
-            t_drop,
-            steps,
-            assembly,
-            checkpoint,
-            "shrink",
-            f"at {hours(t_drop)} from {_label(old)}",
-            old["queue_s"],
-        )
+        row = _switch(old, new, t_drop, inputs, "shrink", f"at {hours(t_drop)} from {_label(old)}", old["queue_s"])
         if row is not None:
             rows.append(row)
     out = pd.DataFrame(rows, columns=feasible.columns)

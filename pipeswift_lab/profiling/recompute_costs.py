@@ -24,6 +24,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
+import pandas as pd
 from torch import nn
 
 from ..core.recompute import RECOMPUTE_MODES, recomputing
@@ -88,66 +89,113 @@ def recomputed(profile: Any, recompute: str | Mapping[str, str] | None) -> Any:
     ``ValueError`` for a profile without the recompute columns, one already recomputed another way, an unknown mode,
     or a name that matches no layer.
     """
-    import fnmatch
-
     if recompute is None:
         return profile
-    df = profile.df
+    _check_measured(profile.df)
+    names = [str(n) for n in profile.df["name"]]
+    modes = _layer_modes(recompute, names)
+    if profile.meta.get("recompute"):  # the columns now hold the recomputed costs: a second pass would add to them
+        return _recomputed_already(profile, modes)
+    table = _recomputed_table(profile.df, names, modes)
+    return type(profile)(table, {**profile.meta, "recompute": modes})
+
+
+def _check_measured(df: pd.DataFrame) -> None:
+    """Raise ``ValueError`` unless the profile table ``df`` has the :data:`RECOMPUTE_COLUMNS`."""
     missing = [c for c in RECOMPUTE_COLUMNS if c not in df.columns]
     if missing:
         raise ValueError(
             f"the profile has no {missing[:2]} columns: profile the model with profile(..., recompute=True) to plan "
             "or predict recomputation"
         )
-    names = [str(n) for n in df["name"]]
-    if isinstance(recompute, str):
-        modes = {name: recompute for name in names}
-    elif isinstance(recompute, Mapping):
-        modes = {}
-        for pattern, mode in recompute.items():
-            matched = [n for n in names if n == pattern or fnmatch.fnmatchcase(n, str(pattern))]
-            if not matched:
-                raise ValueError(f"recompute names {pattern!r}, which matches no layer of the profile: {names[:12]}")
-            modes.update({n: mode for n in matched})
-    else:
-        raise TypeError(f"recompute must be None, 'full', 'selective' or a dict {{layer: mode}}; got {recompute!r}")
+
+
+def _layer_modes(recompute: str | Mapping[str, str], names: list[str]) -> dict[str, str]:
+    """The mode of each layer of ``names`` that ``recompute`` recomputes (:func:`recomputed`'s argument), checked.
+    Returns ``{layer name: mode}``, in layer order for a mode given to every layer, else in the order named."""
+    modes = _modes_as_named(recompute, names)
     bad = sorted({m for m in modes.values() if m not in RECOMPUTE_MODES})
     if bad:
         raise ValueError(f"recompute mode {bad[0]!r} is not one of {list(RECOMPUTE_MODES)}")
-    modes = {n: m for n, m in modes.items() if m}
-    already = profile.meta.get("recompute")
-    if already:  # the columns now hold the recomputed costs: a second pass would add to them
-        if already == modes:
-            return profile
-        raise ValueError(
-            f"the profile already costs its layers recomputed ({_listed(already)}); recompute from the profile as "
-            "measured"
-        )
+    return {n: m for n, m in modes.items() if m}
+
+
+def _modes_as_named(recompute: str | Mapping[str, str], names: list[str]) -> dict[str, str]:
+    """The mode ``recompute`` gives each layer of ``names`` it names, empty modes and unknown ones included. Returns
+    ``{layer name: mode}``."""
+    if isinstance(recompute, str):
+        return {name: recompute for name in names}
+    if not isinstance(recompute, Mapping):
+        raise TypeError(f"recompute must be None, 'full', 'selective' or a dict {{layer: mode}}; got {recompute!r}")
+    modes: dict[str, str] = {}
+    for pattern, mode in recompute.items():
+        modes.update({n: mode for n in _matching(pattern, names)})
+    return modes
+
+
+def _matching(pattern: str, names: list[str]) -> list[str]:
+    """The layers of ``names`` that ``pattern`` (a name or a glob) names; raises ``ValueError`` where none. Returns
+    them in layer order."""
+    import fnmatch
+
+    matched = [n for n in names if n == pattern or fnmatch.fnmatchcase(n, str(pattern))]
+    if not matched:
+        raise ValueError(f"recompute names {pattern!r}, which matches no layer of the profile: {names[:12]}")
+    return matched
+
+
+def _recomputed_already(profile: Any, modes: dict[str, str]) -> Any:
+    """``profile``, already recomputed, if it is recomputed as ``modes`` say; raises ``ValueError`` if otherwise.
+    Returns the profile."""
+    already = profile.meta["recompute"]
+    if already == modes:
+        return profile
+    raise ValueError(
+        f"the profile already costs its layers recomputed ({_listed(already)}); recompute from the profile as measured"
+    )
+
+
+def _recomputed_table(df: pd.DataFrame, names: list[str], modes: dict[str, str]) -> pd.DataFrame:
+    """The profile table ``df`` (its layers ``names``) with each layer of ``modes`` costed recomputed under its mode.
+    Returns a new table."""
     out = df.copy()
     out["recomputed_ms"] = 0.0  # what the backward recomputes: a zero-bubble schedule's I and W each run it
     for mode in RECOMPUTE_MODES:
         rows = np.array([modes.get(n) == mode for n in names])
-        if not rows.any():
-            continue
-        extra = df["recompute_ms" if mode == "full" else "selective_recompute_ms"].to_numpy(float)
-        out.loc[rows, "bwd_ms"] = df["bwd_ms"].to_numpy(float)[rows] + extra[rows]
-        out.loc[rows, "recomputed_ms"] = extra[rows]
-        if FORWARD_COLUMNS[mode] in df.columns:
-            forward = np.nan_to_num(df[FORWARD_COLUMNS[mode]].to_numpy(float))
-            out.loc[rows, "fwd_ms"] = df["fwd_ms"].to_numpy(float)[rows] + forward[rows]
-        if "wgrad_ms" in df.columns:
-            out.loc[rows, "wgrad_ms"] = df["wgrad_ms"].to_numpy(float)[rows] + extra[rows]
-        out.loc[rows, "activation_bytes"] = df[f"{mode}_activation_bytes"].to_numpy(float)[rows].round()
-        if f"{mode}_weight_pass_bytes" in df.columns:
-            out.loc[rows, "weight_pass_bytes"] = df[f"{mode}_weight_pass_bytes"].to_numpy(float)[rows]
-        transient = df[f"{mode}_transient_bytes"].to_numpy(float)
-        if "accumulate_transient_bytes" in df.columns:
-            grown = transient - np.nan_to_num(df["accumulate_transient_bytes"].to_numpy(float))
-            out.loc[rows, "transient_bytes"] = df["transient_bytes"].to_numpy(float)[rows] + np.maximum(grown, 0)[rows]
-            out.loc[rows, "accumulate_transient_bytes"] = transient[rows]
+        if rows.any():
+            _add_recomputed_times(out, df, rows, mode)
+            _set_recomputed_bytes(out, df, rows, mode)
     out["total_ms"] = out["fwd_ms"] + out["bwd_ms"]
     out["activation_bytes"] = out["activation_bytes"].astype("int64")
-    return type(profile)(out, {**profile.meta, "recompute": modes})
+    return out
+
+
+def _add_recomputed_times(out: pd.DataFrame, df: pd.DataFrame, rows: np.ndarray, mode: str) -> None:
+    """Add to the ``rows`` of ``out`` what recomputing them under ``mode`` takes, as the profile ``df`` measured it:
+    the backward's recomputation (in ``recomputed_ms`` and, where given, ``wgrad_ms`` too) and the checkpointed
+    forward's extra."""
+    extra = df["recompute_ms" if mode == "full" else "selective_recompute_ms"].to_numpy(float)
+    out.loc[rows, "bwd_ms"] = df["bwd_ms"].to_numpy(float)[rows] + extra[rows]
+    out.loc[rows, "recomputed_ms"] = extra[rows]
+    if FORWARD_COLUMNS[mode] in df.columns:
+        forward = np.nan_to_num(df[FORWARD_COLUMNS[mode]].to_numpy(float))
+        out.loc[rows, "fwd_ms"] = df["fwd_ms"].to_numpy(float)[rows] + forward[rows]
+    if "wgrad_ms" in df.columns:
+        out.loc[rows, "wgrad_ms"] = df["wgrad_ms"].to_numpy(float)[rows] + extra[rows]
+
+
+def _set_recomputed_bytes(out: pd.DataFrame, df: pd.DataFrame, rows: np.ndarray, mode: str) -> None:
+    """Set the ``rows`` of ``out`` to what they keep and allocate recomputed under ``mode``, as the profile ``df``
+    measured it: the activations held until the backward, what an ``I`` pass keeps for ``W``, and the transients
+    (the recomputed activations included)."""
+    out.loc[rows, "activation_bytes"] = df[f"{mode}_activation_bytes"].to_numpy(float)[rows].round()
+    if f"{mode}_weight_pass_bytes" in df.columns:
+        out.loc[rows, "weight_pass_bytes"] = df[f"{mode}_weight_pass_bytes"].to_numpy(float)[rows]
+    transient = df[f"{mode}_transient_bytes"].to_numpy(float)
+    if "accumulate_transient_bytes" in df.columns:
+        grown = transient - np.nan_to_num(df["accumulate_transient_bytes"].to_numpy(float))
+        out.loc[rows, "transient_bytes"] = df["transient_bytes"].to_numpy(float)[rows] + np.maximum(grown, 0)[rows]
+        out.loc[rows, "accumulate_transient_bytes"] = transient[rows]
 
 
 def _listed(modes: Mapping[str, str]) -> str:

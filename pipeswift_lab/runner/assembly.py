@@ -3,8 +3,9 @@
 Rank 0 gathers every rank's measurements into ``result.pt`` (:func:`read_gathered`); every attempt of the run
 logs its steps, checkpoints and restores (:func:`read_history`). :func:`build_result` puts them on one clock and
 measures the JCT terms: assembly (launch to the first step), training, cleanup (the final save and teardown) and
-preemption loss (periodic save stalls, steps redone, recovery and restore). :func:`load_result` does the same for
-a ``torchrun ... -m pipeswift_lab.runner SPEC --out DIR`` run.
+preemption loss (periodic save stalls, steps redone, recovery and restore). :func:`read_run_dir` does the same for
+the directory of a ``torchrun ... -m pipeswift_lab.runner SPEC --out DIR`` run. The file names and columns are
+:mod:`.run_files`'.
 """
 
 from __future__ import annotations
@@ -20,16 +21,24 @@ import pandas as pd
 import torch
 
 from ..core.jct import JCT
-from .rank.instrument import KINDS
-from .rank.train_loop import CHECKPOINTS_LOG, STEPS_LOG
-from .rank.worker import RESULT_FILE
-from .result import CHECKPOINT_COLUMNS, TIMELINE_COLUMNS, RunResult
+from .result import RunResult
+from .run_files import (
+    ATTEMPT_GLOB,
+    CHECKPOINT_COLUMNS,
+    CHECKPOINTS_LOG,
+    KINDS,
+    RESULT_FILE,
+    RESULT_FORMAT,
+    SPEC_FILE,
+    STEPS_LOG,
+    TIMELINE_COLUMNS,
+)
 
 if TYPE_CHECKING:
     from ..simulation.timeline import Timeline
     from .spec import RunSpec
 
-__all__ = ["build_result", "load_result", "read_gathered", "read_history", "history_terms", "timeline_frame"]
+__all__ = ["build_result", "read_run_dir", "read_gathered", "read_history", "history_terms", "timeline_frame"]
 
 #: What one rank reported (``train``'s payload): step stamps, losses, state, restores, checkpoints.
 Payload = dict[str, Any]
@@ -50,7 +59,7 @@ def read_history(run_dir: Path) -> dict[str, Any]:
             json.loads(line) for line in (run_dir / CHECKPOINTS_LOG).read_text().splitlines() if line.strip()
         ]
     attempts = {}
-    for path in run_dir.glob("attempt*.json"):
+    for path in run_dir.glob(ATTEMPT_GLOB):
         info = json.loads(path.read_text())
         attempts[int(info["attempt"])] = info
     return {"steps": steps, "checkpoints": checkpoints, "attempts": attempts}
@@ -61,12 +70,12 @@ def read_gathered(out_dir: str | os.PathLike[str]) -> dict[str, Any]:
     ``gathered_ns``)."""
     path = Path(out_dir) / RESULT_FILE
     gathered = torch.load(path, weights_only=True)
-    if not isinstance(gathered, dict) or gathered.get("format") != "pipeswift_lab.run":
+    if not isinstance(gathered, dict) or gathered.get("format") != RESULT_FORMAT:
         raise ValueError(f"{str(path)!r} is not a pipeswift_lab run result")
     return gathered
 
 
-def load_result(out_dir: str | os.PathLike[str], spec: RunSpec | None = None) -> RunResult:
+def read_run_dir(out_dir: str | os.PathLike[str], spec: RunSpec | None = None) -> RunResult:
     """The :class:`RunResult` of a ``torchrun ... -m pipeswift_lab.runner SPEC --out DIR`` run, from ``DIR``.
 
     ``spec`` defaults to the copy of the spec the runner left in ``DIR``. Under torchrun the
@@ -76,7 +85,7 @@ def load_result(out_dir: str | os.PathLike[str], spec: RunSpec | None = None) ->
     from .spec import load_spec
 
     out_dir = Path(out_dir)
-    spec = load_spec(out_dir / "spec.pkl") if spec is None else spec
+    spec = load_spec(out_dir / SPEC_FILE) if spec is None else spec
     gathered = read_gathered(out_dir)
     starts = [p["process_start_ns"] or p["entered_ns"] for p in gathered["ranks"]]
     return build_result(

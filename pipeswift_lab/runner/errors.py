@@ -188,28 +188,30 @@ def diagnose(
     pids: Iterable[int],
 ) -> RunError:
     """Build the :class:`RunError` that explains a failed run from the files in ``run_dir`` (with the step it was
-    in)."""
-    error = _diagnose(Path(run_dir), P, timeout_s, timed_out, agent_error, pids)
-    error.step = failed_step(run_dir)
-    return error
-
-
-def _diagnose(
-    run_dir: Path,
-    P: int,
-    timeout_s: float,
-    timed_out: bool,
-    agent_error: BaseException | None,
-    pids: Iterable[int],
-) -> RunError:
-    """The failure first: a rank that raised something of its own, one that died, one that raised at all; else
-    the hang, else the launch."""
-    errors = {r: _read(run_dir / f"rank{r}.error") for r in range(P) if (run_dir / f"rank{r}.error").exists()}
+    in): the hang past ``timeout_s`` when ``timed_out``, else :func:`_failure`'s."""
+    run_dir = Path(run_dir)
     started = {r for r in range(P) if (run_dir / f"rank{r}.pid").exists()}
     failures = getattr(agent_error, "failures", None) or {}
     exitcodes: dict[int, int | None] = {int(r): getattr(f, "exitcode", None) for r, f in failures.items()}
     if timed_out:
-        return _hung(run_dir, P, timeout_s, started, exitcodes, pids)
+        error = _hung(run_dir, P, timeout_s, started, exitcodes, pids)
+    else:
+        error = _failure(run_dir, P, started, exitcodes, agent_error, pids)
+    error.step = failed_step(run_dir)
+    return error
+
+
+def _failure(
+    run_dir: Path,
+    P: int,
+    started: set[int],
+    exitcodes: dict[int, int | None],
+    agent_error: BaseException | None,
+    pids: Iterable[int],
+) -> RunError:
+    """The failure first: a rank that raised something of its own, one that died, one that raised at all; else
+    the launch."""
+    errors = {r: _read(run_dir / f"rank{r}.error") for r in range(P) if (run_dir / f"rank{r}.error").exists()}
     died = _died_ranks(run_dir, P, started, errors, exitcodes)
     killed = [r for r in died if (exitcodes.get(r) or 0) < 0]
 

@@ -9,7 +9,7 @@ The agent runs in a background thread while the calling thread shows progress an
 * ``"forkserver"`` (default): workers are forked from multiprocessing's fork server, started
   once per Python session with torch and ``torch.distributed.pipelining`` preloaded, so
   after the first run a launch costs well under a second instead of one interpreter start and
-  torch import per rank. Workers run :func:`pipeswift_lab.runner.rank.worker.entry`. The fork
+  torch import per rank. Workers run :func:`pipeswift_lab.runner.rank.worker.main`. The fork
   server stays up with the session (like multiprocessing's resource tracker); it is not a
   worker and holds no run state. It preloads third-party modules only, so code edits to
   pipeswift_lab reach the next run; an upgrade of torch itself needs a new session. Its children re-import a script's
@@ -40,8 +40,8 @@ from .assembly import read_gathered
 from .errors import RunError, diagnose, failed_step
 from .loopback import LOOPBACK, loopback_rendezvous, loopback_store
 from .processes import forkserver_pid, pid_files, stop_workers, wait_gone
-from .rank.train_loop import PREEMPT_FILE, PROGRESS_FILE
-from .rank.worker import DISTRIBUTED_MODULES, RESULT_FILE
+from .rank.worker import DISTRIBUTED_MODULES
+from .run_files import PREEMPT_FILE, PROGRESS_FILE, RESULT_FILE
 
 if TYPE_CHECKING:
     from torch.distributed.launcher.api import LaunchConfig
@@ -309,13 +309,13 @@ def _launch_config(
 def _entrypoint(
     spec_path: str | os.PathLike[str], run_dir: Path, progress: bool, start_method: str
 ) -> tuple[Callable[..., Any] | str, tuple[Any, ...]]:
-    """What the agent starts per rank: :func:`~pipeswift_lab.runner.rank.worker.entry` in a forked process, or the
+    """What the agent starts per rank: :func:`~pipeswift_lab.runner.rank.worker.main` in a forked process, or the
     ``python -m pipeswift_lab.runner`` command line; and its arguments."""
     if start_method == "forkserver":
-        from .rank.worker import entry
+        from .rank.worker import main
 
         _preload_forkserver()
-        return entry, (str(spec_path), str(run_dir), bool(progress), os.getpid())
+        return main, (str(spec_path), str(run_dir), bool(progress), os.getpid())
     command: tuple[str, ...] = ("-m", "pipeswift_lab.runner", str(spec_path), "--out", str(run_dir), "--from-run")
     command += ("--caller-pid", str(os.getpid())) + (("--progress",) if progress else ())
     return sys.executable, command

@@ -25,7 +25,6 @@ as missing.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import os
 import shutil
@@ -37,7 +36,9 @@ import pandas as pd
 import torch
 
 from ..core.jct import JCT
+from .manifests import read_manifest_json, sha256_of
 from .result import RunResult
+from .run_files import RESULT_FILE
 
 if TYPE_CHECKING:
     from .spec import RunSpec
@@ -166,17 +167,11 @@ def _write(result: RunResult, folder: Path) -> None:
         "meta": to_json(result.meta),
         "timeline": timeline,
         "tables": tables,
-        "files": {name: {"bytes": (folder / name).stat().st_size, "sha256": _sha256(folder / name)} for name in files},
+        "files": {
+            name: {"bytes": (folder / name).stat().st_size, "sha256": sha256_of(folder / name)} for name in files
+        },
     }
     (folder / RESULT_JSON).write_text(json.dumps(manifest, indent=1) + "\n")
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for chunk in iter(lambda: fh.read(1 << 22), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def _encoding(column: pd.Series) -> str:
@@ -221,7 +216,7 @@ def load_result(path: str | os.PathLike[str], spec: RunSpec | None = None) -> Ru
     A saved result is read from JSON, CSV and ``torch.load(..., weights_only=True)`` only, each file checked
     against the size and SHA-256 ``result.json`` lists; raises :class:`ResultFileError` naming the file that is
     missing, changed or unreadable. A torchrun directory is read by
-    :func:`~pipeswift_lab.runner.assembly.load_result` (``spec`` defaults to the copy of the spec the runner left
+    :func:`~pipeswift_lab.runner.assembly.read_run_dir` (``spec`` defaults to the copy of the spec the runner left
     there, which is unpickled).
     """
     if not isinstance(path, (str, os.PathLike)):
@@ -231,11 +226,10 @@ def load_result(path: str | os.PathLike[str], spec: RunSpec | None = None) -> Ru
         what = "does not exist" if not folder.exists() else "is not a directory"
         raise ResultFileError(f"{str(folder)!r} {what}: give the directory result.save(path) wrote")
     if not (folder / RESULT_JSON).exists():
-        from .assembly import load_result as load_torchrun_result
-        from .rank.worker import RESULT_FILE
+        from .assembly import read_run_dir
 
         if (folder / RESULT_FILE).is_file():
-            return load_torchrun_result(folder, spec)
+            return read_run_dir(folder, spec)
         raise ResultFileError(
             f"{str(folder / RESULT_JSON)!r} is missing: {str(folder)!r} holds no saved result (result.save(path) "
             f"writes one) and no {RESULT_FILE} of a torchrun run"
@@ -266,12 +260,7 @@ def load_result(path: str | os.PathLike[str], spec: RunSpec | None = None) -> Ru
 
 
 def _read_manifest(path: Path) -> dict[str, Any]:
-    try:
-        manifest = json.loads(path.read_text())
-    except (OSError, ValueError) as exc:
-        raise ResultFileError(f"{str(path)!r} cannot be read as JSON: {exc}") from None
-    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
-        raise ResultFileError(f"{str(path)!r} is not a saved pipeswift_lab RunResult (no format {FORMAT!r})")
+    manifest = read_manifest_json(path, FORMAT, ResultFileError, "a saved pipeswift_lab RunResult")
     if manifest.get("version") != VERSION:
         raise ResultFileError(
             f"{str(path)!r} is of format version {manifest.get('version')}; this pipeswift_lab reads version {VERSION}"
@@ -298,7 +287,7 @@ def _verify(folder: Path, manifest: dict[str, Any]) -> None:
             raise ResultFileError(f"{str(file)!r} is not listed in {RESULT_JSON}: the saved result was changed")
         if not file.is_file():
             raise ResultFileError(f"{str(file)!r} is missing: the saved result is incomplete")
-        if file.stat().st_size != listed[name]["bytes"] or _sha256(file) != listed[name]["sha256"]:
+        if file.stat().st_size != listed[name]["bytes"] or sha256_of(file) != listed[name]["sha256"]:
             raise ResultFileError(
                 f"{str(file)!r} does not match its size and SHA-256 in {RESULT_JSON}: it was changed after the save"
             )

@@ -10,8 +10,9 @@ lasting what the profile measured::
 Modules: :mod:`.schedules` (per-rank orders), :mod:`.reconciliation` (:func:`reconcile`: which schedule, ``v`` and
 placement a partition runs under), :mod:`.simulator` (:func:`simulate`), :mod:`.engine` (the event loop),
 :mod:`.timeline` and :mod:`.schema` (the :class:`Timeline` type), :mod:`.gantt` and :mod:`.chrome_trace` (its chart
-and trace export), :mod:`.trace_files`, :mod:`.trace_actions` and :mod:`.trace_import` (:meth:`Timeline.from_profiler`:
-the ``torch.profiler`` traces of any pipeline job), :mod:`.sweeps` (:func:`sweep` and its :class:`Sweep`),
+and trace export, which read it as a :mod:`.timeline_view`), :mod:`.trace_files`, :mod:`.trace_actions` and
+:mod:`.trace_import` (the rows :meth:`Timeline.from_profiler` wraps: the ``torch.profiler`` traces of any pipeline
+job), :mod:`.sweeps` (:func:`sweep` and its :class:`Sweep`),
 :mod:`.calibration` (the calibration value the simulator applies) and :mod:`.steady` (which measured step is "the
 measured step": :data:`MEASURED_STEP` says it in words, as ``RunResult.steady_step_ms``, ``compare`` and
 ``calibrate`` take it).

@@ -10,22 +10,20 @@ from __future__ import annotations
 
 import json
 from os import PathLike
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import pandas as pd
 
 from ..core.vocabulary import COMPUTE_KINDS
-from .schema import jsonable
-
-if TYPE_CHECKING:
-    from .timeline import Timeline
+from .schema import jsonable, row_arrays
+from .timeline_view import TimelineView
 
 #: A flow arrow's end: ``(pid, tid, ts_us)``.
 FlowEnd = tuple[int, int, float]
 
 
-def write_chrome_trace(timeline: Timeline, path: str | PathLike[str]) -> str:
+def write_chrome_trace(timeline: TimelineView, path: str | PathLike[str]) -> str:
     """Write ``timeline`` as Chrome trace JSON to ``path``; return the path (see the module docstring)."""
     events = _metadata_events(timeline) + _action_events(timeline) + _flow_events(timeline)
     trace = {
@@ -38,7 +36,7 @@ def write_chrome_trace(timeline: Timeline, path: str | PathLike[str]) -> str:
     return str(path)
 
 
-def _metadata_events(timeline: Timeline) -> list[dict[str, Any]]:
+def _metadata_events(timeline: TimelineView) -> list[dict[str, Any]]:
     """The names of every process (device) and of its compute and transfer threads."""
     events: list[dict[str, Any]] = []
     for pid, name in _process_names(timeline).items():
@@ -48,7 +46,7 @@ def _metadata_events(timeline: Timeline) -> list[dict[str, Any]]:
     return events
 
 
-def _action_events(timeline: Timeline) -> list[dict[str, Any]]:
+def _action_events(timeline: TimelineView) -> list[dict[str, Any]]:
     """One complete (``"X"``) event per row."""
     df = timeline.df
     pids = _pids(timeline)
@@ -71,7 +69,7 @@ def _action_events(timeline: Timeline) -> list[dict[str, Any]]:
     return events
 
 
-def _flow_events(timeline: Timeline) -> list[dict[str, Any]]:
+def _flow_events(timeline: TimelineView) -> list[dict[str, Any]]:
     """A start (``"s"``) and a finish (``"f"``) event per flow arrow."""
     events: list[dict[str, Any]] = []
     for flow_id, (src, dst) in enumerate(_flows(timeline)):
@@ -81,35 +79,23 @@ def _flow_events(timeline: Timeline) -> list[dict[str, Any]]:
     return events
 
 
-def _process_names(timeline: Timeline) -> dict[int, str]:
+def _process_names(timeline: TimelineView) -> dict[int, str]:
     if len(timeline.replicas) == 1:
         return {r: f"rank {r}" for r in timeline.ranks}
     P = max(timeline.ranks) + 1
     return {d * P + r: f"replica {d} rank {r}" for d in timeline.replicas for r in timeline.ranks}
 
 
-def _pids(timeline: Timeline) -> np.ndarray:
+def _pids(timeline: TimelineView) -> np.ndarray:
     rank = timeline.df["rank"].to_numpy(np.int64)
     if len(timeline.replicas) == 1:
         return rank
     return timeline.df["replica"].to_numpy(np.int64) * (max(timeline.ranks) + 1) + rank
 
 
-def _flows(timeline: Timeline) -> list[tuple[FlowEnd, FlowEnd]]:
+def _flows(timeline: TimelineView) -> list[tuple[FlowEnd, FlowEnd]]:
     """Pairs ``((pid, tid, ts_us), (pid, tid, ts_us))`` for the flow arrows."""
-    src = timeline.df
-    df = pd.DataFrame(
-        {
-            "step": src["step"].to_numpy(np.int64),
-            "rank": _pids(timeline),
-            "replica": src["replica"].to_numpy(np.int64),
-            "stage": src["stage"].to_numpy(np.int64),
-            "mb": src["microbatch"].to_numpy(np.int64),
-            "kind": src["kind"].to_numpy(object),
-            "start": src["start_ms"].to_numpy(float),
-            "end": src["end_ms"].to_numpy(float),
-        }
-    )
+    df = pd.DataFrame({**row_arrays(timeline.df), "rank": _pids(timeline)})
     sends = df[df["kind"].isin(["SEND_F", "SEND_B"])]
     if len(sends):
         return _transfer_flows(df, sends)

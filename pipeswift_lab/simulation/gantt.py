@@ -15,11 +15,10 @@ import numpy as np
 
 from ..core.vocabulary import COMPUTE_KINDS
 from .schema import device_index
+from .timeline_view import TimelineView
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
-
-    from .timeline import Timeline
 
 #: Most compute bars that get a micro-batch label (beyond it the labels are unreadable and slow).
 MAX_LABELS = 800
@@ -47,7 +46,7 @@ class _Bars:
 
 
 def plot_timeline(
-    timeline: Timeline,
+    timeline: TimelineView,
     ax: Axes | None = None,
     step: int | None = None,
     labels: bool = True,
@@ -99,7 +98,7 @@ def plot_timeline(
     return ax
 
 
-def _bars(timeline: Timeline, step: int | None) -> _Bars:
+def _bars(timeline: TimelineView, step: int | None) -> _Bars:
     """The rows to draw: all steps, or ``step`` alone shifted to start at 0."""
     df = timeline.df
     offset = 0.0
@@ -121,7 +120,7 @@ def _bars(timeline: Timeline, step: int | None) -> _Bars:
     )
 
 
-def _bottleneck_rows(timeline: Timeline, step: int | None) -> list[int]:
+def _bottleneck_rows(timeline: TimelineView, step: int | None) -> list[int]:
     """The device rows of the busiest rank (one per replica), or none when every rank is equally busy."""
     rank = timeline.bottleneck_rank(step)
     if rank is None:
@@ -131,7 +130,7 @@ def _bottleneck_rows(timeline: Timeline, step: int | None) -> list[int]:
     return [int(i) for i in rows]
 
 
-def _row_names(timeline: Timeline) -> list[str]:
+def _row_names(timeline: TimelineView) -> list[str]:
     """One name per device row: replica d's rank r at row ``d * P + r``."""
     ranks, replicas = timeline.ranks, timeline.replicas
     if len(replicas) > 1:
@@ -139,7 +138,7 @@ def _row_names(timeline: Timeline) -> list[str]:
     return [f"rank {r}" for r in ranks]
 
 
-def _chunk_index(timeline: Timeline) -> dict[int, int]:
+def _chunk_index(timeline: TimelineView) -> dict[int, int]:
     """Position of each stage among its rank's stages (0 for the first chunk)."""
     df = timeline.df
     pairs = sorted(set(zip(df["rank"].tolist(), df["stage"].tolist())))
@@ -200,7 +199,7 @@ def _draw_labels(ax: Axes, bars: _Bars, span: float) -> None:
             ax.text(center, bars.row[i], text, ha="center", va="center", fontsize=7, color="white")
 
 
-def _title(timeline: Timeline) -> str:
+def _title(timeline: TimelineView) -> str:
     """``<source> <schedule> (P=.., m=.., v=..): step .. ms, bubble ..%``."""
     meta = timeline.meta
     details = ", ".join(f"{k}={meta[k]}" for k in ("P", "D", "m", "v") if k in meta and (k != "D" or meta[k] != 1))

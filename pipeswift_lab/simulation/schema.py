@@ -96,6 +96,22 @@ def _time_column(df: pd.DataFrame, c: str) -> np.ndarray:
     return values
 
 
+def row_arrays(df: pd.DataFrame) -> dict[str, np.ndarray]:
+    """The columns of a normalized Timeline table as numpy arrays, by the short names the metrics and exports use:
+    ``replica``, ``step``, ``rank``, ``stage``, ``mb`` (the micro-batch), ``kind`` (objects), ``start`` and ``end``
+    (ms)."""
+    return {
+        "replica": df["replica"].to_numpy(np.int64),
+        "step": df["step"].to_numpy(np.int64),
+        "rank": df["rank"].to_numpy(np.int64),
+        "stage": df["stage"].to_numpy(np.int64),
+        "mb": df["microbatch"].to_numpy(np.int64),
+        "kind": df["kind"].to_numpy(object),
+        "start": df["start_ms"].to_numpy(float),
+        "end": df["end_ms"].to_numpy(float),
+    }
+
+
 def device_index(replicas: Sequence[int], ranks: Sequence[int], replica: Any, rank: Any) -> np.ndarray:
     """The device row of each (replica, rank): its replica's position times the number of ranks, plus its rank's
     position (without replicas, the rank's position). ``replicas`` and ``ranks`` are sorted; returns an int array."""
@@ -116,4 +132,4 @@ def jsonable(value: Any) -> Any:
     return str(value)
 
 
-__all__ = ["COLUMNS", "OPTIONAL_COLUMNS", "TIME_SOURCES", "device_index", "jsonable", "normalize"]
+__all__ = ["COLUMNS", "OPTIONAL_COLUMNS", "TIME_SOURCES", "device_index", "jsonable", "normalize", "row_arrays"]

@@ -42,7 +42,7 @@ from ..core.checks import check_choice
 from ..core.display import html_card, text_card
 from ..core.vocabulary import COMPUTE_KINDS, KINDS
 from .chrome_trace import write_chrome_trace
-from .schema import COLUMNS, OPTIONAL_COLUMNS, device_index, jsonable, normalize
+from .schema import COLUMNS, OPTIONAL_COLUMNS, device_index, jsonable, normalize, row_arrays
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
@@ -99,18 +99,7 @@ class Timeline:
 
     @cached_property
     def _arrays(self) -> dict[str, np.ndarray]:
-        df = self.df
-        return {
-            "replica": df["replica"].to_numpy(np.int64),
-            "step": df["step"].to_numpy(np.int64),
-            "rank": df["rank"].to_numpy(np.int64),
-            "stage": df["stage"].to_numpy(np.int64),
-            "mb": df["microbatch"].to_numpy(np.int64),
-            "kind": df["kind"].to_numpy(object),
-            "start": df["start_ms"].to_numpy(float),
-            "end": df["end_ms"].to_numpy(float),
-            "compute": df["kind"].isin(COMPUTE_KINDS).to_numpy(),
-        }
+        return {**row_arrays(self.df), "compute": self.df["kind"].isin(COMPUTE_KINDS).to_numpy()}
 
     @cached_property
     def step_spans(self) -> pd.DataFrame:
@@ -390,11 +379,12 @@ class Timeline:
         One row per action (``PP:{stage}{kind}{mb}`` spans of torch's pipelining runtime, GPipe's ``Forward i`` /
         ``Backward i``), its ``step`` from ``ProfilerStep#N``, its time on the GPU kernels it launched
         (``time_source="device"``) or its CPU ops (``"host"``), ranks on one clock (``meta["clock_skew_ms"]``, the
-        alignment's error bound). See :func:`~pipeswift_lab.simulation.trace_import.timeline_from_profiler`.
+        alignment's error bound). See :func:`~pipeswift_lab.simulation.trace_import.read_profiler_traces`.
         """
-        from .trace_import import timeline_from_profiler
+        from .trace_import import read_profiler_traces
 
-        return timeline_from_profiler(path_or_paths, schedule=schedule)
+        df, meta = read_profiler_traces(path_or_paths, schedule=schedule)
+        return cls(df, source="measured", meta=meta)
 
     @classmethod
     def read_csv(cls, path: str | PathLike[str]) -> Timeline:

@@ -1,5 +1,6 @@
-"""A measured :class:`~pipeswift_lab.simulation.timeline.Timeline` from the ``torch.profiler`` traces of a real
-pipeline job, one trace per rank (:func:`timeline_from_profiler`, also :meth:`Timeline.from_profiler`).
+"""The rows and meta of a measured :class:`~pipeswift_lab.simulation.timeline.Timeline` from the ``torch.profiler``
+traces of a real pipeline job, one trace per rank (:func:`read_profiler_traces`, which
+:meth:`Timeline.from_profiler` wraps).
 
 Files are read one at a time (:mod:`.trace_files`), each rank's actions extracted (:mod:`.trace_actions`), then:
 
@@ -29,7 +30,7 @@ import math
 from collections.abc import Sequence
 from os import PathLike
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import pandas as pd
 
@@ -38,29 +39,26 @@ from ..core.vocabulary import COMPUTE_KINDS, SCHEDULES
 from .trace_actions import RankActions, rank_actions
 from .trace_files import TraceError, TraceFile, read_trace, trace_paths
 
-if TYPE_CHECKING:
-    from .timeline import Timeline
+__all__ = ["read_profiler_traces"]
 
 
-def timeline_from_profiler(
+def read_profiler_traces(
     source: str | PathLike[str] | Sequence[str | PathLike[str]], schedule: str | None = None
-) -> Timeline:
-    """Read one ``torch.profiler`` trace per rank and return the job's measured Timeline.
+) -> tuple[pd.DataFrame, dict[str, Any]]:
+    """Read one ``torch.profiler`` trace per rank and return the rows and the meta of the job's measured Timeline.
 
     ``source`` is a folder written by ``tensorboard_trace_handler`` (several profiling cycles of one rank are
     joined), a trace file, or a list of files (``export_chrome_trace``'s, gzipped or not). ``schedule`` names the
     schedule; by default it is the one whose per-rank order, as torch builds it, the first step's actions follow
     (``meta["schedule_order_matched"]``; when none does, as for a custom CSV schedule, one with the same kinds and
-    placement). The Timeline has a ``time_source`` column, and in ``meta``: ``schedule``, ``P``, ``v``,
-    ``m``, ``D``, ``step_ms`` and ``first_step`` (per profiled step), ``clock_skew_ms``, ``clock_alignment``,
-    ``traces`` (the files), ``imported_from`` (``"torch.profiler"``) and ``dropped_actions``.
+    placement). The rows have a ``time_source`` column besides the Timeline's, and the meta holds ``schedule``,
+    ``P``, ``v``, ``m``, ``D``, ``step_ms`` and ``first_step`` (per profiled step), ``clock_skew_ms``,
+    ``clock_alignment``, ``traces`` (the files), ``imported_from`` (``"torch.profiler"``) and ``dropped_actions``.
 
     Raises :class:`~pipeswift_lab.simulation.trace_files.TraceError` naming the file for a truncated or non-JSON
     file, a non-pipeline trace, a schedule that emits no action spans (with the way out), a missing rank, or two
     traces of one rank that overlap in steps; ``FileNotFoundError`` when there is nothing to read.
     """
-    from .timeline import Timeline
-
     paths = trace_paths(source)
     by_rank: dict[int, list[tuple[TraceFile, RankActions]]] = {}
     hosts: dict[int, tuple[str | None, int]] = {}
@@ -103,7 +101,7 @@ def timeline_from_profiler(
     meta = _meta(df, step_spans, schedule, paths, gpipe_labels=style == "gpipe")
     meta.update(clock_skew_ms=skew_ms, clock_alignment=alignment)
     columns = ["step", "rank", "stage", "microbatch", "kind", "start_ms", "end_ms", "replica", "time_source"]
-    return Timeline(df[columns], source="measured", meta=meta)
+    return df[columns], meta
 
 
 def _without_events(trace: TraceFile) -> TraceFile:
@@ -233,7 +231,7 @@ def _meta(
     paths: list[Path],
     gpipe_labels: bool,
 ) -> dict[str, Any]:
-    """The imported Timeline's meta (see :func:`timeline_from_profiler`)."""
+    """The imported Timeline's meta (see :func:`read_profiler_traces`)."""
     compute = df[df["kind"].isin(COMPUTE_KINDS)]
     P = int(df["rank"].max()) + 1
     n_stages = int(compute["stage"].max()) + 1
@@ -290,6 +288,3 @@ def _infer_schedule(compute: pd.DataFrame, P: int, v: int) -> tuple[str, bool]:
     if {"I", "W"} & kinds:
         return ("ZBVZeroBubble" if v_shape else "InterleavedZeroBubble"), False
     return "Interleaved1F1B", False
-
-
-__all__ = ["timeline_from_profiler"]

@@ -1,4 +1,5 @@
-"""What one rank is given: :class:`RankInputs`, made by :func:`~pipeswift_lab.runner.rank.worker.run_rank`."""
+"""What one rank is given: :class:`RankInputs`, made by :func:`~pipeswift_lab.runner.rank.worker.run_rank`, and its
+place in the mesh, :class:`Topology`."""
 
 from __future__ import annotations
 
@@ -13,9 +14,30 @@ if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
 
     from ..spec import RunSpec
-    from .worker import Topology
 
-__all__ = ["RankInputs"]
+__all__ = ["RankInputs", "Topology"]
+
+
+class Topology:
+    """Where this process sits in the ``("dp", "pp")`` mesh: global ``rank``, pipeline rank ``pp_rank``, ``replica``.
+
+    With ``D == 1`` there is no mesh: ``pp_rank == rank``, ``replica == 0`` and both groups are
+    None (the default group). With ``D > 1`` the world is a 2-D ``DeviceMesh`` of shape
+    ``(D, P)``: replica ``d`` is the global ranks ``d*P .. d*P+P-1`` (its stages talk point to
+    point inside ``pp_group``); ``replica_group`` holds the ``D`` copies of this rank's stages,
+    whose gradients DDP averages.
+    """
+
+    def __init__(self, rank: int, P: int, D: int, device_type: str) -> None:
+        self.rank, self.P, self.D = rank, P, D
+        self.pp_rank, self.replica = rank % P, rank // P
+        self.pp_group: ProcessGroup | None = None
+        self.replica_group: ProcessGroup | None = None
+        if D > 1:
+            from torch.distributed.device_mesh import init_device_mesh
+
+            mesh = init_device_mesh(device_type, (D, P), mesh_dim_names=("dp", "pp"))
+            self.pp_group, self.replica_group = mesh.get_group("pp"), mesh.get_group("dp")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -33,10 +33,7 @@ from typing import Any
 
 import torch
 
-from ...core.vocabulary import COMPUTE_KINDS, REDUCE_KINDS
-
-#: Action kinds recorded, by code (the row's kind column): the compute kinds, then the gradient all-reduce.
-KINDS = COMPUTE_KINDS + REDUCE_KINDS
+#: The codes of the recorded kinds, in the order of :data:`~pipeswift_lab.runner.run_files.KINDS`.
 _F, _B, _I, _W, _R = range(5)
 #: Codes of the compute kinds (what a stage's busy time sums).
 COMPUTE_CODES = (_F, _B, _I, _W)
@@ -213,4 +210,4 @@ class ActionRecorder:
         return torch.tensor(self._records, dtype=torch.int64)
 
 
-__all__ = ["ActionRecorder", "COMPUTE_CODES", "KINDS", "wall_offset_ns"]
+__all__ = ["ActionRecorder", "COMPUTE_CODES", "wall_offset_ns"]

@@ -21,7 +21,7 @@ from ...core.meta_device import initial_values, materialize
 
 if TYPE_CHECKING:
     from ..spec import RunSpec
-    from .worker import Topology
+    from .inputs import Topology
 
 __all__ = ["build_stages", "stage_fill"]
 

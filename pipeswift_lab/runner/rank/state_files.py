@@ -178,21 +178,7 @@ def restore_rank_state(
         loaded = _restore_direct(checkpoint, rank, pp_rank, module, optimizer, device, aliases)
         if loaded is not None:
             return {"restore_ms": (time.perf_counter() - t0) * 1e3, "bytes": loaded, "path": "direct"}
-    loaded = _restore_dcp(checkpoint, rank, module, optimizer, device, group, restore_rng, aliases)
-    return {"restore_ms": (time.perf_counter() - t0) * 1e3, "bytes": loaded, "path": "dcp"}
-
-
-def _restore_dcp(
-    checkpoint: Checkpoint,
-    rank: int,
-    module: torch.nn.Module,
-    optimizer: torch.optim.Optimizer,
-    device: torch.device,
-    group: ProcessGroup | None,
-    restore_rng: bool,
-    aliases: dict[str, str],
-) -> int:
-    """DCP's load by name (any partition); returns the bytes of state loaded."""
+    # another partition (or an optimizer state the direct read cannot rebuild): DCP's load by name
     import torch
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
@@ -210,7 +196,7 @@ def _restore_dcp(
     set_state_dict(module, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd, options=_state_options())
     if restore_rng:
         _set_rng(rng[f"rank{rank}"], device)
-    return state_bytes(state)
+    return {"restore_ms": (time.perf_counter() - t0) * 1e3, "bytes": state_bytes(state), "path": "dcp"}
 
 
 def _restore_direct(

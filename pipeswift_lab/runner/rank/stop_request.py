@@ -12,9 +12,9 @@ import time
 from pathlib import Path
 from types import FrameType
 
-__all__ = ["PREEMPT_FILE", "StopRequest"]
+from ..run_files import PREEMPT_FILE, rank_file
 
-PREEMPT_FILE = "preempt"
+__all__ = ["StopRequest"]
 
 
 class StopRequest:
@@ -28,7 +28,7 @@ class StopRequest:
         self.flag = False
         self.grace_s = grace_s
         self._file = out_dir / PREEMPT_FILE
-        self._marker = out_dir / f"rank{rank}.sigterm"
+        self._marker = out_dir / rank_file(rank, "sigterm")
 
     def install(self) -> None:
         """Take SIGTERM: note it (in ``rank{r}.sigterm`` too) instead of dying mid-step."""

@@ -8,7 +8,7 @@ updates, the ranks agree in one small all-reduce (MAX over three flags) on
   update, ``"ignore"`` updates anyway;
 * ``stop`` — some rank was asked to stop (SIGTERM: a preemption notice; or the launcher's
   ``preempt`` file): every rank finishes this step, all save at the same step, and exit;
-* ``save`` — rank 0's vote for a checkpoint at ``checkpoint_every="auto"``: the Young/Daly
+* ``save`` — rank 0's vote for a checkpoint at ``Checkpointing(every="auto")``: the Young/Daly
   interval √(2·C·MTBF) (Young, CACM 1974; Daly, FGCS 2006) from the *measured* save stall C
   and step time (:mod:`.checkpointer`);
 * ``hold`` — rank 0's last save is still being written in the background, or the steps left
@@ -17,7 +17,8 @@ updates, the ranks agree in one small all-reduce (MAX over three flags) on
 
 Files written into the run directory for the launcher: ``steps.log`` (the last rank: one
 ``attempt step start_ns end_ns`` line per step), ``checkpoints.log`` (rank 0: one JSON line
-per committed checkpoint) and ``attempt{n}.json`` (rank 0: where attempt ``n`` resumed from).
+per committed checkpoint) and ``attempt{n}.json`` (rank 0: where attempt ``n`` resumed from); their names are
+:mod:`~pipeswift_lab.runner.run_files`'.
 """
 
 from __future__ import annotations
@@ -35,16 +36,17 @@ import torch
 
 from .. import checkpoint as ckpt
 from ..final_weights import write_rank_shard
+from ..run_files import PROGRESS_FILE, STEPS_LOG, attempt_file
 from ..stages.precision import sharded_optimizer
 from ..stages.release import release_unheld
 from ..stages.tied import TiedGradients, unique_parameters
-from .checkpointer import CHECKPOINTS_LOG, Checkpointer, append_line, broadcast, gather
+from .checkpointer import Checkpointer, append_line, broadcast, gather
 from .inputs import RankInputs
 from .instrument import ActionRecorder
 from .memory_probe import MemoryProbe, lifetime_high_water, probed_step, resident_bytes
 from .profiler_trace import StepTrace
 from .state_files import restore_rank_state
-from .stop_request import PREEMPT_FILE, StopRequest
+from .stop_request import StopRequest
 
 __all__ = [
     "train",
@@ -53,14 +55,7 @@ __all__ = [
     "attempt_number",
     "rank_module",
     "unwrapped",
-    "STEPS_LOG",
-    "CHECKPOINTS_LOG",
-    "PREEMPT_FILE",
-    "PROGRESS_FILE",
 ]
-
-STEPS_LOG = "steps.log"
-PROGRESS_FILE = "progress"
 
 
 def attempt_number() -> int:
@@ -153,7 +148,7 @@ class StepLog:
 def train(inputs: RankInputs) -> list[dict[str, Any]] | None:
     """Run this rank's steps (resuming where a checkpoint says), then gather every rank's measurements to rank 0.
 
-    ``inputs.topo`` is the rank's :class:`~pipeswift_lab.runner.rank.worker.Topology` (global rank,
+    ``inputs.topo`` is the rank's :class:`~pipeswift_lab.runner.rank.inputs.Topology` (global rank,
     pipeline rank, replica and their groups); replica ``d`` reads rows
     ``d*b .. (d+1)*b - 1`` of every global batch (``b`` = global batch / D). Returns every rank's payload on
     rank 0, ``None`` on the others.
@@ -278,7 +273,7 @@ def _announce(inputs: RankInputs, state: RankState) -> None:
             "ready_ns": state.ready_ns,
             "restore_ms": restored["restore_ms"] if restored else 0.0,
         }
-        (inputs.out_dir / f"attempt{state.attempt}.json").write_text(json.dumps(info))
+        (inputs.out_dir / attempt_file(state.attempt)).write_text(json.dumps(info))
     dist.barrier()
 
 

@@ -1,11 +1,10 @@
 """What every rank runs: process group, its stages, torch's schedule, the steps, the gather.
 
-One entry point, :func:`main`, serves every launch: ``run()`` calls it through torch's
-elastic agent (:func:`entry`, in processes forked from a warm server, or as the command
-``python -m pipeswift_lab.runner SPEC --out DIR``), and ``torchrun ... -m pipeswift_lab.runner
-SPEC`` runs that same command on one or many machines. The rank, world
-size and local rank come from the environment torch's launchers set (``RANK``,
-``WORLD_SIZE``, ``LOCAL_RANK``).
+One entry point, :func:`main` (under torch elastic's ``@record``, which writes the error file the agent reads),
+serves every launch: ``run()`` calls it through torch's elastic agent (in processes forked from a warm server, or
+as the command ``python -m pipeswift_lab.runner SPEC --out DIR``), and ``torchrun ... -m pipeswift_lab.runner
+SPEC`` runs that same command on one or many machines. The rank, world size and local rank come from the
+environment torch's launchers set (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``).
 
 Files a rank writes in ``DIR``: ``rank{r}.pid`` at start; ``rank{r}.done`` when it finished (JSON: the OS
 threads left after teardown); ``rank{r}.error`` (the traceback) if it raises; ``rank{r}.stacks`` (every thread's
@@ -29,18 +28,19 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
+from torch.distributed.elastic.multiprocessing.errors import record
 
 from ..processes import alive
-from .inputs import RankInputs
+from ..run_files import RESULT_FILE, RESULT_FORMAT, rank_file
+from .inputs import RankInputs, Topology
 from .stage_build import build_stages
 from .train_loop import train
 
 if TYPE_CHECKING:
-    from torch.distributed import ProcessGroup, Store
+    from torch.distributed import Store
 
     from ..spec import RunSpec
 
-RESULT_FILE = "result.pt"
 #: torch modules every rank imports before its process group exists. See [Note: the process group outlives its
 #: destroy]. The fork server preloads them too.
 DISTRIBUTED_MODULES = (
@@ -80,6 +80,7 @@ def _env_int(name: str) -> int:
     return int(os.environ[name])
 
 
+@record
 def main(
     spec_path: str | os.PathLike[str],
     out_dir: str | os.PathLike[str],
@@ -98,11 +99,11 @@ def main(
     watchdog = None
     gc.freeze()  # what is loaded by now (torch, pandas, ...) lives to the end: the teardown's collection skips it
     for stale in ("error", "done", "sigterm"):  # left by an earlier attempt of this run (elastic restarts)
-        (out_dir / f"rank{rank}.{stale}").unlink(missing_ok=True)
-    (out_dir / f"rank{rank}.pid").write_text(str(os.getpid()))
+        (out_dir / rank_file(rank, stale)).unlink(missing_ok=True)
+    (out_dir / rank_file(rank, "pid")).write_text(str(os.getpid()))
     if caller_pid is not None:
         watchdog = start_caller_watchdog(int(caller_pid))
-    stacks = open(out_dir / f"rank{rank}.stacks", "w")  # kept open for faulthandler
+    stacks = open(out_dir / rank_file(rank, "stacks"), "w")  # kept open for faulthandler
     faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
     try:
         from ..spec import load_spec
@@ -110,10 +111,10 @@ def main(
 
         resident = resident_bytes()
         run_rank(load_spec(spec_path), out_dir, progress=progress, resident_start=resident[0] if resident else None)
-        (out_dir / f"rank{rank}.done").write_text(json.dumps({"threads_after_teardown": os_threads()}))
+        (out_dir / rank_file(rank, "done")).write_text(json.dumps({"threads_after_teardown": os_threads()}))
     except BaseException:
         text = traceback.format_exc()
-        (out_dir / f"rank{rank}.error").write_text(text)
+        (out_dir / rank_file(rank, "error")).write_text(text)
         if _lost_a_peer(text):
             # Let the elastic agent see the peer that died first, with its exit signal, before this
             # consequence of it: the agent reports only the first failure it observes.
@@ -166,46 +167,12 @@ def start_caller_watchdog(caller_pid: int) -> threading.Event:
     return stop
 
 
-def entry(
-    spec_path: str | os.PathLike[str],
-    out_dir: str | os.PathLike[str],
-    progress: bool = False,
-    caller_pid: int | None = None,
-) -> None:
-    """:func:`main` under torch elastic's ``@record`` (error file for the agent); the callable ``run()`` launches."""
-    from torch.distributed.elastic.multiprocessing.errors import record
-
-    record(main)(spec_path, out_dir, progress, caller_pid)
-
-
 def _device(spec: RunSpec, local_rank: int) -> torch.device:
     if spec.device_type == "cuda" and spec.devices is not None:  # pragma: no cover - needs GPUs
         device = torch.device("cuda", spec.devices[local_rank])
         torch.cuda.set_device(device)
         return device
     return torch.device("cpu")
-
-
-class Topology:
-    """Where this process sits in the ``("dp", "pp")`` mesh: global ``rank``, pipeline rank ``pp_rank``, ``replica``.
-
-    With ``D == 1`` there is no mesh: ``pp_rank == rank``, ``replica == 0`` and both groups are
-    None (the default group). With ``D > 1`` the world is a 2-D ``DeviceMesh`` of shape
-    ``(D, P)``: replica ``d`` is the global ranks ``d*P .. d*P+P-1`` (its stages talk point to
-    point inside ``pp_group``); ``replica_group`` holds the ``D`` copies of this rank's stages,
-    whose gradients DDP averages.
-    """
-
-    def __init__(self, rank: int, P: int, D: int, device_type: str) -> None:
-        self.rank, self.P, self.D = rank, P, D
-        self.pp_rank, self.replica = rank % P, rank // P
-        self.pp_group: ProcessGroup | None = None
-        self.replica_group: ProcessGroup | None = None
-        if D > 1:
-            from torch.distributed.device_mesh import init_device_mesh
-
-            mesh = init_device_mesh(device_type, (D, P), mesh_dim_names=("dp", "pp"))
-            self.pp_group, self.replica_group = mesh.get_group("pp"), mesh.get_group("dp")
 
 
 def stage_loss(spec: RunSpec) -> Any:
@@ -303,7 +270,7 @@ def run_rank(spec: RunSpec, out_dir: Path, progress: bool = False, resident_star
         )
         gathered = train(inputs)
         if rank == 0:
-            result = {"format": "pipeswift_lab.run", "ranks": gathered, "gathered_ns": time.time_ns()}
+            result = {"format": RESULT_FORMAT, "ranks": gathered, "gathered_ns": time.time_ns()}
             tmp = out_dir / (RESULT_FILE + ".tmp")
             torch.save(result, tmp)
             os.replace(tmp, out_dir / RESULT_FILE)
@@ -339,16 +306,13 @@ def run_rank(spec: RunSpec, out_dir: Path, progress: bool = False, resident_star
 
 __all__ = [
     "DISTRIBUTED_MODULES",
-    "entry",
     "GLOO_THREADS",
     "main",
     "os_threads",
     "PEER_FAILURE_DELAY_S",
     "process_start_ns",
-    "RESULT_FILE",
     "run_rank",
     "stage_loss",
     "start_caller_watchdog",
-    "Topology",
     "WATCHDOG_PERIOD_S",
 ]

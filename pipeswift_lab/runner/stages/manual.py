@@ -26,9 +26,9 @@ named.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -39,6 +39,9 @@ from ...profiling.unit_copies import Skipped, StageForward, stage_copy
 from .outputs import checked_structure, describe
 from .sequential import TensorSpec
 from .tied import TiedGroup, tied_groups, unheld_keys
+
+if TYPE_CHECKING:
+    from .shapes import Trial
 
 
 @dataclass(frozen=True)
@@ -52,22 +55,17 @@ class ManualPlan:
 
 
 def check_manual(
-    model: nn.Module,
-    partition: Any,
-    n_stages: int,
-    inputs_mb: torch.Tensor,
-    targets_mb: torch.Tensor,
-    loss_fn: Callable[[Any, torch.Tensor], torch.Tensor],
-    device: torch.device | str = "cpu",
+    trial: Trial,
 ) -> tuple[ManualPlan, tuple[tuple[TensorSpec, TensorSpec | None], ...], tuple[TiedGroup, ...]]:
-    """Build every stage copy and run one micro-batch through them in order, before launch (a meta model with fake
-    tensors on ``device``, the ranks' device).
+    """Build every stage copy and run the ``trial``'s micro-batch through them in order, before launch (a meta model
+    with fake tensors on the ranks' device).
 
     Returns the :class:`ManualPlan`, every stage's ``(input, output)`` specs (the last stage's
     output spec is ``None``: it goes to the loss) and the parameters several stages hold.
     Raises ``ValueError`` naming the stage whose copy cannot take what the stage before sent.
     """
-    layers = getattr(partition, "layer_names", None)
+    model, n_stages = trial.model, trial.n_stages
+    layers = getattr(trial.partition, "layer_names", None)
     if not layers or len(layers) != n_stages or any(not stage for stage in layers):
         raise ValueError(
             'split="manual" cuts the model at the profiled layers of every stage, so partition must carry layer '
@@ -83,8 +81,8 @@ def check_manual(
     plan = ManualPlan(tuple(tuple(str(n) for n in stage) for stage in layers))
     copies = [stage_copy(model, plan.stage_layers, s) for s in range(n_stages)]
     specs: list[tuple[TensorSpec, TensorSpec | None]] = []
-    with torch.no_grad(), torch.random.fork_rng(), shape_pass(model, device, *copies) as lift:
-        x = lift(inputs_mb.detach().clone())
+    with torch.no_grad(), torch.random.fork_rng(), shape_pass(model, trial.device, *copies) as lift:
+        x = lift(trial.inputs.detach().clone())
         for s, stage in enumerate(copies):
             stage.train(model.training)
             try:
@@ -98,8 +96,8 @@ def check_manual(
                 ) from exc
             specs.append((TensorSpec.from_tensor(x), TensorSpec.from_tensor(y) if s < n_stages - 1 else None))
             x = y
-        out = _eager_output(model, lift(inputs_mb))
-        structure = checked_structure(loss_fn, out, lift(targets_mb))
+        out = _eager_output(model, lift(trial.inputs))
+        structure = checked_structure(trial.loss_fn, out, lift(trial.targets))
     stage_tensors = [stage.state_dict() for stage in copies]
     missing = unheld_keys(model, stage_tensors)
     if missing:

@@ -25,6 +25,20 @@ if TYPE_CHECKING:
     from .traced import TracedPlan
 
 
+@dataclass(frozen=True)
+class Trial:
+    """What a check before launch runs: ``model``, cut into ``n_stages`` stages by ``partition``, on one micro-batch
+    (``inputs``, ``targets``) and its loss, for the ranks' ``device``."""
+
+    model: nn.Module
+    partition: Any
+    n_stages: int
+    inputs: torch.Tensor
+    targets: torch.Tensor
+    loss_fn: Callable[[Any, torch.Tensor], torch.Tensor]
+    device: torch.device
+
+
 @dataclass(frozen=True, kw_only=True)
 class StageShapes:
     """How the stages are built and what crosses their boundaries, found on one micro-batch before launch."""
@@ -77,15 +91,16 @@ def stage_shapes(
     if refusal is not None:
         raise ValueError(refusal)
     layer_names = [str(name) for stage in getattr(partition, "layer_names", None) or () for name in stage]
+    trial = Trial(model, partition, plan.n_stages, inputs_mb, targets_mb, loss_fn, device)
     if split == "manual":
         from .manual import check_manual
 
-        manual, specs, tied = check_manual(model, partition, plan.n_stages, inputs_mb, targets_mb, loss_fn, device)
+        manual, specs, tied = check_manual(trial)
         return StageShapes(boundaries=specs, traced=None, manual=manual, tied=tied, layer_names=layer_names)
     from .traced import check_traceable
 
-    traced, tied = check_traceable(model, partition, plan.n_stages, inputs_mb, targets_mb, loss_fn, device)
+    traced, tied = check_traceable(trial)
     return StageShapes(boundaries=(), traced=traced, manual=None, tied=tied, layer_names=layer_names)
 
 
-__all__ = ["stage_shapes", "StageShapes"]
+__all__ = ["stage_shapes", "StageShapes", "Trial"]

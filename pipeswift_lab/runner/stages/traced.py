@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import warnings
 import weakref
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -47,6 +47,8 @@ from .tied import TiedGroup, tied_groups, unheld_keys
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
     from torch.distributed.pipelining import Pipe
+
+    from .shapes import Trial
 
 
 @dataclass(frozen=True)
@@ -172,23 +174,16 @@ def failing_module(exc: BaseException, model: nn.Module) -> str | None:
     return found
 
 
-def check_traceable(
-    model: nn.Module,
-    partition: Any,
-    n_stages: int,
-    inputs_mb: torch.Tensor,
-    targets_mb: torch.Tensor,
-    loss_fn: Callable[[Any, torch.Tensor], torch.Tensor],
-    device: torch.device,
-) -> tuple[TracedPlan, tuple[TiedGroup, ...]]:
-    """Trace ``model`` at the partition's split points on one micro-batch for ``device`` (the ranks' device), as the
+def check_traceable(trial: Trial) -> tuple[TracedPlan, tuple[TiedGroup, ...]]:
+    """Trace the ``trial``'s model at the partition's split points on its micro-batch for the ranks' device, as the
     ranks will, before launch; return the :class:`TracedPlan` and the tied parameters the stages share.
 
     Also checks that the traced stages hold every key of ``model.state_dict()`` and that
     ``loss_fn`` takes the model's output. Raises ``ValueError`` naming what is wrong.
     """
-    names = split_names(model, partition, n_stages)
-    example = inputs_mb.detach().clone()
+    model, device = trial.model, trial.device
+    names = split_names(model, trial.partition, trial.n_stages)
+    example = trial.inputs.detach().clone()
     tied, missing = traced_stage_state(model, example, names, device)
     if missing:
         raise ValueError(
@@ -197,7 +192,7 @@ def check_traceable(
         )
     with torch.no_grad(), training_settings(model), torch.random.fork_rng(), shape_pass(model, device) as lift:
         out = model(lift(example))
-        structure = checked_structure(loss_fn, out, lift(targets_mb))
+        structure = checked_structure(trial.loss_fn, out, lift(trial.targets))
     return TracedPlan(names, example, structure), tied
 
 
