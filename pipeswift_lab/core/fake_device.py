@@ -12,7 +12,7 @@ a device and no memory. The traced stages then hold fake tensors; :func:`fake_to
 into meta tensors, which the rank makes and fills as any meta structure
 (:func:`~pipeswift_lab.core.meta_device.materialize`).
 
-See [Note: tracing on one device and running on another] in the README's traps.
+See "Tracing on one device and running on another" in docs/development.md's traps.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The package layout the README's Development section describes, checked: rooms whose imports point down, no
+"""The package layout docs/development.md describes, checked: rooms whose imports point down, no
 package attribute that shadows a submodule, small modules, and no ``_x.py`` satellites."""
 
 from __future__ import annotations

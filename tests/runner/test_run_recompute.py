@@ -115,15 +115,23 @@ def test_full_recomputation_holds_less_and_a_dict_picks_layers():
     assert all(torch.equal(first.state_dict()[k], plain.state_dict()[k]) for k in plain.state_dict())
 
 
-@pytest.mark.processes
-@pytest.mark.parametrize("schedule", ["1F1B", "ZBVZeroBubble"])
-def test_the_run_predicts_its_memory_recomputed(schedule):
-    """RunResult.memory replays the layers as they cost recomputed (the profile's recompute columns); under the
-    zero-bubble schedules what an I pass computes again is held until its W."""
+@pytest.fixture(scope="module")
+def wide_blocks():
+    """Four width-64 blocks without dropout, a batch, and their profile with the recompute columns (one for both
+    schedules)."""
     torch.manual_seed(0)
     net = nn.Sequential(*[Block(d=64, p=0.0) for _ in range(4)])
     x, y = torch.randn(16, 32, 64), torch.randn(16, 32, 64)
     prof = profile(net, x[:4], target=y[:4], loss_fn=F.mse_loss, warmup=1, repeats=1, progress=False, recompute=True)
+    return net, x, y, prof
+
+
+@pytest.mark.processes
+@pytest.mark.parametrize("schedule", ["1F1B", "ZBVZeroBubble"])
+def test_the_run_predicts_its_memory_recomputed(schedule, wide_blocks):
+    """RunResult.memory replays the layers as they cost recomputed (the profile's recompute columns); under the
+    zero-bubble schedules what an I pass computes again is held until its W."""
+    net, x, y, prof = wide_blocks
     v = 2 if schedule == "ZBVZeroBubble" else 1
     part = partition(prof, 2, v=v, schedule=schedule, m=4)
     adam = lambda ps: torch.optim.Adam(ps, lr=1e-3)  # noqa: E731
@@ -135,12 +143,10 @@ def test_the_run_predicts_its_memory_recomputed(schedule):
     assert (peaks["full"] < peaks[None]).all()
 
 
-@pytest.mark.processes
-@pytest.mark.parametrize("schedule, recompute", [("1F1B", "selective"), ("ZBVZeroBubble", "full")])
-def test_a_hf_llama_recomputes_as_profiled_and_trains_bit_for_bit(schedule, recompute):
-    """A LlamaForCausalLM with its KV cache on, as built: the profiler and the runner train it with the cache off (a
-    cache grown in the forward would make the recomputed forward differ), its blocks are recomputed per stage, and
-    the parameters equal those of the run without, bit for bit; the profile says what each block keeps."""
+@pytest.fixture(scope="module")
+def llama_profiled():
+    """A LlamaForCausalLM as built (KV cache on), a batch, its loss, and its profile with the recompute columns (one
+    for both schedules)."""
     from tiny_transformers import VOCAB, llama
 
     model = llama()
@@ -154,6 +160,17 @@ def test_a_hf_llama_recomputes_as_profiled_and_trains_bit_for_bit(schedule, reco
     prof = profile(model, x[:2], target=y[:2], loss_fn=lm_loss, layers="auto", warmup=1, repeats=1, progress=False,
                    recompute=True)  # fmt: skip
     assert model.config.use_cache  # given back as it was
+    return model, x, y, lm_loss, prof
+
+
+@pytest.mark.processes
+@pytest.mark.parametrize("schedule, recompute", [("1F1B", "selective"), ("ZBVZeroBubble", "full")])
+def test_a_hf_llama_recomputes_as_profiled_and_trains_bit_for_bit(schedule, recompute, llama_profiled):
+    """A LlamaForCausalLM with its KV cache on, as built: the profiler and the runner train it with the cache off (a
+    cache grown in the forward would make the recomputed forward differ), its blocks are recomputed per stage, and
+    the parameters equal those of the run without, bit for bit; the profile says what each block keeps."""
+    model, x, y, lm_loss, prof = llama_profiled
+    assert model.config.use_cache
     blocks = prof.df[prof.df["name"].str.startswith("model.layers.")]
     assert (blocks["full_activation_bytes"] < blocks["selective_activation_bytes"]).all()
     assert (blocks["selective_activation_bytes"] < blocks["activation_bytes"]).all()

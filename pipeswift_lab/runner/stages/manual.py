@@ -41,7 +41,7 @@ from .sequential import TensorSpec
 from .tied import TiedGroup, tied_groups, unheld_keys
 
 if TYPE_CHECKING:
-    from .shapes import Trial
+    from .trial import Trial
 
 
 @dataclass(frozen=True)

@@ -18,25 +18,12 @@ from ...core.meta_device import is_meta_model
 from ...profiling.units import decoder_inputs_refusal
 from .sequential import StagePlan, TensorSpec, boundary_specs, stage_module
 from .tied import TiedGroup, tied_groups
+from .trial import Trial
 
 if TYPE_CHECKING:
     from ..sources import DataSource
     from .manual import ManualPlan
     from .traced import TracedPlan
-
-
-@dataclass(frozen=True)
-class Trial:
-    """What a check before launch runs: ``model``, cut into ``n_stages`` stages by ``partition``, on one micro-batch
-    (``inputs``, ``targets``) and its loss, for the ranks' ``device``."""
-
-    model: nn.Module
-    partition: Any
-    n_stages: int
-    inputs: torch.Tensor
-    targets: torch.Tensor
-    loss_fn: Callable[[Any, torch.Tensor], torch.Tensor]
-    device: torch.device
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -103,4 +90,4 @@ def stage_shapes(
     return StageShapes(boundaries=(), traced=traced, manual=None, tied=tied, layer_names=layer_names)
 
 
-__all__ = ["stage_shapes", "StageShapes", "Trial"]
+__all__ = ["stage_shapes", "StageShapes"]

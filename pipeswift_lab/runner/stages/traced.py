@@ -48,7 +48,7 @@ if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
     from torch.distributed.pipelining import Pipe
 
-    from .shapes import Trial
+    from .trial import Trial
 
 
 @dataclass(frozen=True)
