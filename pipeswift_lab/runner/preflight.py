@@ -118,6 +118,7 @@ def plan_job(
     """
     steps = check_int("steps", steps, minimum=1)
     D = check_int("D", D, minimum=1)
+    progress = check_flag("progress", progress)
     for name, value in elastic.changes().items() if D > 1 else ():
         raise ValueError(f"D={D} replicas cannot be combined with {name}={value!r} yet; use D=1 for {name}")
     if weights is not None and resume_from is not None:
@@ -166,7 +167,7 @@ def plan_job(
         spec_kwargs=spec_kwargs,
         job=job,
         launch=launch,
-        progress=check_flag("progress", progress),
+        progress=progress,
         max_restarts=faults.max_restarts,
         planned=planned,
         specs=specs,
