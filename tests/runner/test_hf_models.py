@@ -39,6 +39,7 @@ from pipeswift_lab.partitioning.balance import partition
 from pipeswift_lab.partitioning.stages import Partition
 from pipeswift_lab.profiling.measure import profile
 from pipeswift_lab.profiling.table import Profile
+from pipeswift_lab.profiling.units import auto_units
 from pipeswift_lab.runner import make_spec, run
 from pipeswift_lab.runner.stages.tied import TiedGroup, tied_groups
 
@@ -53,8 +54,12 @@ def assert_equal_training(result, want, atol=1e-5):
 
 
 def auto_partition(model, x, y, P, schedule, loss_fn=lm_loss):
+    """The model's ``layers="auto"`` units split as a profile of equal units splits them: the same split every run,
+    and no profile taken (measured times would move the cuts from run to run; HF models are profiled in
+    tests/profiling/test_auto_layers.py, and go profile -> partition -> run in test_run_recompute.py)."""
     v = 1 if schedule in ("1F1B", "GPipe") else 2
-    prof = profile(model, x[:2], target=y[:2], loss_fn=loss_fn, layers="auto", warmup=1, repeats=1, progress=False)
+    names = [name for name, _ in auto_units(model, announce=False)]
+    prof = Profile.synthetic(fwd_ms=[1.0] * len(names), bwd_ms=[2.0] * len(names), name=names)
     return partition(prof, P=P, v=v, schedule=schedule)
 
 

@@ -22,6 +22,7 @@ from torch import nn
 import pipeswift_lab as psl
 from pipeswift_lab.partitioning.balance import partition
 from pipeswift_lab.profiling.measure import profile
+from pipeswift_lab.profiling.units import auto_units
 from pipeswift_lab.runner import run
 from pipeswift_lab.runner.weights import INDEX_FILE
 
@@ -87,6 +88,14 @@ def hf_partition(model, x, y, P=2):
     return partition(prof, P=P, schedule="1F1B")
 
 
+def units_partition(model, P=2):
+    """The model's ``layers="auto"`` units split as a profile of equal units splits them: where a test needs a split,
+    not a profile (the same split every run; profiling a meta model is the test above's)."""
+    names = [name for name, _ in auto_units(model, announce=False)]
+    prof = psl.Profile.synthetic(fwd_ms=[1.0] * len(names), bwd_ms=[2.0] * len(names), name=names)
+    return partition(prof, P=P, schedule="1F1B")
+
+
 def test_a_meta_sequential_with_weights_trains_bit_for_bit_as_the_eager_model(tmp_path):
     want, got = eager_and_meta(tmp_path, psl.partition(PROFILE6, 3, m=M), steps=3, optimizer=sgd)
     assert got.losses == want.losses
@@ -135,7 +144,7 @@ def test_tied_embeddings_on_meta_train_as_one_process(tmp_path, split):
         on_meta(qwen2),
         (x, y),
         lm_loss,
-        hf_partition(eager, x, y),
+        units_partition(eager),
         M,
         steps=2,
         optimizer=sgd,
@@ -155,9 +164,7 @@ def test_default_init_starts_p2_and_p4_from_the_same_tensors():
     x, y = tokens()
     eager = llama()
     frozen = {"optimizer": lambda params: torch.optim.SGD(params, lr=0.0), "progress": False, "steps": 1}
-    starts = [
-        run(on_meta(llama), (x, y), lm_loss, hf_partition(eager, x, y, P), M, **frozen).state_dict() for P in (2, 4)
-    ]
+    starts = [run(on_meta(llama), (x, y), lm_loss, units_partition(eager, P), M, **frozen).state_dict() for P in (2, 4)]
     assert list(starts[0]) == list(starts[1])
     assert all(torch.equal(starts[0][k], starts[1][k]) for k in starts[0])
     inv_freq = eager.model.rotary_emb.inv_freq
@@ -227,7 +234,7 @@ def test_a_meta_llama_resumed_on_another_p_trains_as_the_uninterrupted_run(tmp_p
     Hugging Face's own init."""
     x, y = tokens()
     meta = on_meta(llama)
-    two, three = hf_partition(llama(), x, y, P=2), hf_partition(llama(), x, y, P=3)
+    two, three = units_partition(llama(), P=2), units_partition(llama(), P=3)
     kwargs = dict(optimizer=adam, progress=False)
     whole = run(meta, (x, y), lm_loss, two, M, steps=4, **kwargs)
     run(meta, (x, y), lm_loss, two, M, steps=2, checkpoint=tmp_path, **kwargs)

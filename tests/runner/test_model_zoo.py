@@ -1,6 +1,7 @@
 """The zoo (tests/model_zoo.py): every decoder family of the installed transformers that it lists, mixtures of experts
-among them, trained at P=2 eager and on the meta device from its ``save_pretrained`` folder, each equal to the
-family's ``from_pretrained`` model trained in one process; the trained model written back as the family writes it.
+among them, trained at P=2 on the meta device from its ``save_pretrained`` folder (and eager, for the families in
+``EAGER``), each equal to the family's ``from_pretrained`` model trained in one process; the trained model written back
+as the family writes it.
 
 When a transformers release breaks a family (a forward that branches on its device, a renamed or fused checkpoint
 tensor), this file says so first. Runs use SGD: the micro-batch sums round differently from one batch (below 1e-8),
@@ -30,6 +31,14 @@ def sgd(params):
     return torch.optim.SGD(params, lr=0.05)
 
 
+#: The families also trained eager (the caller's model, its weights shipped by the caller). Both paths trace the
+#: same way (fake tensors, a meta model either way) and build the same stages; what differs is where a rank reads
+#: its tensors: the caller's own state dict by its own names (the same for every family), or the family's checkpoint
+#: with its stored names (renamed, per expert, fused), which every family runs below. So the eager run is kept for a
+#: plain decoder, a tied head and two kinds of experts, not repeated for all 22.
+EAGER = ("Llama", "Qwen2", "Mixtral", "GptOss")
+
+
 def halves(model, P=2):
     """The model's ``layers="auto"`` units cut into ``P`` runs of equal count (no profile needed to test equality)."""
     names = [name for name, _ in auto_units(model, announce=False)]
@@ -52,7 +61,7 @@ def stored_names(folder):
 
 @pytest.mark.processes
 @pytest.mark.parametrize("family", list(FAMILIES))
-def test_a_family_trains_eager_and_from_its_checkpoint_on_meta_as_from_pretrained_does(family, tmp_path):
+def test_a_family_trains_from_its_checkpoint_on_meta_as_from_pretrained_does(family, tmp_path):
     model = build(family)
     model.save_pretrained(tmp_path / "hf")
     reference = model_class(family).from_pretrained(tmp_path / "hf")
@@ -60,8 +69,9 @@ def test_a_family_trains_eager_and_from_its_checkpoint_on_meta_as_from_pretraine
     want = single_process(reference, x, y, 3, optimizer=sgd)
     part = halves(model)
     kw = dict(steps=3, optimizer=sgd, progress=False, launch=Launch(timeout_s=240))
-    eager = run(model, (x, y), lm_loss, part, M, **kw)
-    assert worst(eager.state_dict(), want) <= 1e-5
+    if family in EAGER:
+        eager = run(model, (x, y), lm_loss, part, M, **kw)
+        assert worst(eager.state_dict(), want) <= 1e-5
     meta = run(build(family, "meta"), (x, y), lm_loss, part, M, weights=tmp_path / "hf", **kw)
     assert worst(meta.state_dict(), want) <= 1e-5
     # written back as the family writes it: its names (per-expert tensors, a renamed head), read by from_pretrained
