@@ -202,17 +202,7 @@ def _snap_note(asked: int, got: int, P: int, schedule: str) -> str:
     return f"m={asked} is not accepted by torch's {schedule} with P={P}; showing the nearest valid m={got}"
 
 
-def pipeline_explorer(
-    profile: Profile | None = None,
-    P: int = 2,
-    m: int = 4,
-    schedule: str = "1F1B",
-    method: str = "balanced",
-    calibration: SimulatorCalibration | None = None,
-) -> PipelineExplorer:
-    """Return a :class:`PipelineExplorer` over ``profile`` (default: the reference GPT measured here).
-
-    With a ``calibration`` (:func:`pipeswift_lab.fidelity.calibrator.calibrate`) every configuration is simulated
-    calibrated and ``step_ms`` is the whole predicted step (span plus the runtime's overhead).
-    """
-    return PipelineExplorer(profile, P=P, m=m, schedule=schedule, method=method, calibration=calibration)
+#: ``pipeline_explorer(profile=None, P=2, m=4, schedule="1F1B", method="balanced", calibration=None)`` returns a
+#: :class:`PipelineExplorer` over ``profile`` (default: the reference GPT measured here); with a ``calibration`` every
+#: configuration is simulated calibrated and ``step_ms`` is the whole predicted step (span plus the runtime's overhead).
+pipeline_explorer = PipelineExplorer

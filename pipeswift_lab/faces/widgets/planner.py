@@ -149,20 +149,7 @@ class PlannerExplorer(Explorer):
         self._redraw(self._output, draw)
 
 
-def planner_explorer(
-    profile: Profile,
-    gpus: int = 16,
-    global_batch: int = 64,
-    steps: int = 10_000,
-    availability: Sequence[tuple[float, int]] | None = None,
-    **plan_kwargs: Any,
-) -> PlannerExplorer:
-    """Return a :class:`PlannerExplorer`: the JCT plan of ``profile``, re-ranked live as GPUs, batch, steps or
-    availability change.
-
-    ``plan_kwargs`` go to :func:`~pipeswift_lab.planning.planner.plan`, e.g. ``calibration=cal``,
-    ``objective="p95"``.
-    """
-    return PlannerExplorer(
-        profile, gpus=gpus, global_batch=global_batch, steps=steps, availability=availability, **plan_kwargs
-    )
+#: ``planner_explorer(profile, gpus=16, global_batch=64, steps=10_000, availability=None, **plan_kwargs)`` returns a
+#: :class:`PlannerExplorer`: the JCT plan of ``profile``, re-ranked live as GPUs, batch, steps or availability change;
+#: ``plan_kwargs`` go to :func:`~pipeswift_lab.planning.planner.plan`, e.g. ``calibration=cal``, ``objective="p95"``.
+planner_explorer = PlannerExplorer
