@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import math
 import numbers
+import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from enum import Enum
 from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar
@@ -159,7 +160,8 @@ def moved_keywords(moves: Mapping[str, str]) -> Callable[[Callable[_P, _R]], Cal
 
     ``moves`` maps each old keyword to where it lives now, as the user writes it
     (``"launch=psl.Launch(timeout_s=...)"``).
-    The wrapped function keeps its signature (``inspect.signature`` follows ``__wrapped__``).
+    The wrapped function keeps its signature (``inspect.signature`` follows ``__wrapped__``), and a warning it
+    addresses to its caller (``stacklevel``) still points at the caller's line, not at this wrapper.
     """
 
     def decorate(func: Callable[_P, _R]) -> Callable[_P, _R]:
@@ -169,8 +171,24 @@ def moved_keywords(moves: Mapping[str, str]) -> Callable[[Callable[_P, _R]], Cal
             if moved:
                 homes = "; ".join(f"{name}= is now {moves[name]}" for name in moved)
                 raise TypeError(f"{func.__name__}() got the keyword{'s' * (len(moved) > 1)} {moved}: {homes}")
-            return func(*args, **kwargs)
+            caught: list[warnings.WarningMessage] = []
+            try:
+                with warnings.catch_warnings(record=True) as caught:
+                    warnings.simplefilter("always")
+                    return func(*args, **kwargs)
+            finally:
+                _reissue(caught)
 
         return checked
 
     return decorate
+
+
+def _reissue(caught: list[warnings.WarningMessage]) -> None:
+    """Warn again what :func:`moved_keywords`' wrapper recorded, through the filters in force: a warning that landed
+    on the wrapper's line (its ``stacklevel`` counted the caller's frame) at the caller's line instead."""
+    for w in caught:
+        if w.filename == __file__:
+            warnings.warn(w.message, w.category, stacklevel=3)
+        else:
+            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno, source=w.source)

@@ -57,3 +57,25 @@ def test_stages_go_to_ranks_round_robin_or_in_a_v():
 def test_the_room_docstring_example():
     assert bubble_ratio(P=4, m=8) == pytest.approx(3 / 11)
     assert JCT(queue_s=600, training_s=7200).total_s == 7800.0
+
+
+def test_moved_keywords_names_the_new_home_and_keeps_warnings_at_the_callers_line():
+    import warnings
+
+    from pipeswift_lab.core.checks import moved_keywords
+
+    @moved_keywords({"old": "new=Record(old=...)"})
+    def verb(new=None):
+        warnings.warn("to the caller", UserWarning, stacklevel=2)
+        warnings.warn("from inside", RuntimeWarning, stacklevel=1)
+        return new
+
+    with pytest.raises(TypeError, match=r"verb\(\) got the keyword \['old'\]: old= is now new=Record\(old=...\)"):
+        verb(old=1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert verb(new=3) == 3
+    assert [(type(w.message), w.filename) for w in caught] == [(UserWarning, __file__), (RuntimeWarning, __file__)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert verb(new=4) == 4  # the caller's filters still decide
