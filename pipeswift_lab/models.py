@@ -29,6 +29,8 @@ from torch import nn
 from .core.checks import check_choice, check_int
 
 __all__ = [
+    "BLOCK_TP_PLAN",
+    "GPT_TP_PLAN",
     "REFERENCE_MODELS",
     "ClassifierHead",
     "LMHead",
@@ -130,8 +132,33 @@ class ClassifierHead(nn.Module):
         return self.fc(self.norm(x).mean(dim=1))
 
 
-def _build(layers: Sequence[tuple[str, nn.Module]], device: _Device, dtype: torch.dtype | None) -> nn.Sequential:
-    return nn.Sequential(OrderedDict(layers)).to(device=device, dtype=dtype)
+#: The tensor-parallel plan of the blocks (``{module glob: style}``, :mod:`pipeswift_lab.core.tp_plan`): the fused
+#: ``qkv`` projection is cut by columns and gathered (a plain column cut would give a rank pieces of q, k and v), the
+#: attention projection takes the whole input and splits it; the MLP is Megatron's column-then-row pair.
+BLOCK_TP_PLAN: dict[str, str] = {
+    "block_*.qkv": "colwise_gather_output",
+    "block_*.proj": "rowwise_split_input",
+    "block_*.mlp.0": "colwise",
+    "block_*.mlp.2": "rowwise",
+}
+#: :func:`gpt`'s plan: the blocks', the token embedding cut by vocabulary and the LM head by columns, gathered.
+GPT_TP_PLAN: dict[str, str] = {
+    "embed.token": "embedding_rowwise",
+    **BLOCK_TP_PLAN,
+    "head.proj": "colwise_gather_output",
+}
+
+
+def _build(
+    layers: Sequence[tuple[str, nn.Module]],
+    device: _Device,
+    dtype: torch.dtype | None,
+    tp_plan: dict[str, str] | None = None,
+) -> nn.Sequential:
+    model = nn.Sequential(OrderedDict(layers)).to(device=device, dtype=dtype)
+    if tp_plan is not None:
+        model.tp_plan = dict(tp_plan)  # read by run(..., tp=) and profile(), as a Hugging Face model's tp_plan
+    return model
 
 
 @contextmanager
@@ -154,7 +181,8 @@ def gpt(
     dtype: torch.dtype | None = None,
     seed: int | None = 0,
 ) -> nn.Sequential:
-    """A GPT-style language model as ``nn.Sequential``: ``embed``, ``block_0`` … ``block_{n-1}``, ``head``.
+    """A GPT-style language model as ``nn.Sequential``: ``embed``, ``block_0`` … ``block_{n-1}``, ``head``; its
+    ``tp_plan`` is :data:`GPT_TP_PLAN`.
 
     Input: token ids ``(B, seq_len)``; output: logits ``(B, seq_len, vocab_size)``.
     With the default vocabulary the head holds ~1M parameters against ~200k per block,
@@ -173,7 +201,7 @@ def gpt(
         layers: list[tuple[str, nn.Module]] = [("embed", TokenPositionEmbedding(vocab_size, seq_len, d_model))]
         layers += [(f"block_{i}", TransformerBlock(d_model, n_heads, mlp_ratio, causal=True)) for i in range(n_layers)]
         layers.append(("head", LMHead(d_model, vocab_size)))
-        return _build(layers, device, dtype)
+        return _build(layers, device, dtype, GPT_TP_PLAN)
 
 
 def vit(
@@ -189,7 +217,8 @@ def vit(
     dtype: torch.dtype | None = None,
     seed: int | None = 0,
 ) -> nn.Sequential:
-    """A vision transformer as ``nn.Sequential``: ``patch_embed``, ``block_0`` … ``block_{n-1}``, ``head``.
+    """A vision transformer as ``nn.Sequential``: ``patch_embed``, ``block_0`` … ``block_{n-1}``, ``head``; its
+    ``tp_plan`` is :data:`BLOCK_TP_PLAN`.
 
     Input: images ``(B, channels, image_size, image_size)``; output: logits ``(B, num_classes)``.
     """
@@ -209,7 +238,7 @@ def vit(
         ]
         layers += [(f"block_{i}", TransformerBlock(d_model, n_heads, mlp_ratio, causal=False)) for i in range(n_layers)]
         layers.append(("head", ClassifierHead(d_model, num_classes)))
-        return _build(layers, device, dtype)
+        return _build(layers, device, dtype, BLOCK_TP_PLAN)
 
 
 def mlp(

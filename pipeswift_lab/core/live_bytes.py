@@ -101,6 +101,7 @@ class LiveTensorBytes(TorchDispatchMode):
         key = _key(t)
         if key is None or key == 0 or key in self._sizes:
             return
+        t = local_tensor(t)
         storage = t.untyped_storage()
         size = t.numel() * t.element_size() if own_bytes else storage.nbytes()
         category = category or self.category
@@ -132,8 +133,16 @@ class LiveTensorBytes(TorchDispatchMode):
         return out
 
 
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """The tensor holding ``t``'s storage on this process: a DTensor's local shard, else ``t``."""
+    local = getattr(t, "_local_tensor", None)
+    return local if isinstance(local, torch.Tensor) else t
+
+
 def _key(t: torch.Tensor) -> int | None:
-    """The data pointer that tells ``t``'s storage apart, or None for a tensor without a plain storage."""
+    """The data pointer that tells ``t``'s storage apart (a DTensor's local shard's), or None for a tensor without a
+    plain storage."""
+    t = local_tensor(t)
     if t.device.type == "meta" or t.layout != torch.strided:
         return None
     try:

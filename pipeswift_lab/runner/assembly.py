@@ -93,13 +93,27 @@ def read_run_dir(out_dir: str | os.PathLike[str], spec: RunSpec | None = None) -
     )
 
 
+def representative(payload: Payload) -> bool:
+    """Whether ``payload`` is its pipeline rank's representative in the timeline: the process at FSDP rank 0 and
+    tensor-parallel rank 0 of its replica (the others run the same actions on their shards)."""
+    return payload.get("fsdp_rank", 0) == 0 and payload.get("tp_rank", 0) == 0
+
+
+def last_stage_process(ranks: list[Payload], last_rank: int) -> Payload:
+    """The payload of the process that reports the losses: replica 0's representative of pipeline rank
+    ``last_rank``."""
+    return next(
+        p for p in ranks if p.get("pp_rank", p["rank"]) == last_rank and p.get("replica", 0) == 0 and representative(p)
+    )
+
+
 def timeline_frame(ranks: list[Payload], t0_ns: int) -> pd.DataFrame:
     """Every rank's recorded actions as one timeline table (:data:`TIMELINE_COLUMNS` and ``replica``), in ms since
     ``t0_ns``, sorted by step, replica, rank and start."""
     frames = []
     for payload in ranks:
         rows = payload["records"]
-        if len(rows) == 0:
+        if len(rows) == 0 or not representative(payload):
             continue
         rows = rows.to(torch.int64)
         frames.append(
@@ -231,7 +245,7 @@ def build_result(
     ranks = sorted(gathered["ranks"], key=lambda p: p["rank"])
     clock = _clock(ranks)
     recovery = _recovery(history or {}, ranks, clock)
-    last = next(p for p in ranks if p["rank"] == spec.plan.last_rank)
+    last = last_stage_process(ranks, spec.plan.last_rank)
     meta = _meta(spec, ranks, clock, recovery, launch_ns, end_ns, launched_by)
     return RunResult(
         timeline=_timeline(spec, ranks, clock, meta),
@@ -352,7 +366,7 @@ def _meta(
     launched_by: str,
 ) -> dict[str, Any]:
     first, restored = ranks[0], recovery.restored
-    last = next(p for p in ranks if p["rank"] == spec.plan.last_rank)
+    last = last_stage_process(ranks, spec.plan.last_rank)
     return {
         "run": "measured",
         "launched_by": launched_by,
@@ -377,7 +391,14 @@ def _meta(
         "job": spec.job,
         "tied": [{"names": g.names, "stages": g.stages} for g in spec.tied],
         "memory_measured": [
-            {"replica": p.get("replica", 0), "rank": p.get("pp_rank", p["rank"]), **p["memory"]}
+            {
+                "replica": p.get("replica", 0),
+                "rank": p.get("pp_rank", p["rank"]),
+                "fsdp": p.get("fsdp_rank", 0),
+                "tp": p.get("tp_rank", 0),
+                "process": p["rank"],
+                **p["memory"],
+            }
             for p in ranks
             if p.get("memory")
         ],

@@ -11,9 +11,12 @@ from ..core.checks import check_choice
 
 __all__ = ["CPU_RANKS_PER_CORE", "BACKENDS", "available_cores", "resolve_devices"]
 
-#: CPU ranks allowed per available core: gloo ranks block (not spin) while they wait, so
-#: 2x oversubscription still runs; beyond that time-slicing makes measured timelines meaningless.
-CPU_RANKS_PER_CORE = 2
+#: CPU ranks allowed per available core: gloo ranks block (not spin) while they wait, so a
+#: 4x oversubscription still trains (a P x fsdp x tp layout of 8 processes on 2 cores); above
+#: :data:`TIMED_RANKS_PER_CORE` the ranks time-slice and a warning says the timings are not the layout's.
+CPU_RANKS_PER_CORE = 4
+#: CPU ranks per core up to which measured timelines stand for the layout.
+TIMED_RANKS_PER_CORE = 2
 #: Process-group backends a run may ask for (``None`` picks one).
 BACKENDS = ("gloo", "nccl")
 
@@ -97,5 +100,13 @@ def _check_cpu(P: int, backend: str | None, what: str | None) -> str:
         raise ValueError(
             f"{what or f'P={P}'} CPU ranks is more than this machine can run: it has {cores} cores and the runner "
             f"allows {CPU_RANKS_PER_CORE} ranks per core ({CPU_RANKS_PER_CORE * cores})"
+        )
+    if P > TIMED_RANKS_PER_CORE * cores:
+        import warnings
+
+        warnings.warn(
+            f"{what or f'P={P}'} CPU ranks on {cores} cores: more than {TIMED_RANKS_PER_CORE} per core time-slice, "
+            "so the run trains correctly but its measured times are not the layout's",
+            stacklevel=2,
         )
     return backend

@@ -63,11 +63,15 @@ def write_stage_shard(
     state_keys: Sequence[str],
     aliases: Mapping[str, str],
     first_holder: Mapping[str, int],
-) -> str:
+    *,
+    writes: bool = True,
+) -> str | None:
     """Write the state of ``modules`` (``{stage: module}``, this rank's) as this rank's final shard; return its name.
 
     Only the model's ``state_keys`` are written (a traced stage also holds buffers the model does not save), each
-    tied weight once under its canonical name, by the stage ``first_holder`` names for it."""
+    tied weight once under its canonical name, by the stage ``first_holder`` names for it. A sharded tensor (a
+    DTensor of tensor parallelism or FSDP) is gathered whole first: every process of the stage's mesh calls this,
+    and only the one that ``writes`` writes (the others return None)."""
     keys = set(state_keys)
     state: dict[str, torch.Tensor] = {}
     for stage, module in modules.items():
@@ -77,17 +81,27 @@ def write_stage_shard(
             canonical = aliases.get(key, key)
             if first_holder.get(canonical, stage) != stage or canonical in state:
                 continue
+            if hasattr(tensor, "full_tensor"):  # a collective over the stage's mesh: every process of it is here
+                tensor = tensor.full_tensor()
             state[canonical] = tensor.detach().to("cpu")
+    if not writes:
+        return None
     name = shard_name(pp_rank, P)
     write_weights(state, out_dir / FINAL_DIR / name)
     return name
 
 
 def write_rank_shard(
-    out_dir: Path, spec: RunSpec, pp_rank: int, replica: int, modules: Mapping[int, torch.nn.Module]
+    out_dir: Path,
+    spec: RunSpec,
+    pp_rank: int,
+    replica: int,
+    modules: Mapping[int, torch.nn.Module],
+    shard: tuple[int, int] = (0, 0),
 ) -> str | None:
     """Write a rank's trained stages (``{stage: module}``) as its shard of the final model; return the file's name.
-    Only replica 0 writes (the replicas hold the same); the others return None."""
+    Only replica 0 writes (the replicas hold the same), and of its ``(fsdp rank, tp rank)`` processes ``shard``, the
+    first, once the stage's sharded tensors are gathered; the others return None."""
     from .stages.tied import alias_map
 
     if replica != 0:
@@ -100,6 +114,7 @@ def write_rank_shard(
         spec.state_keys,
         alias_map(spec.model),
         {group.canonical: group.stages[0] for group in spec.tied},
+        writes=shard == (0, 0),
     )
 
 

@@ -37,7 +37,7 @@ from .checkpoint import Checkpoint
 from .errors import RunError
 from .final_weights import KEPT_PREFIX
 from .launcher import Preemption, check_main_guard, launch
-from .options import Checkpointing, Elastic, Faults, Launch, as_checkpointing, check_record
+from .options import FSDP, Checkpointing, Elastic, Faults, Launch, as_checkpointing, check_record
 from .preflight import JobPlan, OptimizerFactory, plan_job
 from .processes import alive
 from .result import RunResult
@@ -80,6 +80,9 @@ def run(
     seed: int = 0,
     progress: bool = True,
     D: int = 1,
+    fsdp: int | FSDP = 1,
+    tp: int = 1,
+    tp_plan: dict[str, str] | None = None,
     recompute: str | dict[int, list[str]] | None = None,
     precision: str | None = None,
     weights: str | os.PathLike[str] | Any = None,
@@ -112,8 +115,14 @@ def run(
       ``"Interleaved1F1B"``. ``steps`` — the job's total (a resumed job continues to it). ``optimizer`` — a factory
       ``lambda params: torch.optim.X(params, ...)`` called on every rank (``None``: SGD, ``lr=0.01``). ``seed`` —
       ``torch.manual_seed`` on every rank. ``progress`` — a progress bar of the steps.
-    * ``D`` — data-parallel replicas of the pipeline: ``P * D`` processes in a ``("dp", "pp")`` mesh, each stage in
-      DDP over its ``D`` copies; replica ``d`` trains on its ``B/D`` rows of each global batch.
+    * ``D`` — data-parallel replicas of the pipeline; ``fsdp`` — the FSDP2 shard degree inside a replica (an int or
+      :class:`~pipeswift_lab.FSDP`; HSDP with ``D > 1``); ``tp`` — the tensor-parallel degree, with ``tp_plan``
+      (``{module glob: style}``; ``None``: the model's own, a Hugging Face config's or a reference model's,
+      :mod:`~pipeswift_lab.core.tp_plan`). The run uses ``P * D * fsdp * tp`` processes meshed ``(pp, dp, fsdp, tp)``
+      (:mod:`~pipeswift_lab.core.layout`); ``P = 1`` (a one-stage partition) is FSDP and/or TP without a pipeline.
+      Each stage is in DDP over its ``D`` copies when ``fsdp == tp == 1``, else split with DTensor and sharded with
+      FSDP2 (:mod:`~pipeswift_lab.runner.stages.sharding`); process ``(dp, f)`` trains on its slice of
+      ``B / (D * fsdp)`` rows of each global batch.
     * ``recompute`` — ``None``, ``"full"``, ``"selective"`` or ``{stage: [layer names or globs]}``, with
       ``torch.utils.checkpoint`` (:mod:`~pipeswift_lab.core.recompute`). ``precision`` — ``None``/``"fp32"``,
       ``"bf16-mixed"`` or ``"bf16-mixed-zero1"`` (:mod:`~pipeswift_lab.runner.stages.precision`).
@@ -160,6 +169,9 @@ def run(
         seed=seed,
         progress=progress,
         D=D,
+        fsdp=fsdp,
+        tp=tp,
+        tp_plan=tp_plan,
         split=split,
         recompute=recompute,
         precision=precision,

@@ -4,7 +4,8 @@ torchtitan's job config is):
 * :class:`Checkpointing` (``checkpoint=``, or a path) — where and how often the job saves;
 * :class:`Faults` (``faults=``) — restarts after a crash, preemption grace, non-finite losses;
 * :class:`Elastic` (``elastic=``) — resizes and rebalancing within one job;
-* :class:`Launch` (``launch=``) — how the workers start: processes, backend, devices, timeout, start method.
+* :class:`Launch` (``launch=``) — how the workers start: processes, backend, devices, timeout, start method;
+* :class:`FSDP` (``fsdp=``, or the degree) — FSDP2's shard degree and when it frees the gathered parameters.
 
 What a cell types every time stays a flat argument of ``run``. :func:`job_options` resolves the checkpointing,
 the checkpoint to resume from (read and checked against the model) and the faults into the :class:`JobOptions`
@@ -33,10 +34,12 @@ __all__ = [
     "MAX_TIMEOUT_S",
     "Checkpointing",
     "Elastic",
+    "FSDP",
     "Faults",
     "JobOptions",
     "Launch",
     "as_checkpointing",
+    "as_fsdp",
     "check_record",
     "check_timeout",
     "check_trace_dir",
@@ -216,6 +219,37 @@ class Faults:
             raise ValueError(f"preempt_grace_s={grace_s:g} is invalid; it must be at most {MAX_GRACE_S:g} seconds")
         _set(self, "preempt_grace_s", grace_s)
         check_choice("on_nonfinite", self.on_nonfinite, ON_NONFINITE)
+
+
+@dataclass(frozen=True)
+class FSDP:
+    """FSDP2 inside each replica: ``run(..., fsdp=2)`` or ``run(..., fsdp=psl.FSDP(2, reshard_after_forward=True))``.
+
+    Each stage's layers are sharded over ``degree`` processes (HSDP with ``D > 1`` replicas): the sharded parameters
+    and optimizer state are ``1 / degree`` per process.
+    """
+
+    degree: int
+    """Processes each stage's parameters are sharded over."""
+    reshard_after_forward: bool | None = None
+    """Free the all-gathered parameters after each forward and gather them again for the backward (ZeRO-3), or keep
+    them for the whole step. ``None``: keep them under a pipeline (``P > 1``, as torchtitan does: a pipeline runs
+    several micro-batches' forwards and backwards), free them without one. ``True`` is refused under the schedules
+    that split the backward (InterleavedZeroBubble, ZBVZeroBubble, DualPipeV): FSDP2 then gives wrong gradients."""
+
+    def __post_init__(self) -> None:
+        _set(self, "degree", check_int("fsdp", self.degree, minimum=1))
+        if self.reshard_after_forward is not None:
+            check_flag("reshard_after_forward", self.reshard_after_forward)
+
+
+def as_fsdp(fsdp: Any) -> FSDP:
+    """``fsdp=`` as an :class:`FSDP` record: an int is the degree."""
+    if isinstance(fsdp, FSDP):
+        return fsdp
+    if isinstance(fsdp, bool) or not isinstance(fsdp, int):
+        raise TypeError(f"fsdp must be an int (the shard degree) or a psl.FSDP; got {type(fsdp).__name__} {fsdp!r}")
+    return FSDP(fsdp)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -98,6 +98,9 @@ def plan_job(
     seed: int = 0,
     progress: bool = True,
     D: int = 1,
+    fsdp: Any = 1,
+    tp: int = 1,
+    tp_plan: Any = None,
     split: str | None = None,
     recompute: Any = None,
     precision: str | None = None,
@@ -121,6 +124,9 @@ def plan_job(
     progress = check_flag("progress", progress)
     for name, value in elastic.changes().items() if D > 1 else ():
         raise ValueError(f"D={D} replicas cannot be combined with {name}={value!r} yet; use D=1 for {name}")
+    sharded = {"fsdp": fsdp, "tp": tp}
+    for name, value in elastic.changes().items() if any(v != 1 for v in sharded.values()) else ():
+        raise ValueError(f"{sharded} cannot be combined with {name}={value!r} yet; use fsdp=1 and tp=1 for {name}")
     if weights is not None and resume_from is not None:
         raise ValueError(
             f"weights={str(weights)!r} and resume_from={str(resume_from)!r} both give the starting "
@@ -138,6 +144,9 @@ def plan_job(
         "optimizer": optimizer,
         "seed": seed,
         "D": D,
+        "fsdp": fsdp,
+        "tp": tp,
+        "tp_plan": tp_plan,
         "split": split,
         "recompute": recompute,
         "precision": precision,

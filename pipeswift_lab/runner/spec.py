@@ -29,8 +29,9 @@ from ..core.recompute import RecomputePlan, plan_recompute
 from ..core.version import __version__
 from .devices import CPU_RANKS_PER_CORE, available_cores, resolve_devices
 from .hf_conversion import hf_class
+from .layout import RunLayout, check_layout
 from .memory_report import predicted_memory
-from .options import ON_NONFINITE, JobOptions, Launch, check_record, check_trace_dir
+from .options import FSDP, ON_NONFINITE, JobOptions, Launch, check_record, check_trace_dir
 from .sources import DataSource, make_data_source
 from .spec_pickle import dumps_structure, pickled_by_value
 from .stages.precision import check_run_precision
@@ -131,7 +132,17 @@ class RunSpec:
     tied: tuple[TiedGroup, ...] = ()
     """Parameters held by several stages, their gradients summed every step (tied embeddings)."""
     D: int = 1
-    """Data-parallel replicas of the pipeline; world size ``P * D``, global rank = replica * P + pipeline rank."""
+    """Data-parallel replicas of the pipeline."""
+    fsdp: int = 1
+    """FSDP2 shard degree inside a replica (HSDP with ``D > 1``)."""
+    tp: int = 1
+    """Tensor-parallel degree; the world is ``P * D * fsdp * tp`` processes meshed ``(pp, dp, fsdp, tp)``
+    (:mod:`~pipeswift_lab.core.layout`)."""
+    tp_plan: dict[str, str] | None = None
+    """The tensor-parallel plan applied with ``tp > 1`` (``{module glob: style}``,
+    :mod:`~pipeswift_lab.core.tp_plan`)."""
+    reshard_after_forward: bool = False
+    """FSDP2 frees the all-gathered parameters after each forward (ZeRO-3) instead of keeping them for the step."""
     recompute: RecomputePlan | None = None
     """Which layers of each stage recompute their activations in the backward; ``None``: none."""
     precision: str | None = None
@@ -150,8 +161,8 @@ class RunSpec:
 
     @property
     def world_size(self) -> int:
-        """Processes: ``P * D`` (replica ``d`` holds the global ranks ``d*P .. d*P+P-1``, one node's worth)."""
-        return self.plan.P * self.D
+        """Processes: ``P * D * fsdp * tp`` (global rank ``((pp * D + dp) * fsdp + f) * tp + t``)."""
+        return self.plan.P * self.D * self.fsdp * self.tp
 
     def save(self, path: str | os.PathLike[str]) -> Path:
         """Write the spec to ``path``; return the path.
@@ -283,6 +294,9 @@ def make_spec(
     optimizer: Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer] | None = None,
     seed: int = 0,
     D: int = 1,
+    fsdp: int | FSDP = 1,
+    tp: int = 1,
+    tp_plan: dict[str, str] | None = None,
     split: str | None = None,
     recompute: Any = None,
     precision: str | None = None,
@@ -304,7 +318,8 @@ def make_spec(
     names and shapes; a model on the meta device without them must be initializable
     (:func:`~pipeswift_lab.core.meta_device.check_initializable`). ``launch`` (a
     :class:`~pipeswift_lab.runner.options.Launch`) says where the ranks run and ``job`` what they do with
-    checkpoints, preemption and non-finite losses.
+    checkpoints, preemption and non-finite losses. ``fsdp`` (a degree or :class:`~pipeswift_lab.runner.options.FSDP`),
+    ``tp`` and ``tp_plan`` lay each stage out over ``fsdp * tp`` processes (:func:`check_layout`).
     """
     launch = check_record("launch", launch, Launch)
     job = job if job is not None else JobOptions()
@@ -313,18 +328,21 @@ def make_spec(
     source = check_run_weights(model, weights, init)
     D, m, steps = (check_int(name, value, minimum=1) for name, value in (("D", D), ("m", m), ("steps", steps)))
     seed = check_int("seed", seed)
-    placement = _placement(plan, D, m, launch)
+    layout = check_layout(model, plan, D, fsdp, tp, tp_plan, split)
+    split = layout.split
+    placement = _placement(plan, D, m, launch, layout)
     optimizer = _check_training(model, plan, loss_fn, optimizer)
     data_source = make_data_source(data, steps, seed)
-    global_batch, batch_size = _replica_batch(data_source, D, m)
+    global_batch, batch_size = _replica_batch(data_source, D * layout.fsdp, m, D)
     shapes = stage_shapes(
         model, partition, plan, data_source, batch_size // m, loss_fn, split, trace_device(*placement[1:])
     )
     precision = check_run_precision(precision, checkpoints=bool(job.checkpoint_dir or job.resume_from))
+    layout.check_built(shapes.tied, precision)
     layers = shapes.layer_names
     recomputed = plan_recompute(recompute, [tuple(layers[a:b]) for a, b in plan.bounds])
     meta = {
-        **_spec_meta(plan, D, m, global_batch, batch_size, layers),
+        **_spec_meta(plan, D, m, global_batch, batch_size, layers, layout),
         **_model_meta(model, recompute, recomputed, precision),
         "profiler_trace": check_trace_dir(profiler_trace),
     }
@@ -353,7 +371,7 @@ def make_spec(
         backend=backend,
         device_type=device_type,
         devices=indices,
-        threads_per_rank=max(1, available_cores() // (plan.P * D)) if device_type == "cpu" else None,
+        threads_per_rank=max(1, available_cores() // layout.world(plan.P, D)) if device_type == "cpu" else None,
         boundaries=shapes.boundaries,
         state_keys=tuple(model.state_dict().keys()),
         instrument=launch.instrument,
@@ -366,6 +384,10 @@ def make_spec(
         manual=shapes.manual,
         tied=shapes.tied,
         D=D,
+        fsdp=layout.fsdp,
+        tp=layout.tp,
+        tp_plan=layout.tp_plan,
+        reshard_after_forward=layout.reshard_after_forward,
         recompute=recomputed,
         precision=precision,
         weights=source,
@@ -373,13 +395,18 @@ def make_spec(
     )
 
 
-def _placement(plan: StagePlan, D: int, m: int, launch: Launch) -> tuple[str, str, tuple[int, ...] | None]:
-    """Where the ``P * D`` ranks run: ``(backend, device type, CUDA indices or None)``, after checking the process
-    count and the schedule's rules for P, m and v."""
-    _check_nprocs(launch.nprocs, plan.P, D)
-    _check_schedule(plan, m, D)
-    what = f"P*D={plan.P}*{D}" if D > 1 else None
-    return resolve_devices(plan.P * D, launch.backend, launch.devices, what=what)
+def _placement(
+    plan: StagePlan, D: int, m: int, launch: Launch, layout: RunLayout
+) -> tuple[str, str, tuple[int, ...] | None]:
+    """Where the ``P * D * fsdp * tp`` processes run: ``(backend, device type, CUDA indices or None)``, after checking
+    the process count and the schedule's rules for P, m and v."""
+    world = layout.world(plan.P, D)
+    _check_nprocs(launch.nprocs, plan.P, D, world)
+    _check_schedule(plan, m, D, ddp=layout.fsdp == 1 and layout.tp == 1)
+    what = None if world == plan.P else f"P*D={plan.P}*{D}"
+    if layout.fsdp * layout.tp > 1:
+        what = f"P*D*fsdp*tp={plan.P}*{D}*{layout.fsdp}*{layout.tp}"
+    return resolve_devices(world, launch.backend, launch.devices, what=what)
 
 
 def _model_meta(
@@ -401,27 +428,29 @@ def _model_meta(
     }
 
 
-def _check_nprocs(nprocs: int | None, P: int, D: int) -> None:
-    """``nprocs`` must be ``None`` or ``P * D``: one process runs each rank."""
+def _check_nprocs(nprocs: int | None, P: int, D: int, world: int) -> None:
+    """``nprocs`` must be ``None`` or the run's ``world`` (``P * D * fsdp * tp``): one process runs each rank."""
     if nprocs is None:
         return
     nprocs = check_int("nprocs", nprocs, minimum=1)
-    if nprocs != P * D:
-        what = f"the partition's P={P}" if D == 1 else f"P*D={P}*{D}"
+    if nprocs != world:
+        what = f"the partition's P={P}" if world == P else f"P*D*fsdp*tp={world}"
         raise ValueError(
-            f"nprocs={nprocs} differs from {what}; one process runs each rank, so nprocs must be {P * D} (or None)"
+            f"nprocs={nprocs} differs from {what}; one process runs each rank, so nprocs must be {world} (or None)"
         )
 
 
-def _check_schedule(plan: StagePlan, m: int, D: int) -> None:
-    """torch's rules for P, m and v of the schedule, and the schedules that cannot run with ``D > 1`` replicas."""
+def _check_schedule(plan: StagePlan, m: int, D: int, *, ddp: bool = True) -> None:
+    """torch's rules for P, m and v of the schedule, and the schedules that cannot run with ``D > 1`` replicas under
+    DDP (``ddp``: no FSDP and no tensor parallelism; FSDP2 reduces their split backward correctly)."""
     from ..core.vocabulary import validate
 
     validate(plan.P, m, plan.schedule, plan.v)
-    if D > 1 and plan.schedule in REPLICA_UNSUPPORTED:
+    if D > 1 and ddp and plan.schedule in REPLICA_UNSUPPORTED:
         raise ValueError(
-            f"D={D} replicas with schedule={plan.schedule!r} is not supported: its split input/weight backward "
-            f"bypasses DDP's gradient sync; use one of GPipe, 1F1B, Interleaved1F1B, LoopedBFS with D > 1"
+            f"D={D} replicas with schedule={plan.schedule!r} is not supported under DDP: its split input/weight "
+            "backward bypasses DDP's gradient sync; use one of GPipe, 1F1B, Interleaved1F1B, LoopedBFS with D > 1, "
+            "or shard the replicas with fsdp= (FSDP2 reduces a split backward's gradients)"
         )
 
 
@@ -453,38 +482,54 @@ def _check_training(
     return optimizer
 
 
-def _replica_batch(source: DataSource, D: int, m: int) -> tuple[int, int]:
-    """``(global batch, each replica's batch)`` of step 0's data; ``D`` and then ``m`` must divide them."""
+def _replica_batch(source: DataSource, readers: int, m: int, D: int = 1) -> tuple[int, int]:
+    """``(global batch, each reader's batch)`` of step 0's data, where ``readers`` (``D * fsdp``) processes read equal
+    slices of it; ``readers`` and then ``m`` must divide them."""
     global_batch = int(source.batch(0)[0].shape[0])
-    if global_batch % D:
+    what = f"D={D}" if readers == D else f"D*fsdp={readers}"
+    if global_batch % readers:
         divisors = [d for d in range(1, global_batch + 1) if global_batch % d == 0]
         raise ValueError(
-            f"D={D} does not divide the global batch size {global_batch} of data (each replica reads an equal "
-            f"slice); use a D in {divisors}"
+            f"{what} does not divide the global batch size {global_batch} of data (each replica and FSDP shard reads "
+            f"an equal slice); use a {what.split('=')[0]} whose value is in {divisors}"
         )
-    batch_size = global_batch // D
+    batch_size = global_batch // readers
     if batch_size % m:
         divisors = [d for d in range(1, batch_size + 1) if batch_size % d == 0]
         where = (
             f"the batch size {batch_size} of data"
-            if D == 1
-            else f"each replica's batch {batch_size} (global batch {global_batch} / D={D})"
+            if readers == 1
+            else f"each {'replica' if readers == D else 'FSDP shard'}'s batch {batch_size} "
+            f"(global batch {global_batch} / {what})"
         )
         raise ValueError(f"m={m} does not divide {where}; use an m in {divisors}")
     return global_batch, batch_size
 
 
 def _spec_meta(
-    plan: StagePlan, D: int, m: int, global_batch: int, batch_size: int, layer_names: list[str]
+    plan: StagePlan,
+    D: int,
+    m: int,
+    global_batch: int,
+    batch_size: int,
+    layer_names: list[str],
+    layout: RunLayout,
 ) -> dict[str, Any]:
     """What the result reports about the run beyond the spec's fields."""
+    from ..core.layout import global_rank
+
+    fsdp, tp = layout.fsdp, layout.tp
     return {
         "torch_version": torch.__version__,
         "batch_size": global_batch,
-        "replica_batch_size": batch_size,
+        "replica_batch_size": global_batch // D,
         "D": D,
+        "fsdp": fsdp,
+        "tp": tp,
+        "tp_plan": layout.tp_plan,
+        "reshard_after_forward": layout.reshard_after_forward if fsdp > 1 else None,
         "microbatch_size": batch_size // m,
-        "placement": [list(range(d * plan.P, (d + 1) * plan.P)) for d in range(D)],
+        "placement": [[global_rank(p, d, D=D, fsdp=fsdp, tp=tp) for p in range(plan.P)] for d in range(D)],
         "n_layers": len(layer_names),
         "cores": available_cores(),
         "layer_names": layer_names,

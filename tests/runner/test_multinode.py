@@ -116,11 +116,13 @@ def test_two_nodes_run_the_saved_spec_like_the_local_run(tmp_path, rendezvous):
     assert_same_run(again, result)
 
 
-def test_two_nodes_hold_one_replica_each(tmp_path):
+def test_two_nodes_hold_one_pipeline_rank_of_each_replica(tmp_path):
     result, spec_path = local_run(tmp_path, D=2)
     spec = load_spec(spec_path)
     assert (spec.P, spec.D, spec.world_size) == (2, 2, 4)
-    assert spec.meta["placement"] == [[0, 1], [2, 3]]  # replica d: global ranks d*P .. d*P+P-1, one node each
+    # the mesh is (pp, dp, fsdp, tp), torchtitan's order: replica d runs on global ranks pp * D + d, so a node holds
+    # one pipeline rank of every replica and only the pipeline's point-to-point traffic crosses nodes
+    assert spec.meta["placement"] == [[0, 2], [1, 3]]
     out = tmp_path / "out"
     outputs = two_nodes(spec_path, out, nproc=2, rendezvous="static")
     for code, _, stderr in outputs:
@@ -129,7 +131,7 @@ def test_two_nodes_hold_one_replica_each(tmp_path):
     assert_same_run(again, result)
     assert (
         len(again.timeline.df.query("kind == 'REDUCE_GRAD'")) == 2 * 2 * 2
-    )  # the cross-node all-reduce: steps x replicas x stages
+    )  # the replicas' all-reduce, now inside a node: steps x replicas x stages
     ranks = again.ranks.set_index("rank")
     assert len(ranks) == 4
     assert_no_gloo_threads_after_teardown(out, ranks=4)  # DDP and the 2-D mesh's groups too

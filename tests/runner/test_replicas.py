@@ -77,7 +77,8 @@ def test_p2_d2_trains_like_one_process_on_the_global_batch(schedule):
     assert list(per_replica.index) == [0, 1] and per_replica.nunique() == 1  # both replicas ran every action
     assert set(df["rank"]) == {0, 1}  # the pipeline rank: stage_to_rank reads the same in every replica
     assert len(result.ranks) == P * D
-    assert list(result.ranks["replica"]) == [0, 0, 1, 1] and list(result.ranks["pp_rank"]) == [0, 1, 0, 1]
+    # the mesh is (pp, dp, fsdp, tp), torchtitan's order: global rank = pp_rank * D + replica
+    assert list(result.ranks["replica"]) == [0, 1, 0, 1] and list(result.ranks["pp_rank"]) == [0, 0, 1, 1]
     assert result.meta["D"] == D
     assert_allreduce_inside_the_last_backward(df, P * v, steps, D)
     assert 0 < result.allreduce_ms <= max(result.step_ms)  # a step's all-reduce lies inside that step

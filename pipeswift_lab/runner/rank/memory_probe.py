@@ -37,7 +37,7 @@ from typing import Any
 
 import torch
 
-from ...core.live_bytes import LiveTensorBytes
+from ...core.live_bytes import LiveTensorBytes, local_tensor
 from ...core.memory_model import MEMORY_TERMS
 
 __all__ = [
@@ -49,6 +49,15 @@ __all__ = [
     "return_freed_memory",
     "STAGING",
 ]
+
+
+def _by_storage(tensors: Iterator[torch.Tensor]) -> dict[int, torch.Tensor]:
+    """``{storage address: tensor}`` of ``tensors``, each DTensor by its local shard (one entry per storage)."""
+    out = {}
+    for t in tensors:
+        local = local_tensor(t)
+        out[local.untyped_storage().data_ptr()] = local
+    return out
 
 
 def resident_bytes() -> tuple[int, int] | None:
@@ -279,15 +288,12 @@ class MemoryProbe:
         gradients present: after the schedule, before ``zero_grad``), for the probed step only."""
         if not self.enabled or self.state_bytes:
             return
-        params = {p.untyped_storage().data_ptr(): p for mod in modules for p in mod.parameters()}
-        grads = {p.grad.untyped_storage().data_ptr(): p.grad for p in params.values() if p.grad is not None}
-        buffers = {b.untyped_storage().data_ptr(): b for mod in modules for b in mod.buffers()}
-        states = {
-            t.untyped_storage().data_ptr(): t
-            for s in optimizer.state.values()
-            for t in s.values()
-            if isinstance(t, torch.Tensor) and t.dim() > 0
-        }
+        params = _by_storage(p for mod in modules for p in mod.parameters())
+        grads = _by_storage(p.grad for p in params.values() if p.grad is not None)
+        buffers = _by_storage(b for mod in modules for b in mod.buffers())
+        states = _by_storage(
+            t for s in optimizer.state.values() for t in s.values() if isinstance(t, torch.Tensor) and t.dim() > 0
+        )
         self.state_bytes = {
             "param_bytes": sum(t.untyped_storage().nbytes() for t in params.values()),
             "grad_bytes": sum(t.untyped_storage().nbytes() for t in grads.values()),

@@ -6,7 +6,8 @@ this rank runs, the stage module is cut from the structure (an ``nn.Sequential``
 and filled (:func:`stage_fill`): from ``spec.weights`` (only the stage's keys are read), by
 initialization (``spec.init``, a Hugging Face model's ``_init_weights``, or ``reset_parameters``,
 seeded by name), or, for the ``state_dict``'s tensors of a run that restores a checkpoint, by the restore.
-Recomputation, precision and DDP wrap it afterwards, as for any stage.
+Recomputation, precision and the layout (tensor parallelism, FSDP2 or DDP: :func:`distribute`) wrap it
+afterwards, as for any stage.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from ...core.meta_device import initial_values, materialize
 
 if TYPE_CHECKING:
     from ..spec import RunSpec
-    from .inputs import Topology
+    from .inputs import RankMesh
 
 __all__ = ["build_stages", "stage_fill"]
 
@@ -63,14 +64,13 @@ def _stage_modules(spec: RunSpec, stages: list[int]) -> dict[int, nn.Module]:
     raise TypeError(f"a model that is not an nn.Sequential needs traced stages; got {type(spec.model).__name__}")
 
 
-def build_stages(spec: RunSpec, topo: Topology, device: torch.device) -> list[Any]:
+def build_stages(spec: RunSpec, topo: RankMesh, device: torch.device) -> list[Any]:
     """This rank's ``PipelineStage`` objects (traced stages: torch's ``_PipelineStage``), made and filled on
     ``device``; with ``D > 1`` each stage module is wrapped in ``DistributedDataParallel`` over the replicas."""
     from torch.distributed.pipelining import PipelineStage
 
     from ...core.recompute import apply_recompute, recompute_weight_pass_once, schedule_splits_backward
     from ..stages.contiguous import send_contiguous
-    from ..stages.precision import autocast_forward, mixed
 
     if spec.traced is not None:
         return build_traced_stages(spec, topo, device)
@@ -84,15 +84,7 @@ def build_stages(spec: RunSpec, topo: Topology, device: torch.device) -> list[An
             apply_recompute(
                 module, spec.recompute.stage_layers(s), spec.recompute.stage_mode(s), split_backward=split_backward
             )
-        if mixed(spec.precision):
-            autocast_forward(module, device.type)
-        if topo.replica_group is not None:
-            from torch.nn.parallel import DistributedDataParallel
-
-            # PipelineStage runs the micro-batches' backwards under no_sync() and all-reduces at the last one
-            module = DistributedDataParallel(
-                module, process_group=topo.replica_group, device_ids=[device] if device.type == "cuda" else None
-            )
+        module = distribute(module, stage_layers(spec, s, module), spec, topo, device)
         in_spec, out_spec = spec.boundaries[s]
         stage = PipelineStage(
             module,
@@ -109,13 +101,52 @@ def build_stages(spec: RunSpec, topo: Topology, device: torch.device) -> list[An
     return stages
 
 
+def stage_layers(spec: RunSpec, s: int, module: nn.Module) -> list[str]:
+    """The profiled layers of stage ``s``, as module names inside its module (FSDP's units)."""
+    if spec.manual is not None:
+        return list(spec.manual.stage_layers[s])
+    return [name for name, _ in module.named_children()]
+
+
+def distribute(module: nn.Module, layers: list[str], spec: RunSpec, topo: RankMesh, device: torch.device) -> nn.Module:
+    """A stage module made ready for its layout: split over the tensor-parallel ranks, then sharded with FSDP2 over
+    ``topo.shard_mesh`` (or, with replicas only, wrapped in ``DistributedDataParallel``); precision as the run asks
+    (FSDP2's ``MixedPrecisionPolicy``, else autocast). Returns the module the ``PipelineStage`` runs."""
+    from ..stages.precision import autocast_forward, mixed
+
+    if topo.tp_mesh is not None and spec.tp_plan is not None:
+        from ..stages.sharding import apply_tensor_parallel
+
+        apply_tensor_parallel(module, spec.tp_plan, topo.tp_mesh)
+    if topo.shard_mesh is not None:
+        from ..stages.sharding import apply_fsdp
+
+        return apply_fsdp(
+            module,
+            layers,
+            topo.shard_mesh,
+            reshard_after_forward=spec.reshard_after_forward,
+            mixed_precision=mixed(spec.precision),
+        )
+    if mixed(spec.precision):
+        autocast_forward(module, device.type)
+    if topo.replica_group is not None:
+        from torch.nn.parallel import DistributedDataParallel
+
+        # PipelineStage runs the micro-batches' backwards under no_sync() and all-reduces at the last one
+        module = DistributedDataParallel(
+            module, process_group=topo.replica_group, device_ids=[device] if device.type == "cuda" else None
+        )
+    return module
+
+
 def _real_buffers(model: nn.Module) -> dict[str, torch.Tensor]:
     """The buffers ``model`` holds for real (they travelled in the spec by value: a rotary table), by name: the
     traced stages are filled with them."""
     return {name: b for name, b in model.named_buffers(remove_duplicate=False) if not b.is_meta}
 
 
-def build_traced_stages(spec: RunSpec, topo: Topology, device: torch.device) -> list[Any]:
+def build_traced_stages(spec: RunSpec, topo: RankMesh, device: torch.device) -> list[Any]:
     """This pipeline rank's ``_PipelineStage`` objects, re-traced from the spec's model and example micro-batch with
     fake tensors on ``device`` (the graph takes the branches ``device`` takes), each stage module made and filled on
     ``device`` before torch builds its stage."""

@@ -148,9 +148,9 @@ class StepLog:
 def train(inputs: RankInputs) -> list[dict[str, Any]] | None:
     """Run this rank's steps (resuming where a checkpoint says), then gather every rank's measurements to rank 0.
 
-    ``inputs.topo`` is the rank's :class:`~pipeswift_lab.runner.rank.inputs.Topology` (global rank,
-    pipeline rank, replica and their groups); replica ``d`` reads rows
-    ``d*b .. (d+1)*b - 1`` of every global batch (``b`` = global batch / D). Returns every rank's payload on
+    ``inputs.topo`` is the rank's :class:`~pipeswift_lab.runner.rank.inputs.RankMesh` (global rank,
+    mesh coordinates and their groups); the process at data rank ``r = replica * fsdp + fsdp_rank`` reads rows
+    ``r*b .. (r+1)*b - 1`` of every global batch (``b`` = global batch / (D * fsdp)). Returns every rank's payload on
     rank 0, ``None`` on the others.
     """
     state = _set_up(inputs)
@@ -331,6 +331,12 @@ def _holds_last(inputs: RankInputs) -> bool:
     return inputs.topo.pp_rank == inputs.spec.plan.last_rank
 
 
+def _reports(inputs: RankInputs) -> bool:
+    """Whether this process logs the steps: the last stage's, of replica 0, at FSDP and tensor-parallel rank 0."""
+    topo = inputs.topo
+    return _holds_last(inputs) and topo.replica == 0 and topo.fsdp_rank == 0 and topo.tp_rank == 0
+
+
 def _run_step(inputs: RankInputs, state: RankState, step: int) -> tuple[int, float]:
     """One step of torch's schedule on this replica's slice of the batch; returns its start (ns) and its loss (the
     mean over the micro-batches and the replicas; 0 on a rank without the last stage)."""
@@ -342,9 +348,10 @@ def _run_step(inputs: RankInputs, state: RankState, step: int) -> tuple[int, flo
     kwargs: dict[str, Any] = {}
     if holds_first or holds_last:
         inputs_b, targets_b = inputs.spec.data.batch(step)
-        if topo.D > 1:
-            b = inputs_b.shape[0] // topo.D
-            rows = slice(topo.replica * b, (topo.replica + 1) * b)
+        readers = topo.D * topo.fsdp  # the tensor-parallel ranks of one group read the same slice
+        if readers > 1:
+            b = inputs_b.shape[0] // readers
+            rows = slice(topo.data_rank * b, (topo.data_rank + 1) * b)
             inputs_b, targets_b = inputs_b[rows], targets_b[rows]
         args = (inputs_b.to(device),) if holds_first else ()
         kwargs = {"target": targets_b.to(device), "losses": []} if holds_last else {}
@@ -355,10 +362,10 @@ def _run_step(inputs: RankInputs, state: RankState, step: int) -> tuple[int, flo
         state.tied.sync()
     state.memory.settle()
     loss = float(torch.stack([x.detach() for x in kwargs["losses"]]).float().mean()) if holds_last else 0.0
-    if holds_last and topo.replica_group is not None:  # the global batch's loss: the mean over the replicas
+    if holds_last and topo.data_group is not None:  # the global batch's loss: the mean over the batch's readers
         mean = torch.tensor([loss], dtype=torch.float64)
-        dist.all_reduce(mean, group=topo.replica_group)
-        loss = float(mean) / topo.D
+        dist.all_reduce(mean, group=topo.data_group)
+        loss = float(mean) / (topo.D * topo.fsdp)
     return start_ns, loss
 
 
@@ -389,6 +396,7 @@ def _record_step(inputs: RankInputs, state: RankState, log: StepLog, step: int, 
     state.saver.step_s.append((end_ns - start_ns) / 1e9)
     if _holds_last(inputs):
         log.losses.append(loss)
+    if _reports(inputs):
         append_line(inputs.out_dir / STEPS_LOG, f"{state.attempt} {step} {start_ns} {end_ns}")
         if inputs.progress:
             (inputs.out_dir / PROGRESS_FILE).write_text(str(step + 1))
@@ -457,6 +465,8 @@ def _payload(inputs: RankInputs, state: RankState, log: StepLog, interval: int |
         "rank": topo.rank,
         "pp_rank": topo.pp_rank,
         "replica": topo.replica,
+        "fsdp_rank": topo.fsdp_rank,
+        "tp_rank": topo.tp_rank,
         "pid": os.getpid(),
         "host": os.uname().nodename,
         "device": str(inputs.device),
@@ -471,6 +481,7 @@ def _payload(inputs: RankInputs, state: RankState, log: StepLog, interval: int |
             topo.pp_rank,
             topo.replica,
             {s.stage_index: unwrapped(s.submod) for s in state.stages},
+            (topo.fsdp_rank, topo.tp_rank),
         ),
         "process_start_ns": inputs.proc_start_ns,
         "entered_ns": inputs.entered_ns,

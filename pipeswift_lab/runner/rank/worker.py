@@ -32,7 +32,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 from ..processes import alive
 from ..run_files import RESULT_FILE, RESULT_FORMAT, rank_file
-from .inputs import RankInputs, Topology
+from .inputs import RankInputs, RankMesh
 from .stage_build import build_stages
 from .train_loop import train
 
@@ -49,6 +49,9 @@ DISTRIBUTED_MODULES = (
     "torch.distributed.checkpoint.state_dict",
     "torch.distributed.device_mesh",
     "torch.nn.parallel",
+    "torch.distributed.tensor",
+    "torch.distributed.tensor.parallel",
+    "torch.distributed.fsdp",
 )
 #: Name prefixes of the OS threads a gloo process group runs (its work loops and its TCP event loop).
 GLOO_THREADS = ("pt_gloo", "gloo_")
@@ -231,9 +234,9 @@ def run_rank(spec: RunSpec, out_dir: Path, progress: bool = False, resident_star
     rank, world, local_rank = _env_int("RANK"), _env_int("WORLD_SIZE"), int(os.environ.get("LOCAL_RANK", 0))
     if world != spec.world_size:
         raise RuntimeError(
-            f"the spec has P={spec.P} x D={spec.D} = {spec.world_size} ranks but the launcher started "
-            f"WORLD_SIZE={world}; use --nproc-per-node {spec.world_size} on one machine "
-            "(or --nnodes D --nproc-per-node P)"
+            f"the spec has P*D*fsdp*tp = {spec.P}*{spec.D}*{spec.fsdp}*{spec.tp} = {spec.world_size} ranks but the "
+            f"launcher started WORLD_SIZE={world}; use --nproc-per-node {spec.world_size} on one machine "
+            "(or --nnodes N --nproc-per-node world/N)"
         )
     if spec.threads_per_rank is not None:
         torch.set_num_threads(spec.threads_per_rank)
@@ -250,10 +253,10 @@ def run_rank(spec: RunSpec, out_dir: Path, progress: bool = False, resident_star
     else:
         dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timeout)
         gather_group = None
-    topo: Topology | None = None
+    topo: RankMesh | None = None
     inputs: RankInputs | None = None
     try:
-        topo = Topology(rank, spec.P, spec.D, device.type)
+        topo = RankMesh(rank, spec.P, spec.D, device.type, spec.fsdp, spec.tp)
         inputs = RankInputs(
             spec=spec,
             topo=topo,

@@ -15,11 +15,14 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
+from ...core.live_bytes import local_tensor
+
 __all__ = ["release_unheld"]
 
 
 def _storage_key(t: torch.Tensor) -> tuple[str, int]:
-    return t.device.type, t.untyped_storage().data_ptr()
+    local = local_tensor(t)  # a DTensor's storage is its local shard's
+    return local.device.type, local.untyped_storage().data_ptr()
 
 
 def release_unheld(model: nn.Module, held: Iterable[nn.Module]) -> int:
@@ -30,7 +33,7 @@ def release_unheld(model: nn.Module, held: Iterable[nn.Module]) -> int:
     seen: set[tuple[str, int]] = set()
     for t in (*model.parameters(), *model.buffers()):
         key = _storage_key(t)
-        if t.is_meta or key in kept or key in seen or t.numel() == 0:
+        if t.is_meta or key in kept or key in seen or t.numel() == 0 or hasattr(t, "to_local"):
             continue
         seen.add(key)
         released += t.untyped_storage().nbytes()

@@ -1,0 +1,147 @@
+"""A stage split over its tensor-parallel ranks (DTensor) and sharded over its FSDP2 ranks.
+
+Tensor parallelism applies the run's plan (:mod:`~pipeswift_lab.core.tp_plan`) to the stage's modules with torch's
+``parallelize_module``, each Hugging Face style as the torch ``ParallelStyle`` that computes the same thing
+(:func:`parallel_style`); the module names are the full model's, so one plan serves every stage.
+
+FSDP2 (``fully_shard``) wraps each of the stage's layers that holds parameters, then the stage module as its root
+(torchtitan's ``apply_fsdp``). Under a pipeline schedule the parameters stay unsharded for the whole step
+(``reshard_after_forward=False``, torchtitan's choice under PP): with ``True``, FSDP2 gives wrong gradients under the
+schedules that split the backward (InterleavedZeroBubble, ZBVZeroBubble, DualPipeV: some ``grad is None``, others
+off by ~3e-3 in torch 2.13), so :func:`check_reshard` refuses it there. ``precision="bf16-mixed"`` becomes FSDP2's
+``MixedPrecisionPolicy`` (bf16 compute, fp32 gradient reduction, fp32 outputs to send).
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
+__all__ = ["apply_fsdp", "apply_tensor_parallel", "check_reshard", "parallel_style", "stage_targets"]
+
+#: Schedules whose backward is split into input (I) and weight (W) passes.
+SPLIT_BACKWARD = ("InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
+
+
+def check_reshard(reshard_after_forward: bool, schedule: str, P: int) -> None:
+    """Raise ``ValueError`` for ``reshard_after_forward=True`` under a pipeline schedule that splits the backward."""
+    if reshard_after_forward and P > 1 and schedule in SPLIT_BACKWARD:
+        raise ValueError(
+            f"FSDP reshard_after_forward=True with schedule={schedule!r} gives wrong gradients in torch's pipelining: "
+            "the split input/weight backward runs on parameters FSDP has resharded (some gradients come back None, "
+            "others off by ~3e-3). Keep reshard_after_forward=False (the default under a pipeline, as torchtitan "
+            "does) or use GPipe, 1F1B or Interleaved1F1B"
+        )
+
+
+class GradientAllReduce:
+    """``replicated_with_grad_allreduce``: the parameters stay whole on every tensor-parallel rank, and each
+    micro-batch's gradient is summed over the ranks before it accumulates (a norm over this rank's heads only sees
+    their share of the gradient).
+
+    The hooks go on the parameters the module computes with, found at each forward: FSDP2 swaps a module's
+    parameters for the unsharded ones it gathers, so a hook set once, before sharding, would be on a tensor the
+    backward never reaches."""
+
+    def apply(self, module: nn.Module, mesh: DeviceMesh) -> nn.Module:
+        """Hook ``module`` so that its parameters' gradients are summed over ``mesh``; return it."""
+        import torch.distributed as dist
+
+        group = mesh.get_group()
+
+        def summed(grad: torch.Tensor) -> torch.Tensor:
+            grad = grad.clone()
+            dist.all_reduce(grad, group=group)
+            return grad
+
+        def hook_parameters(mod: nn.Module, _args: Any) -> None:
+            for param in mod.parameters(recurse=False):
+                if param.requires_grad and not getattr(param, "_grad_summed_over_tp", False):
+                    param.register_hook(summed)
+                    param._grad_summed_over_tp = True  # type: ignore[attr-defined]
+
+        module.register_forward_pre_hook(hook_parameters)
+        return module
+
+
+def parallel_style(style: str) -> Any:
+    """The torch ``ParallelStyle`` (or :class:`GradientAllReduce`) that computes what Hugging Face's ``style`` does."""
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
+
+    styles: dict[str, Any] = {
+        "colwise": ColwiseParallel(),
+        "colwise_gather_output": ColwiseParallel(output_layouts=Replicate()),
+        "colwise_rep": ColwiseParallel(output_layouts=Replicate()),
+        "rowwise": RowwiseParallel(),
+        "rowwise_split_input": RowwiseParallel(input_layouts=Replicate()),
+        "rowwise_rep": RowwiseParallel(input_layouts=Replicate()),
+        "embedding_rowwise": RowwiseParallel(input_layouts=Replicate()),
+        "embedding_colwise": ColwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
+        "sequence_parallel": SequenceParallel(),
+        "replicated_with_grad_allreduce": GradientAllReduce(),
+    }
+    return styles[style]
+
+
+def stage_targets(stage: nn.Module, plan: Mapping[str, str]) -> dict[str, str]:
+    """``{module name inside stage: style}`` of the stage's modules the plan's globs match (the stage keeps the
+    model's module names; a layer another stage runs, left in a stage copy as a placeholder, is not matched)."""
+    from ...core.tp_plan import STYLES
+
+    targets = {}
+    for name, module in stage.named_modules():
+        for glob, style in plan.items():
+            kind = STYLES[style]
+            if name and fnmatch.fnmatchcase(name, glob) and (kind is None or isinstance(module, kind)):
+                targets[name] = style
+    return targets
+
+
+def apply_tensor_parallel(stage: nn.Module, plan: Mapping[str, str], mesh: DeviceMesh) -> dict[str, str]:
+    """Split ``stage``'s planned modules over the tensor-parallel ``mesh``, in place; return ``{module: style}``."""
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    targets = stage_targets(stage, plan)
+    torch_plan = {}
+    for name, style in targets.items():
+        applied = parallel_style(style)
+        if isinstance(applied, GradientAllReduce):
+            applied.apply(stage.get_submodule(name), mesh)
+        else:
+            torch_plan[name] = applied
+    if torch_plan:
+        parallelize_module(stage, mesh, torch_plan)
+    return targets
+
+
+def apply_fsdp(
+    stage: nn.Module,
+    layers: Sequence[str],
+    mesh: DeviceMesh,
+    *,
+    reshard_after_forward: bool = False,
+    mixed_precision: bool = False,
+) -> nn.Module:
+    """Shard ``stage`` with FSDP2 over ``mesh`` (1-D: FSDP; 2-D ``(dp, fsdp)``: HSDP), each of its ``layers``
+    (module names inside it) holding parameters as a unit and the stage as the root; return the stage."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    policy = (
+        MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32, output_dtype=torch.float32)
+        if mixed_precision
+        else MixedPrecisionPolicy()
+    )
+    for name in layers:
+        layer = stage.get_submodule(name)
+        if layer is not stage and any(True for _ in layer.parameters()):
+            fully_shard(layer, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=policy)
+    fully_shard(stage, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=policy)
+    return stage
