@@ -157,7 +157,8 @@ def _build(
 ) -> nn.Sequential:
     model = nn.Sequential(OrderedDict(layers)).to(device=device, dtype=dtype)
     if tp_plan is not None:
-        model.tp_plan = dict(tp_plan)  # read by run(..., tp=) and profile(), as a Hugging Face model's tp_plan
+        # read by run(..., tp=) and profile(), as a Hugging Face model's tp_plan
+        object.__setattr__(model, "tp_plan", dict(tp_plan))
     return model
 
 

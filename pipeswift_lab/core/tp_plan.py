@@ -99,15 +99,16 @@ def resolve_tp_plan(model: nn.Module, tp_plan: Mapping[str, str] | None, tp: int
                 f"{sorted(STYLES)}"
             )
         return None
-    check_tp(model, tp_targets(model, plan), tp)
+    check_tp(model, tp_targets(model, plan, strict=tp_plan is not None), tp)
     return plan
 
 
-def tp_targets(model: nn.Module, plan: Mapping[str, str]) -> dict[str, str]:
+def tp_targets(model: nn.Module, plan: Mapping[str, str], *, strict: bool = True) -> dict[str, str]:
     """``{module name: style}`` of every module of ``model`` the plan matches, checked.
 
-    Raises ``ValueError`` for an unknown style, a glob matching no module, a style on a module it does not apply to,
-    and a module two globs give different styles."""
+    Raises ``ValueError`` for an unknown style, a glob matching no module (``strict``: a plan the caller wrote; a
+    model's own plan may name modules some of its layers lack, as a mixture-of-experts model's dense MLP), a style
+    on a module it does not apply to, and a module two globs give different styles."""
     unknown = {glob: style for glob, style in plan.items() if style not in STYLES}
     if unknown:
         raise ValueError(f"tp_plan names styles {unknown} that are not known; the styles are {sorted(STYLES)}")
@@ -115,7 +116,7 @@ def tp_targets(model: nn.Module, plan: Mapping[str, str]) -> dict[str, str]:
     targets: dict[str, str] = {}
     for glob, style in plan.items():
         matched = [name for name in modules if fnmatch.fnmatchcase(name, glob)]
-        if not matched:
+        if not matched and strict:
             sample = list(modules)[:6]
             raise ValueError(
                 f"tp_plan glob {glob!r} matches no module of the {type(model).__name__} (its modules are named "

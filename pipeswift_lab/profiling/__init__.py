@@ -9,7 +9,9 @@ on the real model (CUDA events on a GPU, ``perf_counter`` on the CPU)::
 
 Modules: :mod:`.measure` (:func:`profile`, :func:`profile_step`), :mod:`.table` (the :class:`Profile` type, its
 checks and its CSV), :mod:`.hooks` (the per-layer recorder), :mod:`.clocks`, :mod:`.units` (which modules count as
-layers), :mod:`.unit_options` (the :class:`UnitByUnit` record of profiling one unit at a time).
+layers), :mod:`.unit_options` (the :class:`UnitByUnit` record of profiling one unit at a time), :mod:`.tp_columns`
+(what each layer becomes under a tensor-parallel plan: ``profile(..., tp_plan=...)``) and :mod:`.tp_dataflow` (the
+fake-tensor forward that follows the plan's shards).
 """
 
 from __future__ import annotations

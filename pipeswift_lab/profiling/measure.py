@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import gc
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, cast
 
@@ -28,6 +28,7 @@ from .pipeline_settings import training_settings
 from .profile_request import ProfileRequest, check_model, check_repeats, check_trainable
 from .recompute_costs import recompute_columns
 from .table import Profile
+from .tp_columns import TensorParallelColumns
 from .traced_memory import traced_memory
 from .unit_options import UnitByUnit, unit_by_unit_options
 from .units import (
@@ -64,6 +65,7 @@ def profile(
     recompute: bool = False,
     precision: str | None = None,
     unit_by_unit: bool | UnitByUnit | None = None,
+    tp_plan: Mapping[str, str] | None = None,
 ) -> Profile:
     """Profile one training step of ``model`` per layer; return a :class:`Profile` of one micro-batch of the batch.
 
@@ -99,6 +101,13 @@ def profile(
     ``memory_cap``), is profiled one unit at a time (:mod:`pipeswift_lab.profiling.unit_by_unit`): each unit is
     made on ``device`` (default ``"cpu"``), initialized as ``run`` initializes, timed on the previous unit's
     output, and freed; the device's peak is the largest unit with its activations.
+
+    A model with a tensor-parallel plan (``tp_plan={module glob: style}``, else the model's own: a Hugging Face
+    model's ``tp_plan``, the reference models') gets the :data:`~pipeswift_lab.profiling.table.TP_COLUMNS`
+    (what each layer's parameters, activations, compute and communication become under the plan) and
+    ``meta["tp_plan"]`` / ``meta["tp_divides"]``, from one forward on fake tensors
+    (:mod:`pipeswift_lab.profiling.tp_columns`); ``tp_plan={}`` leaves them out. A given plan with an unknown style
+    or a glob that matches no module raises ``ValueError`` before anything runs.
     """
     from ..core.meta_device import is_meta_model
 
@@ -108,15 +117,26 @@ def profile(
     auto = isinstance(layers, str) and layers == AUTO
     units = select_units(model, layers, announce=False)
     one_by_one = unit_by_unit_options(unit_by_unit, is_meta_model(model))
+    tp = TensorParallelColumns.measured(
+        model, units, tp_plan, (request.sample_args, request.sample_kwargs), device=device, precision=request.precision
+    )
     if one_by_one is not None:
         from .unit_by_unit import profile_one_unit_at_a_time
 
-        return profile_one_unit_at_a_time(
+        result = profile_one_unit_at_a_time(
             model, units, auto, sample_args, request.sample_kwargs, target=target, loss_fn=loss_fn, warmup=warmup,
             repeats=repeats, device=device, progress=request.progress, recompute=recompute,
-            precision=request.precision, unit_options=one_by_one, profile_unit=profile,
+            precision=request.precision, unit_options=one_by_one, profile_unit=_profile_unit,
         )  # fmt: skip
-    return _profile_in_place(model, units, auto, _resolve_device(model, device), request)
+    else:
+        result = _profile_in_place(model, units, auto, _resolve_device(model, device), request)
+    return tp.added_to(result) if tp is not None else result
+
+
+def _profile_unit(unit_model: nn.Module, *sample_args: Any, **options: Any) -> Profile:
+    """:func:`profile` of one unit's copy, without the tensor-parallel columns (the whole model's forward gave
+    them, and the copy's plan names modules it no longer holds)."""
+    return profile(unit_model, *sample_args, tp_plan={}, **options)
 
 
 def _profile_in_place(

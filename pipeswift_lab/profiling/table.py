@@ -27,7 +27,7 @@ from ..core.display import html_card, noise_note, noise_warning, text_card
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
 
-__all__ = ["COLUMNS", "MEMORY_COLUMNS", "REQUIRED_COLUMNS", "Profile"]
+__all__ = ["COLUMNS", "MEMORY_COLUMNS", "REQUIRED_COLUMNS", "TP_COLUMNS", "Profile"]
 
 #: Per-layer columns of :attr:`Profile.df`, in order.
 COLUMNS: tuple[str, ...] = (
@@ -65,6 +65,17 @@ MEMORY_COLUMNS: tuple[str, ...] = (
     "cut_freed_bytes",
     "received_held_bytes",
 )
+#: Per-layer columns a profile of a model with a tensor-parallel plan adds, at the full (``tp = 1``) size
+#: (:mod:`pipeswift_lab.profiling.tp_columns`): the bytes of the parameters the plan cuts, the part of
+#: ``activation_bytes`` that is a local shard under TP, the share of the forward FLOPs on shards, and the bytes the
+#: forward and the backward all-reduce or all-gather per micro-batch.
+TP_COLUMNS: tuple[str, ...] = (
+    "tp_param_bytes",
+    "tp_activation_bytes",
+    "tp_flop_fraction",
+    "tp_forward_bytes",
+    "tp_backward_bytes",
+)
 #: Columns every Profile table has (``calls`` and ``wgrad_ms`` are optional).
 REQUIRED_COLUMNS: tuple[str, ...] = tuple(c for c in COLUMNS if c != "calls")
 _LAYER_TIMES = ("fwd_ms", "bwd_ms", "total_ms")
@@ -79,6 +90,7 @@ _BYTE_COLUMNS = (
     "cut_grad_bytes",
     "cut_freed_bytes",
     "received_held_bytes",
+    *(c for c in TP_COLUMNS if c.endswith("_bytes")),
 )
 _CSV_HEADER = "# pipeswift_lab.Profile "
 
@@ -321,7 +333,8 @@ class Profile:
 
 def _check_columns(df: pd.DataFrame) -> None:
     """Refuse per-layer values a Profile cannot hold: the layer times must be finite numbers >= 0;
-    spreads, ``wgrad_ms`` and byte/parameter counts numbers >= 0 (NaN where unknown)."""
+    spreads, ``wgrad_ms`` and byte/parameter counts numbers >= 0 (NaN where unknown); ``tp_flop_fraction`` a share
+    between 0 and 1."""
     for col in _LAYER_TIMES + _TIME_COLUMNS[2:] + _COUNT_COLUMNS + _BYTE_COLUMNS:
         if col not in df.columns:
             continue
@@ -332,6 +345,12 @@ def _check_columns(df: pd.DataFrame) -> None:
             name = df["name"].iloc[i] if "name" in df.columns else i
             what = "a finite number >= 0 (ms)" if required else "a number >= 0, or empty/NaN where unknown"
             raise ValueError(f"df[{col!r}] of layer {i} ({name!r}) is {value!r}; each value must be {what}")
+    for i, fraction in enumerate(df["tp_flop_fraction"] if "tp_flop_fraction" in df.columns else ()):
+        if not isinstance(fraction, numbers.Real) or not (fraction != fraction or 0.0 <= float(fraction) <= 1.0):
+            raise ValueError(
+                f"df['tp_flop_fraction'] of layer {i} is {fraction!r}; each value must be a share between 0 and 1 "
+                "(NaN where unknown)"
+            )
 
 
 def _time_list(name: str, values: Any) -> list[float]:

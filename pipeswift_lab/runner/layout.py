@@ -17,11 +17,24 @@ from torch import nn
 
 from ..core.checks import check_int
 from ..core.tp_plan import resolve_tp_plan
-from .options import as_fsdp
+from .devices import resolve_devices
+from .options import Launch, as_fsdp
+from .sources import DataSource
 from .stages.sequential import StagePlan
 from .stages.sharding import check_reshard
 
-__all__ = ["RunLayout", "check_layout"]
+__all__ = [
+    "REPLICA_UNSUPPORTED",
+    "RunLayout",
+    "check_layout",
+    "check_nprocs",
+    "check_replica_schedule",
+    "layout_placement",
+    "reader_batch",
+]
+
+#: Schedules whose split backward (I then W) does not go through DDP's synchronized backward.
+REPLICA_UNSUPPORTED = ("InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
 
 
 @dataclass(frozen=True)
@@ -81,7 +94,7 @@ def check_layout(
     record = as_fsdp(fsdp)
     tp = check_int("tp", tp, minimum=1)
     resolved = resolve_tp_plan(model, tp_plan, tp)
-    reshard = record.reshard_after_forward if record.reshard_after_forward is not None else plan.P == 1
+    reshard = bool(record.reshard_after_forward)
     if record.degree > 1:
         check_reshard(reshard, plan.schedule, plan.P)
     sharded = record.degree * tp > 1
@@ -99,3 +112,67 @@ def check_layout(
         reshard_after_forward=bool(reshard),
         split=split,
     )
+
+
+def layout_placement(
+    plan: StagePlan, D: int, m: int, launch: Launch, layout: RunLayout
+) -> tuple[str, str, tuple[int, ...] | None]:
+    """Where the ``P * D * fsdp * tp`` processes run: ``(backend, device type, CUDA indices or None)``, after checking
+    the process count and the schedule's rules for P, m and v."""
+    world = layout.world(plan.P, D)
+    check_nprocs(launch.nprocs, plan.P, D, world)
+    check_replica_schedule(plan, m, D, ddp=layout.fsdp == 1 and layout.tp == 1)
+    what = None if world == plan.P else f"P*D={plan.P}*{D}"
+    if layout.fsdp * layout.tp > 1:
+        what = f"P*D*fsdp*tp={plan.P}*{D}*{layout.fsdp}*{layout.tp}"
+    return resolve_devices(world, launch.backend, launch.devices, what=what)
+
+
+def check_nprocs(nprocs: int | None, P: int, D: int, world: int) -> None:
+    """``nprocs`` must be ``None`` or the run's ``world`` (``P * D * fsdp * tp``): one process runs each rank."""
+    if nprocs is None:
+        return
+    nprocs = check_int("nprocs", nprocs, minimum=1)
+    if nprocs != world:
+        what = f"the partition's P={P}" if world == P else f"P*D*fsdp*tp={world}"
+        raise ValueError(
+            f"nprocs={nprocs} differs from {what}; one process runs each rank, so nprocs must be {world} (or None)"
+        )
+
+
+def check_replica_schedule(plan: StagePlan, m: int, D: int, *, ddp: bool = True) -> None:
+    """torch's rules for P, m and v of the schedule, and the schedules that cannot run with ``D > 1`` replicas under
+    DDP (``ddp``: no FSDP and no tensor parallelism; FSDP2 reduces their split backward correctly)."""
+    from ..core.vocabulary import validate
+
+    validate(plan.P, m, plan.schedule, plan.v)
+    if D > 1 and ddp and plan.schedule in REPLICA_UNSUPPORTED:
+        raise ValueError(
+            f"D={D} replicas with schedule={plan.schedule!r} is not supported under DDP: its split input/weight "
+            "backward bypasses DDP's gradient sync; use one of GPipe, 1F1B, Interleaved1F1B, LoopedBFS with D > 1, "
+            "or shard the replicas with fsdp= (FSDP2 reduces a split backward's gradients)"
+        )
+
+
+def reader_batch(source: DataSource, readers: int, m: int, D: int = 1) -> tuple[int, int]:
+    """``(global batch, each reader's batch)`` of step 0's data, where ``readers`` (``D * fsdp``) processes read equal
+    slices of it; ``readers`` and then ``m`` must divide them."""
+    global_batch = int(source.batch(0)[0].shape[0])
+    what = f"D={D}" if readers == D else f"D*fsdp={readers}"
+    if global_batch % readers:
+        divisors = [d for d in range(1, global_batch + 1) if global_batch % d == 0]
+        raise ValueError(
+            f"{what} does not divide the global batch size {global_batch} of data (each replica and FSDP shard reads "
+            f"an equal slice); use a {what.split('=')[0]} whose value is in {divisors}"
+        )
+    batch_size = global_batch // readers
+    if batch_size % m:
+        divisors = [d for d in range(1, batch_size + 1) if batch_size % d == 0]
+        where = (
+            f"the batch size {batch_size} of data"
+            if readers == 1
+            else f"each {'replica' if readers == D else 'FSDP shard'}'s batch {batch_size} "
+            f"(global batch {global_batch} / {what})"
+        )
+        raise ValueError(f"m={m} does not divide {where}; use an m in {divisors}")
+    return global_batch, batch_size

@@ -1,4 +1,5 @@
-"""Memory of a run, predicted and measured: :attr:`RunResult.memory`, one row per (replica, rank).
+"""Memory of a run, predicted and measured: :attr:`RunResult.memory`, one row per process: (replica, rank) and,
+under FSDP or tensor parallelism, its (fsdp, tp) coordinates.
 
 Before launch, :func:`predicted_memory` replays each rank's actions over its partition
 (:meth:`~pipeswift_lab.partitioning.stages.Partition.memory`) at the run's micro-batch size and
@@ -27,6 +28,10 @@ __all__ = ["MEMORY_COLUMNS", "memory_frame", "memory_terms", "predicted_memory"]
 MEMORY_COLUMNS = (
     "replica",
     "rank",
+    "pp",
+    "dp",
+    "fsdp",
+    "tp",
     "measured_peak_bytes",
     "predicted_peak_bytes",
     "error",
@@ -51,6 +56,9 @@ def predicted_memory(
     recompute: dict[str, str] | None = None,
     precision: str | None = None,
     D: int = 1,
+    fsdp: int = 1,
+    tp: int = 1,
+    shares: tuple[Any, Any] | None = None,
 ) -> dict[str, Any]:
     """The predicted peak of every pipeline rank: ``{"rows": [...], "optimizer": name}``, or ``{"rows": [],
     "note": why}`` when the partition's profile has no memory columns or the prediction fails.
@@ -59,7 +67,10 @@ def predicted_memory(
     weights and optimizer state into before a background write, allocated before the first step. On a GPU it is
     pinned host memory and costs the device nothing. ``recompute`` (``{layer: mode}``) replays the layers as they
     cost recomputed (the profile's recompute columns); ``precision`` ``"bf16-mixed-zero1"`` shards the optimizer's
-    state over the ``D`` replicas (autocast keeps fp32 weights, gradients and state: the profile's own bytes)."""
+    state over the ``D`` replicas (autocast keeps fp32 weights, gradients and state: the profile's own bytes).
+    With ``fsdp`` or ``tp`` above 1 the rows are the processes'
+    (:func:`~pipeswift_lab.runner.layout_memory.layout_rows`, ``shares`` the layers' ``(tp_param_bytes,
+    tp_activation_bytes)``)."""
     from .optimizer_memory import measure_optimizer_memory
 
     layers = partition.layers
@@ -78,7 +89,22 @@ def predicted_memory(
         table = partition.memory(m=m, schedule=schedule, micro_batch_size=micro_batch_size, optimizer=measured)
     except Exception as exc:  # a prediction never stops a run
         return {"rows": [], "note": f"no prediction: {type(exc).__name__}: {exc}"}
-    if staging and device_type != "cuda":
+    if fsdp * tp > 1:
+        from .layout_memory import layout_rows
+
+        table = layout_rows(
+            table,
+            param_bytes=layers.param_bytes,
+            activation_bytes=layers.activation_bytes,
+            shares=shares if tp > 1 else None,
+            bounds=partition.bounds,
+            stage_to_rank=partition.stage_to_rank,
+            D=D,
+            fsdp=fsdp,
+            tp=tp,
+            staging=staging and device_type != "cuda",
+        )
+    elif staging and device_type != "cuda":
         table["checkpoint_staging_bytes"] = table["weights_bytes"] + table["optimizer_bytes"]
         table["predicted_peak_bytes"] = table["predicted_peak_bytes"] + table["checkpoint_staging_bytes"]
     out: dict[str, Any] = {"rows": table.to_dict("records"), "optimizer": measured.name}
@@ -115,7 +141,10 @@ def memory_frame(measured: list[dict[str, Any]], predicted: dict[str, Any] | Non
     pred = pd.DataFrame((predicted or {}).get("rows", []))
     if not pred.empty:
         pred = pred.drop(columns=["stages"], errors="ignore")
-        rows = rows.merge(pred, on="rank", how="left")
+        keys = [k for k in ("replica", "rank", "fsdp", "tp") if k in pred and k in rows]
+        rows = rows.merge(pred, on=keys, how="left")
+    for coordinate, column in (("pp", "rank"), ("dp", "replica"), ("fsdp", None), ("tp", None)):
+        rows[coordinate] = rows[column] if column is not None else rows.get(coordinate, 0)
     for col in ("predicted_peak_bytes", "resident_peak_bytes", "reserved_peak_bytes"):
         if col not in rows:
             rows[col] = float("nan")
@@ -123,7 +152,8 @@ def memory_frame(measured: list[dict[str, Any]], predicted: dict[str, Any] | Non
     rows = _term_off(rows)
     terms = [f"{t}_bytes" for t in MEMORY_TERMS if f"{t}_bytes" in rows] + (["peak_at"] if "peak_at" in rows else [])
     rest = [c for c in rows.columns if c not in MEMORY_COLUMNS and c not in terms]
-    return rows[list(MEMORY_COLUMNS) + terms + rest].sort_values(["replica", "rank"]).reset_index(drop=True)
+    order = ["replica", "rank", "fsdp", "tp"]
+    return rows[list(MEMORY_COLUMNS) + terms + rest].sort_values(order).reset_index(drop=True)
 
 
 def _term_off(rows: pd.DataFrame) -> pd.DataFrame:

@@ -233,9 +233,11 @@ class FSDP:
     """Processes each stage's parameters are sharded over."""
     reshard_after_forward: bool | None = None
     """Free the all-gathered parameters after each forward and gather them again for the backward (ZeRO-3), or keep
-    them for the whole step. ``None``: keep them under a pipeline (``P > 1``, as torchtitan does: a pipeline runs
-    several micro-batches' forwards and backwards), free them without one. ``True`` is refused under the schedules
-    that split the backward (InterleavedZeroBubble, ZBVZeroBubble, DualPipeV): FSDP2 then gives wrong gradients."""
+    them for the whole step. ``None`` keeps them (as torchtitan does under a pipeline): every run, ``P = 1``
+    included, goes through a schedule of ``m`` micro-batches whose gradients stay unsharded until the last one, and
+    freeing the parameters between them gathers them ``2m`` times a step for little memory (a ``P = 1``,
+    ``fsdp = 2`` run here peaked 25% higher with ``True``). ``True`` is refused under the schedules that split the
+    backward (InterleavedZeroBubble, ZBVZeroBubble, DualPipeV): FSDP2 then gives wrong gradients."""
 
     def __post_init__(self) -> None:
         _set(self, "degree", check_int("fsdp", self.degree, minimum=1))

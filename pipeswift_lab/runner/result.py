@@ -243,7 +243,8 @@ class RunResult:
 
     @property
     def memory(self) -> pd.DataFrame:
-        """Peak memory of every rank, measured beside predicted: one row per (``replica``, ``rank``).
+        """Peak memory of every process, measured beside predicted: one row per process, with its mesh coordinates
+        ``pp`` (also ``rank``), ``dp`` (also ``replica``), ``fsdp`` and ``tp``.
 
         * ``measured_peak_bytes`` — tensor level: on CUDA ``torch.cuda.max_memory_allocated`` over the
           run; on CPU the most bytes of tensor storage alive at once in the run's second step (every

@@ -29,7 +29,8 @@ from ..core.recompute import RecomputePlan, plan_recompute
 from ..core.version import __version__
 from .devices import CPU_RANKS_PER_CORE, available_cores, resolve_devices
 from .hf_conversion import hf_class
-from .layout import RunLayout, check_layout
+from .layout import REPLICA_UNSUPPORTED, RunLayout, check_layout, layout_placement, reader_batch
+from .layout_memory import layer_shares
 from .memory_report import predicted_memory
 from .options import FSDP, ON_NONFINITE, JobOptions, Launch, check_record, check_trace_dir
 from .sources import DataSource, make_data_source
@@ -71,8 +72,6 @@ _VERSION = 3
 #: The first bytes of a spec file: a header line (JSON) before the pickle, read without unpickling anything.
 SPEC_MAGIC = b"PIPESWIFT-SPEC "
 _HEADER_MAX_BYTES = 4096
-#: Schedules whose split backward (I then W) does not go through DDP's synchronized backward.
-REPLICA_UNSUPPORTED = ("InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
 #: How a model that is not an ``nn.Sequential`` is cut into stages: torch's tracer, or stage copies of the model.
 SPLITS = ("trace", "manual")
 
@@ -330,10 +329,10 @@ def make_spec(
     seed = check_int("seed", seed)
     layout = check_layout(model, plan, D, fsdp, tp, tp_plan, split)
     split = layout.split
-    placement = _placement(plan, D, m, launch, layout)
+    placement = layout_placement(plan, D, m, launch, layout)
     optimizer = _check_training(model, plan, loss_fn, optimizer)
     data_source = make_data_source(data, steps, seed)
-    global_batch, batch_size = _replica_batch(data_source, D * layout.fsdp, m, D)
+    global_batch, batch_size = reader_batch(data_source, D * layout.fsdp, m, D)
     shapes = stage_shapes(
         model, partition, plan, data_source, batch_size // m, loss_fn, split, trace_device(*placement[1:])
     )
@@ -358,6 +357,9 @@ def make_spec(
             recompute=meta["recompute_layers"],
             precision=precision,
             D=D,
+            fsdp=layout.fsdp,
+            tp=layout.tp,
+            shares=layer_shares(partition.layers) if getattr(partition, "layers", None) is not None else None,
         )
     backend, device_type, indices = placement
     return RunSpec(
@@ -395,20 +397,6 @@ def make_spec(
     )
 
 
-def _placement(
-    plan: StagePlan, D: int, m: int, launch: Launch, layout: RunLayout
-) -> tuple[str, str, tuple[int, ...] | None]:
-    """Where the ``P * D * fsdp * tp`` processes run: ``(backend, device type, CUDA indices or None)``, after checking
-    the process count and the schedule's rules for P, m and v."""
-    world = layout.world(plan.P, D)
-    _check_nprocs(launch.nprocs, plan.P, D, world)
-    _check_schedule(plan, m, D, ddp=layout.fsdp == 1 and layout.tp == 1)
-    what = None if world == plan.P else f"P*D={plan.P}*{D}"
-    if layout.fsdp * layout.tp > 1:
-        what = f"P*D*fsdp*tp={plan.P}*{D}*{layout.fsdp}*{layout.tp}"
-    return resolve_devices(world, launch.backend, launch.devices, what=what)
-
-
 def _model_meta(
     model: nn.Module, recompute: Any, recomputed: RecomputePlan | None, precision: str | None
 ) -> dict[str, Any]:
@@ -426,32 +414,6 @@ def _model_meta(
         "hf_config": hf_config(model),
         "hf_class": hf_class(model),
     }
-
-
-def _check_nprocs(nprocs: int | None, P: int, D: int, world: int) -> None:
-    """``nprocs`` must be ``None`` or the run's ``world`` (``P * D * fsdp * tp``): one process runs each rank."""
-    if nprocs is None:
-        return
-    nprocs = check_int("nprocs", nprocs, minimum=1)
-    if nprocs != world:
-        what = f"the partition's P={P}" if world == P else f"P*D*fsdp*tp={world}"
-        raise ValueError(
-            f"nprocs={nprocs} differs from {what}; one process runs each rank, so nprocs must be {world} (or None)"
-        )
-
-
-def _check_schedule(plan: StagePlan, m: int, D: int, *, ddp: bool = True) -> None:
-    """torch's rules for P, m and v of the schedule, and the schedules that cannot run with ``D > 1`` replicas under
-    DDP (``ddp``: no FSDP and no tensor parallelism; FSDP2 reduces their split backward correctly)."""
-    from ..core.vocabulary import validate
-
-    validate(plan.P, m, plan.schedule, plan.v)
-    if D > 1 and ddp and plan.schedule in REPLICA_UNSUPPORTED:
-        raise ValueError(
-            f"D={D} replicas with schedule={plan.schedule!r} is not supported under DDP: its split input/weight "
-            "backward bypasses DDP's gradient sync; use one of GPipe, 1F1B, Interleaved1F1B, LoopedBFS with D > 1, "
-            "or shard the replicas with fsdp= (FSDP2 reduces a split backward's gradients)"
-        )
 
 
 def _check_training(
@@ -480,30 +442,6 @@ def _check_training(
     if not isinstance(probe, torch.optim.Optimizer):
         raise TypeError(f"optimizer(params) must return a torch.optim.Optimizer; it returned {type(probe).__name__}")
     return optimizer
-
-
-def _replica_batch(source: DataSource, readers: int, m: int, D: int = 1) -> tuple[int, int]:
-    """``(global batch, each reader's batch)`` of step 0's data, where ``readers`` (``D * fsdp``) processes read equal
-    slices of it; ``readers`` and then ``m`` must divide them."""
-    global_batch = int(source.batch(0)[0].shape[0])
-    what = f"D={D}" if readers == D else f"D*fsdp={readers}"
-    if global_batch % readers:
-        divisors = [d for d in range(1, global_batch + 1) if global_batch % d == 0]
-        raise ValueError(
-            f"{what} does not divide the global batch size {global_batch} of data (each replica and FSDP shard reads "
-            f"an equal slice); use a {what.split('=')[0]} whose value is in {divisors}"
-        )
-    batch_size = global_batch // readers
-    if batch_size % m:
-        divisors = [d for d in range(1, batch_size + 1) if batch_size % d == 0]
-        where = (
-            f"the batch size {batch_size} of data"
-            if readers == 1
-            else f"each {'replica' if readers == D else 'FSDP shard'}'s batch {batch_size} "
-            f"(global batch {global_batch} / {what})"
-        )
-        raise ValueError(f"m={m} does not divide {where}; use an m in {divisors}")
-    return global_batch, batch_size
 
 
 def _spec_meta(

@@ -80,7 +80,13 @@ class Checkpointer:
         self.aliases = alias_map(self.spec.model)  # tied weights: stored once, under one name
         self.tag = f"{(self.job.run_id or 'run')[:8]}-a{attempt}"  # the saves' directory names, on every rank
         topo = inputs.topo
-        self.training_state = getattr(topo, "replica", 0) == 0  # replicas hold the same state: replica 0 saves it
+        # replicas hold the same state: replica 0 saves it; a sharded stage (FSDP, tensor parallelism) is gathered
+        # whole by its processes of replica 0, and the first of them saves it
+        self.whole = self.spec.fsdp * self.spec.tp > 1 and getattr(topo, "replica", 0) == 0
+        self.training_state = getattr(topo, "replica", 0) == 0 and (
+            getattr(topo, "fsdp_rank", 0),
+            getattr(topo, "tp_rank", 0),
+        ) == (0, 0)
         self.writer = RankWriter(
             self.rank,
             self.world,
@@ -98,6 +104,8 @@ class Checkpointer:
         """This rank's flat state: the first time with torch's ``get_state_dict``, compared with the direct read;
         from then on the direct read when the two agreed."""
         args = (self.rank, self.module, self.optimizer, self.inputs.device, self.aliases, self.training_state)
+        if self.whole:
+            return rank_flat_state(*args, whole=True)
         if self._direct is None and self.optimizer.state:
             flat = rank_flat_state(*args)
             self._direct = same_state(flat, rank_flat_state(*args, direct=True))

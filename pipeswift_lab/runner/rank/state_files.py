@@ -36,10 +36,10 @@ if TYPE_CHECKING:
     from ..checkpoint import Checkpoint
 
 
-def _state_options() -> StateDictOptions:
+def _state_options(whole: bool = False) -> StateDictOptions:
     from torch.distributed.checkpoint.state_dict import StateDictOptions
 
-    return StateDictOptions(flatten_optimizer_state_dict=True)
+    return StateDictOptions(flatten_optimizer_state_dict=True, full_state_dict=whole)
 
 
 def rng_states(device: torch.device | str) -> dict[str, torch.Tensor]:
@@ -60,17 +60,22 @@ def rank_flat_state(
     aliases: dict[str, str] | None = None,
     training_state: bool = True,
     direct: bool = False,
+    whole: bool = False,
 ) -> dict[str, Any]:
     """This rank's checkpoint state, flattened into DCP's keys: ``model.<name>`` and ``optim.<...>`` (the full
     model's names, a tied weight under its canonical one; left out when not ``training_state``, as on a replica
     other than 0) and ``rng.rank<r>.<generator>``. The tensors are the live ones, not copies.
 
     ``direct`` reads the state without ``get_state_dict`` (:func:`direct_state_dicts`), when it can; the caller
-    checks once that both agree (:func:`same_state`)."""
+    checks once that both agree (:func:`same_state`). ``whole`` gathers a sharded state (FSDP, tensor parallelism)
+    into whole tensors first, a collective over the stage's processes: every one of them calls it, and those that
+    do not keep the ``training_state`` drop it."""
     state: dict[str, Any] = {}
+    if whole:
+        gathered = torch_state_dicts(module, optimizer, whole=True)
     if training_state:
-        found = direct_state_dicts(module, optimizer) if direct else None
-        model_sd, optim_sd = found if found is not None else torch_state_dicts(module, optimizer)
+        found = direct_state_dicts(module, optimizer) if direct and not whole else None
+        model_sd, optim_sd = gathered if whole else found if found is not None else torch_state_dicts(module, optimizer)
         aliases = aliases or {}
         state[MODEL] = canonical_state(model_sd, aliases)
         state[OPTIM] = canonical_state(optim_sd, aliases)
@@ -86,13 +91,16 @@ def _items(part: str, values: dict[str, Any]) -> list[tuple[str, Any]]:
     return list(values.items())
 
 
-def torch_state_dicts(module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
-    """torch's ``get_state_dict`` of ``module`` and ``optimizer``, the optimizer's flattened by parameter name; an
-    optimizer without state is left without (``get_state_dict`` initializes it with a zero-lr step)."""
+def torch_state_dicts(
+    module: torch.nn.Module, optimizer: torch.optim.Optimizer, whole: bool = False
+) -> tuple[dict, dict]:
+    """torch's ``get_state_dict`` of ``module`` and ``optimizer``, the optimizer's flattened by parameter name (sharded
+    tensors gathered whole with ``whole``); an optimizer without state is left without (``get_state_dict``
+    initializes it with a zero-lr step)."""
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     untouched = not optimizer.state
-    model_sd, optim_sd = get_state_dict(module, optimizer, options=_state_options())
+    model_sd, optim_sd = get_state_dict(module, optimizer, options=_state_options(whole))
     if untouched:
         optimizer.state.clear()
     return model_sd, optim_sd

@@ -249,7 +249,7 @@ def _restore(inputs: RankInputs, state: RankState) -> None:
             inputs.gather_group,
             restore_rng=same,
             aliases=state.saver.aliases,
-            pp_rank=inputs.topo.pp_rank,
+            pp_rank=inputs.topo.pp_rank if inputs.spec.fsdp * inputs.spec.tp == 1 else None,  # sharded: DCP reshards
         )
         restored.update(read=restored["path"], path=str(source), step=int(manifest["step"]), rng_restored=same)
         state.restored, state.first_step = restored, restored["step"]
@@ -331,12 +331,6 @@ def _holds_last(inputs: RankInputs) -> bool:
     return inputs.topo.pp_rank == inputs.spec.plan.last_rank
 
 
-def _reports(inputs: RankInputs) -> bool:
-    """Whether this process logs the steps: the last stage's, of replica 0, at FSDP and tensor-parallel rank 0."""
-    topo = inputs.topo
-    return _holds_last(inputs) and topo.replica == 0 and topo.fsdp_rank == 0 and topo.tp_rank == 0
-
-
 def _run_step(inputs: RankInputs, state: RankState, step: int) -> tuple[int, float]:
     """One step of torch's schedule on this replica's slice of the batch; returns its start (ns) and its loss (the
     mean over the micro-batches and the replicas; 0 on a rank without the last stage)."""
@@ -396,7 +390,8 @@ def _record_step(inputs: RankInputs, state: RankState, log: StepLog, step: int, 
     state.saver.step_s.append((end_ns - start_ns) / 1e9)
     if _holds_last(inputs):
         log.losses.append(loss)
-    if _reports(inputs):
+    topo = inputs.topo
+    if _holds_last(inputs) and (topo.replica, topo.fsdp_rank, topo.tp_rank) == (0, 0, 0):  # one process logs steps
         append_line(inputs.out_dir / STEPS_LOG, f"{state.attempt} {step} {start_ns} {end_ns}")
         if inputs.progress:
             (inputs.out_dir / PROGRESS_FILE).write_text(str(step + 1))

@@ -1,0 +1,107 @@
+"""A pipeline rank's predicted memory spread over its processes: tensor parallelism and FSDP2 (``run(..., fsdp=,
+tp=)``).
+
+:meth:`~pipeswift_lab.partitioning.stages.Partition.memory` predicts each pipeline rank's peak, term by term, as
+if one process held its stages. Under a layout each of its ``D * fsdp * tp`` processes holds
+(:func:`~pipeswift_lab.core.layout.state_bytes_per_rank`, checked against the live-byte counter on CPU):
+
+* **weights** — the parameters the tensor-parallel plan shards divide by ``tp`` (the profile's ``tp_param_bytes``);
+  under FSDP2 the unsharded parameters it gathers at the first forward stay for the whole step
+  (``reshard_after_forward=False``) beside the sharded ones it owns, ``1 + 1 / fsdp`` of them;
+* **gradients** — unsharded (``/ tp`` only): torch's schedule turns FSDP2's gradient sync off until the last
+  micro-batch, so they accumulate whole and are reduce-scattered once, at the end of the step;
+* **optimizer state** — ``/ (tp * fsdp)``: FSDP2 updates its shard;
+* **activations** — the saved tensors the plan leaves sharded (``tp_activation_bytes``) divide by ``tp``, the
+  rest (what enters a column-parallel module, norms, the residual stream) is whole on every rank;
+* **buffers** (what crosses a stage boundary) stay as they are; a backward's transients (weight gradients) divide
+  as the gradients do;
+* **the reduce-scatter** — after the last backward FSDP2 copies the unsharded gradients into its collective's input,
+  and gloo emulates a reduce-scatter with an all-reduce whose output is as large again: with the weights and
+  optimizer state still there, that moment can be the process's peak (:func:`_reduce_scatter_moment`).
+
+A run that checkpoints gathers a sharded stage whole on its first process (FSDP rank 0, tensor-parallel rank 0 of
+replica 0), which stages and writes it (:mod:`~pipeswift_lab.runner.rank.checkpointer`): only that process holds a
+staging buffer, of the whole stage's weights and optimizer state.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from ..core.layout import state_bytes_per_rank
+
+__all__ = ["layer_shares", "layout_rows"]
+
+
+def layer_shares(layers: Any) -> tuple[np.ndarray, np.ndarray] | None:
+    """``(tp_param_bytes, tp_activation_bytes)`` per layer of a profile table (a ``Layers`` or ``Profile``), or
+    ``None`` when it has no tensor-parallel columns."""
+    df = getattr(layers, "df", layers)
+    if not isinstance(df, pd.DataFrame) or "tp_param_bytes" not in df or "tp_activation_bytes" not in df:
+        return None
+    return df["tp_param_bytes"].to_numpy(float), df["tp_activation_bytes"].to_numpy(float)
+
+
+def _reduce_scatter_moment(terms: dict[str, Any], unsharded_grads: float) -> float:
+    """A process's bytes as FSDP2 reduce-scatters the step's gradients, after the last backward: its weights,
+    optimizer state and boundary buffers, and twice the unsharded gradients (they are copied into the collective's
+    input; gloo emulates the reduce-scatter with an all-reduce, whose output is as large again) while the
+    activations are gone."""
+    return terms["weights_bytes"] + terms["optimizer_bytes"] + terms.get("buffers_bytes", 0.0) + 2 * unsharded_grads
+
+
+def layout_rows(
+    table: pd.DataFrame,
+    *,
+    param_bytes: Sequence[float] | np.ndarray,
+    activation_bytes: Sequence[float] | np.ndarray,
+    shares: tuple[Any, Any] | None,
+    bounds: Sequence[tuple[int, int]],
+    stage_to_rank: Sequence[int],
+    D: int,
+    fsdp: int,
+    tp: int,
+    staging: bool = False,
+) -> pd.DataFrame:
+    """Every process's predicted memory: ``table`` (one row per pipeline ``rank``, :meth:`Partition.memory`'s terms)
+    spread over the ``(replica, fsdp, tp)`` processes of each rank, one row per process with those coordinates.
+
+    ``param_bytes`` and ``activation_bytes`` are the profile's per layer, ``shares`` its ``(tp_param_bytes,
+    tp_activation_bytes)`` (``None``: nothing shards, as with ``tp == 1``); ``staging``: the run checkpoints from a
+    CPU rank (the staging buffer of the process that writes, :data:`checkpoint_staging_bytes`)."""
+    params, acts = np.asarray(param_bytes, float), np.asarray(activation_bytes, float)
+    tp_params, tp_acts = (np.asarray(x, float) for x in shares) if shares is not None else (params * 0, acts * 0)
+    rows = []
+    for row in table.to_dict("records"):
+        layers = [i for s, r in enumerate(stage_to_rank) if r == row["rank"] for i in range(*bounds[s])]
+        w, w_tp = float(params[layers].sum()), float(tp_params[layers].sum())
+        a, a_tp = float(acts[layers].sum()), float(tp_acts[layers].sum())
+        state = state_bytes_per_rank(1.0, w_tp / w if w else 0.0, tp=tp, fsdp=fsdp)  # shares of the whole stage
+        scaled = dict(row)
+        scaled["weights_bytes"] = row["weights_bytes"] * state["weights"]
+        scaled["grads_bytes"] = row["grads_bytes"] * state["grads"]
+        scaled["optimizer_bytes"] = row["optimizer_bytes"] * state["optimizer"] / 2.0  # per optimizer byte
+        scaled["activations_bytes"] = row["activations_bytes"] * ((1 - a_tp / a) + a_tp / a / tp if a else 1.0)
+        scaled["transient_bytes"] = row["transient_bytes"] * state["grads"]  # a backward's: the weight gradients'
+        terms = ("weights", "grads", "optimizer", "activations", "transient")
+        change = sum(scaled[f"{t}_bytes"] - row[f"{t}_bytes"] for t in terms)
+        scaled["predicted_peak_bytes"] = row["predicted_peak_bytes"] + change
+        if fsdp > 1:
+            reduce_scatter = _reduce_scatter_moment(scaled, row["weights_bytes"] * state["grads"])
+            if reduce_scatter > scaled["predicted_peak_bytes"]:
+                scaled.update(predicted_peak_bytes=reduce_scatter, peak_at="reduce-scatter")
+        whole_state = row["weights_bytes"] + row["optimizer_bytes"]
+        for replica in range(D):
+            for f in range(fsdp):
+                for t in range(tp):
+                    out = {**scaled, "replica": replica, "fsdp": f, "tp": t}
+                    if staging:
+                        writes = replica == 0 and f == 0 and t == 0
+                        out["checkpoint_staging_bytes"] = whole_state if writes else 0.0
+                        out["predicted_peak_bytes"] += out["checkpoint_staging_bytes"]
+                    rows.append(out)
+    return pd.DataFrame(rows)
