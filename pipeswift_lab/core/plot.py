@@ -23,6 +23,7 @@ KIND_COLORS: dict[str, str] = {
     "SEND_B": "#937860",
     "RECV_B": "#937860",
     "REDUCE_GRAD": "#DA8BC3",  # gradient all-reduce across replicas
+    "UNSHARD": "#8C8C8C",  # FSDP's all-gather of a stage's parameters
 }
 
 

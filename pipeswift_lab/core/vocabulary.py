@@ -12,6 +12,7 @@ __all__ = [
     "KINDS",
     "MULTI_CHUNK_SCHEDULES",
     "REDUCE_KINDS",
+    "SHARD_KINDS",
     "SCHEDULES",
     "SINGLE_CHUNK_SCHEDULES",
     "TORCH_CLASS",
@@ -61,10 +62,13 @@ ZERO_BUBBLE_SCHEDULES: tuple[str, ...] = ("InterleavedZeroBubble", "ZBVZeroBubbl
 COMPUTE_KINDS: tuple[str, ...] = ("F", "B", "I", "W")
 #: ... and the transfers between ranks.
 COMM_KINDS: tuple[str, ...] = ("SEND_F", "RECV_F", "SEND_B", "RECV_B")
-#: ... and the gradient all-reduce across data-parallel replicas (torch's ``REDUCE_GRAD``), measured when D > 1.
+#: ... and the gradient reduction across data-parallel processes (torch's ``REDUCE_GRAD``: DDP's all-reduce over the
+#: replicas, FSDP2's reduce-scatter), measured when D > 1 or fsdp > 1.
 REDUCE_KINDS: tuple[str, ...] = ("REDUCE_GRAD",)
+#: ... and FSDP2's all-gather of a stage's sharded parameters at the start of a step (torch's ``UNSHARD``).
+SHARD_KINDS: tuple[str, ...] = ("UNSHARD",)
 #: Every action kind a Timeline row may hold.
-KINDS: tuple[str, ...] = COMPUTE_KINDS + COMM_KINDS + REDUCE_KINDS
+KINDS: tuple[str, ...] = COMPUTE_KINDS + COMM_KINDS + REDUCE_KINDS + SHARD_KINDS
 
 _BY_LOWER: dict[str, str] = {name.lower(): name for name in SCHEDULES}
 

@@ -16,7 +16,7 @@ the runner, so neither side imports the other for a file name::
 
 from __future__ import annotations
 
-from ..core.vocabulary import COMPUTE_KINDS, REDUCE_KINDS
+from ..core.vocabulary import COMPUTE_KINDS, REDUCE_KINDS, SHARD_KINDS
 
 __all__ = [
     "ATTEMPT_GLOB",
@@ -72,7 +72,7 @@ CHECKPOINT_COLUMNS = (
 #: Timeline columns, in the simulator's order.
 TIMELINE_COLUMNS = ("step", "rank", "stage", "microbatch", "kind", "start_ms", "end_ms")
 #: Action kinds recorded, by code (the row's kind column): the compute kinds, then the gradient all-reduce.
-KINDS = COMPUTE_KINDS + REDUCE_KINDS
+KINDS = COMPUTE_KINDS + REDUCE_KINDS + SHARD_KINDS
 
 
 def rank_file(rank: int, marker: str) -> str:

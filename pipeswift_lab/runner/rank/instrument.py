@@ -13,6 +13,11 @@ untouched) and appends ``(step, kind, stage, microbatch, start, end)`` to a list
 The last stage's ``F`` is extended to cover the loss, which torch computes right after that
 forward (``_maybe_compute_loss``): it is compute the rank does, not idle time.
 
+An FSDP2 stage (``run(..., fsdp=)``) gathers its parameters at the start of every step, timed as ``UNSHARD``
+(:meth:`ActionRecorder.unshard`), and reduce-scatters its gradients after the last backward, in torch's
+``perform_reduce_grad``, timed as ``REDUCE_GRAD``. Tensor parallelism's collectives run inside the ``F``, ``B``,
+``I`` and ``W`` actions that call them.
+
 With data-parallel replicas (a stage module wrapped in ``DistributedDataParallel``), a DDP
 communication hook (``register_comm_hook``, torch's own ``allreduce_hook`` inside) stamps each
 gradient bucket's all-reduce from its launch to its completion; a step's buckets make one
@@ -34,7 +39,7 @@ from typing import Any
 import torch
 
 #: The codes of the recorded kinds, in the order of :data:`~pipeswift_lab.runner.run_files.KINDS`.
-_F, _B, _I, _W, _R = range(5)
+_F, _B, _I, _W, _R, _U = range(6)
 #: Codes of the compute kinds (what a stage's busy time sums).
 COMPUTE_CODES = (_F, _B, _I, _W)
 
@@ -80,6 +85,7 @@ class ActionRecorder:
         for stage in stages:
             self._wrap(stage)
             self._watch_reduce(stage)
+            self._watch_reduce_scatter(stage)
         self._wrap_loss(schedule)
 
     # --- clocks -------------------------------------------------------------------------
@@ -185,6 +191,33 @@ class ActionRecorder:
             return allreduce_hook(group, bucket).then(finished)
 
         ddp.register_comm_hook(ddp.process_group, _timed_allreduce)
+
+    def _watch_reduce_scatter(self, stage: Any) -> None:
+        """Time an FSDP2 stage's gradient reduce-scatter, which torch runs in ``perform_reduce_grad`` after the
+        step's last backward, as ``REDUCE_GRAD`` (no-op for other stages)."""
+        from torch.distributed.fsdp import FSDPModule
+
+        if not isinstance(getattr(stage, "submod", None), FSDPModule):
+            return
+        reduce, index, stamp = stage.perform_reduce_grad, stage.stage_index, self._stamp
+
+        def perform_reduce_grad(*args: Any, **kwargs: Any) -> Any:
+            t0 = stamp()
+            out = reduce(*args, **kwargs)
+            self._add(_R, index, self._backward_mb.get(index, 0), t0, stamp())
+            return out
+
+        stage.perform_reduce_grad = perform_reduce_grad
+
+    def unshard(self, stages: list[Any]) -> None:
+        """Gather every FSDP2 stage's parameters now (:func:`~pipeswift_lab.runner.stages.sharding.unshard`), each
+        timed as an ``UNSHARD`` action when recording."""
+        from ..stages.sharding import unshard
+
+        for stage in stages:
+            t0 = self._stamp() if self.enabled else None
+            if unshard(stage.submod) and t0 is not None:
+                self._add(_U, stage.stage_index, 0, t0, self._stamp())
 
     def _wrap_loss(self, schedule: Any) -> None:
         compute = schedule._maybe_compute_loss

@@ -17,9 +17,8 @@ updates, the ranks agree in one small all-reduce (MAX over three flags) on
 
 Files written into the run directory for the launcher: ``steps.log`` (the last rank: one
 ``attempt step start_ns end_ns`` line per step), ``checkpoints.log`` (rank 0: one JSON line
-per committed checkpoint) and ``attempt{n}.json`` (rank 0: where attempt ``n`` resumed from); their names are
-:mod:`~pipeswift_lab.runner.run_files`'.
-"""
+per committed checkpoint) and ``attempt{n}.json`` (rank 0: where attempt ``n`` resumed from): the names of
+:mod:`~pipeswift_lab.runner.run_files`."""
 
 from __future__ import annotations
 
@@ -351,6 +350,8 @@ def _run_step(inputs: RankInputs, state: RankState, step: int) -> tuple[int, flo
         kwargs = {"target": targets_b.to(device), "losses": []} if holds_last else {}
         state.memory.note_batch([*args, *([kwargs["target"]] if holds_last else [])])
     start_ns = state.recorder.start_step(step)
+    if inputs.spec.fsdp * inputs.spec.tp > 1 and not inputs.spec.reshard_after_forward:  # FSDP2 stages
+        state.recorder.unshard(state.stages)
     state.schedule.step(*args, return_outputs=False, **kwargs)
     with state.memory.during("tied gradients"):
         state.tied.sync()

@@ -24,7 +24,7 @@ from torch import nn
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
-__all__ = ["apply_fsdp", "apply_tensor_parallel", "check_reshard", "parallel_style", "stage_targets"]
+__all__ = ["apply_fsdp", "apply_tensor_parallel", "check_reshard", "parallel_style", "stage_targets", "unshard"]
 
 #: Schedules whose backward is split into input (I) and weight (W) passes.
 SPLIT_BACKWARD = ("InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
@@ -145,3 +145,18 @@ def apply_fsdp(
             fully_shard(layer, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=policy)
     fully_shard(stage, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=policy)
     return stage
+
+
+def unshard(module: nn.Module) -> bool:
+    """All-gather the parameters of every FSDP2 unit in ``module`` now, at the start of a step (with
+    ``reshard_after_forward=False`` they stay gathered until the step's reduce-scatter, so gathering them at once
+    holds no more than gathering them layer by layer in the first forward, and the gather is one action to time).
+    Returns whether ``module`` is sharded with FSDP2."""
+    from torch.distributed.fsdp import FSDPModule
+
+    if not isinstance(module, FSDPModule):
+        return False
+    for unit in module.modules():
+        if isinstance(unit, FSDPModule):
+            unit.unshard()
+    return True
