@@ -20,6 +20,7 @@ from .core import analytic, costs, precision
 from .core.analytic import activation_memory_bytes, bubble_overhead, bubble_ratio, inflight_microbatches, step_ms
 from .core.jct import JCT
 from .core.link import Link
+from .core.topology import Topology
 from .core.version import __version__ as __version__
 from .core.vocabulary import SCHEDULES
 from .fidelity import Calibration, Comparison, MeasuredRun, calibrate, compare
@@ -27,10 +28,10 @@ from .partitioning import Partition, partition
 from .planning import Plan, plan
 from .profiling import Profile, UnitByUnit, profile, profile_step
 from .runner import (
+    FSDP,
     Checkpoint,
     Checkpointing,
     Elastic,
-    FSDP,
     Faults,
     Launch,
     RunError,
@@ -86,6 +87,7 @@ __all__ = [
     "ScheduleDeadlock",
     "Sweep",
     "Timeline",
+    "Topology",
     "UnitByUnit",
     "activation_memory_bytes",
     "analytic",

@@ -5,14 +5,16 @@ Used by :class:`pipeswift_lab.planning.search.Evaluator` and :func:`pipeswift_la
 
 from __future__ import annotations
 
+import copy
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 import pandas as pd
 
 from ..core.checks import check_int
 
-__all__ = ["TIME_COLUMNS", "MicrobatchCosts"]
+__all__ = ["BYTE_COLUMNS", "TIME_COLUMNS", "MicrobatchCosts"]
 
 #: The per-layer times that follow the micro-batch size (the recomputation's among them).
 TIME_COLUMNS = (
@@ -26,6 +28,8 @@ TIME_COLUMNS = (
     "input_pass_ms",
     "weight_pass_ms",
 )
+#: The per-layer bytes of one micro-batch, which follow its size (the tensor-parallel plan's among them).
+BYTE_COLUMNS = ("activation_bytes", "output_bytes", "tp_activation_bytes", "tp_forward_bytes", "tp_backward_bytes")
 
 
 class MicrobatchCosts:
@@ -76,7 +80,7 @@ class MicrobatchCosts:
         if b not in self._cache:
             nearest = self.nearest(b)
             df = self.tables[nearest].copy()
-            for col in ("activation_bytes", "output_bytes"):
+            for col in BYTE_COLUMNS:
                 if col in df.columns:
                     df[col] = df[col] * (b / nearest)
             for col in TIME_COLUMNS:
@@ -84,6 +88,14 @@ class MicrobatchCosts:
                     df[col] = self._time(col, b)
             self._cache[b] = df
         return self._cache[b]
+
+    def derived(self, transform: Callable[[pd.DataFrame], pd.DataFrame]) -> MicrobatchCosts:
+        """These costs with every profiled table replaced by ``transform(table)`` (same layers, sizes and metas): the
+        costs as one tensor-parallel rank sees them, for instance. Returns a new :class:`MicrobatchCosts`."""
+        out = copy.copy(self)
+        out.tables = {b: transform(table.copy()) for b, table in self.tables.items()}
+        out._cache = {}
+        return out
 
     def _time(self, col: str, b: int) -> pd.Series:
         if self.proportional:

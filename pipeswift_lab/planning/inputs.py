@@ -16,15 +16,18 @@ from ..core.checks import check_flag, check_int, check_time
 from ..core.costs import AssemblyModel, Availability, CheckpointModel, cost_models
 from ..core.link import Link, check_link
 from ..core.precision import check_optimizer, check_precision
+from ..core.topology import DEFAULT_INTER_NODE_LINK, Topology
 from ..core.vocabulary import MULTI_CHUNK_SCHEDULES, SCHEDULES, V_SHAPE_SCHEDULES, canonical_schedule
 from ..simulation.calibration import SimulatorCalibration, check_calibration
 from .costs import MicrobatchCosts
+from .degrees import Degrees, check_degrees
 from .quantiles import check_quantile
 
 __all__ = ["DEFAULT_DP_LINK", "OPTIMIZER_MEMORY_GBps", "PlanInputs", "check_plan_inputs", "divisors"]
 
-#: Data-parallel link when none is given: a 200 Gb/s network (25 GB/s) with 10 µs latency.
-DEFAULT_DP_LINK = Link(latency_ms=0.01, bandwidth_GBps=25.0)
+#: Data-parallel link when none is given: a 200 Gb/s network (25 GB/s) with 10 µs latency (the default inter-node
+#: link of a :class:`~pipeswift_lab.core.topology.Topology`).
+DEFAULT_DP_LINK: Link = DEFAULT_INTER_NODE_LINK
 #: Memory bandwidth (GB/s) the optimizer step streams at, by profiled device type.
 OPTIMIZER_MEMORY_GBps = {"cuda": 1500.0, "cpu": 20.0}
 
@@ -84,6 +87,31 @@ class PlanInputs:
     """Show a progress bar over the simulated configurations."""
     recompute: str | None = None
     """``"search"``: where memory binds, each stage's recomputation is chosen with the split; None: none."""
+    degrees: Degrees | None = None
+    """The tensor-parallel and FSDP degrees weighed and the topology (:mod:`.degrees`); None: ``tp = fsdp = 1``
+    without a topology."""
+    given_dp_link: Link | None = None
+    """``dp_link`` as given (None: not given): with a topology it overrides the topology's link for the replicas."""
+
+    @property
+    def tp_degrees(self) -> tuple[int, ...]:
+        """The tensor-parallel degrees weighed."""
+        return self.degrees.tp if self.degrees is not None else (1,)
+
+    @property
+    def fsdp_degrees(self) -> tuple[int, ...]:
+        """The FSDP shard degrees weighed."""
+        return self.degrees.fsdp if self.degrees is not None else (1,)
+
+    @property
+    def three_d(self) -> bool:
+        """Whether the search weighs layouts beyond pipelines × replicas (:attr:`Degrees.three_d`)."""
+        return self.degrees is not None and self.degrees.three_d
+
+    @property
+    def topology(self) -> Topology | None:
+        """The topology given to the plan (None: none)."""
+        return self.degrees.topology if self.degrees is not None else None
 
     @property
     def n_layers(self) -> int:
@@ -102,6 +130,10 @@ class PlanInputs:
             "precision": self.precision,
             "recompute": self.recompute,
             "link": self.link,
+            "topology": self.topology,
+            "three_d": self.three_d,
+            "tp": self.tp_degrees,
+            "fsdp": self.fsdp_degrees,
             "mem_per_gpu_bytes": self.mem_per_gpu_bytes,
             "calibration": self.calibration,
             "objective": self.objective,
@@ -132,6 +164,9 @@ def check_plan_inputs(
     step_cv: Any = None,
     precision: Any = None,
     recompute: Any = None,
+    topology: Any = None,
+    tp: Any = None,
+    fsdp: Any = None,
 ) -> PlanInputs:
     """Check the arguments of :func:`~pipeswift_lab.planning.planner.plan` (the meanings are there) and resolve their
     defaults; return the :class:`PlanInputs` the search reads. Raises ``TypeError``/``ValueError`` naming the argument.
@@ -142,13 +177,27 @@ def check_plan_inputs(
     global_batch = check_int("global_batch", global_batch, minimum=1)
     calibration = check_calibration(calibration)
     quantile, rank_by = check_quantile(objective)
+    given_dp_link = check_link(dp_link)
+    precision = check_precision(precision)
+    degrees = check_degrees(
+        tp=tp,
+        fsdp=fsdp,
+        topology=topology,
+        costs=costs,
+        gpus=gpus,
+        global_batch=global_batch,
+        precision=precision,
+        dp_link=given_dp_link or DEFAULT_DP_LINK,
+    )
     return PlanInputs(
         costs=costs,
         gpus=gpus,
         global_batch=global_batch,
         steps=check_int("steps", steps, minimum=1),
         link=check_link(link),
-        dp_link=check_link(dp_link) or DEFAULT_DP_LINK,
+        dp_link=given_dp_link or DEFAULT_DP_LINK,
+        given_dp_link=given_dp_link,
+        degrees=degrees,
         mem_per_gpu_bytes=_positive_or_none("mem_per_gpu_bytes", mem_per_gpu_bytes),
         mtbf_s=_positive_or_none("mtbf_s", mtbf_s),
         stage_choices=_stage_choices(SCHEDULES if schedules is None else schedules),
@@ -158,7 +207,7 @@ def check_plan_inputs(
         assembly=assembly or AssemblyModel(),
         checkpoint=checkpoint or CheckpointModel(),
         optimizer=check_optimizer(optimizer),
-        precision=check_precision(precision),
+        precision=precision,
         mem_GBps=OPTIMIZER_MEMORY_GBps.get(costs.device, OPTIMIZER_MEMORY_GBps["cuda"]),
         calibration=calibration,
         quantile=quantile,

@@ -35,9 +35,11 @@ import pandas as pd
 from ..core.checks import moved_keywords
 from ..core.costs import AssemblyModel, Availability, CheckpointModel
 from ..core.link import Link
+from ..core.topology import Topology
 from ..profiling.table import Profile
 from ..simulation.calibration import SimulatorCalibration
 from .inputs import DEFAULT_DP_LINK, OPTIMIZER_MEMORY_GBps, PlanInputs, check_plan_inputs
+from .layouts import search_layouts
 from .result import Plan, PlannedConfig
 from .search import Evaluator
 from .steps import bound_configs, branch_and_bound, enumerate_configs, rank_table
@@ -86,6 +88,9 @@ def plan(
     step_cv: float | None = None,
     precision: str | None = None,
     recompute: str | None = None,
+    topology: Topology | None = None,
+    tp: int | Sequence[int] | None = None,
+    fsdp: int | Sequence[int] | None = None,
 ) -> Plan:
     """Rank every feasible pipeline configuration by predicted job completion time; return a :class:`Plan`.
 
@@ -140,7 +145,19 @@ def plan(
       that moves layers to fit; the shortest simulated step wins. It needs a profile taken with
       ``profile(..., recompute=True)``; the table's ``recompute`` column says what each configuration recomputes,
       and :meth:`Plan.run_arguments` carries it (and ``precision``) to :func:`pipeswift_lab.run`;
-    * ``exhaustive`` — simulate every feasible configuration; ``progress`` — show a progress bar.
+    * ``exhaustive`` — simulate every feasible configuration; ``progress`` — show a progress bar;
+    * ``topology`` — a :class:`~pipeswift_lab.Topology`: nodes of ``gpus_per_node`` GPUs and the links inside and
+      between them, on which every group of a layout is priced by where it sits (the pipeline's sends unless
+      ``link`` is given, the replicas' all-reduce unless ``dp_link`` is given, FSDP's and tensor parallelism's
+      collectives); ``tp`` and ``fsdp`` — the tensor-parallel and FSDP degrees to weigh (an int or ints; None: every
+      one that fits, :mod:`~pipeswift_lab.planning.degrees`). With any of the three the search is 3-D: layouts
+      ``P × D × fsdp × tp`` on ``gpus = P·D·fsdp·tp`` GPUs, a tensor-parallel group inside one node, ``P = 1``
+      (no pipeline) weighed beside the pipelines (:mod:`~pipeswift_lab.planning.layouts`); the table gains what a
+      tensor-parallel rank computes and holds (:mod:`~pipeswift_lab.planning.sharding`) and ``fsdp_ms``, FSDP's
+      all-gather and reduce-scatter, once a step, not overlapped (:mod:`~pipeswift_lab.planning.placement`).
+      Without any of them it weighs ``tp = fsdp = 1``, pipelines × replicas, as it always has; given ``tp`` or
+      ``fsdp`` without a topology, nodes of 8 GPUs linked by NVLink-class links inside
+      (:data:`~pipeswift_lab.core.topology.DEFAULT_INTRA_NODE_LINK`) and ``dp_link`` between them.
 
     The steps: :func:`~pipeswift_lab.planning.inputs.check_plan_inputs` (validate and resolve, once),
     :func:`evaluator_of`, then :func:`search`: :func:`~pipeswift_lab.planning.steps.enumerate_configs`,
@@ -171,6 +188,9 @@ def plan(
         step_cv=step_cv,
         precision=precision,
         recompute=recompute,
+        topology=topology,
+        tp=tp,
+        fsdp=fsdp,
     )
     return search(inputs, evaluator_of(inputs))
 
@@ -184,6 +204,9 @@ def evaluator_of(inputs: PlanInputs, *, replay: bool = False) -> Evaluator:
 def search(inputs: PlanInputs, evaluator: Evaluator) -> Plan:
     """The search of :func:`plan` on checked inputs (:func:`~pipeswift_lab.planning.inputs.check_plan_inputs`) with
     ``evaluator`` (:func:`evaluator_of`); returns a :class:`Plan`."""
+    if inputs.three_d:
+        rows, more = search_layouts(inputs, evaluator)
+        return Plan(rank_table(rows, inputs, more), inputs.as_dict(), inputs.costs)
     rows, candidates = bound_configs(enumerate_configs(inputs), inputs, evaluator)
     rows = branch_and_bound(candidates, rows, inputs, evaluator)
     return Plan(rank_table(rows, inputs), inputs.as_dict(), inputs.costs)

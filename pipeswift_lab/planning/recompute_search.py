@@ -44,6 +44,7 @@ from ..partitioning.memory import MEM_RTOL, Layout
 from ..partitioning.rank_memory import SplitBytes
 from ..profiling.recompute_costs import FORWARD_COLUMNS, RECOMPUTE_COLUMNS, recomputed
 from ..profiling.table import Profile
+from .sharding import fsdp_fields
 
 __all__ = ["LEVELS", "TIGHTER_SPLITS", "RecomputedSplit", "has_recompute_columns", "recompute_splits"]
 
@@ -99,10 +100,12 @@ def recompute_splits(
     precision: str | None,
     D: int,
     link: Any = None,
+    fsdp: int = 1,
 ) -> list[RecomputedSplit]:
     """The splits of ``P * v`` stages with each stage's recomputation, found as the module docs say, whose every
     rank fits ``limit``, each once (empty when none does). ``timing_table`` is the per-layer table at the micro-batch
-    size (times), ``memory_table`` the nearest profile's, whose bytes ``scale`` takes to it."""
+    size (times), ``memory_table`` the nearest profile's, whose bytes ``scale`` takes to it; ``fsdp`` the FSDP shards
+    of a replica (:func:`~pipeswift_lab.planning.sharding.fsdp_fields`)."""
     names = [str(n) for n in timing_table["name"]]
     n_stages = P * v
     ranks = stage_to_rank(P, v, schedule)
@@ -116,7 +119,8 @@ def recompute_splits(
 
     def peaks_of(bounds: Bounds, modes: tuple[str, ...]) -> list[float]:
         memory = layers_of(memory_table, bounds, modes)
-        fields = SplitBytes(memory, scale=scale, precision=precision, optimizer=optimizer, D=D).of(bounds, ranks)
+        split_bytes = SplitBytes(memory, scale=scale, precision=precision, optimizer=optimizer, D=1 if fsdp > 1 else D)
+        fields = fsdp_fields(split_bytes.of(bounds, ranks), fsdp)
         return [float(x) for x in form.peaks(fields, optimizer)]
 
     answers: dict[tuple[Bounds, tuple[str, ...]], RecomputedSplit] = {}

@@ -16,6 +16,7 @@ from ..partitioning.balance import partition
 from ..partitioning.stages import Partition
 from ..profiling.table import Profile
 from .costs import MicrobatchCosts
+from .placement import layout_name, pipeline_link
 from .strategies import HOLDING, STRATEGIES, check_strategy
 
 if TYPE_CHECKING:
@@ -52,7 +53,13 @@ class PlannedConfig:
     recompute: str = ""
     """The stages that recompute and how, ``"0:full 1:selective"`` (``""``: none; ``plan(recompute="search")``)."""
     stage_bounds: str = ""
-    """The split a recomputing configuration found, ``"0-3 3-7"`` (``""``: the balanced split)."""
+    """The split the search weighed where it is not the profile's balanced one, ``"0-3 3-7"``: a recomputing
+    configuration's, or a tensor-parallel or FSDP layout's, found on the memory one of its ranks holds (``""``: the
+    balanced split)."""
+    tp: int = 1
+    """Tensor-parallel ranks of each stage (``tp`` adjacent ranks inside a node)."""
+    fsdp: int = 1
+    """FSDP shards of each replica (HSDP with ``D > 1``)."""
 
     def __post_init__(self) -> None:
         check_strategy(self.strategy)
@@ -64,17 +71,21 @@ class PlannedConfig:
 
     @property
     def gpus(self) -> int:
-        """GPUs used: ``P * D``."""
-        return self.P * self.D
+        """GPUs used: ``P * D * fsdp * tp``."""
+        return self.P * self.D * self.fsdp * self.tp
 
     @property
     def label(self) -> str:
-        """A short name: ``P4×D2 m16 b2 1F1B`` (``... 1F1B recompute 0:full`` where stages recompute); a move's
-        starts with its strategy and change, ``grow at 2.00 h from P4×D2 m32 b2 1F1B: P4×D4 m16 b2 1F1B``."""
+        """A short name: ``P4×D2 m16 b2 1F1B`` (``P4×D2×fsdp4×tp8 ...`` where FSDP or tensor parallelism is used,
+        ``... 1F1B recompute 0:full`` where stages recompute); a move's starts with its strategy and change,
+        ``grow at 2.00 h from P4×D2 m32 b2 1F1B: P4×D4 m16 b2 1F1B``."""
         v = f" v{self.v}" if self.v > 1 else ""
         prefix = "" if self.strategy in HOLDING else f"{self.strategy} {self.change}: "
         recompute = f" recompute {self.recompute}" if self.recompute else ""
-        return f"{prefix}P{self.P}×D{self.D} m{self.m} b{self.microbatch_size} {self.schedule}{v}{recompute}"
+        return (
+            f"{prefix}{layout_name(self.P, self.D, self.fsdp, self.tp)} m{self.m} b{self.microbatch_size} "
+            f"{self.schedule}{v}{recompute}"
+        )
 
     @property
     def jct(self) -> JCT:
@@ -89,6 +100,9 @@ class PlannedConfig:
         ints = ("P", "D", "m", "microbatch_size", "v")
         floats = ("step_ms", "bubble_ratio", "peak_mem_bytes", *TERMS)
         values: dict[str, Any] = {k: int(row[k]) for k in ints} | {k: float(row[k]) for k in floats}
+        for k in ("tp", "fsdp"):  # a table saved before the 3-D search has neither: 1
+            value = row.get(k, 1)
+            values[k] = 1 if pd.isna(value) else int(value)
 
         def text(key: str) -> str:
             value = row.get(key, "")
@@ -205,6 +219,20 @@ class Plan:
             raise ValueError("this Plan holds no costs (Plan.costs is None); plan again to split its configurations")
         if config.recompute:  # the split found with each stage's recomputation
             return self._recomputed_partition(config)
+        if config.stage_bounds:  # a tensor-parallel or FSDP layout's own split, found on what one of its ranks holds
+            return Partition.from_bounds(
+                self.costs.table(config.microbatch_size),
+                _bounds_of(config.stage_bounds),
+                v=config.v,
+                schedule=config.schedule,
+                m=config.m,
+                optimizer=self.inputs["optimizer"],
+                link=pipeline_link(
+                    self.inputs["link"], self.inputs.get("topology"), (config.P, config.D, config.fsdp, config.tp)
+                ),
+                precision=self.inputs.get("precision"),
+                D=config.D,
+            )
         return partition(
             self.costs.table(config.microbatch_size),
             config.P,
@@ -232,7 +260,7 @@ class Plan:
         for column in ("recompute_ms", "selective_recompute_ms"):
             df[column] = df[column] * (b / nearest)
         df["total_ms"] = df["fwd_ms"] + df["bwd_ms"]
-        bounds = [tuple(int(x) for x in item.split("-")) for item in config.stage_bounds.split()]
+        bounds = _bounds_of(config.stage_bounds)
         names = [str(n) for n in df["name"]]
         chosen = config.recompute_by_stage()
         by_layer = {names[i]: chosen[s] for s, (a, e) in enumerate(bounds) if s in chosen for i in range(a, e)}
@@ -250,17 +278,19 @@ class Plan:
         )
 
     def run_arguments(self, row: PlannedConfig | pd.Series | Hashable) -> dict[str, Any]:
-        """``{"partition", "m", "schedule", "D"}`` (and ``recompute``, ``precision`` where the plan has them) of a
-        ranked row (a label, a row of :attr:`table` or a
+        """``{"partition", "m", "schedule", "D", "fsdp", "tp"}`` (and ``recompute``, ``precision`` where the plan has
+        them) of a ranked row (a label, a row of :attr:`table` or a
         :class:`PlannedConfig`): the keyword arguments :func:`pipeswift_lab.run` takes, so a planned configuration
-        runs as is with a global batch of ``microbatch_size * m * D`` samples:
-        ``psl.run(model, data, loss_fn, **plan.run_arguments(0), steps=...)``."""
+        runs as is with a global batch of ``microbatch_size * m * D * fsdp`` samples on ``P * D * fsdp * tp``
+        processes: ``psl.run(model, data, loss_fn, **plan.run_arguments(0), steps=...)``."""
         config = row if isinstance(row, PlannedConfig) else self.config(row)
         args: dict[str, Any] = {
             "partition": self.partition_of(config),
             "m": int(config.m),
             "schedule": config.schedule,
             "D": int(config.D),
+            "fsdp": int(config.fsdp),
+            "tp": int(config.tp),
         }
         if config.recompute:
             args["recompute"] = config.recompute_by_stage()
@@ -284,24 +314,68 @@ class Plan:
             out.append(self._why_no_pipeline(best))
         for name, other in (("bubble-best", self.bubble_best), ("throughput-best", self.throughput_best)):
             out.append(_versus(best, name, other))
+        if self.inputs.get("three_d"):
+            out += self._layout_comparisons(best)
         return " ".join(out)
+
+    def _layout_comparisons(self, best: PlannedConfig) -> list[str]:
+        """A 3-D plan's comparisons of the best with the best without a pipeline (``P = 1``) and the best without
+        tensor parallelism (``tp = 1``): their JCT and step, or why none of them runs."""
+        out = []
+        classes = [("P", "without a pipeline (P=1)", best.P == 1, "The best has no pipeline.")]
+        if max(self.inputs.get("tp", (1,))) > 1:
+            classes.append(
+                ("tp", "without tensor parallelism (tp=1)", best.tp == 1, "The best uses no tensor parallelism.")
+            )
+        else:
+            out.append("Tensor parallelism was not weighed (tp=1 alone: the profile or tp= allows no other degree).")
+        held = self.strategy_rows(*HOLDING)
+        for column, name, is_best, same in classes:
+            rows = held[held[column] == 1]
+            if is_best and (best.strategy in HOLDING or rows.empty):
+                out.append(same)
+            elif not rows.empty:
+                other = PlannedConfig.from_row(rows.sort_values(["total_s", "gpus", "step_ms"], kind="stable").iloc[0])
+                out.append(_versus(best, f"best {name}", other))
+            else:
+                out.append(self._none_runs(column, name))
+        return out
+
+    def _none_runs(self, column: str, name: str) -> str:
+        """Why no configuration of a class (``column == 1``) has a predicted JCT: out of memory (the most sharded one's
+        reason), or their most common reasons."""
+        rows = self.table[self.table[column] == 1]
+        if rows.empty:
+            return f"No configuration {name} was weighed."
+        memory = rows["reason"].str.contains("GiB per GPU|mem_per_gpu_bytes=", regex=True)
+        if memory.all():
+            sharded = rows.assign(_shards=rows["fsdp"] * rows["tp"]).sort_values(["_shards", "gpus"], kind="stable")
+            widest = sharded.iloc[-1]
+            cap = self.inputs.get("mem_per_gpu_bytes")
+            return (
+                f"No configuration {name} fits mem_per_gpu_bytes={cap:.4g}: none of the {len(rows)} weighed does; the "
+                f"most sharded, {PlannedConfig.from_row(widest.fillna(0.0)).label}, {widest['reason']}."
+            )
+        reasons = rows["reason"].value_counts().head(2)
+        why = "; ".join(f"{k} ({v} of {len(rows)})" for k, v in reasons.items())
+        return f"No configuration {name} runs: {why}."
 
     def _why_no_pipeline(self, best: PlannedConfig) -> str:
         """Why one stage (pure data parallelism) wins: it fits memory and has no bubble; what the best pipeline
         costs."""
         cap = self.inputs.get("mem_per_gpu_bytes")
+        shards = " ".join(f"{k}={n}" for k, n in (("fsdp", best.fsdp), ("tp", best.tp)) if n > 1)
         if cap:
-            fits = (
-                f"the whole model fits one GPU ({best.peak_mem_bytes / 2**30:.3g} GiB of the "
-                f"mem_per_gpu_bytes={cap:.4g} cap)"
-            )
+            whole = f"the whole model fits one GPU as {shards} shards" if shards else "the whole model fits one GPU"
+            fits = f"{whole} ({best.peak_mem_bytes / 2**30:.3g} GiB of the mem_per_gpu_bytes={cap:.4g} cap)"
         else:
             fits = "no memory cap is given (mem_per_gpu_bytes=None), so the whole model is taken to fit one GPU"
         held = self.strategy_rows(*HOLDING)
         piped = held[held["P"] > 1]
+        sharded = "".join(f", {k}={n}" for k, n in (("fsdp", best.fsdp), ("tp", best.tp)) if n > 1)
         text = (
-            f"No pipeline (P=1, {best.D} data-parallel replicas) wins because {fits}, and a pipeline only adds a "
-            f"bubble and stage transfers"
+            f"No pipeline (P=1, {best.D} data-parallel replicas{sharded}) wins because {fits}, and a pipeline only "
+            f"adds a bubble and stage transfers"
         )
         if piped.empty:
             return text + "."
@@ -352,6 +426,11 @@ class Plan:
 
     def __repr__(self) -> str:
         return f"Plan(best={self.best.label!r}, total_s={self.best.total_s:.6g}, configurations={len(self.table)})"
+
+
+def _bounds_of(stage_bounds: str) -> list[tuple[int, ...]]:
+    """The ``(start, end)`` pairs of a ``stage_bounds`` text, ``"0-3 3-7"``."""
+    return [tuple(int(x) for x in item.split("-")) for item in stage_bounds.split()]
 
 
 def _versus(best: PlannedConfig, name: str, other: PlannedConfig) -> str:

@@ -6,15 +6,17 @@ Used by :func:`pipeswift_lab.planning.planner.plan`.
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field
-from functools import cached_property, partial
+from functools import partial
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 
 from ..core.analytic import inflight_microbatches
+from ..core.link import Link
 from ..core.precision import state_bytes
 from ..core.vocabulary import stage_to_rank
 from ..partitioning.bottleneck import Infeasible
@@ -23,16 +25,17 @@ from ..partitioning.memory import MEM_RTOL, Layout, memory_windows, no_fit_head,
 from ..partitioning.stages import Partition
 from ..simulation.simulator import simulate_step_ms
 from .costs import MicrobatchCosts
+from .memory_bound import held_counts, min_fullest_rank_bytes
 from .peaks import SplitPeaks
 from .recompute_search import RecomputedSplit, has_recompute_columns, recompute_splits
+from .sharding import fsdp_state_ratio, tp_costs
+from .splits import Bounds, Split, StageSums, check_average_fits, rank_max
+from .step_bounds import split_step_lower_ms
 
 if TYPE_CHECKING:
     from .inputs import PlanInputs
 
 __all__ = ["Evaluator", "MicrobatchCosts", "Split"]
-
-#: Stage bounds of a split: ``((first_layer, end_layer), ...)``, one pair per stage.
-Bounds = tuple[tuple[int, int], ...]
 
 
 class _Config(NamedTuple):
@@ -44,6 +47,7 @@ class _Config(NamedTuple):
     schedule: str
     v: int
     D: int
+    fsdp: int = 1
 
 
 class Evaluator:
@@ -62,14 +66,24 @@ class Evaluator:
     (:class:`~pipeswift_lab.planning.peaks.SplitPeaks`); ``replay=True`` replays every action
     instead (:func:`~pipeswift_lab.partitioning.rank_memory.rank_memory`, the reference, far
     slower).
+
+    An evaluator weighs one tensor-parallel degree on one pipeline link: ``inputs.costs`` are the per-layer costs
+    as one tensor-parallel rank sees them (:func:`~pipeswift_lab.planning.sharding.tp_costs`). The FSDP degree
+    ``fsdp`` is an argument of :meth:`split`, like ``D``: its splits share the balanced bounds and the simulations.
     """
 
     def __init__(self, inputs: PlanInputs, *, replay: bool = False) -> None:
+        self.inputs, self.replay = inputs, replay
+        self._family: dict[tuple[int, Link | None], Evaluator] = {(1, inputs.link): self}
+        self._tp_costs: dict[int, MicrobatchCosts] = {1: inputs.costs}
         costs, link, optimizer, precision = inputs.costs, inputs.link, inputs.optimizer, inputs.precision
         self.costs, self.link, self.optimizer, self.precision = costs, link, optimizer, precision
         # where memory binds, choose each stage's recomputation too
         self.recompute_search = inputs.recompute == "search"
         self.mem_per_gpu_bytes = inputs.mem_per_gpu_bytes
+        # bound a split's step by its schedule's dependencies (step_bounds), not by its busiest rank alone: the
+        # 3-D search's pruning; the search of pipelines × replicas keeps the busiest rank's bound it always had
+        self.schedule_bounds = inputs.three_d
         self.calibration = inputs.calibration  # fixed per-action costs do not scale with b: no sharing across sizes
         self.shared = costs.proportional and link is None and self.calibration is None
         self._partition = partial(Partition.from_bounds, optimizer=optimizer, link=link, precision=precision)
@@ -77,11 +91,35 @@ class Evaluator:
         self._layers: dict[int, Layers] = {}
         self._bounds: dict[tuple, Bounds] = {}
         self._capped: dict[tuple, Bounds | None] = {}
-        self._stages: dict[tuple, _StageSums] = {}
+        self._stages: dict[tuple, StageSums] = {}
         self._inflight: dict[tuple, tuple[tuple[int, ...], list[float]]] = {}
         self.split_peaks = SplitPeaks(costs, self.layers, optimizer=optimizer, precision=precision, replay=replay)
         """Each rank's peak of the splits weighed (:class:`~pipeswift_lab.planning.peaks.SplitPeaks`)."""
         self._solved: dict[tuple, Bounds | None] = {}
+        self._window_layers: dict[tuple[int, int], Layers] = {}
+
+    def costs_at(self, tp: int) -> MicrobatchCosts:
+        """The per-layer costs as one of ``tp`` tensor-parallel ranks sees them, its collectives inside a node of the
+        plan's topology (:func:`~pipeswift_lab.planning.sharding.tp_costs`; cached, shared by the family)."""
+        if tp not in self._tp_costs:
+            network = self.inputs.degrees.network if self.inputs.degrees is not None else None
+            if network is None:
+                raise ValueError(f"tp={tp} needs a topology: plan(..., topology=...) or tp=...")
+            self._tp_costs[tp] = tp_costs(self.inputs.costs, tp, network.intra_node)
+        return self._tp_costs[tp]
+
+    def at(self, tp: int, link: Link | None) -> Evaluator:
+        """The evaluator of the same inputs for ``tp`` tensor-parallel ranks whose pipeline sends run on ``link``
+        (this one for ``tp == 1`` on the plan's ``link``); each is built once and shares the family's caches of
+        per-tp costs."""
+        key = (tp, link)
+        if key not in self._family:
+            sibling = Evaluator(
+                dataclasses.replace(self.inputs, costs=self.costs_at(tp), link=link), replay=self.replay
+            )
+            sibling._family, sibling._tp_costs = self._family, self._tp_costs
+            self._family[key] = sibling
+        return self._family[key]
 
     def layers(self, b: int) -> Layers:
         """The per-layer arrays at micro-batch size ``b`` (cached), with the nearest profile's meta (the loss's bytes
@@ -97,10 +135,18 @@ class Evaluator:
             self._layers[b] = layers
         return self._layers[b]
 
-    def peak_memory(self, P: int, m: int, b: int, schedule: str, v: int, D: int, bounds: Bounds) -> list[float]:
+    def peak_memory(
+        self, P: int, m: int, b: int, schedule: str, v: int, D: int, bounds: Bounds, fsdp: int = 1
+    ) -> list[float]:
         """Each rank's peak (:func:`~pipeswift_lab.partitioning.rank_memory.rank_memory`'s ``predicted_peak_bytes``)
-        of ``bounds`` at micro-batch size ``b``, from the nearest profile (cached). Returns a list, one per rank."""
-        return self.split_peaks.of(P, m, b, schedule, v, D, bounds, self._placement(P, m, schedule, v)[0])
+        of ``bounds`` at micro-batch size ``b`` with ``fsdp`` shards, from the nearest profile (cached). Returns a
+        list, one per rank."""
+        return self.split_peaks.of(P, m, b, schedule, v, D, bounds, self._placement(P, m, schedule, v)[0], fsdp)
+
+    def _peaks_of(self, config: _Config, bounds: Bounds) -> list[float]:
+        """:meth:`peak_memory` of ``bounds`` for a configuration."""
+        P, m, b, schedule, v, D, fsdp = config
+        return self.peak_memory(P, m, b, schedule, v, D, bounds, fsdp)
 
     @property
     def peaks(self) -> dict[tuple, list[float]]:
@@ -108,32 +154,33 @@ class Evaluator:
         dict."""
         return self.split_peaks.answers
 
-    def split(self, P: int, m: int, b: int, schedule: str, v: int, D: int = 1) -> Split:
+    def split(self, P: int, m: int, b: int, schedule: str, v: int, D: int = 1, fsdp: int = 1) -> Split:
         """The balanced split of ``P`` ranks at micro-batch size ``b``; where it does not fit memory, of the splits
         that do, the one whose simulated step is the shortest (simulated only where there are several).
 
-        ``D`` is the replica count a ZeRO-1 ``precision`` shards the optimizer state over.
+        ``D`` is the replica count a ZeRO-1 ``precision`` shards the optimizer state over; ``fsdp`` the FSDP shards
+        of each replica (:mod:`~pipeswift_lab.planning.sharding`).
         ``P``, ``m``, ``schedule`` and ``v`` must already be valid together.
 
         Raises ``ValueError`` when no split fits ``mem_per_gpu_bytes``.
         """
-        config = _Config(P, m, b, schedule, v, D)
+        config = _Config(P, m, b, schedule, v, D, fsdp)
         base = self.costs.b0 if self.shared else b
         shards = self._state_shards(D)
         _, inflight_by_rank = self._placement(P, m, schedule, v)
         bounds = self._balanced_bounds(P, m, schedule, v, base)
-        stages = self._stage_sums(base, bounds, shards)
+        stages = self._stage_sums(base, bounds, shards, fsdp)
         limit = self.mem_per_gpu_bytes
         if limit is not None and sum(stages.state_bytes) / P > limit * (1 + MEM_RTOL):
             # no rank's peak is below its state (it holds it all at its optimizer step), so no split fits: raise
             # the error the replay of the balanced split would lead to, without replaying it
-            _check_average_fits(stages, P, limit)
-        mem = self.peak_memory(*config, bounds)
+            check_average_fits(sum(stages.state_bytes) / P, limit)
+        mem = self._peaks_of(config, bounds)
         if limit is None or max(mem) <= limit:
             return self._split_of(config, bounds, mem, base, None)
         # the time-balanced split does not fit at this micro-batch size: take the split whose simulated step is the
         # shortest of those that fit, moving layers and (with recompute="search") recomputing stages
-        _check_average_fits(stages, P, limit)
+        check_average_fits(sum(stages.state_bytes) / P, limit)
         options: list[Split] = []
         try:
             capped = self._capped_bounds(config, tuple(inflight_by_rank), limit)
@@ -155,6 +202,34 @@ class Evaluator:
         ZeRO-1 state depends on ``D``)."""
         return D if self.precision is not None and self.precision.endswith("zero1") else 1
 
+    def average_state_bytes(self, P: int, D: int = 1, fsdp: int = 1) -> float:
+        """The training state one of ``P`` ranks holds on average (weights, gradients, optimizer state, master
+        weights) with ``D`` replicas and ``fsdp`` shards: no split of ``P`` ranks has a rank below it."""
+        bounds = ((0, self.costs.n_layers),)
+        return sum(self._stage_sums(self.costs.b0, bounds, self._state_shards(D), fsdp).state_bytes) / P
+
+    def fullest_rank_lower_bytes(self, P: int, m: int, b: int, schedule: str, v: int, D: int, fsdp: int = 1) -> float:
+        """A lower bound on the fullest rank's peak of every split of ``P`` ranks at micro-batch size ``b``
+        (:func:`~pipeswift_lab.planning.memory_bound.min_fullest_rank_bytes`): no split fits a smaller cap. Where
+        stages may recompute (``recompute="search"``), each layer's activations are the least it can hold."""
+        state, activations = self.split_peaks.state_and_activations(b, D, fsdp)
+        if self.recompute_search:
+            df = self.layers(self.costs.nearest(b)).df
+            scale = b / self.costs.nearest(b)
+            for column in ("full_activation_bytes", "selective_activation_bytes"):
+                if column in df.columns:
+                    least = np.nan_to_num(df[column].to_numpy(float), nan=np.inf) * scale
+                    activations = np.minimum(activations, least)
+        return min_fullest_rank_bytes(state, activations, held_counts(P, m, schedule, v))
+
+    def check_average_fits(self, P: int, D: int = 1, fsdp: int = 1) -> None:
+        """Raise the ``ValueError`` :meth:`split` raises for every split of ``P`` ranks when not even their average
+        state fits ``mem_per_gpu_bytes`` (nothing without a cap)."""
+        limit = self.mem_per_gpu_bytes
+        average = self.average_state_bytes(P, D, fsdp) if limit is not None else 0.0
+        if limit is not None and average > limit * (1 + MEM_RTOL):
+            check_average_fits(average, limit)
+
     def _split_of(
         self,
         config: _Config,
@@ -166,14 +241,19 @@ class Evaluator:
         """The :class:`Split` of ``bounds`` whose times are at micro-batch size ``base`` (the step scales by
         ``b / base``), each stage recomputing as ``recomputing`` says (None: none do); ``mem``: its ranks' peaks
         (None: replayed here)."""
-        P, m, b, schedule, v, D = config
-        stages = self._stage_sums(base, bounds, self._state_shards(D))
+        P, m, b, schedule, v, D, fsdp = config
+        stages = self._stage_sums(base, bounds, self._state_shards(D), fsdp)
         placement, _ = self._placement(P, m, schedule, v)
         if mem is None:
-            mem = self.peak_memory(*config, bounds)
+            mem = self._peaks_of(config, bounds)
         scale = b / base
         stage_ms = stages.stage_ms if recomputing is None else recomputing.stage_ms
         bound = m * max(rank_totals(stage_ms, placement, P)) * scale
+        if self.schedule_bounds:  # the schedule's dependencies too (step_bounds), in the 3-D search
+            timing = self.layers(base) if recomputing is None else recomputing.timing
+            starts = [a for a, _ in bounds]
+            fwd, bwd = np.add.reduceat(timing.fwd, starts), np.add.reduceat(timing.bwd, starts)
+            bound = max(bound, split_step_lower_ms(fwd, bwd, placement, P, m, schedule) * scale)
         if self.calibration is not None:  # calibrated actions take at least scale(P) x profiled, plus fixed costs
             bound = bound * self.calibration.scale(P) + self.calibration.step_overhead_ms(schedule)
         return Split(
@@ -185,11 +265,12 @@ class Evaluator:
             base=base,
             scale=scale,
             peak_mem_bytes=max(mem),
-            rank_param_bytes=_rank_max(stages.param_bytes, placement, P),
-            rank_params=_rank_max(stages.params, placement, P),
+            rank_param_bytes=rank_max(stages.param_bytes, placement, P),
+            rank_params=rank_max(stages.params, placement, P),
             lower_bound_ms=bound,
             evaluator=self,
             build=(self.layers(base) if recomputing is None else recomputing.timing, bounds, v, schedule, m, D),
+            fsdp=fsdp,
             recompute=recomputing.label if recomputing is not None else "",
         )
 
@@ -199,7 +280,7 @@ class Evaluator:
         columns."""
         from ..core.memory_model import default_optimizer_memory
 
-        P, m, b, schedule, v, D = config
+        P, m, b, schedule, v, D, fsdp = config
         nearest = self.costs.nearest(b)
         memory_table = self.costs.tables[nearest]
         if not has_recompute_columns(memory_table):
@@ -224,6 +305,7 @@ class Evaluator:
             precision=self.precision,
             D=D,
             link=self.link,
+            fsdp=fsdp,
         )
 
     def partition(self, layers: Layers, bounds: Bounds, v: int, schedule: str, m: int, D: int) -> Partition:
@@ -267,9 +349,10 @@ class Evaluator:
             self._bounds[key] = split(layers, layout, "balanced", self.link, None)
         return self._bounds[key]
 
-    def _stage_sums(self, b: int, bounds: Bounds, D: int) -> _StageSums:
-        """Per-stage sums of the layers at micro-batch size ``b`` (cached)."""
-        key = (b, bounds, D)
+    def _stage_sums(self, b: int, bounds: Bounds, D: int, fsdp: int = 1) -> StageSums:
+        """Per-stage sums of the layers at micro-batch size ``b``, the optimizer state sharded over ``D`` (ZeRO-1)
+        and the training state held as one of ``fsdp`` shards holds it (cached)."""
+        key = (b, bounds, D, fsdp)
         if key not in self._stages:
             layers: Any = self.layers(b)  # its optional columns (params, param_bytes, ...) are set by name
 
@@ -279,9 +362,11 @@ class Evaluator:
                 return tuple(float(values[a:e].sum()) for a, e in bounds)
 
             state = state_bytes(layers.params, layers.param_bytes, self.precision, self.optimizer, D)
+            if fsdp > 1 and state is not None:
+                state = state * fsdp_state_ratio(self.precision, self.optimizer, fsdp)
             params = tuple(int(round(x)) for x in sums(layers.params)) if layers.params is not None else sums(None)
             fwd, bwd = sums(layers.fwd), sums(layers.bwd)
-            self._stages[key] = _StageSums(
+            self._stages[key] = StageSums(
                 stage_ms=tuple(f + w for f, w in zip(fwd, bwd)),
                 state_bytes=sums(state),
                 activation_bytes=sums(layers.activation_bytes),
@@ -297,10 +382,10 @@ class Evaluator:
         Cached by what the memory windows depend on, so ``m`` values with the same in-flight
         counts share one search.
         """
-        P, m, b, schedule, v, D = config
-        key = (P, m, v, schedule, b, D, inflight_by_rank)
+        P, m, b, schedule, v, D, fsdp = config
+        key = (P, m, v, schedule, b, D, fsdp, inflight_by_rank)
         if key not in self._capped:
-            layers = self.layers(b)
+            layers = self._windowed(b, fsdp)
             layout = resolve_layout(P, v, schedule, m, self.optimizer, self.precision, self._state_shards(D))
             self._capped[key] = capped_split(
                 layers,
@@ -308,18 +393,33 @@ class Evaluator:
                 "balanced",
                 self.link,
                 limit,
-                lambda bounds: self.peak_memory(*config, bounds),
-                lambda budget: self._solve(b, layout, budget),
+                lambda bounds: self._peaks_of(config, bounds),
+                lambda budget: self._solve(b, layout, budget, fsdp),
             )
         capped = self._capped[key]
         if capped is None:
             raise ValueError(no_fit_head(limit, "balanced", P, v))
         return capped
 
-    def _solve(self, b: int, layout: Layout, budget: float) -> Bounds:
+    def _windowed(self, b: int, fsdp: int) -> Layers:
+        """The layers at micro-batch size ``b`` whose memory windows count the training state one of ``fsdp`` shards
+        holds: parameter bytes and counts scaled by
+        :func:`~pipeswift_lab.planning.sharding.fsdp_state_ratio` (the same layers at ``fsdp == 1``)."""
+        if fsdp == 1:
+            return self.layers(b)
+        key = (b, fsdp)
+        if key not in self._window_layers:
+            layers = copy.copy(self.layers(b))
+            ratio = fsdp_state_ratio(self.precision, self.optimizer, fsdp)
+            layers.param_bytes = None if layers.param_bytes is None else layers.param_bytes * ratio
+            layers.params = None if layers.params is None else layers.params * ratio
+            self._window_layers[key] = layers
+        return self._window_layers[key]
+
+    def _solve(self, b: int, layout: Layout, budget: float, fsdp: int = 1) -> Bounds:
         """The balanced split of ``layout`` at micro-batch size ``b`` within ``budget`` bytes per GPU (cached by
         the memory windows it is solved in, which many budgets, ``m`` and ``D`` share); raises ``Infeasible``."""
-        layers = self.layers(b)
+        layers = self._windowed(b, fsdp)
         windows = memory_windows(layers, layout, budget)
         key = (b, layout.n_stages, b"".join(w.tobytes() for w in windows or ()))
         if key not in self._solved:
@@ -331,70 +431,3 @@ class Evaluator:
         if solved is None:
             raise Infeasible
         return solved
-
-
-@dataclass(frozen=True, kw_only=True)
-class _StageSums:
-    """Per-stage sums of a split's layers, the numbers the search needs before building a Partition."""
-
-    stage_ms: tuple[float, ...]
-    """Forward + backward per micro-batch."""
-    state_bytes: tuple[float, ...]
-    """Weights + gradients + optimizer state."""
-    activation_bytes: tuple[float, ...]
-    """Saved for the backward, per micro-batch in flight."""
-    param_bytes: tuple[float, ...]
-    """Bytes of the parameters."""
-    params: tuple[float, ...]
-    """Parameters (whole numbers; NaN where the profile has no ``params`` column)."""
-
-
-@dataclass(frozen=True, kw_only=True)
-class Split:
-    """A balanced split at one micro-batch size, with what the planner needs before simulating it."""
-
-    P: int
-    """Ranks."""
-    bounds: Bounds
-    """``(first_layer, end_layer)`` of each of the ``P * v`` stages."""
-    m: int
-    """Micro-batches per step."""
-    schedule: str
-    """The schedule's name."""
-    v: int
-    """Stages (chunks) per rank."""
-    base: int
-    """The micro-batch size the split's times are for."""
-    scale: float
-    """``b / base``: the step scales by it."""
-    peak_mem_bytes: float
-    """The most memory one rank holds."""
-    rank_param_bytes: float
-    """The most parameter bytes one rank holds."""
-    rank_params: float
-    """The most parameters one rank holds (NaN when the profile does not count them)."""
-    lower_bound_ms: float
-    """``m`` times the busiest rank's compute: no pipeline step is shorter."""
-    evaluator: Evaluator = field(repr=False, compare=False)
-    """The evaluator that builds the :class:`~pipeswift_lab.Partition` on first use."""
-    build: tuple[Layers, Bounds, int, str, int, int] = field(repr=False, compare=False)
-    """The arguments of :meth:`Evaluator.partition`."""
-    recompute: str = ""
-    """The stages that recompute and how, ``"0:full 1:selective"`` (``""``: none)."""
-
-    @cached_property
-    def part(self) -> Partition:
-        """The :class:`~pipeswift_lab.Partition` of this split (built on first use)."""
-        return self.evaluator.partition(*self.build)
-
-
-def _check_average_fits(stages: _StageSums, P: int, limit: float) -> None:
-    """Raise ``ValueError`` when not even the average rank fits ``limit``: no split can beat it (weights, gradients
-    and optimizer state, which every rank holds at its optimizer step)."""
-    average = sum(stages.state_bytes) / P
-    if average > limit:
-        raise ValueError(f"needs at least {average / 2**30:.3g} GiB per GPU on average > mem_per_gpu_bytes={limit:.4g}")
-
-
-def _rank_max(per_stage: Sequence[float], placement: Sequence[int], P: int) -> float:
-    return max(rank_totals(per_stage, placement, P))

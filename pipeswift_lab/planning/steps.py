@@ -20,19 +20,21 @@ from typing import Any
 import pandas as pd
 
 from ..core.analytic import bubble_ratio
-from ..core.costs import allreduce_ms, preemption_loss_s
+from ..core.costs import preemption_loss_s
 from ..core.display import distinct_hours, hours
 from ..core.jct import TERMS
-from ..core.precision import OPTIMIZER_STATES, checkpoint_bytes_per_param, grad_bytes_per_param
 from ..core.vocabulary import SINGLE_CHUNK_SCHEDULES, validate
 from .inputs import PlanInputs, divisors
+from .placement import OPTIMIZER_TRAFFIC_FACTOR, collective_terms, pipeline_link_of
 from .quantiles import jct_quantile, quantile_column
-from .search import Evaluator, Split
+from .search import Evaluator
+from .splits import Split
 from .strategies import HOLDING, first_drop, grow_rows, shrink_rows, split_by_drops
 
 __all__ = [
     "OPTIMIZER_TRAFFIC_FACTOR",
     "TABLE_COLUMNS",
+    "bound_config",
     "bound_configs",
     "branch_and_bound",
     "enumerate_configs",
@@ -42,21 +44,18 @@ __all__ = [
     "terms",
 ]
 
-#: Bytes the Adam step reads and writes per byte of parameters: parameter, gradient and two
-#: moments read, parameter and two moments written.
-OPTIMIZER_TRAFFIC_FACTOR = 7.0
-
 #: The columns of :attr:`Plan.table <pipeswift_lab.planning.result.Plan.table>`, in order (a quantile column such as
 #: ``total_s_p95`` follows ``total_s`` when one is asked for).
 TABLE_COLUMNS = (
-    *("rank", "ranked_by", "strategy", "change", "P", "D", "gpus", "m", "microbatch_size", "schedule", "v"),
-    *("feasible", "simulated", "reason", *TERMS, "total_s", "jct_lower_bound_s", "checkpoint_interval_s"),
-    *("step_ms", "pipeline_ms", "allreduce_ms", "optimizer_ms", "bubble_ratio", "peak_mem_bytes", "samples_per_s"),
+    *("rank", "ranked_by", "strategy", "change", "P", "D", "fsdp", "tp", "gpus", "m", "microbatch_size"),
+    *("schedule", "v", "feasible", "simulated", "reason", *TERMS, "total_s", "jct_lower_bound_s"),
+    *("checkpoint_interval_s", "step_ms", "pipeline_ms", "allreduce_ms", "fsdp_ms", "optimizer_ms", "bubble_ratio"),
+    *("peak_mem_bytes", "samples_per_s"),
     *("recompute", "stage_bounds"),
 )
 
-#: A configuration: ``(P, D, m, microbatch_size, schedule, v)``.
-Config = tuple[int, int, int, int, str, int]
+#: A configuration: ``(P, D, m, microbatch_size, schedule, v, fsdp, tp)``.
+Config = tuple[int, int, int, int, str, int, int, int]
 #: One row of the plan's table, as the steps build it (``_shard_bytes`` is dropped at the end).
 Row = dict[str, Any]
 #: A configuration to simulate: ``(jct_lower_bound_s, row, split)``.
@@ -65,7 +64,8 @@ Candidate = tuple[float, Row, Split]
 
 # --------------------------------------------------------------------------- 1. enumerate
 def enumerate_configs(inputs: PlanInputs) -> list[Config]:
-    """Every ``(P, D, m, b, schedule, v)`` with ``P * D <= gpus`` and ``D * m * b == global_batch``.
+    """Every ``(P, D, m, b, schedule, v, 1, 1)`` with ``P * D <= gpus`` and ``D * m * b == global_batch`` (the
+    search of pipelines × replicas; :mod:`.layouts` enumerates the 3-D one).
 
     One stage is plain data parallelism: every schedule runs it alike, so it is weighed once.
     """
@@ -79,7 +79,7 @@ def enumerate_configs(inputs: PlanInputs) -> list[Config]:
             for b in inputs.microbatch_sizes:
                 if (inputs.global_batch // d) % b == 0:
                     for schedule, v in choices if p > 1 else single_stage:
-                        configs.append((p, d, (inputs.global_batch // d) // b, b, schedule, v))
+                        configs.append((p, d, (inputs.global_batch // d) // b, b, schedule, v, 1, 1))
     return configs
 
 
@@ -90,7 +90,7 @@ def bound_configs(
     """``(rejected rows, candidates)``; a candidate is ``(jct_lower_bound_s, row, split)``, unsorted."""
     rows, candidates = [], []
     for config in configs:
-        row, split, reason = _bound(config, inputs, evaluator)
+        row, split, reason = bound_config(config, inputs, evaluator)
         if split is None:
             rows.append({**row, "feasible": False, "reason": reason})
         else:
@@ -98,52 +98,49 @@ def bound_configs(
     return rows, candidates
 
 
-def _bound(config: Config, inputs: PlanInputs, evaluator: Evaluator) -> tuple[Row, Split | None, str]:
+def bound_config(config: Config, inputs: PlanInputs, evaluator: Evaluator) -> tuple[Row, Split | None, str]:
     """``(row, split, "")`` of a configuration that may run, with its terms and JCT lower bound; ``(row, None,
     reason)`` of one that cannot."""
-    p, d, m, b, schedule, v = config
-    queue = inputs.availability.wait_s(p * d)
-    row: Row = {"strategy": "now" if queue == 0 else "wait", "change": "", "P": p, "D": d, "gpus": p * d}
-    row.update(m=m, microbatch_size=b, schedule=schedule, v=v)
+    p, d, m, b, schedule, v, fsdp, tp = config
+    gpus = p * d * fsdp * tp
+    queue = inputs.availability.wait_s(gpus)
+    row: Row = {"strategy": "now" if queue == 0 else "wait", "change": "", "P": p, "D": d, "fsdp": fsdp, "tp": tp}
+    row.update(gpus=gpus, m=m, microbatch_size=b, schedule=schedule, v=v)
     try:
         if p * v > inputs.n_layers:
             raise ValueError(f"P*v={p * v} stages exceed the {inputs.n_layers} layers")
         validate(p, m, schedule, v)
-        split = evaluator.split(p, m, b, schedule, v, d)
+        split = evaluator.at(tp, pipeline_link_of(inputs, (p, d, fsdp, tp))).split(p, m, b, schedule, v, d, fsdp)
     except ValueError as error:
         return row, None, str(error).split("; ")[0]
     if queue == math.inf:
-        return row, None, f"{p * d} GPUs are never free (at most {inputs.availability.max_gpus})"
-    row.update(_fixed_terms(inputs, split, p, d, queue))
+        return row, None, f"{gpus} GPUs are never free (at most {inputs.availability.max_gpus})"
+    row.update(_fixed_terms(inputs, split, config, queue))
     lower_training, lower_loss = terms(inputs, row, split.lower_bound_ms)
     if lower_loss == math.inf:  # even its fastest step is preempted more often than it can checkpoint
-        every = hours(inputs.mtbf_s / (p * d)) if inputs.mtbf_s is not None else "never"
-        return row, None, f"preempted more often than it can checkpoint (every {every} on {p * d} GPUs)"
+        every = hours(inputs.mtbf_s / gpus) if inputs.mtbf_s is not None else "never"
+        return row, None, f"preempted more often than it can checkpoint (every {every} on {gpus} GPUs)"
     row["jct_lower_bound_s"] = row["queue_s"] + row["assembly_s"] + row["cleanup_s"] + lower_training + lower_loss
     if inputs.mtbf_s is not None:
-        row["checkpoint_interval_s"] = inputs.checkpoint.interval_s(row["_shard_bytes"], inputs.mtbf_s / (p * d))
+        row["checkpoint_interval_s"] = inputs.checkpoint.interval_s(row["_shard_bytes"], inputs.mtbf_s / gpus)
     return row, split, ""
 
 
-def _fixed_terms(inputs: PlanInputs, split: Split, p: int, d: int, queue_s: float) -> Row:
-    """The terms that need no simulation: queue, assembly, cleanup, the all-reduce and the optimizer step."""
-    rank_param_bytes = split.rank_param_bytes
-    if inputs.precision is None:
-        grad_bytes = rank_param_bytes
-        shard_bytes = rank_param_bytes * (1.0 + OPTIMIZER_STATES[inputs.optimizer])
-    else:
-        grad_bytes = split.rank_params * grad_bytes_per_param(inputs.precision)
-        shard_bytes = split.rank_params * checkpoint_bytes_per_param(inputs.precision, inputs.optimizer, d)
+def _fixed_terms(inputs: PlanInputs, split: Split, config: Config, queue_s: float) -> Row:
+    """The terms that need no simulation: queue, assembly, cleanup, the all-reduce, FSDP's collectives and the
+    optimizer step (:func:`~pipeswift_lab.planning.placement.collective_terms`)."""
+    p, d, _, _, _, _, fsdp, tp = config
+    collectives = collective_terms(inputs, (p, d, fsdp, tp), split.rank_param_bytes, split.rank_params)
+    # the split a 3-D layout ran its memory with is its own, not the profile's balanced one: keep it for run()
+    own_split = bool(split.recompute) or fsdp > 1 or tp > 1
     return {
         "queue_s": queue_s,
-        "assembly_s": inputs.assembly.seconds(p, d),
-        "cleanup_s": inputs.checkpoint.cleanup_s(shard_bytes),
-        "allreduce_ms": allreduce_ms(grad_bytes, d, inputs.dp_link.bandwidth_GBps, inputs.dp_link.latency_ms),
-        "optimizer_ms": OPTIMIZER_TRAFFIC_FACTOR * rank_param_bytes / (inputs.mem_GBps * 1e6),
+        "assembly_s": inputs.assembly.seconds(p, d * fsdp * tp),
+        "cleanup_s": inputs.checkpoint.cleanup_s(collectives["_shard_bytes"]),
+        **collectives,
         "peak_mem_bytes": split.peak_mem_bytes,
         "recompute": split.recompute,
-        "stage_bounds": " ".join(f"{a}-{e}" for a, e in split.bounds) if split.recompute else "",
-        "_shard_bytes": shard_bytes,
+        "stage_bounds": " ".join(f"{a}-{e}" for a, e in split.bounds) if own_split else "",
     }
 
 
@@ -154,7 +151,9 @@ def terms(inputs: PlanInputs, row: Row, pipeline_ms: float) -> tuple[float, floa
     <pipeswift_lab.core.costs.CheckpointModel.stall_s>` at :meth:`~pipeswift_lab.core.costs.CheckpointModel.interval_s`
     (Young/Daly's, never shorter than an asynchronous save's write).
     """
-    training_s = inputs.steps * (pipeline_ms + row["allreduce_ms"] + row["optimizer_ms"]) / 1000.0
+    training_s = (
+        inputs.steps * (pipeline_ms + row["allreduce_ms"] + row.get("fsdp_ms", 0.0) + row["optimizer_ms"]) / 1000.0
+    )
     if inputs.mtbf_s is None:
         return training_s, 0.0
     checkpoint, shard, job_mtbf_s = inputs.checkpoint, row["_shard_bytes"], inputs.mtbf_s / row["gpus"]
@@ -168,9 +167,9 @@ def terms(inputs: PlanInputs, row: Row, pipeline_ms: float) -> tuple[float, floa
 # --------------------------------------------------------------------------- 3. branch and bound
 def evaluate(inputs: PlanInputs, evaluator: Evaluator, row: Row, split: Split) -> Row:
     """The row of a simulated configuration: its pipeline step, JCT terms and bubble."""
-    pipeline_ms, bubble = evaluator.simulate(split)
+    pipeline_ms, bubble = split.evaluator.simulate(split)  # the evaluator of its tp and link, which made it
     training_s, loss = terms(inputs, row, pipeline_ms)
-    step = pipeline_ms + row["allreduce_ms"] + row["optimizer_ms"]
+    step = pipeline_ms + row["allreduce_ms"] + row.get("fsdp_ms", 0.0) + row["optimizer_ms"]
     return {
         **row,
         "feasible": loss != math.inf,
@@ -244,10 +243,13 @@ def _simulate_bubble_pick(
 
 
 # --------------------------------------------------------------------------- 4. rank
-def rank_table(rows: list[Row], inputs: PlanInputs) -> pd.DataFrame:
+def rank_table(rows: list[Row], inputs: PlanInputs, more: pd.DataFrame | None = None) -> pd.DataFrame:
     """One table: simulated feasible rows and the grow/shrink strategies by ``inputs.rank_by``, then the pruned
-    ones by their bound, then the rejected ones. Raises ``ValueError`` when nothing is feasible."""
+    ones by their bound, then the rejected ones (``more``: rows already in a table, such as those the 3-D search
+    did not weigh, :mod:`.layouts`). Raises ``ValueError`` when nothing is feasible."""
     table = pd.DataFrame(rows)
+    if more is not None and len(more):
+        table = pd.concat([table, more], ignore_index=True) if len(table) else more.reset_index(drop=True)
     for col in TABLE_COLUMNS:
         if col not in table.columns:
             table[col] = math.nan
@@ -320,7 +322,8 @@ def no_fit_message(table: pd.DataFrame, inputs: PlanInputs) -> str:
             f"the ones with the most stages:"
         )
         for _, r in memory.sort_values(["P", "microbatch_size"], ascending=[False, True]).head(3).iterrows():
-            lines.append(f"  P={r.P} D={r.D} m={r.m} b={r.microbatch_size} {r.schedule} v={r.v}: {r.reason}")
+            layout = f" fsdp={r.fsdp} tp={r.tp}" if max(r.fsdp, r.tp) > 1 else ""
+            lines.append(f"  P={r.P} D={r.D}{layout} m={r.m} b={r.microbatch_size} {r.schedule} v={r.v}: {r.reason}")
         hint = "" if inputs.recompute else ', or recomputing activations (plan(..., recompute="search"))'
         lines.append(
             "  they fit with more GPUs (more stages), smaller micro-batches, or a larger mem_per_gpu_bytes" + hint

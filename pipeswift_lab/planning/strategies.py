@@ -24,6 +24,7 @@ import pandas as pd
 from ..core.costs import AssemblyModel, Availability, CheckpointModel
 from ..core.display import hours
 from ..core.jct import TERMS
+from .placement import layout_name
 
 if TYPE_CHECKING:
     from .inputs import PlanInputs
@@ -54,13 +55,20 @@ def check_strategy(name: str) -> str:
 
 
 def _label(row: pd.Series) -> str:
-    return f"P{int(row['P'])}×D{int(row['D'])} m{int(row['m'])} b{int(row['microbatch_size'])} {row['schedule']}"
+    layout = layout_name(int(row["P"]), int(row["D"]), _degree(row, "fsdp"), _degree(row, "tp"))
+    return f"{layout} m{int(row['m'])} b{int(row['microbatch_size'])} {row['schedule']}"
+
+
+def _degree(row: pd.Series, name: str) -> int:
+    """``row[name]`` (``"tp"`` or ``"fsdp"``) as an int, 1 where absent."""
+    value = row.get(name, 1)
+    return 1 if pd.isna(value) else int(value)
 
 
 def _move_s(old: pd.Series, new: pd.Series, assembly: AssemblyModel, checkpoint: CheckpointModel) -> float:
     return (
         checkpoint.save_s(old["_shard_bytes"])
-        + assembly.seconds(int(new["P"]), int(new["D"]))
+        + assembly.seconds(int(new["P"]), int(new["gpus"]) // int(new["P"]))
         + checkpoint.restore_s(new["_shard_bytes"])
     )
 

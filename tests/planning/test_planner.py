@@ -399,4 +399,5 @@ def test_the_room_docstring_example():
     p = plan(prof, gpus=16, steps=20_000, global_batch=64, progress=False)
     assert p.best.total_s == p.table["total_s"].min()
     args = p.run_arguments(p.best)
-    assert set(args) == {"partition", "m", "schedule", "D"} and args["m"] == p.best.m and args["D"] == p.best.D
+    assert set(args) == {"partition", "m", "schedule", "D", "fsdp", "tp"} and args["m"] == p.best.m
+    assert args["D"] == p.best.D and args["fsdp"] == args["tp"] == 1  # no topology, tp or fsdp: pipelines x replicas

@@ -82,7 +82,7 @@ HF_RUNS = [
 
 @pytest.mark.processes
 @pytest.mark.parametrize(
-    ("family", "layout", "meta"), HF_RUNS, ids=[f"{f}-{l}-{'meta' if m else 'eager'}" for f, l, m in HF_RUNS]
+    ("family", "layout", "meta"), HF_RUNS, ids=[f"{f}-{lay}-{'meta' if m else 'eager'}" for f, lay, m in HF_RUNS]
 )
 def test_a_hugging_face_family_trains_like_one_process_with_its_own_plan(family, layout, meta, tmp_path):
     P, fsdp, tp = LAYOUTS[layout]

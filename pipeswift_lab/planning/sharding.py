@@ -1,0 +1,199 @@
+"""What one process of a ``tp``-way tensor-parallel, ``fsdp``-way sharded layout holds and computes, per layer: the
+per-layer costs the planner's search weighs a 3-D layout with.
+
+Tensor parallelism (the profile's TP columns, measured where the model has a TP plan; every one per layer and per
+micro-batch at the profiled size):
+
+* compute: a layer's time ``t`` becomes ``t (1 - f) + t f / tp``, ``f`` its ``tp_flop_fraction`` (the share of its
+  compute inside the sharded modules), for every time the planner reads (forward, backward, weight gradient,
+  recomputation);
+* collectives: the forward all-reduces ``tp_forward_bytes`` over the ``tp`` ranks and the backward
+  ``tp_backward_bytes`` (the input gradients of the plan's entry points), on the tensor-parallel group's link (inside
+  a node), priced as one ring all-reduce each (:func:`~pipeswift_lab.core.topology.all_reduce_ms`) and added to the
+  layer's forward and backward (and to a full recomputation's forward): they are on the critical path, nothing
+  overlaps them. With one profile every time scales with the micro-batch size, their latency too;
+* memory: the parameters the plan shards divide by ``tp``
+  (:func:`~pipeswift_lab.core.layout.state_bytes_per_rank`), the rest stay whole on every rank; of the saved
+  activations, ``tp_activation_bytes`` divide by ``tp`` and the rest stay whole; the parameter count, the largest
+  parameter and a backward's transients (its weight gradients) shrink as the parameter bytes do, as the runner's
+  prediction takes them (:mod:`pipeswift_lab.runner.layout_memory`). The outputs that cross a pipeline cut stay
+  whole (no sequence parallelism).
+
+A profile without a ``tp_param_bytes`` column admits ``tp = 1`` only; a missing ``tp_flop_fraction``,
+``tp_activation_bytes``, ``tp_forward_bytes`` or ``tp_backward_bytes`` counts as 0.
+
+FSDP (``fsdp`` shards inside a replica) under a pipeline keeps each stage's parameters and gradients unsharded for
+the whole step, with the sharded parameters beside them and the optimizer state sharded ``fsdp`` ways
+(:func:`~pipeswift_lab.core.layout.state_bytes_per_rank`): :func:`fsdp_factors` scales a stage's weights and
+optimizer state, and FSDP keeps no data-parallel gradient buckets. Its one reduce-scatter, after the last backward,
+copies the unsharded gradients into the collective's input while they are still held, beside the weights, the
+optimizer state and the boundary buffers, the activations gone (:func:`reduce_scatter_moment`): that moment may be a
+rank's peak.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import cast
+
+import numpy as np
+import pandas as pd
+
+from ..core.layout import state_bytes_per_rank
+from ..core.link import Link
+from ..core.memory_model import StageBytes
+from ..core.peak_forms import STAGE_FIELDS, StageFields
+from ..core.precision import OPTIMIZER_STATES, PRECISIONS
+from ..core.topology import all_reduce_ms
+from .costs import TIME_COLUMNS, MicrobatchCosts
+
+__all__ = [
+    "TP_COLUMNS",
+    "fsdp_factors",
+    "fsdp_fields",
+    "fsdp_stage_bytes",
+    "fsdp_state_ratio",
+    "has_tp_columns",
+    "reduce_scatter_moment",
+    "tp_costs",
+    "tp_table",
+]
+
+#: The profile's tensor-parallel columns (per layer, per micro-batch at the profiled size).
+TP_COLUMNS = ("tp_param_bytes", "tp_activation_bytes", "tp_flop_fraction", "tp_forward_bytes", "tp_backward_bytes")
+#: Per-layer bytes of one micro-batch that shrink as the activations do under tensor parallelism.
+_ACTIVATION_LIKE = ("full_activation_bytes", "selective_activation_bytes", "weight_pass_bytes")
+
+
+def has_tp_columns(table: pd.DataFrame) -> bool:
+    """Whether a per-layer table says what tensor parallelism shards (its ``tp_param_bytes`` column)."""
+    return "tp_param_bytes" in table.columns
+
+
+def _column(df: pd.DataFrame, name: str) -> np.ndarray:
+    """Column ``name`` as floats, NaN as 0; zeros where it is absent."""
+    if name not in df.columns:
+        return np.zeros(len(df))
+    return np.nan_to_num(pd.to_numeric(df[name], errors="coerce").to_numpy(float))
+
+
+def _ratio(new: np.ndarray, old: np.ndarray) -> np.ndarray:
+    """``new / old`` per layer, 1 where ``old`` is 0."""
+    return np.divide(new, old, out=np.ones_like(new), where=old > 0)
+
+
+def tp_table(df: pd.DataFrame, tp: int, link: Link) -> pd.DataFrame:
+    """The per-layer table ``df`` (at its profiled micro-batch size) as one of ``tp`` tensor-parallel ranks computes
+    and holds it, its collectives on ``link`` (the module docs say how). Returns a new DataFrame (``df`` itself when
+    ``tp == 1``)."""
+    if tp == 1:
+        return df
+    df = df.copy()
+    fraction = np.clip(_column(df, "tp_flop_fraction"), 0.0, 1.0)
+    compute = (1.0 - fraction) + fraction / tp
+    forward_ms = np.array([all_reduce_ms(x, tp, link) if x > 0 else 0.0 for x in _column(df, "tp_forward_bytes")])
+    backward_ms = np.array([all_reduce_ms(x, tp, link) if x > 0 else 0.0 for x in _column(df, "tp_backward_bytes")])
+    for col in TIME_COLUMNS:
+        if col in df.columns:
+            df[col] = pd.to_numeric(df[col], errors="coerce") * compute
+    df["fwd_ms"] = df["fwd_ms"] + forward_ms
+    df["bwd_ms"] = df["bwd_ms"] + backward_ms
+    for col, added in (("input_pass_ms", backward_ms), ("recompute_ms", forward_ms)):
+        if col in df.columns:
+            df[col] = df[col] + added
+    if "total_ms" in df.columns:
+        df["total_ms"] = df["fwd_ms"] + df["bwd_ms"]
+    param_bytes = _column(df, "param_bytes")
+    sharded_params = np.minimum(_column(df, "tp_param_bytes"), param_bytes)
+    # state_bytes_per_rank's arithmetic holds elementwise: one rank's bytes of every layer at once
+    held = np.asarray(state_bytes_per_rank(cast(float, param_bytes), cast(float, sharded_params), tp=tp)["grads"])
+    params_kept = _ratio(held, param_bytes)
+    activations = _column(df, "activation_bytes")
+    sharded = np.minimum(_column(df, "tp_activation_bytes"), activations)
+    kept_activations = activations - sharded + sharded / tp
+    activations_kept = _ratio(kept_activations, activations)
+    if "param_bytes" in df.columns:
+        df["param_bytes"] = held
+    for col in ("params", "largest_param_bytes"):
+        if col in df.columns:
+            df[col] = pd.to_numeric(df[col], errors="coerce") * params_kept
+    if "activation_bytes" in df.columns:
+        df["activation_bytes"] = kept_activations
+    for col in _ACTIVATION_LIKE:
+        if col in df.columns:
+            df[col] = pd.to_numeric(df[col], errors="coerce") * activations_kept
+    for col in ("transient_bytes", "accumulate_transient_bytes"):  # a backward's: its weight gradients'
+        if col in df.columns:
+            df[col] = pd.to_numeric(df[col], errors="coerce") * params_kept
+    return df
+
+
+def tp_costs(costs: MicrobatchCosts, tp: int, link: Link) -> MicrobatchCosts:
+    """``costs`` as one of ``tp`` tensor-parallel ranks sees them (:func:`tp_table` of every profiled table), its
+    collectives on ``link``. Returns ``costs`` itself when ``tp == 1``."""
+    if tp == 1:
+        return costs
+    return costs.derived(lambda df: tp_table(df, tp, link))
+
+
+def fsdp_factors(fsdp: int) -> dict[str, float]:
+    """``{"weights", "grads", "optimizer"}``: what one process of ``fsdp`` shards holds of a stage's weights,
+    gradients and optimizer state, per byte of each unsharded (:func:`~pipeswift_lab.core.layout.state_bytes_per_rank`
+    of one byte): ``1 + 1/fsdp``, 1 and ``1/fsdp`` (1, 1, 1 without FSDP)."""
+    if fsdp == 1:
+        return {"weights": 1.0, "grads": 1.0, "optimizer": 1.0}
+    return state_bytes_per_rank(1.0, 0.0, fsdp=fsdp, weight_factor=1.0, grad_factor=1.0, optimizer_factor=1.0)
+
+
+def fsdp_fields(fields: StageFields, fsdp: int) -> StageFields:
+    """The stage fields ``fields`` (computed without FSDP and without gradient buckets) as one of ``fsdp`` shards
+    holds them: weights and optimizer state scaled by :func:`fsdp_factors`. Returns ``fields`` itself at ``fsdp ==
+    1``."""
+    if fsdp == 1:
+        return fields
+    factors = fsdp_factors(fsdp)
+    values = fields.values.copy()
+    for name in ("weights", "optimizer"):
+        values[STAGE_FIELDS.index(name)] *= factors[name]
+    return StageFields(values)
+
+
+def reduce_scatter_moment(fields: StageFields, placement: Sequence[int], P: int, m: int) -> np.ndarray:
+    """Per rank, the bytes it holds as FSDP reduce-scatters its gradients (``fields`` already as one of the shards
+    holds them, :func:`fsdp_fields`): weights, optimizer state, the ``m`` micro-batches' boundary buffers and twice
+    the unsharded gradients. Returns a ``(P,)`` array."""
+
+    def field(name: str) -> np.ndarray:
+        return fields.values[STAGE_FIELDS.index(name)]
+
+    held = field("weights") + field("optimizer") + 2 * field("grads")
+    held = held + m * (field("recv") + field("grad_recv") + field("batch"))
+    return np.bincount(np.asarray(placement), weights=held, minlength=P)
+
+
+def fsdp_stage_bytes(stages: Sequence[StageBytes], fsdp: int) -> list[StageBytes]:
+    """:func:`fsdp_fields` for a list of :class:`~pipeswift_lab.core.memory_model.StageBytes` (the replay's form).
+    Returns a new list."""
+    factors = fsdp_factors(fsdp)
+    return [
+        dataclasses.replace(s, weights=s.weights * factors["weights"], optimizer=s.optimizer * factors["optimizer"])
+        for s in stages
+    ]
+
+
+def fsdp_state_ratio(precision: str | None, optimizer: str, fsdp: int) -> float:
+    """A stage's training state (weights, gradients, optimizer state and master weights) under ``fsdp`` shards over
+    the same without FSDP, for ``precision`` and ``optimizer`` (the same for every layer). Returns a float (1 at
+    ``fsdp == 1``)."""
+    if fsdp == 1:
+        return 1.0
+    k = OPTIMIZER_STATES[optimizer]
+    if precision is None:
+        weights, grads, state = 1.0, 1.0, float(k)
+    else:
+        spec = PRECISIONS[precision]
+        weights, grads, state = spec.weight_bytes, spec.grad_bytes, spec.master_bytes + k * spec.state_bytes
+    factors = fsdp_factors(fsdp)
+    sharded = weights * factors["weights"] + grads * factors["grads"] + state * factors["optimizer"]
+    return float(sharded / (weights + grads + state))
