@@ -68,7 +68,7 @@ def main() -> pd.DataFrame:
     rows = []
     for name, (P, fsdp, tp) in LAYOUTS.items():
         micro = BATCH // (M * fsdp)
-        prof = psl.profile(gpt(**MODEL), x[:micro], progress=False)
+        prof = psl.profile(gpt(**MODEL), x[:micro], target=y[:micro], loss_fn=lm_loss, progress=False)
         part = psl.partition(prof, P=P, schedule="1F1B" if P > 1 else "GPipe", m=M)
         result = psl.run(gpt(**MODEL), (x, y), lm_loss, part, M, fsdp=fsdp, tp=tp, steps=STEPS, progress=False)
         memory = result.memory

@@ -103,6 +103,7 @@ def predicted_memory(
             fsdp=fsdp,
             tp=tp,
             staging=staging and device_type != "cuda",
+            last_transient=_last_transient(layers, micro_batch_size),
         )
     elif staging and device_type != "cuda":
         table["checkpoint_staging_bytes"] = table["weights_bytes"] + table["optimizer_bytes"]
@@ -111,6 +112,20 @@ def predicted_memory(
     if notes:
         out["note"] = "; ".join(notes)
     return out
+
+
+def _last_transient(layers: Any, micro_batch_size: int) -> float:
+    """The loss's backward and the model output's gradient of one micro-batch of ``micro_batch_size`` (bytes), from
+    the profile (0 where it did not measure them)."""
+    meta, outputs = layers.meta, layers.output_bytes
+    try:
+        scale = micro_batch_size / float(meta["batch_size"])
+        loss = float(meta.get("loss_transient_bytes") or 0.0)
+    except (KeyError, TypeError, ValueError, ZeroDivisionError):
+        return 0.0
+    output = float(outputs[-1]) if outputs is not None and len(outputs) else 0.0
+    total = (loss if loss == loss else 0.0) + (output if output == output else 0.0)
+    return total * scale
 
 
 def _recomputed(partition: Partition, recompute: dict[str, str]) -> Partition:

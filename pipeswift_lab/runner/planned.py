@@ -13,8 +13,8 @@ from typing import Any
 
 
 def run_arguments(plan: Any, config: Any) -> dict[str, Any]:
-    """``{"partition", "m", "schedule", "D", "fsdp", "tp"}`` for ``config`` (a ``PlannedConfig`` or a row of ``plan.table``) of
-    ``plan``.
+    """``{"partition", "m", "schedule", "D", "fsdp", "tp"}`` for ``config`` (a ``PlannedConfig`` or a row of
+    ``plan.table``) of ``plan``.
 
     The partition is the plan's balanced one for that configuration (``plan.partition_of``).
     Raises ``ValueError`` for a row the planner did not simulate, ``TypeError`` for anything
