@@ -14,10 +14,10 @@ micro-batch at the profiled size):
   overlaps them. With one profile every time scales with the micro-batch size, their latency too;
 * memory: the parameters the plan shards divide by ``tp``
   (:func:`~pipeswift_lab.core.layout.state_bytes_per_rank`), the rest stay whole on every rank; of the saved
-  activations, ``tp_activation_bytes`` divide by ``tp`` and the rest stay whole; the parameter count and the largest
-  parameter shrink as the parameter bytes do; a backward's transients stay whole (on the last stage they are the
-  loss's and the gathered output's gradients), as the runner's prediction takes them
-  (:mod:`pipeswift_lab.runner.layout_memory`). The outputs that cross a pipeline cut stay
+  activations, ``tp_activation_bytes`` divide by ``tp`` and the rest stay whole; the parameter count, the largest
+  parameter and a layer's backward transients (mostly its weight gradients) shrink as the parameter bytes do, while
+  the loss's backward and the output's gradient on the last stage (the profile's meta, the layers' outputs) stay
+  whole, as the runner's prediction takes them (:mod:`pipeswift_lab.runner.layout_memory`). The outputs that cross a pipeline cut stay
   whole (no sequence parallelism).
 
 A profile without a ``tp_param_bytes`` column admits ``tp = 1`` only; a missing ``tp_flop_fraction``,
@@ -117,6 +117,9 @@ def tp_table(df: pd.DataFrame, tp: int, link: Link) -> pd.DataFrame:
     if "param_bytes" in df.columns:
         df["param_bytes"] = held
     for col in ("params", "largest_param_bytes"):
+        if col in df.columns:
+            df[col] = pd.to_numeric(df[col], errors="coerce") * params_kept
+    for col in ("transient_bytes", "accumulate_transient_bytes"):  # a layer's backward: mostly its weight gradients
         if col in df.columns:
             df[col] = pd.to_numeric(df[col], errors="coerce") * params_kept
     if "activation_bytes" in df.columns:
