@@ -17,8 +17,8 @@ micro-batch at the profiled size):
   activations, ``tp_activation_bytes`` divide by ``tp`` and the rest stay whole; the parameter count, the largest
   parameter and a layer's backward transients (mostly its weight gradients) shrink as the parameter bytes do, while
   the loss's backward and the output's gradient on the last stage (the profile's meta, the layers' outputs) stay
-  whole, as the runner's prediction takes them (:mod:`pipeswift_lab.runner.layout_memory`). The outputs that cross a pipeline cut stay
-  whole (no sequence parallelism).
+  whole, as the runner's prediction takes them (:mod:`pipeswift_lab.runner.layout_memory`). The outputs that cross
+  a pipeline cut stay whole (no sequence parallelism).
 
 A profile without a ``tp_param_bytes`` column admits ``tp = 1`` only; a missing ``tp_flop_fraction``,
 ``tp_activation_bytes``, ``tp_forward_bytes`` or ``tp_backward_bytes`` counts as 0.
