@@ -11,7 +11,7 @@ OLMoE) or stored fused under other names (GraniteMoE), attention sinks with bias
 """
 
 import torch
-from tiny_transformers import SMALL
+from tiny_transformers import SMALL, M
 
 #: What every config below starts from: tiny_transformers' Llama-sized config.
 BASE = SMALL
@@ -68,3 +68,17 @@ def build(family, device=None):
     torch.manual_seed(0)
     with torch.device(device) if device is not None else torch.device("cpu"):
         return model_class(family)(config(family))
+
+
+def halves(model, P=2, m=M):
+    """The model's ``layers="auto"`` units cut into ``P`` runs of equal count, 1F1B over ``m`` micro-batches (no
+    profile needed to test equality or refusals)."""
+    from pipeswift_lab.partitioning.stages import Partition
+    from pipeswift_lab.profiling.table import Profile
+    from pipeswift_lab.profiling.units import auto_units
+
+    names = [name for name, _ in auto_units(model, announce=False)]
+    cuts = [round(i * len(names) / P) for i in range(P + 1)]
+    prof = Profile.synthetic(fwd_ms=[1.0] * len(names), bwd_ms=[2.0] * len(names))
+    named = Profile(prof.df.assign(name=names), prof.meta)
+    return Partition.from_bounds(named, list(zip(cuts, cuts[1:])), schedule="1F1B", m=m)

@@ -9,7 +9,8 @@ if one process held its stages. Under a layout each of its ``D * fsdp * tp`` pro
   under FSDP2 the unsharded parameters it gathers at the first forward stay for the whole step
   (``reshard_after_forward=False``) beside the sharded ones it owns, ``1 + 1 / fsdp`` of them;
 * **gradients** — unsharded (``/ tp`` only): torch's schedule turns FSDP2's gradient sync off until the last
-  micro-batch, so they accumulate whole and are reduce-scattered once, at the end of the step;
+  micro-batch, so they accumulate whole and are reduce-scattered once, at the end of the step; a vocabulary-parallel
+  embedding's (``embedding_rowwise``) is whole on every tensor-parallel rank (:data:`WHOLE_GRADIENT_STYLES`);
 * **optimizer state** — ``/ (tp * fsdp)``: FSDP2 updates its shard;
 * **activations** — the saved tensors the plan leaves sharded (``tp_activation_bytes``) divide by ``tp``, the
   rest (what enters a column-parallel module, norms, the residual stream) is whole on every rank;
@@ -36,7 +37,11 @@ import pandas as pd
 
 from ..core.layout import state_bytes_per_rank
 
-__all__ = ["layer_shares", "layout_rows"]
+__all__ = ["layer_shares", "layout_rows", "whole_gradient_bytes"]
+
+#: Styles whose sharded weight's gradient is held whole on every tensor-parallel rank: torch's vocabulary-parallel
+#: embedding returns its gradient as a ``Partial`` DTensor, of the whole table (measured, torch 2.13).
+WHOLE_GRADIENT_STYLES = ("embedding_rowwise",)
 
 
 def layer_shares(layers: Any) -> tuple[np.ndarray, np.ndarray] | None:
@@ -56,6 +61,23 @@ def _reduce_scatter_moment(terms: dict[str, Any], unsharded_grads: float) -> flo
     return terms["weights_bytes"] + terms["optimizer_bytes"] + terms.get("buffers_bytes", 0.0) + 2 * unsharded_grads
 
 
+def whole_gradient_bytes(model: Any, layer_names: Sequence[str], tp_plan: dict[str, str] | None) -> np.ndarray:
+    """Per profiled layer (``layer_names``, module names of ``model``), the bytes of the weights whose gradient the
+    plan leaves whole on every tensor-parallel rank (:data:`WHOLE_GRADIENT_STYLES`); zeros without a plan."""
+    out = np.zeros(len(layer_names))
+    if not tp_plan:
+        return out
+    from ..core.tp_plan import tp_targets
+
+    modules = dict(model.named_modules())
+    whole = [name for name, style in tp_targets(model, tp_plan, strict=False).items() if style in WHOLE_GRADIENT_STYLES]
+    for i, layer in enumerate(layer_names):
+        for name in whole:
+            if name == layer or name.startswith(layer + "."):
+                out[i] += sum(p.numel() * p.element_size() for p in modules[name].parameters(recurse=False))
+    return out
+
+
 def layout_rows(
     table: pd.DataFrame,
     *,
@@ -69,6 +91,7 @@ def layout_rows(
     tp: int,
     staging: bool = False,
     last_transient: float = 0.0,
+    whole_grads: Sequence[float] | np.ndarray | None = None,
 ) -> pd.DataFrame:
     """Every process's predicted memory: ``table`` (one row per pipeline ``rank``, :meth:`Partition.memory`'s terms)
     spread over the ``(replica, fsdp, tp)`` processes of each rank, one row per process with those coordinates.
@@ -76,9 +99,13 @@ def layout_rows(
     ``param_bytes`` and ``activation_bytes`` are the profile's per layer, ``shares`` its ``(tp_param_bytes,
     tp_activation_bytes)`` (``None``: nothing shards, as with ``tp == 1``); ``staging``: the run checkpoints from a
     CPU rank (the staging buffer of the process that writes, :data:`checkpoint_staging_bytes`); ``last_transient`` the
-    bytes of the loss's backward and the output's gradient of one micro-batch, whole on every process."""
+    bytes of the loss's backward and the output's gradient of one micro-batch, whole on every process;
+    ``whole_grads`` per layer the weights whose gradient is held whole (:func:`whole_gradient_bytes`)."""
     params, acts = np.asarray(param_bytes, float), np.asarray(activation_bytes, float)
     tp_params, tp_acts = (np.asarray(x, float) for x in shares) if shares is not None else (params * 0, acts * 0)
+    whole = np.asarray(whole_grads, float) if whole_grads is not None and tp > 1 else params * 0
+    if whole.shape != params.shape:  # not the profile's layers: nothing known
+        whole = params * 0
     rows = []
     for row in table.to_dict("records"):
         layers = [i for s, r in enumerate(stage_to_rank) if r == row["rank"] for i in range(*bounds[s])]
@@ -87,7 +114,10 @@ def layout_rows(
         state = state_bytes_per_rank(1.0, w_tp / w if w else 0.0, tp=tp, fsdp=fsdp)  # shares of the whole stage
         scaled = dict(row)
         scaled["weights_bytes"] = row["weights_bytes"] * state["weights"]
-        scaled["grads_bytes"] = row["grads_bytes"] * state["grads"]
+        per_param_byte = row["grads_bytes"] / w if w else 0.0
+        scaled["grads_bytes"] = row["grads_bytes"] * state["grads"] + per_param_byte * float(whole[layers].sum()) * (
+            1 - 1 / tp
+        )
         scaled["optimizer_bytes"] = row["optimizer_bytes"] * state["optimizer"] / 2.0  # per optimizer byte
         scaled["activations_bytes"] = row["activations_bytes"] * ((1 - a_tp / a) + a_tp / a / tp if a else 1.0)
         holds_last = stage_to_rank[len(bounds) - 1] == row["rank"]

@@ -59,6 +59,7 @@ def predicted_memory(
     fsdp: int = 1,
     tp: int = 1,
     shares: tuple[Any, Any] | None = None,
+    whole_grads: Any = None,
 ) -> dict[str, Any]:
     """The predicted peak of every pipeline rank: ``{"rows": [...], "optimizer": name}``, or ``{"rows": [],
     "note": why}`` when the partition's profile has no memory columns or the prediction fails.
@@ -70,7 +71,7 @@ def predicted_memory(
     state over the ``D`` replicas (autocast keeps fp32 weights, gradients and state: the profile's own bytes).
     With ``fsdp`` or ``tp`` above 1 the rows are the processes'
     (:func:`~pipeswift_lab.runner.layout_memory.layout_rows`, ``shares`` the layers' ``(tp_param_bytes,
-    tp_activation_bytes)``)."""
+    tp_activation_bytes)``, ``whole_grads`` their weights whose gradient stays whole)."""
     from .optimizer_memory import measure_optimizer_memory
 
     layers = partition.layers
@@ -104,6 +105,7 @@ def predicted_memory(
             tp=tp,
             staging=staging and device_type != "cuda",
             last_transient=_last_transient(layers, micro_batch_size),
+            whole_grads=whole_grads,
         )
     elif staging and device_type != "cuda":
         table["checkpoint_staging_bytes"] = table["weights_bytes"] + table["optimizer_bytes"]

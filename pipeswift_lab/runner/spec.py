@@ -30,7 +30,7 @@ from ..core.version import __version__
 from .devices import CPU_RANKS_PER_CORE, available_cores, resolve_devices
 from .hf_conversion import hf_class
 from .layout import REPLICA_UNSUPPORTED, RunLayout, check_layout, layout_placement, reader_batch
-from .layout_memory import layer_shares
+from .layout_memory import layer_shares, whole_gradient_bytes
 from .memory_report import predicted_memory
 from .options import FSDP, ON_NONFINITE, JobOptions, Launch, check_record, check_trace_dir
 from .sources import DataSource, make_data_source
@@ -360,6 +360,7 @@ def make_spec(
             fsdp=layout.fsdp,
             tp=layout.tp,
             shares=layer_shares(partition.layers) if getattr(partition, "layers", None) is not None else None,
+            whole_grads=whole_gradient_bytes(model, layers, layout.tp_plan),
         )
     backend, device_type, indices = placement
     return RunSpec(

@@ -6,7 +6,7 @@ The layouts are kept tiny: on 2 cores a process costs more to start than to trai
 
 import pytest
 import torch
-from model_zoo import build
+from model_zoo import build, halves
 from tiny_transformers import M, lm_loss, single_process, tokens
 from torch import nn
 
@@ -187,22 +187,8 @@ def test_tensor_parallelism_needs_a_plan_and_whole_heads():
     assert spec.tp == 2
     llama = build("Llama", "meta")  # 4 query heads over 2 key/value heads
     x, y = tokens()
+    part = halves(llama)
     with pytest.raises(ValueError, match=r"tp=4 does not divide \{'config.num_key_value_heads': 2\}"):
-        psl.run(
-            llama,
-            (x, y),
-            lm_loss,
-            psl.partition(psl.profile(llama, x[:2], layers="auto", progress=False), P=2),
-            M,
-            tp=4,
-        )
+        psl.run(llama, (x, y), lm_loss, part, M, tp=4)
     with pytest.raises(ValueError, match=r'split="trace" cannot run fsdp=1, tp=2'):
-        make_spec(
-            build("Llama", "meta"),
-            (x, y),
-            lm_loss,
-            psl.partition(psl.profile(llama, x[:2], layers="auto", progress=False), P=2),
-            M,
-            tp=2,
-            split="trace",
-        )
+        make_spec(llama, (x, y), lm_loss, part, M, tp=2, split="trace")

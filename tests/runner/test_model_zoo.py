@@ -12,14 +12,11 @@ import glob
 
 import pytest
 import torch
-from model_zoo import FAMILIES, MOE, STORED_PER_EXPERT, build, model_class
+from model_zoo import FAMILIES, MOE, STORED_PER_EXPERT, build, halves, model_class
 from tiny_transformers import M, lm_loss, single_process, tokens
 from torch import nn
 
 from pipeswift_lab import Launch
-from pipeswift_lab.partitioning.stages import Partition
-from pipeswift_lab.profiling.table import Profile
-from pipeswift_lab.profiling.units import auto_units
 from pipeswift_lab.runner import make_spec, run
 from pipeswift_lab.runner.stages.traced import trace
 
@@ -37,15 +34,6 @@ def sgd(params):
 #: with its stored names (renamed, per expert, fused), which every family runs below. So the eager run is kept for a
 #: plain decoder, a tied head and two kinds of experts, not repeated for all 22.
 EAGER = ("Llama", "Qwen2", "Mixtral", "GptOss")
-
-
-def halves(model, P=2):
-    """The model's ``layers="auto"`` units cut into ``P`` runs of equal count (no profile needed to test equality)."""
-    names = [name for name, _ in auto_units(model, announce=False)]
-    cuts = [round(i * len(names) / P) for i in range(P + 1)]
-    prof = Profile.synthetic(fwd_ms=[1.0] * len(names), bwd_ms=[2.0] * len(names))
-    named = Profile(prof.df.assign(name=names), prof.meta)
-    return Partition.from_bounds(named, list(zip(cuts, cuts[1:])), schedule="1F1B", m=M)
 
 
 def worst(got, want):

@@ -197,6 +197,8 @@ class TiedGradients:
     ) -> None:
         import torch.distributed as dist
 
+        from ...core.layout import global_rank
+
         self.copies: list[list[nn.Parameter]] = []
         self.process_groups: list[ProcessGroup | None] = []
         for g in groups:
@@ -204,7 +206,7 @@ class TiedGradients:
             mine: ProcessGroup | None = None
             if len(ranks) > 1:
                 for d in range(D):  # every rank creates every group, in one order
-                    pg = dist.new_group([d * P + r for r in ranks])
+                    pg = dist.new_group([global_rank(r, d, D=D) for r in ranks])  # the (pp, dp, ...) mesh's ranks
                     if d == replica:
                         mine = pg
             params: list[nn.Parameter] = []
