@@ -29,6 +29,7 @@ from .planning import Plan, plan
 from .profiling import Profile, UnitByUnit, profile, profile_step
 from .runner import (
     FSDP,
+    TP,
     Checkpoint,
     Checkpointing,
     Elastic,
@@ -73,6 +74,7 @@ __all__ = [
     "Checkpointing",
     "Elastic",
     "FSDP",
+    "TP",
     "Faults",
     "Launch",
     "ClusterResult",

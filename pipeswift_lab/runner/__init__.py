@@ -33,7 +33,7 @@ from .devices import available_cores
 from .errors import RunError
 from .faults import signal_at, slow_disk, write_fault
 from .job import run
-from .options import FSDP, Checkpointing, Elastic, Faults, Launch
+from .options import FSDP, TP, Checkpointing, Elastic, Faults, Launch
 from .planned import global_batch_of, run_arguments
 from .result import RunResult
 from .result_files import ResultFileError, load_result
@@ -43,6 +43,7 @@ __all__ = [
     "Checkpointing",
     "Elastic",
     "FSDP",
+    "TP",
     "Faults",
     "Launch",
     "available_cores",

@@ -37,7 +37,7 @@ from .checkpoint import Checkpoint
 from .errors import RunError
 from .final_weights import KEPT_PREFIX
 from .launcher import Preemption, check_main_guard, launch
-from .options import FSDP, Checkpointing, Elastic, Faults, Launch, as_checkpointing, check_record
+from .options import FSDP, TP, Checkpointing, Elastic, Faults, Launch, as_checkpointing, check_record
 from .preflight import JobPlan, OptimizerFactory, plan_job
 from .processes import alive
 from .result import RunResult
@@ -81,7 +81,7 @@ def run(
     progress: bool = True,
     D: int = 1,
     fsdp: int | FSDP = 1,
-    tp: int = 1,
+    tp: int | TP = 1,
     tp_plan: dict[str, str] | None = None,
     recompute: str | dict[int, list[str]] | None = None,
     precision: str | None = None,
@@ -116,7 +116,8 @@ def run(
       ``lambda params: torch.optim.X(params, ...)`` called on every rank (``None``: SGD, ``lr=0.01``). ``seed`` —
       ``torch.manual_seed`` on every rank. ``progress`` — a progress bar of the steps.
     * ``D`` — data-parallel replicas of the pipeline; ``fsdp`` — the FSDP2 shard degree inside a replica (an int or
-      :class:`~pipeswift_lab.FSDP`; HSDP with ``D > 1``); ``tp`` — the tensor-parallel degree, with ``tp_plan``
+      :class:`~pipeswift_lab.FSDP`; HSDP with ``D > 1``); ``tp`` — the tensor-parallel degree (an int or
+      :class:`~pipeswift_lab.TP`, whose ``sequence_parallel=True`` adds sequence parallelism), with ``tp_plan``
       (``{module glob: style}``; ``None``: the model's own, a Hugging Face config's or a reference model's,
       :mod:`~pipeswift_lab.core.tp_plan`). The run uses ``P * D * fsdp * tp`` processes meshed ``(pp, dp, fsdp, tp)``
       (:mod:`~pipeswift_lab.core.layout`); ``P = 1`` (a one-stage partition) is FSDP and/or TP without a pipeline.

@@ -16,9 +16,10 @@ from typing import Any
 from torch import nn
 
 from ..core.checks import check_int
+from ..core.sequence_parallel import check_sequence_parallel
 from ..core.tp_plan import resolve_tp_plan
 from .devices import resolve_devices
-from .options import Launch, as_fsdp
+from .options import Launch, as_fsdp, as_tp
 from .sources import DataSource
 from .stages.sequential import StagePlan
 from .stages.sharding import check_reshard
@@ -47,6 +48,8 @@ class RunLayout:
     """Tensor-parallel degree."""
     tp_plan: dict[str, str] | None
     """The plan applied when ``tp > 1`` (``None`` otherwise)."""
+    sequence_parallel: bool
+    """Whether the norms and residuals between the tensor-parallel regions run on a slice of the sequence."""
     reshard_after_forward: bool
     """Whether FSDP2 frees the gathered parameters after each forward."""
     split: str | None
@@ -92,8 +95,12 @@ def check_layout(
     (:func:`~pipeswift_lab.core.tp_plan.resolve_tp_plan`), ``reshard_after_forward=True`` under a schedule that
     splits the backward, and ``split="trace"`` with ``fsdp`` or ``tp`` above 1."""
     record = as_fsdp(fsdp)
-    tp = check_int("tp", tp, minimum=1)
+    tp_record = as_tp(tp)
+    tp = tp_record.degree
     resolved = resolve_tp_plan(model, tp_plan, tp)
+    sequence_parallel = tp_record.sequence_parallel and tp > 1
+    if sequence_parallel and resolved is not None:
+        check_sequence_parallel(model, resolved)
     reshard = bool(record.reshard_after_forward)
     if record.degree > 1:
         check_reshard(reshard, plan.schedule, plan.P)
@@ -109,6 +116,7 @@ def check_layout(
         fsdp=record.degree,
         tp=tp,
         tp_plan=resolved if tp > 1 else None,
+        sequence_parallel=sequence_parallel,
         reshard_after_forward=bool(reshard),
         split=split,
     )

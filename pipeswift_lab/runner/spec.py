@@ -140,6 +140,8 @@ class RunSpec:
     tp_plan: dict[str, str] | None = None
     """The tensor-parallel plan applied with ``tp > 1`` (``{module glob: style}``,
     :mod:`~pipeswift_lab.core.tp_plan`)."""
+    sequence_parallel: bool = False
+    """Sequence parallelism between the tensor-parallel regions (:class:`~pipeswift_lab.runner.options.TP`)."""
     reshard_after_forward: bool = False
     """FSDP2 frees the all-gathered parameters after each forward (ZeRO-3) instead of keeping them for the step."""
     recompute: RecomputePlan | None = None
@@ -390,6 +392,7 @@ def make_spec(
         fsdp=layout.fsdp,
         tp=layout.tp,
         tp_plan=layout.tp_plan,
+        sequence_parallel=layout.sequence_parallel,
         reshard_after_forward=layout.reshard_after_forward,
         recompute=recomputed,
         precision=precision,
@@ -466,6 +469,7 @@ def _spec_meta(
         "fsdp": fsdp,
         "tp": tp,
         "tp_plan": layout.tp_plan,
+        "sequence_parallel": layout.sequence_parallel,
         "reshard_after_forward": layout.reshard_after_forward if fsdp > 1 else None,
         "microbatch_size": batch_size // m,
         "placement": [[global_rank(p, d, D=D, fsdp=fsdp, tp=tp) for p in range(plan.P)] for d in range(D)],

@@ -117,7 +117,7 @@ def distribute(module: nn.Module, layers: list[str], spec: RunSpec, topo: RankMe
     if topo.tp_mesh is not None and spec.tp_plan is not None:
         from ..stages.sharding import apply_tensor_parallel
 
-        apply_tensor_parallel(module, spec.tp_plan, topo.tp_mesh)
+        apply_tensor_parallel(module, spec.tp_plan, topo.tp_mesh, sequence_parallel=spec.sequence_parallel)
     if topo.shard_mesh is not None:
         from ..stages.sharding import apply_fsdp
 
