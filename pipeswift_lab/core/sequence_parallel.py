@@ -14,8 +14,8 @@ it would all-reduce), so the step communicates the same bytes and the activation
   is an item of an ``nn.ModuleList`` or ``nn.Sequential`` (a Hugging Face ``model.layers.3``, a reference model's
   ``block_3``); what lies outside them (an embedding, an LM head) sees the whole sequence;
 * a **region** is a child of a layer that holds column-parallel entry points (an attention, an MLP): its hidden-state
-  input is all-gathered once for all of its projections; an entry that is itself a child of the layer (a fused
-  ``qkv``) gathers its own input;
+  input is all-gathered once for all of its projections. An entry that is itself a child of the layer (a block
+  whose forward runs the attention inline) is refused: the layer's own code would see the slice;
 * the **exits** (row-parallel modules) reduce-scatter their output along the sequence;
 * every other child of a layer that holds parameters must be a norm (its class is named ``...Norm``), which runs on
   the local slice (torch's ``SequenceParallel``). A child that holds parameters outside the regions (a mixture of
@@ -47,8 +47,7 @@ class SequenceParallelPlan:
     layers: tuple[str, ...]
     """The layers that hold the plan's regions, in module order; their inputs and outputs are sequence slices."""
     gathered_inputs: tuple[str, ...]
-    """Modules whose hidden-state input is all-gathered along the sequence (the regions, and entry projections
-    that are children of a layer)."""
+    """The regions: modules whose hidden-state input is all-gathered along the sequence."""
     exits: tuple[str, ...]
     """Row-parallel modules whose output is reduce-scattered along the sequence."""
     norms: tuple[str, ...]
@@ -112,7 +111,11 @@ def sequence_parallel_plan(model: nn.Module, targets: Mapping[str, str]) -> Sequ
             full = prefix + child
             inside = {n: s for n, s in targets.items() if n == full or n.startswith(full + ".")}
             if targets.get(full) in _ENTRIES:
-                gathered.append(full)
+                refused[full] = (
+                    "is a column-parallel entry the layer calls itself: the layer's own forward would see a slice of "
+                    "the sequence (and read its length from it); sequence parallelism needs each region in a "
+                    "submodule, an attention or an MLP module, whose input it gathers"
+                )
             elif any(s in _ENTRIES for s in inside.values()):
                 gathered.append(full)
             elif targets.get(full) in _EXITS:

@@ -16,6 +16,9 @@ column                   what it holds
                          (colwise_gather_output, embedding_colwise) at the plan's exit points
 ``tp_backward_bytes``    what the backward all-reduces (colwise input gradients, a shared input once) or
                          all-gathers (rowwise_split_input input gradients)
+``sp_activation_bytes``  the part of what the layer saves that is a local shard or a slice of the sequence
+                         under TP with sequence parallelism (``tp_activation_bytes`` where the plan does not
+                         allow it; ``meta["sequence_parallel"]`` says whether it does)
 =======================  ==================================================================================
 
 ``meta["tp_plan"]`` is the plan and ``meta["tp_divides"]`` the sorted sizes ``tp`` must divide (sharded dimensions,
@@ -37,6 +40,7 @@ import torch
 from torch import nn
 
 from ..core.display import first_line
+from ..core.sequence_parallel import sequence_parallel_plan
 from ..core.tp_plan import model_tp_plan, resolve_tp_plan, tp_divides, tp_targets
 from .table import TP_COLUMNS, Profile
 from .tp_dataflow import sharded_parameters, trace_tp_dataflow
@@ -115,11 +119,14 @@ class TensorParallelColumns:
                 "tp_flop_fraction": flow.sharded_flops / flow.flops if flow.flops else 0.0,
                 "tp_forward_bytes": flow.forward_bytes,
                 "tp_backward_bytes": flow.backward_bytes,
+                "sp_activation_bytes": flow.sharded_saved_bytes + flow.sliced_saved_bytes,
             }
             for (name, module), flow in zip(units, flows)
         }
         divides = sorted(set(tp_divides(model, targets).values()))
-        return cls(rows=rows, meta={"tp_plan": plan, "tp_divides": divides})
+        sp = sequence_parallel_plan(model, targets)
+        allowed = bool(sp.layers) and not sp.refused
+        return cls(rows=rows, meta={"tp_plan": plan, "tp_divides": divides, "sequence_parallel": allowed})
 
     def added_to(self, profile: Profile) -> Profile:
         """``profile`` with the columns (after the others, by layer name) and the meta keys."""

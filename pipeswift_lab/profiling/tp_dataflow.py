@@ -23,8 +23,14 @@ measured (:mod:`.hooks`): ``saved_tensors_hooks``, each storage once per unit, p
 saved storage tagged sharded is a local shard under TP. Forward FLOPs are counted with the formulas of
 ``torch.utils.flop_counter`` (matrix products, convolutions, attention); an operator with a sharded input is
 sharded. ``replicated_with_grad_allreduce`` modules shard no tensor (their weight gradients are summed over ``tp``
-once a step, not per micro-batch). ``sequence_parallel`` is not followed: the columns are those of TP without
-sequence parallelism.
+once a step, not per micro-batch). ``sequence_parallel`` styles in a plan are not followed.
+
+Sequence parallelism (:mod:`~pipeswift_lab.core.sequence_parallel`) is followed too, when the plan allows it: inside
+its layers and outside their regions every storage an operator writes is a *sequence slice* (the norms, the
+residual sums, a row-parallel exit's output, which is reduce-scattered), and so is a layer's input. A slice saved
+there counts in ``sliced_saved_bytes``; saved inside a region (a column-parallel projection saves its input), it
+counts whole, because the region all-gathers its input into a new, whole tensor. That whole copy is torch's (and
+more than Megatron's formula assumes, which counts a sliced norm output).
 """
 
 from __future__ import annotations
@@ -86,6 +92,9 @@ class UnitDataflow:
     """The storages autograd saves for the backward, each once, parameters and buffers left out."""
     sharded_saved_bytes: int = 0
     """The part of ``saved_bytes`` that is a local shard under TP."""
+    sliced_saved_bytes: int = 0
+    """The part of ``saved_bytes`` that, not sharded, is a slice of the sequence under sequence parallelism (0 when
+    the plan does not allow it)."""
     flops: int = 0
     """Forward FLOPs (``torch.utils.flop_counter``'s formulas)."""
     sharded_flops: int = 0
@@ -147,6 +156,9 @@ class _ShardFlow(TorchDispatchMode):
         self.units = [UnitDataflow() for _ in range(n_units)]
         self.stack: list[int] = []
         self.sharded, self.state = sharded, state
+        self.sliced: set[Any] = set()  # storages that are sequence slices under sequence parallelism
+        self.in_layer = 0  # depth inside the sequence-parallel layers
+        self.in_region = 0  # depth inside their regions (whose input is gathered whole)
         self.kept: list[torch.Tensor] = []  # tagged and saved storages stay alive: a key is never another storage's
 
     # -- tags --------------------------------------------------------------------------------
@@ -160,6 +172,10 @@ class _ShardFlow(TorchDispatchMode):
             self.kept.append(t)
         else:
             self.sharded.discard(key)
+
+    def slice(self, t: torch.Tensor) -> None:
+        self.sliced.add(_storage_key(t))
+        self.kept.append(t)
 
     @property
     def unit(self) -> UnitDataflow | None:
@@ -176,6 +192,10 @@ class _ShardFlow(TorchDispatchMode):
             for t in tree_leaves(out):
                 if isinstance(t, torch.Tensor):
                     self.tag(t)
+        elif self.in_layer and not self.in_region:
+            for t in tree_leaves(out):
+                if isinstance(t, torch.Tensor):
+                    self.slice(t)
         unit = self.unit
         if unit is not None:
             formula = flop_registry.get(getattr(func, "_overloadpacket", func)) or _EXTRA_FLOPS.get(
@@ -200,6 +220,8 @@ class _ShardFlow(TorchDispatchMode):
             nbytes = _storage_nbytes(t)
             unit.saved_bytes += nbytes
             unit.sharded_saved_bytes += nbytes if sharded else 0
+            sliced = not sharded and self.in_layer and not self.in_region and key in self.sliced
+            unit.sliced_saved_bytes += nbytes if sliced else 0
 
     # -- the plan's modules ------------------------------------------------------------------------
     def entering(self, style: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -229,8 +251,39 @@ class _ShardFlow(TorchDispatchMode):
         unit = self.unit
         for t in iter_tensors(output):
             self.tag(t, sharded=False)
+            if self.in_layer:
+                self.slice(t)  # under sequence parallelism an exit reduce-scatters along the sequence
             if unit is not None and t.is_floating_point():
                 unit.forward_bytes += _int(tensor_bytes(t))
+
+
+def _sequence_hooks(flow: _ShardFlow, layers: Sequence[nn.Module], regions: Sequence[nn.Module]) -> list[Any]:
+    """Forward hooks that tell ``flow`` when it runs inside a sequence-parallel layer (whose input is a slice) and
+    inside one of its regions."""
+    handles = []
+
+    def enter_layer(module: nn.Module, args: Any, kwargs: Any) -> None:
+        flow.in_layer += 1
+        hidden = args[0] if args and isinstance(args[0], torch.Tensor) else kwargs.get("hidden_states")
+        if isinstance(hidden, torch.Tensor) and not flow.is_sharded(hidden):
+            flow.slice(hidden)
+
+    def leave_layer(module: nn.Module, args: Any, output: Any) -> None:
+        flow.in_layer -= 1
+
+    def enter_region(module: nn.Module, args: Any) -> None:
+        flow.in_region += 1
+
+    def leave_region(module: nn.Module, args: Any, output: Any) -> None:
+        flow.in_region -= 1
+
+    for layer in layers:
+        handles.append(layer.register_forward_pre_hook(enter_layer, with_kwargs=True))
+        handles.append(layer.register_forward_hook(leave_layer))
+    for region in regions:
+        handles.append(region.register_forward_pre_hook(enter_region))
+        handles.append(region.register_forward_hook(leave_region))
+    return handles
 
 
 def _hooks(
@@ -276,8 +329,12 @@ def trace_tp_dataflow(
     ``autocast_dtype`` when given) with the plan's matched modules ``targets`` (``{module name: style}``,
     :func:`~pipeswift_lab.core.tp_plan.tp_targets`) and return a :class:`UnitDataflow` per unit of ``units``, in
     their order. The model comes back as it was (its tensors, training flags, config and the random state)."""
+    from ..core.sequence_parallel import sequence_parallel_plan
+
     modules = dict(model.named_modules())
     styled = [(modules[name], style) for name, style in targets.items()]
+    sp = sequence_parallel_plan(model, targets)
+    follows_sequence = not sp.refused and bool(sp.layers)
     training = [(m, m.training) for m in model.modules()]
     args, kwargs = sample
     with faked_on(model, device, run=True) as lift, training_settings(model), torch.random.fork_rng(devices=[]):
@@ -285,6 +342,9 @@ def trace_tp_dataflow(
         sharded = {_storage_key(p) for module, style in styled for p in sharded_parameters(module, style)}
         flow = _ShardFlow(len(units), sharded, state)
         handles = _hooks(flow, units, styled)
+        if follows_sequence:
+            layers, regions = [modules[n] for n in sp.layers], [modules[n] for n in sp.gathered_inputs]
+            handles += _sequence_hooks(flow, layers, regions)
         fake = _lifted(lift)
         try:
             model.train()

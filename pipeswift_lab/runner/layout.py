@@ -59,6 +59,18 @@ class RunLayout:
         """Processes of the run: ``P * D * fsdp * tp``."""
         return P * D * self.fsdp * self.tp
 
+    def check_sequence(self, boundaries: Sequence[tuple[Any, Any]]) -> None:
+        """Refuse sequence parallelism on a sequence ``tp`` does not divide: the first stage's input, a micro-batch
+        of ``(batch, sequence, ...)``, is read at dimension 1."""
+        if not self.sequence_parallel or not boundaries:
+            return
+        shape = tuple(boundaries[0][0].shape)
+        if len(shape) < 2 or shape[1] % self.tp:
+            raise ValueError(
+                f"sequence parallelism over tp={self.tp} slices dimension 1 of the hidden states, the sequence, into "
+                f"{self.tp} equal parts; a micro-batch of shape {shape} has no sequence of a length tp divides"
+            )
+
     def check_built(self, tied: Sequence[Any], precision: str | None) -> None:
         """Refuse what the built stages show this layout cannot run: a parameter several stages hold (tied weights
         across stages), and ZeRO-1's sharded optimizer beside FSDP or tensor parallelism."""

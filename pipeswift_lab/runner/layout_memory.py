@@ -13,7 +13,9 @@ if one process held its stages. Under a layout each of its ``D * fsdp * tp`` pro
   embedding's (``embedding_rowwise``) is whole on every tensor-parallel rank (:data:`WHOLE_GRADIENT_STYLES`);
 * **optimizer state** — ``/ (tp * fsdp)``: FSDP2 updates its shard;
 * **activations** — the saved tensors the plan leaves sharded (``tp_activation_bytes``) divide by ``tp``, the
-  rest (what enters a column-parallel module, norms, the residual stream) is whole on every rank;
+  rest (what enters a column-parallel module, norms, the residual stream) is whole on every rank; with sequence
+  parallelism the norms' and the residual stream's are slices too (``sp_activation_bytes``), and only the gathered
+  inputs of the column-parallel regions stay whole;
 * **buffers** (what crosses a stage boundary) stay as they are; a backward's transients (mostly weight gradients)
   divide as the gradients do, but on the last stage never below the loss's backward and the gradient of the model's
   output, which are whole on every rank (``last_transient``: dividing those too was 29% low on a tp=4 GPT whose
@@ -44,13 +46,15 @@ __all__ = ["layer_shares", "layout_rows", "whole_gradient_bytes"]
 WHOLE_GRADIENT_STYLES = ("embedding_rowwise",)
 
 
-def layer_shares(layers: Any) -> tuple[np.ndarray, np.ndarray] | None:
-    """``(tp_param_bytes, tp_activation_bytes)`` per layer of a profile table (a ``Layers`` or ``Profile``), or
-    ``None`` when it has no tensor-parallel columns."""
+def layer_shares(layers: Any, sequence_parallel: bool = False) -> tuple[np.ndarray, np.ndarray] | None:
+    """``(tp_param_bytes, tp_activation_bytes)`` per layer of a profile table (a ``Layers`` or ``Profile``), the
+    activations ``sp_activation_bytes`` under ``sequence_parallel`` (where the profile has them), or ``None`` when it
+    has no tensor-parallel columns."""
     df = getattr(layers, "df", layers)
     if not isinstance(df, pd.DataFrame) or "tp_param_bytes" not in df or "tp_activation_bytes" not in df:
         return None
-    return df["tp_param_bytes"].to_numpy(float), df["tp_activation_bytes"].to_numpy(float)
+    activations = "sp_activation_bytes" if sequence_parallel and "sp_activation_bytes" in df else "tp_activation_bytes"
+    return df["tp_param_bytes"].to_numpy(float), df[activations].to_numpy(float)
 
 
 def _reduce_scatter_moment(terms: dict[str, Any], unsharded_grads: float) -> float:

@@ -340,6 +340,7 @@ def make_spec(
     )
     precision = check_run_precision(precision, checkpoints=bool(job.checkpoint_dir or job.resume_from))
     layout.check_built(shapes.tied, precision)
+    layout.check_sequence(shapes.boundaries)
     layers = shapes.layer_names
     recomputed = plan_recompute(recompute, [tuple(layers[a:b]) for a, b in plan.bounds])
     meta = {
@@ -361,7 +362,9 @@ def make_spec(
             D=D,
             fsdp=layout.fsdp,
             tp=layout.tp,
-            shares=layer_shares(partition.layers) if getattr(partition, "layers", None) is not None else None,
+            shares=layer_shares(partition.layers, layout.sequence_parallel)
+            if getattr(partition, "layers", None) is not None
+            else None,
             whole_grads=whole_gradient_bytes(model, layers, layout.tp_plan),
         )
     backend, device_type, indices = placement

@@ -105,8 +105,15 @@ def stage_targets(stage: nn.Module, plan: Mapping[str, str]) -> dict[str, str]:
     return targets
 
 
-def apply_tensor_parallel(stage: nn.Module, plan: Mapping[str, str], mesh: DeviceMesh) -> dict[str, str]:
-    """Split ``stage``'s planned modules over the tensor-parallel ``mesh``, in place; return ``{module: style}``."""
+def apply_tensor_parallel(
+    stage: nn.Module, plan: Mapping[str, str], mesh: DeviceMesh, *, sequence_parallel: bool = False
+) -> dict[str, str]:
+    """Split ``stage``'s planned modules over the tensor-parallel ``mesh``, in place; return ``{module: style}``.
+
+    With ``sequence_parallel`` the stage's layers run between their regions on a slice of the sequence
+    (:mod:`~pipeswift_lab.core.sequence_parallel`): the exits reduce-scatter along the sequence, each region's
+    input is all-gathered, the norms run on the slice (torch's ``SequenceParallel``), and each run of consecutive
+    layers slices its input and gathers its output, so that the stage's boundaries carry the whole sequence."""
     from torch.distributed.tensor.parallel import parallelize_module
 
     targets = stage_targets(stage, plan)
@@ -117,9 +124,79 @@ def apply_tensor_parallel(stage: nn.Module, plan: Mapping[str, str], mesh: Devic
             applied.apply(stage.get_submodule(name), mesh)
         else:
             torch_plan[name] = applied
+    if sequence_parallel:
+        torch_plan.update(_sequence_parallel(stage, targets, mesh))
     if torch_plan:
         parallelize_module(stage, mesh, torch_plan)
     return targets
+
+
+def _sequence_parallel(stage: nn.Module, targets: Mapping[str, str], mesh: DeviceMesh) -> dict[str, Any]:
+    """The torch styles that replace ``targets``' under sequence parallelism, with the gathering and slicing hooks
+    installed on the stage's regions and layer runs; returns ``{module: style}``."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import RowwiseParallel, SequenceParallel
+
+    from ...core.sequence_parallel import SEQUENCE_DIM, sequence_parallel_plan
+
+    sp = sequence_parallel_plan(stage, targets)
+    seq = Shard(SEQUENCE_DIM)
+    styles: dict[str, Any] = {}
+    for name in sp.exits:
+        whole_input = targets[name] in ("rowwise_split_input", "rowwise_rep")
+        styles[name] = RowwiseParallel(input_layouts=Replicate() if whole_input else Shard(-1), output_layouts=seq)
+    for name in sp.gathered_inputs:
+        stage.get_submodule(name).register_forward_pre_hook(_redistributing(mesh, seq, Replicate()), with_kwargs=True)
+    for name in sp.norms:
+        styles[name] = SequenceParallel(sequence_dim=SEQUENCE_DIM, use_local_output=True)
+    for run in sp.runs():
+        stage.get_submodule(run[0]).register_forward_pre_hook(_redistributing(mesh, Replicate(), seq), with_kwargs=True)
+        stage.get_submodule(run[-1]).register_forward_hook(_redistributing_output(mesh, seq, Replicate()))
+    return styles
+
+
+def _redistribute(x: torch.Tensor, mesh: DeviceMesh, src: Any, dst: Any) -> torch.Tensor:
+    """``x``, this rank's part of a tensor laid out as ``src`` over ``mesh``, as its part laid out as ``dst``
+    (DTensor's collectives, differentiable: a gather's backward slices, a slice's backward gathers)."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    if isinstance(dst, Shard) and x.shape[dst.dim] % mesh.size():
+        raise ValueError(
+            f"sequence parallelism over tp={mesh.size()} needs the sequence length to divide evenly; a hidden state of "
+            f"shape {tuple(x.shape)} has {x.shape[dst.dim]} positions"
+        )
+    return DTensor.from_local(x, mesh, [src], run_check=False).redistribute(mesh, [dst]).to_local()
+
+
+def _redistributing(mesh: DeviceMesh, src: Any, dst: Any) -> Any:
+    """A forward pre-hook (``with_kwargs``) redistributing a module's hidden-state input: its first positional
+    tensor, else its ``hidden_states`` keyword (Hugging Face passes attention's so)."""
+
+    def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
+        if args and isinstance(args[0], torch.Tensor):
+            return (_redistribute(args[0], mesh, src, dst), *args[1:]), kwargs
+        if isinstance(kwargs.get("hidden_states"), torch.Tensor):
+            return args, {**kwargs, "hidden_states": _redistribute(kwargs["hidden_states"], mesh, src, dst)}
+        raise TypeError(
+            f"sequence parallelism: {type(module).__name__} was called with no tensor as its first argument or "
+            "hidden_states=, so its hidden states cannot be found"
+        )
+
+    return hook
+
+
+def _redistributing_output(mesh: DeviceMesh, src: Any, dst: Any) -> Any:
+    """A forward hook redistributing a module's output: the tensor, or the first item of a tuple (a Hugging Face
+    decoder layer's)."""
+
+    def hook(module: nn.Module, args: Any, output: Any) -> Any:
+        if isinstance(output, torch.Tensor):
+            return _redistribute(output, mesh, src, dst)
+        if isinstance(output, tuple) and output and isinstance(output[0], torch.Tensor):
+            return (_redistribute(output[0], mesh, src, dst), *output[1:])
+        raise TypeError(f"sequence parallelism: {type(module).__name__} returned no tensor to gather")
+
+    return hook
 
 
 def apply_fsdp(
