@@ -99,7 +99,7 @@ def plan_job(
     progress: bool = True,
     D: int = 1,
     fsdp: Any = 1,
-    tp: int = 1,
+    tp: Any = 1,
     tp_plan: Any = None,
     split: str | None = None,
     recompute: Any = None,
