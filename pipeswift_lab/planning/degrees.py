@@ -20,7 +20,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from ..core.checks import check_int
+from ..core.checks import check_flag, check_int
 from ..core.link import Link
 from ..core.precision import PRECISIONS
 from ..core.topology import DEFAULT_INTRA_NODE_LINK, Topology, check_topology
@@ -52,6 +52,8 @@ class Degrees:
     """The topology given (None: none)."""
     network: Topology
     """The topology the collectives are priced on: ``topology``, or :func:`default_topology`."""
+    sequence_parallel: bool = False
+    """Whether ``tp > 1`` layouts run with sequence parallelism (:mod:`~pipeswift_lab.core.sequence_parallel`)."""
 
     @property
     def three_d(self) -> bool:
@@ -100,6 +102,7 @@ def check_degrees(
     global_batch: int,
     precision: str | None,
     dp_link: Link,
+    sequence_parallel: bool = False,
 ) -> Degrees:
     """The checked ``tp`` and ``fsdp`` degrees and topology of a plan (the module docs give the defaults). Raises
     ``TypeError``/``ValueError`` naming the argument: a ``tp`` that spans nodes or that the profile does not allow,
@@ -142,4 +145,15 @@ def check_degrees(
                 f"fsdp={value} with precision={precision!r}: FSDP shards the optimizer state itself; give "
                 f"precision='bf16-mixed' with fsdp > 1, or fsdp=1 with the ZeRO-1 precision"
             )
-    return Degrees(tp=tp_given, fsdp=fsdp_given, topology=topology, network=network)
+    check_flag("sequence_parallel", sequence_parallel)
+    if sequence_parallel:
+        refusing = [meta for meta in costs.metas.values() if meta.get("sequence_parallel") is not True]
+        if refusing or not costs.metas:
+            raise ValueError(
+                "sequence_parallel=True needs a profile whose tensor-parallel plan allows it (profile.meta"
+                "['sequence_parallel'] is True: every parameter of a layer inside the plan's regions or in a norm, "
+                "each region in a submodule); this profile's does not"
+            )
+    return Degrees(
+        tp=tp_given, fsdp=fsdp_given, topology=topology, network=network, sequence_parallel=sequence_parallel
+    )

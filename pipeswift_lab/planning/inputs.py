@@ -134,6 +134,7 @@ class PlanInputs:
             "three_d": self.three_d,
             "tp": self.tp_degrees,
             "fsdp": self.fsdp_degrees,
+            "sequence_parallel": self.degrees.sequence_parallel if self.degrees is not None else False,
             "mem_per_gpu_bytes": self.mem_per_gpu_bytes,
             "calibration": self.calibration,
             "objective": self.objective,
@@ -167,6 +168,7 @@ def check_plan_inputs(
     topology: Any = None,
     tp: Any = None,
     fsdp: Any = None,
+    sequence_parallel: bool = False,
 ) -> PlanInputs:
     """Check the arguments of :func:`~pipeswift_lab.planning.planner.plan` (the meanings are there) and resolve their
     defaults; return the :class:`PlanInputs` the search reads. Raises ``TypeError``/``ValueError`` naming the argument.
@@ -188,6 +190,7 @@ def check_plan_inputs(
         global_batch=global_batch,
         precision=precision,
         dp_link=given_dp_link or DEFAULT_DP_LINK,
+        sequence_parallel=sequence_parallel,
     )
     return PlanInputs(
         costs=costs,

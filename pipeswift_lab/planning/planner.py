@@ -91,6 +91,7 @@ def plan(
     topology: Topology | None = None,
     tp: int | Sequence[int] | None = None,
     fsdp: int | Sequence[int] | None = None,
+    sequence_parallel: bool = False,
 ) -> Plan:
     """Rank every feasible pipeline configuration by predicted job completion time; return a :class:`Plan`.
 
@@ -157,7 +158,12 @@ def plan(
       all-gather and reduce-scatter, once a step, not overlapped (:mod:`~pipeswift_lab.planning.placement`).
       Without any of them it weighs ``tp = fsdp = 1``, pipelines × replicas, as it always has; given ``tp`` or
       ``fsdp`` without a topology, nodes of 8 GPUs linked by NVLink-class links inside
-      (:data:`~pipeswift_lab.core.topology.DEFAULT_INTRA_NODE_LINK`) and ``dp_link`` between them.
+      (:data:`~pipeswift_lab.core.topology.DEFAULT_INTRA_NODE_LINK`) and ``dp_link`` between them;
+    * ``sequence_parallel`` — weigh every ``tp > 1`` layout with sequence parallelism: its activations are the
+      profile's ``sp_activation_bytes`` and its collectives all-gathers and reduce-scatters of the same bytes
+      (:mod:`~pipeswift_lab.planning.sharding`); :meth:`Plan.run_arguments` then gives ``tp`` as
+      ``psl.TP(tp, sequence_parallel=True)``. It needs a profile whose plan allows it
+      (``profile.meta["sequence_parallel"]``).
 
     The steps: :func:`~pipeswift_lab.planning.inputs.check_plan_inputs` (validate and resolve, once),
     :func:`evaluator_of`, then :func:`search`: :func:`~pipeswift_lab.planning.steps.enumerate_configs`,
@@ -191,6 +197,7 @@ def plan(
         topology=topology,
         tp=tp,
         fsdp=fsdp,
+        sequence_parallel=sequence_parallel,
     )
     return search(inputs, evaluator_of(inputs))
 

@@ -282,7 +282,8 @@ class Plan:
         them) of a ranked row (a label, a row of :attr:`table` or a
         :class:`PlannedConfig`): the keyword arguments :func:`pipeswift_lab.run` takes, so a planned configuration
         runs as is with a global batch of ``microbatch_size * m * D * fsdp`` samples on ``P * D * fsdp * tp``
-        processes: ``psl.run(model, data, loss_fn, **plan.run_arguments(0), steps=...)``."""
+        processes: ``psl.run(model, data, loss_fn, **plan.run_arguments(0), steps=...)``. A plan weighed with
+        sequence parallelism gives ``tp`` as ``psl.TP(tp, sequence_parallel=True)`` where ``tp > 1``."""
         config = row if isinstance(row, PlannedConfig) else self.config(row)
         args: dict[str, Any] = {
             "partition": self.partition_of(config),
@@ -292,6 +293,10 @@ class Plan:
             "fsdp": int(config.fsdp),
             "tp": int(config.tp),
         }
+        if self.inputs.get("sequence_parallel") and config.tp > 1:
+            from ..runner.options import TP
+
+            args["tp"] = TP(int(config.tp), sequence_parallel=True)
         if config.recompute:
             args["recompute"] = config.recompute_by_stage()
         if self.inputs.get("precision") is not None:

@@ -105,7 +105,8 @@ class Evaluator:
             network = self.inputs.degrees.network if self.inputs.degrees is not None else None
             if network is None:
                 raise ValueError(f"tp={tp} needs a topology: plan(..., topology=...) or tp=...")
-            self._tp_costs[tp] = tp_costs(self.inputs.costs, tp, network.intra_node)
+            sequence_parallel = self.inputs.degrees is not None and self.inputs.degrees.sequence_parallel
+            self._tp_costs[tp] = tp_costs(self.inputs.costs, tp, network.intra_node, sequence_parallel)
         return self._tp_costs[tp]
 
     def at(self, tp: int, link: Link | None) -> Evaluator:

@@ -18,7 +18,11 @@ micro-batch at the profiled size):
   parameter and a layer's backward transients (mostly its weight gradients) shrink as the parameter bytes do, while
   the loss's backward and the output's gradient on the last stage (the profile's meta, the layers' outputs) stay
   whole, as the runner's prediction takes them (:mod:`pipeswift_lab.runner.layout_memory`). The outputs that cross
-  a pipeline cut stay whole (no sequence parallelism).
+  a pipeline cut stay whole;
+* with sequence parallelism (``plan(..., sequence_parallel=True)``, Korthikanti et al. 2022) the saved activations
+  that divide are ``sp_activation_bytes`` (the norms' and the residual stream's too), and each all-reduce becomes an
+  all-gather and a reduce-scatter of the same bytes: forward, the entries' inputs are gathered and the exits'
+  outputs reduce-scattered; backward, the other way round. In the ring model that is the all-reduce's time.
 
 A profile without a ``tp_param_bytes`` column admits ``tp = 1`` only; a missing ``tp_flop_fraction``,
 ``tp_activation_bytes``, ``tp_forward_bytes`` or ``tp_backward_bytes`` counts as 0.
@@ -35,7 +39,7 @@ rank's peak.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import cast
 
 import numpy as np
@@ -46,7 +50,7 @@ from ..core.link import Link
 from ..core.memory_model import StageBytes
 from ..core.peak_forms import STAGE_FIELDS, StageFields
 from ..core.precision import OPTIMIZER_STATES, PRECISIONS
-from ..core.topology import all_reduce_ms
+from ..core.topology import all_gather_ms, all_reduce_ms, reduce_scatter_ms
 from .costs import TIME_COLUMNS, MicrobatchCosts
 
 __all__ = [
@@ -84,17 +88,27 @@ def _ratio(new: np.ndarray, old: np.ndarray) -> np.ndarray:
     return np.divide(new, old, out=np.ones_like(new), where=old > 0)
 
 
-def tp_table(df: pd.DataFrame, tp: int, link: Link) -> pd.DataFrame:
+def _collective_ms(nbytes: np.ndarray, tp: int, link: Link, price: Callable[[float, int, Link], float]) -> np.ndarray:
+    return np.array([price(x, tp, link) if x > 0 else 0.0 for x in nbytes])
+
+
+def tp_table(df: pd.DataFrame, tp: int, link: Link, sequence_parallel: bool = False) -> pd.DataFrame:
     """The per-layer table ``df`` (at its profiled micro-batch size) as one of ``tp`` tensor-parallel ranks computes
-    and holds it, its collectives on ``link`` (the module docs say how). Returns a new DataFrame (``df`` itself when
-    ``tp == 1``)."""
+    and holds it, its collectives on ``link`` (the module docs say how), with ``sequence_parallel`` or without.
+    Returns a new DataFrame (``df`` itself when ``tp == 1``)."""
     if tp == 1:
         return df
     df = df.copy()
     fraction = np.clip(_column(df, "tp_flop_fraction"), 0.0, 1.0)
     compute = (1.0 - fraction) + fraction / tp
-    forward_ms = np.array([all_reduce_ms(x, tp, link) if x > 0 else 0.0 for x in _column(df, "tp_forward_bytes")])
-    backward_ms = np.array([all_reduce_ms(x, tp, link) if x > 0 else 0.0 for x in _column(df, "tp_backward_bytes")])
+    exits, entries = _column(df, "tp_forward_bytes"), _column(df, "tp_backward_bytes")
+    if sequence_parallel:  # entries all-gather forward, reduce-scatter backward; exits the other way round
+        ag, rs = all_gather_ms, reduce_scatter_ms
+        forward_ms = _collective_ms(entries, tp, link, ag) + _collective_ms(exits, tp, link, rs)
+        backward_ms = _collective_ms(entries, tp, link, rs) + _collective_ms(exits, tp, link, ag)
+    else:
+        forward_ms = _collective_ms(exits, tp, link, all_reduce_ms)
+        backward_ms = _collective_ms(entries, tp, link, all_reduce_ms)
     for col in TIME_COLUMNS:
         if col in df.columns:
             df[col] = pd.to_numeric(df[col], errors="coerce") * compute
@@ -111,7 +125,8 @@ def tp_table(df: pd.DataFrame, tp: int, link: Link) -> pd.DataFrame:
     held = np.asarray(state_bytes_per_rank(cast(float, param_bytes), cast(float, sharded_params), tp=tp)["grads"])
     params_kept = _ratio(held, param_bytes)
     activations = _column(df, "activation_bytes")
-    sharded = np.minimum(_column(df, "tp_activation_bytes"), activations)
+    sliced = "sp_activation_bytes" if sequence_parallel and "sp_activation_bytes" in df.columns else ""
+    sharded = np.minimum(_column(df, sliced or "tp_activation_bytes"), activations)
     kept_activations = activations - sharded + sharded / tp
     activations_kept = _ratio(kept_activations, activations)
     if "param_bytes" in df.columns:
@@ -130,12 +145,12 @@ def tp_table(df: pd.DataFrame, tp: int, link: Link) -> pd.DataFrame:
     return df
 
 
-def tp_costs(costs: MicrobatchCosts, tp: int, link: Link) -> MicrobatchCosts:
+def tp_costs(costs: MicrobatchCosts, tp: int, link: Link, sequence_parallel: bool = False) -> MicrobatchCosts:
     """``costs`` as one of ``tp`` tensor-parallel ranks sees them (:func:`tp_table` of every profiled table), its
-    collectives on ``link``. Returns ``costs`` itself when ``tp == 1``."""
+    collectives on ``link``, with ``sequence_parallel`` or without. Returns ``costs`` itself when ``tp == 1``."""
     if tp == 1:
         return costs
-    return costs.derived(lambda df: tp_table(df, tp, link))
+    return costs.derived(lambda df: tp_table(df, tp, link, sequence_parallel))
 
 
 def fsdp_factors(fsdp: int) -> dict[str, float]:

@@ -6,7 +6,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from pipeswift_lab import Link, Partition, Profile, Topology, plan
+from pipeswift_lab import TP, Link, Partition, Profile, Topology, plan
 from pipeswift_lab.core.layout import state_bytes_per_rank
 from pipeswift_lab.core.topology import (
     DEFAULT_INTRA_NODE_LINK,
@@ -365,3 +365,36 @@ def test_compiled_peaks_of_sharded_layouts_equal_the_replay_and_hold_the_reduce_
     # as they are copied into the reduce-scatter's input
     peak = fast.peak_memory(1, 1, 1, "GPipe", 1, 1, ((0, 6),), 4)[0]
     assert peak >= 6 * GB * (1.25 + 2 / 4 + 2)
+
+
+def sp_profile(**kwargs):
+    """:func:`tp_profile` whose plan allows sequence parallelism: 80% of each layer's activations divide then."""
+    prof = tp_profile(**kwargs)
+    df = prof.df.assign(sp_activation_bytes=0.8 * prof.df["activation_bytes"])
+    return Profile(df, {**prof.meta, "sequence_parallel": True})
+
+
+def test_sequence_parallelism_prices_gathers_and_scatters_and_divides_the_sliced_activations():
+    df = sp_profile().df
+    two, sliced = tp_table(df, 2, SLOW), tp_table(df, 2, SLOW, sequence_parallel=True)
+    ag, rs = all_gather_ms(0.02 * GB, 2, SLOW), reduce_scatter_ms(0.02 * GB, 2, SLOW)
+    assert sliced["fwd_ms"].iloc[0] == pytest.approx(1.0 * (0.1 + 0.45) + ag + rs)
+    assert sliced["bwd_ms"].iloc[0] == pytest.approx(2.0 * (0.1 + 0.45) + rs + ag)
+    # in the ring model an all-reduce is a reduce-scatter then an all-gather: the same time, less memory
+    assert sliced["fwd_ms"].iloc[0] == pytest.approx(two["fwd_ms"].iloc[0])
+    assert sliced["activation_bytes"].iloc[0] == pytest.approx(0.02 * GB + 0.04 * GB)
+    assert two["activation_bytes"].iloc[0] == pytest.approx(0.05 * GB + 0.025 * GB)
+
+
+def test_a_plan_with_sequence_parallelism_fits_where_one_without_does_not_and_runs_it():
+    # one stage at tp=2 and b=16: 14.9 GB a GPU without sequence parallelism, 13.0 GB with it
+    kwargs = dict(gpus=2, global_batch=16, P=[1], tp=[2], fsdp=[1], microbatch_sizes=[16], optimizer="sgd")
+    cap = 14 * GB
+    with pytest.raises(ValueError, match=r"(?s)no feasible configuration.*P=1 D=1 fsdp=1 tp=2 m=1 b=16"):
+        plan_3d(sp_profile(), mem_per_gpu_bytes=cap, **kwargs)
+    sliced = plan_3d(sp_profile(), mem_per_gpu_bytes=cap, sequence_parallel=True, **kwargs)
+    assert sliced.best.peak_mem_bytes <= cap
+    args = sliced.run_arguments(sliced.best)
+    assert args["tp"] == TP(2, sequence_parallel=True)
+    with pytest.raises(ValueError, match=r"sequence_parallel=True needs a profile whose tensor-parallel plan allows"):
+        plan_3d(tp_profile(), sequence_parallel=True)
