@@ -18,12 +18,17 @@ ways (:func:`materialize`):
 
 Buffers that are not in the ``state_dict`` (a rotary embedding's ``inv_freq``) travel by value when
 the caller's model holds them; when they are on meta they are initialized with their module.
+
+A module split over tensor-parallel ranks while still on meta holds DTensors: :func:`materialize` fills each one's
+local part (:func:`local_box`: a ``Shard(d)`` placement is ``torch.chunk``'s piece along ``d``), from the part
+``fill`` gives or cut from the whole tensor it gives.
 """
 
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable, Iterable, Iterator, Mapping
+import sys
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -31,13 +36,16 @@ import torch
 from torch import nn
 
 __all__ = [
+    "Box",
     "InitFn",
     "alias_map",
     "parameter_names",
     "check_initializable",
+    "shard_box",
     "initial_values",
     "init_owner",
     "is_meta_model",
+    "local_box",
     "materialize",
     "meta_tensor",
     "name_seed",
@@ -48,6 +56,8 @@ __all__ = [
 
 #: ``init(module)``: fills the tensors ``module`` itself holds (called under ``torch.no_grad``).
 InitFn = Callable[[nn.Module], None]
+#: A part of a tensor: one ``slice`` per dimension (``tensor[box]``).
+Box = tuple[slice, ...]
 
 
 def parameter_names(model: nn.Module) -> list[tuple[str, ...]]:
@@ -254,6 +264,73 @@ def _retie(module: nn.Module, names: list[tuple[str, tuple[str, ...]]]) -> None:
             getattr(module.get_submodule(owner) if owner else module, table)[attr] = keep
 
 
+def shard_box(shape: Sequence[int], dim: int, rank: int, n: int) -> Box:
+    """The part of a tensor of ``shape`` that rank ``rank`` of ``n`` holds when it is split along ``dim`` as
+    ``torch.chunk`` splits it (DTensor's ``Shard(dim)``): pieces of ``ceil(size / n)``, the last ones shorter or
+    empty. Returns a slice per dimension, whole but ``dim``."""
+    return _narrowed([(0, int(size)) for size in shape], dim, rank, n)
+
+
+def _narrowed(ranges: list[tuple[int, int]], dim: int, rank: int, n: int) -> Box:
+    lo, hi = ranges[dim]
+    size = hi - lo
+    piece = -(-size // n)
+    start = min(rank * piece, size)
+    ranges[dim] = (lo + start, lo + min(start + piece, size))
+    return tuple(slice(a, b) for a, b in ranges)
+
+
+def _is_dtensor(tensor: object) -> bool:
+    if "torch.distributed.tensor" not in sys.modules:  # nothing made one
+        return False
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(tensor, DTensor)
+
+
+def local_box(tensor: torch.Tensor) -> Box | None:
+    """The part of the whole tensor a DTensor holds on this rank (its placements applied in mesh order: ``Shard(d)``
+    narrows dimension ``d`` as :func:`shard_box`, ``Replicate`` keeps it whole); ``None`` for a plain tensor.
+
+    Raises ``ValueError`` for a placement that is not one of those (``Partial``, a strided shard) and
+    ``RuntimeError`` when the part's shape is not the DTensor's local shape."""
+    if not _is_dtensor(tensor):
+        return None
+    from torch.distributed.tensor import Replicate, Shard
+
+    mesh, placements = tensor.device_mesh, tensor.placements  # type: ignore[attr-defined]
+    coordinate = mesh.get_coordinate()
+    ranges = [(0, int(size)) for size in tensor.shape]
+    box: Box = tuple(slice(a, b) for a, b in ranges)
+    for mesh_dim, placement in enumerate(placements):
+        if type(placement) is Shard:
+            if coordinate is None:
+                raise RuntimeError("this rank is not in the DTensor's mesh: it holds no part of it")
+            dim = placement.dim % tensor.ndim
+            box = _narrowed(ranges, dim, coordinate[mesh_dim], mesh.size(mesh_dim))
+        elif not isinstance(placement, Replicate):
+            raise ValueError(f"cannot tell the part of a tensor placed {placement} (Shard(d) and Replicate are read)")
+    with torch.no_grad():
+        local = tensor.to_local()  # type: ignore[attr-defined]
+    if tuple(b.stop - b.start for b in box) != tuple(local.shape):
+        raise RuntimeError(f"the part {box} of a {tuple(tensor.shape)} tensor is not its local {tuple(local.shape)}")
+    return box
+
+
+def _fill_one(target: torch.Tensor, value: torch.Tensor) -> int:
+    """Copy ``value`` into ``target``; a DTensor ``target`` takes it into its local part, ``value`` being that part
+    or the whole tensor (then cut to the part). Returns the bytes filled."""
+    if _is_dtensor(target) and not _is_dtensor(value):
+        local = target.to_local()  # type: ignore[attr-defined]  # under no_grad: the local tensor itself
+        if tuple(value.shape) != tuple(local.shape):
+            box = local_box(target)
+            assert box is not None
+            value = value[box]
+        target = local
+    target.copy_(value)
+    return target.numel() * target.element_size()
+
+
 def materialize(
     module: nn.Module,
     device: torch.device,
@@ -261,8 +338,9 @@ def materialize(
 ) -> int:
     """Make ``module``'s tensors on ``device`` (``to_empty``; buffers it holds for real, which travelled by value,
     are kept; tied tensors stay tied) and copy ``fill(keys)`` into them, for every other tensor: its ``state_dict``
-    keys and its meta buffers. A key ``fill`` leaves out stays empty (a checkpoint restore fills it). Returns the
-    bytes filled."""
+    keys and its meta buffers. A key ``fill`` leaves out stays empty (a checkpoint restore fills it). A DTensor
+    (a module split over tensor-parallel ranks on meta) takes ``fill``'s value into its local part: the value is
+    that part (:func:`local_box`) or the whole tensor, then cut. Returns the bytes filled (this rank's)."""
     names = _tensor_names(module)
     kept = {n: b for n, b in module.named_buffers(remove_duplicate=False) if not b.is_meta}
     wanted = [k for k in module.state_dict(keep_vars=True) if k not in kept]
@@ -277,7 +355,8 @@ def materialize(
     with torch.no_grad():
         for key, value in fill(wanted).items():
             target = targets[key]
-            if target is not value:
-                target.copy_(value)
-            filled += target.numel() * target.element_size()
+            if target is value:
+                filled += value.numel() * value.element_size()
+            else:
+                filled += _fill_one(target, value)
     return filled

@@ -11,6 +11,10 @@ tensor is made of. A rank then reads only the stored tensors its stage's keys ar
 tensor with the converter's own operations (:meth:`Converted.make`). :func:`to_stored` is the way back, per shard,
 with ``core_model_loading.revert_weight_conversion`` (what ``save_pretrained`` calls).
 
+Under tensor parallelism a rank reads only its slice of a tensor stored under the model's name or renamed
+(:mod:`.tp_slices`); a tensor made from several stored ones is read whole, made, then cut to the rank's slice: the
+converter's operations (stacking experts, splitting a fused tensor) need their inputs whole.
+
 A model that is not a Hugging Face ``PreTrainedModel``, or a transformers release without this machinery (4.x),
 reads stored names as they are.
 """

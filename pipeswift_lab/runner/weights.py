@@ -5,7 +5,8 @@
 * a Hugging Face safetensors checkpoint: one ``.safetensors`` file, or a directory holding
   ``model.safetensors`` or shards with ``model.safetensors.index.json`` (its ``weight_map`` says
   which shard holds each tensor); a rank opens only the shards that hold its keys and reads
-  only those tensors (``safetensors.safe_open``, memory-mapped);
+  only those tensors (``safetensors.safe_open``, memory-mapped), and under tensor parallelism
+  only its slice of each one the plan shards (:mod:`.tp_slices`);
 * a ``torch.distributed.checkpoint`` directory (``.metadata`` and its ``.distcp`` files), the model's
   tensors at the top level or under ``model.`` (as torchtitan saves them); each rank loads only its
   keys (DCP's load of a partial state dict, one process each: ``no_dist=True``);
@@ -35,9 +36,10 @@ from torch import nn
 
 from ..core.checks import state_mismatch
 from .hf_conversion import Converted, HFConversion, converted_shapes, hf_conversion
+from .tp_slices import ReadTally
 
 if TYPE_CHECKING:
-    from ..core.meta_device import InitFn
+    from ..core.meta_device import Box, InitFn
 
 __all__ = [
     "INDEX_FILE",
@@ -96,6 +98,9 @@ class WeightSource:
     converted: dict[str, Converted] = field(default_factory=dict)
     """``{model key: how transformers makes it}`` for the model tensors a Hugging Face checkpoint stores as several
     tensors (a mixture of experts' fused weights, stored one tensor per expert)."""
+    read_log: str | None = None
+    """A file each rank appends what it read to, one JSON line per stage it fills (:func:`.tp_slices.log_reads`);
+    ``None``: no log."""
 
     @property
     def nbytes(self) -> int:
@@ -118,23 +123,36 @@ class WeightSource:
         return replace(self, path=move(self.path), files={k: move(f) for k, f in self.files.items()})
 
     def read(
-        self, keys: Iterable[str], device: torch.device | str = "cpu", model: nn.Module | None = None
+        self,
+        keys: Iterable[str],
+        device: torch.device | str = "cpu",
+        model: nn.Module | None = None,
+        *,
+        slices: Mapping[str, Box] | None = None,
+        tally: ReadTally | None = None,
     ) -> dict[str, torch.Tensor]:
         """The tensors ``keys`` (names as the model's ``state_dict`` has them), read from disk onto ``device`` and
         nothing else; returns ``{key: tensor}``. A key stored as several tensors (:attr:`converted`) is made from
         them, one group at a time, with transformers' operations, which read ``model`` (its structure on the meta
-        device will do)."""
+        device will do).
+
+        ``slices`` ``{key: box}`` asks for a part of a key's tensor (a tensor-parallel rank's, :mod:`.tp_slices`):
+        from a safetensors file only that slice is read (``get_slice``); a key made from several stored tensors
+        (transformers' conversion needs them whole: fused experts) and any key of a DCP or toolkit checkpoint is read
+        whole and cut. ``tally`` counts what is read from disk."""
         keys = list(keys)
         asked = set(keys)
+        slices = slices or {}
         wanted = {key: self.renamed.get(key, key) for key in keys if key not in self.converted}
-        out = {key: tensor for key, tensor in zip(wanted, self._stored(list(wanted.values()), device))}
+        found = self._stored(list(wanted.values()), device, [slices.get(k) for k in wanted], tally)
+        out = dict(zip(wanted, found))
         groups = {id(self.converted[k]): self.converted[k] for k in keys if k in self.converted}
         if groups and model is None:
             raise ValueError("reading tensors a Hugging Face checkpoint stores as several needs the model (model=)")
         for made in groups.values():
-            stored = dict(zip(made.sources, self._stored(list(made.sources), device)))
+            stored = dict(zip(made.sources, self._stored(list(made.sources), device, None, tally)))
             out.update({k: t for k, t in made.make(model, stored).items() if k in asked})  # type: ignore[arg-type]
-        return {key: out[key] for key in keys}
+        return {key: out[key][slices[key]] if key in slices and key in self.converted else out[key] for key in keys}
 
     def stored_names(self, keys: Iterable[str]) -> list[str]:
         """The stored tensors :meth:`read` opens for the model's ``keys``, each once: a key's own (or renamed) tensor,
@@ -144,26 +162,43 @@ class WeightSource:
             names.extend(self.converted[key].sources if key in self.converted else [self.renamed.get(key, key)])
         return list(dict.fromkeys(names))
 
-    def _stored(self, names: list[str], device: torch.device | str) -> list[torch.Tensor]:
-        """The stored tensors ``names`` (a name may repeat), in order."""
-        unique = list(dict.fromkeys(names))
+    def _stored(
+        self,
+        names: list[str],
+        device: torch.device | str,
+        boxes: list[Box | None] | None = None,
+        tally: ReadTally | None = None,
+    ) -> list[torch.Tensor]:
+        """The stored tensors ``names`` (a name may repeat), in order; where ``boxes`` (by position) gives a part,
+        only that part (a DCP checkpoint's tensor is read whole, then cut)."""
+        asks = [(name, None if boxes is None else boxes[i]) for i, name in enumerate(names)]
+        unique = list({(name, _box_key(box)): (name, box) for name, box in asks}.values())
         if self.kind == "safetensors":
-            found = self._read_safetensors(unique, torch.device(device))
+            found = self._read_safetensors(unique, torch.device(device), tally)
         else:
-            found = self._read_dcp(unique, torch.device(device))
-        return [found[name] for name in names]
+            whole = self._read_dcp(list(dict.fromkeys(name for name, _ in unique)), torch.device(device))
+            for name, tensor in whole.items():
+                if tally is not None:
+                    tally.add(name, tensor, sliced=False)
+            found = {(name, _box_key(box)): whole[name] if box is None else whole[name][box] for name, box in unique}
+        return [found[name, _box_key(box)] for name, box in asks]
 
-    def _read_safetensors(self, keys: list[str], device: torch.device) -> dict[str, torch.Tensor]:
+    def _read_safetensors(
+        self, asks: list[tuple[str, Box | None]], device: torch.device, tally: ReadTally | None
+    ) -> dict[tuple[str, Any], torch.Tensor]:
         from safetensors import safe_open
 
-        by_file: dict[str, list[str]] = {}
-        for key in keys:
-            by_file.setdefault(self.files[key], []).append(key)
-        out: dict[str, torch.Tensor] = {}
-        for file, names in by_file.items():
+        by_file: dict[str, list[tuple[str, Box | None]]] = {}
+        for name, box in asks:
+            by_file.setdefault(self.files[name], []).append((name, box))
+        out: dict[tuple[str, Any], torch.Tensor] = {}
+        for file, wanted in by_file.items():
             with safe_open(file, framework="pt", device=str(device) if device.type != "cpu" else "cpu") as f:
-                for name in names:
-                    out[name] = f.get_tensor(name)
+                for name, box in wanted:
+                    tensor = f.get_tensor(name) if box is None else f.get_slice(name)[box]
+                    if tally is not None:
+                        tally.add(name, tensor, sliced=box is not None)
+                    out[name, _box_key(box)] = tensor
         return out
 
     def _read_dcp(self, keys: list[str], device: torch.device) -> dict[str, torch.Tensor]:
@@ -192,6 +227,11 @@ class WeightSource:
             "WeightSource",
             {"kind": self.kind, "path": self.path, "tensors": len(self.shapes), "MiB": f"{self.nbytes / 2**20:.1f}"},
         )
+
+
+def _box_key(box: Box | None) -> tuple[tuple[int, int], ...] | None:
+    """A part as a key (a ``slice`` is not hashable before Python 3.12)."""
+    return None if box is None else tuple((b.start, b.stop) for b in box)
 
 
 def open_weights(weights: str | os.PathLike[str] | Any) -> WeightSource:
@@ -308,7 +348,7 @@ def _dcp_prefix(source: WeightSource, keys: Iterable[str]) -> WeightSource:
     nested = {k[len(prefix) :]: v for k, v in source.shapes.items() if k.startswith(prefix)}
     if not nested:
         return source
-    return WeightSource("dcp", source.path, nested, {}, prefix=prefix)
+    return WeightSource("dcp", source.path, nested, {}, prefix=prefix, read_log=source.read_log)
 
 
 def check_weights(

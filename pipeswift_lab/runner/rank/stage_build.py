@@ -8,6 +8,10 @@ initialization (``spec.init``, a Hugging Face model's ``_init_weights``, or ``re
 seeded by name), or, for the ``state_dict``'s tensors of a run that restores a checkpoint, by the restore.
 Recomputation, precision and the layout (tensor parallelism, FSDP2 or DDP: :func:`distribute`) wrap it
 afterwards, as for any stage.
+
+With tensor parallelism and safetensors weights (:func:`reads_tp_slices`) the
+stage is split over its tensor-parallel ranks first, on meta, and each rank reads only its slice of every tensor the
+plan shards (:mod:`~pipeswift_lab.runner.tp_slices`); then recomputation, then FSDP2, as torchtitan orders them.
 """
 
 from __future__ import annotations
@@ -18,7 +22,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from ...core.meta_device import initial_values, materialize
+from ...core.meta_device import Box, initial_values, materialize
+from ..tp_slices import ReadTally, log_reads, stage_slices
 
 if TYPE_CHECKING:
     from ..spec import RunSpec
@@ -30,20 +35,31 @@ Fill = Callable[[list[str]], Mapping[str, torch.Tensor]]
 """Given the names of a stage's tensors, their values (those it leaves out stay empty)."""
 
 
-def stage_fill(spec: RunSpec, device: torch.device, travelled: Mapping[str, torch.Tensor] | None = None) -> Fill:
+def stage_fill(
+    spec: RunSpec,
+    device: torch.device,
+    travelled: Mapping[str, torch.Tensor] | None = None,
+    *,
+    slices: Mapping[str, Box] | None = None,
+    tally: ReadTally | None = None,
+) -> Fill:
     """How this rank fills a stage's tensors, given their names: from ``travelled`` (buffers the spec carried by
     value), from ``spec.weights``, else initialized. A run that restores a checkpoint leaves the model's
-    ``state_dict`` tensors to the restore and fills only the others (a rotary table)."""
+    ``state_dict`` tensors to the restore and fills only the others (a rotary table). ``slices`` ``{key: part}``:
+    the keys of which only a part is read (a tensor-parallel rank's, :mod:`~pipeswift_lab.runner.tp_slices`);
+    ``tally`` counts what is read from the weights. Returns the fill."""
     weights = spec.weights
     travelled = travelled or {}
     restored = set(spec.state_keys) if spec.job.resume_from is not None else set()
+    slices = slices or {}
 
     def fill(keys: list[str]) -> Mapping[str, torch.Tensor]:
         keys = [k for k in keys if k not in restored]
         out: dict[str, torch.Tensor] = {k: travelled[k].to(device) for k in keys if k in travelled}
         stored = [k for k in keys if k not in out and weights is not None and k in weights]
         if stored and weights is not None:
-            out.update(weights.read(stored, device, spec.model))
+            parts = {k: slices[k] for k in stored if k in slices}
+            out.update(weights.read(stored, device, spec.model, slices=parts, tally=tally))
         rest = [k for k in keys if k not in out]
         if rest:
             out.update(initial_values(spec.model, rest, device, spec.seed, spec.init))
@@ -64,6 +80,19 @@ def _stage_modules(spec: RunSpec, stages: list[int]) -> dict[int, nn.Module]:
     raise TypeError(f"a model that is not an nn.Sequential needs traced stages; got {type(spec.model).__name__}")
 
 
+def reads_tp_slices(spec: RunSpec, topo: RankMesh) -> bool:
+    """Whether this rank splits its stages on meta and reads each sharded tensor's slice: tensor parallelism
+    (``topo.tp_mesh`` and a plan), safetensors weights, and no checkpoint to resume from."""
+    weights = spec.weights
+    return (
+        topo.tp_mesh is not None
+        and spec.tp_plan is not None
+        and weights is not None
+        and weights.kind == "safetensors"
+        and spec.job.resume_from is None
+    )
+
+
 def build_stages(spec: RunSpec, topo: RankMesh, device: torch.device) -> list[Any]:
     """This rank's ``PipelineStage`` objects (traced stages: torch's ``_PipelineStage``), made and filled on
     ``device``; with ``D > 1`` each stage module is wrapped in ``DistributedDataParallel`` over the replicas."""
@@ -75,16 +104,24 @@ def build_stages(spec: RunSpec, topo: RankMesh, device: torch.device) -> list[An
     if spec.traced is not None:
         return build_traced_stages(spec, topo, device)
     plan = spec.plan
-    fill = stage_fill(spec, device)
+    sliced = reads_tp_slices(spec, topo)
+    tally = ReadTally()
     stages = []
     for s, module in _stage_modules(spec, plan.stages_of(topo.pp_rank)).items():
-        materialize(module, device, fill)
+        if sliced:
+            split_tensor_parallel(module, spec, topo)  # on meta: each rank then reads its slices
+        before = tally.copy()
+        fill = stage_fill(spec, device, slices=stage_slices(module) if sliced else None, tally=tally)
+        filled = materialize(module, device, fill)
+        if spec.weights is not None and spec.weights.read_log is not None:
+            where = {**topo.coordinates, "rank": topo.rank, "stage": s, "filled_bytes": filled, "sliced_tp": sliced}
+            log_reads(spec.weights.read_log, where, tally.since(before))
         if spec.recompute is not None:
             split_backward = schedule_splits_backward(spec.plan.schedule)
             apply_recompute(
                 module, spec.recompute.stage_layers(s), spec.recompute.stage_mode(s), split_backward=split_backward
             )
-        module = distribute(module, stage_layers(spec, s, module), spec, topo, device)
+        module = distribute(module, stage_layers(spec, s, module), spec, topo, device, tensor_parallel=not sliced)
         in_spec, out_spec = spec.boundaries[s]
         stage = PipelineStage(
             module,
@@ -108,16 +145,34 @@ def stage_layers(spec: RunSpec, s: int, module: nn.Module) -> list[str]:
     return [name for name, _ in module.named_children()]
 
 
-def distribute(module: nn.Module, layers: list[str], spec: RunSpec, topo: RankMesh, device: torch.device) -> nn.Module:
-    """A stage module made ready for its layout: split over the tensor-parallel ranks, then sharded with FSDP2 over
-    ``topo.shard_mesh`` (or, with replicas only, wrapped in ``DistributedDataParallel``); precision as the run asks
-    (FSDP2's ``MixedPrecisionPolicy``, else autocast). Returns the module the ``PipelineStage`` runs."""
+def split_tensor_parallel(module: nn.Module, spec: RunSpec, topo: RankMesh) -> bool:
+    """Split ``module`` over ``topo``'s tensor-parallel ranks by the run's plan, in place (its tensors may still be on
+    meta); returns whether it was split (``False`` without tensor parallelism)."""
+    if topo.tp_mesh is None or spec.tp_plan is None:
+        return False
+    from ..stages.sharding import apply_tensor_parallel
+
+    apply_tensor_parallel(module, spec.tp_plan, topo.tp_mesh, sequence_parallel=spec.sequence_parallel)
+    return True
+
+
+def distribute(
+    module: nn.Module,
+    layers: list[str],
+    spec: RunSpec,
+    topo: RankMesh,
+    device: torch.device,
+    *,
+    tensor_parallel: bool = True,
+) -> nn.Module:
+    """A stage module made ready for its layout: split over the tensor-parallel ranks (unless ``tensor_parallel`` is
+    False: it was split on meta already), then sharded with FSDP2 over ``topo.shard_mesh`` (or, with replicas only,
+    wrapped in ``DistributedDataParallel``); precision as the run asks (FSDP2's ``MixedPrecisionPolicy``, else
+    autocast). Returns the module the ``PipelineStage`` runs."""
     from ..stages.precision import autocast_forward, mixed
 
-    if topo.tp_mesh is not None and spec.tp_plan is not None:
-        from ..stages.sharding import apply_tensor_parallel
-
-        apply_tensor_parallel(module, spec.tp_plan, topo.tp_mesh, sequence_parallel=spec.sequence_parallel)
+    if tensor_parallel:
+        split_tensor_parallel(module, spec, topo)
     if topo.shard_mesh is not None:
         from ..stages.sharding import apply_fsdp
 
