@@ -31,12 +31,17 @@ from __future__ import annotations
 import fnmatch
 import math
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from torch import nn
 
+from .checks import check_flag, check_int
+
 __all__ = [
     "STYLES",
+    "TP",
+    "as_tp",
     "check_tp",
     "model_tp_plan",
     "resolve_tp_plan",
@@ -187,3 +192,32 @@ def check_tp(model: nn.Module, targets: Mapping[str, str], tp: int) -> None:
             f"tp={tp} does not divide {bad} (a rank holds an equal slice of each sharded dimension and whole attention "
             f"heads); tp can be one of {valid}"
         )
+
+
+@dataclass(frozen=True)
+class TP:
+    """Tensor parallelism: ``run(..., tp=2)`` or ``run(..., tp=psl.TP(2, sequence_parallel=True))``.
+
+    The plan's modules (``tp_plan=``, or the model's own) are split over ``degree`` processes with torch's DTensor.
+    """
+
+    degree: int
+    """Processes each of the plan's modules is split over."""
+    sequence_parallel: bool = False
+    """Megatron's sequence parallelism (Korthikanti et al., 2022): between the tensor-parallel regions, the norms,
+    residuals and dropouts run on ``1 / degree`` of the sequence, and each region's entry all-gathers the sequence
+    (its exit reduce-scatters it) instead of all-reducing. Saves activation memory; needs a plan whose layers are
+    all tensor-parallel between their norms (:func:`~pipeswift_lab.core.tp_plan.sequence_parallel_plan`)."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "degree", check_int("tp", self.degree, minimum=1))
+        check_flag("sequence_parallel", self.sequence_parallel)
+
+
+def as_tp(tp: Any) -> TP:
+    """``tp=`` as a :class:`TP` record: an int is the degree."""
+    if isinstance(tp, TP):
+        return tp
+    if isinstance(tp, bool) or not isinstance(tp, int):
+        raise TypeError(f"tp must be an int (the tensor-parallel degree) or a psl.TP; got {type(tp).__name__} {tp!r}")
+    return TP(tp)

@@ -294,7 +294,7 @@ class Plan:
             "tp": int(config.tp),
         }
         if self.inputs.get("sequence_parallel") and config.tp > 1:
-            from ..runner.options import TP
+            from ..core.tp_plan import TP
 
             args["tp"] = TP(int(config.tp), sequence_parallel=True)
         if config.recompute:

@@ -28,12 +28,13 @@ loaded), :mod:`.errors`, :mod:`.faults`, :mod:`.checkpoint`, :mod:`.planned`; :m
 
 from __future__ import annotations
 
+from ..core.tp_plan import TP
 from .checkpoint import Checkpoint, CheckpointError, latest_checkpoint, load_checkpoint
 from .devices import available_cores
 from .errors import RunError
 from .faults import signal_at, slow_disk, write_fault
 from .job import run
-from .options import FSDP, TP, Checkpointing, Elastic, Faults, Launch
+from .options import FSDP, Checkpointing, Elastic, Faults, Launch
 from .planned import global_batch_of, run_arguments
 from .result import RunResult
 from .result_files import ResultFileError, load_result

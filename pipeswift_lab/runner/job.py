@@ -32,12 +32,13 @@ import torch
 from torch import nn
 
 from ..core.checks import moved_keywords
+from ..core.tp_plan import TP
 from .assembly import build_result, read_history
 from .checkpoint import Checkpoint
 from .errors import RunError
 from .final_weights import KEPT_PREFIX
 from .launcher import Preemption, check_main_guard, launch
-from .options import FSDP, TP, Checkpointing, Elastic, Faults, Launch, as_checkpointing, check_record
+from .options import FSDP, Checkpointing, Elastic, Faults, Launch, as_checkpointing, check_record
 from .preflight import JobPlan, OptimizerFactory, plan_job
 from .processes import alive
 from .result import RunResult

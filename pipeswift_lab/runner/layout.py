@@ -17,9 +17,9 @@ from torch import nn
 
 from ..core.checks import check_int
 from ..core.sequence_parallel import check_sequence_parallel
-from ..core.tp_plan import resolve_tp_plan
+from ..core.tp_plan import as_tp, resolve_tp_plan
 from .devices import resolve_devices
-from .options import Launch, as_fsdp, as_tp
+from .options import Launch, as_fsdp
 from .sources import DataSource
 from .stages.sequential import StagePlan
 from .stages.sharding import check_reshard

@@ -245,35 +245,6 @@ class FSDP:
             check_flag("reshard_after_forward", self.reshard_after_forward)
 
 
-@dataclass(frozen=True)
-class TP:
-    """Tensor parallelism: ``run(..., tp=2)`` or ``run(..., tp=psl.TP(2, sequence_parallel=True))``.
-
-    The plan's modules (``tp_plan=``, or the model's own) are split over ``degree`` processes with torch's DTensor.
-    """
-
-    degree: int
-    """Processes each of the plan's modules is split over."""
-    sequence_parallel: bool = False
-    """Megatron's sequence parallelism (Korthikanti et al., 2022): between the tensor-parallel regions, the norms,
-    residuals and dropouts run on ``1 / degree`` of the sequence, and each region's entry all-gathers the sequence
-    (its exit reduce-scatters it) instead of all-reducing. Saves activation memory; needs a plan whose layers are
-    all tensor-parallel between their norms (:func:`~pipeswift_lab.core.tp_plan.sequence_parallel_plan`)."""
-
-    def __post_init__(self) -> None:
-        _set(self, "degree", check_int("tp", self.degree, minimum=1))
-        check_flag("sequence_parallel", self.sequence_parallel)
-
-
-def as_tp(tp: Any) -> TP:
-    """``tp=`` as a :class:`TP` record: an int is the degree."""
-    if isinstance(tp, TP):
-        return tp
-    if isinstance(tp, bool) or not isinstance(tp, int):
-        raise TypeError(f"tp must be an int (the tensor-parallel degree) or a psl.TP; got {type(tp).__name__} {tp!r}")
-    return TP(tp)
-
-
 def as_fsdp(fsdp: Any) -> FSDP:
     """``fsdp=`` as an :class:`FSDP` record: an int is the degree."""
     if isinstance(fsdp, FSDP):
