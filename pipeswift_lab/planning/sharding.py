@@ -12,13 +12,13 @@ micro-batch at the profiled size):
   a node), priced as one ring all-reduce each (:func:`~pipeswift_lab.core.topology.all_reduce_ms`) and added to the
   layer's forward and backward (and to a full recomputation's forward): they are on the critical path, nothing
   overlaps them. With one profile every time scales with the micro-batch size, their latency too;
-* memory: the parameters the plan shards divide by ``tp``
-  (:func:`~pipeswift_lab.core.layout.state_bytes_per_rank`), the rest stay whole on every rank; of the saved
-  activations, ``tp_activation_bytes`` divide by ``tp`` and the rest stay whole; the parameter count, the largest
-  parameter and a layer's backward transients (mostly its weight gradients) shrink as the parameter bytes do, while
-  the loss's backward and the output's gradient on the last stage (the profile's meta, the layers' outputs) stay
-  whole, as the runner's prediction takes them (:mod:`pipeswift_lab.runner.layout_memory`). The outputs that cross
-  a pipeline cut stay whole;
+* memory: the parameters the plan shards divide by ``tp`` (:func:`~pipeswift_lab.core.layout.state_bytes_per_rank`),
+  the rest stay whole on every rank; of the saved activations, ``tp_activation_bytes`` divide by ``tp`` and the rest
+  stay whole, ``tp_duplicated_bytes`` (a whole input a row-parallel module slices into a new tensor while another
+  operator saves it) held beside them; the parameter count, the largest parameter and a layer's backward transients
+  (mostly its weight gradients) shrink as the parameter bytes do, while the loss's backward and the output's gradient
+  on the last stage (the profile's meta, the layers' outputs) stay whole, as the runner's prediction takes them
+  (:mod:`pipeswift_lab.runner.layout_memory`). The outputs that cross a pipeline cut stay whole;
 * with sequence parallelism (``plan(..., sequence_parallel=True)``, Korthikanti et al. 2022) the saved activations
   that divide are ``sp_activation_bytes`` (the norms' and the residual stream's too), and each all-reduce becomes an
   all-gather and a reduce-scatter of the same bytes: forward, the entries' inputs are gathered and the exits'
@@ -127,7 +127,7 @@ def tp_table(df: pd.DataFrame, tp: int, link: Link, sequence_parallel: bool = Fa
     activations = _column(df, "activation_bytes")
     sliced = "sp_activation_bytes" if sequence_parallel and "sp_activation_bytes" in df.columns else ""
     sharded = np.minimum(_column(df, sliced or "tp_activation_bytes"), activations)
-    kept_activations = activations - sharded + sharded / tp
+    kept_activations = activations - sharded + sharded / tp + _column(df, "tp_duplicated_bytes")
     activations_kept = _ratio(kept_activations, activations)
     if "param_bytes" in df.columns:
         df["param_bytes"] = held

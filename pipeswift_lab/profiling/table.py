@@ -76,6 +76,7 @@ TP_COLUMNS: tuple[str, ...] = (
     "tp_forward_bytes",
     "tp_backward_bytes",
     "sp_activation_bytes",
+    "tp_duplicated_bytes",
 )
 #: Columns every Profile table has (``calls`` and ``wgrad_ms`` are optional).
 REQUIRED_COLUMNS: tuple[str, ...] = tuple(c for c in COLUMNS if c != "calls")

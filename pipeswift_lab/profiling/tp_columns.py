@@ -19,6 +19,10 @@ column                   what it holds
 ``sp_activation_bytes``  the part of what the layer saves that is a local shard or a slice of the sequence
                          under TP with sequence parallelism (``tp_activation_bytes`` where the plan does not
                          allow it; ``meta["sequence_parallel"]`` says whether it does)
+``tp_duplicated_bytes``  what TP saves whole beside a slice that one process saves as one tensor: the whole
+                         input of a ``rowwise_split_input`` module another operator saves too (an attention's
+                         output; torch's split makes a new tensor). Under ``tp > 1`` a rank saves
+                         ``activation_bytes - tp_activation_bytes + tp_activation_bytes / tp + tp_duplicated_bytes``
 =======================  ==================================================================================
 
 ``meta["tp_plan"]`` is the plan and ``meta["tp_divides"]`` the sorted sizes ``tp`` must divide (sharded dimensions,
@@ -120,6 +124,7 @@ class TensorParallelColumns:
                 "tp_forward_bytes": flow.forward_bytes,
                 "tp_backward_bytes": flow.backward_bytes,
                 "sp_activation_bytes": flow.sharded_saved_bytes + flow.sliced_saved_bytes,
+                "tp_duplicated_bytes": flow.duplicated_bytes,
             }
             for (name, module), flow in zip(units, flows)
         }

@@ -92,6 +92,10 @@ class UnitDataflow:
     """The storages autograd saves for the backward, each once, parameters and buffers left out."""
     sharded_saved_bytes: int = 0
     """The part of ``saved_bytes`` that is a local shard under TP."""
+    duplicated_bytes: int = 0
+    """Bytes saved whole beside a slice: the whole input of a ``rowwise_split_input`` module that another operator
+    saves too (an attention's output). One process saves them once, as one tensor; under TP the module saves its
+    slice, a new tensor, and the whole stays."""
     sliced_saved_bytes: int = 0
     """The part of ``saved_bytes`` that, not sharded, is a slice of the sequence under sequence parallelism (0 when
     the plan does not allow it)."""
@@ -106,6 +110,7 @@ class UnitDataflow:
     _saved: dict[Any, bool] = field(default_factory=dict, repr=False)
     _reduced_inputs: set[Any] = field(default_factory=set, repr=False)
     _gathered_inputs: set[Any] = field(default_factory=set, repr=False)
+    _replaced: dict[Any, int] = field(default_factory=dict, repr=False)
 
 
 def sharded_parameters(module: nn.Module, style: str) -> list[torch.Tensor]:
@@ -220,6 +225,7 @@ class _ShardFlow(TorchDispatchMode):
             nbytes = _storage_nbytes(t)
             unit.saved_bytes += nbytes
             unit.sharded_saved_bytes += nbytes if sharded else 0
+            unit.duplicated_bytes += unit._replaced.pop(key, 0)  # a whole input a split replaced, saved after it
             sliced = not sharded and self.in_layer and not self.in_region and key in self.sliced
             unit.sliced_saved_bytes += nbytes if sliced else 0
 
@@ -242,6 +248,12 @@ class _ShardFlow(TorchDispatchMode):
             return None
         local = args[0].clone()  # a new tensor, as the split makes one: the whole input is not what the module keeps
         self.tag(local)
+        if unit is not None:
+            key, nbytes = _storage_key(args[0]), _storage_nbytes(args[0])
+            if key in unit._saved:  # saved already by another operator: it stays whole beside the slice
+                unit.duplicated_bytes += nbytes
+            else:
+                unit._replaced[key] = nbytes
         return (local, *args[1:]), kwargs
 
     def leaving(self, style: str, output: Any) -> None:

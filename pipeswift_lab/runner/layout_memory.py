@@ -15,7 +15,9 @@ if one process held its stages. Under a layout each of its ``D * fsdp * tp`` pro
 * **activations** — the saved tensors the plan leaves sharded (``tp_activation_bytes``) divide by ``tp``, the
   rest (what enters a column-parallel module, norms, the residual stream) is whole on every rank; with sequence
   parallelism the norms' and the residual stream's are slices too (``sp_activation_bytes``), and only the gathered
-  inputs of the column-parallel regions stay whole;
+  inputs of the column-parallel regions stay whole; a whole input that a ``rowwise_split_input`` module slices into
+  a new tensor while another operator saves it too is held twice (``tp_duplicated_bytes``: 10% low on a tp=4 GPT
+  without it);
 * **buffers** (what crosses a stage boundary) stay as they are; a backward's transients (mostly weight gradients)
   divide as the gradients do, but on the last stage never below the loss's backward and the gradient of the model's
   output, which are whole on every rank (``last_transient``: dividing those too was 29% low on a tp=4 GPT whose
@@ -46,15 +48,16 @@ __all__ = ["layer_shares", "layout_rows", "whole_gradient_bytes"]
 WHOLE_GRADIENT_STYLES = ("embedding_rowwise",)
 
 
-def layer_shares(layers: Any, sequence_parallel: bool = False) -> tuple[np.ndarray, np.ndarray] | None:
-    """``(tp_param_bytes, tp_activation_bytes)`` per layer of a profile table (a ``Layers`` or ``Profile``), the
-    activations ``sp_activation_bytes`` under ``sequence_parallel`` (where the profile has them), or ``None`` when it
-    has no tensor-parallel columns."""
+def layer_shares(layers: Any, sequence_parallel: bool = False) -> tuple[np.ndarray, ...] | None:
+    """``(tp_param_bytes, tp_activation_bytes, tp_duplicated_bytes)`` per layer of a profile table (a ``Layers`` or
+    ``Profile``), the activations ``sp_activation_bytes`` under ``sequence_parallel`` (where the profile has them),
+    or ``None`` when it has no tensor-parallel columns."""
     df = getattr(layers, "df", layers)
     if not isinstance(df, pd.DataFrame) or "tp_param_bytes" not in df or "tp_activation_bytes" not in df:
         return None
     activations = "sp_activation_bytes" if sequence_parallel and "sp_activation_bytes" in df else "tp_activation_bytes"
-    return df["tp_param_bytes"].to_numpy(float), df[activations].to_numpy(float)
+    duplicated = df["tp_duplicated_bytes"] if "tp_duplicated_bytes" in df else df["tp_activation_bytes"] * 0
+    return df["tp_param_bytes"].to_numpy(float), df[activations].to_numpy(float), duplicated.to_numpy(float)
 
 
 def _reduce_scatter_moment(terms: dict[str, Any], unsharded_grads: float) -> float:
@@ -87,7 +90,7 @@ def layout_rows(
     *,
     param_bytes: Sequence[float] | np.ndarray,
     activation_bytes: Sequence[float] | np.ndarray,
-    shares: tuple[Any, Any] | None,
+    shares: tuple[Any, ...] | None,
     bounds: Sequence[tuple[int, int]],
     stage_to_rank: Sequence[int],
     D: int,
@@ -101,12 +104,16 @@ def layout_rows(
     spread over the ``(replica, fsdp, tp)`` processes of each rank, one row per process with those coordinates.
 
     ``param_bytes`` and ``activation_bytes`` are the profile's per layer, ``shares`` its ``(tp_param_bytes,
-    tp_activation_bytes)`` (``None``: nothing shards, as with ``tp == 1``); ``staging``: the run checkpoints from a
-    CPU rank (the staging buffer of the process that writes, :data:`checkpoint_staging_bytes`); ``last_transient`` the
-    bytes of the loss's backward and the output's gradient of one micro-batch, whole on every process;
-    ``whole_grads`` per layer the weights whose gradient is held whole (:func:`whole_gradient_bytes`)."""
+    tp_activation_bytes, tp_duplicated_bytes)`` (``None``: nothing shards, as with ``tp == 1``); ``staging``: the
+    run checkpoints from a CPU rank (the staging buffer of the process that writes,
+    :data:`checkpoint_staging_bytes`); ``last_transient`` the bytes of the loss's backward and the output's gradient
+    of one micro-batch, whole on every process; ``whole_grads`` per layer the weights whose gradient is held whole
+    (:func:`whole_gradient_bytes`)."""
     params, acts = np.asarray(param_bytes, float), np.asarray(activation_bytes, float)
-    tp_params, tp_acts = (np.asarray(x, float) for x in shares) if shares is not None else (params * 0, acts * 0)
+    zeros = acts * 0
+    tp_params, tp_acts, duplicated = (
+        (np.asarray(x, float) for x in (*shares, zeros)[:3]) if shares is not None else (params * 0, zeros, zeros)
+    )
     whole = np.asarray(whole_grads, float) if whole_grads is not None and tp > 1 else params * 0
     if whole.shape != params.shape:  # not the profile's layers: nothing known
         whole = params * 0
@@ -115,6 +122,7 @@ def layout_rows(
         layers = [i for s, r in enumerate(stage_to_rank) if r == row["rank"] for i in range(*bounds[s])]
         w, w_tp = float(params[layers].sum()), float(tp_params[layers].sum())
         a, a_tp = float(acts[layers].sum()), float(tp_acts[layers].sum())
+        a_whole_too = float(duplicated[layers].sum()) if tp > 1 else 0.0
         state = state_bytes_per_rank(1.0, w_tp / w if w else 0.0, tp=tp, fsdp=fsdp)  # shares of the whole stage
         scaled = dict(row)
         scaled["weights_bytes"] = row["weights_bytes"] * state["weights"]
@@ -123,7 +131,9 @@ def layout_rows(
             1 - 1 / tp
         )
         scaled["optimizer_bytes"] = row["optimizer_bytes"] * state["optimizer"] / 2.0  # per optimizer byte
-        scaled["activations_bytes"] = row["activations_bytes"] * ((1 - a_tp / a) + a_tp / a / tp if a else 1.0)
+        scaled["activations_bytes"] = row["activations_bytes"] * (
+            (1 - a_tp / a) + a_tp / a / tp + a_whole_too / a if a else 1.0
+        )
         holds_last = stage_to_rank[len(bounds) - 1] == row["rank"]
         floor = last_transient if holds_last else 0.0
         scaled["transient_bytes"] = max(row["transient_bytes"] * state["grads"], min(floor, row["transient_bytes"]))

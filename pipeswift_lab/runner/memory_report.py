@@ -58,7 +58,7 @@ def predicted_memory(
     D: int = 1,
     fsdp: int = 1,
     tp: int = 1,
-    shares: tuple[Any, Any] | None = None,
+    shares: tuple[Any, ...] | None = None,
     whole_grads: Any = None,
 ) -> dict[str, Any]:
     """The predicted peak of every pipeline rank: ``{"rows": [...], "optimizer": name}``, or ``{"rows": [],
@@ -71,7 +71,7 @@ def predicted_memory(
     state over the ``D`` replicas (autocast keeps fp32 weights, gradients and state: the profile's own bytes).
     With ``fsdp`` or ``tp`` above 1 the rows are the processes'
     (:func:`~pipeswift_lab.runner.layout_memory.layout_rows`, ``shares`` the layers' ``(tp_param_bytes,
-    tp_activation_bytes)``, ``whole_grads`` their weights whose gradient stays whole)."""
+    tp_activation_bytes, tp_duplicated_bytes)``, ``whole_grads`` their weights whose gradient stays whole)."""
     from .optimizer_memory import measure_optimizer_memory
 
     layers = partition.layers
