@@ -303,11 +303,19 @@ def fake_group():
     dist.destroy_process_group()
 
 
-def test_the_gpt_matches_real_tensor_parallelism_exactly(fake_group):
+def test_the_gpt_matches_real_tensor_parallelism_exactly(fake_group, gpt_profile):
     model = gpt()
     targets, predicted = predicted_tp(model, list(model.named_children()), (tokens(),), fake_group)
     real = copy.deepcopy(model)
-    assert measured_tp(real, targets, list(real.named_children()), (tokens(),), fake_group) == predicted
+    measured = measured_tp(real, targets, list(real.named_children()), (tokens(),), fake_group)
+    assert measured == predicted
+    # what the runner and the planner predict from the profile's columns: its measured blocks, less the shards'
+    # tp-1 parts, plus the attention's output, which the projection's split copies while attention keeps it whole
+    blocks = gpt_profile.df[gpt_profile.df["name"].str.startswith("block_")]
+    sharded = blocks["tp_activation_bytes"]
+    from_profile = blocks["activation_bytes"] - sharded + sharded // fake_group + blocks["tp_duplicated_bytes"]
+    assert list(from_profile) == measured["saved"][1:-1]
+    assert (blocks["tp_duplicated_bytes"] == B * T * D * FP32).all()
 
 
 @pytest.mark.parametrize("family", ["Llama", "Qwen3"])
