@@ -23,6 +23,12 @@ rank's shard)
 * all-gather and reduce-scatter: ``(n-1)/n · B / bandwidth + (n-1) · latency``;
 
 each ring step paying the link's latency once. None of them costs anything on one rank.
+
+Those are NCCL's algorithms. A CPU run's collectives ride gloo, whose algorithms differ
+(:func:`collective_shape`): gloo's reduce-scatter reduces the whole buffer on every rank and keeps its shard (it
+costs an all-reduce), and an all-to-all over DTensor on CPU is an all-gather of every rank's whole input. Its
+timings do not carry over to NCCL: :func:`collective_ms` prices a collective in the shape of the backend that runs
+it, on a link fitted for that backend (``Calibration.links``) or on the Topology's links for NCCL.
 """
 
 from __future__ import annotations
@@ -35,6 +41,8 @@ from .checks import check_choice, check_int, check_time
 from .link import Link
 
 __all__ = [
+    "BACKEND_SHAPES",
+    "COLLECTIVES",
     "DEFAULT_INTER_NODE_LINK",
     "DEFAULT_INTRA_NODE_LINK",
     "MESH_STRIDES",
@@ -42,6 +50,8 @@ __all__ = [
     "all_gather_ms",
     "all_reduce_ms",
     "check_topology",
+    "collective_ms",
+    "collective_shape",
     "reduce_scatter_ms",
 ]
 
@@ -177,3 +187,40 @@ def reduce_scatter_ms(nbytes: float, n: int, link: Link) -> float:
     """Milliseconds of a ring reduce-scatter of ``nbytes`` on each of ``n`` ranks into one ``nbytes / n`` shard
     each: ``(n-1)/n · nbytes / bandwidth + (n-1) · latency`` (0 on one rank)."""
     return _ring(nbytes, n, link, 1)
+
+
+#: The collectives :func:`collective_ms` prices.
+COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
+#: How each backend runs each collective over ``n`` ranks: ``(passes, volume)``, a ring of ``passes · (n-1)`` steps
+#: that moves ``passes · volume · (n-1)/n`` of the whole buffer through each rank's link. NCCL: the rings of the
+#: module docs (an all-to-all sends each peer its ``1/n``, ``n-1`` steps). gloo: the same all-reduce and all-gather;
+#: its reduce-scatter is an all-reduce of the whole buffer (2 passes), and DTensor's all-to-all on CPU an all-gather of
+#: every rank's whole input (``n`` times the buffer).
+BACKEND_SHAPES: dict[str, dict[str, tuple[int, int | None]]] = {
+    "nccl": {"all_reduce": (2, 1), "all_gather": (1, 1), "reduce_scatter": (1, 1), "all_to_all": (1, 1)},
+    "gloo": {"all_reduce": (2, 1), "all_gather": (1, 1), "reduce_scatter": (2, 1), "all_to_all": (1, None)},
+}
+
+
+def collective_shape(collective: str, n: int, backend: str = "nccl") -> tuple[float, float]:
+    """``(steps, factor)`` of ``collective`` over ``n`` ranks as ``backend`` runs it (:data:`BACKEND_SHAPES`): on a
+    link it takes ``steps · latency + factor · nbytes / bandwidth`` for a whole buffer of ``nbytes``; ``(0, 0)`` on
+    one rank."""
+    backend = check_choice("backend", backend, tuple(BACKEND_SHAPES), noun="backends")
+    collective = check_choice("collective", collective, COLLECTIVES, noun="collectives")
+    n = check_int("n", n, minimum=1)
+    passes, volume = BACKEND_SHAPES[backend][collective]
+    if n == 1:
+        return 0.0, 0.0
+    return float(passes * (n - 1)), passes * (n if volume is None else volume) * (n - 1) / n
+
+
+def collective_ms(collective: str, nbytes: float, n: int, link: Link, backend: str = "nccl") -> float:
+    """Milliseconds of ``collective`` (one of :data:`COLLECTIVES`) on a whole buffer of ``nbytes`` over ``n`` ranks
+    on ``link``, in ``backend``'s shape (:func:`collective_shape`; ``"nccl"``: :func:`all_reduce_ms`,
+    :func:`all_gather_ms`, :func:`reduce_scatter_ms`)."""
+    nbytes = check_time("nbytes", nbytes)
+    if not isinstance(link, Link):
+        raise TypeError(f"link must be a pipeswift_lab.Link; got {type(link).__name__} {link!r}")
+    steps, factor = collective_shape(collective, n, backend)
+    return steps * link.latency_ms + factor * nbytes / (link.bandwidth_GBps * 1e6)

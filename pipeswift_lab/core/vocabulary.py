@@ -16,6 +16,8 @@ __all__ = [
     "SCHEDULES",
     "SINGLE_CHUNK_SCHEDULES",
     "TORCH_CLASS",
+    "TP_COLLECTIVE",
+    "TP_KINDS",
     "V_SHAPE_SCHEDULES",
     "ZERO_BUBBLE_SCHEDULES",
     "accepts",
@@ -67,8 +69,19 @@ COMM_KINDS: tuple[str, ...] = ("SEND_F", "RECV_F", "SEND_B", "RECV_B")
 REDUCE_KINDS: tuple[str, ...] = ("REDUCE_GRAD",)
 #: ... and FSDP2's all-gather of a stage's sharded parameters at the start of a step (torch's ``UNSHARD``).
 SHARD_KINDS: tuple[str, ...] = ("UNSHARD",)
+#: ... and tensor parallelism's collectives, measured inside the ``F``, ``B``, ``I`` or ``W`` that ran them (the
+#: collectives of DTensor's redistributions, forward and backward; :mod:`pipeswift_lab.runner.rank.tp_comm`).
+TP_KINDS: tuple[str, ...] = ("TP_ALL_REDUCE", "TP_ALL_GATHER", "TP_REDUCE_SCATTER", "TP_ALL_TO_ALL")
+#: The collective each of :data:`TP_KINDS` runs over the tensor-parallel ranks (the names of
+#: :mod:`pipeswift_lab.core.topology`'s cost formulas).
+TP_COLLECTIVE: dict[str, str] = {
+    "TP_ALL_REDUCE": "all_reduce",
+    "TP_ALL_GATHER": "all_gather",
+    "TP_REDUCE_SCATTER": "reduce_scatter",
+    "TP_ALL_TO_ALL": "all_to_all",
+}
 #: Every action kind a Timeline row may hold.
-KINDS: tuple[str, ...] = COMPUTE_KINDS + COMM_KINDS + REDUCE_KINDS + SHARD_KINDS
+KINDS: tuple[str, ...] = COMPUTE_KINDS + COMM_KINDS + REDUCE_KINDS + SHARD_KINDS + TP_KINDS
 
 _BY_LOWER: dict[str, str] = {name.lower(): name for name in SCHEDULES}
 

@@ -12,15 +12,26 @@ A job the toolkit did not launch comes in as a :class:`MeasuredRun` (a Timeline 
 partition it ran), which both read as a RunResult.
 
 Modules: :mod:`.comparison`, :mod:`.measured_run`, :mod:`.replays` (a measured step re-run through the simulator),
-:mod:`.calibrator`, :mod:`.measurements` (what calibration reads from the runs) and :mod:`.fitting` (its fits).
-This room never imports the runner: runs are values.
+:mod:`.calibrator`, :mod:`.measurements` (what calibration reads from the runs), :mod:`.fitting` (its fits) and
+:mod:`.collectives` (the link of the backend that ran the runs' collectives, fitted apart from compute:
+:func:`calibrate_links`). This room never imports the runner: runs are values.
 """
 
 from __future__ import annotations
 
 from .calibrator import Calibration, CalibrationWarning, calibrate
+from .collectives import calibrate_links
 from .comparison import Comparison, compare
 from .measured_run import MeasuredRun
 from .replays import replay
 
-__all__ = ["Calibration", "CalibrationWarning", "Comparison", "MeasuredRun", "calibrate", "compare", "replay"]
+__all__ = [
+    "Calibration",
+    "CalibrationWarning",
+    "Comparison",
+    "MeasuredRun",
+    "calibrate",
+    "calibrate_links",
+    "compare",
+    "replay",
+]

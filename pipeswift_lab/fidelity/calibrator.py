@@ -28,7 +28,12 @@ measured Timelines of one or more :class:`~pipeswift_lab.runner.RunResult` of on
   simulated against the measured action span over all runs (coordinate descent, each
   parameter by a bounded scalar search), with everything above fixed;
 * ``step_cv`` — the step-time dispersion, the median over runs of the coefficient of
-  variation of the steps after the warm-up; the planner's p95 uses it.
+  variation of the steps after the warm-up; the planner's p95 uses it;
+* ``links`` — apart from all of the above, the link of the backend that ran the runs' collectives (``REDUCE_GRAD``,
+  ``UNSHARD``, the tensor-parallel ``TP_*``), fitted on their measured durations and bytes in that backend's shape
+  (gloo's on CPU, whose reduce-scatter costs an all-reduce), per collective and over all of them
+  (:mod:`pipeswift_lab.fidelity.collectives`): :meth:`Calibration.collective_ms` prices a collective of that
+  backend with it, while NCCL's keep the ring formulas on the Topology's links.
 
 A calibrated simulation runs each action for ``scale[P] * profiled + action_ms + gap_ms * gap_scale[P]``
 (no gap for ``W``)
@@ -44,16 +49,23 @@ stated default with a warning naming it; the rest are fitted.
 
 from __future__ import annotations
 
+import json
+import math
 import warnings
 from collections.abc import Sequence
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
+from os import PathLike
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pandas as pd
 
 from ..core.display import NOISE_CV, noise_note
+from ..core.link import Link
+from ..core.topology import Topology, collective_ms
 from ..simulation.calibration import RUNTIMES, SimulatorCalibration, check_calibration, runtime_of, whole_step_ms
+from .collectives import COLLECTIVE_KINDS, calibrate_links, collective_error, empty_links, link_of, links_ms
 from .fitting import fit_compute, fit_gaps, fit_step_cv, fit_step_overhead, fit_transfer
 from .measurements import Run, check_runs, measure_runs, model_of, partition_of, profile_table, run_key
 
@@ -65,10 +77,81 @@ class CalibrationWarning(UserWarning):
     """A calibration parameter could not be fitted from the runs given; the warning names it and its default."""
 
 
+@dataclass(frozen=True, repr=False, kw_only=True)
 class Calibration(SimulatorCalibration):
     """A :class:`~pipeswift_lab.simulation.calibration.SimulatorCalibration` fitted on measured runs, with its error
     on any runs (:meth:`error`, :meth:`plot`). ``df`` lists every parameter: ``parameter``, ``value``, ``unit``,
-    ``how`` (how it was fitted, from how many samples, or why it kept its default)."""
+    ``how`` (how it was fitted, from how many samples, or why it kept its default). ``links`` is the link fitted on
+    the runs' collectives, per backend and collective (:data:`~pipeswift_lab.fidelity.collectives.LINK_COLUMNS`;
+    empty when the runs measured none with their bytes): :meth:`collective_ms` prices with it,
+    :meth:`collective_error` checks it."""
+
+    links: pd.DataFrame = field(default_factory=empty_links, compare=False)
+    """The fitted links: ``backend``, ``dim`` (the mesh dimension: ``tp``, ``fsdp``, ``dp``; ``"all"``: over every
+    one), ``collective`` (``"all"``: over every collective of the dim), ``latency_ms`` (per ring step),
+    ``bandwidth_GBps``, ``samples``, ``sizes``, ``median_ratio`` (predicted / measured over its samples), ``how``."""
+
+    def link(self, collective: str = "all", backend: str = "gloo", dim: str | None = None) -> Link | None:
+        """The :class:`~pipeswift_lab.core.link.Link` fitted for ``backend``'s ``collective`` over mesh dimension
+        ``dim`` (:func:`~pipeswift_lab.fidelity.collectives.links_ms` says which), or None when the runs fitted none
+        for ``backend`` (or its latency alone)."""
+        return link_of(self.links, collective, backend, dim)
+
+    def collective_ms(
+        self,
+        collective: str,
+        nbytes: float,
+        n: int,
+        backend: str = "gloo",
+        link: Link | None = None,
+        dim: str | None = None,
+    ) -> float:
+        """Milliseconds of ``collective`` (``all_reduce``, ``all_gather``, ``reduce_scatter``, ``all_to_all``) on a
+        whole buffer of ``nbytes`` over ``n`` ranks of ``backend`` (over mesh dimension ``dim``: ``tp``, ``fsdp``,
+        ``dp``): on the link fitted for ``backend``, in its shape, when there is one
+        (:func:`~pipeswift_lab.fidelity.collectives.links_ms`); else NCCL's rings on ``link`` (a Topology's link;
+        ``ValueError`` without one)."""
+        fitted = links_ms(self.links, collective, nbytes, n, backend, dim)
+        if not math.isnan(fitted):
+            return fitted
+        if link is None:
+            raise ValueError(
+                f"this calibration fitted no {backend} link (its runs measured no {backend} collective with bytes); "
+                "give link= (a Topology's link) to price it with NCCL's ring formulas"
+            )
+        return collective_ms(collective, nbytes, n, link, "nccl")
+
+    def collective_error(self, runs: Run | Sequence[Run], topology: Topology | None = None) -> pd.DataFrame:
+        """Per run and measured collective size: measured median ms against NCCL's rings on ``topology``'s
+        intra-node link (before) and the fitted link (after), with their ratios
+        (:func:`~pipeswift_lab.fidelity.collectives.collective_error`)."""
+        return collective_error(self.links, runs, topology)
+
+    def save(self, path: str | PathLike[str]) -> str:
+        """Write the calibration as JSON to ``path``, its links included; return the path."""
+        super().save(path)
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
+        data["links"] = self.links.astype(object).where(self.links.notna(), None).to_dict(orient="records")
+        Path(path).write_text(json.dumps(data, indent=1), encoding="utf-8")
+        return str(path)
+
+    @classmethod
+    def load(cls, path: str | PathLike[str]) -> Calibration:
+        """Read a calibration written by :meth:`save` (one written without links loads with none)."""
+        loaded = super().load(path)
+        rows = json.loads(Path(path).read_text(encoding="utf-8")).get("links") or []
+        links = pd.DataFrame(rows, columns=list(empty_links().columns)) if rows else empty_links()
+        for col in ("latency_ms", "bandwidth_GBps", "samples", "sizes", "median_ratio"):
+            links[col] = pd.to_numeric(links[col], errors="coerce").astype(float)
+        return replace(loaded, links=links)
+
+    def _repr_html_(self) -> str:
+        from ..core.display import html_card
+
+        html = super()._repr_html_()
+        if len(self.links):
+            html += html_card("Collective links (fitted apart from compute)", {}, self.links)
+        return html
 
     def error(self, runs: Run | Sequence[Run]) -> pd.DataFrame:
         """Per run: the measured step (:attr:`RunResult.steady_step_ms`), the prediction before and after
@@ -181,9 +264,28 @@ def calibrate(runs: Run | Sequence[Run], profile: Any) -> Calibration:
         profile_batch_size=batch_size,
         meta={"runs": tuple(run_key(r) for r in runs), "model": model_of(runs[0])},
     )
-    cal = replace(fit_gaps(closed_form, runs, parts, measured.spans, how, missing), how=how)
+    cal = replace(fit_gaps(closed_form, runs, parts, measured.spans, how, missing), how=how, links=_links(runs))
     _warn_missing(missing)
     return cal
+
+
+def _links(runs: Sequence[Run]) -> pd.DataFrame:
+    """The collectives' links of ``runs`` (:func:`~pipeswift_lab.fidelity.collectives.calibrate_links`); warns when
+    the runs measured collectives but their timelines carry no bytes to fit them on."""
+    links = calibrate_links(runs)
+    unsized = [
+        i
+        for i, run in enumerate(runs)
+        if "bytes" not in run.timeline.df.columns and run.timeline.df["kind"].isin(COLLECTIVE_KINDS).any()
+    ]
+    if unsized:
+        warnings.warn(
+            f"calibrate: runs {unsized} measured collectives, but their timelines carry no bytes column, so their "
+            "links are not fitted (Calibration.links has none of them)",
+            CalibrationWarning,
+            stacklevel=3,
+        )
+    return links
 
 
 def _warn_missing(missing: list[str]) -> None:

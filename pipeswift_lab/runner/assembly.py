@@ -108,8 +108,9 @@ def last_stage_process(ranks: list[Payload], last_rank: int) -> Payload:
 
 
 def timeline_frame(ranks: list[Payload], t0_ns: int) -> pd.DataFrame:
-    """Every rank's recorded actions as one timeline table (:data:`TIMELINE_COLUMNS` and ``replica``), in ms since
-    ``t0_ns``, sorted by step, replica, rank and start."""
+    """Every rank's recorded actions as one timeline table (:data:`TIMELINE_COLUMNS`, ``replica`` and ``bytes``, what
+    each moved: 0 for compute and for records without the column), in ms since ``t0_ns``, sorted by step, replica,
+    rank and start."""
     frames = []
     for payload in ranks:
         rows = payload["records"]
@@ -127,6 +128,7 @@ def timeline_frame(ranks: list[Payload], t0_ns: int) -> pd.DataFrame:
                     "start_ms": (rows[:, 4] - t0_ns).numpy() / 1e6,
                     "end_ms": (rows[:, 5] - t0_ns).numpy() / 1e6,
                     "replica": payload.get("replica", 0),
+                    "bytes": rows[:, 6].numpy() if rows.shape[1] > 6 else 0,
                 }
             )
         )
@@ -136,13 +138,14 @@ def timeline_frame(ranks: list[Payload], t0_ns: int) -> pd.DataFrame:
         df["start_ms"] = pd.Series(dtype="float64")
         df["end_ms"] = pd.Series(dtype="float64")
         df["replica"] = pd.Series(dtype="int64")
+        df["bytes"] = pd.Series(dtype="int64")
         return df
     df = pd.concat(frames, ignore_index=True)
-    for col in ("step", "rank", "stage", "microbatch", "replica"):
+    for col in ("step", "rank", "stage", "microbatch", "replica", "bytes"):
         df[col] = df[col].astype("int64")
     df["kind"] = df["kind"].astype(object)
     df = df.sort_values(["step", "replica", "rank", "start_ms"], kind="stable").reset_index(drop=True)
-    return df[list(TIMELINE_COLUMNS) + ["replica"]]
+    return df[list(TIMELINE_COLUMNS) + ["replica", "bytes"]]
 
 
 def history_terms(history: dict[str, Any]) -> dict[str, Any]:

@@ -31,7 +31,10 @@ class RunResult:
     * ``timeline`` — a ``Timeline`` with ``source="measured"``: one row per executed compute
       action (``F``, ``B``, ``I``, ``W``) of every rank and step, and with ``D`` > 1 replicas
       one ``REDUCE_GRAD`` per stage and step (the gradient all-reduce, see
-      :attr:`allreduce_ms`), in ms since the first step started (None when the run was not
+      :attr:`allreduce_ms`; FSDP's reduce-scatter with ``fsdp`` > 1, and its ``UNSHARD``); with
+      ``tp`` > 1 one ``TP_ALL_REDUCE``/``TP_ALL_GATHER``/``TP_REDUCE_SCATTER``/``TP_ALL_TO_ALL`` row per
+      tensor-parallel collective, nested in the ``F``/``B``/``I``/``W`` that ran it (see
+      :attr:`tp_collectives`, :attr:`tp_comm_ms`); in ms since the first step started (None when the run was not
       instrumented);
     * ``step_ms`` — every step, from the first rank starting it to the last rank finishing it
       (optimizer step included);
@@ -113,6 +116,48 @@ class RunResult:
         if per_step.empty:
             return float("nan")
         return float(per_step.iloc[1:].median() if len(per_step) > 1 else per_step.iloc[0])
+
+    @property
+    def tp_collectives(self) -> pd.DataFrame:
+        """Tensor parallelism's measured collectives, one row per collective: the timeline's ``TP_*`` rows
+        (``step``, ``replica``, ``rank``, ``stage``, ``microbatch``, ``kind``, ``start_ms``, ``end_ms``, and ``bytes``
+        where the timeline carries it) with ``collective`` (``all_reduce``, ``all_gather``, ``reduce_scatter``,
+        ``all_to_all``), ``ms`` and ``phase``: the action it ran inside (``F`` the forward; ``B``, ``I``, ``W`` the
+        backward). Empty without tensor parallelism or a timeline."""
+        from ..core.vocabulary import COMPUTE_KINDS, TP_COLLECTIVE
+
+        columns = ["step", "replica", "rank", "stage", "microbatch", "kind", "collective", "phase", "start_ms"]
+        columns += ["end_ms", "ms"]
+        if self.timeline is None:
+            return pd.DataFrame(columns=columns)
+        df = self.timeline.df
+        tp = df[df["kind"].isin(list(TP_COLLECTIVE))].reset_index(drop=True)
+        key = ["step", "replica", "rank", "stage", "microbatch"]
+        actions = df.loc[df["kind"].isin(COMPUTE_KINDS), key + ["kind", "start_ms", "end_ms"]]
+        inside = tp.reset_index().merge(actions, on=key, suffixes=("", "_action"))
+        inside = inside[
+            (inside["start_ms_action"] <= inside["start_ms"]) & (inside["end_ms"] <= inside["end_ms_action"])
+        ]
+        phase = inside.drop_duplicates("index").set_index("index")["kind_action"]
+        out = tp.assign(
+            collective=tp["kind"].map(TP_COLLECTIVE),
+            phase=phase.reindex(tp.index).to_numpy(),
+            ms=tp["end_ms"] - tp["start_ms"],
+        )
+        return out[columns + (["bytes"] if "bytes" in out.columns else [])]
+
+    @property
+    def tp_comm_ms(self) -> float:
+        """The measured tensor-parallel communication of the measured step (:attr:`steady_step`), in ms: the summed
+        duration of the busiest pipeline rank's ``TP_*`` collectives in that step (forward and backward, every
+        micro-batch; the timeline holds each pipeline rank's tensor-parallel rank 0). They lie inside the
+        ``F``/``B``/``I``/``W`` actions, so this is part of their time, not added to it. NaN without tensor
+        parallelism or a timeline."""
+        tp = self.tp_collectives
+        if tp.empty or not self.step_ms:
+            return float("nan")
+        tp = tp[tp["step"] == self.steady_step]
+        return float(tp.groupby(["replica", "rank"])["ms"].sum().max()) if len(tp) else float("nan")
 
     def state_dict(self) -> OrderedDict[str, torch.Tensor]:
         """The final parameters and buffers from every rank, keyed and ordered like ``model.state_dict()`` (CPU
@@ -336,6 +381,8 @@ class RunResult:
         )
         if self.D > 1:
             out["allreduce_ms"] = self.allreduce_ms
+        if self.meta.get("tp", 1) > 1 and self.timeline is not None:
+            out["tp_comm_ms"] = self.tp_comm_ms
         out.update(
             {
                 "final_loss": self.losses[-1] if self.losses else "none: no step finished",

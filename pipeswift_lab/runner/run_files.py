@@ -16,7 +16,7 @@ the runner, so neither side imports the other for a file name::
 
 from __future__ import annotations
 
-from ..core.vocabulary import COMPUTE_KINDS, REDUCE_KINDS, SHARD_KINDS
+from ..core.vocabulary import COMPUTE_KINDS, REDUCE_KINDS, SHARD_KINDS, TP_KINDS
 
 __all__ = [
     "ATTEMPT_GLOB",
@@ -71,8 +71,9 @@ CHECKPOINT_COLUMNS = (
 )
 #: Timeline columns, in the simulator's order.
 TIMELINE_COLUMNS = ("step", "rank", "stage", "microbatch", "kind", "start_ms", "end_ms")
-#: Action kinds recorded, by code (the row's kind column): the compute kinds, then the gradient all-reduce.
-KINDS = COMPUTE_KINDS + REDUCE_KINDS + SHARD_KINDS
+#: Action kinds recorded, by code (the row's kind column): the compute kinds, the gradient reduction, FSDP's
+#: all-gather, then tensor parallelism's collectives (new kinds go last: a code never changes meaning).
+KINDS = COMPUTE_KINDS + REDUCE_KINDS + SHARD_KINDS + TP_KINDS
 
 
 def rank_file(rank: int, marker: str) -> str:

@@ -1,9 +1,11 @@
 """The Gantt chart of a Timeline (:meth:`Timeline.plot`): one row per device, compute bars colored by kind.
 
 Idle time is left empty. Micro-batch numbers label the bars wide enough to hold them; with several stages per rank,
-later chunks are drawn lighter. Transfers (``SEND_*``) and the gradient all-reduce (``REDUCE_GRAD``) show as thin bars
-under the rank's row. With several replicas every (replica, rank) gets a row. The bottleneck, the busiest rank
-(:meth:`Timeline.bottleneck_rank`), gets a shaded lane and a bold "bottleneck" tick label.
+later chunks are drawn lighter. Transfers (``SEND_*``), the gradient reduction (``REDUCE_GRAD``) and FSDP's
+all-gather (``UNSHARD``) show as thin bars under the rank's row; tensor parallelism's collectives (``TP_*``), which
+run inside the compute actions, as thin dark bars along the bottom of the action that ran them. With several
+replicas every (replica, rank) gets a row. The bottleneck, the busiest rank (:meth:`Timeline.bottleneck_rank`), gets
+a shaded lane and a bold "bottleneck" tick label.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ..core.vocabulary import COMPUTE_KINDS
+from ..core.vocabulary import COMPUTE_KINDS, TP_KINDS
 from .schema import device_index
 from .timeline_view import TimelineView
 
@@ -25,6 +27,8 @@ MAX_LABELS = 800
 
 #: Color of the bottleneck's shaded lane and tick label.
 BOTTLENECK_COLOR = "#B8860B"
+#: Color of tensor parallelism's collectives, drawn inside the compute bars.
+TP_COLOR = "#222222"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -174,14 +178,19 @@ def _draw_compute(ax: Axes, bars: _Bars, chunk: dict[int, int]) -> None:
 
 
 def _draw_comms(ax: Axes, bars: _Bars) -> None:
-    """Transfers and the all-reduce as thin bars under each row."""
+    """Transfers, the gradient reduction and FSDP's all-gather as thin bars under each row; tensor parallelism's
+    collectives as thin dark bars along the bottom of the compute bars they ran inside (one legend entry)."""
     from ..core.plot import KIND_COLORS
 
-    for k in ("SEND_F", "SEND_B", "REDUCE_GRAD"):
+    for k in ("SEND_F", "SEND_B", "REDUCE_GRAD", "UNSHARD"):
         sel = bars.kind == k
         if sel.any():
             width = bars.end[sel] - bars.start[sel]
             ax.barh(bars.row[sel] + 0.47, width, left=bars.start[sel], height=0.12, color=KIND_COLORS[k], label=k)
+    sel = np.isin(bars.kind, TP_KINDS)
+    if sel.any():
+        width = bars.end[sel] - bars.start[sel]
+        ax.barh(bars.row[sel] + 0.3, width, left=bars.start[sel], height=0.12, color=TP_COLOR, label="TP collective")
 
 
 def _draw_labels(ax: Axes, bars: _Bars, span: float) -> None:
@@ -222,4 +231,4 @@ def _legend(ax: Axes, later_chunks: bool) -> None:
     ax.legend(handles=handles, **where)
 
 
-__all__ = ["BOTTLENECK_COLOR", "MAX_LABELS", "plot_timeline"]
+__all__ = ["BOTTLENECK_COLOR", "MAX_LABELS", "TP_COLOR", "plot_timeline"]

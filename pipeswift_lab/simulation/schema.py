@@ -16,9 +16,10 @@ from ..core.vocabulary import KINDS
 COLUMNS = ("step", "rank", "stage", "microbatch", "kind", "start_ms", "end_ms")
 #: Columns a Timeline may carry besides COLUMNS: ``segment`` (a run's configuration since its last resize or
 #: rebalance), ``replica`` (the data-parallel replica; 0 when the rows do not say, as in a simulation), both integers,
-#: and ``time_source`` (an imported profiler trace's: ``"device"`` where the row spans the GPU kernels its action
-#: launched, ``"host"`` where it spans the CPU work).
-OPTIONAL_COLUMNS = ("segment", "replica", "time_source")
+#: ``time_source`` (an imported profiler trace's: ``"device"`` where the row spans the GPU kernels its action
+#: launched, ``"host"`` where it spans the CPU work) and ``bytes`` (a measured run's: what a collective moved, 0 for
+#: compute).
+OPTIONAL_COLUMNS = ("segment", "replica", "time_source", "bytes")
 #: Values of the ``time_source`` column.
 TIME_SOURCES = ("device", "host")
 
@@ -31,7 +32,9 @@ def normalize(df: pd.DataFrame) -> pd.DataFrame:
     if "replica" not in df.columns:
         df = df.assign(replica=np.zeros(len(df), np.int64))
     present = COLUMNS + tuple(c for c in OPTIONAL_COLUMNS if c in df.columns)
-    integers = ("step", "rank", "stage", "microbatch") + tuple(c for c in ("segment", "replica") if c in present)
+    integers = ("step", "rank", "stage", "microbatch") + tuple(
+        c for c in ("segment", "replica", "bytes") if c in present
+    )
     cols = {c: _int_column(df, c) for c in integers}
     cols["kind"] = _choice_column(df, "kind", KINDS)
     if "time_source" in present:

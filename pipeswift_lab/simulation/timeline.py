@@ -3,7 +3,9 @@
 One schema serves :func:`pipeswift_lab.simulation.simulator`, the real runner and the traces of other jobs
 (:meth:`Timeline.from_profiler`), so predicted and measured runs compare with plain pandas. Columns (exactly):
 ``step``, ``rank``, ``stage``, ``microbatch``, ``kind`` (``F``, ``B``, ``I``, ``W``, ``SEND_F``, ``RECV_F``, ``SEND_B``,
-``RECV_B``, ``REDUCE_GRAD``), ``start_ms``, ``end_ms``, ``replica`` (the data-parallel replica,
+``RECV_B``, ``REDUCE_GRAD``, ``UNSHARD``, and a measured run's tensor-parallel collectives ``TP_ALL_REDUCE``,
+``TP_ALL_GATHER``, ``TP_REDUCE_SCATTER``, ``TP_ALL_TO_ALL``, nested in the compute actions that ran them; none of
+them is compute), ``start_ms``, ``end_ms``, ``replica`` (the data-parallel replica,
 0 in a simulation; ``rank`` is the pipeline rank within the replica) and, for a run that
 changed configuration, ``segment``; for an imported trace, ``time_source`` (``"device"`` or ``"host"``).
 
@@ -312,9 +314,10 @@ class Timeline:
 
         ``step`` picks one step of a multi-step timeline (times then start at that step's
         start); None draws all steps. Micro-batch numbers label bars wide enough to hold them;
-        with several stages per rank, later chunks are drawn lighter. Transfers (``SEND_*``)
-        and the gradient all-reduce (``REDUCE_GRAD``) show as thin bars under the rank's row
-        when ``comms``. With several replicas every (replica, rank) gets a row. Returns the Axes
+        with several stages per rank, later chunks are drawn lighter. Transfers (``SEND_*``),
+        the gradient reduction (``REDUCE_GRAD``) and ``UNSHARD`` show as thin bars under the rank's row
+        when ``comms``, and tensor-parallel collectives (``TP_*``) as thin dark bars inside the actions
+        that ran them. With several replicas every (replica, rank) gets a row. Returns the Axes
         (:func:`~pipeswift_lab.simulation.gantt.plot_timeline`).
         """
         from .gantt import plot_timeline

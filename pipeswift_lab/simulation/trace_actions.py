@@ -36,8 +36,18 @@ _PP = re.compile(r"^PP:(\d+)(F|B|I|W|SEND_F|RECV_F|SEND_B|RECV_B|REDUCE_GRAD|UNS
 _PP_OVERLAP = re.compile(r"^PP:\((.*)\)OVERLAP_F_B$")
 _SINGLE = re.compile(r"^(Forward|Backward) (\d+)$")
 _STEP = re.compile(r"^ProfilerStep#(\d+)$")
-#: Names of communication ops and annotations (torch's c10d, gloo and NCCL): never an action's compute.
-COMM_PREFIXES = ("c10d::", "gloo:", "nccl:", "nccl", "record_param_comms", "ProcessGroup")
+#: Names of communication ops and annotations (torch's c10d, gloo and NCCL, and the functional collectives and their
+#: waits that DTensor's tensor parallelism runs inside the actions): never an action's compute.
+COMM_PREFIXES = (
+    "c10d::",
+    "_c10d_functional::",
+    "_dtensor::",
+    "gloo:",
+    "nccl:",
+    "nccl",
+    "record_param_comms",
+    "ProcessGroup",
+)
 _HOST_CATS = ("cpu_op", "user_annotation")
 _LAUNCH_CATS = ("cuda_runtime", "cuda_driver")
 _DEVICE_CATS = ("kernel", "gpu_memcpy", "gpu_memset")

@@ -467,7 +467,7 @@ def _payload(inputs: RankInputs, state: RankState, log: StepLog, interval: int |
         "host": os.uname().nodename,
         "device": str(inputs.device),
         "stages": inputs.spec.plan.stages_of(topo.pp_rank),
-        "records": state.recorder.rows(),
+        "records": state.recorder.rows(with_bytes=True),
         "step_start_ns": log.step_start_ns,
         "step_end_ns": log.step_end_ns,
         "losses": log.losses,
