@@ -46,6 +46,11 @@ def test_a_family_trains_like_one_process_with_sequence_parallelism(family, layo
     assert result.meta["sequence_parallel"] is True
     assert worst(result.state_dict(), single_process(model, x, y, 2, optimizer=sgd)) <= 1e-5
     assert_memory_predicted(result, P, 1, fsdp, tp)
+    # each region's input gradient is reduce-scattered once, as its input was gathered: no all-reduce inside a layer
+    collectives = result.tp_collectives.groupby(["phase", "kind"]).size()
+    assert collectives[("B", "TP_REDUCE_SCATTER")] == collectives[("F", "TP_REDUCE_SCATTER")] > 0
+    if family == "Llama":  # Qwen3 also sums its per-head norms' gradients over the ranks
+        assert collectives[("B", "TP_ALL_REDUCE")] == collectives[("F", "TP_ALL_REDUCE")]  # the embedding's, the head's
     # the sliced activations are what the prediction gets right: without them it is further off on some process
     plain = make_spec(run_model, (x, y), lm_loss, part, M, tp=tp, **{k: kw[k] for k in ("fsdp", "steps") if k in kw})
     sliced = make_spec(run_model, (x, y), lm_loss, part, M, tp=psl.TP(tp, sequence_parallel=True), fsdp=fsdp)

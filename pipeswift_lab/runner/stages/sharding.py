@@ -146,7 +146,11 @@ def _sequence_parallel(stage: nn.Module, targets: Mapping[str, str], mesh: Devic
         whole_input = targets[name] in ("rowwise_split_input", "rowwise_rep")
         styles[name] = RowwiseParallel(input_layouts=Replicate() if whole_input else Shard(-1), output_layouts=seq)
     for name in sp.gathered_inputs:
-        stage.get_submodule(name).register_forward_pre_hook(_redistributing(mesh, seq, Replicate()), with_kwargs=True)
+        # a region's projections take the gathered input as a Replicate DTensor: the backward sums their partial
+        # input gradients and reduce-scatters them once (Megatron's volume), where a local tensor would all-reduce
+        # them and slice
+        gather = _redistributing(mesh, seq, Replicate(), local=False)
+        stage.get_submodule(name).register_forward_pre_hook(gather, with_kwargs=True)
     for name in sp.norms:
         styles[name] = SequenceParallel(sequence_dim=SEQUENCE_DIM, use_local_output=True)
     for run in sp.runs():
@@ -155,7 +159,7 @@ def _sequence_parallel(stage: nn.Module, targets: Mapping[str, str], mesh: Devic
     return styles
 
 
-def _redistribute(x: torch.Tensor, mesh: DeviceMesh, src: Any, dst: Any) -> torch.Tensor:
+def _redistribute(x: torch.Tensor, mesh: DeviceMesh, src: Any, dst: Any, *, local: bool = True) -> torch.Tensor:
     """``x``, this rank's part of a tensor laid out as ``src`` over ``mesh``, as its part laid out as ``dst``
     (DTensor's collectives, differentiable: a gather's backward slices, a slice's backward gathers)."""
     from torch.distributed.tensor import DTensor, Shard
@@ -165,18 +169,21 @@ def _redistribute(x: torch.Tensor, mesh: DeviceMesh, src: Any, dst: Any) -> torc
             f"sequence parallelism over tp={mesh.size()} needs the sequence length to divide evenly; a hidden state of "
             f"shape {tuple(x.shape)} has {x.shape[dst.dim]} positions"
         )
-    return DTensor.from_local(x, mesh, [src], run_check=False).redistribute(mesh, [dst]).to_local()
+    out = DTensor.from_local(x, mesh, [src], run_check=False).redistribute(mesh, [dst])
+    return out.to_local() if local else out
 
 
-def _redistributing(mesh: DeviceMesh, src: Any, dst: Any) -> Any:
+def _redistributing(mesh: DeviceMesh, src: Any, dst: Any, *, local: bool = True) -> Any:
     """A forward pre-hook (``with_kwargs``) redistributing a module's hidden-state input: its first positional
-    tensor, else its ``hidden_states`` keyword (Hugging Face passes attention's so)."""
+    tensor, else its ``hidden_states`` keyword (Hugging Face passes attention's so); as a local tensor, or as the
+    DTensor (``local=False``)."""
 
     def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
         if args and isinstance(args[0], torch.Tensor):
-            return (_redistribute(args[0], mesh, src, dst), *args[1:]), kwargs
+            return (_redistribute(args[0], mesh, src, dst, local=local), *args[1:]), kwargs
         if isinstance(kwargs.get("hidden_states"), torch.Tensor):
-            return args, {**kwargs, "hidden_states": _redistribute(kwargs["hidden_states"], mesh, src, dst)}
+            hidden = _redistribute(kwargs["hidden_states"], mesh, src, dst, local=local)
+            return args, {**kwargs, "hidden_states": hidden}
         raise TypeError(
             f"sequence parallelism: {type(module).__name__} was called with no tensor as its first argument or "
             "hidden_states=, so its hidden states cannot be found"
