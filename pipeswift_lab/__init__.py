@@ -21,6 +21,7 @@ from .core.analytic import activation_memory_bytes, bubble_overhead, bubble_rati
 from .core.jct import JCT
 from .core.link import Link
 from .core.topology import Topology
+from .core.transformer_spec import TransformerSpec
 from .core.version import __version__ as __version__
 from .core.vocabulary import SCHEDULES
 from .fidelity import Calibration, Comparison, MeasuredRun, calibrate, compare
@@ -90,6 +91,7 @@ __all__ = [
     "Sweep",
     "Timeline",
     "Topology",
+    "TransformerSpec",
     "UnitByUnit",
     "activation_memory_bytes",
     "analytic",
