@@ -182,8 +182,8 @@ class TransformerSpec:
         heads = _config_value(config, "num_attention_heads", "n_head")
         vocab = _config_value(config, "vocab_size")
         seq = seq_len if seq_len is not None else _config_value(config, "max_position_embeddings", "n_positions")
-        missing = [n for n, v in (("hidden_size", hidden), ("num_hidden_layers", layers),
-                                  ("num_attention_heads", heads), ("vocab_size", vocab), ("seq_len", seq)) if v is None]  # fmt: skip
+        named = {"hidden_size": hidden, "num_hidden_layers": layers, "num_attention_heads": heads, "vocab_size": vocab}
+        missing = [name for name, value in {**named, "seq_len": seq}.items() if value is None]
         if missing:
             raise ValueError(f"the config ({type(config).__name__}) has no {missing}; pass them as overrides")
         model_type = str(_config_value(config, "model_type", default=""))
