@@ -16,18 +16,21 @@ from typing import Any
 
 from . import cluster, data, models, runner
 from .cluster import ClusterResult
-from .core import analytic, costs, precision
+from .core import analytic, costs, hardware, precision
 from .core.analytic import activation_memory_bytes, bubble_overhead, bubble_ratio, inflight_microbatches, step_ms
+from .core.hardware import Hardware
 from .core.jct import JCT
 from .core.link import Link
 from .core.topology import Topology
+from .core.transformer_flops import megatron_flops_per_iteration, megatron_params, transformer_flops
+from .core.transformer_memory import transformer_memory
 from .core.transformer_spec import TransformerSpec
 from .core.version import __version__ as __version__
 from .core.vocabulary import SCHEDULES
 from .fidelity import Calibration, Comparison, MeasuredRun, calibrate, compare
 from .partitioning import Partition, partition
 from .planning import Plan, plan
-from .profiling import Profile, UnitByUnit, profile, profile_step
+from .profiling import Profile, UnitByUnit, analytic_profile, profile, profile_step
 from .runner import (
     FSDP,
     TP,
@@ -75,6 +78,7 @@ __all__ = [
     "Checkpointing",
     "Elastic",
     "FSDP",
+    "Hardware",
     "TP",
     "Faults",
     "Launch",
@@ -95,6 +99,7 @@ __all__ = [
     "UnitByUnit",
     "activation_memory_bytes",
     "analytic",
+    "analytic_profile",
     "bubble_overhead",
     "bubble_ratio",
     "calibrate",
@@ -102,9 +107,12 @@ __all__ = [
     "compare",
     "costs",
     "data",
+    "hardware",
     "inflight_microbatches",
     "latest_checkpoint",
     "load_checkpoint",
+    "megatron_flops_per_iteration",
+    "megatron_params",
     "models",
     "partition",
     "plan",
@@ -117,5 +125,7 @@ __all__ = [
     "simulate",
     "step_ms",
     "sweep",
+    "transformer_flops",
+    "transformer_memory",
     "widgets",
 ]
