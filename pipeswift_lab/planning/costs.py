@@ -16,7 +16,8 @@ from ..core.checks import check_int
 
 __all__ = ["BYTE_COLUMNS", "TIME_COLUMNS", "MicrobatchCosts"]
 
-#: The per-layer times that follow the micro-batch size (the recomputation's among them).
+#: The per-layer times that follow the micro-batch size (the recomputation's among them, ``recomputed_ms`` of a
+#: profile costed recomputed too).
 TIME_COLUMNS = (
     "fwd_ms",
     "bwd_ms",
@@ -27,6 +28,7 @@ TIME_COLUMNS = (
     "selective_recompute_forward_ms",
     "input_pass_ms",
     "weight_pass_ms",
+    "recomputed_ms",
 )
 #: The per-layer bytes of one micro-batch, which follow its size (the tensor-parallel plan's among them).
 BYTE_COLUMNS = ("activation_bytes", "output_bytes", "tp_activation_bytes", "tp_forward_bytes", "tp_backward_bytes")

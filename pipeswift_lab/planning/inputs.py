@@ -86,7 +86,8 @@ class PlanInputs:
     progress: bool
     """Show a progress bar over the simulated configurations."""
     recompute: str | None = None
-    """``"search"``: where memory binds, each stage's recomputation is chosen with the split; None: none."""
+    """``"search"``: where memory binds, each stage's recomputation is chosen with the split; ``"full"`` or
+    ``"selective"``: every stage recomputes so, whether memory binds or not; None: none."""
     degrees: Degrees | None = None
     """The tensor-parallel and FSDP degrees weighed and the topology (:mod:`.degrees`); None: ``tp = fsdp = 1``
     without a topology."""
@@ -224,18 +225,25 @@ def check_plan_inputs(
 
 
 def _recompute(recompute: Any, cap: Any, costs: MicrobatchCosts) -> str | None:
-    """``recompute`` checked: None or ``"search"``, which needs a memory cap and the profile's recompute columns."""
-    from .recompute_search import has_recompute_columns
+    """``recompute`` checked: None; ``"search"``, which needs a memory cap and the profile's recompute columns; or
+    ``"full"`` / ``"selective"``, which need the columns alone (every stage recomputes so)."""
+    from .recompute_search import FORCED_MODES, has_recompute_columns
 
     if recompute is None:
         return None
-    if recompute != "search":
-        raise ValueError(f"recompute={recompute!r} is not 'search' or None (plan chooses each stage's recomputation)")
-    if cap is None:
+    if recompute != "search" and recompute not in FORCED_MODES:
+        raise ValueError(
+            f"recompute={recompute!r} is not 'search' (plan chooses each stage's recomputation), 'full' or "
+            "'selective' (every stage recomputes so), or None"
+        )
+    if recompute == "search" and cap is None:
         raise ValueError('recompute="search" needs mem_per_gpu_bytes: recomputation only pays where memory binds')
     if not all(has_recompute_columns(t) for t in costs.tables.values()):
-        raise ValueError('recompute="search" needs the recompute columns: profile the model with recompute=True')
-    return "search"
+        raise ValueError(
+            f"recompute={recompute!r} needs the recompute columns: profile the model with recompute=True (or "
+            "psl.analytic_profile, which computes them)"
+        )
+    return str(recompute)
 
 
 def divisors(n: int) -> list[int]:

@@ -146,6 +146,10 @@ def plan(
       that moves layers to fit; the shortest simulated step wins. It needs a profile taken with
       ``profile(..., recompute=True)``; the table's ``recompute`` column says what each configuration recomputes,
       and :meth:`Plan.run_arguments` carries it (and ``precision``) to :func:`pipeswift_lab.run`;
+      ``recompute="full"`` or ``"selective"`` forces that recomputation on every stage of every configuration,
+      whether memory binds or not: each layer holds and takes what the profile's recompute columns say it does
+      recomputed (:func:`~pipeswift_lab.planning.recompute_search.forced_costs`), the table's ``recompute`` column
+      names every stage, and :meth:`Plan.run_arguments` carries it;
     * ``exhaustive`` — simulate every feasible configuration; ``progress`` — show a progress bar;
     * ``topology`` — a :class:`~pipeswift_lab.Topology`: nodes of ``gpus_per_node`` GPUs and the links inside and
       between them, on which every group of a layout is priced by where it sits (the pipeline's sends unless

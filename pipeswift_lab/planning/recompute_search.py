@@ -26,6 +26,10 @@ Each candidate: its bounds and each stage's choice. The planner keeps the one wh
 
 It needs a profile measured with ``recompute=True`` (its recompute columns,
 :mod:`pipeswift_lab.profiling.recompute_costs`).
+
+``plan(..., recompute="full")`` (or ``"selective"``) forces instead: every layer of every stage recomputes so,
+whether memory binds or not (:func:`forced_costs`, the costs the search then reads; :func:`forced_label`, what the
+plan's table and :meth:`~pipeswift_lab.planning.result.Plan.run_arguments` carry).
 """
 
 from __future__ import annotations
@@ -44,9 +48,22 @@ from ..partitioning.memory import MEM_RTOL, Layout
 from ..partitioning.rank_memory import SplitBytes
 from ..profiling.recompute_costs import FORWARD_COLUMNS, RECOMPUTE_COLUMNS, recomputed
 from ..profiling.table import Profile
+from .costs import MicrobatchCosts
 from .sharding import fsdp_fields
 
-__all__ = ["LEVELS", "TIGHTER_SPLITS", "RecomputedSplit", "has_recompute_columns", "recompute_splits"]
+__all__ = [
+    "FORCED_MODES",
+    "LEVELS",
+    "TIGHTER_SPLITS",
+    "RecomputedSplit",
+    "forced_costs",
+    "forced_label",
+    "has_recompute_columns",
+    "recompute_splits",
+]
+
+#: The recomputations ``plan(..., recompute=...)`` can force on every stage.
+FORCED_MODES = ("full", "selective")
 
 #: A stage's choices, from the least recomputation to the most.
 LEVELS = ("", "selective", "full")
@@ -79,6 +96,27 @@ class RecomputedSplit:
 def has_recompute_columns(table: pd.DataFrame) -> bool:
     """Whether a per-layer table holds what recomputing its layers costs (``profile(..., recompute=True)``)."""
     return all(c in table.columns for c in RECOMPUTE_COLUMNS)
+
+
+def forced_costs(costs: MicrobatchCosts, mode: str | None) -> MicrobatchCosts:
+    """``costs`` with every layer recomputed as ``mode`` (one of :data:`FORCED_MODES`; None: ``costs`` itself):
+    each profiled table as :func:`~pipeswift_lab.profiling.recompute_costs.recomputed` costs it (held activations,
+    longer backward, ``recomputed_ms``), each meta saying so. A table already recomputed the same way stays as it
+    is (forcing twice is forcing once); one recomputed otherwise is refused (``ValueError``). Returns a
+    :class:`~pipeswift_lab.planning.costs.MicrobatchCosts`."""
+    if mode is None:
+        return costs
+    profiles = {b: recomputed(Profile(table, dict(costs.metas[b])), mode) for b, table in costs.tables.items()}
+    out = costs.derived(lambda df: df)
+    out.tables = {b: prof.df for b, prof in profiles.items()}
+    out.metas = {b: dict(prof.meta) for b, prof in profiles.items()}
+    return out
+
+
+def forced_label(mode: str | None, n_stages: int) -> str:
+    """The ``recompute`` label of a split of ``n_stages`` stages that all recompute as ``mode``:
+    ``"0:full 1:full ..."`` (``""`` for None), as :attr:`RecomputedSplit.label` writes a chosen one."""
+    return " ".join(f"{s}:{mode}" for s in range(n_stages)) if mode else ""
 
 
 def _by_layer(bounds: Bounds, modes: tuple[str, ...], names: list[str]) -> dict[str, str]:

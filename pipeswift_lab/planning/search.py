@@ -27,7 +27,14 @@ from ..simulation.simulator import simulate_step_ms
 from .costs import MicrobatchCosts
 from .memory_bound import held_counts, min_fullest_rank_bytes
 from .peaks import SplitPeaks
-from .recompute_search import RecomputedSplit, has_recompute_columns, recompute_splits
+from .recompute_search import (
+    FORCED_MODES,
+    RecomputedSplit,
+    forced_costs,
+    forced_label,
+    has_recompute_columns,
+    recompute_splits,
+)
 from .sharding import fsdp_state_ratio, tp_costs
 from .splits import Bounds, Split, StageSums, check_average_fits, rank_max
 from .step_bounds import split_step_lower_ms
@@ -74,9 +81,12 @@ class Evaluator:
 
     def __init__(self, inputs: PlanInputs, *, replay: bool = False) -> None:
         self.inputs, self.replay = inputs, replay
+        # recompute="full" / "selective": every layer costs recomputed so (after tensor parallelism divides it)
+        self.forced = inputs.recompute if inputs.recompute in FORCED_MODES else None
+        self._raw_costs = inputs.costs
         self._family: dict[tuple[int, Link | None], Evaluator] = {(1, inputs.link): self}
-        self._tp_costs: dict[int, MicrobatchCosts] = {1: inputs.costs}
-        costs, link, optimizer, precision = inputs.costs, inputs.link, inputs.optimizer, inputs.precision
+        self._tp_costs: dict[int, MicrobatchCosts] = {1: forced_costs(inputs.costs, self.forced)}
+        costs, link, optimizer, precision = self._tp_costs[1], inputs.link, inputs.optimizer, inputs.precision
         self.costs, self.link, self.optimizer, self.precision = costs, link, optimizer, precision
         # where memory binds, choose each stage's recomputation too
         self.recompute_search = inputs.recompute == "search"
@@ -106,7 +116,8 @@ class Evaluator:
             if network is None:
                 raise ValueError(f"tp={tp} needs a topology: plan(..., topology=...) or tp=...")
             sequence_parallel = self.inputs.degrees is not None and self.inputs.degrees.sequence_parallel
-            self._tp_costs[tp] = tp_costs(self.inputs.costs, tp, network.intra_node, sequence_parallel)
+            sharded = tp_costs(self._raw_costs, tp, network.intra_node, sequence_parallel)
+            self._tp_costs[tp] = forced_costs(sharded, self.forced)
         return self._tp_costs[tp]
 
     def at(self, tp: int, link: Link | None) -> Evaluator:
@@ -118,7 +129,7 @@ class Evaluator:
             sibling = Evaluator(
                 dataclasses.replace(self.inputs, costs=self.costs_at(tp), link=link), replay=self.replay
             )
-            sibling._family, sibling._tp_costs = self._family, self._tp_costs
+            sibling._family, sibling._tp_costs, sibling._raw_costs = self._family, self._tp_costs, self._raw_costs
             self._family[key] = sibling
         return self._family[key]
 
@@ -272,7 +283,7 @@ class Evaluator:
             evaluator=self,
             build=(self.layers(base) if recomputing is None else recomputing.timing, bounds, v, schedule, m, D),
             fsdp=fsdp,
-            recompute=recomputing.label if recomputing is not None else "",
+            recompute=recomputing.label if recomputing is not None else forced_label(self.forced, P * v),
         )
 
     def _recomputed_splits(self, config: _Config, limit: float) -> list[RecomputedSplit]:
