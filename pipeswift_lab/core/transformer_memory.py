@@ -235,12 +235,13 @@ def transformer_memory(
 
     Keys (bytes): ``parameters_and_optimizer`` (the first rank's ``layers/pp`` transformer layers: their weights,
     gradients and optimizer state), ``embedding`` (the same of its embedding, plus the final norm and the untied
-    output layer when ``pp == 1``), ``model_states`` (the two: ``weights + gradients + optimizer``, each a key too), ``activations_per_layer`` (one layer, one micro-batch),
-    ``layers_in_flight`` (a count, not bytes: layers' worth of micro-batch activations held, ``layers`` under 1F1B),
-    ``activations_layers``, ``activations_embedding`` (§4.3's embedding dropout mask), ``activations_output`` (§4.3's
-    final norm, output layer and fp32 logits, ``pp == 1`` only), ``recompute_working_set`` (one layer's recomputed
-    activations during its backward), ``activations`` (their sum) and ``total``. Raises ``ValueError`` naming a
-    parallel size that does not divide what it splits.
+    output layer when ``pp == 1``), ``model_states`` (the two: ``weights + gradients + optimizer``, each a key too),
+    ``activations_per_layer`` (one layer, one micro-batch), ``layers_in_flight`` (a count, not bytes: layers' worth
+    of micro-batch activations held, ``layers`` under 1F1B), ``activations_layers``, ``activations_embedding``
+    (§4.3's embedding dropout mask), ``activations_output`` (§4.3's final norm, output layer and fp32 logits, ``pp
+    == 1`` only), ``recompute_working_set`` (one layer's recomputed activations during its backward),
+    ``activations`` (their sum) and ``total``. Raises ``ValueError`` naming a parallel size that does not divide
+    what it splits.
     """
     mode = _check_recompute(recompute)
     tp = _check_tp(spec, tp, sequence_parallel)
