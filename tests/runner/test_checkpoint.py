@@ -1,8 +1,8 @@
 """Checkpoint files: DCP state keyed by the model's names, an atomic commit, checksums, retention.
 
 The saver here is a real process writing with the same functions the workers use (a rank file
-needs no process group); the kill test SIGKILLs a real saving process at random moments and checks that what is
-left is either the previous checkpoint or the new one, never a corrupt one.
+needs no process group), forked from one that imported them once; the kill test SIGKILLs a real saving process at
+random moments and checks that what is left is either the previous checkpoint or the new one, never a corrupt one.
 """
 
 import json
@@ -25,58 +25,93 @@ from pipeswift_lab.runner import checkpoint as ckpt
 pytestmark = pytest.mark.processes  # starts worker processes: `pytest -m "not processes"` skips it
 
 SAVER = textwrap.dedent("""
-    import sys, time, torch
+    import os, sys, time, torch
+    import torch._dynamo  # an optimizer imports it when first made (~1.5 s): here once, not in every saver
     from pathlib import Path
     from torch import nn
     from pipeswift_lab.runner import checkpoint as ckpt
     from pipeswift_lab.runner.checkpoint_files import Stager
     from pipeswift_lab.runner.rank.background_writer import RankWriter, SaveJob
     from pipeswift_lab.runner.rank.state_files import rank_flat_state
-    root, steps = Path(sys.argv[1]), int(sys.argv[2])
-    model = nn.Sequential(nn.Linear(64, 256), nn.Linear(256, 64))
-    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    keys = list(model.state_dict())
 
-    def commit(job, records):
-        ckpt.commit(job.tmp_dir, {"step": job.step, "state_keys": keys}, records, keep=2, live="t")
-        print(job.step, flush=True)
+    def save(root, steps):
+        model = nn.Sequential(nn.Linear(64, 256), nn.Linear(256, 64))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        keys = list(model.state_dict())
 
-    writer = RankWriter(0, 1, {"pp_rank": 0, "replica": 0}, commit)
-    stager = None
-    for step in range(1, steps + 1):
-        writer.wait()  # one save in flight: the staging buffer is free again
-        with torch.no_grad():
-            for p in model.parameters():
-                p.fill_(float(step))
-        flat = rank_flat_state(0, model, opt, "cpu")
-        stager = stager or Stager(flat, "cpu")
-        staged = stager.stage(flat)
-        tmp = ckpt.new_tmp_dir(root, step, "t")
-        writer.submit(SaveJob(step=step, kind="periodic", tmp_dir=tmp, staged=staged, started_ns=time.time_ns(),
-                              staging_ms=0.0, waited=False))
-        with torch.no_grad():  # training goes on while the write runs in the background
-            for p in model.parameters():
-                p.add_(1000.0)
-    writer.wait()
+        def commit(job, records):
+            ckpt.commit(job.tmp_dir, {"step": job.step, "state_keys": keys}, records, keep=2, live="t")
+            print(job.step, flush=True)
+
+        writer = RankWriter(0, 1, {"pp_rank": 0, "replica": 0}, commit)
+        stager = None
+        for step in range(1, steps + 1):
+            writer.wait()  # one save in flight: the staging buffer is free again
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.fill_(float(step))
+            flat = rank_flat_state(0, model, opt, "cpu")
+            stager = stager or Stager(flat, "cpu")
+            staged = stager.stage(flat)
+            tmp = ckpt.new_tmp_dir(root, step, "t")
+            writer.submit(SaveJob(step=step, kind="periodic", tmp_dir=tmp, staged=staged, started_ns=time.time_ns(),
+                                  staging_ms=0.0, waited=False))
+            with torch.no_grad():  # training goes on while the write runs in the background
+                for p in model.parameters():
+                    p.add_(1000.0)
+        writer.wait()
+
+    for line in sys.stdin:  # "ROOT STEPS OUT": fork a saver that prints each committed step to OUT
+        root, steps, out = line.split()
+        pid = os.fork()
+        if pid == 0:
+            code = 1
+            try:
+                sys.stdout = open(out, "w", buffering=1)
+                save(Path(root), int(steps))
+                code = 0
+            finally:
+                os._exit(code)
+        print(pid, flush=True)
+        print(os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]), flush=True)
 """)
 
 
-def save_steps(root, steps):
-    """Run the saver for ``steps`` checkpoints in a fresh process; return it (not waited for)."""
-    return subprocess.Popen(
-        [sys.executable, "-c", SAVER, str(root), str(steps)],
+@pytest.fixture(scope="module")
+def saver():
+    """One interpreter that imports torch and the writer once (~2 s) and forks a saving process on request."""
+    proc = subprocess.Popen(
+        [sys.executable, "-c", SAVER],
+        stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         stderr=subprocess.DEVNULL,
         text=True,
     )
+    yield proc
+    proc.stdin.close()
+    proc.wait(timeout=30)
+
+
+def save_steps(saver, root, steps):
+    """Start a saving process for ``steps`` checkpoints under ``root``; return its pid and the file it prints each
+    committed step to. :func:`exit_code` waits for it."""
+    out = root.parent / f"{root.name}.out"
+    out.write_text("")
+    saver.stdin.write(f"{root} {steps} {out}\n")
+    saver.stdin.flush()
+    return int(saver.stdout.readline()), out
+
+
+def exit_code(saver):
+    """The exit code of the saving process last started (minus the number of the signal that killed it)."""
+    return int(saver.stdout.readline())
 
 
 @pytest.fixture(scope="module")
-def three_saves(tmp_path_factory):
+def three_saves(saver, tmp_path_factory):
     root = tmp_path_factory.mktemp("ckpt")
-    proc = save_steps(root, 3)
-    proc.wait(timeout=120)
-    assert proc.returncode == 0
+    save_steps(saver, root, 3)
+    assert exit_code(saver) == 0
     return root
 
 
@@ -190,23 +225,27 @@ def test_another_model_lists_names_and_shapes(three_saves):
     assert "0.weight [128, 64] in the model vs [256, 64] in the checkpoint" in message
 
 
-def test_kill_during_a_background_write_never_leaves_a_corrupt_checkpoint(tmp_path):
+def test_kill_during_a_background_write_never_leaves_a_corrupt_checkpoint(saver, tmp_path):
     """SIGKILL a process at random moments while its writer thread saves: the newest complete checkpoint always
     verifies, holds its step's state, and is the newest one committed."""
     rng = random.Random(0)
     killed_mid_save = 0
-    for trial in range(6):  # each a fresh interpreter that imports torch (~2 s); 30% of random kills miss every save
+    for trial in range(6):  # 30% of random kills miss every save
         root = tmp_path / f"kill-{trial}"
-        proc = save_steps(root, 10_000)
-        assert proc.stdout.readline().strip()  # at least one save committed
+        pid, out = save_steps(saver, root, 10_000)
+        deadline = time.monotonic() + 120
+        while not out.read_text().strip():  # at least one save committed
+            assert time.monotonic() < deadline, "the saver committed nothing"
+            time.sleep(0.001)
         if trial % 2:  # every other kill lands within a few ms of a save's start: some kill lands mid-save
-            while proc.poll() is None and not any(p.name.startswith(".tmp-") for p in root.iterdir()):
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline and not any(p.name.startswith(".tmp-") for p in root.iterdir()):
                 time.sleep(0.001)
             time.sleep(rng.uniform(0.0, 0.002))
         else:
             time.sleep(rng.uniform(0.0, 0.3))
-        proc.send_signal(signal.SIGKILL)
-        proc.wait(timeout=30)
+        os.kill(pid, signal.SIGKILL)
+        assert exit_code(saver) == -signal.SIGKILL  # killed while saving, not ended on its own
         killed_mid_save += any(p.name.startswith(".tmp-") for p in root.iterdir())
         with warnings.catch_warnings():
             warnings.simplefilter("error")  # a checksum mismatch would warn

@@ -111,11 +111,12 @@ def test_explicit_partitions_and_resize_into_a_checkpoint_dir(tmp_path, uninterr
 
 
 class Sleepy(nn.Module):
-    """A Linear that sleeps ``fwd_s`` forward (plus ``extra_s`` after ``after`` forwards) and ``bwd_s`` backward."""
+    """A Linear that sleeps ``fwd_s`` forward (plus ``extra_s`` after ``after`` forwards, up to forward ``until``) and
+    ``bwd_s`` backward."""
 
-    def __init__(self, fwd_s, bwd_s, extra_s=0.0, after=0):
+    def __init__(self, fwd_s, bwd_s, extra_s=0.0, after=0, until=None):
         super().__init__()
-        self.fwd_s, self.bwd_s, self.extra_s, self.after = fwd_s, bwd_s, extra_s, after
+        self.fwd_s, self.bwd_s, self.extra_s, self.after, self.until = fwd_s, bwd_s, extra_s, after, until
         self.lin = nn.Linear(8, 8)
         self.register_buffer(
             "calls", torch.zeros((), dtype=torch.int64)
@@ -123,7 +124,9 @@ class Sleepy(nn.Module):
 
     def forward(self, x):
         self.calls += 1
-        time.sleep(self.fwd_s + (self.extra_s if int(self.calls) > self.after else 0.0))
+        calls = int(self.calls)
+        slow = calls > self.after and (self.until is None or calls <= self.until)
+        time.sleep(self.fwd_s + (self.extra_s if slow else 0.0))
         return SleepBackward.apply(self.lin(x), self.bwd_s)
 
 
@@ -132,17 +135,20 @@ PROFILE12 = psl.Profile.synthetic(fwd_ms=[2.5] * N_LAYERS, bwd_ms=[2.5] * N_LAYE
 TWO12 = psl.partition(PROFILE12, 2, m=M)
 
 
-def slowing(extra_s):
-    """Twelve 5 ms layers; the first gets ``extra_s`` slower from step SLOW_FROM_STEP on."""
+def slowing(extra_s, until_step=None):
+    """Twelve 5 ms layers; the first gets ``extra_s`` slower from step SLOW_FROM_STEP on (before ``until_step``)."""
     torch.manual_seed(0)
-    first = Sleepy(0.0025, 0.0025, extra_s=extra_s, after=SLOW_FROM_STEP * M)
+    until = None if until_step is None else until_step * M
+    first = Sleepy(0.0025, 0.0025, extra_s=extra_s, after=SLOW_FROM_STEP * M, until=until)
     return nn.Sequential(first, *[Sleepy(0.0025, 0.0025) for _ in range(N_LAYERS - 1)])
 
 
 def test_a_slowed_stage_gives_layers_away_and_the_step_gets_shorter():
     assert TWO12.bounds == ((0, 6), (6, 12))
     result = run(
-        slowing(0.160),  # a gain (about 4 s) well above a move under load (up to about 3 s measured at load 10)
+        # a gain (about 4 s) well above a move under load (up to about 3 s measured at load 10); the decisions at steps
+        # 6, 9 and 12 see it slowed, and the slowdown ends there: the steps after it only make up the job's length
+        slowing(0.160, until_step=12),
         batch,
         nn.functional.mse_loss,
         TWO12,
