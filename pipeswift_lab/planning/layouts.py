@@ -44,7 +44,7 @@ from ..core.vocabulary import SINGLE_CHUNK_SCHEDULES, ZERO_BUBBLE_SCHEDULES, val
 from ..partitioning.memory import MEM_RTOL
 from .inputs import PlanInputs, divisors
 from .placement import collective_terms, pipeline_link_of
-from .steps import Config, Row, bound_config, evaluate
+from .steps import Config, Row, bound_config, evaluate, one_stage_choice
 from .strategies import HOLDING, first_drop
 
 if TYPE_CHECKING:
@@ -105,10 +105,10 @@ class Grid:
 
 def enumerate_layouts(inputs: PlanInputs) -> Grid:
     """Every ``(P, D, m, b, schedule, v, fsdp, tp)`` with ``P · D · fsdp · tp <= gpus`` and ``D · fsdp · m · b ==
-    global_batch``; one stage (``P = 1``) is weighed with one schedule, which every schedule runs alike. Returns a
-    :class:`Grid`."""
+    global_batch``; one stage (``P = 1``) is weighed with one schedule (:func:`~.steps.one_stage_choice`: the same
+    time under any, the least memory under 1F1B). Returns a :class:`Grid`."""
     choices = inputs.stage_choices
-    single = [c for c in choices if c[1] == 1 and c[0] in SINGLE_CHUNK_SCHEDULES][:1] or [("GPipe", 1)]
+    single = one_stage_choice(choices)
     all_choices = tuple(dict.fromkeys([*choices, *single]))
     index = {c: i for i, c in enumerate(all_choices)}
     many, one = [index[c] for c in choices], [index[c] for c in single]

@@ -14,7 +14,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import pandas as pd
@@ -63,14 +63,22 @@ Candidate = tuple[float, Row, Split]
 
 
 # --------------------------------------------------------------------------- 1. enumerate
+def one_stage_choice(choices: Sequence[tuple[str, int]]) -> list[tuple[str, int]]:
+    """The ``(schedule, v)`` a one-stage configuration is weighed under: 1F1B where weighed (the same time as any, one
+    micro-batch's activations at a time), else the first single-chunk schedule weighed, else GPipe."""
+    single = [c for c in choices if c[1] == 1 and c[0] in SINGLE_CHUNK_SCHEDULES]
+    return [c for c in single if c[0] == "1F1B"][:1] or single[:1] or [("GPipe", 1)]
+
+
 def enumerate_configs(inputs: PlanInputs) -> list[Config]:
     """Every ``(P, D, m, b, schedule, v, 1, 1)`` with ``P * D <= gpus`` and ``D * m * b == global_batch`` (the
     search of pipelines × replicas; :mod:`.layouts` enumerates the 3-D one).
 
-    One stage is plain data parallelism: every schedule runs it alike, so it is weighed once.
+    One stage is plain data parallelism: every schedule runs it in the same time, so it is weighed once, under 1F1B
+    where weighed (one micro-batch's activations at a time, where GPipe holds them all).
     """
     choices = inputs.stage_choices
-    single_stage = [c for c in choices if c[1] == 1 and c[0] in SINGLE_CHUNK_SCHEDULES][:1] or [("GPipe", 1)]
+    single_stage = one_stage_choice(choices)
     configs = []
     for p in inputs.stage_counts:
         for d in divisors(inputs.global_batch):

@@ -398,3 +398,13 @@ def test_a_plan_with_sequence_parallelism_fits_where_one_without_does_not_and_ru
     assert args["tp"] == TP(2, sequence_parallel=True)
     with pytest.raises(ValueError, match=r"sequence_parallel=True needs a profile whose tensor-parallel plan allows"):
         plan_3d(tp_profile(), sequence_parallel=True)
+
+
+def test_one_stage_is_weighed_under_1f1b_which_holds_one_micro_batch():
+    # the same step under any schedule; GPipe would hold all m micro-batches' activations, 1F1B one at a time
+    kwargs = dict(P=[1], tp=[2], fsdp=[1], microbatch_sizes=[1], gpus=2, global_batch=16)
+    default = plan_3d(**kwargs).table
+    assert set(default["schedule"]) == {"1F1B"}
+    gpipe = plan_3d(schedules=["GPipe"], **kwargs).table
+    assert default["step_ms"].iloc[0] == pytest.approx(gpipe["step_ms"].iloc[0])
+    assert default["peak_mem_bytes"].iloc[0] < gpipe["peak_mem_bytes"].iloc[0]
