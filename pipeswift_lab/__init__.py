@@ -27,7 +27,7 @@ from .core.transformer_memory import transformer_memory
 from .core.transformer_spec import TransformerSpec
 from .core.version import __version__ as __version__
 from .core.vocabulary import SCHEDULES
-from .fidelity import Calibration, Comparison, MeasuredRun, calibrate, compare
+from .fidelity import Calibration, Comparison, MeasuredRun, PublishedRun, calibrate, compare
 from .partitioning import Partition, partition
 from .planning import Plan, plan
 from .profiling import Profile, UnitByUnit, analytic_profile, profile, profile_step
@@ -89,6 +89,7 @@ __all__ = [
     "Partition",
     "Plan",
     "Profile",
+    "PublishedRun",
     "RunError",
     "RunResult",
     "ScheduleDeadlock",

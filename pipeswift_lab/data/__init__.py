@@ -13,6 +13,10 @@ attribution with any copy (``README.md`` in this folder, also :data:`PHILLY_ATTR
 :func:`spot_instances` reads a real spot-availability trace (16 AWS ``p2.xlarge`` spot instances over 88.7 hours,
 November 2020, published with Bamboo, NSDI 2023; see :mod:`pipeswift_lab.data.spot`).
 
+:func:`published_runs` reads training runs timed and published by their authors (Narayanan et al.'s SC'21 Table 1,
+torchtitan's H100 benchmarks), each row with its source; :mod:`pipeswift_lab.data.published` also holds the
+configurations and memory figures of Korthikanti et al. (2022).
+
 The files are read with :mod:`importlib.resources`, so they load from an installed
 wheel as well as from a source checkout.
 """
@@ -26,6 +30,7 @@ import pandas as pd
 
 from ..core.checks import check_int
 from .files import PHILLY_FILE, data_path
+from .published import PUBLISHED_FILE, published_runs
 from .spot import SPOT_ATTRIBUTION, SPOT_FILE, SPOT_REQUESTED, SPOT_SHA256, spot_instances
 
 #: The attribution any shipped copy of the trace must keep.
@@ -114,11 +119,13 @@ __all__ = [
     "PHILLY_ATTRIBUTION",
     "PHILLY_FILE",
     "PHILLY_SHA256",
+    "PUBLISHED_FILE",
     "SPOT_ATTRIBUTION",
     "SPOT_FILE",
     "SPOT_REQUESTED",
     "SPOT_SHA256",
     "data_path",
     "philly_jobs",
+    "published_runs",
     "spot_instances",
 ]

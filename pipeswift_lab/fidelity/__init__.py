@@ -11,7 +11,17 @@ returns a :class:`Calibration` to pass back::
 A job the toolkit did not launch comes in as a :class:`MeasuredRun` (a Timeline from its profiler traces and the
 partition it ran), which both read as a RunResult.
 
+A configuration someone else trained and timed comes in as a :class:`PublishedRun` (a spec, a GPU, a layout and its
+published iteration time, teraFLOP/s or tokens/s per GPU); :func:`predict_iteration` prices it from an analytic
+profile, ``calibrate`` fits one compute scale on a few of them, and :func:`published_check` measures the error on
+the rest (:func:`load_published`: the shipped runs)::
+
+    runs = psl.fidelity.load_published()
+    cal = psl.calibrate(runs[:3])                       # one scale on three published runs
+    cal.error(runs[3:])                                 # predicted against published, before and after
+
 Modules: :mod:`.comparison`, :mod:`.measured_run`, :mod:`.replays` (a measured step re-run through the simulator),
+:mod:`.published` (published runs and their prediction), :mod:`.published_errors` (their errors),
 :mod:`.calibrator`, :mod:`.measurements` (what calibration reads from the runs), :mod:`.fitting` (its fits) and
 :mod:`.collectives` (the link of the backend that ran the runs' collectives, fitted apart from compute:
 :func:`calibrate_links`). This room never imports the runner: runs are values.
@@ -23,6 +33,8 @@ from .calibrator import Calibration, CalibrationWarning, calibrate
 from .collectives import calibrate_links
 from .comparison import Comparison, compare
 from .measured_run import MeasuredRun
+from .published import PublishedRun, load_published, predict_iteration
+from .published_errors import PublishedCheck, mape, pick_regret, published_check, spearman
 from .replays import replay
 
 __all__ = [
@@ -30,8 +42,16 @@ __all__ = [
     "CalibrationWarning",
     "Comparison",
     "MeasuredRun",
+    "PublishedCheck",
+    "PublishedRun",
     "calibrate",
     "calibrate_links",
     "compare",
+    "load_published",
+    "mape",
+    "pick_regret",
+    "predict_iteration",
+    "published_check",
     "replay",
+    "spearman",
 ]

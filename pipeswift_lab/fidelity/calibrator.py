@@ -66,7 +66,7 @@ from ..core.link import Link
 from ..core.topology import Topology, collective_ms
 from ..simulation.calibration import RUNTIMES, SimulatorCalibration, check_calibration, runtime_of, whole_step_ms
 from .collectives import COLLECTIVE_KINDS, calibrate_links, collective_error, empty_links, link_of, links_ms
-from .fitting import fit_compute, fit_gaps, fit_step_cv, fit_step_overhead, fit_transfer
+from .fitting import fit_compute, fit_gaps, fit_step_cv, fit_step_overhead, fit_transfer, minimize_scalar
 from .measurements import Run, check_runs, measure_runs, model_of, partition_of, profile_table, run_key
 
 if TYPE_CHECKING:
@@ -162,9 +162,15 @@ class Calibration(SimulatorCalibration):
         check), ``measured_step_ms``, ``predicted_before_ms`` (the uncalibrated simulated
         step), ``predicted_after_ms`` (calibrated span plus the runtime's step overhead),
         ``rel_error_before``, ``rel_error_after`` (``(predicted - measured) / measured``).
+
+        A calibration fitted on published runs takes published runs (:class:`~pipeswift_lab.fidelity.PublishedRun`):
+        ``run`` is then the run's name, with ``model``, ``layout`` and ``gpus`` in place of the schedule's columns, and
+        the steps are whole iterations (:func:`~pipeswift_lab.fidelity.published.predict_iteration`).
         """
         from ..simulation.simulator import simulate
 
+        if self.meta.get("kind") == "published":
+            return _published_error(self, runs)
         runs = check_runs(runs, self.meta.get("model"))
         fitted = set(self.meta.get("runs", ()))
         rows = []
@@ -222,7 +228,8 @@ class Calibration(SimulatorCalibration):
                 )
         ax.set_xlim(0, hi)
         ax.set_ylim(0, hi)
-        ax.set_xlabel("measured step (ms, steady_step_ms)")
+        published = self.meta.get("kind") == "published"
+        ax.set_xlabel("measured iteration (ms, published)" if published else "measured step (ms, steady_step_ms)")
         ax.set_ylabel("predicted step (ms)")
         med_b, med_a = table["rel_error_before"].abs().median(), table["rel_error_after"].abs().median()
         ax.set_title(f"median |error| {med_b:.0%} before, {med_a:.0%} after")
@@ -231,8 +238,12 @@ class Calibration(SimulatorCalibration):
 
 
 # --------------------------------------------------------------------------- fitting
-def calibrate(runs: Run | Sequence[Run], profile: Any) -> Calibration:
+def calibrate(runs: Run | Sequence[Run], profile: Any = None) -> Calibration:
     """Fit the simulator to measured runs of one model; return a :class:`Calibration`.
+
+    ``runs`` given as :class:`~pipeswift_lab.fidelity.PublishedRun` values (configurations with their published
+    iteration time, at most a few: three is the intended) fit one compute scale of their analytic profiles instead
+    (:func:`calibrate_published`; ``profile``: None, or an analytic Profile of theirs).
 
     ``runs`` is one or more :class:`~pipeswift_lab.runner.RunResult` of the same model (any
     P, m, schedule, partition), instrumented (the default of :func:`~pipeswift_lab.run`);
@@ -243,6 +254,13 @@ def calibrate(runs: Run | Sequence[Run], profile: Any) -> Calibration:
     A parameter the runs cannot determine keeps a stated default and a
     :class:`CalibrationWarning` names it.
     """
+    from .published import PublishedRun
+
+    listed = list(runs) if isinstance(runs, (list, tuple)) else [runs]
+    if listed and all(isinstance(run, PublishedRun) for run in listed):
+        return calibrate_published(listed, profile)
+    if profile is None:
+        raise TypeError("calibrate(runs, profile): measured runs need the Profile their partitions came from")
     runs = check_runs(runs)
     table, batch_size = profile_table(profile)
     parts = [partition_of(run, table, batch_size, i) for i, run in enumerate(runs)]
@@ -267,6 +285,125 @@ def calibrate(runs: Run | Sequence[Run], profile: Any) -> Calibration:
     cal = replace(fit_gaps(closed_form, runs, parts, measured.spans, how, missing), how=how, links=_links(runs))
     _warn_missing(missing)
     return cal
+
+
+def calibrate_published(runs: Sequence[Any], profile: Any = None) -> Calibration:
+    """One compute scale fitted on published runs (:class:`~pipeswift_lab.fidelity.PublishedRun`, each with its
+    measurement), their iterations priced from analytic profiles (:func:`~pipeswift_lab.fidelity.predict_iteration`):
+    the scale ``s`` on every simulated action that minimizes ``sum(log(predicted / measured)²)``
+    (a bounded scalar search, :func:`~pipeswift_lab.fidelity.fitting.minimize_scalar`). The collectives beside the
+    pipeline and the optimizer step keep their priced times. One scale because the runs that fit it are few
+    (three): it carries what the roofline misses uniformly (the kernels' efficiency against the datasheet, clocks,
+    the framework's overheads), and keeps the ranking of layouts the analytic model gives. ``profile``: None (each
+    run's own analytic profile), or an analytic Profile whose spec and hardware every run shares. The Calibration
+    holds it as ``compute_scale[P=1]``, applied at every P, and applies wherever ``calibration=`` is taken (simulate,
+    sweep, plan); :meth:`Calibration.error` tables the runs before and after. Raises ``ValueError`` for a run
+    without a measurement or one ``profile`` does not describe."""
+    from .published import predict_iteration
+
+    runs, profiles = _published_inputs(runs, profile)
+    measured = np.array([run.measured_s * 1e3 for run in runs])
+
+    def cal(scale: float) -> Calibration:
+        return _scale_calibration(scale, runs, profile)
+
+    def loss(scale: float) -> float:
+        got = [predict_iteration(r, calibration=cal(scale), profile=p)["iteration_ms"] for r, p in zip(runs, profiles)]
+        return float(np.sum(np.log(np.asarray(got) / measured) ** 2))
+
+    before = np.array([predict_iteration(r, profile=p)["iteration_ms"] for r, p in zip(runs, profiles)])
+    start = float(np.exp(np.mean(np.log(measured / before))))
+    scale = minimize_scalar(loss, 0.5 * start, 2.0 * start, grid=12, iterations=16)
+    return cal(scale)
+
+
+def _published_inputs(runs: Sequence[Any], profile: Any) -> tuple[list[Any], list[Any]]:
+    """The runs checked to carry a measurement, and the profile each is priced from (``profile`` where it describes
+    the run at its micro-batch, else None: its own)."""
+    from ..core.transformer_spec import TransformerSpec
+    from ..profiling.table import Profile
+
+    runs = list(runs)
+    if not runs:
+        raise ValueError("calibrate: no runs given")
+    for i, run in enumerate(runs):
+        if run.measured_s is None:
+            raise ValueError(f"calibrate: published run {i} ({run.name!r}) has no measurement to fit on")
+    if profile is None:
+        return runs, [None] * len(runs)
+    if not isinstance(profile, Profile) or profile.meta.get("source") != "analytic":
+        raise TypeError(
+            "calibrate(published_runs, profile): profile must be an analytic Profile (psl.analytic_profile)"
+        )
+    for run in runs:
+        described = TransformerSpec(**profile.meta.get("spec", {})) == run.spec
+        same_kernels = (profile.meta.get("attention"), profile.meta.get("dropout")) == (run.attention, run.dropout)
+        if not described or not same_kernels or profile.meta.get("hardware") != run.hardware.name:
+            raise ValueError(
+                f"calibrate: the profile ({profile.meta.get('model')}) does not describe published run {run.name!r} "
+                f"({run.spec.name or 'transformer'} on {run.hardware.name}, {run.attention} attention, "
+                f"dropout={run.dropout})"
+            )
+    return runs, [profile if profile.meta.get("batch_size") == run.micro_batch else None for run in runs]
+
+
+def _scale_calibration(scale: float, runs: Sequence[Any], profile: Any) -> Calibration:
+    """The Calibration of one compute ``scale`` fitted on published ``runs``."""
+    names = ", ".join(repr(run.name) for run in runs)
+    return Calibration(
+        compute_scale={1: float(scale)},
+        action_ms=0.0,
+        loss_ms=(0.0, 0.0),
+        gap={},
+        step_overhead={},
+        latency_ms=0.0,
+        bandwidth_GBps=math.inf,
+        step_cv=math.nan,
+        how={
+            "compute_scale[P=1]": f"one scale for every P, fitted on {len(runs)} published runs ({names}): "
+            "least squares of log(predicted / measured) iteration",
+            "action_ms": "not fitted on published runs (0)",
+        },
+        profile_table=None if profile is None else profile.df,
+        profile_batch_size=None if profile is None else profile.meta.get("batch_size"),
+        meta={
+            "kind": "published",
+            "runs": tuple(run.name for run in runs),
+            "hardware": tuple(sorted({run.hardware.name for run in runs})),
+        },
+    )
+
+
+def _published_error(cal: Calibration, runs: Any) -> pd.DataFrame:
+    """:meth:`Calibration.error` of published runs: per run its name (``run``), ``model``, ``layout``, ``gpus``,
+    ``in_fit``, the measured and predicted iterations (ms, before and after) and the relative errors."""
+    from .published import PublishedRun, predict_iteration
+
+    runs = [runs] if isinstance(runs, PublishedRun) else list(runs)
+    fitted, rows = set(cal.meta.get("runs", ())), []
+    for run in runs:
+        if not isinstance(run, PublishedRun) or run.measured_s is None:
+            raise ValueError(
+                f"error: this calibration was fitted on published runs; {run!r} is not one with a measurement"
+            )
+        measured = run.measured_s * 1e3
+        before = predict_iteration(run)["iteration_ms"]
+        after = predict_iteration(run, calibration=cal)["iteration_ms"]
+        rows.append(
+            {
+                "run": run.name,
+                "model": run.model,
+                "layout": run.layout,
+                "gpus": run.gpus,
+                "in_fit": run.name in fitted,
+                "measured_step_ms": measured,
+                "predicted_before_ms": before,
+                "predicted_after_ms": after,
+                "rel_error_before": (before - measured) / measured,
+                "rel_error_after": (after - measured) / measured,
+            }
+        )
+    return pd.DataFrame(rows)
 
 
 def _links(runs: Sequence[Run]) -> pd.DataFrame:
@@ -306,6 +443,7 @@ __all__ = [
     "RUNTIMES",
     "SimulatorCalibration",
     "calibrate",
+    "calibrate_published",
     "check_calibration",
     "noise_note",
     "runtime_of",

@@ -10,16 +10,14 @@ import pipeswift_lab as psl
 from pipeswift_lab.core.transformer_memory import layer_activation_bytes
 from pipeswift_lab.core.transformer_spec import TransformerSpec
 
+# Korthikanti et al.'s Table 3 ``{model: (heads a, hidden h, layers L, tensor t, pipeline p)}`` (s = 2048, V = 51200,
+# micro-batch 1), Figure 1 (GB per GPU) and Figure 7 (% of the baseline), shared with benchmarks/bench_analytic.py
+from pipeswift_lab.data.published import KORTHIKANTI_FIGURE_1 as FIGURE_1
+from pipeswift_lab.data.published import KORTHIKANTI_FIGURE_7 as FIGURE_7
+from pipeswift_lab.data.published import KORTHIKANTI_TABLE_3 as TABLE_3
+
 GB = 1e9
 S, V = 2048, 51200
-#: Korthikanti et al.'s Table 3: ``{model: (heads a, hidden h, layers L, tensor t, pipeline p)}``; s = 2048,
-#: V = 51200, micro-batch 1.
-TABLE_3 = {
-    "22B": (64, 6144, 48, 8, 1),
-    "175B": (96, 12288, 96, 8, 8),
-    "530B": (128, 20480, 105, 8, 35),
-    "1T": (160, 25600, 128, 8, 64),
-}
 
 
 def gpt(a, h, L, s=S, vocab=V):
@@ -130,16 +128,6 @@ def test_parameters_are_megatrons_most_loaded_shard_with_biases_and_positions():
 
 
 # -- Figure 1 and Figure 7 --------------------------------------------------------------------------------------------
-#: Per GPU, in GB: parameters and optimizer state (18 bytes), activations of the tensor-parallel baseline (no
-#: recomputation) and of the present work (sequence parallelism and selective recomputation).
-FIGURE_1 = {
-    "22B": (49.89, 16.02, 2.79),
-    "175B": (50.81, 55.77, 10.54),
-    "530B": (37.10, 93.95, 19.24),
-    "1T": (39.29, 144.28, 29.36),
-}
-
-
 @pytest.mark.parametrize("name", list(TABLE_3))
 def test_figure_1_memory_per_gpu(name):
     spec, t, p = table_3(name)
@@ -158,16 +146,6 @@ def test_figure_1_memory_per_gpu(name):
     assert (baseline["total"] > 80 * GB) == (name != "22B")
     # and the activations shrink about 5x
     assert 4.9 < baseline["activations_layers"] / present["activations_layers"] < 6.3
-
-
-#: Figure 7: activation memory per layer as a percentage of the tensor-parallel baseline, ``(sequence parallel,
-#: selective recompute, both)``: the ratios of Table 2's rows.
-FIGURE_7 = {
-    "22B": (66.8, 49.4, 16.1),
-    "175B": (62.0, 56.5, 18.5),
-    "530B": (58.3, 61.9, 20.2),
-    "1T": (58.3, 61.9, 20.2),
-}
 
 
 @pytest.mark.parametrize("name", list(TABLE_3))

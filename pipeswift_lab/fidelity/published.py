@@ -1,0 +1,430 @@
+"""Published runs: configurations someone trained and timed, predicted from an analytic profile.
+
+A :class:`PublishedRun` is a configuration (a :class:`~pipeswift_lab.TransformerSpec` on a
+:class:`~pipeswift_lab.Hardware`, its layout ``gpus = tp · pp · dp · fsdp``, batch, schedule and recomputation) with
+what its authors measured: the iteration time, or the achieved teraFLOP/s per GPU (Narayanan et al., SC'21, Table
+1), or tokens per second per GPU (torchtitan's benchmarks). :func:`load_published` reads the shipped ones
+(:func:`pipeswift_lab.data.published_runs`); :func:`predict_iteration` prices one with the toolkit's own machinery:
+
+1. :func:`~pipeswift_lab.analytic_profile` of the spec on the hardware at the run's micro-batch (``attention``,
+   ``dropout`` as the run has them);
+2. tensor parallelism as the planner prices it (:func:`tp_times`: the compute the plan shards divided by ``tp``, the
+   Megatron-LM collectives on the topology's intra-node link, all-reduces or, with sequence parallelism,
+   all-gathers and reduce-scatters; :func:`pipeswift_lab.planning.sharding.tp_table`'s time columns, restated
+   here because this room may not import the planner's: ``tests/fidelity/test_published_runs.py`` holds them
+   equal), then the recomputation on every layer
+   (:func:`~pipeswift_lab.profiling.recompute_costs.recomputed`);
+3. the stages as Megatron-LM and torchtitan cut them: ``layers / (pp · v)`` blocks each, the embedding on the first
+   and the head on the last (:meth:`~pipeswift_lab.Partition.from_bounds`); the step simulated
+   (:func:`~pipeswift_lab.simulation.simulate_step_ms`), the pipeline's sends on the topology's ``pp`` link;
+4. the terms beside the pipeline as :func:`pipeswift_lab.planning.placement.collective_terms` prices them, from
+   :mod:`pipeswift_lab.core.topology`'s rings: the replicas' gradient all-reduce (``fsdp == 1``), or FSDP's
+   all-gather and reduce-scatter and the replicas' all-reduce of a shard, on the links the topology gives the
+   ``dp`` and ``fsdp`` groups; where the run overlaps its gradient reduction with the backward (torch DDP's
+   buckets, Li et al., VLDB 2020; FSDP's prefetching, Zhao et al., VLDB 2023) only what outlasts the busiest rank's
+   last micro-batch (its backward; its forward and backward under FSDP) is added, and under FSDP the first block's
+   all-gather and the last block's reduce-scatter, which nothing overlaps (FSDP gathers and reduces a block at a
+   time: one block's share of ``fsdp_ms``); and the optimizer step, streaming the busiest
+   rank's state (:data:`OPTIMIZER_TRAFFIC_FACTOR` bytes per parameter byte) at the GPU's sustained HBM bandwidth.
+
+A :class:`~pipeswift_lab.fidelity.Calibration` (``psl.calibrate(published_runs)``: one compute scale) scales every
+action of step 3; :mod:`pipeswift_lab.fidelity.published_errors` calibrates on some runs and measures the error on
+the rest.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import KW_ONLY, dataclass
+from typing import Any, cast
+
+import numpy as np
+import pandas as pd
+
+from ..core.checks import check_choice, check_flag, check_int
+from ..core.costs import allreduce_ms
+from ..core.hardware import DEVICES, Hardware, check_hardware
+from ..core.layout import state_bytes_per_rank
+from ..core.link import Link
+from ..core.precision import PRECISIONS, grad_bytes_per_param
+from ..core.topology import Topology, all_gather_ms, all_reduce_ms, reduce_scatter_ms
+from ..core.transformer_flops import transformer_flops
+from ..core.transformer_spec import TransformerSpec
+from ..core.vocabulary import MULTI_CHUNK_SCHEDULES, canonical_schedule
+from ..partitioning.stages import Partition
+from ..profiling.analytic import analytic_profile
+from ..profiling.analytic_time import ATTENTIONS
+from ..profiling.recompute_costs import recomputed
+from ..profiling.table import Profile
+from ..simulation.calibration import SimulatorCalibration, check_calibration
+from ..simulation.simulator import simulate_step_ms
+
+__all__ = [
+    "MEASURES",
+    "OPTIMIZER_TRAFFIC_FACTOR",
+    "PRECISION",
+    "TP_TIME_COLUMNS",
+    "PublishedRun",
+    "layout_profile",
+    "load_published",
+    "predict_iteration",
+    "tp_times",
+]
+
+#: Bytes the Adam step reads and writes per byte of parameters (parameter, gradient and two moments read; parameter
+#: and two moments written): :data:`pipeswift_lab.planning.placement.OPTIMIZER_TRAFFIC_FACTOR`.
+OPTIMIZER_TRAFFIC_FACTOR = 7.0
+#: The precision every published run is priced in: bf16 (or fp16) weights and gradients, fp32 master weights and
+#: Adam moments (:mod:`pipeswift_lab.core.precision`).
+PRECISION = "bf16-mixed"
+#: What a run may give as its measurement, one of them: seconds per iteration, teraFLOP/s per GPU, tokens/s per GPU.
+MEASURES = ("iteration_s", "tflops_per_gpu", "tokens_per_s_per_gpu")
+#: The per-layer time columns tensor parallelism divides (:data:`pipeswift_lab.planning.costs.TIME_COLUMNS`).
+TP_TIME_COLUMNS = tuple(
+    "fwd_ms bwd_ms wgrad_ms recompute_ms selective_recompute_ms recompute_forward_ms selective_recompute_forward_ms "
+    "input_pass_ms weight_pass_ms recomputed_ms".split()
+)
+
+
+@dataclass(frozen=True)
+class PublishedRun:
+    """A published configuration and what was measured of it: ``PublishedRun(spec, hardware, *, gpus, tp=1, pp=1,
+    dp=1, fsdp=1, micro_batch, global_batch, schedule="1F1B", v=1, recompute=None, sequence_parallel=False,
+    iteration_s=None | tflops_per_gpu=None | tokens_per_s_per_gpu=None, ...)``.
+
+    Checked against the spec at construction; ``ValueError`` names the run and the field: ``tp`` must divide the
+    heads, the key/value heads, the MLP's inner size and the node; ``pp · v`` the layers; ``gpus`` must be ``tp · pp ·
+    dp · fsdp``; ``global_batch`` a multiple of ``micro_batch · dp · fsdp``; at most one measurement, ``> 0``.
+    ``tflops_per_gpu`` is read as :func:`~pipeswift_lab.transformer_flops` counts an iteration with the run's
+    recomputation (for a GPT with full recomputation, Eq. 3 of Narayanan et al., SC'21, the count their Table 1
+    reports); give ``iteration_s`` where a source counted otherwise.
+    """
+
+    spec: TransformerSpec
+    hardware: Hardware
+    _: KW_ONLY
+    gpus: int
+    micro_batch: int
+    global_batch: int
+    tp: int = 1
+    pp: int = 1
+    dp: int = 1
+    fsdp: int = 1
+    schedule: str = "1F1B"
+    v: int = 1
+    recompute: str | None = None
+    sequence_parallel: bool = False
+    iteration_s: float | None = None
+    tflops_per_gpu: float | None = None
+    tokens_per_s_per_gpu: float | None = None
+    attention: str = "flash"
+    """``"flash"`` or ``"eager"`` (the attention core written out, Megatron-LM's of 2021)."""
+    dropout: bool = False
+    overlap_grad_sync: bool = False
+    """The gradient reduction overlaps the backward (torch DDP, FSDP2); False: it runs after it (Megatron's local
+    DDP of 2021)."""
+    gpus_per_node: int = 8
+    name: str = ""
+    model: str = ""
+    """Runs of one model share it (the ranking is within a model); default: the spec's name."""
+    source: str = ""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.spec, TransformerSpec):
+            raise TypeError(
+                f"{self._who}: spec must be a pipeswift_lab.TransformerSpec; got {type(self.spec).__name__}"
+            )
+        object.__setattr__(self, "hardware", check_hardware(self.hardware))
+        for key in ("gpus", "micro_batch", "global_batch", "tp", "pp", "dp", "fsdp", "v", "gpus_per_node"):
+            object.__setattr__(self, key, self._int(key))
+        try:
+            object.__setattr__(self, "schedule", canonical_schedule(self.schedule))
+            object.__setattr__(self, "attention", check_choice("attention", self.attention, ATTENTIONS))
+            recompute = None if self.recompute in (None, "", "none") else self.recompute
+            modes = ("full", "selective")
+            object.__setattr__(self, "recompute", recompute and check_choice("recompute", recompute, modes))
+            for key in ("sequence_parallel", "dropout", "overlap_grad_sync"):
+                check_flag(key, getattr(self, key))
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"{self._who}: {exc}") from None
+        object.__setattr__(self, "model", self.model or self.spec.name or "transformer")
+        self._check_layout()
+        self._check_measures()
+
+    @property
+    def _who(self) -> str:
+        return f"PublishedRun {self.name!r}" if self.name else "PublishedRun"
+
+    def _int(self, key: str) -> int:
+        try:
+            return check_int(key, getattr(self, key), minimum=1)
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"{self._who}: {exc}") from None
+
+    def _check_layout(self) -> None:
+        spec, tp, fail = self.spec, self.tp, self._fail
+        sizes = {"heads": spec.heads, "kv_heads": spec.kv_heads_, "ffn": spec.ffn_}  # analytic.tp_divides(spec)
+        for field, size in sizes.items():
+            if size % tp:
+                fail(f"tp={tp} does not divide {field}={size}: tensor parallelism splits them among the tp ranks")
+        if self.gpus_per_node % tp:
+            fail(f"tp={tp} does not divide gpus_per_node={self.gpus_per_node}: a tensor-parallel group is in one node")
+        if self.sequence_parallel and spec.seq_len % tp:
+            fail(f"sequence_parallel with tp={tp} needs tp to divide seq_len={spec.seq_len}")
+        stages = self.pp * self.v
+        if spec.layers % stages:
+            fail(f"pp·v={self.pp}·{self.v}={stages} does not divide layers={spec.layers}: each stage holds as many")
+        if self.v > 1 and self.schedule not in MULTI_CHUNK_SCHEDULES:
+            fail(f"v={self.v} needs a multi-chunk schedule ({list(MULTI_CHUNK_SCHEDULES)}); got {self.schedule!r}")
+        product = tp * self.pp * self.dp * self.fsdp
+        if self.gpus != product:
+            fail(f"gpus={self.gpus} is not tp·pp·dp·fsdp={tp}·{self.pp}·{self.dp}·{self.fsdp}={product}")
+        replicas = self.micro_batch * self.dp * self.fsdp
+        if self.global_batch % replicas:
+            fail(
+                f"global_batch={self.global_batch} is not a multiple of micro_batch·dp·fsdp={self.micro_batch}·"
+                f"{self.dp}·{self.fsdp}={replicas}: each replica runs whole micro-batches"
+            )
+
+    def _check_measures(self) -> None:
+        given = [key for key in MEASURES if getattr(self, key) is not None]
+        if len(given) > 1:
+            self._fail(f"give one measurement of {list(MEASURES)}; got {given}")
+        for key in given:
+            value = getattr(self, key)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+                self._fail(f"{key} must be a finite number > 0; got {value!r}")
+
+    def _fail(self, message: str) -> None:
+        raise ValueError(f"{self._who}: {message}")
+
+    # -- what it is -----------------------------------------------------------------------------------------------
+    @property
+    def m(self) -> int:
+        """Micro-batches each pipeline runs per iteration: ``global_batch / (micro_batch · dp · fsdp)``."""
+        return self.global_batch // (self.micro_batch * self.dp * self.fsdp)
+
+    @property
+    def tokens(self) -> int:
+        """Tokens per iteration: ``global_batch · seq_len``."""
+        return self.global_batch * self.spec.seq_len
+
+    @property
+    def layout(self) -> str:
+        """``tp8×pp4(v3)×dp32`` (the degrees above 1, FSDP's too; ``single GPU`` for none)."""
+        parts = [f"{k}{getattr(self, k)}" for k in ("tp", "pp", "dp", "fsdp") if getattr(self, k) > 1]
+        if self.v > 1:
+            parts = [p + f"(v{self.v})" if p.startswith("pp") else p for p in parts]
+        return "×".join(parts) or "single GPU"
+
+    @property
+    def topology(self) -> Topology:
+        """Nodes of ``gpus_per_node`` of the run's GPUs (:meth:`Hardware.topology`)."""
+        return self.hardware.topology(self.gpus_per_node)
+
+    @property
+    def measured_s(self) -> float | None:
+        """The measured iteration in seconds (None without a measurement): ``iteration_s``; or the FLOPs of an
+        iteration (:func:`~pipeswift_lab.transformer_flops` with the run's recomputation) over ``tflops_per_gpu ·
+        gpus``; or ``tokens`` over ``tokens_per_s_per_gpu · gpus``."""
+        if self.iteration_s is not None:
+            return float(self.iteration_s)
+        if self.tflops_per_gpu is not None:
+            flops = transformer_flops(self.spec, self.tokens, recompute=self.recompute)
+            return flops / (self.tflops_per_gpu * 1e12 * self.gpus)
+        if self.tokens_per_s_per_gpu is not None:
+            return self.tokens / (self.tokens_per_s_per_gpu * self.gpus)
+        return None
+
+    @property
+    def gpu_s_per_token(self) -> float | None:
+        """Measured GPU-seconds per token (``measured_s · gpus / tokens``): what ranks layouts across GPU counts."""
+        seconds = self.measured_s
+        return None if seconds is None else seconds * self.gpus / self.tokens
+
+
+# --------------------------------------------------------------------------- the shipped runs
+def load_published(df: pd.DataFrame | None = None) -> list[PublishedRun]:
+    """The rows of ``df`` (default :func:`pipeswift_lab.data.published_runs`, its columns) as
+    :class:`PublishedRun` values, in order. A row whose configuration does not fit its spec raises ``ValueError``
+    naming it. Returns a list."""
+    from ..data.published import published_runs
+
+    table = published_runs() if df is None else df
+    return [_run_of(row) for _, row in table.iterrows()]
+
+
+def _run_of(row: pd.Series) -> PublishedRun:
+    """The :class:`PublishedRun` of one row of :func:`pipeswift_lab.data.published_runs`."""
+
+    def optional(key: str) -> Any:
+        value = row.get(key)
+        return None if value is None or pd.isna(value) else value
+
+    name = str(row["name"])
+    try:
+        spec = TransformerSpec(
+            int(row["layers"]),
+            int(row["hidden"]),
+            int(row["heads"]),
+            int(row["seq_len"]),
+            int(row["vocab"]),
+            ffn=None if optional("ffn") is None else int(row["ffn"]),
+            kv_heads=None if optional("kv_heads") is None else int(row["kv_heads"]),
+            **{k: bool(row[k]) for k in ("gated_mlp", "bias", "rms_norm", "learned_positions", "tied")},
+            name=str(row["model"]),
+        )
+        unit = check_choice("unit", str(row["unit"]), ("tflops_per_gpu", "tokens_per_s_per_gpu", "iteration_s"))
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"published run {name!r}: {exc}") from None
+    ints = {k: int(row[k]) for k in ("gpus", "tp", "pp", "dp", "fsdp", "micro_batch", "global_batch", "v")}
+    measured: dict[str, Any] = {unit: float(row["measured"])}
+    return PublishedRun(
+        spec,
+        _hardware_of(row),
+        **ints,
+        schedule=str(row["schedule"]),
+        recompute=optional("recompute") or None,
+        sequence_parallel=bool(row["sequence_parallel"]),
+        attention=str(row["attention"]),
+        dropout=bool(row["dropout"]),
+        overlap_grad_sync=bool(row["overlap_grad_sync"]),
+        **measured,
+        name=name,
+        model=str(row["model"]),
+        source=str(row["source"]),
+    )
+
+
+def _hardware_of(row: pd.Series) -> Hardware:
+    """The row's device, its HBM capacity and bandwidth replaced where the row gives them (cited to the row)."""
+    name = str(row["hardware"])
+    if name not in DEVICES:
+        raise ValueError(f"published run {row['name']!r}: hardware={name!r} is not one of {sorted(DEVICES)}")
+    base = DEVICES[name]
+    changes: dict[str, Any] = {
+        k: float(row[k]) for k in ("hbm_bytes", "hbm_bandwidth") if k in row and not pd.isna(row[k])
+    }
+    if not changes:
+        return base
+    size, rate = changes.get("hbm_bytes", base.hbm_bytes), changes.get("hbm_bandwidth", base.hbm_bandwidth)
+    label = f"{name} ({(size or 0) / 1e9:g} GB at {(rate or 0) / 1e12:g} TB/s)"
+    sources = {**base.sources, **{k: f"the run's source: {row['source']}" for k in changes}}
+    return dataclasses.replace(base, name=label, sources=sources, **changes)
+
+
+# --------------------------------------------------------------------------- predicting one
+def tp_times(df: pd.DataFrame, tp: int, link: Link, sequence_parallel: bool = False) -> pd.DataFrame:
+    """The per-layer table ``df`` as one of ``tp`` tensor-parallel ranks computes it, its collectives on ``link``:
+    the time columns and the parameters of :func:`pipeswift_lab.planning.sharding.tp_table` (its memory columns
+    are not needed to time a step). Returns a new DataFrame (``df`` itself when ``tp == 1``)."""
+    if tp == 1:
+        return df
+    df = df.copy()
+
+    def column(name: str) -> np.ndarray:
+        if name not in df.columns:
+            return np.zeros(len(df))
+        return np.nan_to_num(pd.to_numeric(df[name], errors="coerce").to_numpy(float))
+
+    def ring(nbytes: np.ndarray, price: Any) -> np.ndarray:
+        return np.array([price(x, tp, link) if x > 0 else 0.0 for x in nbytes])
+
+    fraction = np.clip(column("tp_flop_fraction"), 0.0, 1.0)
+    exits, entries = column("tp_forward_bytes"), column("tp_backward_bytes")
+    if sequence_parallel:  # entries all-gather forward, reduce-scatter backward; exits the other way round
+        forward = ring(entries, all_gather_ms) + ring(exits, reduce_scatter_ms)
+        backward = ring(entries, reduce_scatter_ms) + ring(exits, all_gather_ms)
+    else:
+        forward, backward = ring(exits, all_reduce_ms), ring(entries, all_reduce_ms)
+    for col in TP_TIME_COLUMNS:
+        if col in df.columns:
+            df[col] = pd.to_numeric(df[col], errors="coerce") * ((1.0 - fraction) + fraction / tp)
+    df["fwd_ms"] = df["fwd_ms"] + forward
+    df["bwd_ms"] = df["bwd_ms"] + backward
+    for col, added in (("input_pass_ms", backward), ("recompute_ms", forward)):
+        if col in df.columns:
+            df[col] = df[col] + added
+    if "total_ms" in df.columns:
+        df["total_ms"] = df["fwd_ms"] + df["bwd_ms"]
+    param_bytes = column("param_bytes")
+    sharded = np.minimum(column("tp_param_bytes"), param_bytes)
+    # state_bytes_per_rank's arithmetic holds elementwise: one rank's bytes of every layer at once
+    held = np.asarray(state_bytes_per_rank(cast(float, param_bytes), cast(float, sharded), tp=tp)["grads"])
+    kept = np.divide(held, param_bytes, out=np.ones_like(held), where=param_bytes > 0)
+    if "param_bytes" in df.columns:
+        df["param_bytes"] = held
+    if "params" in df.columns:
+        df["params"] = pd.to_numeric(df["params"], errors="coerce") * kept
+    return df
+
+
+def layout_profile(run: PublishedRun, profile: Profile | None = None) -> Profile:
+    """The per-layer profile one rank of ``run`` computes: ``profile`` (default: the run's
+    :func:`~pipeswift_lab.analytic_profile`) under its tensor parallelism (:func:`tp_times`) and recomputation
+    (every layer, as ``plan(..., recompute=...)`` forces it). Returns a Profile."""
+    if profile is None:
+        profile = analytic_profile(
+            run.spec, run.hardware, run.micro_batch, attention=run.attention, dropout=run.dropout, precision=PRECISION
+        )
+    table = tp_times(profile.df, run.tp, run.topology.intra_node, run.sequence_parallel)
+    return recomputed(Profile(table, dict(profile.meta)), run.recompute)
+
+
+def _partition(run: PublishedRun, prof: Profile) -> Partition:
+    """Megatron-LM's and torchtitan's cut: ``layers / (pp · v)`` blocks a stage, the embedding first, the head last."""
+    stages, n = run.pp * run.v, len(prof.df)
+    per = (n - 2) // stages
+    ends = [1 + per * (s + 1) for s in range(stages)]
+    ends[-1] = n
+    bounds = list(zip([0, *ends[:-1]], ends))
+    return Partition.from_bounds(
+        prof, bounds, v=run.v, schedule=run.schedule, m=run.m, precision=PRECISION, D=run.dp * run.fsdp
+    )
+
+
+def predict_iteration(
+    run: PublishedRun, *, calibration: SimulatorCalibration | None = None, profile: Profile | None = None
+) -> dict[str, float]:
+    """``run``'s iteration, priced as the module docs say, calibrated with ``calibration`` (None: the analytic
+    profile as it is); ``profile``: the run's analytic profile if already made. Returns ``{"pipeline_ms",
+    "dp_ms", "fsdp_ms", "exposed_sync_ms", "optimizer_ms", "iteration_ms"}`` (``exposed_sync_ms``: what of the
+    gradient reduction is not overlapped)."""
+    if not isinstance(run, PublishedRun):
+        raise TypeError(f"run must be a PublishedRun; got {type(run).__name__}")
+    calibration = check_calibration(calibration)
+    part = _partition(run, layout_profile(run, profile))
+    topo, mesh = run.topology, {"P": run.pp, "D": run.dp, "fsdp": run.fsdp, "tp": run.tp}
+    link = topo.link_of("pp", **mesh) if run.pp > 1 else None
+    pipeline = simulate_step_ms(part, run.m, run.schedule, v=run.v, link=link, calibration=calibration)
+    if calibration is not None:
+        pipeline += calibration.step_overhead_ms(run.schedule)
+    ranks = np.asarray(part.stage_to_rank)
+    params = float(np.bincount(ranks, weights=part.stage_params, minlength=run.pp).max())
+    param_bytes = float(np.bincount(ranks, weights=part.stage_param_bytes, minlength=run.pp).max())
+    grads, weights = params * grad_bytes_per_param(PRECISION), params * PRECISIONS[PRECISION].weight_bytes
+    dp_link = topo.link_of("dp", **mesh)
+    if run.fsdp == 1:
+        fsdp_ms, dp_ms = 0.0, allreduce_ms(grads, run.dp, dp_link.bandwidth_GBps, dp_link.latency_ms)
+    else:
+        shard_link = topo.link_of("fsdp", **mesh)
+        fsdp_ms = all_gather_ms(weights, run.fsdp, shard_link) + reduce_scatter_ms(grads, run.fsdp, shard_link)
+        dp_ms = all_reduce_ms(grads / run.fsdp, run.dp, dp_link)
+    exposed = dp_ms + fsdp_ms
+    if run.overlap_grad_sync:  # hidden behind the busiest rank's last micro-batch (its forward too under FSDP)
+        per_stage = np.asarray(part.stage_bwd_ms) + (np.asarray(part.stage_fwd_ms) if run.fsdp > 1 else 0.0)
+        scale = calibration.scale(run.pp) if calibration is not None else 1.0
+        window = scale * float(np.bincount(ranks, weights=per_stage, minlength=run.pp).max())
+        first_and_last = fsdp_ms * run.pp * run.v / run.spec.layers  # one block's gathering and reduction
+        exposed = first_and_last + max(0.0, exposed - first_and_last - window)
+    bandwidth = run.hardware.hbm_bandwidth * run.hardware.bandwidth_efficiency  # type: ignore[operator]
+    optimizer = OPTIMIZER_TRAFFIC_FACTOR * param_bytes / run.fsdp / bandwidth * 1e3
+    return {
+        "pipeline_ms": pipeline,
+        "dp_ms": dp_ms,
+        "fsdp_ms": fsdp_ms,
+        "exposed_sync_ms": exposed,
+        "optimizer_ms": optimizer,
+        "iteration_ms": pipeline + exposed + optimizer,
+    }
