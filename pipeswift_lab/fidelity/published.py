@@ -8,11 +8,10 @@ what its authors measured: the iteration time, or the achieved teraFLOP/s per GP
 
 1. :func:`~pipeswift_lab.analytic_profile` of the spec on the hardware at the run's micro-batch (``attention``,
    ``dropout`` as the run has them);
-2. tensor parallelism as the planner prices it (:func:`tp_times`: the compute the plan shards divided by ``tp``, the
+2. tensor parallelism as the planner prices it (the planner's own
+   :func:`~pipeswift_lab.profiling.tp_rank.tp_table`: the compute the plan shards divided by ``tp``, the
    Megatron-LM collectives on the topology's intra-node link, all-reduces or, with sequence parallelism,
-   all-gathers and reduce-scatters; :func:`pipeswift_lab.planning.sharding.tp_table`'s time columns, restated
-   here because this room may not import the planner's: ``tests/fidelity/test_published_runs.py`` holds them
-   equal), then the recomputation on every layer
+   all-gathers and reduce-scatters), then the recomputation on every layer
    (:func:`~pipeswift_lab.profiling.recompute_costs.recomputed`);
 3. the stages as Megatron-LM and torchtitan cut them: ``layers / (pp · v)`` blocks each, the embedding on the first
    and the head on the last (:meth:`~pipeswift_lab.Partition.from_bounds`); the step simulated
@@ -37,7 +36,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import KW_ONLY, dataclass
-from typing import Any, cast
+from typing import Any
 
 import numpy as np
 import pandas as pd
@@ -45,8 +44,6 @@ import pandas as pd
 from ..core.checks import check_choice, check_flag, check_int
 from ..core.costs import allreduce_ms
 from ..core.hardware import DEVICES, Hardware, check_hardware
-from ..core.layout import state_bytes_per_rank
-from ..core.link import Link
 from ..core.precision import PRECISIONS, grad_bytes_per_param
 from ..core.topology import Topology, all_gather_ms, all_reduce_ms, reduce_scatter_ms
 from ..core.transformer_flops import transformer_flops
@@ -57,6 +54,7 @@ from ..profiling.analytic import analytic_profile
 from ..profiling.analytic_time import ATTENTIONS
 from ..profiling.recompute_costs import recomputed
 from ..profiling.table import Profile
+from ..profiling.tp_rank import tp_table
 from ..simulation.calibration import SimulatorCalibration, check_calibration
 from ..simulation.simulator import simulate_step_ms
 
@@ -64,12 +62,10 @@ __all__ = [
     "MEASURES",
     "OPTIMIZER_TRAFFIC_FACTOR",
     "PRECISION",
-    "TP_TIME_COLUMNS",
     "PublishedRun",
     "layout_profile",
     "load_published",
     "predict_iteration",
-    "tp_times",
 ]
 
 #: Bytes the Adam step reads and writes per byte of parameters (parameter, gradient and two moments read; parameter
@@ -80,11 +76,6 @@ OPTIMIZER_TRAFFIC_FACTOR = 7.0
 PRECISION = "bf16-mixed"
 #: What a run may give as its measurement, one of them: seconds per iteration, teraFLOP/s per GPU, tokens/s per GPU.
 MEASURES = ("iteration_s", "tflops_per_gpu", "tokens_per_s_per_gpu")
-#: The per-layer time columns tensor parallelism divides (:data:`pipeswift_lab.planning.costs.TIME_COLUMNS`).
-TP_TIME_COLUMNS = tuple(
-    "fwd_ms bwd_ms wgrad_ms recompute_ms selective_recompute_ms recompute_forward_ms selective_recompute_forward_ms "
-    "input_pass_ms weight_pass_ms recomputed_ms".split()
-)
 
 
 @dataclass(frozen=True)
@@ -315,60 +306,16 @@ def _hardware_of(row: pd.Series) -> Hardware:
 
 
 # --------------------------------------------------------------------------- predicting one
-def tp_times(df: pd.DataFrame, tp: int, link: Link, sequence_parallel: bool = False) -> pd.DataFrame:
-    """The per-layer table ``df`` as one of ``tp`` tensor-parallel ranks computes it, its collectives on ``link``:
-    the time columns and the parameters of :func:`pipeswift_lab.planning.sharding.tp_table` (its memory columns
-    are not needed to time a step). Returns a new DataFrame (``df`` itself when ``tp == 1``)."""
-    if tp == 1:
-        return df
-    df = df.copy()
-
-    def column(name: str) -> np.ndarray:
-        if name not in df.columns:
-            return np.zeros(len(df))
-        return np.nan_to_num(pd.to_numeric(df[name], errors="coerce").to_numpy(float))
-
-    def ring(nbytes: np.ndarray, price: Any) -> np.ndarray:
-        return np.array([price(x, tp, link) if x > 0 else 0.0 for x in nbytes])
-
-    fraction = np.clip(column("tp_flop_fraction"), 0.0, 1.0)
-    exits, entries = column("tp_forward_bytes"), column("tp_backward_bytes")
-    if sequence_parallel:  # entries all-gather forward, reduce-scatter backward; exits the other way round
-        forward = ring(entries, all_gather_ms) + ring(exits, reduce_scatter_ms)
-        backward = ring(entries, reduce_scatter_ms) + ring(exits, all_gather_ms)
-    else:
-        forward, backward = ring(exits, all_reduce_ms), ring(entries, all_reduce_ms)
-    for col in TP_TIME_COLUMNS:
-        if col in df.columns:
-            df[col] = pd.to_numeric(df[col], errors="coerce") * ((1.0 - fraction) + fraction / tp)
-    df["fwd_ms"] = df["fwd_ms"] + forward
-    df["bwd_ms"] = df["bwd_ms"] + backward
-    for col, added in (("input_pass_ms", backward), ("recompute_ms", forward)):
-        if col in df.columns:
-            df[col] = df[col] + added
-    if "total_ms" in df.columns:
-        df["total_ms"] = df["fwd_ms"] + df["bwd_ms"]
-    param_bytes = column("param_bytes")
-    sharded = np.minimum(column("tp_param_bytes"), param_bytes)
-    # state_bytes_per_rank's arithmetic holds elementwise: one rank's bytes of every layer at once
-    held = np.asarray(state_bytes_per_rank(cast(float, param_bytes), cast(float, sharded), tp=tp)["grads"])
-    kept = np.divide(held, param_bytes, out=np.ones_like(held), where=param_bytes > 0)
-    if "param_bytes" in df.columns:
-        df["param_bytes"] = held
-    if "params" in df.columns:
-        df["params"] = pd.to_numeric(df["params"], errors="coerce") * kept
-    return df
-
-
 def layout_profile(run: PublishedRun, profile: Profile | None = None) -> Profile:
     """The per-layer profile one rank of ``run`` computes: ``profile`` (default: the run's
-    :func:`~pipeswift_lab.analytic_profile`) under its tensor parallelism (:func:`tp_times`) and recomputation
+    :func:`~pipeswift_lab.analytic_profile`) under its tensor parallelism
+    (:func:`~pipeswift_lab.profiling.tp_rank.tp_table`) and recomputation
     (every layer, as ``plan(..., recompute=...)`` forces it). Returns a Profile."""
     if profile is None:
         profile = analytic_profile(
             run.spec, run.hardware, run.micro_batch, attention=run.attention, dropout=run.dropout, precision=PRECISION
         )
-    table = tp_times(profile.df, run.tp, run.topology.intra_node, run.sequence_parallel)
+    table = tp_table(profile.df, run.tp, run.topology.intra_node, run.sequence_parallel)
     return recomputed(Profile(table, dict(profile.meta)), run.recompute)
 
 

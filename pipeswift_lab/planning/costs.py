@@ -13,23 +13,10 @@ from typing import Any
 import pandas as pd
 
 from ..core.checks import check_int
+from ..profiling.tp_rank import TIME_COLUMNS
 
 __all__ = ["BYTE_COLUMNS", "TIME_COLUMNS", "MicrobatchCosts"]
 
-#: The per-layer times that follow the micro-batch size (the recomputation's among them, ``recomputed_ms`` of a
-#: profile costed recomputed too).
-TIME_COLUMNS = (
-    "fwd_ms",
-    "bwd_ms",
-    "wgrad_ms",
-    "recompute_ms",
-    "selective_recompute_ms",
-    "recompute_forward_ms",
-    "selective_recompute_forward_ms",
-    "input_pass_ms",
-    "weight_pass_ms",
-    "recomputed_ms",
-)
 #: The per-layer bytes of one micro-batch, which follow its size (the tensor-parallel plan's among them).
 BYTE_COLUMNS = ("activation_bytes", "output_bytes", "tp_activation_bytes", "tp_forward_bytes", "tp_backward_bytes")
 

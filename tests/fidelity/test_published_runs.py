@@ -23,7 +23,7 @@ from pipeswift_lab.fidelity import (
     published_check,
     spearman,
 )
-from pipeswift_lab.fidelity.published import OPTIMIZER_TRAFFIC_FACTOR, layout_profile, tp_times
+from pipeswift_lab.fidelity.published import OPTIMIZER_TRAFFIC_FACTOR, layout_profile
 
 A100 = psl.hardware.A100_80GB
 GQA = psl.TransformerSpec(8, 1024, 16, 2048, 51200, kv_heads=2)
@@ -122,16 +122,13 @@ def test_a_good_configuration_reads_its_measures():
 
 
 # -- prediction: the planner's terms ----------------------------------------------------------------------------------
-@pytest.mark.parametrize("sp", [False, True])
-def test_tp_times_are_the_planners_tp_table(sp):
-    from pipeswift_lab.planning.sharding import tp_table
+def test_a_runs_tensor_parallelism_is_priced_by_the_planners_tp_table():
+    from pipeswift_lab.fidelity import published
+    from pipeswift_lab.planning import sharding
 
+    assert published.tp_table is sharding.tp_table  # one function: the check prices what the planner prices
     prof = psl.analytic_profile(gpt(16, 1024, 4), A100, 2)
-    link = A100.topology().intra_node
-    ours, planner = tp_times(prof.df, 4, link, sp), tp_table(prof.df, 4, link, sp)
-    for col in ("fwd_ms", "bwd_ms", "wgrad_ms", "recompute_ms", "selective_recompute_ms", "params", "param_bytes"):
-        np.testing.assert_allclose(ours[col].to_numpy(float), planner[col].to_numpy(float), rtol=1e-12)
-    assert tp_times(prof.df, 1, link) is prof.df
+    assert sharding.tp_table(prof.df, 1, A100.topology().intra_node) is prof.df
 
 
 def test_optimizer_traffic_is_the_planners():
