@@ -6,34 +6,12 @@ them, and activations as Korthikanti et al., *Reducing Activation Recomputation 
 (MLSys 2023, arXiv 2205.05198) count them: Table 2 per layer, §4.2.3 for the pipeline, §4.3 for the embedding and
 the output layer. :func:`layer_activation_bytes` is one layer's activations for one micro-batch.
 
-Per layer, ``s`` tokens, micro-batch ``b``, width ``h``, ``a`` heads, queries ``q = heads·head_dim`` wide, keys and
-values ``k = kv_heads·head_dim`` wide, MLP inner size ``f``, ``t`` tensor-parallel ranks, ``e = dtype_bytes`` (the
-paper's 2) and ``d = mask_bytes`` (1) with dropout, 0 without. Three groups, each the saved tensors of the paper's
-§4.1 generalized term by term:
-
-* **outside the tensor-parallel regions** (kept whole on every TP rank unless ``sequence_parallel``):
-  the two norms' inputs ``2e·sbh``, the inputs of the QKV and first MLP projections ``2e·sbh``, the two residual
-  dropout masks ``2d·sbh``; for a mixture of experts also the router's fp32 probabilities ``4·sb·E``, its int64
-  choices ``8·sb·K`` and, per routed copy (``K = top_k`` per token), the gathered token ``e·h`` and the expert output
-  kept to weight it ``e·h`` plus its weight ``e``.
-* **inside the regions** (``/ t``): ``Q`` and ``K`` for ``QKᵀ`` ``e·sb(q + k')``, ``V`` ``e·sb·k'``, the output
-  projection's input ``e·sb·q``; the MLP's activation input and second projection's input ``2e·sbf`` (a gated MLP,
-  Megatron's fused SwiGLU, keeps the gate and up outputs and the product, ``3e·sbf``; in PyTorch ops the activation's
-  output too, ``4e·sbf``; a mixture of experts ``K`` times that per token); with ``qk_norm`` the norms' inputs
-  ``e·sb(q + k)``. ``k' = q`` with ``attention="eager"`` (unfused attention, Megatron's and Hugging Face's alike,
-  expands grouped keys and values to the query heads before the matmuls), ``k' = k`` with ``"flash"``.
-* **the attention core** (``/ t``, what selective recomputation drops): eager, the softmax output ``e·as²b``, its
-  dropout mask ``d·as²b`` and the dropout output ``e·as²b`` (without dropout the next matmul keeps the softmax output
-  itself, ``e·as²b`` in all); flash, its fp32 log-sum-exp ``4·asb`` (its output is the projection's input; its dropout
-  mask is regenerated from the seed).
-
-For GPT (``q = k = h``, ``f = 4h``, ``e = 2``, ``d = 1``) the groups are ``10·sbh``, ``24·sbh`` and ``5·as²b``: Table
-2's ``sbh(34 + 5as/h)``, ``sbh(10 + 24/t + 5as/(ht))`` with TP, ``sbh/t·(34 + 5as/h)`` with SP, ``sbh(10 + 24/t)``
-and ``34·sbh/t`` selective; full recomputation keeps the layer's input, ``e·sbh`` (``/ t`` with SP).
-``kernels="pytorch"`` counts what modules written in PyTorch ops keep (Hugging Face's): an ``x·rsqrt(mean x²)·w``
-RMSNorm keeps its normalized input besides its input (``e·sbh`` more per norm, ``e·sb(q + k)`` for the q/k norms), a
-SwiGLU the activation's output; fused kernels (``"fused"``: Megatron-LM's, and torch's LayerNorm) keep the inputs
-only.
+One layer's activations are :func:`~pipeswift_lab.core.transformer_activations.saved_tensors`' (the derivation,
+term by term, for grouped-query attention, gated MLPs and mixtures of experts): what lies outside the
+tensor-parallel regions stays whole on every TP rank unless ``sequence_parallel`` slices it, the rest divides by
+``t``; Korthikanti's selective recomputation drops attention's core; full recomputation keeps the layer's input,
+``e·sbh`` (``/ t`` with SP). For GPT that is Table 2: ``sbh(34 + 5as/h)``, ``sbh(10 + 24/t + 5as/(ht))`` with TP,
+``sbh/t·(34 + 5as/h)`` with SP, ``sbh(10 + 24/t)`` and ``34·sbh/t`` selective.
 
 The first stage holds ``p`` micro-batches of its ``L/p`` layers once 1F1B is warm: ``L`` layers' worth whatever
 ``p`` (§4.2.3), times ``1 + (p-1)/(pv)`` interleaved; :func:`~pipeswift_lab.core.analytic.inflight_microbatches`
@@ -58,6 +36,7 @@ from typing import Any
 
 from .analytic import inflight_microbatches
 from .checks import check_choice, check_flag, check_int, check_time
+from .transformer_activations import saved_tensors
 from .transformer_spec import TransformerSpec
 from .vocabulary import SINGLE_CHUNK_SCHEDULES, canonical_schedule
 
@@ -85,34 +64,6 @@ def _check_tp(spec: TransformerSpec, tp: int, sequence_parallel: bool) -> int:
     return tp
 
 
-def _layer_groups(
-    spec: TransformerSpec, b: int, e: float, d: float, attention: str, kernels: str
-) -> tuple[float, float, float]:
-    """One layer's activation bytes ``(outside, inside, core)`` for one micro-batch of ``b`` (module docs)."""
-    s, h, f, a = spec.seq_len, spec.hidden, spec.ffn_, spec.heads
-    q, k = spec.q_width, spec.kv_width
-    sb = s * b
-    unfused = kernels == "pytorch"
-    norm_extra = e * sb * h if unfused and spec.rms_norm else 0.0
-    outside = 4 * e * sb * h + 2 * d * sb * h + 2 * norm_extra
-    k_kept = q if attention == "eager" else k
-    inside = e * sb * (2 * q + 2 * k_kept)
-    if spec.qk_norm:
-        inside += e * sb * (q + k) * (2 if unfused else 1)
-    mlp = ((4 if unfused else 3) if spec.gated_mlp else 2) * e * sb * f
-    if spec.experts is None:
-        inside += mlp
-    else:
-        K, E = spec.top_k_, spec.experts
-        inside += K * mlp
-        outside += 4 * sb * E + 8 * sb * K + K * sb * (2 * e * h + e)
-    if attention == "eager":
-        core = (e + (d + e if d else 0.0)) * a * s * s * b
-    else:
-        core = 4.0 * a * s * b
-    return outside, inside, core
-
-
 def layer_activation_bytes(
     spec: TransformerSpec,
     micro_batch: int,
@@ -127,8 +78,8 @@ def layer_activation_bytes(
     kernels: str = "fused",
 ) -> float:
     """Bytes one transformer layer keeps for its backward per micro-batch on one tensor-parallel rank: Table 2 of
-    Korthikanti et al. 2022 generalized to grouped-query attention, gated MLPs and mixtures of experts (the module
-    docs derive it term by term).
+    Korthikanti et al. 2022 generalized to grouped-query attention, gated MLPs and mixtures of experts: the sum of
+    :func:`~pipeswift_lab.core.transformer_activations.saved_tensors`, which derives it term by term.
 
     ``recompute``: ``None``, ``"selective"`` (the attention core is recomputed) or ``"full"`` (only the layer's input
     is kept). ``dtype_bytes``: bytes of an activation element (2 in bf16, the paper's; 4 in fp32). ``dropout``: the
@@ -140,16 +91,16 @@ def layer_activation_bytes(
     b = check_int("micro_batch", micro_batch, minimum=1)
     tp = _check_tp(spec, tp, sequence_parallel)
     mode = _check_recompute(recompute)
-    e = check_time("dtype_bytes", dtype_bytes, allow_zero=False)
-    d = check_time("mask_bytes", mask_bytes) if check_flag("dropout", dropout) else 0.0
-    check_choice("attention", attention, ("eager", "flash"), noun="attention kinds")
-    check_choice("kernels", kernels, ("fused", "pytorch"), noun="kernel kinds")
+    saved = saved_tensors(
+        spec, b, dtype_bytes=dtype_bytes, dropout=dropout, mask_bytes=mask_bytes, attention=attention, kernels=kernels
+    )
     if mode == "full":
-        return e * spec.seq_len * b * spec.hidden / (tp if sequence_parallel else 1)
-    outside, inside, core = _layer_groups(spec, b, e, d, attention, kernels)
-    if mode == "selective":
-        core = 0.0
-    return (outside if not sequence_parallel else outside / tp) + (inside + core) / tp
+        return dtype_bytes * spec.seq_len * b * spec.hidden / (tp if sequence_parallel else 1)
+    return sum(
+        item.nbytes / (tp if item.tp or sequence_parallel else 1)
+        for item in saved
+        if item.plain and not (mode == "selective" and item.region == "core")
+    )
 
 
 # -- parameters -------------------------------------------------------------------------------------------------------
@@ -233,7 +184,8 @@ def transformer_memory(
     in flight on the first rank (GPipe holds them all).
     ``dtype_bytes``, ``dropout``, ``mask_bytes``, ``attention`` and ``kernels`` as in :func:`layer_activation_bytes`.
 
-    Keys (bytes): ``parameters_and_optimizer`` (the first rank's ``layers/pp`` transformer layers: their weights,
+    Keys (bytes): ``parameters_and_optimizer`` (the first rank's ``⌈layers/pp⌉`` transformer layers, the most any
+    rank holds where ``pp`` does not divide them, as Llama 3's 126 layers on 16 stages: their weights,
     gradients and optimizer state), ``embedding`` (the same of its embedding, plus the final norm and the untied
     output layer when ``pp == 1``), ``model_states`` (the two: ``weights + gradients + optimizer``, each a key too),
     ``activations_per_layer`` (one layer, one micro-batch), ``layers_in_flight`` (a count, not bytes: layers' worth
@@ -241,7 +193,7 @@ def transformer_memory(
     (§4.3's embedding dropout mask), ``activations_output`` (§4.3's final norm, output layer and fp32 logits, ``pp
     == 1`` only), ``recompute_working_set`` (one layer's recomputed activations during its backward),
     ``activations`` (their sum) and ``total``. Raises ``ValueError`` naming a parallel size that does not divide
-    what it splits.
+    what it splits, or ``pp·v`` chunks for fewer layers.
     """
     mode = _check_recompute(recompute)
     tp = _check_tp(spec, tp, sequence_parallel)
@@ -249,8 +201,9 @@ def transformer_memory(
     dp, ep = check_int("dp", dp, minimum=1), check_int("ep", ep, minimum=1)
     if v > 1 and pp == 1:
         raise ValueError(f"v={v} chunks per rank need pipeline parallelism; with pp=1 use v=1")
-    if spec.layers % (pp * v):
-        raise ValueError(f"pp={pp} × v={v} does not divide layers={spec.layers}: every chunk holds whole layers")
+    if spec.layers < pp * v:
+        raise ValueError(f"pp={pp} × v={v} chunks exceed layers={spec.layers}: every chunk holds a layer at least")
+    rank_layers = -(-spec.layers // pp)  # the most any rank holds when pp does not divide the layers
     if ep > 1 and (spec.experts is None or spec.experts % ep):
         raise ValueError(f"ep={ep} does not divide experts={spec.experts}")
     schedule = canonical_schedule(schedule) if schedule is not None else ("Interleaved1F1B" if v > 1 else "1F1B")
@@ -262,7 +215,7 @@ def transformer_memory(
     if check_flag("distributed_optimizer", distributed_optimizer):
         o_bytes /= dp
     per_param = w_bytes + g_bytes + o_bytes
-    layer_params = spec.layers // pp * _layer_params_per_gpu(spec, tp, ep)
+    layer_params = rank_layers * _layer_params_per_gpu(spec, tp, ep)
     embedding_params = _embedding_params_per_gpu(spec, tp, pp)
     params = layer_params + embedding_params
 
@@ -280,7 +233,7 @@ def transformer_memory(
     working = {"none": 0.0, "selective": -per_layer, "full": 0.0}[mode]
     if mode != "none":
         working += layer_activation_bytes(spec, micro_batch, **keywords)
-    layers_in_flight = in_flight * spec.layers / pp
+    layers_in_flight = in_flight * rank_layers
     e, b, s, h = float(dtype_bytes), micro_batch, spec.seq_len, spec.hidden
     sp = tp if sequence_parallel else 1
     embedding_act = in_flight * (mask_bytes if dropout else 0.0) * s * b * h / sp

@@ -18,7 +18,8 @@ micro-batch at the profiled size):
   operator saves it) held beside them; the parameter count, the largest parameter and a layer's backward transients
   (mostly its weight gradients) shrink as the parameter bytes do, while the loss's backward and the output's gradient
   on the last stage (the profile's meta, the layers' outputs) stay whole, as the runner's prediction takes them
-  (:mod:`pipeswift_lab.runner.layout_memory`). The outputs that cross a pipeline cut stay whole;
+  (:mod:`pipeswift_lab.runner.layout_memory`), except a vocabulary-parallel loss's (an analytic profile's), which
+  divides as its time does. The outputs that cross a pipeline cut stay whole;
 * with sequence parallelism (``plan(..., sequence_parallel=True)``, Korthikanti et al. 2022) the saved activations
   that divide are ``sp_activation_bytes`` (the norms' and the residual stream's too), and each all-reduce becomes an
   all-gather and a reduce-scatter of the same bytes: forward, the entries' inputs are gathered and the exits'
@@ -78,7 +79,22 @@ def tp_costs(costs: MicrobatchCosts, tp: int, link: Link, sequence_parallel: boo
     collectives on ``link``, with ``sequence_parallel`` or without. Returns ``costs`` itself when ``tp == 1``."""
     if tp == 1:
         return costs
-    return costs.derived(lambda df: tp_table(df, tp, link, sequence_parallel))
+    out = costs.derived(lambda df: tp_table(df, tp, link, sequence_parallel))
+    out.metas = {b: _tp_meta(meta, tp) for b, meta in costs.metas.items()}
+    return out
+
+
+def _tp_meta(meta: dict, tp: int) -> dict:
+    """A profile's ``meta`` on one of ``tp`` ranks: the loss's bytes divided where its cross-entropy is
+    vocabulary-parallel (``meta["loss_vocab_parallel"]``, an analytic profile's: Megatron-LM's), whole otherwise
+    (the runner's loss, which the last stage computes on the gathered logits)."""
+    if not meta.get("loss_vocab_parallel"):
+        return meta
+    out = dict(meta)
+    for key in ("loss_activation_bytes", "loss_transient_bytes"):
+        if isinstance(out.get(key), (int, float)):
+            out[key] = out[key] / tp
+    return out
 
 
 def fsdp_factors(fsdp: int) -> dict[str, float]:

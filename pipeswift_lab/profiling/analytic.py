@@ -212,6 +212,7 @@ def _meta(
         "loss_activation_bytes": float(FP32 * T * V),
         "loss_transient_bytes": float((FP32 + element_bytes) * T * V),
         "loss_retained_bytes": float(FP32),
+        "loss_vocab_parallel": tp_plan,  # Megatron-LM's cross-entropy: each TP rank holds its vocabulary slice
         "spec": dataclasses.asdict(spec),
         "hardware_numbers": hardware.as_dict(),
         "attention": attention,

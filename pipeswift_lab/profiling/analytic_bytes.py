@@ -1,106 +1,30 @@
 """What each layer of a transformer holds, per micro-batch, counted from its shape: the memory columns of
 :func:`~pipeswift_lab.profiling.analytic.analytic_profile`.
 
-The saved activations follow Korthikanti et al., *Reducing Activation Recomputation in Large Transformer Models*
-(MLSys 2023), §4.1 and Table 2: a GPT block on ``b`` sequences of ``s`` tokens, hidden size ``h``, ``a`` heads, in
-bf16 with one-byte dropout masks, saves ``s b h (34 + 5 a s / h)`` bytes: attention ``11 s b h + 5 a s² b``
-(``QKV``'s input ``2 sbh``, ``Q`` and ``K`` ``4 sbh``, the softmax ``2 a s² b``, its dropout mask ``a s² b`` and
-output ``2 a s² b``, ``V`` ``2 sbh``, the output projection's input ``2 sbh``, its dropout mask ``sbh``), the MLP
-``19 sbh`` (the two linears' inputs ``2 sbh`` and ``8 sbh``, GeLU's input ``8 sbh``, the dropout mask ``sbh``) and the
-two norms' inputs ``4 sbh``. Generalised here (:func:`saved_tensors`), with ``e`` bytes per element:
-
-* grouped-query attention saves ``Q`` at ``a · d`` and ``K``, ``V`` at ``kv_heads · d`` wide; q/k norms their
-  inputs besides;
-* flash attention (``attention="flash"``) saves no ``s × s`` tensor: its output and the fp32 log-sum-exp of each
-  row (``4 a s b``) instead of the softmax, its mask and its output; without dropout (the default; Llama-style
-  models train without) no mask anywhere;
-* a gated MLP (SwiGLU, as Megatron-LM fuses it) saves the gate-and-up projection's output ``2 e s b f`` and the
-  product ``e s b f`` (GeLU: ``e s b f`` twice); a mixture of experts saves the router's logits, the tokens as
-  permuted to their ``top_k`` experts and each expert's tensors for the tokens routed to it (``top_k`` times a
-  dense MLP's per token, balanced routing), and the experts' outputs the weighted combination reads;
-* a layer counts its *output* (what the next layer saves as its input, allocated here: the measured profiles'
-  convention, ``activation_bytes`` being what the layer's forward allocates that its backward still needs), not
-  its input, which the previous layer counted.
-
-Each tensor also says whether it is a local shard under tensor parallelism (``tp_activation_bytes``: Korthikanti's
-``24 sbh / t`` part, the ``10 sbh`` of norm inputs, linear inputs and masks staying whole) and whether selective
-recomputation keeps it (the GEMMs' results and the layer's output, :mod:`pipeswift_lab.core.recompute`); with
-sequence parallelism everything a layer saves is a shard or a slice of the sequence
-(``sp_activation_bytes = activation_bytes``, Korthikanti's ``34 sbh / t``). Full recomputation keeps the output
-alone.
+A block's saved activations are :func:`~pipeswift_lab.core.transformer_activations.saved_tensors`', the same list
+:func:`~pipeswift_lab.transformer_memory` sums (Korthikanti et al., *Reducing Activation Recomputation in Large
+Transformer Models*, MLSys 2023, §4.1 and Table 2, generalised to grouped-query attention, gated MLPs and mixtures of
+experts), with Megatron-LM's fused kernels and one-byte dropout masks. A block counts its input the way a measured
+profile counts its output (the same bytes: what the next layer saves as its input). ``tp_activation_bytes`` is what
+divides under tensor parallelism (the regions' tensors; Korthikanti's ``24 sbh / t`` and ``5 as²b / t``, the ``10
+sbh`` of norm inputs, linear inputs and masks staying whole); with sequence parallelism everything a layer saves is
+a shard or a slice of the sequence (``sp_activation_bytes = activation_bytes``, Korthikanti's ``34 sbh / t``). The
+toolkit's selective recomputation keeps the GEMMs' results and the layer's input
+(:attr:`~pipeswift_lab.core.transformer_activations.Saved.kept`, :mod:`pipeswift_lab.core.recompute`); full
+recomputation keeps the input alone.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..core.transformer_activations import Saved, saved_tensors
 from ..core.transformer_spec import TransformerSpec
 
-__all__ = ["LayerBytes", "Saved", "layer_bytes", "saved_tensors"]
+__all__ = ["LayerBytes", "layer_bytes"]
 
 #: Bytes of an fp32 value (norm statistics, the log-sum-exp, the loss's softmax).
 FP32 = 4
-
-
-@dataclass(frozen=True)
-class Saved:
-    """One tensor a layer's forward keeps for its backward (or keeps under selective recomputation)."""
-
-    name: str
-    nbytes: int
-    plain: bool = True
-    """Saved in a forward without recomputation."""
-    kept: bool = False
-    """Kept by selective recomputation (a GEMM's result, the layer's output)."""
-    tp: bool = False
-    """A local shard under tensor parallelism (without sequence parallelism)."""
-
-
-def saved_tensors(
-    spec: TransformerSpec, micro_batch: int, *, attention: str = "flash", dropout: bool = False, element_bytes: int = 2
-) -> list[Saved]:
-    """The tensors one block of ``spec`` saves on ``micro_batch`` sequences, ``element_bytes`` per element
-    (the module docs derive them). Returns a list of :class:`Saved`."""
-    e, T, h, f = element_bytes, micro_batch * spec.seq_len, spec.hidden, spec.ffn_
-    hq, hkv, a, s, b = spec.q_width, spec.kv_width, spec.heads, spec.seq_len, micro_batch
-    stats = T * FP32 * (1 if spec.rms_norm else 2)  # RMSNorm keeps 1/rms, LayerNorm the mean too
-    mask = T * h if dropout else 0
-    out = [
-        Saved("output", e * T * h, kept=True),
-        Saved("norm_attention_out", e * T * h + stats),
-        Saved("qkv", e * T * (hq + 2 * hkv), kept=True, tp=True),
-    ]
-    if spec.qk_norm:
-        out.append(Saved("qk_norm_in", e * T * (hq + hkv) + FP32 * T * (a + spec.kv_heads_), tp=True))
-    if attention == "flash":
-        out.append(Saved("attention_out", e * T * hq + FP32 * T * a, tp=True))
-    else:
-        scores = a * s * s * b
-        out.append(Saved("softmax", e * scores, tp=True))
-        if dropout:
-            out += [Saved("softmax_dropout_mask", scores, tp=True), Saved("softmax_dropout", e * scores, tp=True)]
-        out.append(Saved("attention_out", e * T * hq, tp=True))
-    out += [
-        Saved("attention_proj", e * T * h, plain=False, kept=True),
-        Saved("attention_dropout_mask", mask),
-        Saved("residual", e * T * h + stats),
-        Saved("norm_mlp_out", e * T * h),
-    ]
-    routed = T * spec.top_k_ if spec.experts is not None else T
-    if spec.experts is not None:
-        E = spec.experts
-        out += [
-            Saved("router_logits", (e + FP32) * T * E, kept=True),
-            Saved("permuted", e * routed * h),
-        ]
-    up = 2 * f if spec.gated_mlp else f
-    out += [
-        Saved("mlp_up", e * routed * up, kept=True, tp=True),
-        Saved("mlp_act", e * routed * f, tp=True),
-        Saved("mlp_down", e * routed * h, plain=spec.experts is not None, kept=True, tp=spec.experts is not None),
-        Saved("mlp_dropout_mask", mask),
-    ]
-    return [item for item in out if item.nbytes > 0]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -108,24 +32,24 @@ class LayerBytes:
     """The byte (and parameter) columns of one layer, per micro-batch (:func:`layer_bytes`)."""
 
     params: int
-    param_bytes: int
-    largest_param_bytes: int
-    tp_param_bytes: int
-    activation_bytes: int
-    output_bytes: int
-    tp_activation_bytes: int
-    sp_activation_bytes: int
-    full_activation_bytes: int
-    selective_activation_bytes: int
-    weight_pass_bytes: int
-    full_weight_pass_bytes: int
-    selective_weight_pass_bytes: int
-    transient_bytes: int
-    accumulate_transient_bytes: int
-    full_transient_bytes: int
-    selective_transient_bytes: int
-    tp_forward_bytes: int
-    tp_backward_bytes: int
+    param_bytes: float
+    largest_param_bytes: float
+    tp_param_bytes: float
+    activation_bytes: float
+    output_bytes: float
+    tp_activation_bytes: float
+    sp_activation_bytes: float
+    full_activation_bytes: float
+    selective_activation_bytes: float
+    weight_pass_bytes: float
+    full_weight_pass_bytes: float
+    selective_weight_pass_bytes: float
+    transient_bytes: float
+    accumulate_transient_bytes: float
+    full_transient_bytes: float
+    selective_transient_bytes: float
+    tp_forward_bytes: float
+    tp_backward_bytes: float
 
 
 def layer_bytes(
@@ -146,7 +70,8 @@ def layer_bytes(
         return _block(spec, micro_batch, attention, dropout, e, weight_bytes)
     if kind == "embedding":
         params = spec.embedding_params()
-        saved = [Saved("output", e * T * h, kept=True)] + ([Saved("dropout_mask", T * h)] if dropout else [])
+        saved = [Saved("output", e * T * h, "outside", kept=True)]
+        saved += [Saved("dropout_mask", T * h, "outside")] if dropout else []
         return _assemble(
             params=params,
             weight_bytes=weight_bytes,
@@ -165,7 +90,7 @@ def layer_bytes(
         raise ValueError(f"kind={kind!r} is not 'embedding', 'block' or 'head'")
     params = spec.head_params()
     stats = T * FP32 * (1 if spec.rms_norm else 2)
-    saved = [Saved("norm_out", e * T * h + stats), Saved("logits", e * T * V, kept=True, tp=True)]
+    saved = [Saved("norm_out", e * T * h + stats, "outside"), Saved("logits", e * T * V, "inside", kept=True)]
     return _assemble(
         params=params,
         weight_bytes=weight_bytes,
@@ -204,7 +129,7 @@ def _block(spec: TransformerSpec, b: int, attention: str, dropout: bool, e: int,
         weight_bytes=weight_bytes,
         largest=weight_bytes * max(h * (hq + 2 * hkv), hq * h, h * up, f * h),
         tp_params=attention_tp + mlp_tp,
-        saved=saved_tensors(spec, b, attention=attention, dropout=dropout, element_bytes=e),
+        saved=saved_tensors(spec, b, dtype_bytes=e, dropout=dropout, attention=attention),
         output=e * T * h,
         weight_pass=weight_pass,
         recomputed_for_w=recomputed_for_w,
@@ -218,17 +143,17 @@ def _block(spec: TransformerSpec, b: int, attention: str, dropout: bool, e: int,
 def _assemble(
     *,
     params: int,
-    weight_bytes: int,
-    largest: int,
-    tp_params: int,
+    weight_bytes: float,
+    largest: float,
+    tp_params: float,
     saved: list[Saved],
-    output: int,
-    weight_pass: int,
-    recomputed_for_w: int,
-    grads: int,
-    temp: int,
-    tp_forward: int,
-    tp_backward: int,
+    output: float,
+    weight_pass: float,
+    recomputed_for_w: float,
+    grads: float,
+    temp: float,
+    tp_forward: float,
+    tp_backward: float,
 ) -> LayerBytes:
     """The :class:`LayerBytes` of a layer from what it saves and its backward's temporaries ``temp`` (beyond its
     weight gradients ``grads``)."""

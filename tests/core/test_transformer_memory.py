@@ -3,6 +3,8 @@
 ``theoretical_memory_usage.py``; and against what the profiler measures for small GPT, Llama, Qwen3 and Mixtral
 models on this CPU."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -183,7 +185,7 @@ def test_figure_7_sp_and_selective_save_alike_as_the_models_grow():
         (gpt(16, 1024, 8), {"recompute": "some"}, "recompute"),
         (gpt(12, 768, 8), {"tp": 8}, "heads=12"),
         (TransformerSpec(8, 1024, 16, S, V, kv_heads=2), {"tp": 4}, "kv_heads=2"),
-        (gpt(16, 1024, 10), {"pp": 4}, "layers=10"),
+        (gpt(16, 1024, 6), {"pp": 4, "v": 2}, "layers=6"),
         (gpt(16, 1024, 8), {"v": 2}, "pp=1"),
         (gpt(16, 1024, 8), {"pp": 4, "v": 4}, "v=4"),
         (gpt(16, 1024, 8), {"ep": 2}, "experts"),
@@ -195,6 +197,20 @@ def test_figure_7_sp_and_selective_save_alike_as_the_models_grow():
 def test_bad_input_names_itself(spec, kwargs, words):
     with pytest.raises(ValueError, match=words):
         psl.transformer_memory(spec, 1, **kwargs)
+
+
+def test_a_pipeline_that_does_not_divide_the_layers_counts_its_busiest_rank():
+    """Llama 3 405B's 126 layers on 16 stages (Dubey et al. 2024, Table 4): the first rank is counted with 8, the most
+    any rank holds, in its parameters and in the layers' worth of activations it keeps."""
+    llama = TransformerSpec(
+        126, 16384, 128, 8192, 128256, ffn=53248, kv_heads=8, gated_mlp=True, bias=False, rms_norm=True,
+        learned_positions=False,
+    )  # fmt: skip
+    uneven = psl.transformer_memory(llama, 1, tp=8, pp=16, sequence_parallel=True)
+    even = psl.transformer_memory(dataclasses.replace(llama, layers=128), 1, tp=8, pp=16, sequence_parallel=True)
+    assert uneven["parameters_and_optimizer"] == even["parameters_and_optimizer"]
+    assert uneven["layers_in_flight"] == even["layers_in_flight"] == 16 * 8
+    assert uneven["activations"] == pytest.approx(even["activations"])
 
 
 # -- measured on this CPU ---------------------------------------------------------------------------------------------

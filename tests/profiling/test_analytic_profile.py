@@ -9,8 +9,12 @@ import pytest
 
 import pipeswift_lab as psl
 from pipeswift_lab.core.hardware import A100_80GB, H100_SXM, H200, Hardware
+from pipeswift_lab.core.transformer_activations import saved_tensors
+from pipeswift_lab.core.transformer_memory import layer_activation_bytes
+from pipeswift_lab.planning.costs import MicrobatchCosts
+from pipeswift_lab.planning.sharding import tp_costs
 from pipeswift_lab.profiling.analytic import analytic_profile, layer_row, tp_divides
-from pipeswift_lab.profiling.analytic_bytes import layer_bytes, saved_tensors
+from pipeswift_lab.profiling.analytic_bytes import layer_bytes
 from pipeswift_lab.profiling.analytic_time import (
     KERNEL_OVERHEAD_MS,
     attention_ops,
@@ -39,32 +43,49 @@ LLAMA_70B = psl.TransformerSpec(
 def test_a_gpt_block_saves_korthikanti_s_34_plus_5as_over_h_bytes_per_sbh():
     """Table 2 of Korthikanti et al.: ``s b h (34 + 5 a s / h)`` bytes per layer in bf16, with dropout, the scores
     written out; ``10 s b h`` stay whole under tensor parallelism, the rest is sharded; sequence parallelism slices
-    it all. The norms' fp32 statistics (8 bytes a token each) come on top."""
+    it all."""
     s, b, h, a = 2048, 4, 6144, 64
-    sbh, stats = s * b * h, 2 * 8 * s * b
+    sbh = s * b * h
     block = layer_bytes("block", GPT_22B, b, attention="eager", dropout=True)
-    assert block.activation_bytes == sbh * 34 + 5 * a * s * s * b + stats
+    assert block.activation_bytes == sbh * 34 + 5 * a * s * s * b
     assert block.tp_activation_bytes == sbh * 24 + 5 * a * s * s * b
-    assert block.activation_bytes - block.tp_activation_bytes == 10 * sbh + stats
+    assert block.activation_bytes - block.tp_activation_bytes == 10 * sbh
     assert block.sp_activation_bytes == block.activation_bytes
     # without dropout the masks and the dropout's output go: 2 a s² b of the 5
     plain = layer_bytes("block", GPT_22B, b, attention="eager")
-    assert plain.activation_bytes == sbh * 32 + 2 * a * s * s * b + stats
+    assert plain.activation_bytes == sbh * 32 + 2 * a * s * s * b
     # flash attention keeps no s × s tensor: its output (the projection's input) and a log-sum-exp per row
     flash = layer_bytes("block", GPT_22B, b, attention="flash")
-    assert flash.activation_bytes == sbh * 32 + stats + 4 * s * b * a
+    assert flash.activation_bytes == sbh * 32 + 4 * s * b * a
 
 
-def test_recomputation_keeps_the_output_or_the_gemm_results():
-    """Full recomputation keeps the layer's output (the next layer's input: Korthikanti's ``2 sbh``); selective keeps
-    the GEMMs' results besides (QKV 3, output projection 1, up 4, down 1, output 1: ``20 sbh`` in bf16, as the
-    profiler measures the repo's selective policy, pipeswift_lab.core.recompute)."""
+@pytest.mark.parametrize("attention", ["eager", "flash"])
+@pytest.mark.parametrize("dropout", [False, True])
+@pytest.mark.parametrize("spec", [GPT_22B, LLAMA_70B, LLAMA_7B], ids=["gpt", "llama70b", "llama7b"])
+def test_the_profile_s_bytes_are_transformer_memory_s(spec, dropout, attention):
+    """One activation model: a block's columns sum the tensors psl.transformer_memory sums, at tp = 1 and as the
+    planner divides them under tensor and sequence parallelism."""
+    b, t = 2, 8
+    block = layer_bytes("block", spec, b, attention=attention, dropout=dropout)
+    kw = dict(attention=attention, dropout=dropout)
+    assert block.activation_bytes == pytest.approx(layer_activation_bytes(spec, b, **kw))
+    tp_kept = block.activation_bytes - block.tp_activation_bytes + block.tp_activation_bytes / t
+    assert tp_kept == pytest.approx(layer_activation_bytes(spec, b, tp=t, **kw))
+    sp = layer_activation_bytes(spec, b, tp=t, sequence_parallel=True, **kw)
+    assert block.sp_activation_bytes / t == pytest.approx(sp)
+    assert block.full_activation_bytes == layer_activation_bytes(spec, b, recompute="full", **kw)
+
+
+def test_recomputation_keeps_the_input_or_the_gemm_results():
+    """Full recomputation keeps the layer's input (Korthikanti's ``2 sbh``, the size of its output, as a measured
+    profile counts it); selective keeps the GEMMs' results besides (QKV 3, output projection 1, up 4, down 1, input
+    1: ``20 sbh`` in bf16, as the profiler measures the repo's selective policy, pipeswift_lab.core.recompute)."""
     s, b, h = 2048, 1, 6144
     block = layer_bytes("block", GPT_22B, b)
     assert block.full_activation_bytes == block.output_bytes == 2 * s * b * h
     assert block.selective_activation_bytes == 20 * s * b * h
     kept = {t.name for t in saved_tensors(GPT_22B, b) if t.kept}
-    assert kept == {"output", "qkv", "attention_proj", "mlp_up", "mlp_down"}
+    assert kept == {"input", "qkv", "attention_proj", "mlp_up", "mlp_down"}
     assert block.full_transient_bytes > block.selective_transient_bytes > block.accumulate_transient_bytes
 
 
@@ -72,8 +93,8 @@ def test_grouped_query_gated_and_mixture_of_experts_blocks():
     T, h = 4096, 8192
     llama = layer_bytes("block", LLAMA_70B, 1)
     q, kv, f = 8192, 1024, 28672
-    # output, two norm outputs, residual, q/k/v, attention output, gate+up (2f) and SwiGLU's product (f)
-    expected = 2 * T * (h + h + h + (q + 2 * kv) + q + h + 3 * f) + 4 * T * (1 + 1) + 4 * T * 64
+    # input, two norm outputs, residual, q/k/v, attention output, gate+up (2f) and SwiGLU's product (f), the lse
+    expected = 2 * T * (h + h + h + (q + 2 * kv) + q + h + 3 * f) + 4 * T * 64
     assert llama.activation_bytes == expected
     assert llama.params == LLAMA_70B.layer_params() and llama.param_bytes == 2 * llama.params
     mixtral = psl.TransformerSpec(
@@ -82,9 +103,10 @@ def test_grouped_query_gated_and_mixture_of_experts_blocks():
     )  # fmt: skip
     moe = layer_bytes("block", mixtral, 1)
     dense = layer_bytes("block", psl.TransformerSpec(**{**mixtral.__dict__, "experts": None, "top_k": None}), 1)
-    # every token's MLP tensors twice (top_k = 2), the tokens as permuted and the experts' outputs, the router
+    # every token's MLP tensors twice (top_k = 2), the gathered tokens, the experts' outputs and their weights, the
+    # router's fp32 probabilities and int64 choices
     T, h, f, k, E = 4096, 4096, 14336, 2, 8
-    extra = 2 * (k - 1) * T * 3 * f + 2 * k * T * h + 2 * k * T * h + (2 + 4) * T * E
+    extra = 2 * (k - 1) * T * 3 * f + 2 * k * T * h + 2 * k * T * h + 2 * k * T + 4 * T * E + 8 * T * k
     assert moe.activation_bytes == dense.activation_bytes + extra
     assert moe.params == mixtral.layer_params()
     assert tp_divides(mixtral) == [8, 32, 14336]
@@ -257,3 +279,17 @@ def test_a_hugging_face_config_profiles_too():
     assert prof.meta["tp_divides"] == [4, 16, 2816]
     assert int(prof.df["params"].sum()) == spec.params()
     assert all(math.isfinite(x) and x > 0 for x in prof.df["fwd_ms"])
+
+
+def test_the_vocabulary_parallel_loss_divides_under_tensor_parallelism():
+    """An analytic profile's loss is Megatron-LM's vocabulary-parallel cross-entropy: its time divides by tp in the
+    head's row and its bytes in the planner's meta; a measured profile's loss (on gathered logits) stays whole."""
+    link = H100_SXM.intra_node_link
+    prof = analytic_profile(LLAMA_7B, H100_SXM, 1)
+    assert prof.meta["loss_vocab_parallel"] is True
+    sharded = tp_costs(MicrobatchCosts(prof), 4, link).metas[1]
+    for key in ("loss_activation_bytes", "loss_transient_bytes"):
+        assert sharded[key] == pytest.approx(prof.meta[key] / 4)
+    measured = psl.Profile(prof.df, {**prof.meta, "loss_vocab_parallel": False})
+    whole = tp_costs(MicrobatchCosts(measured), 4, link).metas[1]
+    assert whole["loss_activation_bytes"] == prof.meta["loss_activation_bytes"]
