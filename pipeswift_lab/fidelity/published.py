@@ -13,8 +13,9 @@ what its authors measured: the iteration time, or the achieved teraFLOP/s per GP
    Megatron-LM collectives on the topology's intra-node link, all-reduces or, with sequence parallelism,
    all-gathers and reduce-scatters), then the recomputation on every layer
    (:func:`~pipeswift_lab.profiling.recompute_costs.recomputed`);
-3. the stages as Megatron-LM and torchtitan cut them: ``layers / (pp · v)`` blocks each, the embedding on the first
-   and the head on the last (:meth:`~pipeswift_lab.Partition.from_bounds`); the step simulated
+3. the stages as Megatron-LM and torchtitan cut them: ``layers / (pp · v)`` blocks each (where that does not divide,
+   :func:`even_cut`'s, or the run's own ``stage_layers``), the embedding on the first and the head on the last
+   (:meth:`~pipeswift_lab.Partition.from_bounds`); the step simulated
    (:func:`~pipeswift_lab.simulation.simulate_step_ms`), the pipeline's sends on the topology's ``pp`` link;
 4. the terms beside the pipeline as :func:`pipeswift_lab.planning.placement.collective_terms` prices them, from
    :mod:`pipeswift_lab.core.topology`'s rings: the replicas' gradient all-reduce (``fsdp == 1``), or FSDP's
@@ -63,6 +64,7 @@ __all__ = [
     "OPTIMIZER_TRAFFIC_FACTOR",
     "PRECISION",
     "PublishedRun",
+    "even_cut",
     "layout_profile",
     "load_published",
     "predict_iteration",
@@ -85,7 +87,8 @@ class PublishedRun:
     iteration_s=None | tflops_per_gpu=None | tokens_per_s_per_gpu=None, ...)``.
 
     Checked against the spec at construction; ``ValueError`` names the run and the field: ``tp`` must divide the
-    heads, the key/value heads, the MLP's inner size and the node; ``pp · v`` the layers; ``gpus`` must be ``tp · pp ·
+    heads, the key/value heads, the MLP's inner size and the node; ``pp · v`` stages need a block each
+    (``stage_layers`` says how many, :func:`even_cut` by default); ``gpus`` must be ``tp · pp ·
     dp · fsdp``; ``global_batch`` a multiple of ``micro_batch · dp · fsdp``; at most one measurement, ``> 0``.
     ``tflops_per_gpu`` is read as :func:`~pipeswift_lab.transformer_flops` counts an iteration with the run's
     recomputation (for a GPT with full recomputation, Eq. 3 of Narayanan et al., SC'21, the count their Table 1
@@ -104,6 +107,8 @@ class PublishedRun:
     fsdp: int = 1
     schedule: str = "1F1B"
     v: int = 1
+    stage_layers: tuple[int, ...] | None = None
+    """Blocks per pipeline stage in order, ``pp · v`` of them summing to the layers; None: :func:`even_cut`'s."""
     recompute: str | None = None
     sequence_parallel: bool = False
     iteration_s: float | None = None
@@ -164,8 +169,19 @@ class PublishedRun:
         if self.sequence_parallel and spec.seq_len % tp:
             fail(f"sequence_parallel with tp={tp} needs tp to divide seq_len={spec.seq_len}")
         stages = self.pp * self.v
-        if spec.layers % stages:
-            fail(f"pp·v={self.pp}·{self.v}={stages} does not divide layers={spec.layers}: each stage holds as many")
+        if spec.layers < stages:
+            fail(f"pp·v={self.pp}·{self.v}={stages} stages exceed layers={spec.layers}: each holds a block at least")
+        if self.stage_layers is not None:
+            try:
+                cut = tuple(check_int(f"stage_layers[{i}]", n, minimum=1) for i, n in enumerate(self.stage_layers))
+            except (TypeError, ValueError) as exc:
+                fail(f"stage_layers: {exc}")
+            if len(cut) != stages or sum(cut) != spec.layers:
+                fail(
+                    f"stage_layers={list(cut)} must give pp·v={stages} stages summing to layers={spec.layers}; "
+                    f"got {len(cut)} summing to {sum(cut)}"
+                )
+            object.__setattr__(self, "stage_layers", cut)
         if self.v > 1 and self.schedule not in MULTI_CHUNK_SCHEDULES:
             fail(f"v={self.v} needs a multi-chunk schedule ({list(MULTI_CHUNK_SCHEDULES)}); got {self.schedule!r}")
         product = tp * self.pp * self.dp * self.fsdp
@@ -195,6 +211,11 @@ class PublishedRun:
     def m(self) -> int:
         """Micro-batches each pipeline runs per iteration: ``global_batch / (micro_batch · dp · fsdp)``."""
         return self.global_batch // (self.micro_batch * self.dp * self.fsdp)
+
+    @property
+    def stage_blocks(self) -> tuple[int, ...]:
+        """Blocks per pipeline stage, in order: ``stage_layers``, or :func:`even_cut` of the layers."""
+        return self.stage_layers or even_cut(self.spec.layers, self.pp * self.v)
 
     @property
     def tokens(self) -> int:
@@ -235,6 +256,20 @@ class PublishedRun:
         return None if seconds is None else seconds * self.gpus / self.tokens
 
 
+def even_cut(layers: int, stages: int) -> tuple[int, ...]:
+    """``layers`` blocks over ``stages`` pipeline stages as evenly as they go, the first and the last stage (which also
+    hold the embedding and the head) given one fewer first, then the second and the second-to-last, and so on: Llama
+    3's 405B, 126 layers on 16 stages, is cut 7, 8 × 14, 7 (Dubey et al. 2024, §3.3.2). Returns a tuple of counts."""
+    layers, stages = check_int("layers", layers, minimum=1), check_int("stages", stages, minimum=1)
+    if stages > layers:
+        raise ValueError(f"{stages} stages exceed {layers} layers: each stage holds a block at least")
+    most = -(-layers // stages)
+    counts = [most] * stages
+    for i in range(most * stages - layers):
+        counts[i // 2 if i % 2 == 0 else stages - 1 - i // 2] -= 1
+    return tuple(counts)
+
+
 # --------------------------------------------------------------------------- the shipped runs
 def load_published(df: pd.DataFrame | None = None) -> list[PublishedRun]:
     """The rows of ``df`` (default :func:`pipeswift_lab.data.published_runs`, its columns) as
@@ -270,12 +305,15 @@ def _run_of(row: pd.Series) -> PublishedRun:
     except (TypeError, ValueError) as exc:
         raise ValueError(f"published run {name!r}: {exc}") from None
     ints = {k: int(row[k]) for k in ("gpus", "tp", "pp", "dp", "fsdp", "micro_batch", "global_batch", "v")}
+    cut = optional("stage_layers")
+    stage_layers = None if cut is None else tuple(int(n) for n in str(cut).split())
     measured: dict[str, Any] = {unit: float(row["measured"])}
     return PublishedRun(
         spec,
         _hardware_of(row),
         **ints,
         schedule=str(row["schedule"]),
+        stage_layers=stage_layers,
         recompute=optional("recompute") or None,
         sequence_parallel=bool(row["sequence_parallel"]),
         attention=str(row["attention"]),
@@ -320,10 +358,12 @@ def layout_profile(run: PublishedRun, profile: Profile | None = None) -> Profile
 
 
 def _partition(run: PublishedRun, prof: Profile) -> Partition:
-    """Megatron-LM's and torchtitan's cut: ``layers / (pp · v)`` blocks a stage, the embedding first, the head last."""
-    stages, n = run.pp * run.v, len(prof.df)
-    per = (n - 2) // stages
-    ends = [1 + per * (s + 1) for s in range(stages)]
+    """The run's cut (:attr:`PublishedRun.stage_blocks`: Megatron-LM's and torchtitan's ``layers / (pp · v)`` blocks
+    a stage where that divides), the embedding on the first stage, the head on the last."""
+    n, ends, at = len(prof.df), [], 1
+    for blocks in run.stage_blocks:
+        at += blocks
+        ends.append(at)
     ends[-1] = n
     bounds = list(zip([0, *ends[:-1]], ends))
     return Partition.from_bounds(

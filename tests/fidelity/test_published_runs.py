@@ -23,7 +23,7 @@ from pipeswift_lab.fidelity import (
     published_check,
     spearman,
 )
-from pipeswift_lab.fidelity.published import OPTIMIZER_TRAFFIC_FACTOR, layout_profile
+from pipeswift_lab.fidelity.published import OPTIMIZER_TRAFFIC_FACTOR, even_cut, layout_profile
 
 A100 = psl.hardware.A100_80GB
 GQA = psl.TransformerSpec(8, 1024, 16, 2048, 51200, kv_heads=2)
@@ -93,8 +93,9 @@ def test_a_row_that_does_not_fit_its_spec_is_named():
             "tp=4 does not divide kv_heads=2",
         ),
         (dict(tp=16, dp=1, gpus=16, spec=gpt(32, 2048, 8)), "gpus_per_node=8"),
-        (dict(pp=3, dp=1, gpus=3, global_batch=3), r"pp·v=3·1=3 does not divide layers=8"),
-        (dict(pp=2, v=3, dp=4, schedule="Interleaved1F1B"), r"pp·v=2·3=6 does not divide layers=8"),
+        (dict(pp=3, v=3, dp=1, gpus=3, global_batch=3, schedule="Interleaved1F1B"), r"pp·v=3·3=9 stages exceed"),
+        (dict(pp=2, dp=4, stage_layers=(3, 4)), r"stage_layers=\[3, 4\] must give pp·v=2 stages summing to layers=8"),
+        (dict(pp=2, dp=4, stage_layers=(8, 0)), r"stage_layers\[1\]"),
         (dict(pp=2, v=2, dp=4), "v=2 needs a multi-chunk schedule"),
         (dict(gpus=16), r"gpus=16 is not tp·pp·dp·fsdp"),
         (dict(global_batch=12), r"global_batch=12 is not a multiple of micro_batch·dp·fsdp"),
@@ -150,6 +151,23 @@ def test_prediction_adds_the_collectives_the_planner_prices():
     assert hidden["exposed_sync_ms"] == 0 < hidden["dp_ms"]  # within one micro-batch's backward
     sharded = predict_iteration(run(tp=2, dp=1, fsdp=4, global_batch=8, overlap_grad_sync=True))
     assert sharded["fsdp_ms"] > 0 and sharded["exposed_sync_ms"] == pytest.approx(sharded["fsdp_ms"] / 8)
+
+
+def test_an_uneven_pipeline_is_cut_as_llama_3_cut_its_405b():
+    """126 layers on 16 stages: 7, 8 × 14, 7 (the first and last stages also hold the embedding and the head); a
+    run's own stage_layers is simulated as given, and the slower cut predicts a longer step."""
+    assert even_cut(126, 16) == (7,) + (8,) * 14 + (7,)
+    assert even_cut(10, 4) == (2, 3, 3, 2) and even_cut(9, 3) == (3, 3, 3) and even_cut(5, 4) == (1, 1, 2, 1)
+    for layers, stages in ((126, 16), (7, 3), (40, 6), (5, 5)):
+        cut = even_cut(layers, stages)
+        assert sum(cut) == layers and max(cut) - min(cut) <= 1
+    spec = gpt(16, 1024, 10)
+    uneven = run(spec=spec, pp=4, dp=2, global_batch=64)
+    assert uneven.stage_blocks == (2, 3, 3, 2)
+    lopsided = run(spec=spec, pp=4, dp=2, global_batch=64, stage_layers=(1, 1, 1, 7))
+    assert predict_iteration(lopsided)["pipeline_ms"] > predict_iteration(uneven)["pipeline_ms"]
+    with pytest.raises(ValueError, match="5 stages exceed 4 layers"):
+        even_cut(4, 5)
 
 
 def test_pipelines_and_recomputation_lengthen_the_step():
