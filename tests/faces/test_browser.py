@@ -107,6 +107,18 @@ def jupyterlab(tmp_path):
             server.kill()
 
 
+def _wait_for_an_idle_kernel(base, token, timeout_s=120):
+    """Until the server's one session has a kernel that has started and is idle (its REST API)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        with urllib.request.urlopen(f"{base}/api/sessions?token={token}", timeout=5) as response:
+            sessions = json.loads(response.read())
+        if any(s.get("kernel", {}).get("execution_state") == "idle" for s in sessions):
+            return
+        time.sleep(0.5)
+    raise AssertionError(f"no idle kernel after {timeout_s} s: {sessions}")
+
+
 def test_notebook_04_explorer_renders_and_responds_in_jupyterlab(jupyterlab):
     chromium = _chromium()
     base, token = jupyterlab
@@ -119,11 +131,12 @@ def test_notebook_04_explorer_renders_and_responds_in_jupyterlab(jupyterlab):
             page.goto(f"{base}/lab/tree/{NOTEBOOK}?token={token}", timeout=120_000)
             page.locator(".jp-NotebookPanel").first.wait_for(timeout=120_000)
             select = page.locator(".jp-Dialog button", has_text="Select")
-            try:  # JupyterLab asks which kernel when the notebook's kernelspec is not the default's name
-                select.first.wait_for(timeout=20_000)
+            try:  # JupyterLab asks which kernel when the notebook's kernelspec is not the default's name (it is)
+                select.first.wait_for(timeout=2_000)
                 select.first.click()
             except playwright_api.TimeoutError:
                 pass
+            _wait_for_an_idle_kernel(base, token)
             page.locator(".jp-Notebook-ExecutionIndicator[data-status='idle']").first.wait_for(
                 timeout=120_000
             )  # the kernel is up
