@@ -16,7 +16,8 @@ micro-batch at the profiled size):
   the rest stay whole on every rank; of the saved activations, ``tp_activation_bytes`` divide by ``tp`` and the rest
   stay whole, ``tp_duplicated_bytes`` (a whole input a row-parallel module slices into a new tensor while another
   operator saves it) held beside them; the parameter count, the largest parameter and a layer's backward transients
-  (mostly its weight gradients) shrink as the parameter bytes do, while the loss's backward and the output's gradient
+  (mostly its weight gradients) shrink as the parameter bytes do, what a recomputing backward allocates again as the
+  activations do, and the input full recomputation keeps stays whole (sliced ``tp`` ways with sequence parallelism), while the loss's backward and the output's gradient
   on the last stage (the profile's meta, the layers' outputs) stay whole, as the runner's prediction takes them
   (:mod:`pipeswift_lab.runner.layout_memory`), except a vocabulary-parallel loss's (an analytic profile's), which
   divides as its time does. The outputs that cross a pipeline cut stay whole;

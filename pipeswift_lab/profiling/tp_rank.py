@@ -32,7 +32,7 @@ TIME_COLUMNS = (
     "recomputed_ms",
 )
 #: Per-layer bytes of one micro-batch that shrink as the activations do under tensor parallelism.
-_ACTIVATION_LIKE = ("full_activation_bytes", "selective_activation_bytes", "weight_pass_bytes")
+_ACTIVATION_LIKE = ("selective_activation_bytes", "weight_pass_bytes")
 
 
 def _column(df: pd.DataFrame, name: str) -> np.ndarray:
@@ -88,6 +88,15 @@ def tp_table(df: pd.DataFrame, tp: int, link: Link, sequence_parallel: bool = Fa
     sharded = np.minimum(_column(df, sliced or "tp_activation_bytes"), activations)
     kept_activations = activations - sharded + sharded / tp + _column(df, "tp_duplicated_bytes")
     activations_kept = _ratio(kept_activations, activations)
+    # a recomputing backward allocates its weight gradients' temporaries (as the parameters shrink) and the
+    # activations it recomputes (as they shrink): the two parts of the recomputation transients, scaled apart
+    accumulate = _column(df, "accumulate_transient_bytes")
+    for col in ("full_transient_bytes", "selective_transient_bytes"):
+        if col in df.columns:
+            recomputed = np.maximum(_column(df, col) - accumulate, 0.0)
+            df[col] = accumulate * params_kept + recomputed * activations_kept
+    if "full_activation_bytes" in df.columns:  # the layer's input: whole on every rank unless the sequence is sliced
+        df["full_activation_bytes"] = _column(df, "full_activation_bytes") / (tp if sequence_parallel else 1)
     if "param_bytes" in df.columns:
         df["param_bytes"] = held
     for col in ("params", "largest_param_bytes"):

@@ -26,6 +26,7 @@ from pipeswift_lab.profiling.analytic_time import (
 )
 from pipeswift_lab.profiling.recompute_costs import RECOMPUTE_COLUMNS
 from pipeswift_lab.profiling.table import COLUMNS, TP_COLUMNS
+from pipeswift_lab.profiling.tp_rank import tp_table
 
 GB = 1e9
 #: Korthikanti et al.'s 22B model (Table 3): 48 layers, h = 6144, 64 heads, s = 2048, micro-batch 4, on 8 A100s.
@@ -293,3 +294,24 @@ def test_the_vocabulary_parallel_loss_divides_under_tensor_parallelism():
     measured = psl.Profile(prof.df, {**prof.meta, "loss_vocab_parallel": False})
     whole = tp_costs(MicrobatchCosts(measured), 4, link).metas[1]
     assert whole["loss_activation_bytes"] == prof.meta["loss_activation_bytes"]
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True])
+def test_a_tensor_parallel_rank_recomputes_what_its_shards_hold(sequence_parallel):
+    """Under tp = 8 a block's recomputation keeps its input whole (sliced with sequence parallelism), as
+    transformer_memory counts it, and its backward's recomputed activations shrink with the activations while the
+    gradient temporaries shrink with the parameters."""
+    t = 8
+    df = analytic_profile(LLAMA_70B, H100_SXM, 1).df
+    block = df.set_index("name").loc["block_0"]
+    row = tp_table(df, t, H100_SXM.intra_node_link, sequence_parallel).set_index("name").loc["block_0"]
+    full = layer_activation_bytes(
+        LLAMA_70B, 1, tp=t, sequence_parallel=sequence_parallel, recompute="full", attention="flash", dropout=False
+    )
+    assert row["full_activation_bytes"] == pytest.approx(full)
+    params_kept = row["param_bytes"] / block["param_bytes"]
+    activations_kept = row["activation_bytes"] / block["activation_bytes"]
+    recomputed = block["full_transient_bytes"] - block["accumulate_transient_bytes"]
+    want = block["accumulate_transient_bytes"] * params_kept + recomputed * activations_kept
+    assert row["full_transient_bytes"] == pytest.approx(want)
+    assert row["full_transient_bytes"] < block["full_transient_bytes"] / 4
