@@ -17,10 +17,11 @@ micro-batch at the profiled size):
   stay whole, ``tp_duplicated_bytes`` (a whole input a row-parallel module slices into a new tensor while another
   operator saves it) held beside them; the parameter count, the largest parameter and a layer's backward transients
   (mostly its weight gradients) shrink as the parameter bytes do, what a recomputing backward allocates again as the
-  activations do, and the input full recomputation keeps stays whole (sliced ``tp`` ways with sequence parallelism), while the loss's backward and the output's gradient
-  on the last stage (the profile's meta, the layers' outputs) stay whole, as the runner's prediction takes them
-  (:mod:`pipeswift_lab.runner.layout_memory`), except a vocabulary-parallel loss's (an analytic profile's), which
-  divides as its time does. The outputs that cross a pipeline cut stay whole;
+  activations do, and the input full recomputation keeps stays whole (sliced ``tp`` ways with sequence
+  parallelism), while the loss's backward and the output's gradient on the last stage (the profile's meta, the
+  layers' outputs) stay whole, as the runner's prediction takes them (:mod:`pipeswift_lab.runner.layout_memory`),
+  except a vocabulary-parallel loss's (an analytic profile's), which divides as its time does. The outputs that
+  cross a pipeline cut stay whole;
 * with sequence parallelism (``plan(..., sequence_parallel=True)``, Korthikanti et al. 2022) the saved activations
   that divide are ``sp_activation_bytes`` (the norms' and the residual stream's too), and each all-reduce becomes an
   all-gather and a reduce-scatter of the same bytes: forward, the entries' inputs are gathered and the exits'
