@@ -125,7 +125,7 @@ def _embedding_params_per_gpu(spec: TransformerSpec, tp: int, pp: int) -> float:
     the final norm and the untied output projection (the last stage's otherwise, which holds its own copy of a tied
     embedding there)."""
     h, V = spec.hidden, spec.vocab
-    params = V * h / tp + (spec.seq_len * h if spec.learned_positions else 0)
+    params = V * h / tp + spec.position_params()
     if pp == 1:
         params += spec.norm_params() + (0 if spec.tied else V * h / tp)
     return params

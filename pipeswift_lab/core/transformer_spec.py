@@ -18,6 +18,56 @@ from .checks import check_flag, check_int
 __all__ = ["TransformerSpec"]
 
 
+#: Model types whose blocks are GPT's: LayerNorm, biases, multi-head attention (Falcon's keys and values aside).
+_GPT_STYLE = ("gpt2", "gpt_neox", "gptj", "opt", "bloom", "falcon")
+#: Model types whose MLP is two projections around an activation, not gated, whatever the activation's name.
+_UNGATED = _GPT_STYLE + ("starcoder2", "phi", "gpt_bigcode", "codegen", "gpt_neo", "mpt")
+#: Activations of gated MLPs (SwiGLU; GeGLU in Gemma's ``hidden_activation``).
+_GATED_ACTIVATIONS = ("silu", "swish", "swiglu", "gelu_pytorch_tanh", "gelu")
+#: Model types whose blocks have terms a spec does not describe, and which.
+_OTHER_BLOCKS = {"jetmoe": "a mixture of attention heads", "llama4": "dense and expert layers interleaved"}
+#: Model types with a learned position table.
+_LEARNED_POSITIONS = ("gpt2", "opt", "gpt_bigcode", "gpt_neo")
+
+
+def _refuse_what_a_spec_cannot_describe(config: Any, model_type: str) -> None:
+    """``ValueError`` naming the config's fields a :class:`TransformerSpec` has no term for: latent attention
+    (DeepSeek's MLA), shared experts beside the routed ones, dense layers among mixture-of-experts ones."""
+    found = {
+        key: _config_value(config, key)
+        for key in (
+            "kv_lora_rank",
+            "q_lora_rank",
+            "n_shared_experts",
+            "shared_expert_intermediate_size",
+            "shared_intermediate_size",
+            "first_k_dense_replace",
+            "mlp_only_layers",
+        )
+    }
+    found = {key: value for key, value in found.items() if value}
+    if model_type in _OTHER_BLOCKS:
+        found["model_type"] = f"{model_type} ({_OTHER_BLOCKS[model_type]})"
+    sparse_step = _config_value(config, "decoder_sparse_step", default=1)
+    if sparse_step not in (None, 1):
+        found["decoder_sparse_step"] = sparse_step
+    if found:
+        raise ValueError(
+            f"the {model_type or type(config).__name__} config has {found}: latent attention, shared experts or "
+            "dense layers among expert ones, which TransformerSpec does not describe (its blocks are all alike: "
+            "multi-head or grouped-query attention and one MLP or routed experts); build the spec by hand for the "
+            "closest shape"
+        )
+
+
+def _falcon_kv_heads(config: Any) -> int | None:
+    """Falcon's key/value heads: ``num_kv_heads`` with its new decoder architecture, one with multi-query
+    attention, else one per head."""
+    if _config_value(config, "new_decoder_architecture", default=False):
+        return _config_value(config, "num_kv_heads")
+    return 1 if _config_value(config, "multi_query", default=True) else None
+
+
 def _config_value(config: Any, *names: str, default: Any = None) -> Any:
     for name in names:
         value = getattr(config, name, None)
@@ -63,13 +113,15 @@ class TransformerSpec:
     """A learned position embedding of ``seq_len × hidden`` (GPT's); rotary positions have no parameters."""
     qk_norm: bool = False
     """A norm over each head's queries and keys (Qwen3's ``q_norm``, ``k_norm``)."""
+    max_positions: int | None = None
+    """Rows of the learned position table (with ``learned_positions``); ``None``: ``seq_len``."""
     name: str = field(default="", compare=False)
     """A label (the config's model type, or yours)."""
 
     def __post_init__(self) -> None:
         for key in ("layers", "hidden", "heads", "seq_len", "vocab"):
             object.__setattr__(self, key, check_int(key, getattr(self, key), minimum=1))
-        for key in ("ffn", "kv_heads", "experts", "top_k", "head_dim"):
+        for key in ("ffn", "kv_heads", "experts", "top_k", "head_dim", "max_positions"):
             if getattr(self, key) is not None:
                 object.__setattr__(self, key, check_int(key, getattr(self, key), minimum=1))
         for key in ("gated_mlp", "tied", "bias", "rms_norm", "learned_positions", "qk_norm"):
@@ -144,9 +196,13 @@ class TransformerSpec:
         """Parameters of one block: attention, MLP and two norms."""
         return self.attention_params() + self.mlp_params() + 2 * self.norm_params()
 
+    def position_params(self) -> int:
+        """Parameters of the learned position table (0 without one): ``max_positions · hidden``."""
+        return (self.max_positions or self.seq_len) * self.hidden if self.learned_positions else 0
+
     def embedding_params(self) -> int:
         """Parameters of the embedding: the token table (and the learned positions)."""
-        return self.vocab * self.hidden + (self.seq_len * self.hidden if self.learned_positions else 0)
+        return self.vocab * self.hidden + self.position_params()
 
     def head_params(self) -> int:
         """Parameters of the output: the final norm and, untied, the projection to the vocabulary."""
@@ -177,39 +233,44 @@ class TransformerSpec:
             config = SimpleNamespace(**config)
         if hasattr(config, "get_text_config"):
             config = config.get_text_config()
-        hidden = _config_value(config, "hidden_size", "n_embd", "d_model")
-        layers = _config_value(config, "num_hidden_layers", "n_layer", "num_layers")
-        heads = _config_value(config, "num_attention_heads", "n_head")
-        vocab = _config_value(config, "vocab_size")
-        seq = seq_len if seq_len is not None else _config_value(config, "max_position_embeddings", "n_positions")
-        named = {"hidden_size": hidden, "num_hidden_layers": layers, "num_attention_heads": heads, "vocab_size": vocab}
-        missing = [name for name, value in {**named, "seq_len": seq}.items() if value is None]
-        if missing:
-            raise ValueError(f"the config ({type(config).__name__}) has no {missing}; pass them as overrides")
         model_type = str(_config_value(config, "model_type", default=""))
-        gpt_style = model_type in ("gpt2", "gpt_neox", "gptj", "opt", "bloom", "falcon")
-        act = str(_config_value(config, "hidden_act", "activation_function", default="gelu"))
+        _refuse_what_a_spec_cannot_describe(config, model_type)
+        gpt_style = model_type in _GPT_STYLE
+        act = str(_config_value(config, "hidden_activation", "hidden_act", "activation_function", default="gelu"))
         experts = _config_value(config, "num_local_experts", "num_experts", "n_routed_experts")
         ffn = _config_value(config, "moe_intermediate_size") if experts else None
         ffn = ffn or _config_value(config, "intermediate_size", "n_inner", "ffn_dim")
+        positions = _config_value(config, "max_position_embeddings", "n_positions")
         fields: dict[str, Any] = dict(
-            layers=layers,
-            hidden=hidden,
-            heads=heads,
-            seq_len=seq,
-            vocab=vocab,
+            layers=_config_value(config, "num_hidden_layers", "n_layer", "num_layers"),
+            hidden=_config_value(config, "hidden_size", "n_embd", "d_model"),
+            heads=_config_value(config, "num_attention_heads", "n_head"),
+            seq_len=seq_len if seq_len is not None else positions,
+            vocab=_config_value(config, "vocab_size"),
             ffn=ffn,
-            kv_heads=None if gpt_style else _config_value(config, "num_key_value_heads"),
-            gated_mlp=not gpt_style and act in ("silu", "swish", "swiglu", "gelu_pytorch_tanh") and not gpt_style,
+            kv_heads=_falcon_kv_heads(config)
+            if model_type == "falcon"
+            else (None if gpt_style else _config_value(config, "num_key_value_heads")),
+            gated_mlp=model_type not in _UNGATED and act in _GATED_ACTIVATIONS,
             experts=experts,
             top_k=_config_value(config, "num_experts_per_tok", "num_experts_per_token") if experts else None,
             tied=bool(_config_value(config, "tie_word_embeddings", default=False)),
             head_dim=_config_value(config, "head_dim"),
             bias=bool(_config_value(config, "attention_bias", "use_bias", default=gpt_style)),
             rms_norm=not gpt_style,
-            learned_positions=model_type in ("gpt2", "opt"),
-            qk_norm=model_type in ("qwen3", "qwen3_moe", "olmo2", "gemma3"),
+            learned_positions=model_type in _LEARNED_POSITIONS,
+            qk_norm=model_type in ("qwen3", "qwen3_moe", "olmo2", "gemma3", "gemma3_text"),
+            # OPT's table has two rows more than its positions (its padding offset)
+            max_positions=None if positions is None else positions + (2 if model_type == "opt" else 0),
             name=model_type,
         )
         fields.update(overrides)
+        missing = [key for key in ("layers", "hidden", "heads", "seq_len", "vocab") if fields.get(key) is None]
+        if missing:
+            raise ValueError(
+                f"the config ({type(config).__name__}) gives no {missing}; pass them as keyword overrides, e.g. "
+                f"TransformerSpec.from_config(config, {missing[0]}=...)"
+            )
+        if not fields["learned_positions"]:
+            fields["max_positions"] = None
         return cls(**fields)
