@@ -184,7 +184,7 @@ def to_stored(model: nn.Module, state: Mapping[str, torch.Tensor]) -> dict[str, 
     whole layer): checked by loading the written names back."""
     from transformers.core_model_loading import revert_weight_conversion
 
-    out = revert_weight_conversion(model, dict(state))  # type: ignore[arg-type]
+    out = revert_weight_conversion(model, dict(state))
     conversion = hf_conversion(model, out)
     back = set() if conversion is None else set(conversion.renamed) | set(conversion.converted)
     back |= {k for k in out if k in state}
