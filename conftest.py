@@ -28,9 +28,32 @@ PROCESS_NOTEBOOKS = (
 
 
 def pytest_collection_modifyitems(config, items):
-    """Mark the cells of the notebooks that run pipelines ``processes``, so ``-m "not processes"`` skips them too."""
+    """Mark the cells of the notebooks that run pipelines ``processes``, so ``-m "not processes"`` skips them too; and
+    order the files longest first (``tests/file_seconds.json``), each file's items in their order: xdist's ``loadfile``
+    hands files out in collection order (``--no-loadscope-reorder``), so a long file never starts last while the other
+    worker idles."""
+    import json
+    import statistics
+    from pathlib import Path
+
     import pytest
 
     for item in items:
         if any(name in str(item.fspath) for name in PROCESS_NOTEBOOKS) and str(item.fspath).endswith(".ipynb"):
             item.add_marker(pytest.mark.processes)
+    record = Path(__file__).with_name("tests") / "file_seconds.json"
+    seconds = json.loads(record.read_text()) if record.exists() else {}
+    if not seconds:
+        return
+    median = statistics.median(seconds.values())
+    root = Path(str(config.rootpath))
+
+    def file_seconds(item) -> float:
+        try:
+            name = Path(str(item.fspath)).relative_to(root).as_posix()
+        except ValueError:
+            return median
+        return seconds.get(name, median)
+
+    order = {id(item): (-file_seconds(item), i) for i, item in enumerate(items)}
+    items.sort(key=lambda item: order[id(item)])
