@@ -206,7 +206,10 @@ class Evaluator:
                 for found in self._recomputed_splits(config, limit)
             ]
         if not options:
-            raise error if error is not None else ValueError(no_fit_head(limit, "balanced", P, v))
+            head = str(error) if error is not None else no_fit_head(limit, "balanced", P, v)
+            busiest = int(max(range(P), key=lambda rank: mem[rank]))
+            peak = f"{mem[busiest] / 2**30:.4g} GiB"
+            raise ValueError(f"{head} (the time-balanced split's busiest, rank {busiest}, peaks at {peak})")
         return options[0] if len(options) == 1 else min(options, key=lambda option: self.simulate(option)[0])
 
     def _state_shards(self, D: int) -> int:
