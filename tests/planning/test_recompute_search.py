@@ -214,7 +214,8 @@ def test_a_looser_cap_never_plans_a_slower_step_than_a_tighter_one():
         df[column] = values
     df["total_ms"] = df["fwd_ms"] + df["bwd_ms"]
     loaded = Profile(df, measured.meta)
-    kw = dict(KW, global_batch=16, microbatch_sizes=[4], optimizer="adam", gpus=4, recompute="search")
+    # P=4 alone: only its rows are read, and the other pipeline sizes do not change them (exhaustive search)
+    kw = dict(KW, global_batch=16, microbatch_sizes=[4], optimizer="adam", gpus=4, P=[4], recompute="search")
     MiB = 2**20
     planned = {}
     for cap in (15.0, 17.5, 20.2, 22.5, 25.5):

@@ -181,7 +181,7 @@ def test_a_bad_plan_is_refused_before_anything_runs(plan, error, match):
 
 # -- Hugging Face families -------------------------------------------------------------------------------------------
 def test_qwen3s_head_norms_are_replicated_and_compute_on_the_sharded_heads():
-    model = hf("Qwen3", head_dim=4)
+    model = hf("Qwen3", head_dim=4, num_hidden_layers=2)  # the first block is checked: two make the blocks repeated
     prof = quick(model, tokens(), layers="auto")
     df = prof.df.set_index("name")
     layer = model.model.layers[0]
@@ -196,7 +196,7 @@ def test_qwen3s_head_norms_are_replicated_and_compute_on_the_sharded_heads():
 
 
 def test_mixtral_shards_its_attention_and_replicates_its_experts():
-    model = hf("Mixtral", num_local_experts=4, num_experts_per_tok=2)
+    model = hf("Mixtral", num_local_experts=4, num_experts_per_tok=2, num_hidden_layers=2)  # the first block is checked
     prof = quick(model, tokens(), layers="auto")
     row = prof.df.set_index("name").loc["model.layers.0"]
     attention = model.model.layers[0].self_attn

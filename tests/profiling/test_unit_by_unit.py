@@ -14,8 +14,9 @@ from pipeswift_lab.core.live_bytes import LiveTensorBytes, live_tensors
 from pipeswift_lab.partitioning.balance import partition
 from pipeswift_lab.profiling.measure import profile
 
-SLEEPS_MS = [(6.0, 10.0), (12.0, 4.0), (6.0, 10.0), (3.0, 3.0)]
+SLEEPS_MS = [(6.0, 10.0), (12.0, 4.0), (3.0, 3.0)]  # a forward-heavy, a backward-heavy and an even unit
 WIDTH = 512
+N_WIDE = 5  # layers of wide(): one more than the cap below holds
 
 
 def sleepy():
@@ -23,8 +24,8 @@ def sleepy():
     return nn.Sequential(*[Sleep(f / 1e3, b / 1e3) for f, b in SLEEPS_MS])
 
 
-def wide(n=6):
-    """Six 1 MiB layers: 6 MiB of weights, 12 MiB with their gradients."""
+def wide(n=N_WIDE):
+    """Five 1 MiB layers: 5 MiB of weights, 10 MiB with their gradients."""
     torch.manual_seed(0)
     return nn.Sequential(*[nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Tanh()) for _ in range(n)])
 
@@ -54,7 +55,7 @@ def test_the_peak_is_the_largest_unit_under_a_cap_the_whole_model_exceeds():
     x, y = torch.randn(8, WIDTH), torch.randn(8, WIDTH)
     model = on_meta(wide)
     weights_bytes = sum(p.numel() * 4 for p in model.parameters())
-    unit_bytes = weights_bytes // 6
+    unit_bytes = weights_bytes // N_WIDE
     cap = 4 * unit_bytes  # a unit's weights, gradients and activations fit; the model's weights alone do not
     assert 2 * weights_bytes > weights_bytes > cap
     counter = LiveTensorBytes()
@@ -66,15 +67,15 @@ def test_the_peak_is_the_largest_unit_under_a_cap_the_whole_model_exceeds():
             x,
             target=y,
             loss_fn=F.mse_loss,
-            warmup=1,
-            repeats=2,
+            warmup=0,
+            repeats=1,
             progress=False,
             unit_by_unit=UnitByUnit(memory_cap=cap),
         )
     assert counter.peak_bytes - before <= cap
     assert prof.meta["live_peak_bytes"] - before <= cap
     assert all(t.is_meta for t in model.state_dict().values())  # the caller's model was not made
-    assert list(prof.df["param_bytes"]) == [unit_bytes] * 6
+    assert list(prof.df["param_bytes"]) == [unit_bytes] * N_WIDE
     with pytest.raises(MemoryError, match=r"unit '0' held .* MiB of tensors at its peak, above memory_cap=0.5 MiB"):
         profile(
             model,
@@ -94,17 +95,18 @@ def test_repeated_once_times_the_first_block_of_each_class_and_gives_its_rows_to
 
     import transformers
 
+    blocks = 2  # one timed, one given its rows
     with torch.device("meta"):
-        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**SMALL))
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**{**SMALL, "num_hidden_layers": blocks}))
     ids, target = torch.randint(0, VOCAB, (2, 16)), torch.randint(0, VOCAB, (2, 16))
     prof = profile(model, ids, target=target, loss_fn=lm_loss, layers="auto", warmup=0, repeats=2, progress=False,
                    unit_by_unit=UnitByUnit(repeated="once"))  # fmt: skip
     names = list(prof.df["name"])
-    assert names == ["model.embed_tokens", *(f"model.layers.{i}" for i in range(4)), "model.norm", "lm_head"]
+    assert names == ["model.embed_tokens", *(f"model.layers.{i}" for i in range(blocks)), "model.norm", "lm_head"]
     assert prof.meta["timed_units"] == 4  # the embedding, the first block, the norm, the head
-    blocks = prof.df.iloc[1:5]
+    rows = prof.df.iloc[1 : 1 + blocks]
     for column in ("fwd_ms", "bwd_ms", "activation_bytes", "output_bytes", "param_bytes"):
-        assert blocks[column].nunique() == 1, column
+        assert rows[column].nunique() == 1, column
     assert prof.df["fwd_ms"].gt(0).all() and prof.df["activation_bytes"].gt(0).all()
     part = partition(prof, P=2, schedule="1F1B")  # the profile partitions as any other (where is a matter of time)
     assert [name for stage in part.layer_names for name in stage] == names

@@ -103,9 +103,15 @@ def assert_same_run(again, result):
     assert again.losses == pytest.approx(result.losses, rel=1e-6)
 
 
+@pytest.fixture(scope="module")
+def one_replica(tmp_path_factory):
+    """The D=1 local run and its saved spec, once for both rendezvous (each test only reads them)."""
+    return local_run(tmp_path_factory.mktemp("one_replica"), D=1)
+
+
 @pytest.mark.parametrize("rendezvous", ["static", "c10d"])
-def test_two_nodes_run_the_saved_spec_like_the_local_run(tmp_path, rendezvous):
-    result, spec_path = local_run(tmp_path, D=1)
+def test_two_nodes_run_the_saved_spec_like_the_local_run(tmp_path, rendezvous, one_replica):
+    result, spec_path = one_replica
     out = tmp_path / "out"
     outputs = two_nodes(spec_path, out, nproc=1, rendezvous=rendezvous)
     for code, _stdout, stderr in outputs:

@@ -81,12 +81,18 @@ def assert_close(got, want, rtol=1e-5):
         assert err <= rtol, f"{key}: relative error {err:.3g}"
 
 
-def test_profile_partition_run_compare_on_a_modulelist_model():
+@pytest.fixture(scope="module")
+def resnet_profile():
+    """The ResNet profiled with ``layers=[...]`` once for the tests that partition it (they only read it)."""
+    x, y = batch()
+    kwargs = dict(target=y[:2], loss_fn=nn.functional.mse_loss, layers=LAYERS, progress=False, warmup=1, repeats=2)
+    return profile(ResNet(), x[:2], **kwargs)
+
+
+def test_profile_partition_run_compare_on_a_modulelist_model(resnet_profile):
     model = ResNet()
     x, y = batch()
-    prof = profile(
-        model, x[:2], target=y[:2], loss_fn=nn.functional.mse_loss, layers=LAYERS, progress=False, warmup=1, repeats=2
-    )
+    prof = resnet_profile
     part = partition(prof, 2, schedule="1F1B", m=4)
     assert part.layer_names[1][0].startswith("blocks.")
     result = run(
@@ -133,12 +139,10 @@ def test_traced_stages_run_under_every_kind_of_schedule(schedule):
     assert_close(result.state_dict(), reference(model, x, y, 4, 2))
 
 
-def test_a_traced_run_checkpoints_and_resumes_under_the_original_names(tmp_path):
+def test_a_traced_run_checkpoints_and_resumes_under_the_original_names(tmp_path, resnet_profile):
     model = ResNet()
     x, y = batch()
-    prof = profile(
-        model, x[:2], target=y[:2], loss_fn=nn.functional.mse_loss, layers=LAYERS, progress=False, warmup=1, repeats=2
-    )
+    prof = resnet_profile
     part = partition(prof, 2, schedule="1F1B", m=4)
     first = run(
         model,
