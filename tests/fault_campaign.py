@@ -58,7 +58,8 @@ STEPS, EVERY, M, P = 6, 2, 4, 2
 #: one, the attempt's first, which is never skipped (a later one may be on a loaded machine: due when the steps left
 #: take less time than a starved background write).
 EVERY_ONCE = STEPS // 2
-#: The hang trial's ``timeout_s``: its rank sleeps for an hour, so the trial lasts about this long.
+#: The hang trial's ``timeout_s`` (unless ``campaign(hang_timeout_s=)`` says otherwise): its rank sleeps for an hour, so
+#: the trial lasts about this long.
 HANG_TIMEOUT_S = 8
 PART = Partition.from_bounds(Profile.synthetic(fwd_ms=[1.0] * 5, bwd_ms=[2.0] * 5), [(0, 2), (2, 5)], schedule="1F1B")
 KINDS = (
@@ -224,8 +225,9 @@ KILL_CALLER_SCRIPT = textwrap.dedent("""
 """)
 
 
-def trial(kind: str, rng: random.Random, want: dict, workdir: Path) -> dict:
-    """One trial of ``kind`` with its fault drawn from ``rng``; returns the row of outcome and checks."""
+def trial(kind: str, rng: random.Random, want: dict, workdir: Path, hang_timeout_s: float = HANG_TIMEOUT_S) -> dict:
+    """One trial of ``kind`` with its fault drawn from ``rng``; returns the row of outcome and checks. A hang trial's
+    job runs with ``timeout_s=hang_timeout_s`` (most of that trial's time)."""
     step = rng.randrange(1, STEPS)
     rank = rng.randrange(P)
     row = {
@@ -275,7 +277,7 @@ def trial(kind: str, rng: random.Random, want: dict, workdir: Path) -> dict:
             expect = ("hung", 1)
             go(
                 net=nn.Sequential(nn.Linear(6, 12), nn.Tanh(), HangAt(step), nn.Linear(12, 12), nn.Linear(12, 3)),
-                launch=Launch(timeout_s=HANG_TIMEOUT_S),
+                launch=Launch(timeout_s=hang_timeout_s),
             )
         elif kind == "nonfinite":
             expect = ("nonfinite", 1)
@@ -386,9 +388,9 @@ def _names_cause(kind: str, err: RunError) -> bool:
     }.get(kind, True)
 
 
-def campaign(trials: int, seed: int = 0, progress: bool = True):
-    """``trials`` trials, kinds in turn (each kind ``trials / len(KINDS)`` times), faults drawn with ``seed``; returns
-    the rows."""
+def campaign(trials: int, seed: int = 0, progress: bool = True, hang_timeout_s: float = HANG_TIMEOUT_S):
+    """``trials`` trials, kinds in turn (each kind ``trials / len(KINDS)`` times), faults drawn with ``seed``, a hang
+    stopped after ``hang_timeout_s``; returns the rows."""
     import pandas as pd
     from tqdm.auto import tqdm
 
@@ -400,7 +402,7 @@ def campaign(trials: int, seed: int = 0, progress: bool = True):
         began = time.monotonic()
         with tempfile.TemporaryDirectory() as workdir:
             try:
-                rows.append(trial(kind, rng, want, Path(workdir)))
+                rows.append(trial(kind, rng, want, Path(workdir), hang_timeout_s))
             except Exception as exc:  # a trial that breaks the harness is a failed trial, not the end of the campaign
                 rows.append(
                     {

@@ -34,12 +34,26 @@ def gpt_profile():
     return profile(setup.model, setup.inputs, target=setup.targets, loss_fn=setup.loss_fn, repeats=2, progress=False)
 
 
+#: The grid's run that test_compare_reports_memory_and_the_probed_step_is_not_the_steady_one reads too: four steps
+#: (the probed step 1 and two steady ones after the warm-up step), the others two
+COMPARED = ("1F1B", 4)
+
+
 def run_gpt(prof, schedule, m, P=2):
     setup = reference("gpt", batch_size=MICRO * m, **GPT)
     v = 2 if schedule in ("Interleaved1F1B", "ZBVZeroBubble") else 1
     part = partition(prof, P, v=v, schedule=schedule, m=m)
     batch = (setup.inputs, setup.targets)
-    return run(setup.model, batch, setup.loss_fn, part, m, schedule=schedule, steps=2, optimizer=adam, progress=False)
+    steps = 4 if (schedule, m) == COMPARED else 2
+    return run(setup.model, batch, setup.loss_fn, part, m, schedule=schedule, steps=steps, optimizer=adam,
+               progress=False)  # fmt: skip
+
+
+def gpt_run(prof, runs, schedule, m):
+    """The grid's run of ``(schedule, m)``, from ``runs`` (the module's) or run now and kept there."""
+    if (schedule, m) not in runs:
+        runs[(schedule, m)] = run_gpt(prof, schedule, m)
+    return runs[(schedule, m)]
 
 
 def assert_predicted_within_tolerance(result):
@@ -65,17 +79,15 @@ def gpt_runs(gpt_profile):
 
 @pytest.mark.parametrize("schedule, m", GRID)
 def test_measured_peak_per_rank_is_predicted_within_10_percent(gpt_profile, gpt_runs, schedule, m):
-    result = run_gpt(gpt_profile, schedule, m)
-    gpt_runs[(schedule, m)] = result
+    result = gpt_run(gpt_profile, gpt_runs, schedule, m)
     assert_predicted_within_tolerance(result)
     assert result.memory["probed_step"].eq(1).all()
 
 
 def test_gpipe_first_rank_grows_with_m_and_1f1b_does_not(gpt_profile, gpt_runs):
     def first_rank(schedule, m):
-        if (schedule, m) not in gpt_runs:
-            gpt_runs[(schedule, m)] = run_gpt(gpt_profile, schedule, m)
-        return float(gpt_runs[(schedule, m)].memory.set_index("rank").loc[0, "measured_peak_bytes"])
+        result = gpt_run(gpt_profile, gpt_runs, schedule, m)
+        return float(result.memory.set_index("rank").loc[0, "measured_peak_bytes"])
 
     gpipe = [first_rank("GPipe", m) for m in (2, 4, 8)]
     ofob = [first_rank("1F1B", m) for m in (2, 4, 8)]
@@ -161,15 +173,13 @@ def test_an_uninstrumented_run_measures_nothing(gpt_profile):
     assert result.memory.empty
 
 
-def test_compare_reports_memory_and_the_probed_step_is_not_the_steady_one(gpt_profile):
+def test_compare_reports_memory_and_the_probed_step_is_not_the_steady_one(gpt_profile, gpt_runs):
     from pipeswift_lab.fidelity.comparison import compare
     from pipeswift_lab.simulation.simulator import simulate
 
-    setup = reference("gpt", batch_size=MICRO * 4, **GPT)
     part = partition(gpt_profile, 2, schedule="1F1B", m=4)
-    result = run(
-        setup.model, (setup.inputs, setup.targets), setup.loss_fn, part, 4, steps=4, optimizer=adam, progress=False
-    )
+    result = gpt_run(gpt_profile, gpt_runs, *COMPARED)  # the grid's run of this partition, four steps
+    assert len(result.step_ms) == 4
     assert result.probed_steps == (1,) and result.steady_step in (2, 3)
     whole = result.step_stats().iloc[-1]  # the warm-up step and the probed one left out: steps 2 and 3
     assert whole["steps"] == 2 and whole["first_step"] == 2
@@ -198,8 +208,6 @@ def test_a_run_with_checkpoints_holds_one_staged_copy_of_its_training_state(gpt_
     memory = saving.memory.set_index("rank")
     staged = memory["checkpoint_staging_bytes"]
     assert (staged == memory["weights_bytes"] + memory["optimizer_bytes"]).all()
-    if ("1F1B", 4) not in gpt_runs:
-        gpt_runs[("1F1B", 4)] = run_gpt(gpt_profile, "1F1B", 4)
-    plain = gpt_runs[("1F1B", 4)].memory.set_index("rank")["measured_peak_bytes"]
+    plain = gpt_run(gpt_profile, gpt_runs, "1F1B", 4).memory.set_index("rank")["measured_peak_bytes"]
     grown = memory["measured_peak_bytes"] - plain  # the staging buffer, allocated before the first step
     assert ((grown - staged).abs() <= 0.1 * staged).all(), (grown, staged)
