@@ -92,7 +92,9 @@ def resnet_profile():
 def test_profile_partition_run_compare_on_a_modulelist_model(resnet_profile):
     model = ResNet()
     x, y = batch()
-    prof = resnet_profile
+    # the measured profile with equal times: where a balance of measured times cuts moves with the load (under a busy
+    # core it once put every block on the first stage); equal layers cut inside the ModuleList, the case under test
+    prof = Profile(resnet_profile.df.assign(fwd_ms=1.0, bwd_ms=2.0), resnet_profile.meta)
     part = partition(prof, 2, schedule="1F1B", m=4)
     assert part.layer_names[1][0].startswith("blocks.")
     result = run(
