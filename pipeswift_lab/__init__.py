@@ -14,13 +14,14 @@ import importlib
 from types import ModuleType
 from typing import Any
 
-from . import cluster, data, models, runner
+from . import cluster, data, models, runner, schedules
 from .cluster import ClusterResult
 from .core import analytic, costs, hardware, precision
 from .core.analytic import activation_memory_bytes, bubble_overhead, bubble_ratio, inflight_microbatches, step_ms
 from .core.hardware import Hardware
 from .core.jct import JCT
 from .core.link import Link
+from .core.schedule import Schedule, ScheduleDeadlock  # noqa: F401 - importable
 from .core.topology import Topology
 from .core.transformer_flops import megatron_flops_per_iteration, megatron_params, transformer_flops
 from .core.transformer_memory import transformer_memory
@@ -45,7 +46,7 @@ from .runner import (
     load_checkpoint,
     run,
 )
-from .simulation import ScheduleDeadlock, Sweep, Timeline, compute_orders, explore, simulate, sweep  # noqa: F401 - importable
+from .simulation import Sweep, Timeline, compute_orders, explore, simulate, sweep  # noqa: F401 - importable
 
 #: Faces loaded on first attribute access (``psl.widgets``), so that ``import pipeswift_lab`` stays light.
 _LAZY_SUBMODULES = {"widgets": ".faces.widgets", "report": ".faces.report"}

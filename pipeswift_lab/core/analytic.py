@@ -51,6 +51,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from .checks import check_fraction, check_int, check_time
+from .schedule import Schedule, ScheduleLike, held_chunks
 from .vocabulary import SINGLE_CHUNK_SCHEDULES, ZERO_BUBBLE_SCHEDULES, check_schedule_v
 
 #: Share of the backward that is the weight gradient when nothing better is known.
@@ -231,7 +232,7 @@ def step_ms(
     return bubble_ms + compute_ms
 
 
-def inflight_microbatches(P: int, m: int, schedule: str = "1F1B", *, v: int = 1) -> list[float]:
+def inflight_microbatches(P: int, m: int, schedule: ScheduleLike = "1F1B", *, v: int = 1) -> list[float]:
     """Peak number of micro-batches whose activations a rank holds, one entry per rank.
 
     Counted in whole-rank micro-batches: with ``v`` chunks per rank a chunk's activations
@@ -246,10 +247,14 @@ def inflight_microbatches(P: int, m: int, schedule: str = "1F1B", *, v: int = 1)
     * Interleaved1F1B: ``min(v*m, (v-1)*m_round + 2*(P-1-r) + 1)`` chunks — its warm-up plus one;
     * InterleavedZeroBubble: ``min(v*m, (v-1)*m_round + P)`` chunks on every rank;
     * ZBVZeroBubble: ``min(2P, 2m, m+1+r)`` chunks — ``P`` micro-batches once warm (Qi et al. 2024);
-    * DualPipeV: ``min(2m, 2P+1)`` chunks, ``P + 1/2`` micro-batches once warm, on every rank (DeepSeek-V3 report).
+    * DualPipeV: ``min(2m, 2P+1)`` chunks, ``P + 1/2`` micro-batches once warm, on every rank (DeepSeek-V3 report);
+    * a :class:`~pipeswift_lab.core.schedule.Schedule`: counted along its own order.
     """
     P, m = _check_pm(P, m)
     schedule, v = check_schedule_v(schedule, v)
+    if isinstance(schedule, Schedule):
+        schedule.check_fits(P, P * v, m)
+        return [c / v for c in held_chunks(schedule)]
     per_round = m // max(1, m // P)
     if schedule in ("GPipe", "LoopedBFS"):
         chunks = [m * v] * P

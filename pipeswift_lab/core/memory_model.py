@@ -41,6 +41,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 __all__ = [
     "MEMORY_TERMS",
@@ -62,8 +63,10 @@ MEMORY_TERMS = ("weights", "grads", "optimizer", "activations", "buffers", "tran
 SEND_WAITS = ("step", "backwards", "next")
 
 
-def send_wait(schedule: str) -> str:
-    """When torch's ``schedule`` waits on its sends (one of :data:`SEND_WAITS`)."""
+def send_wait(schedule: Any) -> str:
+    """When torch's ``schedule`` waits on its sends (one of :data:`SEND_WAITS`); a
+    :class:`~pipeswift_lab.core.schedule.Schedule` runs on ``_PipelineScheduleRuntime``, which waits at the step's
+    end."""
     from .vocabulary import canonical_schedule
 
     name = canonical_schedule(schedule)

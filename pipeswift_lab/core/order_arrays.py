@@ -25,6 +25,7 @@ from typing import Any
 
 import numpy as np
 
+from .schedule import ScheduleLike
 from .schedule_orders import compute_orders
 from .vocabulary import COMPUTE_KINDS, SINGLE_CHUNK_SCHEDULES, V_SHAPE_SCHEDULES, accepts, check_schedule_v, validate
 
@@ -59,7 +60,7 @@ class OrderArrays:
         ]
 
 
-def order_arrays(P: int, m: int, schedule: str = "1F1B", v: int = 1, *, check: bool = True) -> OrderArrays:
+def order_arrays(P: int, m: int, schedule: ScheduleLike = "1F1B", v: int = 1, *, check: bool = True) -> OrderArrays:
     """The compute actions of every rank as arrays, in the order torch's runtime executes them. Returns an
     :class:`OrderArrays` equal to :func:`~pipeswift_lab.core.schedule_orders.compute_orders`'s lists.
 
@@ -72,7 +73,7 @@ def order_arrays(P: int, m: int, schedule: str = "1F1B", v: int = 1, *, check: b
     else:
         schedule, v = check_schedule_v(schedule, v)
     P, m = int(P), int(m)
-    if formulas_agree(schedule):
+    if isinstance(schedule, str) and formulas_agree(schedule):
         return _FORMULAS[schedule](P, m, v)
     return from_orders(compute_orders(P, m, schedule, v, check=check))
 

@@ -67,11 +67,12 @@ def _ops(*names: str) -> frozenset[Any]:
 SAVED_OPS = _ops("mm", "addmm", "bmm", "baddbmm", "linear", "matmul", "_scaled_mm")
 
 
-def schedule_splits_backward(schedule: str | None) -> bool:
-    """Whether ``schedule`` runs a stage's backward in two passes, input gradients then weight gradients."""
-    from .vocabulary import ZERO_BUBBLE_SCHEDULES
+def schedule_splits_backward(schedule: Any) -> bool:
+    """Whether ``schedule`` (a name, a :class:`~pipeswift_lab.core.schedule.Schedule` or None) runs a stage's backward
+    in two passes, input gradients then weight gradients."""
+    from .vocabulary import splits_backward
 
-    return schedule in ZERO_BUBBLE_SCHEDULES
+    return schedule is not None and splits_backward(schedule)
 
 
 def _selective_policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:

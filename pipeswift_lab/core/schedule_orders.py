@@ -38,6 +38,7 @@ import logging
 from functools import cache, lru_cache
 from typing import Any
 
+from .schedule import Schedule, ScheduleLike
 from .vocabulary import COMPUTE_KINDS, MULTI_CHUNK_SCHEDULES, check_schedule_v, validate
 from .vocabulary import TORCH_CLASS as _TORCH_CLASS
 
@@ -48,13 +49,14 @@ Groups = tuple[tuple[tuple[Action, ...], ...], ...]
 
 
 def compute_orders(
-    P: int, m: int, schedule: str = "1F1B", v: int = 1, *, check: bool = True
+    P: int, m: int, schedule: ScheduleLike = "1F1B", v: int = 1, *, check: bool = True
 ) -> dict[int, list[Action]]:
     """The compute actions of every rank in the order torch's runtime executes them.
 
     Returns ``{rank: [(kind, stage, microbatch), ...]}`` for ranks ``0..P-1``, with ``kind``
     in ``F``, ``B``, ``I``, ``W`` (DualPipeV's overlapped ``F``+``B`` actions appear as their
-    two parts, forward first). Raises ``ValueError`` for combinations torch refuses
+    two parts, forward first); a :class:`~pipeswift_lab.core.schedule.Schedule`'s own lists (which must have ``P``
+    ranks, ``m`` micro-batches and ``v`` stages per rank). Raises ``ValueError`` for combinations torch refuses
     (see :func:`~pipeswift_lab.core.vocabulary.validate`); ``check=False`` skips that check where the loops run
     anyway (GPipe and 1F1B with fewer micro-batches than ranks, for a memory estimate), torch's own schedules
     raising what they refuse. The orders are cached by ``(P, m, schedule, v)``; each call returns new lists.
@@ -64,12 +66,19 @@ def compute_orders(
 
 
 @lru_cache(maxsize=256)
-def _orders(P: int, m: int, schedule: str, v: int) -> tuple[tuple[Action, ...], ...]:
+def _orders(P: int, m: int, schedule: ScheduleLike, v: int) -> tuple[tuple[Action, ...], ...]:
     """Every rank's actions, :func:`_action_groups` flattened (cached: shared tuples)."""
     return tuple(tuple(a for group in rank_groups for a in group) for rank_groups in _action_groups(P, m, schedule, v))
 
 
-def action_groups(P: int, m: int, schedule: str = "1F1B", v: int = 1) -> Groups:
+def builtin_groups(name: str, P: int, m: int, v: int = 1) -> tuple[str, Groups]:
+    """The canonical spelling of the built-in schedule ``name`` and its :func:`action_groups` (what
+    :meth:`~pipeswift_lab.core.schedule.Schedule.of` reads)."""
+    name, v = validate(P, m, name, v)
+    return name, _action_groups(int(P), int(m), name, int(v))
+
+
+def action_groups(P: int, m: int, schedule: ScheduleLike = "1F1B", v: int = 1) -> Groups:
     """Like :func:`compute_orders` but grouped as torch schedules them, as nested tuples.
 
     ``result[rank]`` is a tuple of groups; a group is one torch action: a single compute
@@ -81,7 +90,10 @@ def action_groups(P: int, m: int, schedule: str = "1F1B", v: int = 1) -> Groups:
 
 
 @lru_cache(maxsize=256)
-def _action_groups(P: int, m: int, schedule: str, v: int) -> Groups:
+def _action_groups(P: int, m: int, schedule: ScheduleLike, v: int) -> Groups:
+    if isinstance(schedule, Schedule):
+        schedule.check_fits(P, P * v, m)
+        return schedule.groups
     if schedule == "GPipe":
         return tuple(_gpipe_rank(r, P, m) for r in range(P))
     if schedule == "1F1B":
@@ -196,4 +208,4 @@ def _torch_multi_chunk(P: int, m: int, schedule: str, v: int) -> Groups:
     return tuple(out)
 
 
-__all__ = ["Action", "Groups", "action_groups", "compute_orders", "torch_schedule"]
+__all__ = ["Action", "Groups", "action_groups", "builtin_groups", "compute_orders", "torch_schedule"]

@@ -4,7 +4,10 @@ many chunks a schedule places per rank by default, and on which rank each stage 
 
 from __future__ import annotations
 
+from typing import overload
+
 from .checks import check_int
+from .schedule import Schedule, ScheduleLike
 
 __all__ = [
     "COMM_KINDS",
@@ -24,6 +27,7 @@ __all__ = [
     "canonical_schedule",
     "check_schedule_v",
     "default_v",
+    "splits_backward",
     "stage_to_rank",
     "validate",
 ]
@@ -52,9 +56,20 @@ MULTI_CHUNK_SCHEDULES: tuple[str, ...] = (
 V_SHAPE_SCHEDULES: tuple[str, ...] = ("ZBVZeroBubble", "DualPipeV")
 
 
-def default_v(schedule: str) -> int:
-    """Chunks per rank when none is given: 1 for the single-chunk schedules, 2 for the others."""
+def default_v(schedule: ScheduleLike) -> int:
+    """Chunks per rank when none is given: 1 for the single-chunk schedules, 2 for the others, a
+    :class:`~pipeswift_lab.core.schedule.Schedule`'s own."""
+    if isinstance(schedule, Schedule):
+        return schedule.v
     return 1 if schedule not in MULTI_CHUNK_SCHEDULES else 2
+
+
+def splits_backward(schedule: ScheduleLike) -> bool:
+    """Whether ``schedule`` runs backwards as input-grad (I) and weight-grad (W) passes: the zero-bubble family, or a
+    :class:`~pipeswift_lab.core.schedule.Schedule` holding an I."""
+    if isinstance(schedule, Schedule):
+        return schedule.splits_backward
+    return canonical_schedule(schedule) in ZERO_BUBBLE_SCHEDULES
 
 
 #: Schedules that split the backward into input-grad (I) and weight-grad (W).
@@ -86,11 +101,23 @@ KINDS: tuple[str, ...] = COMPUTE_KINDS + COMM_KINDS + REDUCE_KINDS + SHARD_KINDS
 _BY_LOWER: dict[str, str] = {name.lower(): name for name in SCHEDULES}
 
 
-def canonical_schedule(schedule: str) -> str:
+@overload
+def canonical_schedule(schedule: str) -> str: ...
+@overload
+def canonical_schedule(schedule: Schedule) -> Schedule: ...
+@overload
+def canonical_schedule(schedule: ScheduleLike) -> ScheduleLike: ...
+def canonical_schedule(schedule: ScheduleLike) -> ScheduleLike:
     """Return the canonical spelling of ``schedule``: case, ``_`` and ``-`` are ignored, and torch's class name
-    (``"ScheduleInterleaved1F1B"``) is accepted for its schedule."""
+    (``"ScheduleInterleaved1F1B"``) is accepted for its schedule. A :class:`~pipeswift_lab.core.schedule.Schedule` is
+    returned as it is."""
+    if isinstance(schedule, Schedule):
+        return schedule
     if not isinstance(schedule, str):
-        raise TypeError(f"schedule must be a str, one of {list(SCHEDULES)}; got {type(schedule).__name__} {schedule!r}")
+        raise TypeError(
+            f"schedule must be a name, one of {list(SCHEDULES)}, or a pipeswift_lab.Schedule; got "
+            f"{type(schedule).__name__} {schedule!r}"
+        )
     key = schedule.lower().replace("_", "").replace("-", "")
     if key.removeprefix("schedule") in _BY_LOWER:
         key = key.removeprefix("schedule")
@@ -101,14 +128,25 @@ def canonical_schedule(schedule: str) -> str:
     return _BY_LOWER[key]
 
 
-def check_schedule_v(schedule: str, v: int) -> tuple[str, int]:
+@overload
+def check_schedule_v(schedule: str, v: int) -> tuple[str, int]: ...
+@overload
+def check_schedule_v(schedule: Schedule, v: int) -> tuple[Schedule, int]: ...
+@overload
+def check_schedule_v(schedule: ScheduleLike, v: int) -> tuple[ScheduleLike, int]: ...
+def check_schedule_v(schedule: ScheduleLike, v: int) -> tuple[ScheduleLike, int]:
     """Validate the chunks-per-rank ``v`` a schedule allows; return ``(schedule, v)``.
 
-    Single-stage schedules need ``v=1``, V-shape schedules exactly ``v=2``, and the
-    other multi-chunk schedules any ``v >= 1`` (torch accepts one chunk per rank too).
+    Single-stage schedules need ``v=1``, V-shape schedules exactly ``v=2``, the
+    other multi-chunk schedules any ``v >= 1`` (torch accepts one chunk per rank too), and a
+    :class:`~pipeswift_lab.core.schedule.Schedule` its own.
     """
     schedule = canonical_schedule(schedule)
     v = check_int("v", v, minimum=1)
+    if isinstance(schedule, Schedule):
+        if v != schedule.v:
+            raise ValueError(f"v={v} does not match schedule {schedule.name!r}, which places {schedule.v} per rank")
+        return schedule, v
     if schedule in SINGLE_CHUNK_SCHEDULES and v != 1:
         raise ValueError(f"v={v} is not allowed for schedule={schedule!r}, which runs one stage per rank; use v=1")
     if schedule in V_SHAPE_SCHEDULES and v != 2:
@@ -128,7 +166,7 @@ TORCH_CLASS: dict[str, str] = {
 }
 
 
-def accepts(P: int, m: int, schedule: str = "1F1B", v: int = 1) -> bool:
+def accepts(P: int, m: int, schedule: ScheduleLike = "1F1B", v: int = 1) -> bool:
     """Whether torch's ``schedule`` takes ``P`` ranks, ``m`` micro-batches and ``v`` chunks per rank (:func:`validate`
     without the error)."""
     try:
@@ -138,7 +176,13 @@ def accepts(P: int, m: int, schedule: str = "1F1B", v: int = 1) -> bool:
     return True
 
 
-def validate(P: int, m: int, schedule: str = "1F1B", v: int = 1) -> tuple[str, int]:
+@overload
+def validate(P: int, m: int, schedule: str = ..., v: int = ...) -> tuple[str, int]: ...
+@overload
+def validate(P: int, m: int, schedule: Schedule, v: int = ...) -> tuple[Schedule, int]: ...
+@overload
+def validate(P: int, m: int, schedule: ScheduleLike, v: int = ...) -> tuple[ScheduleLike, int]: ...
+def validate(P: int, m: int, schedule: ScheduleLike = "1F1B", v: int = 1) -> tuple[ScheduleLike, int]:
     """Check ``(P, m, schedule, v)`` against torch's own rules; return ``(schedule, v)`` canonical.
 
     The rules are those the torch schedule constructors enforce:
@@ -147,13 +191,17 @@ def validate(P: int, m: int, schedule: str = "1F1B", v: int = 1) -> tuple[str, i
     * ``Interleaved1F1B`` and ``InterleavedZeroBubble``: ``m`` must be a multiple of the number
       of rounds ``max(1, m // P)``;
     * ``DualPipeV``: ``m >= 2 * P`` (as many micro-batches as its ``2P`` stages);
-    * ``ZBVZeroBubble`` and ``DualPipeV`` need ``v == 2``; ``GPipe`` and ``1F1B`` ``v == 1``.
+    * ``ZBVZeroBubble`` and ``DualPipeV`` need ``v == 2``; ``GPipe`` and ``1F1B`` ``v == 1``;
+    * a :class:`~pipeswift_lab.core.schedule.Schedule` its own ``P``, ``m`` and ``v``.
 
     Raises ``ValueError`` naming ``P``, ``m``, ``v`` and the rule.
     """
     P = check_int("P", P, minimum=1)
     m = check_int("m", m, minimum=1)
     schedule, v = check_schedule_v(schedule, v)
+    if isinstance(schedule, Schedule):
+        schedule.check_fits(P, P * v, m)
+        return schedule, v
     where = f"schedule={schedule!r} with P={P}, m={m}, v={v}"
     if schedule == "1F1B" and m < P:
         raise ValueError(
@@ -176,8 +224,9 @@ def validate(P: int, m: int, schedule: str = "1F1B", v: int = 1) -> tuple[str, i
     return schedule, v
 
 
-def stage_to_rank(P: int, v: int = 1, schedule: str | None = None) -> tuple[int, ...]:
-    """Rank of every stage, in stage order: round-robin ``s % P``, or a V for ZBV/DualPipeV.
+def stage_to_rank(P: int, v: int = 1, schedule: ScheduleLike | None = None) -> tuple[int, ...]:
+    """Rank of every stage, in stage order: round-robin ``s % P``, or a V for ZBV/DualPipeV, or where a
+    :class:`~pipeswift_lab.core.schedule.Schedule` runs them.
 
     In the V shape (``v == 2``), rank ``r`` holds stages ``r`` and ``2P - 1 - r``
     (torch's ``generate_stage_to_rank_mapping(style="v")``).
@@ -186,6 +235,9 @@ def stage_to_rank(P: int, v: int = 1, schedule: str | None = None) -> tuple[int,
     v = check_int("v", v, minimum=1)
     if schedule is not None:
         schedule, v = check_schedule_v(schedule, v)
+    if isinstance(schedule, Schedule):
+        schedule.check_fits(P, P * v)
+        return schedule.placement
     if schedule in V_SHAPE_SCHEDULES:
         return tuple(s if s < P else 2 * P - 1 - s for s in range(2 * P))
     return tuple(s % P for s in range(P * v))

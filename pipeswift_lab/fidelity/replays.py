@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from ..core.schedule import schedule_from_meta
 from ..core.vocabulary import COMPUTE_KINDS, canonical_schedule
 from ..simulation.engine import duration_index, execute, lowered, lowered_table, rows_frame
 from ..simulation.timeline import Timeline
@@ -44,7 +45,8 @@ def replay(
             f"measured timeline meta lacks {missing}; replay needs the schedule, P, m and v a RunResult's timeline "
             "records"
         )
-    schedule, P, m, v = canonical_schedule(meta["schedule"]), int(meta["P"]), int(meta["m"]), int(meta["v"])
+    schedule = canonical_schedule(schedule_from_meta(meta))
+    P, m, v = int(meta["P"]), int(meta["m"]), int(meta["v"])
     S = P * v
     df = measured.df
     df = df[(df["step"] == step) & df["kind"].isin(COMPUTE_KINDS) & (df["replica"] == 0)]

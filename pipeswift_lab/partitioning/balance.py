@@ -42,6 +42,7 @@ import numpy as np
 from ..core.checks import check_choice, check_int
 from ..core.link import Link, check_link
 from ..core.precision import state_bytes
+from ..core.schedule import ScheduleLike
 from .bottleneck import Infeasible, MinMaxSplit
 from .layers import Bounds, Layers, capped_split, split
 from .memory import (
@@ -67,7 +68,7 @@ def partition(
     method: str = "balanced",
     *,
     v: int = 1,
-    schedule: str | None = None,
+    schedule: ScheduleLike | None = None,
     link: Link | None = None,
     mem_per_gpu_bytes: float | None = None,
     optimizer: str = "adam",

@@ -18,6 +18,7 @@ import numpy as np
 from ..core.analytic import inflight_microbatches
 from ..core.checks import check_int, check_time
 from ..core.precision import check_optimizer, check_precision, state_bytes
+from ..core.schedule import ScheduleLike
 from ..core.vocabulary import check_schedule_v, stage_to_rank
 from ..core.vocabulary import validate as validate_schedule
 
@@ -59,9 +60,9 @@ class Layout:
     """Pipeline ranks."""
     v: int
     """Stages (chunks) per rank: a split has ``P * v`` stages."""
-    schedule: str | None
+    schedule: ScheduleLike | None
     """The schedule that places stages on ranks (a V for ZBVZeroBubble/DualPipeV); None: round-robin."""
-    mem_schedule: str
+    mem_schedule: ScheduleLike
     """The schedule whose in-flight micro-batches the memory estimate counts: ``schedule``, or, without one, 1F1B
     (``v == 1``) or Interleaved1F1B."""
     m: int
@@ -92,7 +93,7 @@ class Layout:
         return replace(self, P=P)
 
 
-def resolve_placement(P: int, v: int, schedule: str | None) -> tuple[str | None, int, str]:
+def resolve_placement(P: int, v: int, schedule: ScheduleLike | None) -> tuple[ScheduleLike | None, int, ScheduleLike]:
     """Return ``(schedule or None, v, schedule used for the memory estimate)``."""
     if schedule is None:
         v = check_int("v", v, minimum=1)
@@ -101,7 +102,7 @@ def resolve_placement(P: int, v: int, schedule: str | None) -> tuple[str | None,
     return schedule, v, schedule
 
 
-def resolve_m(P: int, m: int | None, schedule: str | None, v: int) -> int:
+def resolve_m(P: int, m: int | None, schedule: ScheduleLike | None, v: int) -> int:
     """``m`` checked against the schedule's rules; without one, as many micro-batches as ranks (``2P`` for
     DualPipeV, what it needs)."""
     if m is None:
@@ -115,7 +116,7 @@ def resolve_m(P: int, m: int | None, schedule: str | None, v: int) -> int:
 def resolve_layout(
     P: int,
     v: int,
-    schedule: str | None,
+    schedule: ScheduleLike | None,
     m: int | None,
     optimizer: str,
     precision: str | None,

@@ -29,6 +29,7 @@ from ..core.memory_model import (
 )
 from ..core.peak_forms import STAGE_FIELDS, StageFields
 from ..core.precision import OPTIMIZER_STATES, PRECISIONS
+from ..core.schedule import ScheduleLike
 
 if TYPE_CHECKING:
     from .layers import Bounds, Layers
@@ -271,7 +272,7 @@ def rank_memory(
     *,
     P: int,
     m: int,
-    schedule: str,
+    schedule: ScheduleLike,
     v: int = 1,
     micro_batch_size: int | None = None,
     precision: str | None = None,

@@ -20,6 +20,7 @@ from ..core.checks import check_int
 from ..core.display import html_card, text_card
 from ..core.link import Link, check_link
 from ..core.precision import state_bytes
+from ..core.schedule import ScheduleLike
 from .layers import Bounds, Layers, check_bounds, stage_comm_ms
 from .memory import MEM_RTOL, DoesNotFit, Layout, memory_cap, rank_totals, resolve_layout
 
@@ -57,7 +58,7 @@ class Partition:
     """Pipeline ranks."""
     v: int
     """Stages (chunks) per rank."""
-    schedule: str | None
+    schedule: ScheduleLike | None
     """The schedule the stages were placed for (None: round-robin placement)."""
     stage_to_rank: tuple[int, ...]
     """The rank of each stage."""
@@ -102,7 +103,7 @@ class Partition:
     """Weights + gradients + optimizer state of each stage (bytes)."""
     layers: Layers | None = field(default=None, compare=False, repr=False)
     """The profile's per-layer arrays the stages were summed from (what :meth:`memory` replays)."""
-    mem_schedule: str | None = None
+    mem_schedule: ScheduleLike | None = None
     stage_recomputed_ms: tuple[float, ...] | None = None
     stage_input_pass_ms: tuple[float, ...] | None = None
     """Each stage's input-gradient pass as torch's ``stage_backward_input`` took it, layer by layer (ms; NaN where a
@@ -121,7 +122,7 @@ class Partition:
         bounds: Iterable[Sequence[int]],
         *,
         v: int = 1,
-        schedule: str | None = None,
+        schedule: ScheduleLike | None = None,
         link: Link | None = None,
         m: int | None = None,
         optimizer: str = "adam",
@@ -299,7 +300,7 @@ class Partition:
         self,
         *,
         m: int | None = None,
-        schedule: str | None = None,
+        schedule: ScheduleLike | None = None,
         micro_batch_size: int | None = None,
         optimizer: Any = None,
     ) -> pd.DataFrame:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 import numbers
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -16,6 +16,8 @@ from ..core.checks import check_flag, check_int, check_time
 from ..core.costs import AssemblyModel, Availability, CheckpointModel, cost_models
 from ..core.link import Link, check_link
 from ..core.precision import check_optimizer, check_precision
+from ..core.schedule import Schedule
+from ..core.schedule_generators import is_generator, takes_v
 from ..core.topology import DEFAULT_INTER_NODE_LINK, Topology
 from ..core.vocabulary import MULTI_CHUNK_SCHEDULES, SCHEDULES, V_SHAPE_SCHEDULES, canonical_schedule
 from ..simulation.calibration import SimulatorCalibration, check_calibration
@@ -46,8 +48,9 @@ class PlanInputs:
     """Training steps of the job (>= 1)."""
     stage_counts: tuple[int, ...]
     """The ranks ``P`` to weigh, ascending, each at most the layer count and the GPUs."""
-    stage_choices: tuple[tuple[str, int], ...]
-    """``(schedule, v)`` pairs to weigh: a V-shaped schedule with ``v=2``, another multi-chunk one with 2 and 4."""
+    stage_choices: tuple[tuple[Any, int], ...]
+    """``(schedule, v)`` pairs to weigh: a V-shaped schedule with ``v=2``, another multi-chunk one with 2 and 4; a
+    generator with the ``v`` it is asked for (0: its own)."""
     microbatch_sizes: tuple[int, ...]
     """Micro-batch sizes to weigh, ascending (default: the smallest profiled size times powers of two)."""
     link: Link | None
@@ -288,18 +291,25 @@ def _microbatch_sizes(sizes: Any, b0: int, global_batch: int) -> tuple[int, ...]
     return _candidates("microbatch_sizes", sizes, [b0 * 2**k for k in range(20) if b0 * 2**k <= global_batch])
 
 
-def _stage_choices(schedules: str | Sequence[str]) -> tuple[tuple[str, int], ...]:
-    """``(schedule, v)`` of each schedule: ``v=2`` for a V shape, 2 and 4 for another multi-chunk one, else 1."""
-    if isinstance(schedules, str):
+def _stage_choices(schedules: Any) -> tuple[tuple[Any, int], ...]:
+    """``(schedule, v)`` of each schedule: ``v=2`` for a V shape, 2 and 4 for another multi-chunk one, else 1; a
+    Schedule's own ``v``; a generator with ``v=0`` (its own) or, where it takes ``v``, 1 and 2 (made for each ``P``
+    and ``m`` when the search enumerates them: :func:`~pipeswift_lab.planning.steps.made_choice`)."""
+    if isinstance(schedules, (str, Schedule)) or is_generator(schedules):
         schedules = [schedules]
     if hasattr(schedules, "__len__") and len(schedules) == 0:
         raise ValueError(
             f"schedules={list(schedules)!r} is empty; give at least one of {list(SCHEDULES)}, or None for all of them"
         )
-    out: list[tuple[str, int]] = []
+    out: list[tuple[Any, int]] = []
     for name in schedules:
+        if is_generator(name):
+            out += [(name, 1), (name, 2)] if takes_v(name) else [(name, 0)]
+            continue
         schedule = canonical_schedule(name)
-        if schedule in V_SHAPE_SCHEDULES:
+        if isinstance(schedule, Schedule):
+            out.append((schedule, schedule.v))
+        elif schedule in V_SHAPE_SCHEDULES:
             out.append((schedule, 2))
         elif schedule in MULTI_CHUNK_SCHEDULES:
             out += [(schedule, 2), (schedule, 4)]

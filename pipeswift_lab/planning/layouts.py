@@ -38,13 +38,12 @@ from typing import TYPE_CHECKING
 import numpy as np
 import pandas as pd
 
-from ..core.analytic import bubble_ratio
 from ..core.jct import TERMS
-from ..core.vocabulary import SINGLE_CHUNK_SCHEDULES, ZERO_BUBBLE_SCHEDULES, validate
+from ..core.vocabulary import SINGLE_CHUNK_SCHEDULES, splits_backward, validate
 from ..partitioning.memory import MEM_RTOL
 from .inputs import PlanInputs, divisors
 from .placement import collective_terms, pipeline_link_of
-from .steps import Config, Row, bound_config, evaluate, one_stage_choice
+from .steps import Config, Row, bound_config, by_bubble, evaluate, made_choice, one_stage_choice
 from .strategies import HOLDING, first_drop
 
 if TYPE_CHECKING:
@@ -109,9 +108,21 @@ def enumerate_layouts(inputs: PlanInputs) -> Grid:
     time under any, the least memory under 1F1B). Returns a :class:`Grid`."""
     choices = inputs.stage_choices
     single = one_stage_choice(choices)
-    all_choices = tuple(dict.fromkeys([*choices, *single]))
+    all_choices = list(dict.fromkeys([*choices, *single]))
     index = {c: i for i, c in enumerate(all_choices)}
-    many, one = [index[c] for c in choices], [index[c] for c in single]
+    one = [index[c] for c in single]
+
+    def many(p: int, m: int) -> list[int]:
+        """The choices weighed at ``p`` ranks and ``m`` micro-batches, generators made for them."""
+        out = []
+        for choice in choices:
+            made = made_choice(choice, p, m)
+            if made is not None:
+                out.append(index.setdefault(made, len(index)))
+                if len(all_choices) < len(index):
+                    all_choices.append(made)
+        return out
+
     out: list[tuple[int, int, int, int, int, int, int]] = []
     gb = inputs.global_batch
     for tp in inputs.tp_degrees:
@@ -123,10 +134,11 @@ def enumerate_layouts(inputs: PlanInputs) -> Grid:
                     per_rank = gb // (d * fsdp)
                     for b in inputs.microbatch_sizes:
                         if per_rank % b == 0:
-                            out += [(p, d, fsdp, tp, per_rank // b, b, c) for c in (many if p > 1 else one)]
+                            m = per_rank // b
+                            out += [(p, d, fsdp, tp, m, b, c) for c in (many(p, m) if p > 1 else one)]
     columns = np.array(out, dtype=np.int64).reshape(-1, 7).T
     names = ("P", "D", "fsdp", "tp", "m", "b", "choice")
-    return Grid(**dict(zip(names, columns)), choices=all_choices)
+    return Grid(**dict(zip(names, columns)), choices=tuple(all_choices))
 
 
 @dataclass(frozen=True, eq=False)
@@ -216,7 +228,7 @@ def _pipeline_lower_ms(grid: Grid, inputs: PlanInputs, evaluator: Evaluator) -> 
         sums[(tp, b)] = (float((forward + backward).sum()), float(forward.sum()), float((forward + backward).max()))
     total, forward, slowest = (np.array([sums[pair][j] for pair in pairs]) for j in range(3))
     schedules = [s for s, _ in grid.choices]
-    zero_bubble = np.array([s in ZERO_BUBBLE_SCHEDULES for s in schedules])[grid.choice]
+    zero_bubble = np.array([splits_backward(s) for s in schedules])[grid.choice]
     single = np.array([s in SINGLE_CHUNK_SCHEDULES for s in schedules])[grid.choice]
     m, P = grid.m.astype(float), grid.P.astype(float)
     lower = np.maximum.reduce([m * total / P, m * slowest, np.where(zero_bubble, forward, total)])
@@ -403,11 +415,6 @@ def _closed_frame(grid: Grid, closed: ClosedForm, index: np.ndarray, reasons: Se
     )
 
 
-def _by_bubble(P: int, m: int, schedule: str, v: int) -> tuple[float, int]:
-    """What a bubble-minded choice minimizes: the closed-form bubble, then minus the micro-batch chunks ``m * v``."""
-    return bubble_ratio(P, m, schedule, v=v), -m * v
-
-
 def _simulate_bubble_pick(
     grid: Grid,
     closed: ClosedForm,
@@ -426,15 +433,15 @@ def _simulate_bubble_pick(
     pool: list[tuple[tuple[float, int], int, bool]] = []
     for k, (row, _) in pruned.items():
         if row["P"] > 1 and row["gpus"] == gpus_best:
-            pool.append((_by_bubble(row["P"], row["m"], row["schedule"], row["v"]), k, True))
+            pool.append((by_bubble(row["P"], row["m"], row["schedule"], row["v"]), k, True))
     for i in skipped:
         if grid.P[i] > 1 and grid.gpus[i] == gpus_best:
             p, _, m, _, schedule, v, _, _ = grid.config(i)
-            pool.append((_by_bubble(p, m, schedule, v), i, False))
+            pool.append((by_bubble(p, m, schedule, v), i, False))
     if not pool:
         return
     key, k, was_split = min(pool, key=lambda item: item[0])
-    rivals = [_by_bubble(r["P"], r["m"], r["schedule"], r["v"]) for r in done if r["P"] > 1 and r["gpus"] == gpus_best]
+    rivals = [by_bubble(r["P"], r["m"], r["schedule"], r["v"]) for r in done if r["P"] > 1 and r["gpus"] == gpus_best]
     if rivals and key >= min(rivals):
         return
     if was_split:

@@ -18,13 +18,14 @@ from functools import lru_cache
 import numpy as np
 
 from ..core.order_arrays import BACKWARD_WEIGHT, FORWARD, FULL_BACKWARD, order_arrays
+from ..core.schedule import ScheduleLike
 from ..core.vocabulary import stage_to_rank
 
 __all__ = ["held_counts", "min_fullest_rank_bytes"]
 
 
 @lru_cache(maxsize=4096)
-def held_counts(P: int, m: int, schedule: str, v: int) -> tuple[int, ...]:
+def held_counts(P: int, m: int, schedule: ScheduleLike, v: int) -> tuple[int, ...]:
     """Per rank, the most micro-batches every one of its stages holds saved activations of at once (a forward's
     own micro-batch counted from its forward, released by its ``B`` or ``W``). Returns a tuple, one per rank."""
     orders = order_arrays(P, m, schedule, v, check=False)

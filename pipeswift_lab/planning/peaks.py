@@ -21,6 +21,7 @@ import numpy as np
 from ..core.memory_model import default_optimizer_memory, rank_peak, send_wait
 from ..core.peak_forms import StageFields, peak_form
 from ..core.precision import PRECISIONS
+from ..core.schedule import ScheduleLike
 from ..partitioning.layers import Bounds, Layers
 from ..partitioning.rank_memory import SplitBytes, rank_memory, stage_bytes, with_sends
 from .sharding import fsdp_factors, fsdp_fields, fsdp_stage_bytes, reduce_scatter_moment
@@ -67,7 +68,7 @@ class SplitPeaks:
         P: int,
         m: int,
         b: int,
-        schedule: str,
+        schedule: ScheduleLike,
         v: int,
         D: int,
         bounds: Bounds,
@@ -105,7 +106,15 @@ class SplitPeaks:
         return self._peaks[key]
 
     def _sharded(
-        self, P: int, m: int, b: int, schedule: str, v: int, bounds: Bounds, placement: Sequence[int], fsdp: int
+        self,
+        P: int,
+        m: int,
+        b: int,
+        schedule: ScheduleLike,
+        v: int,
+        bounds: Bounds,
+        placement: Sequence[int],
+        fsdp: int,
     ) -> list[float]:
         """Each rank's peak under ``fsdp > 1`` shards: the stage bytes without buckets (as at ``D = 1``), scaled by
         :func:`~pipeswift_lab.planning.sharding.fsdp_fields`, compiled or (``replay``) replayed action by action."""

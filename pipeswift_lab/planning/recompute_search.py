@@ -42,6 +42,7 @@ import pandas as pd
 
 from ..core.memory_model import OptimizerMemory
 from ..core.peak_forms import peak_form
+from ..core.schedule import ScheduleLike
 from ..core.vocabulary import stage_to_rank
 from ..partitioning.layers import Bounds, Layers, capped_split, split
 from ..partitioning.memory import MEM_RTOL, Layout
@@ -132,7 +133,7 @@ def recompute_splits(
     P: int,
     v: int,
     m: int,
-    schedule: str,
+    schedule: ScheduleLike,
     limit: float,
     optimizer: OptimizerMemory,
     precision: str | None,

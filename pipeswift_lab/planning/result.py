@@ -12,6 +12,7 @@ import pandas as pd
 
 from ..core.display import hours, html_card, text_card
 from ..core.jct import JCT, TERMS
+from ..core.schedule import ScheduleLike
 from ..partitioning.balance import partition
 from ..partitioning.stages import Partition
 from ..profiling.table import Profile
@@ -38,7 +39,7 @@ class PlannedConfig:
     D: int
     m: int
     microbatch_size: int
-    schedule: str
+    schedule: ScheduleLike
     v: int
     queue_s: float
     assembly_s: float

@@ -18,6 +18,7 @@ import numpy as np
 from ..core.analytic import inflight_microbatches
 from ..core.link import Link
 from ..core.precision import state_bytes
+from ..core.schedule import ScheduleLike
 from ..core.vocabulary import stage_to_rank
 from ..partitioning.bottleneck import Infeasible
 from ..partitioning.layers import Layers, capped_split, split
@@ -51,7 +52,7 @@ class _Config(NamedTuple):
     P: int
     m: int
     b: int
-    schedule: str
+    schedule: ScheduleLike
     v: int
     D: int
     fsdp: int = 1
@@ -148,7 +149,7 @@ class Evaluator:
         return self._layers[b]
 
     def peak_memory(
-        self, P: int, m: int, b: int, schedule: str, v: int, D: int, bounds: Bounds, fsdp: int = 1
+        self, P: int, m: int, b: int, schedule: ScheduleLike, v: int, D: int, bounds: Bounds, fsdp: int = 1
     ) -> list[float]:
         """Each rank's peak (:func:`~pipeswift_lab.partitioning.rank_memory.rank_memory`'s ``predicted_peak_bytes``)
         of ``bounds`` at micro-batch size ``b`` with ``fsdp`` shards, from the nearest profile (cached). Returns a
@@ -166,7 +167,7 @@ class Evaluator:
         dict."""
         return self.split_peaks.answers
 
-    def split(self, P: int, m: int, b: int, schedule: str, v: int, D: int = 1, fsdp: int = 1) -> Split:
+    def split(self, P: int, m: int, b: int, schedule: ScheduleLike, v: int, D: int = 1, fsdp: int = 1) -> Split:
         """The balanced split of ``P`` ranks at micro-batch size ``b``; where it does not fit memory, of the splits
         that do, the one whose simulated step is the shortest (simulated only where there are several).
 
@@ -223,7 +224,9 @@ class Evaluator:
         bounds = ((0, self.costs.n_layers),)
         return sum(self._stage_sums(self.costs.b0, bounds, self._state_shards(D), fsdp).state_bytes) / P
 
-    def fullest_rank_lower_bytes(self, P: int, m: int, b: int, schedule: str, v: int, D: int, fsdp: int = 1) -> float:
+    def fullest_rank_lower_bytes(
+        self, P: int, m: int, b: int, schedule: ScheduleLike, v: int, D: int, fsdp: int = 1
+    ) -> float:
         """A lower bound on the fullest rank's peak of every split of ``P`` ranks at micro-batch size ``b``
         (:func:`~pipeswift_lab.planning.memory_bound.min_fullest_rank_bytes`): no split fits a smaller cap. Where
         stages may recompute (``recompute="search"``), each layer's activations are the least it can hold."""
@@ -323,7 +326,7 @@ class Evaluator:
             fsdp=fsdp,
         )
 
-    def partition(self, layers: Layers, bounds: Bounds, v: int, schedule: str, m: int, D: int) -> Partition:
+    def partition(self, layers: Layers, bounds: Bounds, v: int, schedule: ScheduleLike, m: int, D: int) -> Partition:
         """The :class:`~pipeswift_lab.Partition` of a split (built when it is simulated), with the evaluator's
         optimizer, link and precision."""
         return self._partition(layers, bounds, v=v, schedule=schedule, m=m, D=D)
@@ -339,7 +342,7 @@ class Evaluator:
         step, bubble = self._sims[key]
         return step * split.scale, bubble
 
-    def _timed(self, part: Partition, m: int, schedule: str, v: int) -> tuple[float, float]:
+    def _timed(self, part: Partition, m: int, schedule: ScheduleLike, v: int) -> tuple[float, float]:
         step = simulate_step_ms(part, m, schedule, v=v, link=self.link, calibration=self.calibration)
         busy = m * sum(part.stage_ms)
         if self.calibration is not None:
@@ -347,14 +350,14 @@ class Evaluator:
             busy *= self.calibration.scale(part.P)
         return step, (1.0 - busy / (part.P * step) if step > 0 else 0.0)
 
-    def _placement(self, P: int, m: int, schedule: str, v: int) -> tuple[tuple[int, ...], list[float]]:
+    def _placement(self, P: int, m: int, schedule: ScheduleLike, v: int) -> tuple[tuple[int, ...], list[float]]:
         """``(rank of each stage, micro-batches in flight on each rank)`` (cached)."""
         key = (P, m, schedule, v)
         if key not in self._inflight:
             self._inflight[key] = (stage_to_rank(P, v, schedule), inflight_microbatches(P, m, schedule, v=v))
         return self._inflight[key]
 
-    def _balanced_bounds(self, P: int, m: int, schedule: str, v: int, b: int) -> Bounds:
+    def _balanced_bounds(self, P: int, m: int, schedule: ScheduleLike, v: int, b: int) -> Bounds:
         """The time-balanced split at micro-batch size ``b``, memory not considered (cached by what it depends on:
         the stage count ``P * v``, not the schedule)."""
         key = (P * v, b)

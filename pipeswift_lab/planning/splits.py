@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Protocol
 
+from ..core.schedule import ScheduleLike
 from ..partitioning.layers import Layers
 from ..partitioning.memory import rank_totals
 from ..partitioning.stages import Partition
@@ -21,7 +22,9 @@ Bounds = tuple[tuple[int, int], ...]
 class _PartitionMaker(Protocol):
     """What builds and simulates a split's :class:`~pipeswift_lab.Partition` (the search's evaluator)."""
 
-    def partition(self, layers: Layers, bounds: Bounds, v: int, schedule: str, m: int, D: int) -> Partition: ...
+    def partition(
+        self, layers: Layers, bounds: Bounds, v: int, schedule: ScheduleLike, m: int, D: int
+    ) -> Partition: ...
 
     def simulate(self, split: Split) -> tuple[float, float]: ...
 
@@ -52,7 +55,7 @@ class Split:
     """``(first_layer, end_layer)`` of each of the ``P * v`` stages."""
     m: int
     """Micro-batches per step."""
-    schedule: str
+    schedule: ScheduleLike
     """The schedule's name."""
     v: int
     """Stages (chunks) per rank."""
@@ -70,7 +73,7 @@ class Split:
     """``m`` times the busiest rank's compute: no pipeline step is shorter."""
     evaluator: _PartitionMaker = field(repr=False, compare=False)
     """The evaluator that builds the :class:`~pipeswift_lab.Partition` on first use."""
-    build: tuple[Layers, Bounds, int, str, int, int] = field(repr=False, compare=False)
+    build: tuple[Layers, Bounds, int, ScheduleLike, int, int] = field(repr=False, compare=False)
     """The arguments of :meth:`Evaluator.partition`."""
     recompute: str = ""
     """The stages that recompute and how, ``"0:full 1:selective"`` (``""``: none)."""

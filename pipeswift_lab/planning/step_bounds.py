@@ -22,7 +22,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from ..core.vocabulary import SINGLE_CHUNK_SCHEDULES, ZERO_BUBBLE_SCHEDULES
+from ..core.schedule import ScheduleLike
+from ..core.vocabulary import SINGLE_CHUNK_SCHEDULES, splits_backward
 
 __all__ = ["closed_form_step_lower_ms", "split_step_lower_ms"]
 
@@ -33,14 +34,14 @@ def split_step_lower_ms(
     placement: Sequence[int],
     P: int,
     m: int,
-    schedule: str,
+    schedule: ScheduleLike,
 ) -> float:
     """The module docs' bound on the step of a split whose stages take ``stage_fwd`` and ``stage_bwd`` per
     micro-batch and sit on ranks ``placement``, with ``m`` micro-batches under ``schedule``. Returns ms."""
     fwd, bwd = np.asarray(stage_fwd, dtype=float), np.asarray(stage_bwd, dtype=float)
     ranks = np.asarray(placement)
     head = np.concatenate([[0.0], np.cumsum(fwd)])
-    tail = np.concatenate([[0.0], np.cumsum(bwd)]) if schedule not in ZERO_BUBBLE_SCHEDULES else np.zeros(len(fwd) + 1)
+    tail = np.concatenate([[0.0], np.cumsum(bwd)]) if not splits_backward(schedule) else np.zeros(len(fwd) + 1)
     busy = np.bincount(ranks, weights=fwd + bwd, minlength=P)
     first = np.full(P, len(fwd))
     np.minimum.at(first, ranks, np.arange(len(fwd)))
@@ -49,12 +50,12 @@ def split_step_lower_ms(
 
 
 def closed_form_step_lower_ms(
-    total_ms: float, forward_ms: float, slowest_ms: float, P: int, m: int, schedule: str
+    total_ms: float, forward_ms: float, slowest_ms: float, P: int, m: int, schedule: ScheduleLike
 ) -> float:
     """A bound on the step of any split of layers whose forward and backward take ``total_ms`` per micro-batch
     (``forward_ms`` of it forward; the slowest layer ``slowest_ms``) over ``P`` ranks with ``m`` micro-batches under
     ``schedule`` (the module docs derive it). Returns ms."""
-    crossing = forward_ms if schedule in ZERO_BUBBLE_SCHEDULES else total_ms
+    crossing = forward_ms if splits_backward(schedule) else total_ms
     bound = max(m * total_ms / P, m * slowest_ms, crossing)
     if schedule in SINGLE_CHUNK_SCHEDULES:
         bound = max(bound, total_ms / (1.0 - (1.0 - 1.0 / m) ** P))

@@ -23,6 +23,8 @@ from ..core.analytic import bubble_ratio
 from ..core.costs import preemption_loss_s
 from ..core.display import distinct_hours, hours
 from ..core.jct import TERMS
+from ..core.schedule import Schedule, ScheduleLike
+from ..core.schedule_generators import generate, is_generator
 from ..core.vocabulary import SINGLE_CHUNK_SCHEDULES, validate
 from .inputs import PlanInputs, divisors
 from .placement import OPTIMIZER_TRAFFIC_FACTOR, collective_terms, pipeline_link_of
@@ -63,7 +65,23 @@ Candidate = tuple[float, Row, Split]
 
 
 # --------------------------------------------------------------------------- 1. enumerate
-def one_stage_choice(choices: Sequence[tuple[str, int]]) -> list[tuple[str, int]]:
+def made_choice(choice: tuple[Any, int], P: int, m: int) -> tuple[Any, int] | None:
+    """``choice`` as the search weighs it at ``P`` ranks and ``m`` micro-batches: a generator's Schedule made for them
+    (None where the generator makes none: its configurations are not weighed), a Schedule where it has that ``P`` and
+    ``m`` (else None), a name as it is."""
+    schedule, v = choice
+    if isinstance(schedule, Schedule):
+        return choice if (schedule.P, schedule.m) == (P, m) else None
+    if not is_generator(schedule):
+        return choice
+    try:
+        made = generate(schedule, P, m, v or 1)
+    except ValueError:
+        return None
+    return made, made.v
+
+
+def one_stage_choice(choices: Sequence[tuple[Any, int]]) -> list[tuple[Any, int]]:
     """The ``(schedule, v)`` a one-stage configuration is weighed under: 1F1B where weighed (the same time as any, one
     micro-batch's activations at a time), else the first single-chunk schedule weighed, else GPipe."""
     single = [c for c in choices if c[1] == 1 and c[0] in SINGLE_CHUNK_SCHEDULES]
@@ -86,8 +104,11 @@ def enumerate_configs(inputs: PlanInputs) -> list[Config]:
                 break
             for b in inputs.microbatch_sizes:
                 if (inputs.global_batch // d) % b == 0:
-                    for schedule, v in choices if p > 1 else single_stage:
-                        configs.append((p, d, (inputs.global_batch // d) // b, b, schedule, v, 1, 1))
+                    m = (inputs.global_batch // d) // b
+                    for choice in choices if p > 1 else single_stage:
+                        made = made_choice(choice, p, m)
+                        if made is not None:
+                            configs.append((p, d, m, b, made[0], made[1], 1, 1))
     return configs
 
 
@@ -227,9 +248,27 @@ def branch_and_bound(
     return rows
 
 
-def _by_bubble(row: Row) -> tuple[float, int]:
-    """What a bubble-minded choice minimizes: the closed-form bubble, then minus the micro-batch chunks ``m * v``."""
-    return bubble_ratio(row["P"], row["m"], row["schedule"], v=row["v"]), -row["m"] * row["v"]
+def row_bubble(row: Row) -> tuple[float, int]:
+    """:func:`by_bubble` of a plan row."""
+    return by_bubble(row["P"], row["m"], row["schedule"], row["v"])
+
+
+def by_bubble(P: int, m: int, schedule: ScheduleLike, v: int) -> tuple[float, int]:
+    """What a bubble-minded choice minimizes: the closed-form bubble (a Schedule's on equal unit times), then minus the
+    micro-batch chunks ``m * v``."""
+    if isinstance(schedule, Schedule):
+        return unit_bubble_ratio(schedule), -m * v
+    return bubble_ratio(P, m, schedule, v=v), -m * v
+
+
+def unit_bubble_ratio(schedule: Schedule) -> float:
+    """The idle share of the step when every action of every stage lasts one unit and transfers are free (F = I = W =
+    1, B = 2): the closed form's convention, found by replaying the order (:func:`~pipeswift_lab.simulation.simulate`
+    on a uniform stage table)."""
+    from ..simulation import simulate
+
+    table = pd.DataFrame({"fwd_ms": [1.0] * schedule.S, "bwd_ms": [2.0] * schedule.S, "wgrad_ms": [1.0] * schedule.S})
+    return simulate(table, schedule.m, schedule).bubble_ratio
 
 
 def _simulate_bubble_pick(
@@ -244,9 +283,11 @@ def _simulate_bubble_pick(
     pool = [(i, c) for i, c in pruned.items() if c[0]["P"] > 1 and c[0]["gpus"] == gpus_best]
     if not pool:
         return
-    i, (row, split) = min(pool, key=lambda ic: _by_bubble(ic[1][0]))
+    i, (row, split) = min(
+        pool, key=lambda ic: by_bubble(ic[1][0]["P"], ic[1][0]["m"], ic[1][0]["schedule"], ic[1][0]["v"])
+    )
     rivals = [r for r in done if r["P"] > 1 and r["gpus"] == gpus_best]
-    if not rivals or _by_bubble(row) < min(_by_bubble(r) for r in rivals):
+    if not rivals or row_bubble(row) < min(row_bubble(r) for r in rivals):
         rows[i] = evaluate(inputs, evaluator, row, split)
 
 

@@ -21,6 +21,7 @@ import pandas as pd
 import torch
 
 from ..core.jct import JCT
+from ..core.schedule import schedule_meta
 from .result import RunResult
 from .run_files import (
     ATTEMPT_GLOB,
@@ -441,7 +442,7 @@ def _timeline(spec: RunSpec, ranks: list[Payload], clock: _Clock, meta: dict[str
     df = timeline_frame(ranks, clock.t0)
     df = df[df["step"] < clock.first_step + clock.n].reset_index(drop=True)
     timeline_meta = {
-        "schedule": spec.plan.schedule,
+        **schedule_meta(spec.plan.schedule),
         "P": spec.P,
         "D": spec.D,
         "v": spec.plan.v,

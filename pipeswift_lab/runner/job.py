@@ -32,6 +32,7 @@ import torch
 from torch import nn
 
 from ..core.checks import moved_keywords
+from ..core.schedule import ScheduleLike
 from ..core.tp_plan import TP
 from .assembly import build_result, read_history
 from .checkpoint import Checkpoint
@@ -75,7 +76,7 @@ def run(
     partition: Partition,
     m: int,
     *,
-    schedule: str | None = None,
+    schedule: ScheduleLike | None = None,
     steps: int = 10,
     optimizer: OptimizerFactory | None = None,
     seed: int = 0,

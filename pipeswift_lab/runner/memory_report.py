@@ -18,6 +18,7 @@ import pandas as pd
 import torch
 
 from ..core.memory_model import MEMORY_TERMS
+from ..core.schedule import ScheduleLike
 
 if TYPE_CHECKING:
     from ..partitioning.stages import Partition
@@ -48,7 +49,7 @@ def predicted_memory(
     partition: Partition,
     *,
     m: int,
-    schedule: str,
+    schedule: ScheduleLike,
     micro_batch_size: int,
     optimizer: Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer],
     device_type: str,

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from ..core.checks import check_flag, check_int
+from ..core.schedule import ScheduleLike
 from .checkpoint import Checkpoint
 from .options import Checkpointing, Elastic, Faults, JobOptions, Launch, job_options
 from .segments import PlannedSegment, plan_segments
@@ -45,7 +46,7 @@ class JobPlan:
     """``loss_fn(outputs, targets)``."""
     m: int
     """Micro-batches per step."""
-    schedule: str | None
+    schedule: ScheduleLike | None
     """The schedule asked for (``None``: the partition's)."""
     steps: int
     """The job's total steps."""
@@ -92,7 +93,7 @@ def plan_job(
     partition: Partition,
     m: int,
     *,
-    schedule: str | None,
+    schedule: ScheduleLike | None,
     steps: int,
     optimizer: OptimizerFactory | None,
     seed: int = 0,

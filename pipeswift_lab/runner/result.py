@@ -14,6 +14,7 @@ import torch
 
 from ..core.display import html_card, text_card
 from ..core.jct import JCT
+from ..core.schedule import ScheduleLike
 from .run_files import CHECKPOINT_COLUMNS
 
 if TYPE_CHECKING:
@@ -77,7 +78,7 @@ class RunResult:
     step_ms: tuple[float, ...]
     losses: tuple[float, ...]
     jct: JCT
-    schedule: str
+    schedule: ScheduleLike
     P: int
     v: int
     m: int
@@ -368,7 +369,13 @@ class RunResult:
         return self.timeline.plot(ax=ax, step=step)
 
     def _summary(self) -> dict[str, Any]:
-        out = {"schedule": self.schedule, "P": self.P, "v": self.v, "m": self.m, "steps": self.steps}
+        out: dict[str, Any] = {
+            "schedule": str(self.schedule),
+            "P": self.P,
+            "v": self.v,
+            "m": self.m,
+            "steps": self.steps,
+        }
         if self.D > 1:
             out["D"] = self.D
         if self.status != "completed" or self.first_step:

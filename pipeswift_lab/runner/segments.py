@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 import pandas as pd
 
 from ..core.checks import check_int
+from ..core.schedule import ScheduleLike
 
 if TYPE_CHECKING:
     from torch import nn
@@ -62,7 +63,7 @@ def plan_segments(
     partitions: dict[int, Partition] | None,
     profile: Any,
     m: int,
-    schedule: str | None,
+    schedule: ScheduleLike | None,
 ) -> list[PlannedSegment]:
     """The segments ``resize_at``/``partitions`` ask for, each partition made and checked before launch.
 

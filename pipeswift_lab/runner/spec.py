@@ -26,6 +26,7 @@ from ..core.checks import check_choice, check_int
 from ..core.fake_device import trace_device
 from ..core.meta_device import InitFn
 from ..core.recompute import RecomputePlan, plan_recompute
+from ..core.schedule import ScheduleLike
 from ..core.version import __version__
 from .devices import CPU_RANKS_PER_CORE, available_cores, resolve_devices
 from .hf_conversion import hf_class
@@ -290,7 +291,7 @@ def make_spec(
     partition: Any,
     m: int,
     *,
-    schedule: str | None = None,
+    schedule: ScheduleLike | None = None,
     steps: int = 10,
     optimizer: Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer] | None = None,
     seed: int = 0,

@@ -20,8 +20,8 @@ measured step": :data:`MEASURED_STEP` says it in words, as ``RunResult.steady_st
 
 from __future__ import annotations
 
+from ..core.schedule import ScheduleDeadlock
 from ..core.schedule_orders import compute_orders
-from .engine import ScheduleDeadlock
 from .reconciliation import Reconciled, reconcile
 from .simulator import simulate, simulate_step_ms
 from .steady import MEASURED_STEP

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import pandas as pd
 
 from ..core.display import html_card, text_card
+from ..core.schedule import Schedule, ScheduleLike
 from ..core.vocabulary import MULTI_CHUNK_SCHEDULES, canonical_schedule
 from .schema import jsonable
 
@@ -37,9 +38,11 @@ RUNTIMES = ("single-chunk", "multi-chunk")
 _FORMAT = "pipeswift_lab.calibration/1"
 
 
-def runtime_of(schedule: str) -> str:
+def runtime_of(schedule: ScheduleLike) -> str:
     """``"multi-chunk"`` for schedules torch runs with ``_PipelineScheduleRuntime``, ``"single-chunk"`` for GPipe and
     1F1B."""
+    if isinstance(schedule, Schedule):  # a user's order runs on _PipelineScheduleRuntime
+        return "multi-chunk"
     return "multi-chunk" if canonical_schedule(schedule) in MULTI_CHUNK_SCHEDULES else "single-chunk"
 
 
@@ -102,7 +105,7 @@ class SimulatorCalibration:
         larger)."""
         return float(self.compute_scale[_nearest(self.compute_scale, P)])
 
-    def gap_ms(self, schedule: str, P: int | None = None) -> float:
+    def gap_ms(self, schedule: ScheduleLike, P: int | None = None) -> float:
         """Calibrated ms between consecutive actions of a rank under ``schedule``'s runtime with ``P`` ranks (0 when
         not fitted).
 
@@ -115,7 +118,7 @@ class SimulatorCalibration:
             return float(value)
         return float(value) * float(self.gap_scale[_nearest(self.gap_scale, P)])
 
-    def action_durations(self, durations: Durations, P: int, schedule: str) -> tuple[list[float], ...]:
+    def action_durations(self, durations: Durations, P: int, schedule: ScheduleLike) -> tuple[list[float], ...]:
         """Per-kind per-stage durations ``(fwd, bwd, igrad, wgrad)`` as a calibrated run of ``P`` ranks under
         ``schedule`` takes them."""
         s, gap = self.scale(P), self.gap_ms(schedule, P)
@@ -134,7 +137,7 @@ class SimulatorCalibration:
         bw = self.bandwidth_GBps
         return [self.latency_ms + (0.0 if not math.isfinite(bw) else float(b) / (bw * 1e6)) for b in nbytes]
 
-    def step_overhead_ms(self, schedule: str) -> float:
+    def step_overhead_ms(self, schedule: ScheduleLike) -> float:
         """Calibrated per-step overhead of ``schedule``'s runtime (0 when that runtime was not fitted)."""
         value = self.step_overhead.get(runtime_of(schedule), math.nan)
         return 0.0 if not math.isfinite(value) else float(value)

@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from ..core.schedule import ScheduleDeadlock
 from ..core.schedule_orders import Groups, action_groups
 from ..core.vocabulary import COMPUTE_KINDS, stage_to_rank
 
@@ -33,10 +34,6 @@ _WAIT, _COMPUTE, _FIRE = 0, 1, 2
 _F_DONE, _G_DONE, _W_DONE, _ACT_ARRIVED, _GRAD_ARRIVED = range(5)
 _DONE_FAMILY = {"F": _F_DONE, "B": _G_DONE, "I": _G_DONE, "W": _W_DONE}  # B and I both deliver the input gradient
 _KIND_CODE = {k: i for i, k in enumerate(COMPUTE_KINDS)}
-
-
-class ScheduleDeadlock(RuntimeError):
-    """Raised when no rank of a pipeline order can make progress."""
 
 
 # --------------------------------------------------------------------------- ops

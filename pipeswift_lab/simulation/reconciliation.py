@@ -26,6 +26,7 @@ from typing import Any
 import pandas as pd
 
 from ..core.checks import check_int
+from ..core.schedule import Schedule, ScheduleLike
 from ..core.vocabulary import (
     SINGLE_CHUNK_SCHEDULES,
     V_SHAPE_SCHEDULES,
@@ -43,8 +44,8 @@ PARTITION_FIELDS = ("P", "v", "stage_to_rank")
 class Reconciled:
     """A partition, a schedule, ``v`` and ``m`` that agree with each other and with torch (:func:`reconcile`)."""
 
-    schedule: str
-    """The schedule, spelled as torch spells it."""
+    schedule: ScheduleLike
+    """The schedule, spelled as torch spells it, or a :class:`~pipeswift_lab.core.schedule.Schedule`."""
     v: int
     """Stages (chunks) per rank."""
     P: int
@@ -62,7 +63,7 @@ class Reconciled:
 
 def reconcile(
     partition: Any,
-    schedule: str | None = None,
+    schedule: ScheduleLike | None = None,
     *,
     v: int | None = None,
     m: int | None = None,
@@ -86,6 +87,8 @@ def reconcile(
             f"re-partition with partition(profile, {P}, v={v}, schedule={schedule!r}), or leave v=None"
         )
     _check_chunks(schedule, own_v, P)
+    if isinstance(schedule, Schedule):
+        return _of_schedule(schedule, P, own_v, placement, m)
     if same_schedule and own is not None and canonical_schedule(own) != schedule:
         raise ValueError(
             f"schedule={schedule!r} differs from the partition's schedule {own!r}; the partition's stage placement was "
@@ -119,15 +122,23 @@ def _read(partition: Any) -> tuple[int, int, str | None, tuple[int, ...]]:
     return P, v, getattr(partition, "schedule", None), placement
 
 
-def _resolve_schedule(schedule: str | None, own: str | None, v: int) -> str:
+def _resolve_schedule(schedule: ScheduleLike | None, own: ScheduleLike | None, v: int) -> ScheduleLike:
     """The schedule given, else the partition's own, else ``partition()``'s default for ``v``; canonical."""
     if schedule is None:
         schedule = own if own is not None else ("1F1B" if v == 1 else "Interleaved1F1B")
     return canonical_schedule(schedule)
 
 
-def _check_chunks(schedule: str, v: int, P: int) -> None:
+def _check_chunks(schedule: ScheduleLike, v: int, P: int) -> None:
     """Refuse a partition's ``v`` the schedule does not run."""
+    if isinstance(schedule, Schedule):
+        if (schedule.P, schedule.v) != (P, v):
+            raise ValueError(
+                f"schedule {schedule.name!r} has P={schedule.P} ranks with {schedule.v} stage(s) each ({schedule.S} "
+                f"stages) but the partition has P={P} with v={v} ({P * v} stages); re-partition with "
+                f"partition(profile, {schedule.P}, v={schedule.v}, schedule=<the Schedule>)"
+            )
+        return
     if schedule in SINGLE_CHUNK_SCHEDULES and v != 1:
         raise ValueError(
             f"v={v} is not allowed for schedule={schedule!r}, which runs one stage per rank, but the partition has "
@@ -141,7 +152,19 @@ def _check_chunks(schedule: str, v: int, P: int) -> None:
         )
 
 
-def _check_m(P: int, m: int | None, schedule: str, v: int) -> int | None:
+def _of_schedule(schedule: Schedule, P: int, v: int, placement: tuple[int, ...], m: int | None) -> Reconciled:
+    """A partition under a :class:`~pipeswift_lab.core.schedule.Schedule`: the order must place stages as the
+    partition does (a V-shaped order needs a V-shaped partition)."""
+    if placement != schedule.placement:
+        raise ValueError(
+            f"schedule {schedule.name!r} runs its stages on ranks {list(schedule.placement)} ({schedule.shape} shape) "
+            f"but the partition places them on {list(placement)}; re-partition with partition(profile, {P}, v={v}, "
+            "schedule=<the Schedule>), which places the stages as the order runs them"
+        )
+    return Reconciled(schedule=schedule, v=v, P=P, m=_check_m(P, m, schedule, v), placement=placement)
+
+
+def _check_m(P: int, m: int | None, schedule: ScheduleLike, v: int) -> int | None:
     """``m`` checked against torch's rules for ``(P, m, schedule, v)``; None stays None."""
     if m is None:
         return None
@@ -150,9 +173,11 @@ def _check_m(P: int, m: int | None, schedule: str, v: int) -> int | None:
     return m
 
 
-def _of_table(df: pd.DataFrame, schedule: str | None, v: int | None, m: int | None) -> Reconciled:
-    """A per-stage table's shape: ``P = rows / v``, torch's placement for the schedule."""
-    schedule = canonical_schedule(schedule or "1F1B")
+def _of_table(df: pd.DataFrame, schedule: ScheduleLike | None, v: int | None, m: int | None) -> Reconciled:
+    """A per-stage table's shape: ``P = rows / v``, torch's placement for the schedule (a Schedule's own)."""
+    schedule = canonical_schedule(schedule if schedule is not None else "1F1B")
+    if isinstance(schedule, Schedule):
+        v = schedule.v if v is None else v
     if v is None:
         if schedule in SINGLE_CHUNK_SCHEDULES:
             v = 1

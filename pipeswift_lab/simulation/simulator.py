@@ -49,6 +49,7 @@ import pandas as pd
 from ..core.analytic import DEFAULT_WGRAD_FRACTION, backward_parts
 from ..core.checks import check_fraction, check_int, nonnegative_column
 from ..core.link import Link, check_link
+from ..core.schedule import ScheduleLike, schedule_meta
 from ..core.vocabulary import COMPUTE_KINDS
 from ..partitioning.stages import Partition
 from .calibration import SimulatorCalibration, check_calibration
@@ -108,7 +109,7 @@ class _Setup:
 def _setup(
     partition: Partition | pd.DataFrame,
     m: int,
-    schedule: str | None,
+    schedule: ScheduleLike | None,
     v: int | None,
     link: Link | None,
     wgrad_fraction: float | None,
@@ -222,7 +223,7 @@ def _weight_grad(stages: _Stages, wgrad_fraction: float | None) -> tuple[list[fl
 def simulate_step_ms(
     partition: Partition | pd.DataFrame,
     m: int,
-    schedule: str | None = None,
+    schedule: ScheduleLike | None = None,
     *,
     v: int | None = None,
     link: Link | None = None,
@@ -244,7 +245,7 @@ def simulate_step_ms(
 def simulate(
     partition: Partition | pd.DataFrame,
     m: int,
-    schedule: str | None = None,
+    schedule: ScheduleLike | None = None,
     *,
     v: int | None = None,
     link: Link | None = None,
@@ -292,7 +293,7 @@ def _meta(setup: _Setup) -> dict[str, Any]:
     """The simulated Timeline's ``meta``: the configuration, the stage inputs and the calibration's terms."""
     sh, st, cal = setup.shape, setup.stages, setup.calibration
     meta: dict[str, Any] = {
-        "schedule": sh.schedule,
+        **schedule_meta(sh.schedule),
         "P": sh.P,
         "m": setup.m,
         "v": sh.v,

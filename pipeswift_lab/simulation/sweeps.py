@@ -21,7 +21,9 @@ import pandas as pd
 from ..core.checks import check_choice, check_int
 from ..core.display import html_card, text_card
 from ..core.link import Link, check_link
-from ..core.vocabulary import SCHEDULES, SINGLE_CHUNK_SCHEDULES, canonical_schedule, default_v, stage_to_rank, validate
+from ..core.schedule import Schedule, ScheduleLike, schedule_from_meta
+from ..core.schedule_generators import generate, generator_name, is_generator, takes_v
+from ..core.vocabulary import SINGLE_CHUNK_SCHEDULES, canonical_schedule, default_v, stage_to_rank, validate
 from ..partitioning.balance import METHODS, partition
 from ..partitioning.layers import Layers
 from ..partitioning.memory import memory_cap, rank_totals
@@ -139,8 +141,8 @@ def peak_memory_bytes(part: Partition, timeline: Timeline) -> float:
     """
     if any(math.isnan(x) for x in part.stage_state_bytes) or any(math.isnan(x) for x in part.stage_activation_bytes):
         return math.nan
-    if part.layers is not None and timeline.meta.get("schedule") in SCHEDULES:
-        m, schedule = timeline.meta.get("m"), timeline.meta["schedule"]
+    if part.layers is not None and "schedule" in timeline.meta:
+        m, schedule = timeline.meta.get("m"), schedule_from_meta(timeline.meta)
         return float(part.memory(m=m, schedule=schedule)["predicted_peak_bytes"].max())
     static = rank_totals(part.stage_state_bytes, part.stage_to_rank, part.P)  # a custom order: its activations
     act = timeline.peak_activation_bytes
@@ -151,7 +153,7 @@ def explore(
     profile: Any,
     P: int,
     m: int,
-    schedule: str = "1F1B",
+    schedule: ScheduleLike = "1F1B",
     *,
     method: str = "balanced",
     v: int | None = None,
@@ -188,8 +190,8 @@ class _Grid:
     """Ranks to try."""
     ms: list[int]
     """Micro-batches to try."""
-    schedules: list[str]
-    """Schedules to try, canonical."""
+    schedules: list[Any]
+    """Schedules to try: names (canonical), Schedules and generators."""
     methods: list[str]
     """Split methods to try."""
     vs: list[int] | None
@@ -216,7 +218,7 @@ class _Config:
 
     P: int
     m: int
-    schedule: str
+    schedule: ScheduleLike
     v: int
     method: str
 
@@ -226,7 +228,7 @@ def sweep(
     P: int | Iterable[int] = (2, 4),
     m: int | Iterable[int] = (4, 8, 16),
     *,
-    schedules: str | Iterable[str] = ("1F1B",),
+    schedules: Any = ("1F1B",),
     methods: str | Iterable[str] = ("balanced",),
     v: int | Iterable[int] | None = None,
     steps: int | None = None,
@@ -239,6 +241,10 @@ def sweep(
     precision: str | None = None,
 ) -> Sweep:
     """Simulate every combination of ``P`` x ``m`` x ``schedules`` x ``methods`` (x ``v``); return a :class:`Sweep`.
+
+    ``schedules`` holds names, :class:`~pipeswift_lab.Schedule` orders (weighed where their ``P`` and ``m`` are the
+    row's) and generators: :mod:`pipeswift_lab.schedules`' functions or any callable ``(P, m)`` or ``(P, m, v)``
+    returning a Schedule, called for every row (a row it refuses says why).
 
     ``v`` (one value or a list) sets the chunks per rank of the multi-chunk schedules;
     None means 2. GPipe and 1F1B always use 1, ZBV/DualPipeV only 2. ``steps`` (training
@@ -298,7 +304,9 @@ def _check_grid(
         layers=Layers(profile),
         Ps=[check_int("P", p, minimum=1) for p in _as_list("P", P, "int")],
         ms=[check_int("m", x, minimum=1) for x in _as_list("m", m, "int")],
-        schedules=[canonical_schedule(s) for s in _as_list("schedules", schedules, "schedule name")],
+        schedules=[
+            s if is_generator(s) else canonical_schedule(s) for s in _as_list("schedules", schedules, "schedule name")
+        ],
         methods=[check_choice("methods", meth, METHODS) for meth in _as_list("methods", methods, "method name")],
         vs=None if v is None else [check_int("v", x, minimum=1) for x in _as_list("v", v, "int")],
         steps=None if steps is None else check_int("steps", steps, minimum=1),
@@ -328,7 +336,11 @@ def _configurations(grid: _Grid) -> list[_Config]:
     """Every configuration of the grid, in table order: P, schedule, method, v, then m."""
     out = []
     for p, sched, meth in itertools.product(grid.Ps, grid.schedules, grid.methods):
-        if sched in SINGLE_CHUNK_SCHEDULES:
+        if is_generator(sched):
+            chunk_options = (grid.vs or [1]) if takes_v(sched) else [0]  # 0: the generator's own v
+        elif isinstance(sched, Schedule):
+            chunk_options = [sched.v]
+        elif sched in SINGLE_CHUNK_SCHEDULES:
             chunk_options = [1]
         else:
             chunk_options = [2] if grid.vs is None else grid.vs
@@ -338,16 +350,21 @@ def _configurations(grid: _Grid) -> list[_Config]:
 
 def _row(grid: _Grid, config: _Config, parts: dict[tuple, Partition]) -> dict[str, Any]:
     """The table row of one configuration: its metrics, or ``feasible=False`` and the reason."""
+    label = generator_name(config.schedule) if is_generator(config.schedule) else str(config.schedule)
     row: dict[str, Any] = {
         "P": config.P,
         "m": config.m,
-        "schedule": config.schedule,
+        "schedule": label,
         "v": config.v,
         "method": config.method,
         "feasible": False,
         "reason": "",
     }
     try:
+        if is_generator(config.schedule):
+            made = generate(config.schedule, config.P, config.m, config.v or 1)
+            config = _Config(config.P, config.m, made, made.v, config.method)
+            row.update(schedule=made.name, v=made.v)
         part, tl = _simulate_config(grid, config, parts)
     except ValueError as exc:
         return {**row, "reason": str(exc), **dict.fromkeys(METRICS, math.nan)}

@@ -189,6 +189,32 @@ class Timeline:
         """Idle share of the step, averaged over ranks and steps (GPipe's convention)."""
         return float(self._busy["idle_ratio"].mean())
 
+    @property
+    def rank_span_bubble_rate(self) -> float:
+        """The Zero Bubble paper's bubble rate ``(cost - ideal) / cost``, mean over steps (Qi et al., ICLR 2024,
+        Section 5.3 and Appendix G, eq. 3; sail-sg's ``manual_order`` computes the same ``cost``).
+
+        A rank's own span runs from its first compute action's start to its last one's end; ``cost`` is the longest
+        over ranks (and replicas), ``ideal`` the most compute time of any rank (``m (T_F + T_B + T_W)`` for equal
+        stages). Unlike :attr:`bubble_ratio`, which measures every rank's idle time over the whole step's span (any
+        rank's first action to any rank's last) and averages over ranks, it leaves out each rank's wait before its
+        first action and after its last, and only the longest span counts. 0 for a step with no compute.
+        """
+        a = self._arrays
+        c = a["compute"]
+        step_ids = self.step_spans["step"].to_numpy()
+        lanes = len(self.replicas) * len(self.ranks)
+        group = np.searchsorted(step_ids, a["step"][c]) * lanes + self._lane(a["replica"][c], a["rank"][c])
+        first = np.full(len(step_ids) * lanes, np.inf)
+        last = np.full(len(step_ids) * lanes, -np.inf)
+        np.minimum.at(first, group, a["start"][c])
+        np.maximum.at(last, group, a["end"][c])
+        span = np.where(np.isfinite(first), last - first, 0.0).reshape(len(step_ids), lanes)
+        cost = span.max(axis=1)
+        ideal = self._busy["busy_ms"].to_numpy().reshape(len(step_ids), lanes).max(axis=1)
+        rate = np.divide(cost - ideal, cost, out=np.zeros_like(cost), where=cost > 0)
+        return float(rate.mean())
+
     # ------------------------------------------------------------------ in flight
     @cached_property
     def _held(self) -> dict[str, np.ndarray]:

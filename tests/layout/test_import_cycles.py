@@ -26,13 +26,17 @@ import pipeswift_lab
 
 PACKAGE = Path(pipeswift_lab.__file__).parent
 
-#: The one import allowed to close a circle, with why. A value type writes itself through its own serializer, which
+#: The imports allowed to close a circle, with why. A value type writes itself through its own serializer, which
 #: reads it back into the type: ``RunResult.save`` imports ``result_files.save_result`` inside the method, and
 #: ``result_files`` imports ``RunResult`` (and, for a torchrun directory, ``assembly``, which makes RunResults).
 #: It must stay a function-level import (:func:`test_the_allowed_import_is_lazy_and_still_there`).
 ALLOWED = {
     ("pipeswift_lab.runner.result", "pipeswift_lab.runner.result_files"): (
         "RunResult.save() calls result_files.save_result, its serializer, which builds RunResults when it loads"
+    ),
+    ("pipeswift_lab.core.schedule", "pipeswift_lab.core.schedule_orders"): (
+        "Schedule.of() reads a built-in schedule's orders from torch through schedule_orders, which (through the "
+        "vocabulary) accepts a Schedule wherever it accepts a name"
     ),
 }
 

@@ -23,6 +23,7 @@ LAYERS = {
     "profiling": 1,
     "partitioning": 2,
     "simulation": 3,
+    "schedules": 3,
     "fidelity": 4,
     "planning": 4,
     "runner": 4,

@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from ...core.schedule import schedule_meta
 from .. import checkpoint as ckpt
 from ..checkpoint_files import Stager
 from ..run_files import CHECKPOINT_COLUMNS, CHECKPOINTS_LOG
@@ -260,7 +261,7 @@ class Checkpointer:
             "D": spec.D,
             "v": plan.v,
             "m": spec.m,
-            "schedule": plan.schedule,
+            **schedule_meta(plan.schedule),
             "microbatch_size": spec.meta.get("microbatch_size"),
             "batch_size": spec.meta.get("batch_size"),
             "bounds": [list(b) for b in plan.bounds],

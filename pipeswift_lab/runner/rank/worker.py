@@ -190,13 +190,24 @@ def stage_loss(spec: RunSpec) -> Any:
 
 
 def _schedule(spec: RunSpec, stages: list[Any]) -> Any:
-    from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
+    from torch.distributed.pipelining.schedules import (
+        PipelineScheduleSingle,
+        _PipelineScheduleRuntime,
+        get_schedule_class,
+    )
 
-    cls = get_schedule_class(spec.plan.schedule)
+    from ...core.schedule import Schedule, torch_actions
+
     loss_fn = stage_loss(spec)
-    if issubclass(cls, PipelineScheduleSingle):
-        return cls(stages[0], n_microbatches=spec.m, loss_fn=loss_fn)
-    schedule = cls(stages, n_microbatches=spec.m, loss_fn=loss_fn)
+    if isinstance(spec.plan.schedule, Schedule):  # a user's order, lowered to sends and receives by torch's runtime
+        schedule = _PipelineScheduleRuntime(stages, n_microbatches=spec.m, loss_fn=loss_fn)
+        schedule._prepare_schedule_with_comms(torch_actions(spec.plan.schedule))
+        cls = type(schedule)
+    else:
+        cls = get_schedule_class(spec.plan.schedule)
+        if issubclass(cls, PipelineScheduleSingle):
+            return cls(stages[0], n_microbatches=spec.m, loss_fn=loss_fn)
+        schedule = cls(stages, n_microbatches=spec.m, loss_fn=loss_fn)
     mapping = tuple(schedule.stage_index_to_group_rank[s] for s in range(spec.plan.n_stages))
     if mapping != spec.plan.stage_to_rank:
         raise RuntimeError(

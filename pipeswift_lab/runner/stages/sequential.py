@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from ...core.meta_device import is_meta_model
+from ...core.schedule import ScheduleLike
 from ...simulation.reconciliation import reconcile
 
 #: ``loss_fn(outputs, targets)`` -> a scalar tensor.
@@ -57,14 +58,14 @@ class StagePlan:
     """What the runner needs from a Partition, checked against the model and the schedule.
 
     ``bounds`` — half-open layer ranges, one per stage; ``P`` ranks; ``v`` stages per rank;
-    ``schedule`` — canonical schedule name; ``stage_to_rank`` — the rank of every stage,
+    ``schedule`` — canonical schedule name, or a ``Schedule``; ``stage_to_rank`` — the rank of every stage,
     which must be the mapping torch's schedule uses (round-robin, or the V of ZBV/DualPipeV).
     """
 
     bounds: tuple[tuple[int, int], ...]
     P: int
     v: int
-    schedule: str
+    schedule: ScheduleLike
     stage_to_rank: tuple[int, ...]
 
     @property
@@ -87,7 +88,7 @@ class StagePlan:
         return self.stage_to_rank[-1]
 
 
-def plan_stages(model: nn.Module, partition: Any, schedule: str | None) -> StagePlan:
+def plan_stages(model: nn.Module, partition: Any, schedule: ScheduleLike | None) -> StagePlan:
     """Check ``partition`` (a ``pipeswift_lab.partitioning.balance.Partition`` or any object with ``bounds``,
     ``P``, ``v``, ``schedule`` and ``stage_to_rank``) against ``model`` and ``schedule``.
 

@@ -26,13 +26,13 @@ if TYPE_CHECKING:
 
 __all__ = ["apply_fsdp", "apply_tensor_parallel", "check_reshard", "parallel_style", "stage_targets", "unshard"]
 
-#: Schedules whose backward is split into input (I) and weight (W) passes.
-SPLIT_BACKWARD = ("InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
 
+def check_reshard(reshard_after_forward: bool, schedule: Any, P: int) -> None:
+    """Raise ``ValueError`` for ``reshard_after_forward=True`` under a pipeline schedule (a name or a ``Schedule``)
+    that splits the backward."""
+    from ...core.vocabulary import splits_backward
 
-def check_reshard(reshard_after_forward: bool, schedule: str, P: int) -> None:
-    """Raise ``ValueError`` for ``reshard_after_forward=True`` under a pipeline schedule that splits the backward."""
-    if reshard_after_forward and P > 1 and schedule in SPLIT_BACKWARD:
+    if reshard_after_forward and P > 1 and splits_backward(schedule):
         raise ValueError(
             f"FSDP reshard_after_forward=True with schedule={schedule!r} gives wrong gradients in torch's pipelining: "
             "the split input/weight backward runs on parameters FSDP has resharded (some gradients come back None, "

@@ -1,0 +1,481 @@
+"""A user-defined pipeline schedule: the ordered compute actions of every rank.
+
+torch runs such orders: ``_PipelineScheduleRuntime`` loads compute-only action lists (its ``_load_csv``, torchtitan's
+``pipeline_parallel_schedule_csv``), infers which rank holds which stage from them, and lowers them to sends,
+receives and gradient reductions. :class:`Schedule` is that order as a value the whole toolkit accepts wherever a
+schedule name is accepted: the simulator replays it, the memory model follows its in-flight activations, the runner
+hands it to torch's runtime, the planner searches it.
+
+Each action is ``(kind, stage, microbatch)`` with ``kind`` one of torch's compute types: ``F`` forward, ``B`` full
+backward, ``I`` input gradient, ``W`` weight gradient (an ``I`` keeps what its ``W`` needs until the ``W`` runs).
+A CSV cell spells it as torch does: ``{stage}{kind}{microbatch}``, e.g. ``0F0``, ``1I2``, ``1W2``, ``0B3``; torch's
+overlapped forward-backward step (DualPipeV's) as ``(3F2;0B0)OVERLAP_F_B``, a group whose sends go out after both
+parts ran.
+
+Everything is checked when a Schedule is made (:meth:`Schedule.from_lists`), before anything runs: the cells parse,
+every stage of every micro-batch has its forward and its backward exactly once, an ``I`` has its ``W``, each stage
+uses one backward form, each stage sits on one rank, every rank holds the same number of stages, and the order can
+finish (its dependencies are replayed, cross-rank sends included; :class:`~pipeswift_lab.simulation.ScheduleDeadlock`
+names the first rank that would wait forever, its action and what it waits for).
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import re
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from functools import cached_property
+from pathlib import Path
+from typing import Any, Union
+
+__all__ = [
+    "Schedule",
+    "ScheduleDeadlock",
+    "ScheduleLike",
+    "held_chunks",
+    "schedule_from_meta",
+    "schedule_meta",
+    "torch_actions",
+]
+
+#: One compute action: ``(kind, stage, microbatch)``.
+Action = tuple[str, int, int]
+_KINDS = ("F", "B", "I", "W")
+_CELL = re.compile(r"^\s*(\d+)\s*([FBIW])\s*(\d+)\s*$")
+_OVERLAP = re.compile(r"^\s*\(([^)]*)\)\s*OVERLAP_F_B\s*$")
+#: Per rank, its groups of actions (one torch action each: one compute action, or an ``OVERLAP_F_B``'s two).
+Groups = tuple[tuple[tuple[Action, ...], ...], ...]
+
+
+class ScheduleDeadlock(RuntimeError):
+    """Raised when no rank of a pipeline order can make progress."""
+
+
+def parse_cell(cell: str, where: str = "") -> Action:
+    """``"1I2"`` -> ``("I", 1, 2)``: torch's compute-only spelling ``{stage}{kind}{microbatch}``.
+
+    Raises ``ValueError`` naming ``where`` (a row and column) when the cell is not one of F, B, I, W with a stage
+    and a micro-batch."""
+    match = _CELL.match(cell)
+    if match is None:
+        raise ValueError(
+            f"{where or 'cell'} {cell!r} is not a compute action: write {{stage}}{{kind}}{{microbatch}} with kind "
+            "F (forward), B (full backward), I (input gradient) or W (weight gradient), e.g. 0F0, 1I2, 1W2"
+        )
+    stage, kind, microbatch = match.groups()
+    return kind, int(stage), int(microbatch)
+
+
+def parse_group(text: str, where: str = "") -> tuple[Action, ...]:
+    """One CSV cell as a group: ``"1I2"`` -> ``(("I", 1, 2),)``, ``"(3F2;0B0)OVERLAP_F_B"`` -> its two actions."""
+    match = _OVERLAP.match(text)
+    if match is None:
+        return (parse_cell(text, where),)
+    parts = tuple(parse_cell(part, where) for part in match.group(1).split(";") if part.strip())
+    if sorted(k for k, _, _ in parts) != ["B", "F"]:
+        raise ValueError(f"{where or 'cell'} {text!r}: an OVERLAP_F_B holds one forward and one full backward")
+    return parts
+
+
+def cell(action: Action) -> str:
+    """``("I", 1, 2)`` -> ``"1I2"``."""
+    kind, stage, microbatch = action
+    return f"{stage}{kind}{microbatch}"
+
+
+def group_cell(group: tuple[Action, ...]) -> str:
+    """A group as torch spells it: ``"1I2"``, or ``"(3F2;0B0)OVERLAP_F_B"``."""
+    return cell(group[0]) if len(group) == 1 else f"({';'.join(cell(a) for a in group)})OVERLAP_F_B"
+
+
+def _group(item: Any, where: str) -> tuple[Action, ...]:
+    """A cell, an ``(kind, stage, microbatch)`` tuple, or a list of two actions run as one OVERLAP_F_B."""
+    if isinstance(item, str):
+        return parse_group(item, where)
+    if isinstance(item, list) and len(item) == 2:
+        group = tuple(_action(a, where) for a in item)
+        if sorted(k for k, _, _ in group) != ["B", "F"]:
+            raise ValueError(f"{where} {item!r}: a pair runs as torch's OVERLAP_F_B, one forward and one full backward")
+        return group
+    return (_action(item, where),)
+
+
+def _action(item: Any, where: str) -> Action:
+    if isinstance(item, str):
+        return parse_cell(item, where)
+    if isinstance(item, Sequence) and len(item) == 3:
+        kind, stage, microbatch = item
+        if kind in _KINDS and isinstance(stage, int) and isinstance(microbatch, int) and stage >= 0 <= microbatch:
+            return str(kind), int(stage), int(microbatch)
+    raise ValueError(
+        f"{where} {item!r} is not a compute action: give a cell such as '1I2' or a tuple (kind, stage, microbatch) "
+        "with kind one of F, B, I, W"
+    )
+
+
+@dataclass(frozen=True, eq=True)
+class Schedule:
+    """The ordered compute actions of every rank: ``actions[rank]`` is a tuple of ``(kind, stage, microbatch)``;
+    ``groups[rank]`` the same grouped as torch runs them (an ``OVERLAP_F_B`` holds two).
+
+    Make one with :meth:`from_csv`, :meth:`from_lists` or :meth:`of` (any built-in schedule); the constructors check
+    it whole (see the module docstring). ``P`` ranks, ``S`` stages (``v = S / P`` per rank), ``m`` micro-batches;
+    ``placement[s]`` is the rank of stage ``s``, inferred from the actions as torch infers it.
+    """
+
+    groups: Groups
+    name: str = field(default="custom", compare=False)
+    _checked: bool = field(default=False, repr=False, compare=False)
+
+    # ------------------------------------------------------------------ constructors
+    @classmethod
+    def from_lists(cls, lists: Mapping[int, Iterable[Any]] | Sequence[Iterable[Any]], name: str = "custom") -> Schedule:
+        """A Schedule from ``{rank: [action, ...]}`` (or a list indexed by rank); each action a cell (``"1I2"``,
+        ``"(3F2;0B0)OVERLAP_F_B"``), a ``(kind, stage, microbatch)`` tuple, or a list of a forward and a backward run as
+        one ``OVERLAP_F_B``. Raises ``ValueError`` (or :class:`ScheduleDeadlock`) naming the first
+        problem: ranks missing, an action that does not parse, missing or repeated, an ``I`` without its ``W``, a
+        stage on two ranks, an order that cannot finish."""
+        if isinstance(lists, Mapping):
+            ranks = sorted(lists)
+            if any(not isinstance(r, int) for r in ranks) or ranks != list(range(len(ranks))):
+                raise ValueError(f"a schedule's ranks must be 0..P-1; got {ranks}")
+            rows = [lists[r] for r in ranks]
+        else:
+            rows = list(lists)
+        if not rows:
+            raise ValueError("a schedule needs at least one rank")
+        groups = tuple(
+            tuple(_group(item, f"rank {r}, position {j}:") for j, item in enumerate(row)) for r, row in enumerate(rows)
+        )
+        schedule = cls(groups, str(name))
+        schedule.check()
+        return schedule
+
+    @classmethod
+    def from_csv(cls, path_or_text: str | Path, name: str | None = None) -> Schedule:
+        """Read torch's compute-only CSV (``_load_csv(format="compute_only")``): row ``r`` is rank ``r``'s actions, one
+        cell each (``0F0``, ``1I2``); empty cells are skipped. ``path_or_text`` is a file or the CSV text itself. A cell
+        that does not parse is named by its row (rank) and column."""
+        text, default_name = _read_text(path_or_text)
+        rows = [[c for c in row] for row in csv.reader(io.StringIO(text))]
+        while rows and not any(c.strip() for c in rows[-1]):
+            rows.pop()
+        parsed = []
+        for r, row in enumerate(rows):
+            parsed.append(
+                [parse_group(c, f"row {r + 1} (rank {r}), column {j + 1}:") for j, c in enumerate(row) if c.strip()]
+            )
+        return cls.from_lists([[list(g) if len(g) > 1 else g[0] for g in row] for row in parsed], name or default_name)
+
+    @classmethod
+    def of(cls, name: str, P: int, m: int, v: int = 1) -> Schedule:
+        """A built-in schedule (any of :data:`~pipeswift_lab.core.vocabulary.SCHEDULES`) as the action lists torch's
+        runtime executes (:func:`~pipeswift_lab.core.schedule_orders.compute_orders`; DualPipeV's overlapped
+        forward-backward steps as their two parts, forward first)."""
+        from .schedule_orders import builtin_groups  # the one import allowed to close a circle (tests/layout)
+
+        name, groups = builtin_groups(name, P, m, v)
+        return cls.from_lists([[list(g) if len(g) > 1 else g[0] for g in row] for row in groups], name=name)
+
+    # ------------------------------------------------------------------ shape
+    @cached_property
+    def actions(self) -> tuple[tuple[Action, ...], ...]:
+        """Every rank's compute actions in order, an ``OVERLAP_F_B`` as its two parts (forward first)."""
+        return tuple(tuple(a for group in row for a in group) for row in self.groups)
+
+    @property
+    def P(self) -> int:
+        """Ranks."""
+        return len(self.groups)
+
+    @cached_property
+    def S(self) -> int:
+        """Stages."""
+        return 1 + max((s for row in self.actions for _, s, _ in row), default=-1)
+
+    @cached_property
+    def m(self) -> int:
+        """Micro-batches."""
+        return 1 + max((i for row in self.actions for _, _, i in row), default=-1)
+
+    @property
+    def v(self) -> int:
+        """Stages per rank."""
+        return self.S // self.P
+
+    @cached_property
+    def placement(self) -> tuple[int, ...]:
+        """The rank of every stage, in stage order, read from which rank runs it (as torch's ``_validate_schedule``)."""
+        where: dict[int, int] = {}
+        for rank, row in enumerate(self.actions):
+            for _, s, _ in row:
+                where.setdefault(s, rank)
+        return tuple(where[s] for s in range(self.S))
+
+    @property
+    def shape(self) -> str:
+        """``"loop"`` when stage ``s`` sits on rank ``s % P`` (Interleaved1F1B's placement), ``"v"`` when rank ``r``
+        holds stages ``r`` and ``2P-1-r`` (ZBVZeroBubble's and DualPipeV's), ``"other"`` otherwise."""
+        P = self.P
+        if self.placement == tuple(s % P for s in range(self.S)):
+            return "loop"
+        if self.S == 2 * P and self.placement == tuple(s if s < P else 2 * P - 1 - s for s in range(2 * P)):
+            return "v"
+        return "other"
+
+    @cached_property
+    def splits_backward(self) -> bool:
+        """Whether the backward runs as ``I`` and ``W`` (on any stage)."""
+        return any(k == "I" for row in self.actions for k, _, _ in row)
+
+    def __len__(self) -> int:
+        return sum(len(row) for row in self.actions)
+
+    def __str__(self) -> str:
+        return self.name
+
+    def __repr__(self) -> str:
+        return f"Schedule({self.name!r}, P={self.P}, S={self.S}, m={self.m}, {self.shape})"
+
+    def _repr_html_(self) -> str:
+        return self.frame().to_html(max_cols=40)
+
+    def frame(self) -> Any:
+        """The order as a DataFrame: one row per rank, one column per position, cells spelled as in the CSV."""
+        import pandas as pd
+
+        return pd.DataFrame([[group_cell(g) for g in row] for row in self.groups]).fillna("").rename_axis("rank")
+
+    def to_csv(self, path: str | Path | None = None) -> str:
+        """torch's compute-only CSV (what ``_PipelineScheduleRuntime._load_csv`` and torchtitan's
+        ``pipeline_parallel_schedule_csv`` read); written to ``path`` when given. Returns the text."""
+        buffer = io.StringIO()
+        writer = csv.writer(buffer, lineterminator="\n")
+        for row in self.groups:
+            writer.writerow([group_cell(g) for g in row])
+        text = buffer.getvalue()
+        if path is not None:
+            Path(path).write_text(text)
+        return text
+
+    def orders(self) -> dict[int, list[Action]]:
+        """``{rank: [(kind, stage, microbatch), ...]}``, as :func:`~pipeswift_lab.core.schedule_orders.compute_orders`
+        gives a named schedule's."""
+        return {rank: list(row) for rank, row in enumerate(self.actions)}
+
+    # ------------------------------------------------------------------ checks
+    def check(self) -> None:
+        """Check the order whole; raise ``ValueError`` (or :class:`ScheduleDeadlock`) naming the first problem."""
+        if self._checked:
+            return
+        _check_actions(self)
+        _check_placement(self)
+        _check_finishes(self)
+        object.__setattr__(self, "_checked", True)
+
+    def check_fits(self, P: int, S: int, m: int | None = None) -> None:
+        """Raise ``ValueError`` unless the schedule has ``P`` ranks, ``S`` stages and (when given) ``m``
+        micro-batches."""
+        wrong = [
+            f"{what}={got} (the {against} has {want})"
+            for what, got, want, against in (
+                ("P", self.P, P, "pipeline"),
+                ("stages", self.S, S, "partition"),
+                ("m", self.m, m, "run"),
+            )
+            if want is not None and got != want
+        ]
+        if wrong:
+            raise ValueError(f"schedule {self.name!r} does not fit: it has {', '.join(wrong)}")
+
+
+ScheduleLike = Union[str, Schedule]  # noqa: UP007 - a runtime alias
+
+
+def _read_text(path_or_text: str | Path) -> tuple[str, str]:
+    """The CSV text and a default name: the file's stem, or ``"custom"`` for text given inline."""
+    if isinstance(path_or_text, Path):
+        return path_or_text.read_text(), path_or_text.stem
+    text = str(path_or_text)
+    if "\n" in text or "," in text or _CELL.match(text):
+        return text, "custom"
+    path = Path(text)
+    if not path.is_file():
+        raise FileNotFoundError(f"no schedule file {text!r} (give a path, or the CSV text itself)")
+    return path.read_text(), path.stem
+
+
+def _check_actions(schedule: Schedule) -> None:
+    """Every stage of every micro-batch: one F, and one B or one I and one W (torch's DualPipeV mixes the two forms
+    on one stage, micro-batch by micro-batch)."""
+    P, S, m = schedule.P, schedule.S, schedule.m
+    if S == 0:
+        raise ValueError("the schedule holds no action")
+    seen: dict[Action, tuple[int, int]] = {}
+    for rank, row in enumerate(schedule.actions):
+        for j, action in enumerate(row):
+            if action in seen:
+                first = seen[action]
+                raise ValueError(
+                    f"action {cell(action)} appears twice: rank {first[0]} position {first[1]} and rank {rank} "
+                    f"position {j}"
+                )
+            seen[action] = (rank, j)
+    for s in range(S):
+        for i in range(m):
+            if ("F", s, i) not in seen:
+                raise ValueError(f"action {s}F{i} is missing (the forward of stage {s}, micro-batch {i})")
+            full, split_input, split_weight = (("B", s, i) in seen), (("I", s, i) in seen), (("W", s, i) in seen)
+            if full and (split_input or split_weight):
+                raise ValueError(
+                    f"stage {s}, micro-batch {i} has both a full backward {s}B{i} and a split one "
+                    f"({s}I{i}/{s}W{i}): run one form (B, or I then W)"
+                )
+            if split_input and not split_weight:
+                raise ValueError(f"the I {s}I{i} has no W: add {s}W{i} (the weight gradient it leaves)")
+            if split_weight and not split_input:
+                raise ValueError(f"the W {s}W{i} has no I: add {s}I{i} before it, or run a full backward {s}B{i}")
+            if not (full or split_input):
+                raise ValueError(f"action {s}B{i} is missing (the backward of stage {s}, micro-batch {i}; or I and W)")
+    if S % P:
+        raise ValueError(f"{S} stages on {P} ranks: every rank must hold the same number of stages")
+
+
+def _check_placement(schedule: Schedule) -> None:
+    """Each stage on one rank, the same number on every rank."""
+    where: dict[int, int] = {}
+    for rank, row in enumerate(schedule.actions):
+        for kind, s, i in row:
+            other = where.setdefault(s, rank)
+            if other != rank:
+                raise ValueError(
+                    f"stage {s} runs on rank {other} and on rank {rank} (action {s}{kind}{i}): a stage sits on one rank"
+                )
+    counts = [sum(1 for r in where.values() if r == rank) for rank in range(schedule.P)]
+    if len(set(counts)) != 1:
+        raise ValueError(f"ranks hold different numbers of stages {counts}: every rank must hold {schedule.v}")
+
+
+def needs(action: Action, S: int) -> tuple[Action, ...]:
+    """The actions ``action`` waits for: a forward the previous stage's forward, a backward (B or I) its own forward and
+    the next stage's backward (whichever form), a W its I."""
+    kind, s, i = action
+    if kind == "F":
+        return (("F", s - 1, i),) if s > 0 else ()
+    if kind == "W":
+        return (("I", s, i),)
+    own = ("F", s, i)
+    return (own,) if s == S - 1 else (own, ("G", s + 1, i))
+
+
+def _check_finishes(schedule: Schedule) -> None:
+    """Replay the order, each rank in turn running its next group of actions when what they need has run (sends never
+    block, as torch's runtime posts them and waits at the receive); raise :class:`ScheduleDeadlock` when every rank
+    waits."""
+    done: set[Action] = set()
+    heads = [0] * schedule.P
+    left = sum(len(row) for row in schedule.groups)
+    while left:
+        progressed = False
+        for rank, row in enumerate(schedule.groups):
+            while heads[rank] < len(row) and _unready(row[heads[rank]], done, schedule.S) is None:
+                for kind, s, i in row[heads[rank]]:
+                    done.add((kind, s, i))
+                    if kind in "BI":
+                        done.add(("G", s, i))
+                heads[rank] += 1
+                left -= 1
+                progressed = True
+        if not progressed:
+            raise ScheduleDeadlock(_deadlock_message(schedule, heads, done))
+
+
+def _unready(group: tuple[Action, ...], done: set[Action], S: int) -> tuple[Action, Action] | None:
+    """The first action of ``group`` and what it waits for, or None when the group can run (a part may use what an
+    earlier part of the group made)."""
+    made: set[Action] = set()
+    for action in group:
+        for need in needs(action, S):
+            if need not in done and need not in made:
+                return action, need
+        made.add(action)
+        if action[0] in "BI":
+            made.add(("G", action[1], action[2]))
+    return None
+
+
+def _deadlock_message(schedule: Schedule, heads: list[int], done: set[Action]) -> str:
+    """Name the first rank that waits forever, its action, what it waits for and where that stands."""
+    rank = next(r for r, row in enumerate(schedule.groups) if heads[r] < len(row))
+    unready = _unready(schedule.groups[rank][heads[rank]], done, schedule.S)
+    assert unready is not None
+    action, missing = unready
+    other = schedule.placement[missing[1]]
+    if missing[0] == "G":
+        waits_for = f"the backward of stage {missing[1]}, micro-batch {missing[2]}"
+    else:
+        waits_for = cell(missing)
+    if other == rank:
+        where = "which comes later in its own order"
+    else:
+        where = f"on rank {other}, which itself waits at {_head(schedule, heads, other)}"
+    return (
+        f"schedule {schedule.name!r} cannot finish: rank {rank} waits forever at position {heads[rank]}, action "
+        f"{cell(action)}, for {waits_for} ({where})"
+    )
+
+
+def _head(schedule: Schedule, heads: list[int], rank: int) -> str:
+    row = schedule.groups[rank]
+    return f"position {heads[rank]}, action {group_cell(row[heads[rank]])}" if heads[rank] < len(row) else "its end"
+
+
+def schedule_meta(schedule: ScheduleLike) -> dict[str, str]:
+    """What a Timeline's or a run's ``meta`` records of ``schedule``: ``schedule`` (the name) and, for a
+    :class:`Schedule`, ``schedule_csv`` (its order, so that the record reads back as JSON and names the order)."""
+    if isinstance(schedule, Schedule):
+        return {"schedule": schedule.name, "schedule_csv": schedule.to_csv()}
+    return {"schedule": str(schedule)}
+
+
+def schedule_from_meta(meta: Mapping[str, Any]) -> ScheduleLike:
+    """The schedule a ``meta`` written with :func:`schedule_meta` records: the :class:`Schedule` its ``schedule_csv``
+    holds, else the name."""
+    if meta.get("schedule_csv"):
+        return Schedule.from_csv(str(meta["schedule_csv"]), name=str(meta["schedule"]))
+    return str(meta["schedule"])
+
+
+def torch_actions(schedule: Schedule) -> dict[int, list[Any]]:
+    """The order as torch's ``_Action`` lists, ``{rank: [...]}``, what ``_PipelineScheduleRuntime``'s
+    ``_prepare_schedule_with_comms`` lowers (an ``OVERLAP_F_B`` as one action holding its two parts)."""
+    from torch.distributed.pipelining.schedules import _Action, _ComputationType
+
+    def one(action: Action) -> Any:
+        kind, stage, microbatch = action
+        return _Action(stage, _ComputationType.from_str(kind), microbatch)
+
+    return {
+        rank: [
+            one(g[0])
+            if len(g) == 1
+            else _Action(-1, _ComputationType.from_str("OVERLAP_F_B"), None, sub_actions=tuple(one(a) for a in g))
+            for g in row
+        ]
+        for rank, row in enumerate(schedule.groups)
+    }
+
+
+def held_chunks(schedule: Schedule) -> list[int]:
+    """The most stage chunks each rank holds activations for at once along its order: a chunk is held from its ``F``
+    until its backward ends, until its ``W`` when the backward is split (the ``I`` keeps what the ``W`` needs)."""
+    peaks = []
+    for row in schedule.actions:
+        held = peak = 0
+        for kind, _, _ in row:
+            held += 1 if kind == "F" else -1 if kind in "BW" else 0
+            peak = max(peak, held)
+        peaks.append(peak)
+    return peaks
