@@ -23,12 +23,14 @@ from __future__ import annotations
 
 import csv
 import io
-import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
 from typing import Any, Union
+
+from .schedule_cells import KINDS, Action, Groups, group_cell, is_cell, parse_cell, parse_group
+from .schedule_checks import ScheduleDeadlock, check_actions, check_finishes, check_placement
 
 __all__ = [
     "Schedule",
@@ -39,55 +41,6 @@ __all__ = [
     "schedule_meta",
     "torch_actions",
 ]
-
-#: One compute action: ``(kind, stage, microbatch)``.
-Action = tuple[str, int, int]
-_KINDS = ("F", "B", "I", "W")
-_CELL = re.compile(r"^\s*(\d+)\s*([FBIW])\s*(\d+)\s*$")
-_OVERLAP = re.compile(r"^\s*\(([^)]*)\)\s*OVERLAP_F_B\s*$")
-#: Per rank, its groups of actions (one torch action each: one compute action, or an ``OVERLAP_F_B``'s two).
-Groups = tuple[tuple[tuple[Action, ...], ...], ...]
-
-
-class ScheduleDeadlock(RuntimeError):
-    """Raised when no rank of a pipeline order can make progress."""
-
-
-def parse_cell(cell: str, where: str = "") -> Action:
-    """``"1I2"`` -> ``("I", 1, 2)``: torch's compute-only spelling ``{stage}{kind}{microbatch}``.
-
-    Raises ``ValueError`` naming ``where`` (a row and column) when the cell is not one of F, B, I, W with a stage
-    and a micro-batch."""
-    match = _CELL.match(cell)
-    if match is None:
-        raise ValueError(
-            f"{where or 'cell'} {cell!r} is not a compute action: write {{stage}}{{kind}}{{microbatch}} with kind "
-            "F (forward), B (full backward), I (input gradient) or W (weight gradient), e.g. 0F0, 1I2, 1W2"
-        )
-    stage, kind, microbatch = match.groups()
-    return kind, int(stage), int(microbatch)
-
-
-def parse_group(text: str, where: str = "") -> tuple[Action, ...]:
-    """One CSV cell as a group: ``"1I2"`` -> ``(("I", 1, 2),)``, ``"(3F2;0B0)OVERLAP_F_B"`` -> its two actions."""
-    match = _OVERLAP.match(text)
-    if match is None:
-        return (parse_cell(text, where),)
-    parts = tuple(parse_cell(part, where) for part in match.group(1).split(";") if part.strip())
-    if sorted(k for k, _, _ in parts) != ["B", "F"]:
-        raise ValueError(f"{where or 'cell'} {text!r}: an OVERLAP_F_B holds one forward and one full backward")
-    return parts
-
-
-def cell(action: Action) -> str:
-    """``("I", 1, 2)`` -> ``"1I2"``."""
-    kind, stage, microbatch = action
-    return f"{stage}{kind}{microbatch}"
-
-
-def group_cell(group: tuple[Action, ...]) -> str:
-    """A group as torch spells it: ``"1I2"``, or ``"(3F2;0B0)OVERLAP_F_B"``."""
-    return cell(group[0]) if len(group) == 1 else f"({';'.join(cell(a) for a in group)})OVERLAP_F_B"
 
 
 def _group(item: Any, where: str) -> tuple[Action, ...]:
@@ -107,7 +60,7 @@ def _action(item: Any, where: str) -> Action:
         return parse_cell(item, where)
     if isinstance(item, Sequence) and len(item) == 3:
         kind, stage, microbatch = item
-        if kind in _KINDS and isinstance(stage, int) and isinstance(microbatch, int) and stage >= 0 <= microbatch:
+        if kind in KINDS and isinstance(stage, int) and isinstance(microbatch, int) and stage >= 0 <= microbatch:
             return str(kind), int(stage), int(microbatch)
     raise ValueError(
         f"{where} {item!r} is not a compute action: give a cell such as '1I2' or a tuple (kind, stage, microbatch) "
@@ -260,6 +213,35 @@ class Schedule:
             Path(path).write_text(text)
         return text
 
+    @property
+    def torchtitan_schedule(self) -> str:
+        """The ``pipeline_parallel_schedule`` torchtitan needs beside this order's CSV: with
+        ``pipeline_parallel_schedule_csv`` set it runs ``_PipelineScheduleRuntime``, but still takes the stage-to-rank
+        mapping and the stages per rank from the named schedule (``_get_pp_rank_to_stage_indices_mapping``): a V-shaped
+        order needs ``ZBVZeroBubble`` (or ``DualPipeV``), a loop with several stages per rank ``Interleaved1F1B``
+        (or ``InterleavedZeroBubble``), one stage per rank ``1F1B``. Raises ``ValueError`` for a placement torchtitan
+        cannot make."""
+        if self.shape == "v":
+            return "ZBVZeroBubble"
+        if self.shape == "loop":
+            return "1F1B" if self.v == 1 else "Interleaved1F1B"
+        raise ValueError(
+            f"schedule {self.name!r} places its stages on ranks {list(self.placement)}: torchtitan places them in a "
+            "loop (stage s on rank s % P) or a V (rank r holds stages r and 2P-1-r), nothing else"
+        )
+
+    def to_torchtitan(self, path: str | Path) -> dict[str, Any]:
+        """Write the order as the CSV torchtitan's ``parallelism.pipeline_parallel_schedule_csv`` reads and return the
+        ``[parallelism]`` settings that go with it (degree, :attr:`torchtitan_schedule`, the CSV's path, the
+        micro-batches), as a dict to put in the job's TOML or on its command line."""
+        self.to_csv(path)
+        return {
+            "pipeline_parallel_degree": self.P,
+            "pipeline_parallel_schedule": self.torchtitan_schedule,
+            "pipeline_parallel_schedule_csv": str(path),
+            "num_pp_microbatches": self.m,
+        }
+
     def orders(self) -> dict[int, list[Action]]:
         """``{rank: [(kind, stage, microbatch), ...]}``, as :func:`~pipeswift_lab.core.schedule_orders.compute_orders`
         gives a named schedule's."""
@@ -270,9 +252,9 @@ class Schedule:
         """Check the order whole; raise ``ValueError`` (or :class:`ScheduleDeadlock`) naming the first problem."""
         if self._checked:
             return
-        _check_actions(self)
-        _check_placement(self)
-        _check_finishes(self)
+        check_actions(self)
+        check_placement(self)
+        check_finishes(self)
         object.__setattr__(self, "_checked", True)
 
     def check_fits(self, P: int, S: int, m: int | None = None) -> None:
@@ -299,137 +281,12 @@ def _read_text(path_or_text: str | Path) -> tuple[str, str]:
     if isinstance(path_or_text, Path):
         return path_or_text.read_text(), path_or_text.stem
     text = str(path_or_text)
-    if "\n" in text or "," in text or _CELL.match(text):
+    if "\n" in text or "," in text or is_cell(text):
         return text, "custom"
     path = Path(text)
     if not path.is_file():
         raise FileNotFoundError(f"no schedule file {text!r} (give a path, or the CSV text itself)")
     return path.read_text(), path.stem
-
-
-def _check_actions(schedule: Schedule) -> None:
-    """Every stage of every micro-batch: one F, and one B or one I and one W (torch's DualPipeV mixes the two forms
-    on one stage, micro-batch by micro-batch)."""
-    P, S, m = schedule.P, schedule.S, schedule.m
-    if S == 0:
-        raise ValueError("the schedule holds no action")
-    seen: dict[Action, tuple[int, int]] = {}
-    for rank, row in enumerate(schedule.actions):
-        for j, action in enumerate(row):
-            if action in seen:
-                first = seen[action]
-                raise ValueError(
-                    f"action {cell(action)} appears twice: rank {first[0]} position {first[1]} and rank {rank} "
-                    f"position {j}"
-                )
-            seen[action] = (rank, j)
-    for s in range(S):
-        for i in range(m):
-            if ("F", s, i) not in seen:
-                raise ValueError(f"action {s}F{i} is missing (the forward of stage {s}, micro-batch {i})")
-            full, split_input, split_weight = (("B", s, i) in seen), (("I", s, i) in seen), (("W", s, i) in seen)
-            if full and (split_input or split_weight):
-                raise ValueError(
-                    f"stage {s}, micro-batch {i} has both a full backward {s}B{i} and a split one "
-                    f"({s}I{i}/{s}W{i}): run one form (B, or I then W)"
-                )
-            if split_input and not split_weight:
-                raise ValueError(f"the I {s}I{i} has no W: add {s}W{i} (the weight gradient it leaves)")
-            if split_weight and not split_input:
-                raise ValueError(f"the W {s}W{i} has no I: add {s}I{i} before it, or run a full backward {s}B{i}")
-            if not (full or split_input):
-                raise ValueError(f"action {s}B{i} is missing (the backward of stage {s}, micro-batch {i}; or I and W)")
-    if S % P:
-        raise ValueError(f"{S} stages on {P} ranks: every rank must hold the same number of stages")
-
-
-def _check_placement(schedule: Schedule) -> None:
-    """Each stage on one rank, the same number on every rank."""
-    where: dict[int, int] = {}
-    for rank, row in enumerate(schedule.actions):
-        for kind, s, i in row:
-            other = where.setdefault(s, rank)
-            if other != rank:
-                raise ValueError(
-                    f"stage {s} runs on rank {other} and on rank {rank} (action {s}{kind}{i}): a stage sits on one rank"
-                )
-    counts = [sum(1 for r in where.values() if r == rank) for rank in range(schedule.P)]
-    if len(set(counts)) != 1:
-        raise ValueError(f"ranks hold different numbers of stages {counts}: every rank must hold {schedule.v}")
-
-
-def needs(action: Action, S: int) -> tuple[Action, ...]:
-    """The actions ``action`` waits for: a forward the previous stage's forward, a backward (B or I) its own forward and
-    the next stage's backward (whichever form), a W its I."""
-    kind, s, i = action
-    if kind == "F":
-        return (("F", s - 1, i),) if s > 0 else ()
-    if kind == "W":
-        return (("I", s, i),)
-    own = ("F", s, i)
-    return (own,) if s == S - 1 else (own, ("G", s + 1, i))
-
-
-def _check_finishes(schedule: Schedule) -> None:
-    """Replay the order, each rank in turn running its next group of actions when what they need has run (sends never
-    block, as torch's runtime posts them and waits at the receive); raise :class:`ScheduleDeadlock` when every rank
-    waits."""
-    done: set[Action] = set()
-    heads = [0] * schedule.P
-    left = sum(len(row) for row in schedule.groups)
-    while left:
-        progressed = False
-        for rank, row in enumerate(schedule.groups):
-            while heads[rank] < len(row) and _unready(row[heads[rank]], done, schedule.S) is None:
-                for kind, s, i in row[heads[rank]]:
-                    done.add((kind, s, i))
-                    if kind in "BI":
-                        done.add(("G", s, i))
-                heads[rank] += 1
-                left -= 1
-                progressed = True
-        if not progressed:
-            raise ScheduleDeadlock(_deadlock_message(schedule, heads, done))
-
-
-def _unready(group: tuple[Action, ...], done: set[Action], S: int) -> tuple[Action, Action] | None:
-    """The first action of ``group`` and what it waits for, or None when the group can run (a part may use what an
-    earlier part of the group made)."""
-    made: set[Action] = set()
-    for action in group:
-        for need in needs(action, S):
-            if need not in done and need not in made:
-                return action, need
-        made.add(action)
-        if action[0] in "BI":
-            made.add(("G", action[1], action[2]))
-    return None
-
-
-def _deadlock_message(schedule: Schedule, heads: list[int], done: set[Action]) -> str:
-    """Name the first rank that waits forever, its action, what it waits for and where that stands."""
-    rank = next(r for r, row in enumerate(schedule.groups) if heads[r] < len(row))
-    unready = _unready(schedule.groups[rank][heads[rank]], done, schedule.S)
-    assert unready is not None
-    action, missing = unready
-    other = schedule.placement[missing[1]]
-    if missing[0] == "G":
-        waits_for = f"the backward of stage {missing[1]}, micro-batch {missing[2]}"
-    else:
-        waits_for = cell(missing)
-    if other == rank:
-        where = "which comes later in its own order"
-    else:
-        where = f"on rank {other}, which itself waits at {_head(schedule, heads, other)}"
-    return (
-        f"schedule {schedule.name!r} cannot finish: rank {rank} waits forever at position {heads[rank]}, action "
-        f"{cell(action)}, for {waits_for} ({where})"
-    )
-
-
-def _head(schedule: Schedule, heads: list[int], rank: int) -> str:
-    row = schedule.groups[rank]
-    return f"position {heads[rank]}, action {group_cell(row[heads[rank]])}" if heads[rank] < len(row) else "its end"
 
 
 def schedule_meta(schedule: ScheduleLike) -> dict[str, str]:

@@ -45,7 +45,8 @@ from __future__ import annotations
 import copy
 
 from ..core.checks import check_int
-from ..core.schedule import Action, Schedule
+from ..core.schedule import Schedule
+from ..core.schedule_cells import Action
 
 __all__ = ["v_half", "v_min"]
 

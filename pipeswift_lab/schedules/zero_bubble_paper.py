@@ -33,7 +33,8 @@ from dataclasses import dataclass, field
 from ..core.analytic import backward_parts
 from ..core.checks import check_fraction, check_int, check_time
 from ..core.link import Link, check_link
-from ..core.schedule import Action, Schedule
+from ..core.schedule import Schedule
+from ..core.schedule_cells import Action
 from ..partitioning.stages import Partition
 
 __all__ = ["StageTimes", "stage_times", "zb_h2", "zero_bubble"]

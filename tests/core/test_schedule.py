@@ -142,3 +142,19 @@ def test_a_schedule_that_does_not_fit_the_partition_is_refused():
 def test_a_file_that_is_not_there_is_named():
     with pytest.raises(FileNotFoundError, match="no schedule file 'nowhere.csv'"):
         Schedule.from_csv("nowhere.csv")
+
+
+def test_torchtitan_reads_the_csv_with_the_schedule_name_that_places_its_stages(tmp_path):
+    settings = Schedule.from_csv(ZB_H1).to_torchtitan(tmp_path / "zb_h1.csv")
+    assert settings == {
+        "pipeline_parallel_degree": 2,
+        "pipeline_parallel_schedule": "1F1B",
+        "pipeline_parallel_schedule_csv": str(tmp_path / "zb_h1.csv"),
+        "num_pp_microbatches": 4,
+    }
+    assert (tmp_path / "zb_h1.csv").read_text() == ZB_H1
+    assert psl.schedules.v_half(4, 8).torchtitan_schedule == "ZBVZeroBubble"
+    assert Schedule.of("InterleavedZeroBubble", 2, 4, 2).torchtitan_schedule == "Interleaved1F1B"
+    odd = Schedule.from_lists({0: ["0F0", "1F0", "1B0", "0B0"], 1: ["2F0", "3F0", "3B0", "2B0"]})
+    with pytest.raises(ValueError, match="torchtitan places them in a loop"):
+        odd.torchtitan_schedule

@@ -9,7 +9,8 @@ import pytest
 import pipeswift_lab as psl
 from pipeswift_lab import Partition, Profile
 from pipeswift_lab.core.link import Link
-from pipeswift_lab.core.schedule import Schedule, cell
+from pipeswift_lab.core.schedule import Schedule
+from pipeswift_lab.core.schedule_cells import cell
 from pipeswift_lab.data.files import data_path
 from pipeswift_lab.schedules.zero_bubble_paper import stage_times, zb_h2, zero_bubble
 
