@@ -16,11 +16,8 @@ activations weigh ``1/2``. The bounds are the authors' table in their schedule p
 huggingface.co/spaces/sail/pipeline-parallelism-with-controllable-memory; the orders below reach them exactly
 once ``m`` reaches them, and hold ``m`` before.) Usage::
 
-    from pipeswift_lab.schedules.controllable_memory import v_half
-    from pipeswift_lab.simulation.simulator import simulate_order
-
-    schedule = v_half(4, 8)  # a Schedule: 4 ranks, 8 stages in a V, 8 micro-batches
-    timeline = simulate_order(schedule.orders(), stage_table, schedule.m)
+    schedule = psl.schedules.v_half(4, 8)  # a Schedule: 4 ranks, 8 stages in a V, 8 micro-batches
+    timeline = psl.simulate(part, schedule.m, schedule)  # part: a partition placed in a V
 
 [Note: the reference] The orders are those of the authors' implementation, the one their Megatron runtime runs for
 ``--zero-bubble-v-schedule-mem-setup half`` or ``min``: sail-sg/zero-bubble-pipeline-parallelism,

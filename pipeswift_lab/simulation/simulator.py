@@ -39,7 +39,6 @@ order deadlocks and :class:`ScheduleDeadlock` names what each rank waits for.
 from __future__ import annotations
 
 import math
-import numbers
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -50,10 +49,9 @@ from ..core.analytic import DEFAULT_WGRAD_FRACTION, backward_parts
 from ..core.checks import check_fraction, check_int, nonnegative_column
 from ..core.link import Link, check_link
 from ..core.schedule import ScheduleLike, schedule_meta
-from ..core.vocabulary import COMPUTE_KINDS
 from ..partitioning.stages import Partition
 from .calibration import SimulatorCalibration, check_calibration
-from .engine import ScheduleDeadlock, compute_table, execute, lower, lowered, lowered_table, rows_frame
+from .engine import ScheduleDeadlock, execute, lowered, lowered_table, rows_frame
 from .reconciliation import Reconciled, reconcile
 from .timeline import Timeline
 
@@ -258,7 +256,8 @@ def simulate(
     row per stage in stage order (``P * v`` rows) and columns ``fwd_ms``, ``bwd_ms`` (whole
     backward), optional ``wgrad_ms`` (its weight-grad part), ``output_bytes`` (activation
     leaving the stage; needed with a ``link``) and ``activation_bytes`` (for memory).
-    ``schedule`` defaults to the partition's (else ``"1F1B"``); ``v`` to the partition's
+    ``schedule`` (a name, or a :class:`~pipeswift_lab.Schedule` replayed with the multi-chunk runtime's rules)
+    defaults to the partition's (else ``"1F1B"``); ``v`` to the partition's
     (a stage table needs it for the interleaved schedules). ``link`` (a
     :class:`~pipeswift_lab.core.link.Link`) adds transfers. Zero-bubble schedules split a
     backward into ``I = bwd - wgrad`` and ``W = wgrad``, with ``wgrad = wgrad_fraction *
@@ -314,72 +313,4 @@ def _meta(setup: _Setup) -> dict[str, Any]:
     return meta
 
 
-def simulate_order(
-    orders: dict[int, list[tuple[str, int, int]]],
-    stage_table: pd.DataFrame,
-    m: int,
-    link: Link | None = None,
-    placement: Sequence[int] | None = None,
-) -> Timeline:
-    """Simulate a hand-written order with the multi-chunk runtime's semantics (async sends).
-
-    ``orders`` is ``{rank: [(kind, stage, microbatch), ...]}``; ``stage_table`` a per-stage
-    DataFrame as for :func:`simulate`; ``placement`` the rank of each stage (default: the
-    rank whose order holds the stage). Useful to test a custom order; raises
-    :class:`ScheduleDeadlock` if it cannot run. Returns the Timeline.
-    """
-    if not isinstance(orders, dict) or not orders:
-        raise TypeError("orders must be a non-empty dict {rank: [(kind, stage, microbatch), ...]}")
-    m = check_int("m", m, minimum=1)
-    P, S = len(orders), len(stage_table)
-    if sorted(orders) != list(range(P)):
-        raise ValueError(f"orders must have ranks 0..{P - 1} as keys; got {sorted(orders)}")
-    placement = tuple(placement) if placement is not None else _placement_of(orders, S)
-    _check_orders(orders, m, S)
-    stages = _from_table(stage_table)
-    link = check_link(link)
-    if link is not None and stages.out_bytes is not None:
-        transfer = [link.transfer_ms(b) for b in stages.out_bytes]
-    else:
-        transfer = [0.0] * S
-    durations = (stages.fwd, stages.bwd, *backward_parts(stages.bwd, stages.wgrad, stages.recomputed, stages.passes))
-    ops = lower(tuple(tuple((a,) for a in orders[r]) for r in range(P)), "custom", P, m, S, placement)
-    df = rows_frame(compute_table(ops), execute(ops, P, m, S, durations, transfer, link is not None))
-    meta: dict[str, Any] = {"schedule": "custom", "P": P, "m": m, "stage_to_rank": list(placement)}
-    if S % P == 0:
-        meta["v"] = S // P
-    return Timeline(df, source="simulated", meta=meta)
-
-
-def _placement_of(orders: dict[int, list[tuple[str, int, int]]], S: int) -> tuple[int, ...]:
-    """The rank of each stage: the first rank whose order holds it."""
-    found: dict[int, int] = {}
-    for r, acts in orders.items():
-        for _, s, _ in acts:
-            found.setdefault(s, r)
-    if sorted(found) != list(range(S)):
-        raise ValueError(f"orders cover stages {sorted(found)} but the stage table has {S} stages")
-    return tuple(found[s] for s in range(S))
-
-
-def _check_orders(orders: dict[int, list[tuple[str, int, int]]], m: int, S: int) -> None:
-    """Every action known and in range, and every forward and backward piece run once."""
-    seen: dict[tuple[str, int, int], int] = {}
-    for r, acts in orders.items():
-        for kind, s, i in acts:
-            if kind not in COMPUTE_KINDS or not (0 <= s < S) or not isinstance(i, numbers.Integral) or not 0 <= i < m:
-                raise ValueError(
-                    f"orders[{r}] holds {(kind, s, i)!r}; actions are (kind in {list(COMPUTE_KINDS)}, stage < {S}, "
-                    f"microbatch < {m})"
-                )
-            family = "B/I" if kind in ("B", "I") else kind  # a backward is a full B, or an I then a W
-            if (family, s, i) in seen:
-                piece = "backward (B or I)" if family == "B/I" else kind
-                raise ValueError(
-                    f"orders[{r}] holds {(kind, s, i)!r} but orders[{seen[(family, s, i)]}] already runs the "
-                    f"{piece} of stage {s}, micro-batch {i}; each runs once"
-                )
-            seen[(family, s, i)] = r
-
-
-__all__ = ["ScheduleDeadlock", "simulate", "simulate_order", "simulate_step_ms"]
+__all__ = ["ScheduleDeadlock", "simulate", "simulate_step_ms"]

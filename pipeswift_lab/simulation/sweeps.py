@@ -144,7 +144,7 @@ def peak_memory_bytes(part: Partition, timeline: Timeline) -> float:
     if part.layers is not None and "schedule" in timeline.meta:
         m, schedule = timeline.meta.get("m"), schedule_from_meta(timeline.meta)
         return float(part.memory(m=m, schedule=schedule)["predicted_peak_bytes"].max())
-    static = rank_totals(part.stage_state_bytes, part.stage_to_rank, part.P)  # a custom order: its activations
+    static = rank_totals(part.stage_state_bytes, part.stage_to_rank, part.P)  # no per-layer profile: the timeline's
     act = timeline.peak_activation_bytes
     return float(max(static[r] + act[r] for r in range(part.P)))
 

@@ -7,11 +7,12 @@ from hypothesis import strategies as st
 
 from pipeswift_lab import analytic
 from pipeswift_lab.core.link import Link
+from pipeswift_lab.core.schedule import Schedule
 from pipeswift_lab.core.schedule_orders import action_groups, compute_orders
 from pipeswift_lab.core.vocabulary import SCHEDULES, stage_to_rank, validate
 from pipeswift_lab.partitioning.balance import partition
 from pipeswift_lab.profiling.table import Profile
-from pipeswift_lab.simulation.simulator import ScheduleDeadlock, simulate, simulate_order
+from pipeswift_lab.simulation.simulator import ScheduleDeadlock, simulate
 
 
 def equal_stages(P, v, chunk_fwd, chunk_bwd):
@@ -307,16 +308,16 @@ def test_simulator_is_linear_and_fast_enough_for_big_pipelines():
 def test_an_order_that_cannot_progress_is_a_clear_error():
     table = equal_stages(2, 1, 1, 2)
     ok = {0: [("F", 0, 0), ("B", 0, 0)], 1: [("F", 1, 0), ("B", 1, 0)]}
-    assert simulate_order(ok, table, 1).step_ms == 6.0
+    assert simulate(table, 1, Schedule.from_lists(ok)).step_ms == 6.0
     bad = {0: [("B", 0, 0), ("F", 0, 0)], 1: [("F", 1, 0), ("B", 1, 0)]}
-    with pytest.raises(ScheduleDeadlock, match="rank 0 waits for F of stage 0, micro-batch 0 before B of stage 0"):
-        simulate_order(bad, table, 1)
+    with pytest.raises(ScheduleDeadlock, match="rank 0 waits forever at position 0, action 0B0, for 0F0"):
+        Schedule.from_lists(bad)
     crossed = {
         0: [("F", 0, 0), ("B", 0, 1), ("F", 0, 1), ("B", 0, 0)],
         1: [("F", 1, 0), ("B", 1, 0), ("F", 1, 1), ("B", 1, 1)],
     }
-    with pytest.raises(ScheduleDeadlock, match="deadlocks"):
-        simulate_order(crossed, table, 2)
+    with pytest.raises(ScheduleDeadlock, match="rank 0 waits forever at position 1, action 0B1, for 0F1"):
+        Schedule.from_lists(crossed)
 
 
 @pytest.mark.parametrize(
@@ -471,11 +472,7 @@ def test_editing_a_timeline_leaves_the_cached_order_alone():
 
 
 def test_a_custom_order_runs_each_action_once():
-    table = pd.DataFrame({"fwd_ms": [1.0], "bwd_ms": [2.0]})
-    with pytest.raises(
-        ValueError,
-        match=r"orders\[0\] holds \('F', 0, 0\) but orders\[0\] already runs the F of stage 0, micro-batch 0",
-    ):
-        simulate_order({0: [("F", 0, 0), ("F", 0, 0), ("B", 0, 0)]}, table, 1)
-    with pytest.raises(ValueError, match=r"already runs the backward \(B or I\) of stage 0"):
-        simulate_order({0: [("F", 0, 0), ("I", 0, 0), ("B", 0, 0)]}, table, 1)
+    with pytest.raises(ValueError, match="action 0F0 appears twice: rank 0 position 0 and rank 0 position 1"):
+        Schedule.from_lists({0: [("F", 0, 0), ("F", 0, 0), ("B", 0, 0)]})
+    with pytest.raises(ValueError, match="has both a full backward 0B0 and a split one"):
+        Schedule.from_lists({0: [("F", 0, 0), ("I", 0, 0), ("B", 0, 0)]})
