@@ -24,6 +24,7 @@ PROCESS_NOTEBOOKS = (
     "11_your_own_model",
     "12_your_cluster_runs",
     "13_recompute_and_precision",
+    "17_your_own_schedules",
 )
 
 

@@ -39,6 +39,7 @@ import numpy as np
 import pandas as pd
 
 from ..core.jct import TERMS
+from ..core.schedule_generators import is_generator
 from ..core.vocabulary import SINGLE_CHUNK_SCHEDULES, splits_backward, validate
 from ..partitioning.memory import MEM_RTOL
 from .inputs import PlanInputs, divisors
@@ -114,14 +115,14 @@ def enumerate_layouts(inputs: PlanInputs) -> Grid:
 
     def many(p: int, m: int) -> list[int]:
         """The choices weighed at ``p`` ranks and ``m`` micro-batches, generators made for them."""
-        out = []
+        out: dict[int, None] = {}  # a generator asked for v=1 and v=2 may make the same order twice
         for choice in choices:
             made = made_choice(choice, p, m)
             if made is not None:
-                out.append(index.setdefault(made, len(index)))
+                out[index.setdefault(made, len(index))] = None
                 if len(all_choices) < len(index):
                     all_choices.append(made)
-        return out
+        return list(out)
 
     out: list[tuple[int, int, int, int, int, int, int]] = []
     gb = inputs.global_batch
@@ -228,7 +229,7 @@ def _pipeline_lower_ms(grid: Grid, inputs: PlanInputs, evaluator: Evaluator) -> 
         sums[(tp, b)] = (float((forward + backward).sum()), float(forward.sum()), float((forward + backward).max()))
     total, forward, slowest = (np.array([sums[pair][j] for pair in pairs]) for j in range(3))
     schedules = [s for s, _ in grid.choices]
-    zero_bubble = np.array([splits_backward(s) for s in schedules])[grid.choice]
+    zero_bubble = np.array([not is_generator(s) and splits_backward(s) for s in schedules])[grid.choice]
     single = np.array([s in SINGLE_CHUNK_SCHEDULES for s in schedules])[grid.choice]
     m, P = grid.m.astype(float), grid.P.astype(float)
     lower = np.maximum.reduce([m * total / P, m * slowest, np.where(zero_bubble, forward, total)])

@@ -12,7 +12,7 @@ import pandas as pd
 
 from ..core.display import hours, html_card, text_card
 from ..core.jct import JCT, TERMS
-from ..core.schedule import ScheduleLike
+from ..core.schedule import Schedule, ScheduleLike
 from ..partitioning.balance import partition
 from ..partitioning.stages import Partition
 from ..profiling.table import Profile
@@ -111,7 +111,7 @@ class PlannedConfig:
 
         return cls(
             **values,
-            schedule=str(row["schedule"]),
+            schedule=row["order"] if isinstance(row.get("order"), Schedule) else str(row["schedule"]),
             strategy=str(row["strategy"]),
             change=text("change"),
             recompute=text("recompute"),

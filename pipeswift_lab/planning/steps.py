@@ -105,10 +105,8 @@ def enumerate_configs(inputs: PlanInputs) -> list[Config]:
             for b in inputs.microbatch_sizes:
                 if (inputs.global_batch // d) % b == 0:
                     m = (inputs.global_batch // d) // b
-                    for choice in choices if p > 1 else single_stage:
-                        made = made_choice(choice, p, m)
-                        if made is not None:
-                            configs.append((p, d, m, b, made[0], made[1], 1, 1))
+                    made = [made_choice(choice, p, m) for choice in (choices if p > 1 else single_stage)]
+                    configs += [(p, d, m, b, c[0], c[1], 1, 1) for c in dict.fromkeys(made) if c is not None]
     return configs
 
 
@@ -292,6 +290,18 @@ def _simulate_bubble_pick(
 
 
 # --------------------------------------------------------------------------- 4. rank
+def _orders_apart(table: pd.DataFrame) -> pd.DataFrame:
+    """The ``schedule`` column as names, each :class:`~pipeswift_lab.Schedule` kept in an ``order`` column beside its
+    name (a column of names groups and sorts; :meth:`PlannedConfig.from_row` reads the order back)."""
+    if "schedule" not in table.columns:
+        return table
+    orders = [s if isinstance(s, Schedule) else None for s in table["schedule"]]
+    if "order" in table.columns:
+        orders = [o if o is not None else old for o, old in zip(orders, table["order"])]
+    table = table.assign(schedule=[str(s) for s in table["schedule"]])
+    return table.assign(order=orders) if any(o is not None for o in orders) else table
+
+
 def rank_table(rows: list[Row], inputs: PlanInputs, more: pd.DataFrame | None = None) -> pd.DataFrame:
     """One table: simulated feasible rows and the grow/shrink strategies by ``inputs.rank_by``, then the pruned
     ones by their bound, then the rejected ones (``more``: rows already in a table, such as those the 3-D search
@@ -299,6 +309,7 @@ def rank_table(rows: list[Row], inputs: PlanInputs, more: pd.DataFrame | None = 
     table = pd.DataFrame(rows)
     if more is not None and len(more):
         table = pd.concat([table, more], ignore_index=True) if len(table) else more.reset_index(drop=True)
+    table = _orders_apart(table)
     for col in TABLE_COLUMNS:
         if col not in table.columns:
             table[col] = math.nan
@@ -348,6 +359,8 @@ def _assemble(ranked: pd.DataFrame, lost: pd.DataFrame, table: pd.DataFrame, inp
     columns = list(TABLE_COLUMNS)
     if inputs.quantile is not None:
         columns.insert(columns.index("total_s") + 1, quantile_column(inputs.quantile))
+    if "order" in out.columns:  # the Schedules weighed, beside their names
+        columns.insert(columns.index("v"), "order")
     return out[columns].reset_index(drop=True)
 
 
