@@ -21,7 +21,7 @@ from .core.analytic import activation_memory_bytes, bubble_overhead, bubble_rati
 from .core.hardware import Hardware
 from .core.jct import JCT
 from .core.link import Link
-from .core.schedule import Schedule, ScheduleDeadlock  # noqa: F401 - importable
+from .core.schedule import Schedule, ScheduleDeadlock
 from .core.topology import Topology
 from .core.transformer_flops import megatron_flops_per_iteration, megatron_params, transformer_flops
 from .core.transformer_memory import transformer_memory
@@ -93,6 +93,7 @@ __all__ = [
     "PublishedRun",
     "RunError",
     "RunResult",
+    "Schedule",
     "ScheduleDeadlock",
     "Sweep",
     "Timeline",
@@ -124,6 +125,7 @@ __all__ = [
     "report",
     "run",
     "runner",
+    "schedules",
     "simulate",
     "step_ms",
     "sweep",

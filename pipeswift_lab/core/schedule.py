@@ -12,11 +12,11 @@ A CSV cell spells it as torch does: ``{stage}{kind}{microbatch}``, e.g. ``0F0``,
 overlapped forward-backward step (DualPipeV's) as ``(3F2;0B0)OVERLAP_F_B``, a group whose sends go out after both
 parts ran.
 
-Everything is checked when a Schedule is made (:meth:`Schedule.from_lists`), before anything runs: the cells parse,
+Everything is checked when a Schedule is made, before anything runs: the cells parse,
 every stage of every micro-batch has its forward and its backward exactly once, an ``I`` has its ``W``, each stage
 uses one backward form, each stage sits on one rank, every rank holds the same number of stages, and the order can
-finish (its dependencies are replayed, cross-rank sends included; :class:`~pipeswift_lab.simulation.ScheduleDeadlock`
-names the first rank that would wait forever, its action and what it waits for).
+finish (its dependencies are replayed, cross-rank sends included; :class:`ScheduleDeadlock` names the first rank that
+would wait forever, its action and what it waits for). A Schedule that exists is one that can run.
 """
 
 from __future__ import annotations
@@ -80,7 +80,9 @@ class Schedule:
 
     groups: Groups
     name: str = field(default="custom", compare=False)
-    _checked: bool = field(default=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        self.check()
 
     # ------------------------------------------------------------------ constructors
     @classmethod
@@ -102,9 +104,7 @@ class Schedule:
         groups = tuple(
             tuple(_group(item, f"rank {r}, position {j}:") for j, item in enumerate(row)) for r, row in enumerate(rows)
         )
-        schedule = cls(groups, str(name))
-        schedule.check()
-        return schedule
+        return cls(groups, str(name))
 
     @classmethod
     def from_csv(cls, path_or_text: str | Path, name: str | None = None) -> Schedule:
@@ -127,7 +127,7 @@ class Schedule:
         """A built-in schedule (any of :data:`~pipeswift_lab.core.vocabulary.SCHEDULES`) as the action lists torch's
         runtime executes (:func:`~pipeswift_lab.core.schedule_orders.compute_orders`; DualPipeV's overlapped
         forward-backward steps as their two parts, forward first)."""
-        from .schedule_orders import builtin_groups  # the one import allowed to close a circle (tests/layout)
+        from .schedule_orders import builtin_groups  # an import allowed to close a circle: tests/layout
 
         name, groups = builtin_groups(name, P, m, v)
         return cls.from_lists([[list(g) if len(g) > 1 else g[0] for g in row] for row in groups], name=name)
@@ -249,13 +249,11 @@ class Schedule:
 
     # ------------------------------------------------------------------ checks
     def check(self) -> None:
-        """Check the order whole; raise ``ValueError`` (or :class:`ScheduleDeadlock`) naming the first problem."""
-        if self._checked:
-            return
+        """Check the order whole (done when it is made); raise ``ValueError`` (or :class:`ScheduleDeadlock`) naming the
+        first problem."""
         check_actions(self)
         check_placement(self)
         check_finishes(self)
-        object.__setattr__(self, "_checked", True)
 
     def check_fits(self, P: int, S: int, m: int | None = None) -> None:
         """Raise ``ValueError`` unless the schedule has ``P`` ranks, ``S`` stages and (when given) ``m``

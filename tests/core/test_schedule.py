@@ -157,4 +157,4 @@ def test_torchtitan_reads_the_csv_with_the_schedule_name_that_places_its_stages(
     assert Schedule.of("InterleavedZeroBubble", 2, 4, 2).torchtitan_schedule == "Interleaved1F1B"
     odd = Schedule.from_lists({0: ["0F0", "1F0", "1B0", "0B0"], 1: ["2F0", "3F0", "3B0", "2B0"]})
     with pytest.raises(ValueError, match="torchtitan places them in a loop"):
-        odd.torchtitan_schedule
+        odd.to_torchtitan(tmp_path / "odd.csv")
