@@ -163,12 +163,12 @@ def check_nprocs(nprocs: int | None, P: int, D: int, world: int) -> None:
 def check_replica_schedule(plan: StagePlan, m: int, D: int, *, ddp: bool = True) -> None:
     """torch's rules for P, m and v of the schedule, and the schedules that cannot run with ``D > 1`` replicas under
     DDP (``ddp``: no FSDP and no tensor parallelism; FSDP2 reduces their split backward correctly)."""
-    from ..core.vocabulary import validate
+    from ..core.vocabulary import splits_backward, validate
 
     validate(plan.P, m, plan.schedule, plan.v)
-    if D > 1 and ddp and plan.schedule in REPLICA_UNSUPPORTED:
+    if D > 1 and ddp and (plan.schedule in REPLICA_UNSUPPORTED or splits_backward(plan.schedule)):
         raise ValueError(
-            f"D={D} replicas with schedule={plan.schedule!r} is not supported under DDP: its split input/weight "
+            f"D={D} replicas with schedule={str(plan.schedule)!r} is not supported under DDP: its split input/weight "
             "backward bypasses DDP's gradient sync; use one of GPipe, 1F1B, Interleaved1F1B, LoopedBFS with D > 1, "
             "or shard the replicas with fsdp= (FSDP2 reduces a split backward's gradients)"
         )

@@ -65,16 +65,23 @@ def test_a_hand_written_csv_trains_a_hugging_face_model_as_one_process_with_its_
     assert worst <= 1e-5
 
 
-def test_a_v_half_order_runs_with_fsdp_as_one_process():
+@pytest.mark.parametrize(
+    "schedule, D, fsdp", [("V-Half", 1, 2), ("Interleaved1F1B", 2, 1)], ids=["V-Half-fsdp2", "Interleaved1F1B-D2"]
+)
+def test_an_order_runs_sharded_or_replicated_as_one_process(schedule, D, fsdp):
+    """FSDP2 reduces a split backward's gradients; DDP's replicas run an order whose backward is whole (a split one
+    is refused before launch, below)."""
     model = make_model(8)
-    sch = psl.schedules.v_half(2, 4)
+    sch = psl.schedules.v_half(2, 4) if schedule == "V-Half" else Schedule.of("Interleaved1F1B", 2, 4, 2)
     part = uniform_partition(8, 2, 2, sch, m=4)
-    assert part.stage_to_rank == (0, 1, 1, 0)
+    assert part.stage_to_rank == ((0, 1, 1, 0) if schedule == "V-Half" else (0, 1, 0, 1))
     x, y = make_batch()
-    result = run(model, (x, y), F.mse_loss, part, 4, steps=2, optimizer=sgd, fsdp=2, progress=False)
+    result = run(model, (x, y), F.mse_loss, part, 4, steps=2, optimizer=sgd, D=D, fsdp=fsdp, progress=False)
+    # one process on the whole batch: equal-sized micro-batches, so the replicas' mean of means is the batch's mean
     want, losses = reference_training(model, lambda step: (x, y), F.mse_loss, 4, 2, sgd)
     assert_same_parameters(result.state_dict(), want)
-    assert result.losses == pytest.approx(losses, rel=1e-5)
+    if D == 1:  # with two replicas a step's loss is the first replica's
+        assert result.losses == pytest.approx(losses, rel=1e-5)
 
 
 def test_what_cannot_run_is_refused_before_launch():
@@ -87,5 +94,8 @@ def test_what_cannot_run_is_refused_before_launch():
         loop = uniform_partition(8, 2, 2, "Interleaved1F1B", m=4)
         run(make_model(8), (x, y), F.mse_loss, loop, 4, schedule=psl.schedules.v_min(2, 4), steps=1, progress=False)
     stuck = "0F0,0I0,0F1,0I1,0W0,0W1\n1F1,1I1,1F0,1I0,1W0,1W1\n"  # rank 0 waits at 0I0 for rank 1, which waits at 1F1
+    with pytest.raises(ValueError, match="D=2 replicas with schedule='ZB-H1' is not supported under DDP"):
+        run(model, (x, y), F.mse_loss, part, 4, schedule=Schedule.from_csv(ZB_H1, name="ZB-H1"), D=2, steps=1,
+            progress=False)  # fmt: skip
     with pytest.raises(ScheduleDeadlock, match=r"rank 0 waits forever at position 1, action 0I0"):
         run(model, (x, y), F.mse_loss, part, 2, schedule=Schedule.from_csv(stuck), steps=1, progress=False)
