@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Sequence
+from functools import lru_cache
 from typing import Any
 
 import pandas as pd
@@ -259,6 +260,7 @@ def by_bubble(P: int, m: int, schedule: ScheduleLike, v: int) -> tuple[float, in
     return bubble_ratio(P, m, schedule, v=v), -m * v
 
 
+@lru_cache(maxsize=256)
 def unit_bubble_ratio(schedule: Schedule) -> float:
     """The idle share of the step when every action of every stage lasts one unit and transfers are free (F = I = W =
     1, B = 2): the closed form's convention, found by replaying the order (:func:`~pipeswift_lab.simulation.simulate`

@@ -134,16 +134,18 @@ class Sweep:
         return text_card("Sweep", self._summary())
 
 
-def peak_memory_bytes(part: Partition, timeline: Timeline) -> float:
+def peak_memory_bytes(part: Partition, timeline: Timeline, schedule: ScheduleLike | None = None) -> float:
     """Largest rank memory: the partition's replayed peak at the simulated ``m`` and schedule (weights, gradients,
-    optimizer state, activations in flight, buffers and transients; :meth:`Partition.memory`). Returns NaN when the
-    profile has no ``param_bytes`` or ``activation_bytes``.
+    optimizer state, activations in flight, buffers and transients; :meth:`Partition.memory`). ``schedule`` is the one
+    simulated (default: the one the timeline records). Returns NaN when the profile has no ``param_bytes`` or
+    ``activation_bytes``.
     """
     if any(math.isnan(x) for x in part.stage_state_bytes) or any(math.isnan(x) for x in part.stage_activation_bytes):
         return math.nan
     if part.layers is not None and "schedule" in timeline.meta:
-        m, schedule = timeline.meta.get("m"), schedule_from_meta(timeline.meta)
-        return float(part.memory(m=m, schedule=schedule)["predicted_peak_bytes"].max())
+        if schedule is None:  # read back from the record (a Schedule's order is parsed and checked again)
+            schedule = schedule_from_meta(timeline.meta)
+        return float(part.memory(m=timeline.meta.get("m"), schedule=schedule)["predicted_peak_bytes"].max())
     static = rank_totals(part.stage_state_bytes, part.stage_to_rank, part.P)  # no per-layer profile: the timeline's
     act = timeline.peak_activation_bytes
     return float(max(static[r] + act[r] for r in range(part.P)))
@@ -375,7 +377,7 @@ def _row(grid: _Grid, config: _Config, parts: dict[tuple, Partition]) -> dict[st
         "step_ms": step,
         "bubble_ratio": tl.bubble_ratio,
         "bottleneck_ms": part.bottleneck_ms,
-        "peak_mem_bytes": peak_memory_bytes(part, tl),
+        "peak_mem_bytes": peak_memory_bytes(part, tl, config.schedule),
         "training_s": grid.steps * step / 1000.0 if grid.steps is not None else math.nan,
     }
 
