@@ -40,9 +40,13 @@ def test_calibrating_on_an_imported_run_predicts_it_and_serves_another_schedule(
         cal = psl.calibrate([interleaved], prof)
     error = cal.error([interleaved, gpipe]).set_index("schedule")
     assert error["in_fit"].to_dict() == {"Interleaved1F1B": True, "GPipe": False}
-    # the fitted run is predicted closer than the profile alone predicts it
+    # the fitted run is predicted closer than the profile alone predicts it, and within 20% or, on a machine whose
+    # steps vary more than that, within twice the run's own step dispersion (the fit prices median components; the
+    # measured step is one step)
     fitted = error.loc["Interleaved1F1B"]
-    assert abs(fitted["rel_error_after"]) < min(0.2, abs(fitted["rel_error_before"]))
+    dispersion = float(interleaved.step_stats()["cv"].iloc[0])
+    assert abs(fitted["rel_error_after"]) < abs(fitted["rel_error_before"])
+    assert abs(fitted["rel_error_after"]) < max(0.2, 2 * dispersion)
     # the held-out schedule (the other runtime) is predicted from the same fit; how close a held-out run is
     # predicted is a figure of the machine, reported by benchmarks/bench_fidelity.py, not asserted here
     part = psl.Partition.from_bounds(prof.df, equal_bounds(2), schedule="GPipe", m=M)
