@@ -14,7 +14,7 @@ import importlib
 from types import ModuleType
 from typing import Any
 
-from . import cluster, data, models, runner, schedules
+from . import cluster, data, frameworks, models, runner, schedules
 from .cluster import ClusterResult
 from .core import analytic, costs, hardware, precision
 from .core.analytic import activation_memory_bytes, bubble_overhead, bubble_ratio, inflight_microbatches, step_ms
@@ -110,6 +110,7 @@ __all__ = [
     "compare",
     "costs",
     "data",
+    "frameworks",
     "hardware",
     "inflight_microbatches",
     "latest_checkpoint",

@@ -217,7 +217,7 @@ def search(inputs: PlanInputs, evaluator: Evaluator) -> Plan:
     ``evaluator`` (:func:`evaluator_of`); returns a :class:`Plan`."""
     if inputs.three_d:
         rows, more = search_layouts(inputs, evaluator)
-        return Plan(rank_table(rows, inputs, more), inputs.as_dict(), inputs.costs)
+        return Plan(rank_table(rows, inputs, more), inputs.as_dict(), inputs.costs, inputs)
     rows, candidates = bound_configs(enumerate_configs(inputs), inputs, evaluator)
     rows = branch_and_bound(candidates, rows, inputs, evaluator)
-    return Plan(rank_table(rows, inputs), inputs.as_dict(), inputs.costs)
+    return Plan(rank_table(rows, inputs), inputs.as_dict(), inputs.costs, inputs)

@@ -12,115 +12,25 @@ import pandas as pd
 
 from ..core.display import hours, html_card, text_card
 from ..core.jct import JCT, TERMS
-from ..core.schedule import Schedule, ScheduleLike
 from ..partitioning.balance import partition
 from ..partitioning.stages import Partition
 from ..profiling.table import Profile
 from .costs import MicrobatchCosts
-from .placement import layout_name, pipeline_link
+from .explanation import layout_comparisons, versus, why_no_pipeline
+from .placement import pipeline_link
+from .planned_config import PlannedConfig
+from .pricing import bounds_of
 from .strategies import HOLDING, STRATEGIES, check_strategy
 
 if TYPE_CHECKING:
+    from pathlib import Path
+
     from matplotlib.axes import Axes
 
-__all__ = ["Plan", "PlannedConfig"]
+    from ..frameworks import ImportedConfig
+    from .inputs import PlanInputs
 
-
-@dataclass(frozen=True)
-class PlannedConfig:
-    """One configuration and its predicted JCT terms (seconds) and step.
-
-    ``strategy`` is one of :data:`~pipeswift_lab.planning.strategies.STRATEGIES` (``"now"``, ``"wait"``, ``"grow"``,
-    ``"shrink"``); for a move (grow, shrink), ``change`` says when and from which configuration, and the other fields
-    are the configuration it finishes on.
-    """
-
-    P: int
-    D: int
-    m: int
-    microbatch_size: int
-    schedule: ScheduleLike
-    v: int
-    queue_s: float
-    assembly_s: float
-    training_s: float
-    cleanup_s: float
-    preemption_loss_s: float
-    step_ms: float
-    bubble_ratio: float
-    peak_mem_bytes: float
-    strategy: str = "now"
-    change: str = ""
-    recompute: str = ""
-    """The stages that recompute and how, ``"0:full 1:selective"`` (``""``: none; ``plan(recompute="search")``)."""
-    stage_bounds: str = ""
-    """The split the search weighed where it is not the profile's balanced one, ``"0-3 3-7"``: a recomputing
-    configuration's, or a tensor-parallel or FSDP layout's, found on the memory one of its ranks holds (``""``: the
-    balanced split)."""
-    tp: int = 1
-    """Tensor-parallel ranks of each stage (``tp`` adjacent ranks inside a node)."""
-    fsdp: int = 1
-    """FSDP shards of each replica (HSDP with ``D > 1``)."""
-
-    def __post_init__(self) -> None:
-        check_strategy(self.strategy)
-
-    @property
-    def total_s(self) -> float:
-        """The predicted JCT."""
-        return self.queue_s + self.assembly_s + self.training_s + self.cleanup_s + self.preemption_loss_s
-
-    @property
-    def gpus(self) -> int:
-        """GPUs used: ``P * D * fsdp * tp``."""
-        return self.P * self.D * self.fsdp * self.tp
-
-    @property
-    def label(self) -> str:
-        """A short name: ``P4×D2 m16 b2 1F1B`` (``P4×D2×fsdp4×tp8 ...`` where FSDP or tensor parallelism is used,
-        ``... 1F1B recompute 0:full`` where stages recompute); a move's starts with its strategy and change,
-        ``grow at 2.00 h from P4×D2 m32 b2 1F1B: P4×D4 m16 b2 1F1B``."""
-        v = f" v{self.v}" if self.v > 1 else ""
-        prefix = "" if self.strategy in HOLDING else f"{self.strategy} {self.change}: "
-        recompute = f" recompute {self.recompute}" if self.recompute else ""
-        return (
-            f"{prefix}{layout_name(self.P, self.D, self.fsdp, self.tp)} m{self.m} b{self.microbatch_size} "
-            f"{self.schedule}{v}{recompute}"
-        )
-
-    @property
-    def jct(self) -> JCT:
-        """The predicted :class:`~pipeswift_lab.JCT`."""
-        return JCT(
-            self.queue_s, self.assembly_s, self.training_s, self.cleanup_s, self.preemption_loss_s, label=self.label
-        )
-
-    @classmethod
-    def from_row(cls, row: pd.Series) -> PlannedConfig:
-        """The configuration of a row of :attr:`Plan.table`."""
-        ints = ("P", "D", "m", "microbatch_size", "v")
-        floats = ("step_ms", "bubble_ratio", "peak_mem_bytes", *TERMS)
-        values: dict[str, Any] = {k: int(row[k]) for k in ints} | {k: float(row[k]) for k in floats}
-        for k in ("tp", "fsdp"):  # a table saved before the 3-D search has neither: 1
-            value = row.get(k, 1)
-            values[k] = 1 if pd.isna(value) else int(value)
-
-        def text(key: str) -> str:
-            value = row.get(key, "")
-            return value if isinstance(value, str) else ""
-
-        return cls(
-            **values,
-            schedule=row["order"] if isinstance(row.get("order"), Schedule) else str(row["schedule"]),
-            strategy=str(row["strategy"]),
-            change=text("change"),
-            recompute=text("recompute"),
-            stage_bounds=text("stage_bounds"),
-        )
-
-    def recompute_by_stage(self) -> dict[int, str]:
-        """``{stage: "full" | "selective"}`` of the stages that recompute (what :func:`pipeswift_lab.run` takes)."""
-        return {int(s): mode for s, mode in (item.split(":") for item in self.recompute.split())}
+__all__ = ["Plan", "PlannedConfig"]  # PlannedConfig lives in .planned_config
 
 
 @dataclass(frozen=True)
@@ -145,6 +55,9 @@ class Plan:
     inputs: dict[str, Any] = field(repr=False)
     costs: MicrobatchCosts | None = field(default=None, repr=False, compare=False)
     """The per-layer costs the plan used (what :meth:`partition_of` splits)."""
+    checked: PlanInputs | None = field(default=None, repr=False, compare=False)
+    """The checked inputs the plan searched with (what :meth:`price`, :meth:`compare` and :meth:`export` price
+    with)."""
 
     @property
     def feasible(self) -> pd.DataFrame:
@@ -223,7 +136,7 @@ class Plan:
         if config.stage_bounds:  # a tensor-parallel or FSDP layout's own split, found on what one of its ranks holds
             return Partition.from_bounds(
                 self.costs.table(config.microbatch_size),
-                _bounds_of(config.stage_bounds),
+                bounds_of(config.stage_bounds),
                 v=config.v,
                 schedule=config.schedule,
                 m=config.m,
@@ -261,7 +174,7 @@ class Plan:
         for column in ("recompute_ms", "selective_recompute_ms"):
             df[column] = df[column] * (b / nearest)
         df["total_ms"] = df["fwd_ms"] + df["bwd_ms"]
-        bounds = _bounds_of(config.stage_bounds)
+        bounds = bounds_of(config.stage_bounds)
         names = [str(n) for n in df["name"]]
         chosen = config.recompute_by_stage()
         by_layer = {names[i]: chosen[s] for s, (a, e) in enumerate(bounds) if s in chosen for i in range(a, e)}
@@ -304,6 +217,55 @@ class Plan:
             args["precision"] = self.inputs["precision"]
         return args
 
+    def price(self, config: PlannedConfig | ImportedConfig) -> PlannedConfig:
+        """``config`` (a configuration of this plan or a framework's, :func:`pipeswift_lab.frameworks.read`) priced
+        as written with this plan's inputs: its JCT terms, step and each rank's peak; its split in ``stage_bounds``
+        (:mod:`~pipeswift_lab.planning.pricing`). A global batch other than the plan's trains as many steps as make
+        the same samples."""
+        from .handoff import price
+
+        return price(self, config)
+
+    def compare(self, imported: ImportedConfig | PlannedConfig) -> pd.DataFrame:
+        """Your configuration (read with :func:`pipeswift_lab.frameworks.read`) beside the plan's best: rows
+        ``"plan's best"``, ``"yours"`` and ``"yours - best"``; columns ``label``, the layout, ``global_batch``,
+        ``steps``, the JCT terms, ``total_s``, ``step_ms``, ``bubble_ratio``, ``peak_mem_bytes`` (per GPU) and
+        ``fits`` (within ``mem_per_gpu_bytes``)."""
+        from .handoff import compare
+
+        return compare(self, imported)
+
+    def export(
+        self,
+        framework: str,
+        config: PlannedConfig | pd.Series | Hashable | None = None,
+        *,
+        model_config: Any = None,
+        seq_len: int | None = None,
+        path: str | Path | None = None,
+        strict: bool = False,
+    ) -> Any:
+        """A configuration (default :attr:`best`; a row or label of :attr:`table`) in the terms of the framework you
+        train with, written to ``path`` if given (:mod:`pipeswift_lab.frameworks`):
+
+        * ``"torchtitan"`` — the Python source of a module defining ``config()`` (torchtitan 0.3 and later);
+          ``"torchtitan-toml"`` — a TOML ``JobConfig`` (0.2.2 and earlier);
+        * ``"megatron"`` — Megatron-LM's command-line arguments, a list;
+        * ``"deepspeed"`` — ``{"ds_config": {...}, "pipeline_module": {...}}``, the JSON configuration and
+          ``PipelineModule``'s arguments.
+
+        ``model_config`` is the Hugging Face config or a :class:`~pipeswift_lab.TransformerSpec` (default: what the
+        profile recorded); ``seq_len`` the sequence length (default: the profile's). The split, every degree, ``m``,
+        the micro-batch size, the schedule, recomputation and precision are carried where the framework expresses
+        them; where it cannot, the nearest configuration it can run is exported with an
+        :class:`~pipeswift_lab.frameworks.ExportWarning` naming what changed and its predicted cost (``strict=True``
+        raises ``ValueError`` instead). Raises ``ValueError`` for a framework not known, layers a framework does not
+        name (the first one), and what the framework refuses."""
+        from .handoff import export
+
+        chosen = None if config is None else config if isinstance(config, PlannedConfig) else self.config(config)
+        return export(self, framework, chosen, model_config, seq_len, path, strict)
+
     def top(self, n: int = 5) -> pd.DataFrame:
         """The ``n`` best feasible rows."""
         return self.feasible.head(n)
@@ -317,79 +279,12 @@ class Plan:
             f"bubble {best.bubble_ratio:.1%})."
         ]
         if best.P == 1:
-            out.append(self._why_no_pipeline(best))
+            out.append(why_no_pipeline(self, best))
         for name, other in (("bubble-best", self.bubble_best), ("throughput-best", self.throughput_best)):
-            out.append(_versus(best, name, other))
+            out.append(versus(best, name, other))
         if self.inputs.get("three_d"):
-            out += self._layout_comparisons(best)
+            out += layout_comparisons(self, best)
         return " ".join(out)
-
-    def _layout_comparisons(self, best: PlannedConfig) -> list[str]:
-        """A 3-D plan's comparisons of the best with the best without a pipeline (``P = 1``) and the best without
-        tensor parallelism (``tp = 1``): their JCT and step, or why none of them runs."""
-        out = []
-        classes = [("P", "without a pipeline (P=1)", best.P == 1, "The best has no pipeline.")]
-        if max(self.inputs.get("tp", (1,))) > 1:
-            classes.append(
-                ("tp", "without tensor parallelism (tp=1)", best.tp == 1, "The best uses no tensor parallelism.")
-            )
-        else:
-            out.append("Tensor parallelism was not weighed (tp=1 alone: the profile or tp= allows no other degree).")
-        held = self.strategy_rows(*HOLDING)
-        for column, name, is_best, same in classes:
-            rows = held[held[column] == 1]
-            if is_best and (best.strategy in HOLDING or rows.empty):
-                out.append(same)
-            elif not rows.empty:
-                other = PlannedConfig.from_row(rows.sort_values(["total_s", "gpus", "step_ms"], kind="stable").iloc[0])
-                out.append(_versus(best, f"best {name}", other))
-            else:
-                out.append(self._none_runs(column, name))
-        return out
-
-    def _none_runs(self, column: str, name: str) -> str:
-        """Why no configuration of a class (``column == 1``) has a predicted JCT: out of memory (the most sharded one's
-        reason), or their most common reasons."""
-        rows = self.table[self.table[column] == 1]
-        if rows.empty:
-            return f"No configuration {name} was weighed."
-        memory = rows["reason"].str.contains("GiB per GPU|mem_per_gpu_bytes=", regex=True)
-        if memory.all():
-            sharded = rows.assign(_shards=rows["fsdp"] * rows["tp"]).sort_values(["_shards", "gpus"], kind="stable")
-            widest = sharded.iloc[-1]
-            cap = self.inputs.get("mem_per_gpu_bytes")
-            return (
-                f"No configuration {name} fits mem_per_gpu_bytes={cap:.4g}: none of the {len(rows)} weighed does; the "
-                f"most sharded, {PlannedConfig.from_row(widest.fillna(0.0)).label}, {widest['reason']}."
-            )
-        reasons = rows["reason"].value_counts().head(2)
-        why = "; ".join(f"{k} ({v} of {len(rows)})" for k, v in reasons.items())
-        return f"No configuration {name} runs: {why}."
-
-    def _why_no_pipeline(self, best: PlannedConfig) -> str:
-        """Why one stage (pure data parallelism) wins: it fits memory and has no bubble; what the best pipeline
-        costs."""
-        cap = self.inputs.get("mem_per_gpu_bytes")
-        shards = " ".join(f"{k}={n}" for k, n in (("fsdp", best.fsdp), ("tp", best.tp)) if n > 1)
-        if cap:
-            whole = f"the whole model fits one GPU as {shards} shards" if shards else "the whole model fits one GPU"
-            fits = f"{whole} ({best.peak_mem_bytes / 2**30:.3g} GiB of the mem_per_gpu_bytes={cap:.4g} cap)"
-        else:
-            fits = "no memory cap is given (mem_per_gpu_bytes=None), so the whole model is taken to fit one GPU"
-        held = self.strategy_rows(*HOLDING)
-        piped = held[held["P"] > 1]
-        sharded = "".join(f", {k}={n}" for k, n in (("fsdp", best.fsdp), ("tp", best.tp)) if n > 1)
-        text = (
-            f"No pipeline (P=1, {best.D} data-parallel replicas{sharded}) wins because {fits}, and a pipeline only "
-            f"adds a bubble and stage transfers"
-        )
-        if piped.empty:
-            return text + "."
-        other = PlannedConfig.from_row(piped.sort_values("total_s", kind="stable").iloc[0])
-        return (
-            f"{text}: the best pipelined configuration, {other.label}, takes {hours(other.total_s)} "
-            f"({hours(other.total_s - best.total_s)} longer)."
-        )
 
     def plot(self, ax: Axes | None = None, n: int = 5, unit: str = "h") -> Axes:
         """Stacked JCT bars of the ``n`` best configurations, the throughput-best and the bubble-best (marked).
@@ -432,23 +327,3 @@ class Plan:
 
     def __repr__(self) -> str:
         return f"Plan(best={self.best.label!r}, total_s={self.best.total_s:.6g}, configurations={len(self.table)})"
-
-
-def _bounds_of(stage_bounds: str) -> list[tuple[int, ...]]:
-    """The ``(start, end)`` pairs of a ``stage_bounds`` text, ``"0-3 3-7"``."""
-    return [tuple(int(x) for x in item.split("-")) for item in stage_bounds.split()]
-
-
-def _versus(best: PlannedConfig, name: str, other: PlannedConfig) -> str:
-    """One sentence on what ``other`` (the bubble-best or the throughput-best) loses against ``best``."""
-    if other.label == best.label:
-        return f"The best is also the {name} configuration."
-    diffs = {t: getattr(other, t) - getattr(best, t) for t in TERMS}
-    worst = max(diffs, key=lambda t: diffs[t])
-    gain = [f"{t.removesuffix('_s')} {hours(-d)} shorter" for t, d in diffs.items() if d < -0.005 * best.total_s]
-    return (
-        f"The {name} {other.label} (bubble {other.bubble_ratio:.1%}, step {other.step_ms:.4g} ms) takes "
-        f"{hours(other.total_s)}, {hours(other.total_s - best.total_s)} longer: its {worst.removesuffix('_s')} "
-        f"term is {hours(diffs[worst])} longer"
-        + (f"; its gains ({', '.join(gain)}) do not make up for it." if gain else ".")
-    )

@@ -213,6 +213,13 @@ class Evaluator:
             raise ValueError(f"{head} (the time-balanced split's busiest, rank {busiest}, peaks at {peak})")
         return options[0] if len(options) == 1 else min(options, key=lambda option: self.simulate(option)[0])
 
+    def split_at(
+        self, P: int, m: int, b: int, schedule: ScheduleLike, v: int, D: int, fsdp: int, bounds: Bounds
+    ) -> Split:
+        """The :class:`Split` of the given ``bounds`` (a configuration priced as written, :mod:`.pricing`), whether
+        or not it fits ``mem_per_gpu_bytes``: its ``peak_mem_bytes`` says."""
+        return self._split_of(_Config(P, m, b, schedule, v, D, fsdp), tuple(bounds), None, b, None)
+
     def _state_shards(self, D: int) -> int:
         """What the optimizer state is sharded over: ``D`` replicas under a ZeRO-1 ``precision``, else 1 (only
         ZeRO-1 state depends on ``D``)."""

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from .clocks import make_clock
+from .pipeline_settings import model_config_of
 from .step_record import StepRecord
 from .table import COLUMNS, MEMORY_COLUMNS, Profile
 from .traced_memory import TracedMemory
@@ -58,6 +59,7 @@ def build_profile(
         "torch_version": torch.__version__,
         "threads": torch.get_num_threads(),
         "model_params": int(sum(p.numel() for p in model.parameters())),
+        "model_config": model_config_of(model),
         **meta,
         "loss_activation_bytes": memory.loss_activation_bytes if memory else float("nan"),
         "loss_transient_bytes": memory.loss_transient_bytes if memory else float("nan"),

@@ -54,3 +54,18 @@ def training_settings(model: nn.Module) -> Iterator[None]:
 
 
 __all__ = ["apply_training_settings", "configs", "training_settings", "TRAINING_SETTINGS"]
+
+
+def model_config_of(model: nn.Module) -> dict[str, Any] | None:
+    """The Hugging Face config of ``model`` as plain values (what a profile's ``meta["model_config"]`` records, and
+    what ``Plan.export`` reads the model's shape from), or None for a model without one."""
+    config = getattr(model, "config", None)
+    to_dict = getattr(config, "to_dict", None)
+    if not callable(to_dict):
+        return None
+    plain = (int, float, str, bool, type(None))
+    out: dict[str, Any] = {}
+    for key, value in to_dict().items():
+        if isinstance(value, plain) or (isinstance(value, list) and all(isinstance(v, plain) for v in value)):
+            out[key] = value
+    return out

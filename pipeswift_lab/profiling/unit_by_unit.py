@@ -34,7 +34,7 @@ from torch import nn
 from ..core.meta_device import check_initializable, initial_values, is_meta_model, materialize, shape_pass
 from ..core.progress import progress_bar
 from .clocks import make_clock
-from .pipeline_settings import training_settings
+from .pipeline_settings import model_config_of, training_settings
 from .table import Profile
 from .unit_copies import StageForward, stage_copy
 from .unit_options import REPEATED, UnitByUnit
@@ -170,6 +170,7 @@ def _merged(model: nn.Module, rows: Sequence[pd.DataFrame], parts: Sequence[Prof
         **first,
         "model": type(model).__name__,
         "model_params": int(sum(p.numel() for p in model.parameters())),
+        "model_config": model_config_of(model),
         "step_ms_samples": [float(s) for s in steps],
         "loss": last.get("loss"),
         "target_bytes": last.get("target_bytes"),

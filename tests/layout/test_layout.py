@@ -24,6 +24,7 @@ LAYERS = {
     "partitioning": 2,
     "simulation": 3,
     "schedules": 3,
+    "frameworks": 3.5,  # a plan in the frameworks' terms: it knows schedules and shapes, not plans; planning uses it
     "fidelity": 4,
     "planning": 4,
     "runner": 4,
