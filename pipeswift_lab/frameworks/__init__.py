@@ -7,9 +7,12 @@ configurations read back.
     mine = psl.frameworks.read("torchtitan", "my_old_job.py")
     plan.compare(mine)                                        # JCT terms, step, memory per GPU, the difference
 
+:func:`parse_with_framework` runs a framework's own parser on an export, in the environment it is installed in.
+
 Modules: :mod:`.names` (the toolkit's layers as each framework names them), :mod:`.target` (the neutral
-configuration written and read), :mod:`.torchtitan`, :mod:`.megatron`, :mod:`.deepspeed` (each a ``nearest``, a
-``write`` and a ``read``).
+configuration written and read), :mod:`.nearest` (what frameworks change alike), :mod:`.torchtitan`,
+:mod:`.torchtitan_toml`, :mod:`.megatron`, :mod:`.deepspeed` (each a ``nearest``, a ``write`` and a ``read``),
+:mod:`.own_parsers`.
 """
 
 from __future__ import annotations
@@ -19,9 +22,19 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+from .own_parsers import parse_with_framework
 from .target import FRAMEWORKS, ExportTarget, ExportWarning, ImportedConfig, check_framework
 
-__all__ = ["FRAMEWORKS", "ExportTarget", "ExportWarning", "ImportedConfig", "even_stage_modules", "exporter", "read"]
+__all__ = [
+    "FRAMEWORKS",
+    "ExportTarget",
+    "ExportWarning",
+    "ImportedConfig",
+    "even_stage_modules",
+    "exporter",
+    "parse_with_framework",
+    "read",
+]
 
 
 def exporter(framework: str) -> ModuleType:

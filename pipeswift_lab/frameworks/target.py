@@ -147,7 +147,9 @@ class ImportedConfig:
         """A short name in the planner's style: ``torchtitan P4×D2 m16 b2 1F1B``."""
         v = f" v{self.v}" if self.v > 1 else ""
         schedule = self.schedule if isinstance(self.schedule, str) else (self.schedule.name or "custom")
-        recompute = f" recompute {self.recompute}" if self.recompute else ""
+        modes = {item.split(":")[1] for item in self.recompute.split()}
+        every = len(self.recompute.split()) == self.P * self.v and len(modes) == 1
+        recompute = f" recompute {modes.pop() if every else self.recompute}" if self.recompute else ""
         layout = f"P{self.P}×D{self.D}" + (f"×fsdp{self.fsdp}" if self.fsdp > 1 else "")
         layout += f"×tp{self.tp}" if self.tp > 1 else ""
         return f"{self.framework} {layout} m{self.m} b{self.microbatch_size} {schedule}{v}{recompute}"

@@ -170,3 +170,28 @@ def test_a_model_a_framework_cannot_name_is_refused_naming_the_first_layer(llama
     )
     with pytest.raises(ValueError, match="torchtitan has no model for model_type 'gpt2'"):
         plain.export("torchtitan", model_config=gpt)
+
+
+def test_a_profiled_hugging_face_model_is_exported_by_the_config_its_profile_recorded(one_torch_thread):
+    import torch
+    import transformers
+
+    config = transformers.Qwen3Config(
+        vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=32, max_position_embeddings=64,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    prof = psl.profile(
+        transformers.Qwen3ForCausalLM(config), torch.randint(0, 512, (2, 16)), layers="auto", progress=False
+    )
+    assert prof.meta["model_config"]["model_type"] == "qwen3" and prof.meta["model_config"]["num_hidden_layers"] == 4
+    plan = psl.plan(prof, gpus=2, global_batch=8, steps=10, P=[2], schedules=["1F1B"], progress=False)
+    found = read_python(plan.export("torchtitan"))
+    assert found["flavor"] in psl.frameworks.torchtitan.FLAVORS["qwen3"]
+    fqns = found["module_fqns_per_model_part"]
+    assert fqns[0][0] == "tok_embeddings" and fqns[-1][-2:] == ["norm", "lm_head"]
+    assert sum(len([f for f in s if f.startswith("layers.")]) for s in fqns) == 4
+    args = plan.export("megatron")
+    assert "--qk-layernorm" in args and _flag(args, "--kv-channels") == "32" and _flag(args, "--seq-length") == "16"
+    mine = psl.frameworks.read("megatron", args, world=plan.best.gpus)
+    assert plan.price(mine).total_s == pytest.approx(plan.best.total_s, rel=1e-9)
