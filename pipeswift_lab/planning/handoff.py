@@ -29,6 +29,7 @@ from ..frameworks.names import bounds_of_stages
 from .planned_config import PlannedConfig
 from .pricing import Row, as_series, bounds_of, price_row
 from .search import Evaluator
+from .strategies import HOLDING
 
 if TYPE_CHECKING:
     from .inputs import PlanInputs
@@ -209,6 +210,8 @@ def export(
     target = target_of(plan, config, model_config, seq_len)
     module = framework_module(name)
     nearest, changes = module.nearest(target)
+    if config.strategy not in HOLDING:  # a move: a framework's configuration holds one layout from start to end
+        changes.insert(0, f"{config.strategy} {config.change} -> held from the start (a configuration is one layout)")
     if changes:
         written = _Written(
             nearest.P, nearest.D, nearest.fsdp, nearest.tp, nearest.m, nearest.microbatch_size, nearest.v,

@@ -7,12 +7,12 @@ The agent runs in a background thread while the calling thread shows progress an
 ``timeout_s``. Two ways to start the worker processes (``start_method``):
 
 * ``"forkserver"`` (default): workers are forked from multiprocessing's fork server, started
-  once per Python session with torch and ``torch.distributed.pipelining`` preloaded, so
+  once per Python session with torch, ``torch.distributed.pipelining`` and the toolkit's worker module preloaded, so
   after the first run a launch costs well under a second instead of one interpreter start and
   torch import per rank. Workers run :func:`pipeswift_lab.runner.rank.worker.main`. The fork
   server stays up with the session (like multiprocessing's resource tracker); it is not a
-  worker and holds no run state. It preloads third-party modules only, so code edits to
-  pipeswift_lab reach the next run; an upgrade of torch itself needs a new session. Its children re-import a script's
+  worker and holds no run state. It is restarted when pipeswift_lab's files change, so code edits
+  reach the next run; an upgrade of torch itself needs a new session. Its children re-import a script's
   ``__main__`` module, as
   with ``spawn``: guard scripts with ``if __name__ == "__main__":`` (notebooks need nothing).
 * ``"subprocess"``: every rank is a fresh ``python -m pipeswift_lab.runner SPEC --out DIR``,
@@ -49,8 +49,8 @@ if TYPE_CHECKING:
 #: Seconds the elastic agent waits after SIGTERM before it SIGKILLs the other workers of a failed run.
 SHUTDOWN_TIMEOUT_S = 3
 _ELASTIC_LOGGERS = ("torch.distributed.elastic", "torch.distributed.launcher", "torch.multiprocessing")
-#: Modules the fork server imports once, so forked workers start with them loaded. Third-party only:
-#: pipeswift_lab itself is imported afresh by every worker (~0.15 s), so edits to it are never stale.
+#: Modules the fork server imports once, so forked workers start with them loaded (and :data:`WORKER_MODULE`, the
+#: toolkit's own, while its files are unchanged: :func:`_preload_forkserver`).
 #: Libraries of models whose modeling modules the fork server also preloads when the calling session has imported
 #: them (:func:`model_library_modules`): a worker unpickling a Hugging Face model imports its modeling module, about
 #: 1,500 modules and 4-5 s here, once per fork server instead of once per worker.
@@ -173,27 +173,50 @@ def _read_progress(run_dir: Path) -> int:
         return 0
 
 
+#: The toolkit's own module a worker starts in: preloaded too, while the package's files are as the server saw them.
+WORKER_MODULE = "pipeswift_lab.runner.rank.worker"
+_server_code: list[tuple[tuple[str, int], ...]] = []  # the package's files when this session's server started
+
+
+def package_fingerprint() -> tuple[tuple[str, int], ...]:
+    """Each of the toolkit's ``.py`` files with its modification time (ns): what changes when its code is edited."""
+    root = Path(__file__).resolve().parents[1]
+    out = []
+    for folder, _, files in os.walk(root):
+        for name in files:
+            if name.endswith(".py"):
+                path = os.path.join(folder, name)
+                out.append((path, os.stat(path).st_mtime_ns))
+    return tuple(sorted(out))
+
+
 def _preload_forkserver() -> None:
-    """Have the fork server preload torch, the runner's torch modules and the model libraries this session has
-    imported (:func:`model_library_modules`).
+    """Have the fork server preload torch, the runner's torch modules, the model libraries this session has
+    imported (:func:`model_library_modules`) and the toolkit's worker module.
 
     A server started before the session imported a model library (a first run of an ``nn.Sequential``, then a
     Hugging Face model) is stopped, and the next launch starts one that preloads it: once, instead of every worker
     of every later run importing it again. A model family's own module (``modeling_llama``, a fraction of a second
-    once its library is loaded) does not restart a server.
+    once its library is loaded) does not restart a server. Nor does anything else, unless the toolkit's own files
+    changed since the server started (:func:`package_fingerprint`): then it is restarted, so an edit reaches the next
+    run as it would without the preload, and a worker does not import the toolkit again (half a second a rank).
     """
     import multiprocessing
     from multiprocessing import forkserver
 
     libraries, families = model_library_modules()
+    code = package_fingerprint()
     if forkserver_pid() is not None:
         server = forkserver._forkserver  # multiprocessing's private state: a Python without it keeps its server
         stop = getattr(server, "_stop", None)
         preloaded = set(getattr(server, "_preload_modules", None) or ())
-        if set(FORKSERVER_PRELOAD) | set(libraries) <= preloaded or stop is None:
+        fresh = WORKER_MODULE not in preloaded or _server_code == [code]
+        if (set(FORKSERVER_PRELOAD) | set(libraries) <= preloaded and fresh) or stop is None:
             return
         stop()
-    multiprocessing.get_context("forkserver").set_forkserver_preload(list(FORKSERVER_PRELOAD) + libraries + families)
+    modules = [*FORKSERVER_PRELOAD, *libraries, *families, WORKER_MODULE]
+    multiprocessing.get_context("forkserver").set_forkserver_preload(modules)
+    _server_code[:] = [code]
 
 
 def model_library_modules() -> tuple[list[str], list[str]]:
