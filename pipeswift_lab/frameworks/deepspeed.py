@@ -96,8 +96,9 @@ def _methods(target: ExportTarget) -> list[str]:
 
 
 def nearest(target: ExportTarget) -> tuple[ExportTarget, list[str]]:
-    """The nearest configuration DeepSpeed can run, what changed, and the ``partition_method`` that gives its split
-    (kept in ``target.label``'s stead: see :func:`write`)."""
+    """The nearest configuration DeepSpeed can run and what changed; its ``split_method`` is the
+    ``partition_method`` that gives its split: the plan's where one does, else the one whose boundaries lie
+    nearest the plan's."""
     changes: list[str] = []
     out = target
     if out.schedule_name not in SCHEDULES or (out.schedule_name == "DualPipeV" and out.v != 2):
@@ -107,21 +108,20 @@ def nearest(target: ExportTarget) -> tuple[ExportTarget, list[str]]:
     changes += more
     planned = [a for a, _ in out.bounds] + [out.bounds[-1][1]]
     stages = out.P * out.v
-    for method in _methods(out):
-        if method_parts(method, stages, out.layer_params, out.layer_types) == planned:
-            return replace(out, label=method), changes
-    method = _methods(out)[0]
-    parts = method_parts(method, stages, out.layer_params, out.layer_types)
-    bounds = tuple(zip(parts[:-1], parts[1:]))
+    splits = {m: method_parts(m, stages, out.layer_params, out.layer_types) for m in _methods(out)}
+    method = min(splits, key=lambda m: sum(abs(a - b) for a, b in zip(splits[m], planned)))  # first on a tie
+    if splits[method] == planned:
+        return replace(out, split_method=method), changes
+    bounds = tuple(zip(splits[method][:-1], splits[method][1:]))
     changes.append(
         f"split {' '.join(f'{a}-{e}' for a, e in out.bounds)} -> {' '.join(f'{a}-{e}' for a, e in bounds)} "
         f"(PipelineModule takes no boundaries; partition_method={method!r} splits so; planned_parts holds the plan's)"
     )
-    return replace(out, bounds=bounds, label=method, planned_bounds=out.bounds), changes
+    return replace(out, bounds=bounds, split_method=method, planned_bounds=out.bounds), changes
 
 
 def write(target: ExportTarget) -> dict[str, Any]:
-    """``{"ds_config": ..., "pipeline_module": ...}`` for ``target`` (from :func:`nearest`, whose ``label`` is the
+    """``{"ds_config": ..., "pipeline_module": ...}`` for ``target`` (from :func:`nearest`, which names its
     ``partition_method``). Raises ``ValueError`` where DeepSpeed refuses it: DualPipeV with
     ``gradient_accumulation_steps < 2 * num_stages``."""
     P, m = target.P, target.m
@@ -144,7 +144,7 @@ def write(target: ExportTarget) -> dict[str, Any]:
     module: dict[str, Any] = {
         "class": "DualPipeVModule" if target.schedule_name == "DualPipeV" else "PipelineModule",
         "num_stages": P,
-        "partition_method": target.label or "parameters",
+        "partition_method": target.split_method or "parameters",
         "layers": list(target.layer_names),
         "planned_parts": [a for a, _ in planned] + [planned[-1][1]],
         "activation_checkpoint_interval": 1 if target.recompute else 0,

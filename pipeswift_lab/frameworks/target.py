@@ -68,6 +68,8 @@ class ExportTarget:
     """Each layer's module class (what DeepSpeed's ``partition_method="type:..."`` matches)."""
     planned_bounds: tuple[tuple[int, int], ...] = ()
     """The plan's own split where a framework's nearest configuration splits otherwise (``()``: ``bounds``)."""
+    split_method: str = ""
+    """How the framework splits by itself to give ``bounds`` (DeepSpeed's ``partition_method``; ``""``: by name)."""
 
     @property
     def world(self) -> int:
