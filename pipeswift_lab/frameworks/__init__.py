@@ -17,10 +17,16 @@ configuration written and read), :mod:`.nearest` (what frameworks change alike),
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 from types import ModuleType
 from typing import Any
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - Python 3.10
+    import tomli as tomllib
 
 from .own_parsers import parse_with_framework
 from .target import FRAMEWORKS, ExportTarget, ExportWarning, ImportedConfig, check_framework
@@ -57,7 +63,8 @@ def read(framework: str, source: Any, *, world: int | None = None) -> ImportedCo
     """A framework's configuration as an :class:`ImportedConfig`, which ``Plan.price`` and ``Plan.compare`` price.
 
     * ``"torchtitan"`` — a Python config (a path or its source: a module whose ``config()`` returns
-      ``Trainer.Config``), read without running it, or a TOML ``JobConfig`` (torchtitan 0.2.2 and earlier);
+      ``Trainer.Config``), read without running it, or a TOML ``JobConfig`` (torchtitan 0.2.2 and earlier); ``world``
+      is needed where ``data_parallel_shard_degree`` is -1 (the shards fill the world);
     * ``"megatron"`` — Megatron-LM's arguments, a list or one string (a ``torchrun`` command line too); ``world``
       gives the GPUs it runs on, from which Megatron derives its data-parallel size;
     * ``"deepspeed"`` — what ``Plan.export("deepspeed")`` returns (``ds_config`` and ``pipeline_module``), as a dict
@@ -67,20 +74,20 @@ def read(framework: str, source: Any, *, world: int | None = None) -> ImportedCo
     not divide) and for a framework not known."""
     name = check_framework(framework)
     module = exporter("torchtitan-toml" if name.startswith("torchtitan") and _is_toml(source) else name)
-    if name.startswith("torchtitan"):
-        return module.read(source)
     return module.read(source, world=world)
 
 
 def _is_toml(source: Any) -> bool:
-    """Whether a torchtitan source is a TOML JobConfig (a ``.toml`` path, or text with a ``[parallelism]``-like
-    table and no ``def``)."""
-    if isinstance(source, Path) or (isinstance(source, str) and "\n" not in source and source.endswith(".toml")):
-        return str(source).endswith(".toml")
+    """Whether a torchtitan source is a TOML ``JobConfig``: a ``.toml`` path, or text that parses as TOML with one of
+    ``JobConfig``'s tables (a Python config does not parse as TOML)."""
     text = str(source)
-    if "\n" not in text and Path(text).exists():
+    if isinstance(source, Path) or ("\n" not in text and Path(text).exists()):
+        return text.endswith(".toml")
+    try:
+        tables = tomllib.loads(text)
+    except tomllib.TOMLDecodeError:
         return False
-    return "def " not in text and "[" in text
+    return bool({"training", "parallelism", "model", "job", "activation_checkpoint"} & set(tables))
 
 
 def even_stage_modules(

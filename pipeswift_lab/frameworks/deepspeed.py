@@ -179,18 +179,25 @@ def read(source: Any, world: int | None = None) -> ImportedConfig:
     loaded = _load(source)
     ds = dict(loaded.get("ds_config", loaded))
     module = dict(loaded.get("pipeline_module", {}))
-    P = int(module.get("num_stages") or ds.get("pipeline", {}).get("stages") or 1)
+    stages = module.get("num_stages") or ds.get("pipeline", {}).get("stages") or 1
+    if stages == "auto":
+        raise ValueError("pipeline.stages is 'auto': give num_stages (the PipelineModule's) or pipeline.stages")
+    P = int(stages)
     topology = module.get("topology") or {}
     tp = int(topology.get("num_mp") or ds.get("tensor_parallel", {}).get("autotp_size") or 1)
     b, gas, tbs = (
         ds.get(k) for k in ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "train_batch_size")
     )
-    gas = int(gas) if gas is not None else None
+    gas = int(gas) if gas not in (None, "auto") else gas
     if b is None or (gas is None and tbs is None):
         raise ValueError(
             "the ds_config needs train_micro_batch_size_per_gpu and one of gradient_accumulation_steps or "
             "train_batch_size (DeepSpeed derives the third)"
         )
+    auto = [k for k, value in (("train_micro_batch_size_per_gpu", b), ("gradient_accumulation_steps", gas),
+                               ("train_batch_size", tbs)) if value == "auto"]  # fmt: skip
+    if auto:
+        raise ValueError(f"{auto} are 'auto' (the Hugging Face Trainer fills them in): give their numbers")
     b = int(b)
     if world is not None:
         if world % (P * tp):
@@ -201,7 +208,10 @@ def read(source: Any, world: int | None = None) -> ImportedConfig:
     elif tbs is not None and gas is not None:
         dp = int(tbs) // (b * gas)
     else:
-        dp = 1
+        raise ValueError(
+            "the data-parallel size is not in the configuration (DeepSpeed reads it from the world): pass world=, or "
+            "give all three of train_batch_size, train_micro_batch_size_per_gpu and gradient_accumulation_steps"
+        )
     gas = gas if gas is not None else int(str(tbs)) // (b * dp)
     if tbs is not None and int(tbs) != b * gas * dp:
         raise ValueError(
@@ -219,7 +229,7 @@ def read(source: Any, world: int | None = None) -> ImportedConfig:
     bf16 = bool((ds.get("bf16") or ds.get("bfloat16") or {}).get("enabled")) or bool(
         (ds.get("fp16") or {}).get("enabled")
     )
-    precision = ("bf16-mixed-zero1" if stage == 1 else "bf16-mixed") if bf16 else None
+    precision = ("bf16-mixed-zero1" if stage == 1 else "bf16-mixed") if bf16 else "fp32"  # fp16 priced as bf16
     v = 2 if dualpipe else 1
     interval = int(
         module.get("activation_checkpoint_interval")

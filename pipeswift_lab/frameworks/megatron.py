@@ -124,7 +124,7 @@ def expand_layout(layout: str) -> list[str]:
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="megatron", add_help=False, allow_abbrev=False)
+    parser = argparse.ArgumentParser(prog="megatron", add_help=False, allow_abbrev=False, exit_on_error=False)
     for flag in ("tensor-model-parallel-size", "pipeline-model-parallel-size", "context-parallel-size"):
         parser.add_argument(f"--{flag}", type=int, default=1)
     for flag in ("num-virtual-stages-per-pipeline-rank", "num-layers-per-virtual-pipeline-stage", "num-layers"):
@@ -154,7 +154,10 @@ def read(source: str | Sequence[str], world: int | None = None) -> ImportedConfi
     the data-parallel size, a layout whose stages are not a multiple of ``P`` or whose layers are not
     ``--num-layers``, interleaving with ``m`` not a multiple of ``P``."""
     tokens = shlex.split(source) if isinstance(source, str) else [str(t) for t in source]
-    args, unknown = _parser().parse_known_args(tokens)
+    try:
+        args, unknown = _parser().parse_known_args(tokens)
+    except (argparse.ArgumentError, SystemExit) as error:  # a value argparse cannot read, e.g. an unexpanded $MBS
+        raise ValueError(f"the Megatron-LM arguments do not parse: {error}") from None
     tp, P, cp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.context_parallel_size
     if cp != 1:
         raise ValueError(f"--context-parallel-size {cp}: the toolkit plans no context parallelism; read it with 1")
@@ -183,9 +186,9 @@ def read(source: str | Sequence[str], world: int | None = None) -> ImportedConfi
     schedule = "Interleaved1F1B" if v > 1 else "1F1B"
     if v > 1 and (m % P or m < P):
         raise ValueError(f"interleaving needs m a multiple of P and at least P; the arguments give m={m}, P={P}")
-    precision = "bf16-mixed" if args.bf16 else ("fp16-mixed" if args.fp16 else None)
-    if precision and args.use_distributed_optimizer:
-        precision += "-zero1"
+    precision = "fp32"  # fp16 is priced as bf16: the same bytes per parameter
+    if args.bf16 or args.fp16:
+        precision = "bf16-mixed-zero1" if args.use_distributed_optimizer else "bf16-mixed"
     return ImportedConfig(
         framework="megatron",
         P=P,
@@ -228,8 +231,14 @@ def _stages(args: argparse.Namespace, P: int) -> tuple[tuple[tuple[str, ...], ..
         return tuple(tuple(stage) for stage in stages), len(stages) // P
     if args.num_virtual_stages_per_pipeline_rank:
         return (), args.num_virtual_stages_per_pipeline_rank
-    if args.num_layers_per_virtual_pipeline_stage and layers:
-        return (), layers // P // args.num_layers_per_virtual_pipeline_stage
+    per_chunk = args.num_layers_per_virtual_pipeline_stage
+    if per_chunk and layers:
+        if layers % P or (layers // P) % per_chunk:
+            raise ValueError(
+                f"--num-layers {layers} over --pipeline-model-parallel-size {P} does not divide into chunks of "
+                f"--num-layers-per-virtual-pipeline-stage {per_chunk}"
+            )
+        return (), layers // P // per_chunk
     return (), 1
 
 

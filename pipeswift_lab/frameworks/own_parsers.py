@@ -132,15 +132,19 @@ def parse_with_framework(
         elif name == "deepspeed":
             module = exported.get("pipeline_module", {})
             stages, tp = int(module.get("num_stages", 1)), int(module.get("topology", {}).get("num_mp", 1))
-            dp = int(world) // (stages * tp) if world is not None else int(module.get("topology", {}).get("num_dp", 1))
+            if world is None:
+                raise ValueError("world= is needed: DeepSpeed's data-parallel size is the world over stages x tp")
+            dp = int(world) // (stages * tp)
             script = _script(_DEEPSPEED, DS=exported["ds_config"], DP=dp, PORT=29000 + os.getpid() % 1000)
         else:
             raise ValueError(f"framework={framework!r}: the own parser runs for torchtitan, megatron and deepspeed")
         env = {**os.environ, "CUDA_DEVICE_MAX_CONNECTIONS": "1", "DS_ACCELERATOR": "cpu"}
-        env["PYTHONPATH"] = str(pythonpath) if pythonpath is not None else ""
+        if pythonpath is not None:
+            env["PYTHONPATH"] = os.pathsep.join(p for p in (str(pythonpath), env.get("PYTHONPATH", "")) if p)
         done = subprocess.run(
             [str(python), "-c", script], capture_output=True, text=True, env=env, timeout=timeout_s, cwd=folder
         )
-    if done.returncode != 0:
+    lines = done.stdout.strip().splitlines()
+    if done.returncode != 0 or not lines:
         raise RuntimeError(f"{name}'s own parser refused it ({python}):\n{done.stderr.strip()[-2000:]}")
-    return dict(json.loads(done.stdout.strip().splitlines()[-1]))
+    return dict(json.loads(lines[-1]))

@@ -23,7 +23,11 @@ FRAMEWORKS = ("torchtitan", "torchtitan-toml", "megatron", "deepspeed")
 
 class ExportWarning(UserWarning):
     """A plan's configuration was exported as the nearest one the framework can express; the message names what
-    changed and what that configuration is predicted to cost."""
+    changed and what that configuration is predicted to cost, and ``nearest`` is it priced (a ``PlannedConfig``)."""
+
+    def __init__(self, message: str, nearest: Any = None) -> None:
+        super().__init__(message)
+        self.nearest = nearest
 
 
 def check_framework(framework: object) -> str:

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from ..core.schedule import Schedule
-from ..core.vocabulary import splits_backward
+from ..core.vocabulary import canonical_schedule, splits_backward
 from .names import decoder_parts, stage_parts, torchtitan_fqns
 from .target import ExportTarget, ImportedConfig
 
@@ -110,7 +110,9 @@ def values(target: ExportTarget, head: str = HEAD) -> dict[str, dict[str, Any]]:
     check(target)
     schedule = target.schedule
     csv = schedule.to_csv() if isinstance(schedule, Schedule) else ""
-    name = target.schedule_name if target.schedule_name in SCHEDULES else "1F1B"
+    # with an order's CSV, torchtitan still places the stages by the named schedule: a V's, a loop's (ValueError
+    # for a placement it cannot make)
+    name = schedule.torchtitan_schedule if isinstance(schedule, Schedule) else target.schedule_name
     parallelism: dict[str, Any] = {
         "data_parallel_replicate_degree": target.D,
         "data_parallel_shard_degree": target.fsdp,
@@ -174,14 +176,16 @@ def write(target: ExportTarget) -> str:
         f"from torchtitan.models.{model['name']} import model_registry",
         "from torchtitan.trainer import Trainer",
     ]
-    lines += ["import os", "import tempfile", "", *imports, "", f"FLAVOR = {model['flavor']!r}"]
+    lines += ["import hashlib", "import os", "import tempfile", "", *imports, "", f"FLAVOR = {model['flavor']!r}"]
     lines.append(f"SCHEDULE_CSV = {csv!r}" if csv else 'SCHEDULE_CSV = ""')
     lines += ["", "", "def config() -> Trainer.Config:"]
-    if csv:
+    if csv:  # named by its content and written whole: every rank writes the same file, no job overwrites another's
         lines += [
-            "    path = os.path.join(tempfile.gettempdir(), 'pipeswift_schedule.csv')",
-            "    with open(path, 'w') as f:",
+            "    digest = hashlib.sha256(SCHEDULE_CSV.encode()).hexdigest()[:16]",
+            "    path = os.path.join(tempfile.gettempdir(), f'pipeswift_schedule_{digest}.csv')",
+            "    with tempfile.NamedTemporaryFile('w', dir=os.path.dirname(path), delete=False) as f:",
             "        f.write(SCHEDULE_CSV)",
+            "    os.replace(f.name, path)",
         ]
     csv_field = "path" if csv else '""'
     lines += [
@@ -212,6 +216,9 @@ def _literal(node: ast.AST) -> Any:
 
 _UNREAD = object()
 _AC = {"FullAC": "full", "SelectiveAC": "selective", "MemoryBudgetAC": "selective"}
+#: The calls whose keyword arguments are the configuration's fields (others, such as a validation section's
+#: ``local_batch_size``, are not read).
+_SECTIONS = ("Trainer", "TrainingConfig", "ParallelismConfig", "CompileConfig", "JobConfig")
 
 
 def _call_name(node: ast.AST) -> str:
@@ -252,10 +259,14 @@ def read_python(text: str) -> dict[str, Any]:
 
     for node in ast.walk(tree):
         pairs: list[tuple[str, ast.AST]] = []
-        if isinstance(node, ast.Call):
-            pairs = [(k.arg, k.value) for k in node.keywords if k.arg]
+        if isinstance(node, ast.Call) and _call_name(node) in _SECTIONS:  # TrainingConfig(...), Trainer.Config(...)
+            prefix = "compile." if _call_name(node) == "CompileConfig" else ""
+            pairs = [(prefix + k.arg, k.value) for k in node.keywords if k.arg]
         elif isinstance(node, ast.Assign) and isinstance(node.targets[0], ast.Attribute):
-            pairs = [(node.targets[0].attr, node.value)]
+            target = node.targets[0]  # config.parallelism.pipeline_parallel_degree = 4, config.activation_checkpoint
+            section = target.value.attr if isinstance(target.value, ast.Attribute) else ""
+            if section in ("training", "parallelism", "compile", "") or target.attr == "activation_checkpoint":
+                pairs = [(("compile." if section == "compile" else "") + target.attr, node.value)]
         for key, sub in pairs:
             if key == "activation_checkpoint":
                 found[key] = "none" if value(sub) is None else _AC.get(_call_name(sub), "selective")
@@ -266,15 +277,18 @@ def read_python(text: str) -> dict[str, Any]:
                 if got is not _UNREAD:
                     found[key] = got
     found.setdefault("activation_checkpoint", "selective")  # Trainer.Config's default: SelectiveAC
+    if isinstance(constants.get("SCHEDULE_CSV"), str) and constants["SCHEDULE_CSV"]:  # an order this module writes
+        found["schedule_csv_text"] = constants["SCHEDULE_CSV"]
     return found
 
 
-def read(source: str | Path) -> ImportedConfig:
-    """A torchtitan Python config (a path or its source) as an :class:`ImportedConfig`."""
+def read(source: str | Path, world: int | None = None) -> ImportedConfig:
+    """A torchtitan Python config (a path or its source) as an :class:`ImportedConfig`; ``world`` is the GPUs it
+    runs on (needed where ``data_parallel_shard_degree`` is -1, its default: the shards fill the world)."""
     text = str(source)
     if isinstance(source, Path) or ("\n" not in text and Path(text).exists()):
         text = Path(text).read_text(encoding="utf-8")
-    return imported(read_python(text), "torchtitan")
+    return imported(read_python(text), "torchtitan", world)
 
 
 def imported(found: dict[str, Any], framework: str, world: int | None = None) -> ImportedConfig:
@@ -285,14 +299,15 @@ def imported(found: dict[str, Any], framework: str, world: int | None = None) ->
     cp = int(found.get("context_parallel_degree", 1))
     replicate = int(found.get("data_parallel_replicate_degree", 1))
     shard = int(found.get("data_parallel_shard_degree", -1))
-    world = world or found.get("world")
     if cp != 1:
         raise ValueError(f"context_parallel_degree={cp}: the toolkit plans no context parallelism")
-    if shard == -1:
+    if shard == -1:  # the shards fill the world, which the config does not hold
         if world is None:
-            shard = 1  # -1 fills the world, which the config does not hold: as many as its other degrees leave
-        else:
-            shard = int(world) // (replicate * tp * pp)
+            raise ValueError(
+                "data_parallel_shard_degree is -1 (torchtitan's default: the shards fill the world), and the world "
+                "is not in the config: pass world= (the GPUs it runs on)"
+            )
+        shard = int(world) // (replicate * tp * pp)
     if world is not None and replicate * shard * tp * pp != int(world):
         raise ValueError(
             f"dp_replicate({replicate}) * dp_shard({shard}) * cp({cp}) * tp({tp}) * pp({pp}) != WORLD_SIZE({world})"
@@ -302,9 +317,11 @@ def imported(found: dict[str, Any], framework: str, world: int | None = None) ->
     if local % b:
         raise ValueError(f"local_batch_size={local} is not divisible by pipeline_parallel_microbatch_size={b}")
     m = local // b
-    schedule_name = str(found.get("pipeline_parallel_schedule", "1F1B"))
-    csv = found.get("pipeline_parallel_schedule_csv") or found.get("SCHEDULE_CSV") or ""
+    schedule_name = canonical_schedule(str(found.get("pipeline_parallel_schedule", "1F1B")))
+    csv = found.get("schedule_csv_text") or found.get("pipeline_parallel_schedule_csv") or ""
     schedule: str | Schedule = schedule_name
+    if isinstance(csv, str) and csv and "," not in csv and Path(csv).is_file():  # a CSV file beside the config
+        csv = Path(csv).read_text(encoding="utf-8")
     if isinstance(csv, str) and "," in csv:
         schedule = Schedule.from_csv(csv)
     fqns = found.get("module_fqns_per_model_part")
@@ -316,7 +333,7 @@ def imported(found: dict[str, Any], framework: str, world: int | None = None) ->
     seq_len = found.get("seq_len")
     if seq_len is not None and tp > 1 and found.get("enable_sequence_parallel", True) and int(seq_len) % tp:
         raise ValueError(f"Training sequence length ({seq_len}) must be divisible by {tp} (tensor parallel)")
-    compiled = bool(found.get("enable", False)) and "model" in (found.get("components") or ["model"])
+    compiled = bool(found.get("compile.enable", False)) and "model" in (found.get("compile.components") or ["model"])
     if compiled and splits_backward(schedule):
         raise ValueError(
             f"pipeline_parallel_schedule={schedule_name}: zero-bubble and V schedules split the backward, which "

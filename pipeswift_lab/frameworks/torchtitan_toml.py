@@ -7,10 +7,15 @@ and ``flavor``, ``[training]``, ``[parallelism]`` and ``[activation_checkpoint]`
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import Any
 
-import tomllib
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - Python 3.10
+    import tomli as tomllib
+
 
 from .target import ExportTarget, ImportedConfig
 from .torchtitan import even_stages, imported, nearest, values
@@ -52,18 +57,22 @@ def write(target: ExportTarget) -> str:
     return "\n".join(lines) + "\n"
 
 
-def read(source: str | Path) -> ImportedConfig:
-    """A torchtitan TOML ``JobConfig`` (a path or its text) as an :class:`ImportedConfig`."""
-    text = str(source)
+def read(source: str | Path, world: int | None = None) -> ImportedConfig:
+    """A torchtitan TOML ``JobConfig`` (a path or its text) as an :class:`ImportedConfig`; ``world`` as in
+    :func:`.torchtitan.read`. A schedule CSV it names is read relative to the file's folder."""
+    text, folder = str(source), None
     if isinstance(source, Path) or ("\n" not in text and Path(text).exists()):
+        folder = Path(text).parent
         text = Path(text).read_text(encoding="utf-8")
     try:
         tables = tomllib.loads(text)
     except tomllib.TOMLDecodeError as error:
         raise ValueError(f"the torchtitan TOML does not parse: {error}") from None
-    found: dict[str, Any] = {}
-    for table in ("training", "parallelism", "compile"):
-        found.update(tables.get(table, {}))
+    found: dict[str, Any] = {**tables.get("training", {}), **tables.get("parallelism", {})}
+    found.update({f"compile.{k}": v for k, v in tables.get("compile", {}).items()})
     found["activation_checkpoint"] = tables.get("activation_checkpoint", {}).get("mode", "selective")
     found["flavor"] = tables.get("model", {}).get("flavor")
-    return imported(found, "torchtitan-toml")
+    csv = found.get("pipeline_parallel_schedule_csv")
+    if csv and folder is not None and (folder / csv).is_file():
+        found["schedule_csv_text"] = (folder / csv).read_text(encoding="utf-8")
+    return imported(found, "torchtitan-toml", world)

@@ -22,6 +22,7 @@ import pandas as pd
 
 from ..core.display import hours
 from ..core.jct import TERMS
+from ..core.schedule import Schedule
 from ..core.transformer_spec import TransformerSpec
 from ..frameworks import ExportTarget, ExportWarning, ImportedConfig, check_framework, even_stage_modules
 from ..frameworks import exporter as framework_module
@@ -69,6 +70,7 @@ class _Written:
     schedule: Any
     recompute: str
     stage_bounds: str
+    precision: str | None = None
 
 
 def _inputs(plan: Plan) -> PlanInputs:
@@ -99,9 +101,10 @@ def _written(plan: Plan, config: PlannedConfig | ImportedConfig) -> _Written:
         types = [str(t) for t in table["type"]] if "type" in table else []
         stages = config.stage_modules or even_stage_modules(config, names, params, types)
         bounds = bounds_of_stages(config.framework, names, stages) if stages else ""
+        _check_seq_len(plan, config)
         return _Written(
             config.P, config.D, config.fsdp, config.tp, config.m, config.microbatch_size, config.v,
-            config.schedule, config.recompute, bounds,
+            config.schedule, config.recompute, bounds, config.precision,
         )  # fmt: skip
     return _Written(
         config.P, config.D, config.fsdp, config.tp, config.m, config.microbatch_size, config.v,
@@ -109,10 +112,25 @@ def _written(plan: Plan, config: PlannedConfig | ImportedConfig) -> _Written:
     )  # fmt: skip
 
 
-def priced_row(plan: Plan, config: PlannedConfig | ImportedConfig) -> Row:
-    """The plan's row for ``config`` priced as written (:func:`~.pricing.price_row`)."""
+def _check_seq_len(plan: Plan, config: ImportedConfig) -> None:
+    """Warn where an imported configuration trains at another sequence length than the profile was taken at: it is
+    priced at the profile's."""
+    profiled = _profiled_seq_len(plan)
+    if config.seq_len is not None and profiled is not None and config.seq_len != profiled:
+        warnings.warn(
+            f"the {config.framework} configuration trains at seq_len={config.seq_len}; it is priced at the "
+            f"profile's {profiled} tokens a sequence (profile at {config.seq_len} to price it there)",
+            UserWarning,
+            stacklevel=4,
+        )
+
+
+def priced_row(plan: Plan, config: PlannedConfig | ImportedConfig | _Written) -> Row:
+    """The plan's row for ``config`` priced as written (:func:`~.pricing.price_row`), in its own precision where it
+    names one."""
     inputs = _inputs(plan)
-    return price_row(inputs, Evaluator(inputs), _written(plan, config))
+    written = config if isinstance(config, _Written) else _written(plan, config)
+    return price_row(inputs, Evaluator(inputs), written, precision=written.precision)
 
 
 def price(plan: Plan, config: PlannedConfig | ImportedConfig) -> PlannedConfig:
@@ -124,7 +142,11 @@ def price(plan: Plan, config: PlannedConfig | ImportedConfig) -> PlannedConfig:
 def compare(plan: Plan, imported: ImportedConfig | PlannedConfig) -> pd.DataFrame:
     """``imported`` beside the plan's best: one row each (``"plan's best"``, ``"yours"``) and their difference
     (``"yours - best"``), with the JCT terms, the step, the peak memory per GPU and whether it fits the plan's cap."""
-    rows = {"plan's best": priced_row(plan, plan.best), "yours": priced_row(plan, imported)}
+    best = plan.best
+    planned = priced_row(plan, best)  # its fits, steps and batch; its terms as the plan predicted them (a move's too)
+    planned.update({t: getattr(best, t) for t in (*TERMS, "step_ms", "bubble_ratio", "peak_mem_bytes")})
+    planned["total_s"] = best.total_s
+    rows = {"plan's best": planned, "yours": priced_row(plan, imported)}
     labels = {"plan's best": plan.best.label, "yours": getattr(imported, "label", "")}
     table = pd.DataFrame(
         [{"label": labels[k], **{c: row.get(c) for c in COMPARE_COLUMNS}} for k, row in rows.items()],
@@ -216,10 +238,9 @@ def export(
         written = _Written(
             nearest.P, nearest.D, nearest.fsdp, nearest.tp, nearest.m, nearest.microbatch_size, nearest.v,
             nearest.schedule, " ".join(f"{s}:{m}" for s, m in sorted(nearest.recompute.items())),
-            " ".join(f"{a}-{e}" for a, e in nearest.bounds),
+            " ".join(f"{a}-{e}" for a, e in nearest.bounds), nearest.precision,
         )  # fmt: skip
-        inputs = _inputs(plan)
-        row = price_row(inputs, Evaluator(inputs), written)
+        row = priced_row(plan, written)
         fits = "" if row["fits"] else ", over the memory cap"
         message = (
             f"{name} cannot run {config.label} as planned: {'; '.join(changes)}. The nearest it can run is predicted "
@@ -228,10 +249,13 @@ def export(
         )
         if strict:
             raise ValueError(message + "; strict=False exports it")
-        warnings.warn(message + "; that is what was exported", ExportWarning, stacklevel=3)
+        priced = PlannedConfig.from_row(as_series(row))
+        warnings.warn(ExportWarning(message + "; that is what was exported", priced), stacklevel=3)
     out = module.write(nearest)
     if path is not None:
         Path(path).write_text(_as_text(out), encoding="utf-8")
+        if name == "torchtitan-toml" and isinstance(nearest.schedule, Schedule):  # the order the TOML names, beside it
+            Path(path).with_name("pipeswift_schedule.csv").write_text(nearest.schedule.to_csv(), encoding="utf-8")
     return out
 
 

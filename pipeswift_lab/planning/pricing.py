@@ -73,11 +73,14 @@ def _uniform_recompute(config: Configuration) -> str | None:
     )
 
 
-def price_row(inputs: PlanInputs, evaluator: Evaluator, config: Configuration) -> Row:
+def price_row(inputs: PlanInputs, evaluator: Evaluator, config: Configuration, precision: str | None = None) -> Row:
     """The row :attr:`Plan.table <pipeswift_lab.planning.result.Plan.table>` would hold for ``config`` priced as
     written: its JCT terms, step, bubble and each rank's peak, with ``stage_bounds`` always filled, ``fits`` (its
     peak within the memory cap), ``steps`` (the steps it trains: the plan's, scaled to the same samples where its
     global batch differs) and ``global_batch``.
+
+    ``precision`` is the configuration's own (a framework's ``--bf16``, ZeRO-1 or fp32), priced in the plan's stead
+    where the plan names one; None, or a plan that prices the profile's own bytes (``precision=None``): the plan's.
 
     Raises ``ValueError`` where the configuration cannot run at all (``m`` and the schedule, stages past the layers,
     bounds that do not cover the model's layers in order).
@@ -93,10 +96,15 @@ def price_row(inputs: PlanInputs, evaluator: Evaluator, config: Configuration) -
         steps = max(1, round(inputs.steps * inputs.global_batch / global_batch))
     mode = _uniform_recompute(config)
     searched = mode is None and inputs.recompute == "search"  # no stage recomputes: the plan's own search may
+    own = precision if precision is not None and inputs.precision is not None else inputs.precision
     priced = dataclasses.replace(
-        inputs, steps=steps, global_batch=global_batch, recompute=inputs.recompute if searched else mode
+        inputs,
+        steps=steps,
+        global_batch=global_batch,
+        recompute=inputs.recompute if searched else mode,
+        precision=own,
     )
-    if priced.recompute != inputs.recompute:
+    if priced.recompute != inputs.recompute or priced.precision != inputs.precision:
         evaluator = Evaluator(priced)
     at = evaluator.at(tp, pipeline_link_of(priced, (P, D, fsdp, tp)))
     if config.stage_bounds:

@@ -77,15 +77,22 @@ def test_read_of_an_export_prices_as_the_plan(plans, which, framework):
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", ExportWarning)
         exported = plan.export(framework)
-    mine = psl.frameworks.read(framework, exported, world=plan.best.gpus if framework == "megatron" else None)
+    nearest = [w.message for w in caught if isinstance(w.message, ExportWarning)]
+    mine = psl.frameworks.read(framework, exported, world=plan.best.gpus)
     priced = plan.price(mine)
-    if caught:  # the nearest the framework runs: priced as the warning says, never shorter than the plan's
-        assert priced.total_s >= plan.best.total_s * (1 - 1e-9)
-        assert f"predicted to take {hours(priced.total_s)}" in str(caught[0].message)
-    else:
-        assert priced.total_s == pytest.approx(plan.best.total_s, rel=1e-9)
-        assert priced.step_ms == pytest.approx(plan.best.step_ms, rel=1e-9)
-        assert priced.peak_mem_bytes == pytest.approx(plan.best.peak_mem_bytes, rel=1e-9)
+    expected = nearest[0].nearest if nearest else plan.best  # what the warning priced, else the plan's own
+    if nearest:
+        assert f"predicted to take {hours(priced.total_s)}" in str(nearest[0])
+    assert priced.total_s == pytest.approx(expected.total_s, rel=1e-9)
+    assert priced.step_ms == pytest.approx(expected.step_ms, rel=1e-9)
+    assert priced.peak_mem_bytes == pytest.approx(expected.peak_mem_bytes, rel=1e-9)
+    # which plans a framework runs only as its nearest: Megatron and DeepSpeed shard no weights under a pipeline,
+    # DeepSpeed runs one stage a rank
+    changed = (which == "3d" and framework in ("megatron", "deepspeed")) or (which, framework) == (
+        "interleaved",
+        "deepspeed",
+    )
+    assert bool(nearest) == changed, [str(w) for w in nearest]
 
 
 def test_deepspeed_exports_its_batch_and_the_split_method_that_gives_the_plan(plans):

@@ -59,7 +59,7 @@ def test_compare_puts_a_users_config_beside_the_best(plans):
     assert yours["label"] == mine.label and best["label"] == plan.best.label
     assert best["total_s"] == pytest.approx(plan.best.total_s)
     assert table.loc["yours - best", "total_s"] == pytest.approx(yours["total_s"] - best["total_s"])
-    # the same samples: 16 per step on 2 FSDP ranks against the plan's 64 trains 4x the steps
+    # the same samples: 32 a step (16 on each of 2 FSDP ranks) against the plan's 64 trains twice the steps
     assert (yours["global_batch"], yours["steps"]) == (32, 200)
     assert yours["peak_mem_bytes"] > 0 and bool(yours["fits"]) and yours["gpus"] == 4
 
@@ -120,7 +120,7 @@ def test_a_torchtitan_config_torchtitan_refuses_is_refused():
     with pytest.raises(ValueError, match="fails on compiled stages"):
         read("torchtitan", compiled)
     with pytest.raises(ValueError, match=r"dp_replicate\(1\) \* dp_shard\(3\) .* != WORLD_SIZE"):
-        read("torchtitan", "[parallelism]\npipeline_parallel_degree = 2\ndata_parallel_shard_degree = 3\nworld = 8\n")
+        read("torchtitan", "[parallelism]\npipeline_parallel_degree = 2\ndata_parallel_shard_degree = 3\n", world=8)
     with pytest.raises(ValueError, match="is not Python"):
         read("torchtitan", "def broken(:\n")
 
@@ -162,3 +162,54 @@ def test_deepspeeds_own_partitions():
     assert partition_uniform(10, 4) == [0, 3, 6, 8, 10]
     assert partition_uniform(3, 4) == [0, 1, 2, 3, 3]
     assert partition_balanced([1, 1, 1, 1, 4], 2) == [0, 4, 5]
+
+
+def test_torchtitans_defaults_and_sections_are_read_as_torchtitan_reads_them(plans):
+    shard_fills = USER_TORCHTITAN.replace("            data_parallel_shard_degree=2,\n", "")
+    with pytest.raises(ValueError, match="data_parallel_shard_degree is -1 .* pass world="):
+        read("torchtitan", shard_fills)
+    assert read("torchtitan", shard_fills, world=8).fsdp == 4  # the shards fill the world, as torchtitan's -1 does
+    # a validation section's batch and a checkpoint's enable=True are not the training's, nor compile's
+    other = (
+        USER_TORCHTITAN.replace(
+            "activation_checkpoint=FullAC.Config(),",
+            "activation_checkpoint=FullAC.Config(), validation=ValidationConfig(local_batch_size=1, seq_len=128), "
+            "checkpoint=CheckpointManager.Config(enable=True),",
+        )
+        .replace('"1F1B"', '"zbvzerobubble"')
+        .replace("pipeline_parallel_degree=2", "pipeline_parallel_degree=2")
+    )
+    mine = read("torchtitan", other)
+    assert (mine.m, mine.seq_len, mine.schedule, mine.v) == (8, 2048, "ZBVZeroBubble", 2)
+
+
+def test_a_hand_written_order_goes_to_torchtitan_and_comes_back(llama_profile):
+    order = psl.Schedule.of("ZBVZeroBubble", 2, 4, 2)
+    plan = psl.plan(
+        llama_profile, gpus=2, global_batch=4, steps=10, P=[2], schedules=[order], microbatch_sizes=[1], progress=False
+    )
+    source = plan.export("torchtitan")
+    assert "SCHEDULE_CSV = " in source and "pipeline_parallel_schedule_csv=path" in source
+    mine = read("torchtitan", source)
+    assert mine.schedule == order and plan.price(mine).total_s == pytest.approx(plan.best.total_s, rel=1e-9)
+
+
+def test_arguments_and_configs_a_framework_would_not_parse_are_refused_with_the_reason():
+    with pytest.raises(ValueError, match="the Megatron-LM arguments do not parse"):
+        read("megatron", "--micro-batch-size $MBS --global-batch-size 64", world=8)
+    auto = {"train_batch_size": "auto", "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 8}
+    with pytest.raises(ValueError, match="'auto'"):
+        read("deepspeed", auto)
+    with pytest.raises(ValueError, match="pass world="):
+        read("deepspeed", {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 8})
+
+
+def test_a_hand_written_order_goes_to_torchtitan_toml_beside_it(llama_profile, tmp_path):
+    order = psl.Schedule.of("ZBVZeroBubble", 2, 4, 2)
+    plan = psl.plan(
+        llama_profile, gpus=2, global_batch=4, steps=10, P=[2], schedules=[order], microbatch_sizes=[1], progress=False
+    )
+    plan.export("torchtitan-toml", path=tmp_path / "job.toml")
+    assert (tmp_path / "pipeswift_schedule.csv").read_text() == order.to_csv()
+    mine = read("torchtitan", tmp_path / "job.toml")
+    assert mine.schedule == order and plan.price(mine).total_s == pytest.approx(plan.best.total_s, rel=1e-9)
