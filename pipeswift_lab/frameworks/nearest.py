@@ -12,7 +12,7 @@ from dataclasses import replace
 
 from .target import ExportTarget
 
-__all__ = ["common_nearest", "merged", "merged_recompute", "single_chunk"]
+__all__ = ["common_nearest", "merged", "merged_recompute", "single_chunk", "uniform_recompute"]
 
 
 def merged(bounds: Sequence[tuple[int, int]], P: int) -> tuple[tuple[int, int], ...]:
@@ -30,15 +30,21 @@ def merged_recompute(target: ExportTarget) -> dict[int, str]:
     return out
 
 
+def uniform_recompute(target: ExportTarget, why: str) -> tuple[ExportTarget, list[str]]:
+    """``target`` with one recomputation on every stage where its stages differ (``full`` over ``selective``), and
+    the change in words, ``why`` the framework needs it (``[]``: none)."""
+    modes = set(target.recompute.values())
+    if not modes or (len(modes) == 1 and len(target.recompute) == target.P * target.v):
+        return target, []
+    mode = "full" if "full" in modes else "selective"
+    stages = " ".join(f"{s}:{m}" for s, m in sorted(target.recompute.items()))
+    change = f"recompute {stages} -> {mode} on every stage ({why})"
+    return replace(target, recompute={s: mode for s in range(target.P * target.v)}), [change]
+
+
 def common_nearest(target: ExportTarget) -> tuple[ExportTarget, list[str]]:
     """Changes every framework without per-stage recomputation or the toolkit's FSDP makes (here: Megatron's)."""
-    changes = []
-    modes = set(target.recompute.values())
-    if modes and (len(modes) > 1 or len(target.recompute) != target.P * target.v):
-        mode = "full" if "full" in modes else "selective"
-        stages = " ".join(f"{s}:{m}" for s, m in sorted(target.recompute.items()))
-        changes.append(f"recompute {stages} -> {mode} on every stage (one granularity for the whole model)")
-        target = replace(target, recompute={s: mode for s in range(target.P * target.v)})
+    target, changes = uniform_recompute(target, "one granularity for the whole model")
     if target.fsdp > 1:
         changes.append(
             f"fsdp={target.fsdp} -> data-parallel ranks (D={target.D} -> {target.D * target.fsdp}) with the "

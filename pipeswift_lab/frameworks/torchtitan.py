@@ -23,13 +23,13 @@ from __future__ import annotations
 
 import ast
 from collections.abc import Sequence
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from ..core.schedule import Schedule
 from ..core.vocabulary import canonical_schedule, splits_backward
 from .names import decoder_parts, stage_parts, torchtitan_fqns
+from .nearest import uniform_recompute
 from .target import ExportTarget, ImportedConfig
 
 __all__ = ["FLAVORS", "even_stages", "nearest", "read", "write"]
@@ -78,14 +78,7 @@ def flavor(target: ExportTarget) -> tuple[str, str]:
 
 def nearest(target: ExportTarget) -> tuple[ExportTarget, list[str]]:
     """The nearest configuration torchtitan can run and what changed: recomputation is one mode for every block."""
-    changes: list[str] = []
-    modes = set(target.recompute.values())
-    if modes and (len(modes) > 1 or len(target.recompute) != target.P * target.v):
-        mode = "full" if "full" in modes else "selective"
-        stages = " ".join(f"{s}:{m}" for s, m in sorted(target.recompute.items()))
-        changes.append(f"recompute {stages} -> {mode} on every stage (activation_checkpoint applies to every block)")
-        target = replace(target, recompute={s: mode for s in range(target.P * target.v)})
-    return target, changes
+    return uniform_recompute(target, "activation_checkpoint applies to every block")
 
 
 def check(target: ExportTarget) -> None:
