@@ -74,6 +74,17 @@ class LiveTensorBytes(TorchDispatchMode):
                 self.live_by[old] -= size
                 self.live_by[category] = self.live_by.get(category, 0) + size
 
+    def recategorize(self, old: str, new: str) -> None:
+        """Move every storage counted under ``old`` to ``new``."""
+        moved = 0
+        for key, (size, category) in self._sizes.items():
+            if category == old:
+                self._sizes[key] = (size, new)
+                moved += size
+        if moved:
+            self.live_by[old] -= moved
+            self.live_by[new] = self.live_by.get(new, 0) + moved
+
     def category_of(self, t: torch.Tensor) -> str | None:
         """The category ``t``'s storage is counted under, or None when it is not counted."""
         key = _key(t)

@@ -38,6 +38,8 @@ from .hooks import iter_tensors
 
 __all__ = ["split_backward_columns"]
 
+_EARLIER, _PASS = "earlier", "pass"  # a tracker's categories: alive before a unit's input pass, made by it
+
 
 def split_backward_columns(
     units: Sequence[tuple[str, nn.Module]],
@@ -78,47 +80,57 @@ def split_backward_columns(
         timed = _timed_passes(module, args, kwargs, repeats) if _needs_input_pass(args, kwargs) else None
         out["input_pass_ms"].append(timed[0] if timed else float("nan"))
         out["weight_pass_ms"].append(timed[1] if timed else float("nan"))
-    for mode in ("", *modes):
-        column = f"{mode}_weight_pass_bytes" if mode else "weight_pass_bytes"
-        out[column] = []
-        for i, (_, module) in enumerate(units):
-            args, kwargs = received.get(i, ((), {}))
-            if not _needs_input_pass(args, kwargs):
-                out[column].append(0.0)
-                continue
-            if mode:
-                with recomputing([module], mode, split_backward=True):
-                    out[column].append(_kept_by_input_pass(module, args, kwargs))
-            else:
-                out[column].append(_kept_by_input_pass(module, args, kwargs))
+    # one tracker for every pass: the process's tensors are found once (a walk of every object the collector
+    # tracks, a tenth of a second or more in a process that has imported torch), each pass's own are seen made
+    with LiveTensorBytes(_EARLIER) as tracker:
+        tracker.adopt(live_tensors(), _EARLIER)
+        for mode in ("", *modes):
+            column = f"{mode}_weight_pass_bytes" if mode else "weight_pass_bytes"
+            out[column] = []
+            for i, (_, module) in enumerate(units):
+                args, kwargs = received.get(i, ((), {}))
+                if not _needs_input_pass(args, kwargs):
+                    out[column].append(0.0)
+                    continue
+                if mode:
+                    with recomputing([module], mode, split_backward=True):
+                        out[column].append(_kept_by_input_pass(module, args, kwargs, tracker))
+                else:
+                    out[column].append(_kept_by_input_pass(module, args, kwargs, tracker))
     return out
 
 
-def _kept_by_input_pass(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> float:
+def _kept_by_input_pass(
+    module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], tracker: LiveTensorBytes
+) -> float:
     """What ``stage_backward_input`` on ``module(*args, **kwargs)`` allocates that is alive when it returns, less the
-    input gradients; NaN where the unit cannot run alone."""
+    input gradients; NaN where the unit cannot run alone. ``tracker`` is on and counts every storage alive before
+    the pass under ``_EARLIER`` (views of the weights and of the forward's tensors are not new)."""
     from torch.distributed.pipelining._backward import stage_backward_input
 
     inputs = [t for t in iter_tensors((list(args), kwargs)) if t.requires_grad]
     for t in inputs:
         t.grad = None
+    tracker.category = _EARLIER
     try:
         output = module(*args, **kwargs)
         outputs = [t for t in iter_tensors(output) if t.requires_grad]
         del output
-        with LiveTensorBytes("allocated") as tracker:
-            tracker.adopt(live_tensors(), "before")  # views of the weights and the forward's tensors are not new
-            with _collecting_only_new_objects():
-                grads = [torch.ones_like(t) for t in outputs]
-                dinputs, groups = stage_backward_input(outputs, grads, inputs, module.parameters())
-                del dinputs, grads  # the input gradients are sent (and freed unless the pass keeps them)
-                for t in inputs:
-                    t.grad = None
-                gc.collect()  # the cycles the pass made
-            kept = float(tracker.live_by.get("allocated", 0))
+        tracker.category = _PASS
+        with _collecting_only_new_objects():
+            grads = [torch.ones_like(t) for t in outputs]
+            dinputs, groups = stage_backward_input(outputs, grads, inputs, module.parameters())
+            del dinputs, grads  # the input gradients are sent (and freed unless the pass keeps them)
+            for t in inputs:
+                t.grad = None
+            gc.collect()  # the cycles the pass made
+        kept = float(tracker.live_by.get(_PASS, 0))
         del groups, outputs
     except (RuntimeError, TypeError, ValueError):
         return float("nan")
+    finally:
+        tracker.recategorize(_PASS, _EARLIER)  # what this pass left is earlier to the next one
+        tracker.category = _EARLIER
     return kept
 
 

@@ -37,6 +37,23 @@ def test_adopted_storages_count_and_an_in_place_update_of_them_adds_nothing():
     assert tracker.peak_bytes == 2 * MIB and tracker.live_bytes == MIB
 
 
+def test_recategorized_storages_move_with_their_bytes_and_are_still_seen_freed():
+    tracker = LiveTensorBytes("pass")
+    with tracker:
+        kept = torch.ones(MIB // 4)
+        dropped = torch.ones(MIB // 2)
+        tracker.recategorize("pass", "earlier")  # what one pass left is earlier to the next
+        tracker.category = "pass"
+        new = kept * 2
+        assert tracker.live_by == {"pass": MIB, "earlier": 3 * MIB}
+        del dropped
+        assert tracker.live_by == {"pass": MIB, "earlier": MIB}
+        tracker.recategorize("absent", "pass")  # nothing counted under it: nothing moves
+        assert tracker.live_by == {"pass": MIB, "earlier": MIB}
+        del kept, new
+    assert tracker.live_bytes == 0
+
+
 def test_live_tensors_reach_parameters_and_their_gradients():
     layer = torch.nn.Linear(64, 64)
     layer(torch.randn(2, 64)).sum().backward()
