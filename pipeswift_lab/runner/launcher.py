@@ -61,6 +61,11 @@ FORKSERVER_PRELOAD = (
     "torch",
     "torch.distributed.elastic.multiprocessing.errors",
     "cloudpickle",
+    # what a rank imports on first use otherwise: torch.export's tracer (a traced stage, half a second a rank here),
+    # dynamo (an optimizer's first step) and the sharded optimizer
+    "torch._dynamo",
+    "torch.export._trace",
+    "torch.distributed.optim",
 ) + DISTRIBUTED_MODULES
 
 
