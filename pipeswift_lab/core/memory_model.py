@@ -151,6 +151,10 @@ class StageBytes:
     (the profile's ``weight_pass_bytes``, with what ``I`` recomputed of checkpointed layers that ``W`` reads), 0 on
     the first stage, which has no ``I``: its ``W`` runs the whole backward. During the ``W`` they count in its
     ``transient``, which holds a backward's gradients."""
+    input_transient: float = -1.0
+    """The most an input-gradient pass (``I``) of one micro-batch allocates: it frees none of the forward's saved
+    tensors (its graph is kept for ``W``), and each layer adds the gradients it keeps for ``W`` as the pass goes
+    back through the stage; negative: ``transient``."""
     buckets: float = 0.0
     """Gradient buckets kept for the whole run: DDP's copy of the gradients it all-reduces (``D > 1``)."""
     largest_param: float = 0.0
@@ -297,7 +301,10 @@ class _Replay:
         growing = first and stage.first_transient >= 0
         if first and not growing:
             self.graded.add(s)
-        self.consider(f"{kind} stage {s} mb {mb}", stage.first_transient if growing else stage.transient)
+        transient = stage.first_transient if growing else stage.transient
+        if kind == "I" and stage.input_transient >= 0:
+            transient = stage.input_transient
+        self.consider(f"{kind} stage {s} mb {mb}", transient)
         if first:
             self.graded.add(s)
 

@@ -14,7 +14,8 @@ For a fixed order, every moment the replay considers has a total that is linear 
   stage ``j`` has run one;
 * ``transient_bytes``: 0 at a forward; ``transient_j`` at a backward; at a stage's first ``B``/``W`` its
   ``first_transient_j`` when that is ``>= 0`` (the ``.grad`` not yet counted), else ``transient_j`` with the
-  ``.grad`` counted; the optimizer's temporaries at the optimizer step.
+  ``.grad`` counted; at an ``I`` its ``input_transient_j`` when that is ``>= 0``, else ``transient_j``; the
+  optimizer's temporaries at the optimizer step.
 
 So a moment is a row of counts (``held``, ``inputs``, ``graded`` per stage) and a choice of transient, compiled
 from :func:`~pipeswift_lab.core.order_arrays.order_arrays`. A moment never exceeds a later one that holds as much
@@ -54,8 +55,10 @@ __all__ = ["STAGE_FIELDS", "PeakForm", "StageFields", "peak_form"]
 STAGE_FIELDS: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(StageBytes))
 
 # a moment's transient: none (a forward), a backward's, a stage's first backward (rank_peak's first_transient
-# branch, decided by the value), the optimizer step's; PAD_ROW fills a rank's rows up to the longest rank's
-NONE, TRANSIENT, FIRST, OPTIMIZER, PAD_ROW = range(5)
+# branch, decided by the value), the optimizer step's, an input-gradient pass's (rank_peak's input_transient);
+# PAD_ROW fills a rank's rows up to the longest rank's
+NONE, TRANSIENT, FIRST, OPTIMIZER, PAD_ROW, INPUT = range(6)
+_MAY_BE_NEGATIVE = ("first_transient", "input_transient")  # negative: rank_peak's other branch
 # the counts of a moment, per stage: micro-batches held, input gradients run (B or I), graded (a first B or W ran),
 # micro-batches released (B or W), sent (an input gradient run at all), between an I and its W
 HELD, INPUTS, GRADED, RELEASED, SENT, BETWEEN = range(6)
@@ -89,7 +92,7 @@ class _Rows:
     ``SENT`` as the replay counts them there (a forward's own micro-batch held; a backward's not yet released, its
     input gradient not yet run)."""
     kind: np.ndarray
-    """``(P, R)``: ``NONE``, ``TRANSIENT``, ``FIRST``, ``OPTIMIZER`` or ``PAD_ROW``."""
+    """``(P, R)``: ``NONE``, ``TRANSIENT``, ``FIRST``, ``OPTIMIZER``, ``INPUT`` or ``PAD_ROW``."""
     local: np.ndarray
     """``(P, R)``: the local stage of the moment's action (0 where there is none)."""
     action: np.ndarray
@@ -111,14 +114,14 @@ class PeakForm:
     stage_of: np.ndarray
     """``(P, v)``: each rank's stages, ascending (the order of rank_peak's ``stages`` in ``rank_memory``)."""
     matrix: np.ndarray
-    """``(P, R, (COUNTS + 2)v + 2)``: per rank, the moments that may be its peak, as coefficients of
+    """``(P, R, (COUNTS + 3)v + 2)``: per rank, the moments that may be its peak, as coefficients of
     :func:`_vector`."""
     sends: str
     """When the schedule waits on its sends (:func:`~pipeswift_lab.core.memory_model.send_wait`)."""
 
     def peaks(self, fields: StageFields, optimizer: OptimizerMemory) -> np.ndarray:
-        """Every rank's ``peak_bytes`` with stages of ``fields`` (bytes ``>= 0``; ``first_transient`` may be
-        negative, meaning none) and ``optimizer``. Returns a ``(P,)`` array."""
+        """Every rank's ``peak_bytes`` with stages of ``fields`` (bytes ``>= 0``; ``first_transient`` and
+        ``input_transient`` may be negative, meaning none) and ``optimizer``. Returns a ``(P,)`` array."""
         vector = _vector(self._gathered(fields), self.m, optimizer, self.sends)
         return np.matmul(self.matrix, vector[..., None])[..., 0].max(1)
 
@@ -154,12 +157,13 @@ class PeakForm:
                 f"({len(STAGE_FIELDS)}, {self.P * self.v}), one column per stage"
             )
         negative = values < 0
-        negative[STAGE_FIELDS.index("first_transient")] = False
+        for name in _MAY_BE_NEGATIVE:
+            negative[STAGE_FIELDS.index(name)] = False
         if negative.any():
             field, stage = np.argwhere(negative)[0]
             raise ValueError(
                 f"stage {stage} has {STAGE_FIELDS[field]}={float(values[field, stage])!r}; bytes must be >= 0 (only "
-                "first_transient may be negative, meaning none)"
+                f"{' and '.join(_MAY_BE_NEGATIVE)} may be negative, meaning none)"
             )
         return values[:, self.stage_of]
 
@@ -213,7 +217,9 @@ def _moments(orders: OrderArrays, stage_of: np.ndarray, *, forwards: bool) -> _R
     counts = counts.transpose(2, 3, 0, 1).copy()
     ranks, times = np.arange(P)[:, None], np.arange(pick.shape[1])
     first = backward & ~graded[local, ranks, times]
-    row_kind = np.where(~kept, PAD_ROW, np.where(kind == FORWARD, NONE, np.where(first, FIRST, TRANSIENT)))
+    row_kind = np.select(
+        [~kept, kind == FORWARD, first, kind == BACKWARD_INPUT], [PAD_ROW, NONE, FIRST, INPUT], default=TRANSIENT
+    )
     none = np.zeros((v, P), dtype=count)
     step = np.stack(  # the optimizer step: all released, every stage graded; the step's sends and losses gone
         [forwarded[..., -1] - releases_before[..., -1] - releases[..., -1], none, np.ones((v, P), dtype=count)]
@@ -260,8 +266,8 @@ def _own(values: np.ndarray, local: np.ndarray) -> np.ndarray:
 
 
 def _front(rows: _Rows) -> _Rows:
-    """The moments of ``rows`` (no forwards) that may be a peak. Of each stage's backwards (one transient, so one
-    group):
+    """The moments of ``rows`` (no forwards) that may be a peak. Of each stage's backwards of one transient (its
+    ``I``, or its other ones: one group each):
 
     * of those that hold alike (and have as many between an ``I`` and its ``W``) only the last (the other counts
       only grow, so it is no smaller);
@@ -270,15 +276,15 @@ def _front(rows: _Rows) -> _Rows:
     """
     keep = rows.kind != PAD_ROW
     P, R, _, v = rows.counts.shape
-    ranks, times = np.nonzero(rows.kind == TRANSIENT)  # by rank, then time
+    ranks, times = np.nonzero((rows.kind == TRANSIENT) | (rows.kind == INPUT))  # by rank, then time
     flat = ranks * R + times
     counts = rows.counts.reshape(P * R, COUNTS * v)[flat]
-    group = ranks * v + rows.local.reshape(-1)[flat]
+    group = (ranks * v + rows.local.reshape(-1)[flat]) * 2 + (rows.kind.reshape(-1)[flat] == INPUT)
     # the counts that rise and fall: micro-batches held, and those between an I and its W
     held = np.concatenate([counts[:, HELD * v : (HELD + 1) * v], counts[:, BETWEEN * v : (BETWEEN + 1) * v]], axis=1)
     width = held.shape[1]
     base = int(held.max(initial=0)) + 1
-    if P * v * float(base) ** width < 2**62:  # one integer per (group, held)
+    if 2 * P * v * float(base) ** width < 2**62:  # one integer per (group, held)
         key = group
         for j in range(width):
             key = key * base + held[:, j]
@@ -309,19 +315,18 @@ def _front(rows: _Rows) -> _Rows:
 
 
 def _matrix(rows: _Rows) -> np.ndarray:
-    """``(P, R, (COUNTS + 2)v + 2)``: each moment of ``rows`` as the coefficients of :func:`_vector`'s entries; a
+    """``(P, R, (COUNTS + 3)v + 2)``: each moment of ``rows`` as the coefficients of :func:`_vector`'s entries; a
     padding row repeats its rank's optimizer step (the last real moment), which leaves the rank's maximum as it
     is."""
     P, R, _, v = rows.counts.shape
     width = COUNTS * v
-    out = np.zeros((P, R, width + 2 * v + 2))
+    out = np.zeros((P, R, width + 3 * v + 2))
     out[:, :, :width] = rows.counts.reshape(P, R, width)
-    pr, pt = np.nonzero(rows.kind == TRANSIENT)
-    out[pr, pt, width + rows.local[pr, pt]] = 1.0
-    pr, pt = np.nonzero(rows.kind == FIRST)
-    out[pr, pt, width + v + rows.local[pr, pt]] = 1.0
-    out[:, :, width + 2 * v] = rows.kind == OPTIMIZER
-    out[:, :, width + 2 * v + 1] = 1.0
+    for block, kind in enumerate((TRANSIENT, FIRST, INPUT)):
+        pr, pt = np.nonzero(rows.kind == kind)
+        out[pr, pt, width + block * v + rows.local[pr, pt]] = 1.0
+    out[:, :, width + 3 * v] = rows.kind == OPTIMIZER
+    out[:, :, width + 3 * v + 1] = 1.0
     pad = rows.kind == PAD_ROW
     step = np.argmax(rows.kind == OPTIMIZER, axis=1)
     out[pad] = out[np.arange(P), step][np.nonzero(pad)[0]]
@@ -329,11 +334,12 @@ def _matrix(rows: _Rows) -> np.ndarray:
 
 
 def _vector(stage: np.ndarray, m: int, optimizer: OptimizerMemory, sends: str) -> np.ndarray:
-    """``(P, (COUNTS + 2)v + 2)``: per rank, what each column of :attr:`PeakForm.matrix` counts, from the gathered
+    """``(P, (COUNTS + 3)v + 2)``: per rank, what each column of :attr:`PeakForm.matrix` counts, from the gathered
     fields ``stage`` (``(fields, P, v)``), when the schedule waits on its sends as ``sends`` says: per stage what a
     held micro-batch, an input gradient run, a graded stage, a released micro-batch and a sent gradient add; a
-    backward's transient; a first backward's (its ``first_transient``, or its transient with its ``.grad``); the
-    optimizer step's; the bytes every moment holds (weights, optimizer state, buffers, the batch, buckets)."""
+    backward's transient; a first backward's (its ``first_transient``, or its transient with its ``.grad``); an
+    ``I``'s (its ``input_transient``, or its transient); the optimizer step's; the bytes every moment holds
+    (weights, optimizer state, buffers, the batch, buckets)."""
 
     def field(name: str) -> np.ndarray:
         return stage[STAGE_FIELDS.index(name)]
@@ -352,11 +358,18 @@ def _vector(stage: np.ndarray, m: int, optimizer: OptimizerMemory, sends: str) -
             field("weight_pass_held"),
             transient,
             np.where(first >= 0, first, transient + field("grads")),
+            _input_transient(field),
             step[:, None],
             fixed[:, None],
         ],
         axis=1,
     )
+
+
+def _input_transient(field: Any) -> np.ndarray:
+    """Per stage, an ``I``'s transient: its ``input_transient``, or its ``transient`` where that is negative."""
+    given = field("input_transient")
+    return np.where(given >= 0, given, field("transient"))
 
 
 def _fixed_buffers(field: Any, m: int) -> np.ndarray:
@@ -397,8 +410,14 @@ def _evaluate(
         + (counted(RELEASED, field("sent_output")) if sends == "step" else 0.0),
         "buffers": _fixed_buffers(field, m)[:, None] + sent_grads,
         "transient": np.select(
-            [rows.kind == TRANSIENT, first & has_first, first, rows.kind == OPTIMIZER],
-            [own("transient"), own("first_transient"), own("transient"), np.broadcast_to(step[:, None], first.shape)],
+            [rows.kind == TRANSIENT, first & has_first, first, rows.kind == INPUT, rows.kind == OPTIMIZER],
+            [
+                own("transient"),
+                own("first_transient"),
+                own("transient"),
+                _own(_input_transient(field), rows.local),
+                np.broadcast_to(step[:, None], first.shape),
+            ],
             0.0,
         ),
     }

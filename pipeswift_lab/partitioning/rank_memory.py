@@ -30,6 +30,7 @@ from ..core.memory_model import (
 from ..core.peak_forms import STAGE_FIELDS, StageFields
 from ..core.precision import OPTIMIZER_STATES, PRECISIONS
 from ..core.schedule import ScheduleLike
+from .input_pass import InputPassBytes, weight_pass_held
 
 if TYPE_CHECKING:
     from .layers import Bounds, Layers
@@ -104,7 +105,9 @@ class _LayerBytes:
     layer_transient: np.ndarray
     """All a backward of one micro-batch allocates (what scales with the micro-batch scaled)."""
     weight_pass: np.ndarray
-    """What an ``I`` pass holds until its ``W`` (:func:`_weight_pass_held`, not scaled)."""
+    """What an ``I`` pass holds until its ``W`` (:func:`~.input_pass.weight_pass_held`, not scaled)."""
+    input_pass: InputPassBytes
+    """What an ``I`` pass holds while it runs (scaled)."""
     buckets: bool
     """Whether a stage keeps a copy of its gradients: the runner's DDP (``D > 1``, no ``precision``)."""
     loss_act: float
@@ -131,7 +134,8 @@ class _LayerBytes:
             largest=largest,
             activation_transient=activation_transient,
             layer_transient=layer_transient,
-            weight_pass=_weight_pass_held(layers),
+            weight_pass=weight_pass_held(layers),
+            input_pass=InputPassBytes.of(layers, scale, _meta_bytes(layers, "loss_transient_bytes")),
             buckets=D > 1 and precision is None,
             loss_act=_meta_bytes(layers, "loss_activation_bytes"),
             loss_transient=_meta_bytes(layers, "loss_transient_bytes"),
@@ -169,6 +173,9 @@ def _stage(per_layer: _LayerBytes, layers: Layers, a: int, b: int, measured_cuts
     else:
         recv, grad_recv, activations = _output_crossings(p, a, b, output, last)
     transient, first_transient = _stage_transients(p, a, b, output, last)
+    input_transient = (
+        transient if a == 0 else p.input_pass.stage(a, b, last=last, grad_recv=grad_recv, transient=transient)
+    )
     return StageBytes(
         weights=_sum(p.weights, a, b),
         grads=_sum(p.grads, a, b),
@@ -181,6 +188,7 @@ def _stage(per_layer: _LayerBytes, layers: Layers, a: int, b: int, measured_cuts
         grad_recv=grad_recv,
         retained=p.loss_retained * scale if last else 0.0,
         weight_pass_held=_sum(p.weight_pass, a, b) * scale if a > 0 else 0.0,
+        input_transient=input_transient,
         batch=(p.input_bytes if a == 0 else 0.0) * scale + (p.target_bytes if last else 0.0) * scale,
         largest_param=float(np.max(p.largest[a:b])),
     )
@@ -222,14 +230,6 @@ def _stage_transients(p: _LayerBytes, a: int, b: int, output: float, last: bool)
         transient = max(transient + output * p.scale, loss)
         first_transient = max(first_transient + output * p.scale, loss)  # no .grad yet
     return transient, first_transient
-
-
-def _weight_pass_held(layers: Layers) -> np.ndarray:
-    """Per layer, what a zero-bubble ``I`` pass of one micro-batch holds until its ``W`` (``weight_pass_bytes``: the
-    gradients torch keeps for ``W``, and what a checkpointed layer's ``I`` recomputed that ``W`` reads again); 0
-    where the profile has no such column."""
-    values = _column(layers, "weight_pass_bytes")
-    return np.nan_to_num(values) if values is not None else np.zeros(layers.n)
 
 
 def _cut_at(layers: Layers, column: str, layer: int) -> float:
@@ -369,6 +369,8 @@ class SplitBytes:
         output = p.out[ends - 1]
         recv, grad_recv, activations = self._crossings(starts, ends, output)
         transient, first_transient = self._transients(starts, ends, output)
+        by_input_pass = p.input_pass.stages(starts, ends, grad_recv=grad_recv, transient=transient)
+        input_transient = np.where(first, transient, by_input_pass)
         sent_output, sent_grad = _sends(recv, grad_recv, placement)
         grads = np.add.reduceat(p.grads, starts)
         fields = {
@@ -385,6 +387,7 @@ class SplitBytes:
             "sent_output": sent_output,
             "sent_grad": sent_grad,
             "weight_pass_held": np.where(first, 0.0, np.add.reduceat(self.again, starts)),
+            "input_transient": input_transient,
             "buckets": grads if p.buckets else np.zeros(len(bounds)),
             "largest_param": np.maximum.reduceat(p.largest, starts),
         }

@@ -186,11 +186,13 @@ def _add_recomputed_times(out: pd.DataFrame, df: pd.DataFrame, rows: np.ndarray,
 
 def _set_recomputed_bytes(out: pd.DataFrame, df: pd.DataFrame, rows: np.ndarray, mode: str) -> None:
     """Set the ``rows`` of ``out`` to what they keep and allocate recomputed under ``mode``, as the profile ``df``
-    measured it: the activations held until the backward, what an ``I`` pass keeps for ``W``, and the transients
+    measured it: the activations held until the backward, what an ``I`` pass keeps for ``W`` and the most it holds,
+    and the transients
     (the recomputed activations included)."""
     out.loc[rows, "activation_bytes"] = df[f"{mode}_activation_bytes"].to_numpy(float)[rows].round()
-    if f"{mode}_weight_pass_bytes" in df.columns:
-        out.loc[rows, "weight_pass_bytes"] = df[f"{mode}_weight_pass_bytes"].to_numpy(float)[rows]
+    for column in ("weight_pass_bytes", "input_pass_peak_bytes"):
+        if f"{mode}_{column}" in df.columns:
+            out.loc[rows, column] = df[f"{mode}_{column}"].to_numpy(float)[rows]
     transient = df[f"{mode}_transient_bytes"].to_numpy(float)
     if "accumulate_transient_bytes" in df.columns:
         grown = transient - np.nan_to_num(df["accumulate_transient_bytes"].to_numpy(float))

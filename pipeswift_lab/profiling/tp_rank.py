@@ -32,7 +32,7 @@ TIME_COLUMNS = (
     "recomputed_ms",
 )
 #: Per-layer bytes of one micro-batch that shrink as the activations do under tensor parallelism.
-_ACTIVATION_LIKE = ("selective_activation_bytes", "weight_pass_bytes")
+_ACTIVATION_LIKE = ("selective_activation_bytes", "weight_pass_bytes", "input_pass_peak_bytes")
 
 
 def _column(df: pd.DataFrame, name: str) -> np.ndarray:

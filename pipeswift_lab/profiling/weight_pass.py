@@ -11,7 +11,10 @@ checkpointing's cache holds its results until the graph is freed). :func:`split_
 torch's own ``stage_backward_input`` on each unit alone, on the input it received in one forward of
 the model, and counts what the pass allocated that is still alive when it returns, less the input
 gradient it hands back (that is sent, not kept): the unit's ``weight_pass_bytes``, and with
-``modes`` the same recomputed (``{mode}_weight_pass_bytes``). The gradient the unit is given counts
+``modes`` the same recomputed (``{mode}_weight_pass_bytes``); and the most the pass held at once while it ran,
+``input_pass_peak_bytes`` (``{mode}_input_pass_peak_bytes``): ``I`` retains the forward's graph for ``W``, so
+it frees none of the saved tensors as it goes, and what a stage's ``I`` holds grows by each unit's kept
+gradients. The gradient the unit is given counts
 where ``I`` keeps it (a residual block passes its output's gradient on to its last linear unchanged):
 inside a stage it is the next unit's input gradient, at the stage's end its receive buffer, counted
 there as well. The same runs time each pass, ``input_pass_ms`` and ``weight_pass_ms`` (medians): split, the
@@ -36,9 +39,11 @@ from ..core.live_bytes import LiveTensorBytes, live_tensors
 from ..core.recompute import recomputing
 from .hooks import iter_tensors
 
-__all__ = ["split_backward_columns"]
+__all__ = ["PEAK", "split_backward_columns"]
 
 _EARLIER, _PASS = "earlier", "pass"  # a tracker's categories: alive before a unit's input pass, made by it
+#: The column of the most a unit's input-gradient pass holds at once (``{mode}_`` before it when recomputed).
+PEAK = "input_pass_peak_bytes"
 
 
 def split_backward_columns(
@@ -49,7 +54,8 @@ def split_backward_columns(
 ) -> dict[str, list[float]]:
     """Per unit (in ``units``' order): the bytes torch's ``stage_backward_input`` keeps alive for the unit's weight
     pass, ``weight_pass_bytes``, and ``{mode}_weight_pass_bytes`` for each of ``modes`` (``"full"``,
-    ``"selective"``: the unit checkpointed as the runner checkpoints it under a split backward); the median ms of
+    ``"selective"``: the unit checkpointed as the runner checkpoints it under a split backward); the most the pass
+    held at once, ``input_pass_peak_bytes`` (``{mode}_input_pass_peak_bytes``); the median ms of
     ``repeats`` runs of torch's ``stage_backward_input`` and ``stage_backward_weight`` on it, ``input_pass_ms`` and
     ``weight_pass_ms`` (NaN for a unit without an input that requires grad: in a first stage, which has no ``I``).
 
@@ -85,26 +91,27 @@ def split_backward_columns(
     with LiveTensorBytes(_EARLIER) as tracker:
         tracker.adopt(live_tensors(), _EARLIER)
         for mode in ("", *modes):
-            column = f"{mode}_weight_pass_bytes" if mode else "weight_pass_bytes"
-            out[column] = []
+            prefix = f"{mode}_" if mode else ""
+            kept, peaks = out.setdefault(f"{prefix}weight_pass_bytes", []), out.setdefault(f"{prefix}{PEAK}", [])
             for i, (_, module) in enumerate(units):
                 args, kwargs = received.get(i, ((), {}))
                 if not _needs_input_pass(args, kwargs):
-                    out[column].append(0.0)
+                    kept.append(0.0)
+                    peaks.append(0.0)
                     continue
-                if mode:
-                    with recomputing([module], mode, split_backward=True):
-                        out[column].append(_kept_by_input_pass(module, args, kwargs, tracker))
-                else:
-                    out[column].append(_kept_by_input_pass(module, args, kwargs, tracker))
+                with recomputing([module], mode, split_backward=True) if mode else contextlib.nullcontext():
+                    held, most = _input_pass_bytes(module, args, kwargs, tracker)
+                kept.append(held)
+                peaks.append(most)
     return out
 
 
-def _kept_by_input_pass(
+def _input_pass_bytes(
     module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], tracker: LiveTensorBytes
-) -> float:
-    """What ``stage_backward_input`` on ``module(*args, **kwargs)`` allocates that is alive when it returns, less the
-    input gradients; NaN where the unit cannot run alone. ``tracker`` is on and counts every storage alive before
+) -> tuple[float, float]:
+    """``(kept, most)`` of ``stage_backward_input`` on ``module(*args, **kwargs)``: what it allocates that is alive
+    when it returns, less the input gradients, and the most it held at once while it ran (the gradient it is
+    given included); NaN where the unit cannot run alone. ``tracker`` is on and counts every storage alive before
     the pass under ``_EARLIER`` (views of the weights and of the forward's tensors are not new)."""
     from torch.distributed.pipelining._backward import stage_backward_input
 
@@ -117,9 +124,11 @@ def _kept_by_input_pass(
         outputs = [t for t in iter_tensors(output) if t.requires_grad]
         del output
         tracker.category = _PASS
+        tracker.reset_peak()
         with _collecting_only_new_objects():
             grads = [torch.ones_like(t) for t in outputs]
             dinputs, groups = stage_backward_input(outputs, grads, inputs, module.parameters())
+            most = float(tracker.peak_by.get(_PASS, 0))  # the pass frees nothing earlier: the graph is retained
             del dinputs, grads  # the input gradients are sent (and freed unless the pass keeps them)
             for t in inputs:
                 t.grad = None
@@ -127,11 +136,11 @@ def _kept_by_input_pass(
         kept = float(tracker.live_by.get(_PASS, 0))
         del groups, outputs
     except (RuntimeError, TypeError, ValueError):
-        return float("nan")
+        return float("nan"), float("nan")
     finally:
         tracker.recategorize(_PASS, _EARLIER)  # what this pass left is earlier to the next one
         tracker.category = _EARLIER
-    return kept
+    return kept, most
 
 
 @contextlib.contextmanager

@@ -51,6 +51,10 @@ def test_each_layer_keeps_less_recomputed(measured):
     # torch's I pass keeps the gradients at up's and down's outputs for W (down's is the block's output gradient,
     # passed on by the residual add); the first block is fed the batch, which requires no gradient: no I
     assert df["weight_pass_bytes"].tolist() == [0, WIDE + HIDDEN, WIDE + HIDDEN]
+    # while it runs it holds at once the gradient it was given, down's input gradient and GELU's (kept for up's W);
+    # recomputed, what it recomputed as well
+    assert df["input_pass_peak_bytes"].tolist() == [0, 2 * WIDE + HIDDEN, 2 * WIDE + HIDDEN]
+    assert (df["full_input_pass_peak_bytes"] > df["input_pass_peak_bytes"]).iloc[1:].all()
     # each pass timed with torch's own functions on the layer alone; none for the first, which has no I
     assert df["input_pass_ms"].isna().tolist() == [True, False, False]
     assert (df["input_pass_ms"].iloc[1:] > 0).all() and (df["weight_pass_ms"].iloc[1:] > 0).all()
