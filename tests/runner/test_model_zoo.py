@@ -118,7 +118,7 @@ def test_a_checkpoint_from_pretrained_would_refuse_is_refused_naming_the_tensors
     broken = dict(state)
     del broken["model.layers.1.self_attn.q_proj.weight"]
     broken["model.layers.1.extra.weight"] = torch.zeros(2)
-    broken["model.layers.2.block_sparse_moe.experts.3.w1.weight"] = torch.zeros(64, 31)
+    broken["model.layers.1.block_sparse_moe.experts.3.w1.weight"] = torch.zeros(64, 31)
     save_file(broken, str(tmp_path / "broken.safetensors"))
     with pytest.raises(ValueError) as refused:
         make_spec(meta, (x, y), lm_loss, part, M, weights=tmp_path / "broken.safetensors")
@@ -126,8 +126,8 @@ def test_a_checkpoint_from_pretrained_would_refuse_is_refused_naming_the_tensors
     assert "not in the weights (1): ['model.layers.1.self_attn.q_proj.weight']" in message
     assert "only in the weights (1): ['model.layers.1.extra.weight']" in message
     # the fused tensor an expert of the wrong shape would make, named by the model's name and the stored ones
-    assert "conversion cannot make (1): model.layers.2.mlp.experts.gate_up_proj" in message
-    assert "model.layers.2.block_sparse_moe.experts.0.w1.weight" in message
+    assert "conversion cannot make (1): model.layers.1.mlp.experts.gate_up_proj" in message
+    assert "model.layers.1.block_sparse_moe.experts.0.w1.weight" in message
 
 
 class DeviceBranch(nn.Module):
