@@ -20,8 +20,9 @@ are not submodules, a forward ``torch.export`` cannot trace (its message, plus w
 ``split="manual"`` builds the stages without the tracer, :mod:`.manual`), a model output with
 no floating tensor, a ``loss_fn`` that cannot read it.
 
-The workers trace again from the same model and micro-batch (tracing is deterministic), so
-no traced graph travels in the spec.
+The caller's ``torch.export`` program travels in the spec (:mod:`.exported`): each worker splits it
+as torch's ``pipeline()`` does, without exporting the model again; where torch's serializer cannot
+take it, the workers trace again from the same model and micro-batch (tracing is deterministic).
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ from ...core.fake_device import fake_to_meta, faked_on
 from ...core.meta_device import shape_pass
 from ...profiling.pipeline_settings import training_settings
 from .contiguous import contiguous_boundaries
+from .exported import export_step, loaded, serialized
 from .outputs import checked_structure
 from .skips import route_skip_connections
 from .tied import TiedGroup, tied_groups, unheld_keys
@@ -47,6 +49,7 @@ from .tied import TiedGroup, tied_groups, unheld_keys
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
     from torch.distributed.pipelining import Pipe
+    from torch.export import ExportedProgram
 
     from .trial import Trial
 
@@ -62,6 +65,12 @@ class TracedPlan:
     output: TreeSpec | None = None
     """The structure of the model's output (``None``: a tensor), rebuilt for ``loss_fn`` from the last stage's
     tensors."""
+    exported: bytes | None = None
+    """The caller's ``torch.export`` program of the model at these split points, serialized (:mod:`.exported`): the
+    workers on :attr:`exported_device` split it instead of exporting again (``None``: they export)."""
+    exported_device: str | None = None
+    """The device :attr:`exported` was traced for (the first rank's): a rank on another (``cuda:1``) exports for its
+    own, since a graph keeps the devices it was traced with."""
 
 
 def split_names(model: nn.Module, partition: Any, n_stages: int) -> tuple[str, ...]:
@@ -96,14 +105,30 @@ def split_names(model: nn.Module, partition: Any, n_stages: int) -> tuple[str, .
     return firsts
 
 
-def trace(model: nn.Module, example: torch.Tensor, names: tuple[str, ...], device: torch.device) -> Pipe:
+def trace(
+    model: nn.Module, example: torch.Tensor, names: tuple[str, ...], device: torch.device, exported: bytes | None = None
+) -> Pipe:
     """``torch.distributed.pipelining.pipeline(model, (example,), split_spec={name: BEGINNING})`` with every tensor a
     fake one on ``device`` (:func:`~pipeswift_lab.core.fake_device.faked_on`): the graph takes the branches the
-    rank's device takes. Returns the ``Pipe``, whose stages hold meta tensors (made and filled on the rank).
+    rank's device takes. With ``exported`` (:attr:`TracedPlan.exported`, the same model, split and example traced
+    by the caller) torch splits that program instead of exporting the model again. Returns the ``Pipe``, whose
+    stages hold meta tensors (made and filled on the rank).
 
     Raises ``ValueError`` with the tracer's message, the module it failed in and what to do when the model cannot
     be traced or cut there.
     """
+    return _trace(model, example, names, device, loaded(exported) if exported is not None else None)[0]
+
+
+def _trace(
+    model: nn.Module,
+    example: torch.Tensor,
+    names: tuple[str, ...],
+    device: torch.device,
+    program: ExportedProgram | None = None,
+) -> tuple[Pipe, ExportedProgram | None]:
+    """:func:`trace`, splitting ``program`` when given; returns the ``Pipe`` and the program torch split (``None``
+    where this torch's ``pipeline()`` exports in a way :func:`~.exported.export_step` cannot see)."""
     from torch.distributed.pipelining import SplitPoint, pipeline
 
     spec = {name: SplitPoint.BEGINNING for name in names}
@@ -113,10 +138,12 @@ def trace(model: nn.Module, example: torch.Tensor, names: tuple[str, ...], devic
         for name in names
         if name in modules
     }
+    programs: list[ExportedProgram] = []
     try:
         with warnings.catch_warnings(), training_settings(model), faked_on(model, device) as lift:
             warnings.simplefilter("ignore")
-            pipe = pipeline(model, (lift(example),), split_spec=spec)
+            with export_step(program, programs):
+                pipe = pipeline(model, (lift(example),), split_spec=spec)
     except Exception as exc:  # re-raised with what to do
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
         where = failing_module(exc, model)
@@ -141,7 +168,7 @@ def trace(model: nn.Module, example: torch.Tensor, names: tuple[str, ...], devic
             f"{len(names) + 1}: "
             "a split name is not called in forward, or is called more than once"
         )
-    return pipe
+    return pipe, programs[-1] if programs else None
 
 
 def _restore_forwards(modules: dict[str, nn.Module], saved: dict[str, dict[str, Any]]) -> None:
@@ -184,7 +211,7 @@ def check_traceable(trial: Trial) -> tuple[TracedPlan, tuple[TiedGroup, ...]]:
     model, device = trial.model, trial.device
     names = split_names(model, trial.partition, trial.n_stages)
     example = trial.inputs.detach().clone()
-    tied, missing = traced_stage_state(model, example, names, device)
+    tied, missing, exported = traced_stage_state(model, example, names, device)
     if missing:
         raise ValueError(
             f"the traced stages do not hold {missing[:8]} of model.state_dict(); the runner cannot return or "
@@ -193,29 +220,31 @@ def check_traceable(trial: Trial) -> tuple[TracedPlan, tuple[TiedGroup, ...]]:
     with torch.no_grad(), training_settings(model), torch.random.fork_rng(), shape_pass(model, device) as lift:
         out = model(lift(example))
         structure = checked_structure(trial.loss_fn, out, lift(trial.targets))
-    return TracedPlan(names, example, structure), tied
+    return TracedPlan(names, example, structure, exported, str(device)), tied
 
 
 #: What a trace told about a model's stages, by model and then by (split names, example shape and dtype, structure):
 #: a notebook runs one model and partition again and again, and a trace takes a second or two.
-_TRACES: weakref.WeakKeyDictionary[nn.Module, dict[tuple[Any, ...], tuple[tuple[TiedGroup, ...], list[str]]]] = (
-    weakref.WeakKeyDictionary()
-)
+_TRACES: weakref.WeakKeyDictionary[
+    nn.Module, dict[tuple[Any, ...], tuple[tuple[TiedGroup, ...], list[str], bytes | None]]
+] = weakref.WeakKeyDictionary()
 
 
 def traced_stage_state(
     model: nn.Module, example: torch.Tensor, names: tuple[str, ...], device: torch.device
-) -> tuple[tuple[TiedGroup, ...], list[str]]:
-    """Trace ``model`` at ``names`` and return the tied parameters its stages share and the ``state_dict`` keys no
-    stage holds; remembered for the same model, split, example shape and module structure."""
+) -> tuple[tuple[TiedGroup, ...], list[str], bytes | None]:
+    """Trace ``model`` at ``names`` and return the tied parameters its stages share, the ``state_dict`` keys no
+    stage holds and the exported program, serialized for the ranks (:attr:`TracedPlan.exported`); remembered for
+    the same model, split, example shape and module structure."""
     structure = tuple((k, tuple(t.shape), t.dtype) for k, t in model.state_dict().items())
     key = (names, tuple(example.shape), example.dtype, structure, tuple(id(m) for m in model.modules()), str(device))
     known = _TRACES.setdefault(model, {})
     if key not in known:
-        pipe = trace(model, example, names, device)
+        pipe, program = _trace(model, example, names, device)
         stage_tensors = [pipe.get_stage_module(s).state_dict() for s in range(pipe.num_stages)]
         known.clear()  # one entry per model: the latest split
-        known[key] = (tied_groups(model, stage_tensors), unheld_keys(model, stage_tensors))
+        exported = serialized(program) if program is not None else None
+        known[key] = (tied_groups(model, stage_tensors), unheld_keys(model, stage_tensors), exported)
     return known[key]
 
 
