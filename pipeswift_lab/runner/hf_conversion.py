@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import copy
 import importlib
+import sys
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -89,7 +90,12 @@ def _transformers_conversion() -> tuple[Any, Any, Any, Any, Any] | None:
 
 
 def is_hf_model(model: nn.Module) -> bool:
-    """Whether ``model`` is a Hugging Face ``PreTrainedModel``."""
+    """Whether ``model`` is a Hugging Face ``PreTrainedModel``.
+
+    A session that has not imported transformers holds none, and asking does not import it: seconds here, and a fork
+    server started after it would preload it for every later run (:func:`~.launcher.model_library_modules`)."""
+    if "transformers" not in sys.modules:
+        return False
     try:
         from transformers import PreTrainedModel
     except ImportError:
