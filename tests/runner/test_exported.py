@@ -50,3 +50,17 @@ def test_a_rank_splits_the_callers_program_without_exporting(family, monkeypatch
     assert "the rank exported the model" in chain
     split = described(trace(spec.model, traced.example, traced.split_names, cpu, traced.exported))
     assert split == exporting
+
+
+def test_a_setting_changed_between_two_runs_is_traced_again():
+    """The ranks run the program the caller traced, so a cached one must follow what the forward depends on."""
+    model = build("Llama")
+    x, y = tokens()
+    part = halves(model)
+    first = make_spec(model, (x, y), lm_loss, part, M).traced.exported
+    assert make_spec(model, (x, y), lm_loss, part, M).traced.exported is first  # the same model: traced once
+    model.config._attn_implementation = "eager" if model.config._attn_implementation != "eager" else "sdpa"
+    changed = make_spec(model, (x, y), lm_loss, part, M).traced.exported
+    assert changed is not first
+    model.model.layers[0].self_attn.scaling = 0.5  # a plain setting of one module
+    assert make_spec(model, (x, y), lm_loss, part, M).traced.exported is not changed

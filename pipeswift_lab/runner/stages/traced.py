@@ -223,8 +223,8 @@ def check_traceable(trial: Trial) -> tuple[TracedPlan, tuple[TiedGroup, ...]]:
     return TracedPlan(names, example, structure, exported, str(device)), tied
 
 
-#: What a trace told about a model's stages, by model and then by (split names, example shape and dtype, structure):
-#: a notebook runs one model and partition again and again, and a trace takes a second or two.
+#: What a trace told about a model's stages, by model and then by (split names, example shape and dtype, structure,
+#: forward settings): a notebook runs one model and partition again and again, and a trace takes a second or two.
 _TRACES: weakref.WeakKeyDictionary[
     nn.Module, dict[tuple[Any, ...], tuple[tuple[TiedGroup, ...], list[str], bytes | None]]
 ] = weakref.WeakKeyDictionary()
@@ -237,7 +237,7 @@ def traced_stage_state(
     stage holds and the exported program, serialized for the ranks (:attr:`TracedPlan.exported`); remembered for
     the same model, split, example shape and module structure."""
     structure = tuple((k, tuple(t.shape), t.dtype) for k, t in model.state_dict().items())
-    key = (names, tuple(example.shape), example.dtype, structure, tuple(id(m) for m in model.modules()), str(device))
+    key = (names, tuple(example.shape), example.dtype, structure, forward_settings(model), str(device))
     known = _TRACES.setdefault(model, {})
     if key not in known:
         pipe, program = _trace(model, example, names, device)
@@ -246,6 +246,33 @@ def traced_stage_state(
         exported = serialized(program) if program is not None else None
         known[key] = (tied_groups(model, stage_tensors), unheld_keys(model, stage_tensors), exported)
     return known[key]
+
+
+_SETTING = (bool, int, float, str, type(None))
+
+
+def forward_settings(model: nn.Module) -> tuple[Any, ...]:
+    """What a traced graph depends on besides tensor shapes, as one hashable value: every module by identity with
+    its plain settings (``p``, ``eps``, ``training``, ``is_causal``, a ``forward`` set on the instance) and those of
+    the configuration objects its modules hold (a Hugging Face ``config``: its attention implementation, flags).
+
+    A program traced for one value is not the program of another: the cache of :func:`traced_stage_state`, whose
+    program the ranks split, is keyed by it, so a setting changed between two runs is traced again."""
+    out: list[Any] = []
+    configs: dict[int, Any] = {}
+    for module in model.modules():
+        plain = []
+        for name, value in vars(module).items():
+            if isinstance(value, _SETTING):
+                plain.append((name, value))
+            elif name == "forward" or callable(value) and not isinstance(value, (nn.Module, torch.Tensor)):
+                plain.append((name, id(value)))
+            elif hasattr(value, "to_dict") and not isinstance(value, (nn.Module, torch.Tensor, dict)):
+                configs.setdefault(id(value), value)
+        out.append((id(module), tuple(plain)))
+    for config in configs.values():
+        out.append(tuple((k, v if isinstance(v, _SETTING) else repr(v)) for k, v in vars(config).items()))
+    return tuple(out)
 
 
 def _traced_ddp(submod: nn.Module, replica_group: ProcessGroup, device: torch.device) -> nn.Module:
@@ -311,6 +338,7 @@ def _merge(dst: nn.Module, src: nn.Module) -> None:
 __all__ = [
     "check_traceable",
     "failing_module",
+    "forward_settings",
     "merged_module",
     "split_names",
     "trace",
