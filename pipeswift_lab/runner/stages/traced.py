@@ -265,7 +265,7 @@ def forward_settings(model: nn.Module) -> tuple[Any, ...]:
         for name, value in vars(module).items():
             if isinstance(value, _SETTING):
                 plain.append((name, value))
-            elif name == "forward" or callable(value) and not isinstance(value, (nn.Module, torch.Tensor)):
+            elif callable(value) and not isinstance(value, (nn.Module, torch.Tensor)):
                 plain.append((name, id(value)))
             elif hasattr(value, "to_dict") and not isinstance(value, (nn.Module, torch.Tensor, dict)):
                 configs.setdefault(id(value), value)
