@@ -1,16 +1,16 @@
-"""What a rank spends building traced stages: exporting the model itself, or splitting the caller's program.
+"""What a rank spends building traced stages: tracing the model itself, or unpickling the caller's split.
 
     python benchmarks/bench_traced_start.py [--families Llama,Qwen3,Mixtral,JetMoe,GptOss] [--layers 4] [--repeats 3]
 
 For each Hugging Face family (built on the meta device from a small config: width 64, ``--layers`` decoder layers,
 4 experts where it has experts, nothing downloaded), cut in two at its middle layer:
 
-* ``caller_s`` — ``make_spec`` (the check before launch: one export and split, and the program serialized for the
-  ranks), and ``program_MB``, the serialized program's size;
-* ``export_s`` — what a rank did before: ``trace(model, ...)``, torch's ``pipeline()`` exporting the whole model
+* ``caller_s`` — ``make_spec`` (the check before launch: one export and split, and the split pickled for the
+  ranks), and ``split_MB``, the pickled split's size;
+* ``trace_s`` — what a rank did before: ``trace(model, ...)``, torch's ``pipeline()`` exporting the whole model
   and splitting it;
-* ``split_s`` — what a rank does now: ``trace(model, ..., exported)``, the program deserialized and split;
-* ``saved`` — ``1 - split_s / export_s``.
+* ``unpickle_s`` — what a rank does now: ``trace(model, ..., split)``, the caller's split unpickled;
+* ``saved`` — ``1 - unpickle_s / trace_s``.
 
 Each of the last two is timed as a rank meets it: in a fresh process that has imported what the runner's fork
 server preloads (torch, torch.export's tracer, transformers and the family's modeling module) and has traced
@@ -62,12 +62,12 @@ def lm_loss(out: object, target: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(out.logits.flatten(0, 1), target.flatten())  # type: ignore[attr-defined]
 
 
-def rank_s(spec_file: Path, split: bool, repeats: int) -> float:
+def rank_s(spec_file: Path, shipped: bool, repeats: int) -> float:
     """Median seconds of a fresh process's first ``trace`` of the pickled spec (see the module docstring)."""
     times = []
     for _ in range(repeats):
         done = subprocess.run(
-            [sys.executable, __file__, "--child", str(spec_file), "--split" if split else "--export"],
+            [sys.executable, __file__, "--child", str(spec_file), "--shipped" if shipped else "--trace"],
             capture_output=True,
             text=True,
             check=True,
@@ -76,7 +76,7 @@ def rank_s(spec_file: Path, split: bool, repeats: int) -> float:
     return statistics.median(times)
 
 
-def child(spec_file: Path, split: bool) -> None:
+def child(spec_file: Path, shipped: bool) -> None:
     """Import what the fork server preloads, read the spec, print the seconds of one ``trace``."""
     import cloudpickle
     import torch.distributed.pipelining
@@ -89,7 +89,7 @@ def child(spec_file: Path, split: bool) -> None:
     torch.set_num_threads(1)
     model, traced = cloudpickle.loads(spec_file.read_bytes())
     t0 = time.perf_counter()
-    trace(model, traced.example, traced.split_names, torch.device("cpu"), traced.exported if split else None)
+    trace(model, traced.example, traced.split_names, torch.device("cpu"), traced.split if shipped else None)
     print(time.perf_counter() - t0)
 
 
@@ -113,21 +113,21 @@ def measure(family: str, layers: int, repeats: int) -> dict[str, object]:
     spec = make_spec(model, (tokens, tokens), lm_loss, part, 4)
     caller_s = time.perf_counter() - t0
     traced = spec.traced
-    assert traced is not None and traced.exported is not None, f"{family}: no program travelled"
+    assert traced is not None and traced.split is not None, f"{family}: no split travelled"
     import cloudpickle
 
     with tempfile.TemporaryDirectory() as folder:
         spec_file = Path(folder) / "spec.pkl"
         spec_file.write_bytes(cloudpickle.dumps((spec.model, traced)))
-        export_s, split_s = rank_s(spec_file, False, repeats), rank_s(spec_file, True, repeats)
+        trace_s, unpickle_s = rank_s(spec_file, False, repeats), rank_s(spec_file, True, repeats)
     return {
         "family": family,
         "layers": layers,
         "caller_s": caller_s,
-        "program_MB": len(traced.exported) / 1e6,
-        "export_s": export_s,
-        "split_s": split_s,
-        "saved": 1 - split_s / export_s,
+        "split_MB": len(traced.split) / 1e6,
+        "trace_s": trace_s,
+        "unpickle_s": unpickle_s,
+        "saved": 1 - unpickle_s / trace_s,
     }
 
 
@@ -137,18 +137,18 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--child", type=Path, help=argparse.SUPPRESS)
-    parser.add_argument("--split", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--export", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--shipped", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--trace", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child is not None:
-        child(args.child, args.split)
+        child(args.child, args.shipped)
         return
     warnings.simplefilter("ignore")
     torch.set_num_threads(1)
     families = args.families.split(",")
     table = pd.DataFrame([measure(f, args.layers, args.repeats) for f in families])
     print(table.to_string(index=False, float_format=lambda v: f"{v:.3f}"))
-    print(f"a rank's stage build: median {table['saved'].median():.0%} less time than exporting the model itself")
+    print(f"a rank's stage build: median {table['saved'].median():.0%} less time than tracing the model itself")
 
 
 if __name__ == "__main__":

@@ -202,10 +202,9 @@ def _real_buffers(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def build_traced_stages(spec: RunSpec, topo: RankMesh, device: torch.device) -> list[Any]:
-    """This pipeline rank's ``_PipelineStage`` objects, split by torch from the caller's exported program (or traced
-    again from the spec's model and example micro-batch where none travelled) with fake tensors on ``device`` (the
-    graph takes the branches ``device`` takes), each stage module made and filled on ``device`` before torch builds
-    its stage."""
+    """This pipeline rank's ``_PipelineStage`` objects, from the split the caller traced (or traced again from the
+    spec's model and example micro-batch where none travelled) with fake tensors on ``device`` (the graph takes the
+    branches ``device`` takes), each stage module made and filled on ``device`` before torch builds its stage."""
     from ...core.recompute import apply_recompute, recompute_weight_pass_once, schedule_splits_backward
     from ..stages.contiguous import send_contiguous
     from ..stages.precision import autocast_forward, mixed
@@ -216,8 +215,8 @@ def build_traced_stages(spec: RunSpec, topo: RankMesh, device: torch.device) -> 
     if traced is None:
         raise ValueError("build_traced_stages needs a spec whose model was traced (spec.traced)")
     travelled = _real_buffers(spec.model)
-    exported = traced.exported if traced.exported_device == str(torch.device(device)) else None
-    pipe = trace(spec.model, traced.example, traced.split_names, device, exported)
+    shipped = traced.split if traced.split_device == str(torch.device(device)) else None
+    pipe = trace(spec.model, traced.example, traced.split_names, device, shipped)
     fill = stage_fill(spec, device, travelled)
     stages = []
     for s in spec.plan.stages_of(topo.pp_rank):

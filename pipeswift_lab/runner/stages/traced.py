@@ -20,9 +20,9 @@ are not submodules, a forward ``torch.export`` cannot trace (its message, plus w
 ``split="manual"`` builds the stages without the tracer, :mod:`.manual`), a model output with
 no floating tensor, a ``loss_fn`` that cannot read it.
 
-The caller's ``torch.export`` program travels in the spec (:mod:`.exported`): each worker splits it
-as torch's ``pipeline()`` does, without exporting the model again; where torch's serializer cannot
-take it, the workers trace again from the same model and micro-batch (tracing is deterministic).
+The caller's split travels in the spec (:mod:`.shipped`): each worker unpickles torch's stages
+instead of tracing the model again; where the split cannot be pickled or loaded, the workers trace
+again from the same model and micro-batch (tracing is deterministic).
 """
 
 from __future__ import annotations
@@ -41,15 +41,14 @@ from ...core.fake_device import fake_to_meta, faked_on
 from ...core.meta_device import shape_pass
 from ...profiling.pipeline_settings import training_settings
 from .contiguous import contiguous_boundaries
-from .exported import export_step, loaded, serialized
 from .outputs import checked_structure
+from .shipped import pickled_split, unpickled_split
 from .skips import route_skip_connections
 from .tied import TiedGroup, tied_groups, unheld_keys
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
     from torch.distributed.pipelining import Pipe
-    from torch.export import ExportedProgram
 
     from .trial import Trial
 
@@ -65,11 +64,12 @@ class TracedPlan:
     output: TreeSpec | None = None
     """The structure of the model's output (``None``: a tensor), rebuilt for ``loss_fn`` from the last stage's
     tensors."""
-    exported: bytes | None = None
-    """The caller's ``torch.export`` program of the model at these split points, serialized (:mod:`.exported`): the
-    workers on :attr:`exported_device` split it instead of exporting again (``None``: they export)."""
-    exported_device: str | None = None
-    """The device :attr:`exported` was traced for (the first rank's): a rank on another (``cuda:1``) exports for its
+    split: bytes | None = None
+    """The caller's split of the model at these split points (torch's ``Pipe``, its tensors on the meta device),
+    pickled (:mod:`.shipped`): the workers on :attr:`split_device` unpickle it instead of tracing again (``None``:
+    they trace)."""
+    split_device: str | None = None
+    """The device :attr:`split` was traced for (the first rank's): a rank on another (``cuda:1``) traces for its
     own, since a graph keeps the devices it was traced with."""
 
 
@@ -106,29 +106,23 @@ def split_names(model: nn.Module, partition: Any, n_stages: int) -> tuple[str, .
 
 
 def trace(
-    model: nn.Module, example: torch.Tensor, names: tuple[str, ...], device: torch.device, exported: bytes | None = None
+    model: nn.Module, example: torch.Tensor, names: tuple[str, ...], device: torch.device, split: bytes | None = None
 ) -> Pipe:
     """``torch.distributed.pipelining.pipeline(model, (example,), split_spec={name: BEGINNING})`` with every tensor a
     fake one on ``device`` (:func:`~pipeswift_lab.core.fake_device.faked_on`): the graph takes the branches the
-    rank's device takes. With ``exported`` (:attr:`TracedPlan.exported`, the same model, split and example traced
-    by the caller) torch splits that program instead of exporting the model again. Returns the ``Pipe``, whose
-    stages hold meta tensors (made and filled on the rank).
+    rank's device takes. With ``split`` (:attr:`TracedPlan.split`, the same model, split points and example traced
+    by the caller) the caller's ``Pipe`` is unpickled instead, where this process can load it. Returns the
+    ``Pipe``, whose stages hold meta tensors (made and filled on the rank).
 
     Raises ``ValueError`` with the tracer's message, the module it failed in and what to do when the model cannot
     be traced or cut there.
     """
-    return _trace(model, example, names, device, loaded(exported) if exported is not None else None)[0]
+    shipped = unpickled_split(split) if split is not None else None
+    return shipped if shipped is not None else _trace(model, example, names, device)
 
 
-def _trace(
-    model: nn.Module,
-    example: torch.Tensor,
-    names: tuple[str, ...],
-    device: torch.device,
-    program: ExportedProgram | None = None,
-) -> tuple[Pipe, ExportedProgram | None]:
-    """:func:`trace`, splitting ``program`` when given; returns the ``Pipe`` and the program torch split (``None``
-    where this torch's ``pipeline()`` exports in a way :func:`~.exported.export_step` cannot see)."""
+def _trace(model: nn.Module, example: torch.Tensor, names: tuple[str, ...], device: torch.device) -> Pipe:
+    """:func:`trace`, tracing ``model`` whatever travelled."""
     from torch.distributed.pipelining import SplitPoint, pipeline
 
     spec = {name: SplitPoint.BEGINNING for name in names}
@@ -138,12 +132,10 @@ def _trace(
         for name in names
         if name in modules
     }
-    programs: list[ExportedProgram] = []
     try:
         with warnings.catch_warnings(), training_settings(model), faked_on(model, device) as lift:
             warnings.simplefilter("ignore")
-            with export_step(program, programs):
-                pipe = pipeline(model, (lift(example),), split_spec=spec)
+            pipe = pipeline(model, (lift(example),), split_spec=spec)
     except Exception as exc:  # re-raised with what to do
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
         where = failing_module(exc, model)
@@ -168,7 +160,7 @@ def _trace(
             f"{len(names) + 1}: "
             "a split name is not called in forward, or is called more than once"
         )
-    return pipe, programs[-1] if programs else None
+    return pipe
 
 
 def _restore_forwards(modules: dict[str, nn.Module], saved: dict[str, dict[str, Any]]) -> None:
@@ -211,7 +203,7 @@ def check_traceable(trial: Trial) -> tuple[TracedPlan, tuple[TiedGroup, ...]]:
     model, device = trial.model, trial.device
     names = split_names(model, trial.partition, trial.n_stages)
     example = trial.inputs.detach().clone()
-    tied, missing, exported = traced_stage_state(model, example, names, device)
+    tied, missing, split = traced_stage_state(model, example, names, device)
     if missing:
         raise ValueError(
             f"the traced stages do not hold {missing[:8]} of model.state_dict(); the runner cannot return or "
@@ -220,7 +212,7 @@ def check_traceable(trial: Trial) -> tuple[TracedPlan, tuple[TiedGroup, ...]]:
     with torch.no_grad(), training_settings(model), torch.random.fork_rng(), shape_pass(model, device) as lift:
         out = model(lift(example))
         structure = checked_structure(trial.loss_fn, out, lift(trial.targets))
-    return TracedPlan(names, example, structure, exported, str(device)), tied
+    return TracedPlan(names, example, structure, split, str(device)), tied
 
 
 #: What a trace told about a model's stages, by model and then by (split names, example shape and dtype, structure,
@@ -234,17 +226,17 @@ def traced_stage_state(
     model: nn.Module, example: torch.Tensor, names: tuple[str, ...], device: torch.device
 ) -> tuple[tuple[TiedGroup, ...], list[str], bytes | None]:
     """Trace ``model`` at ``names`` and return the tied parameters its stages share, the ``state_dict`` keys no
-    stage holds and the exported program, serialized for the ranks (:attr:`TracedPlan.exported`); remembered for
-    the same model, split, example shape and module structure."""
+    stage holds and the split, pickled for the ranks (:attr:`TracedPlan.split`); remembered for the same model,
+    split, example shape, module structure and forward settings."""
     structure = tuple((k, tuple(t.shape), t.dtype) for k, t in model.state_dict().items())
     key = (names, tuple(example.shape), example.dtype, structure, forward_settings(model), str(device))
     known = _TRACES.setdefault(model, {})
     if key not in known:
-        pipe, program = _trace(model, example, names, device)
+        pipe = _trace(model, example, names, device)
+        split = pickled_split(pipe)
         stage_tensors = [pipe.get_stage_module(s).state_dict() for s in range(pipe.num_stages)]
         known.clear()  # one entry per model: the latest split
-        exported = serialized(program) if program is not None else None
-        known[key] = (tied_groups(model, stage_tensors), unheld_keys(model, stage_tensors), exported)
+        known[key] = (tied_groups(model, stage_tensors), unheld_keys(model, stage_tensors), split)
     return known[key]
 
 
@@ -256,8 +248,8 @@ def forward_settings(model: nn.Module) -> tuple[Any, ...]:
     its plain settings (``p``, ``eps``, ``training``, ``is_causal``, a ``forward`` set on the instance) and those of
     the configuration objects its modules hold (a Hugging Face ``config``: its attention implementation, flags).
 
-    A program traced for one value is not the program of another: the cache of :func:`traced_stage_state`, whose
-    program the ranks split, is keyed by it, so a setting changed between two runs is traced again."""
+    A graph traced for one value is not the graph of another: the cache of :func:`traced_stage_state`, whose split
+    the ranks run, is keyed by it, so a setting changed between two runs is traced again."""
     out: list[Any] = []
     configs: dict[int, Any] = {}
     for module in model.modules():
