@@ -71,8 +71,9 @@ def test_a_family_trains_from_its_checkpoint_on_meta_as_from_pretrained_does(fam
 
 
 def stage_keys(spec):
-    """Every traced stage's ``state_dict`` keys, traced as the ranks trace them."""
-    pipe = trace(spec.model, spec.traced.example, spec.traced.split_names, torch.device("cpu"))
+    """Every traced stage's ``state_dict`` keys, from the split the ranks get (the caller's, unpickled)."""
+    traced = spec.traced
+    pipe = trace(spec.model, traced.example, traced.split_names, torch.device("cpu"), traced.split)
     return [list(pipe.get_stage_module(s).state_dict()) for s in range(pipe.num_stages)]
 
 
@@ -89,7 +90,7 @@ def test_each_stage_reads_only_the_stored_tensors_of_its_own_layers(family, tmp_
     part = halves(model)
     spec = make_spec(build(family, "meta"), (x, y), lm_loss, part, M, weights=tmp_path / "hf")
     stored = stored_names(tmp_path / "hf")
-    traced_keys = stage_keys(spec)  # tracing is this test's cost: once
+    traced_keys = stage_keys(spec)
     per_stage = [spec.weights.stored_names([k for k in keys if k in spec.weights]) for keys in traced_keys]
     assert set(per_stage[0]) | set(per_stage[1]) == stored  # every stored tensor is read
     tied = spec.weights.stored_names([g.canonical for g in spec.tied])  # a tied head: the embedding, by both ends
