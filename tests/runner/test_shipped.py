@@ -124,3 +124,29 @@ def test_a_setting_changed_between_two_runs_is_traced_again():
     assert changed is not first
     model.model.layers[0].self_attn.scaling = 0.5  # a plain setting of one module
     assert make_spec(model, (x, y), lm_loss, part, M).traced.split is not changed
+
+
+def interpreted(pipe):
+    """``{stage: [names of the submodules still run by torch.fx.Interpreter]}`` and how many can be."""
+    out, total = {}, 0
+    for s in range(pipe.num_stages):
+        runners = {n: m for n, m in pipe.get_stage_module(s).named_modules() if hasattr(m, "_run_with_interpreter")}
+        total += len(runners)
+        out[s] = [n for n, m in runners.items() if m._run_with_interpreter]
+    return out, total
+
+
+def test_the_stages_run_their_generated_code_but_where_a_node_is_named_self():
+    from tiny_transformers import bert
+
+    llama = build("Llama")
+    x, _ = tokens()
+    pipe = trace(llama, x[:2], ("model.layers.1",), torch.device("cpu"))
+    still, total = interpreted(pipe)
+    assert total > 10 and still == {0: [], 1: []}
+    assert not interpreted(unpickled_split(pickled_split(pipe)))[0][0]  # so do the ranks' copies
+    pipe = trace(bert(), x[:2], ("bert.encoder.layer.2",), torch.device("cpu"))
+    still, _ = interpreted(pipe)
+    # BertAttention calls its submodule `self`: its generated forward(self, ...) would rebind self
+    assert still[0] == ["bert.encoder.layer.0.attention", "bert.encoder.layer.1.attention"]
+    assert still[1] == ["bert.encoder.layer.2.attention", "bert.encoder.layer.3.attention"]
