@@ -4,8 +4,9 @@
 DeepSpeed's own partition functions split the layers as the export priced.
 
 Each runs in the environment ``.ci/run`` builds beside the test environment (torchtitan in a virtual environment of
-its own, DeepSpeed as packages on ``PYTHONPATH``, Megatron-LM in a Python 3.12 one: megatron-core's parser needs
-3.12). Where an environment is missing the test skips and says why.
+its own, DeepSpeed as packages on ``PYTHONPATH``). Megatron-LM's needs Python 3.12, for which the only torch on PyPI is
+the CUDA build: CI does not pull it, so that test runs where ``$PSL_MEGATRON_ENV`` names an environment
+``.ci/framework_envs DIR megatron`` built. Where an environment is missing the test skips and says why.
 """
 
 import json
@@ -41,7 +42,8 @@ def test_torchtitans_config_manager_loads_the_exports_as_planned(plans):
 
 
 def test_megatrons_own_parser_accepts_the_exports_as_planned(plans):
-    python = framework_env("PSL_MEGATRON_ENV", "megatron-core 0.19 (Python 3.12)") / "venv" / "bin" / "python"
+    unset = "CI does not build it: its torch for Python 3.12 is PyPI's CUDA build; .ci/framework_envs DIR megatron does"
+    python = framework_env("PSL_MEGATRON_ENV", "megatron-core 0.19 (Python 3.12)", unset=unset) / "venv/bin/python"
     for name in PLANS:
         best = plans[name].best
         got = parse_with_framework("megatron", plans[name].export("megatron"), python=python, world=best.gpus)
