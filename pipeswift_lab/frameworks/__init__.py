@@ -28,7 +28,7 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover - Python 3.10
     import tomli as tomllib
 
-from .own_parsers import parse_with_framework
+from .own_parsers import parse_each_with_framework, parse_with_framework
 from .target import FRAMEWORKS, ExportTarget, ExportWarning, ImportedConfig, check_framework
 
 __all__ = [
@@ -38,6 +38,7 @@ __all__ = [
     "ImportedConfig",
     "even_stage_modules",
     "exporter",
+    "parse_each_with_framework",
     "parse_with_framework",
     "read",
 ]

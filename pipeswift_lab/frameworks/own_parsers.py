@@ -21,58 +21,67 @@ import subprocess
 import sys
 import tempfile
 import textwrap
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from .target import check_framework
 
-__all__ = ["parse_with_framework"]
+__all__ = ["parse_with_framework", "parse_each_with_framework"]
 
 _TORCHTITAN = """
 import json, sys
 sys.path.insert(0, FOLDER)
 from torchtitan.config import ConfigManager
-cfg = ConfigManager().parse_args(["--module", MODULE, "--config", "config"])
-p, t = cfg.parallelism, cfg.training
-print(json.dumps({
-    "pipeline_parallel_degree": p.pipeline_parallel_degree,
-    "data_parallel_replicate_degree": p.data_parallel_replicate_degree,
-    "data_parallel_shard_degree": p.data_parallel_shard_degree,
-    "tensor_parallel_degree": p.tensor_parallel_degree,
-    "pipeline_parallel_schedule": p.pipeline_parallel_schedule,
-    "pipeline_parallel_microbatch_size": p.pipeline_parallel_microbatch_size,
-    "module_fqns_per_model_part": p.module_fqns_per_model_part,
-    "local_batch_size": t.local_batch_size,
-    "global_batch_size": t.global_batch_size,
-    "seq_len": t.seq_len,
-    "activation_checkpoint": type(cfg.activation_checkpoint).__qualname__,
-    "model": [cfg.model_spec.name, cfg.model_spec.flavor, len(cfg.model_spec.model.layers)],
-}))
+
+def parsed(module):
+    cfg = ConfigManager().parse_args(["--module", module, "--config", "config"])
+    p, t = cfg.parallelism, cfg.training
+    return {
+        "pipeline_parallel_degree": p.pipeline_parallel_degree,
+        "data_parallel_replicate_degree": p.data_parallel_replicate_degree,
+        "data_parallel_shard_degree": p.data_parallel_shard_degree,
+        "tensor_parallel_degree": p.tensor_parallel_degree,
+        "pipeline_parallel_schedule": p.pipeline_parallel_schedule,
+        "pipeline_parallel_microbatch_size": p.pipeline_parallel_microbatch_size,
+        "module_fqns_per_model_part": p.module_fqns_per_model_part,
+        "local_batch_size": t.local_batch_size,
+        "global_batch_size": t.global_batch_size,
+        "seq_len": t.seq_len,
+        "activation_checkpoint": type(cfg.activation_checkpoint).__qualname__,
+        "model": [cfg.model_spec.name, cfg.model_spec.flavor, len(cfg.model_spec.model.layers)],
+    }
+
+print(json.dumps([parsed(module) for module in MODULES]))
 """
 
 _MEGATRON = """
 import json, os, sys
 from unittest import mock
 import megatron.training.arguments as arguments
-os.environ["WORLD_SIZE"] = str(WORLD)
-sys.argv = ["pretrain_gpt.py", *ARGS, "--no-rope-fusion", "--tokenizer-type", "NullTokenizer", "--mock-data",
-            "--lr", "1e-4"]
-with mock.patch.object(arguments, "get_device_arch_version", return_value=GPU_ARCH):
-    args = arguments.parse_args()
-    arguments.validate_args(args, {})
-config = arguments.core_transformer_config_from_args(args)
-print(json.dumps({
-    "tensor_model_parallel_size": args.tensor_model_parallel_size,
-    "pipeline_model_parallel_size": args.pipeline_model_parallel_size,
-    "virtual_pipeline_model_parallel_size": args.virtual_pipeline_model_parallel_size,
-    "data_parallel_size": args.data_parallel_size,
-    "micro_batch_size": args.micro_batch_size,
-    "global_batch_size": args.global_batch_size,
-    "pipeline_model_parallel_layout": str(args.pipeline_model_parallel_layout or ""),
-    "recompute_granularity": args.recompute_granularity,
-    "num_layers": config.num_layers,
-    "bf16": args.bf16,
-}))
+
+def parsed(argv, world):
+    os.environ["WORLD_SIZE"] = str(world)
+    sys.argv = ["pretrain_gpt.py", *argv, "--no-rope-fusion", "--tokenizer-type", "NullTokenizer", "--mock-data",
+                "--lr", "1e-4"]
+    with mock.patch.object(arguments, "get_device_arch_version", return_value=GPU_ARCH):
+        args = arguments.parse_args()
+        arguments.validate_args(args, {})
+    config = arguments.core_transformer_config_from_args(args)
+    return {
+        "tensor_model_parallel_size": args.tensor_model_parallel_size,
+        "pipeline_model_parallel_size": args.pipeline_model_parallel_size,
+        "virtual_pipeline_model_parallel_size": args.virtual_pipeline_model_parallel_size,
+        "data_parallel_size": args.data_parallel_size,
+        "micro_batch_size": args.micro_batch_size,
+        "global_batch_size": args.global_batch_size,
+        "pipeline_model_parallel_layout": str(args.pipeline_model_parallel_layout or ""),
+        "recompute_granularity": args.recompute_granularity,
+        "num_layers": config.num_layers,
+        "bf16": args.bf16,
+    }
+
+print(json.dumps([parsed(argv, world) for argv, world in zip(ARGS, WORLDS)]))
 """
 
 _DEEPSPEED = """
@@ -84,17 +93,23 @@ deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False  # a config check
 deepspeed.init_distributed(dist_backend="gloo")
 
 class DataParallel:  # the mpu DeepSpeedConfig reads the data-parallel size from
-    def get_data_parallel_world_size(self):
-        return DP
+    dp = 1
 
-config = DeepSpeedConfig(DS, mpu=DataParallel())
-print(json.dumps({
-    "train_batch_size": config.train_batch_size,
-    "train_micro_batch_size_per_gpu": config.train_micro_batch_size_per_gpu,
-    "gradient_accumulation_steps": config.gradient_accumulation_steps,
-    "bf16": config.bfloat16_config.enabled,
-    "zero_stage": config.zero_optimization_stage,
-}))
+    def get_data_parallel_world_size(self):
+        return self.dp
+
+def parsed(ds, dp):
+    DataParallel.dp = dp
+    config = DeepSpeedConfig(ds, mpu=DataParallel())
+    return {
+        "train_batch_size": config.train_batch_size,
+        "train_micro_batch_size_per_gpu": config.train_micro_batch_size_per_gpu,
+        "gradient_accumulation_steps": config.gradient_accumulation_steps,
+        "bf16": config.bfloat16_config.enabled,
+        "zero_stage": config.zero_optimization_stage,
+    }
+
+print(json.dumps([parsed(ds, dp) for ds, dp in zip(DS, DP)]))
 """
 
 
@@ -120,22 +135,58 @@ def parse_with_framework(
 
     Raises ``RuntimeError`` with the framework's own message where it refuses the configuration or is not installed
     in that environment."""
+    worlds = None if world is None else [world]
+    return parse_each_with_framework(
+        framework,
+        [exported],
+        python=python,
+        worlds=worlds,
+        gpu_arch=gpu_arch,
+        pythonpath=pythonpath,
+        timeout_s=timeout_s,
+    )[0]
+
+
+def parse_each_with_framework(
+    framework: str,
+    exports: Sequence[Any],
+    *,
+    python: str | os.PathLike[str] = sys.executable,
+    worlds: Sequence[int] | None = None,
+    gpu_arch: int = 9,
+    pythonpath: str | os.PathLike[str] | None = None,
+    timeout_s: float = 600.0,
+) -> list[dict[str, Any]]:
+    """:func:`parse_with_framework` for several exports in one process (the framework imported once): a list of what
+    each parsed to, in order. ``worlds`` has one world size per export (Megatron-LM and DeepSpeed). Raises
+    ``RuntimeError`` where the framework refuses any of them."""
     name = check_framework(framework)
+    exports = list(exports)
+    if name in ("megatron", "deepspeed"):
+        if worlds is None or len(worlds) != len(exports):
+            what = (
+                "Megatron-LM derives its data-parallel size"
+                if name == "megatron"
+                else "DeepSpeed's data-parallel size is"
+            )
+            raise ValueError(f"one world size per export is needed: {what} from the world size")
     with tempfile.TemporaryDirectory() as folder:
         if name == "torchtitan":
-            Path(folder, "pipeswift_plan.py").write_text(str(exported), encoding="utf-8")
-            script = _script(_TORCHTITAN, FOLDER=folder, MODULE="pipeswift_plan")
+            modules = [f"pipeswift_plan_{i}" for i in range(len(exports))]
+            for module, exported in zip(modules, exports):
+                Path(folder, f"{module}.py").write_text(str(exported), encoding="utf-8")
+            script = _script(_TORCHTITAN, FOLDER=folder, MODULES=modules)
         elif name == "megatron":
-            if world is None:
-                raise ValueError("world= is needed: Megatron-LM derives its data-parallel size from the world size")
-            script = _script(_MEGATRON, ARGS=[str(a) for a in exported], WORLD=int(world), GPU_ARCH=int(gpu_arch))
+            args = [[str(a) for a in exported] for exported in exports]
+            script = _script(_MEGATRON, ARGS=args, WORLDS=[int(w) for w in worlds or ()], GPU_ARCH=int(gpu_arch))
         elif name == "deepspeed":
-            module = exported.get("pipeline_module", {})
-            stages, tp = int(module.get("num_stages", 1)), int(module.get("topology", {}).get("num_mp", 1))
-            if world is None:
-                raise ValueError("world= is needed: DeepSpeed's data-parallel size is the world over stages x tp")
-            dp = int(world) // (stages * tp)
-            script = _script(_DEEPSPEED, DS=exported["ds_config"], DP=dp, PORT=29000 + os.getpid() % 1000)
+            configs, dps = [], []
+            for exported, world in zip(exports, worlds or ()):
+                module = exported.get("pipeline_module", {})
+                stages, tp = int(module.get("num_stages", 1)), int(module.get("topology", {}).get("num_mp", 1))
+                configs.append(exported["ds_config"])
+                dps.append(int(world) // (stages * tp))
+            script = _script(_DEEPSPEED, DS=configs, DP=dps, PORT=29000 + os.getpid() % 1000)
         else:
             raise ValueError(f"framework={framework!r}: the own parser runs for torchtitan, megatron and deepspeed")
         env = {**os.environ, "CUDA_DEVICE_MAX_CONNECTIONS": "1", "DS_ACCELERATOR": "cpu"}
@@ -147,4 +198,4 @@ def parse_with_framework(
     lines = done.stdout.strip().splitlines()
     if done.returncode != 0 or not lines:
         raise RuntimeError(f"{name}'s own parser refused it ({python}):\n{done.stderr.strip()[-2000:]}")
-    return dict(json.loads(lines[-1]))
+    return [dict(parsed) for parsed in json.loads(lines[-1])]

@@ -18,7 +18,7 @@ import textwrap
 import pytest
 from framework_envs import framework_env
 
-from pipeswift_lab.frameworks import parse_with_framework
+from pipeswift_lab.frameworks import parse_each_with_framework, parse_with_framework
 from pipeswift_lab.frameworks.deepspeed import method_parts
 
 pytestmark = pytest.mark.filterwarnings("ignore::pipeswift_lab.frameworks.ExportWarning")
@@ -28,9 +28,10 @@ PLANS = ("uneven", "interleaved", "3d")
 
 def test_torchtitans_config_manager_loads_the_exports_as_planned(plans):
     python = framework_env("PSL_TORCHTITAN_ENV", "torchtitan 0.3") / "venv" / "bin" / "python"
-    for name in PLANS:
+    exports = [plans[name].export("torchtitan") for name in PLANS]
+    parsed = parse_each_with_framework("torchtitan", exports, python=python)
+    for name, got in zip(PLANS, parsed):
         best = plans[name].best
-        got = parse_with_framework("torchtitan", plans[name].export("torchtitan"), python=python)
         assert got["pipeline_parallel_degree"] == best.P and got["tensor_parallel_degree"] == best.tp
         assert (got["data_parallel_replicate_degree"], got["data_parallel_shard_degree"]) == (best.D, best.fsdp)
         assert got["pipeline_parallel_microbatch_size"] == best.microbatch_size
@@ -44,9 +45,9 @@ def test_torchtitans_config_manager_loads_the_exports_as_planned(plans):
 def test_megatrons_own_parser_accepts_the_exports_as_planned(plans):
     unset = "CI does not build it: its torch for Python 3.12 is PyPI's CUDA build; .ci/framework_envs DIR megatron does"
     python = framework_env("PSL_MEGATRON_ENV", "megatron-core 0.19 (Python 3.12)", unset=unset) / "venv/bin/python"
-    for name in PLANS:
+    exports, worlds = [plans[name].export("megatron") for name in PLANS], [plans[name].best.gpus for name in PLANS]
+    for name, got in zip(PLANS, parse_each_with_framework("megatron", exports, python=python, worlds=worlds)):
         best = plans[name].best
-        got = parse_with_framework("megatron", plans[name].export("megatron"), python=python, world=best.gpus)
         assert (got["pipeline_model_parallel_size"], got["tensor_model_parallel_size"]) == (best.P, best.tp)
         assert (got["virtual_pipeline_model_parallel_size"] or 1) == best.v
         assert got["data_parallel_size"] == best.D * best.fsdp and got["micro_batch_size"] == best.microbatch_size
@@ -58,10 +59,12 @@ def test_megatrons_own_parser_accepts_the_exports_as_planned(plans):
 def test_deepspeeds_config_checks_accept_the_exports_and_split_as_exported(plans):
     site = framework_env("PSL_DEEPSPEED_ENV", "DeepSpeed 0.19.8") / "site"
     runs = {}
-    for name in PLANS:
+    exports = {name: plans[name].export("deepspeed") for name in PLANS}
+    worlds = [plans[name].best.gpus for name in PLANS]
+    parsed = parse_each_with_framework("deepspeed", list(exports.values()), pythonpath=site, worlds=worlds)
+    for name, got in zip(PLANS, parsed):
         best, table = plans[name].best, plans[name].checked.costs.table(1)
-        out = plans[name].export("deepspeed")
-        got = parse_with_framework("deepspeed", out, pythonpath=site, world=best.gpus)
+        out = exports[name]
         assert got["train_batch_size"] == best.m * best.microbatch_size * best.D * best.fsdp
         assert (got["train_micro_batch_size_per_gpu"], got["gradient_accumulation_steps"]) == (
             best.microbatch_size,
@@ -94,3 +97,17 @@ def test_deepspeeds_config_checks_accept_the_exports_and_split_as_exported(plans
     assert done.returncode == 0, done.stderr[-2000:]
     parts = json.loads(done.stdout.strip().splitlines()[-1])
     assert parts == {name: run["mine"] for name, run in runs.items()}
+
+
+def test_a_framework_not_installed_is_named_in_the_error(plans):
+    # this environment has no torchtitan: the parser's own ImportError comes back, with the interpreter that ran it
+    with pytest.raises(RuntimeError, match=r"(?s)torchtitan's own parser refused it .*No module named 'torchtitan'"):
+        parse_with_framework("torchtitan", plans["uneven"].export("torchtitan"), python=sys.executable)
+
+
+def test_megatron_and_deepspeed_need_one_world_size_per_export(plans):
+    exports = [plans[name].export("megatron") for name in PLANS]
+    with pytest.raises(ValueError, match="one world size per export"):
+        parse_each_with_framework("megatron", exports, worlds=[8])
+    with pytest.raises(ValueError, match="one world size per export"):
+        parse_with_framework("deepspeed", plans["uneven"].export("deepspeed"))
