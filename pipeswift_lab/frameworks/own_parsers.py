@@ -93,14 +93,14 @@ deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False  # a config check
 deepspeed.init_distributed(dist_backend="gloo")
 
 class DataParallel:  # the mpu DeepSpeedConfig reads the data-parallel size from
-    dp = 1
+    def __init__(self, dp):
+        self.dp = dp
 
     def get_data_parallel_world_size(self):
         return self.dp
 
 def parsed(ds, dp):
-    DataParallel.dp = dp
-    config = DeepSpeedConfig(ds, mpu=DataParallel())
+    config = DeepSpeedConfig(ds, mpu=DataParallel(dp))
     return {
         "train_batch_size": config.train_batch_size,
         "train_micro_batch_size_per_gpu": config.train_micro_batch_size_per_gpu,
