@@ -162,14 +162,12 @@ def parse_each_with_framework(
     ``RuntimeError`` where the framework refuses any of them."""
     name = check_framework(framework)
     exports = list(exports)
-    if name in ("megatron", "deepspeed"):
-        if worlds is None or len(worlds) != len(exports):
-            what = (
-                "Megatron-LM derives its data-parallel size"
-                if name == "megatron"
-                else "DeepSpeed's data-parallel size is"
-            )
-            raise ValueError(f"one world size per export is needed: {what} from the world size")
+    world_sizes = [int(w) for w in worlds or ()]
+    if name in ("megatron", "deepspeed") and len(world_sizes) != len(exports):
+        raise ValueError(
+            f"worlds= needs one world size per export ({len(exports)}, not {len(world_sizes)}): {name} derives its "
+            "data-parallel size from the world size"
+        )
     with tempfile.TemporaryDirectory() as folder:
         if name == "torchtitan":
             modules = [f"pipeswift_plan_{i}" for i in range(len(exports))]
@@ -178,14 +176,14 @@ def parse_each_with_framework(
             script = _script(_TORCHTITAN, FOLDER=folder, MODULES=modules)
         elif name == "megatron":
             args = [[str(a) for a in exported] for exported in exports]
-            script = _script(_MEGATRON, ARGS=args, WORLDS=[int(w) for w in worlds or ()], GPU_ARCH=int(gpu_arch))
+            script = _script(_MEGATRON, ARGS=args, WORLDS=world_sizes, GPU_ARCH=int(gpu_arch))
         elif name == "deepspeed":
             configs, dps = [], []
-            for exported, world in zip(exports, worlds or ()):
+            for exported, world in zip(exports, world_sizes):
                 module = exported.get("pipeline_module", {})
                 stages, tp = int(module.get("num_stages", 1)), int(module.get("topology", {}).get("num_mp", 1))
                 configs.append(exported["ds_config"])
-                dps.append(int(world) // (stages * tp))
+                dps.append(world // (stages * tp))
             script = _script(_DEEPSPEED, DS=configs, DP=dps, PORT=29000 + os.getpid() % 1000)
         else:
             raise ValueError(f"framework={framework!r}: the own parser runs for torchtitan, megatron and deepspeed")
