@@ -8,7 +8,7 @@ import torch
 
 def pytest_configure(config):
     """One intra-op thread in every test process and in what it starts (notebook kernels, subprocesses): the suite
-    runs two workers on a 2-core machine, where a second OpenMP thread per process only waits at barriers for a
+    runs three workers on a 2-core machine, where a second OpenMP thread per process only waits at barriers for a
     descheduled core (a tiny matmul then takes ~15 ms). A run's own ranks set their threads themselves."""
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)

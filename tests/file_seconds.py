@@ -2,8 +2,8 @@
 
     pytest --junitxml=/tmp/junit.xml && python tests/file_seconds.py /tmp/junit.xml
 
-The root ``conftest.py`` hands the files to the two xdist workers longest first (longest-processing-time-first
-scheduling), so that no long file starts last while the other worker idles; a file missing from the record counts as
+The root ``conftest.py`` hands the files to the xdist workers longest first (longest-processing-time-first
+scheduling), so that no long file starts last while the other workers idle; a file missing from the record counts as
 the median. A stale record only orders the files less well.
 """
 
