@@ -6,7 +6,7 @@ from launch_stress import busy_core, cold_run, save_spec, two_node_launch
 pytestmark = pytest.mark.processes  # starts worker processes: `pytest -m "not processes"` skips it
 
 #: Cold launches the suite makes while a core is busy (each starts fresh interpreters that import torch, and the busy
-#: core slows the suite's other worker meanwhile). A guard against a gross regression; the deterministic check is
+#: core slows the suite's other workers meanwhile). A guard against a gross regression; the deterministic check is
 #: every run's threads_after_teardown, the count the benchmark's (30 of each).
 COLD_LAUNCHES = 1
 TWO_NODE_LAUNCHES = 1
