@@ -16,6 +16,7 @@ from typing import Any
 from torch import nn
 
 from ..core.checks import check_int
+from ..core.meta_device import parameter_names
 from ..core.sequence_parallel import check_sequence_parallel
 from ..core.tp_plan import as_tp, resolve_tp_plan
 from .devices import resolve_devices
@@ -28,6 +29,7 @@ __all__ = [
     "REPLICA_UNSUPPORTED",
     "RunLayout",
     "check_layout",
+    "check_untied",
     "check_nprocs",
     "check_replica_schedule",
     "layout_placement",
@@ -71,19 +73,10 @@ class RunLayout:
                 f"{self.tp} equal parts; a micro-batch of shape {shape} has no sequence of a length tp divides"
             )
 
-    def check_built(self, tied: Sequence[Any], precision: str | None) -> None:
-        """Refuse what the built stages show this layout cannot run: a parameter several stages hold (tied weights
-        across stages), and ZeRO-1's sharded optimizer beside FSDP or tensor parallelism."""
-        if self.fsdp * self.tp == 1:
-            return
-        if tied:
-            names = [getattr(group, "canonical", group) for group in tied][:4]
-            raise ValueError(
-                f"fsdp={self.fsdp}, tp={self.tp}: the stages share tied parameters {names}, whose copies the runner "
-                "keeps equal by summing their gradients between stages, which it does not do for sharded "
-                "parameters; untie them (tie_word_embeddings=False) or put the tied layers on one stage"
-            )
-        if precision == "bf16-mixed-zero1":
+    def check_built(self, precision: str | None) -> None:
+        """Refuse what this layout cannot run beside the built stages: ZeRO-1's sharded optimizer beside FSDP or
+        tensor parallelism."""
+        if self.fsdp * self.tp > 1 and precision == "bf16-mixed-zero1":
             raise ValueError(
                 "precision='bf16-mixed-zero1' shards the optimizer over the replicas with torch's "
                 "ZeroRedundancyOptimizer; with fsdp or tp FSDP2 shards it already: use precision='bf16-mixed'"
@@ -117,6 +110,8 @@ def check_layout(
     if record.degree > 1:
         check_reshard(reshard, plan.schedule, plan.P)
     sharded = record.degree * tp > 1
+    if sharded:
+        check_untied(model, record.degree, tp)
     if sharded and not isinstance(model, nn.Sequential):
         if split == "trace":
             raise ValueError(
@@ -132,6 +127,22 @@ def check_layout(
         reshard_after_forward=bool(reshard),
         split=split,
     )
+
+
+def check_untied(model: nn.Module, fsdp: int, tp: int) -> None:
+    """Refuse ``fsdp`` or ``tp`` above 1 on a model that ties parameters (one tensor under two names: a tied input
+    embedding and output head), on one stage or across stages: tensor parallelism replaces each planned module's
+    parameters with sharded ones, so the two names would train apart, and FSDP2 refuses a parameter in two of its
+    groups; across stages the runner keeps the copies equal by summing their gradients, which it does not do for
+    sharded parameters."""
+    tied = [names for names in parameter_names(model) if len(names) > 1]
+    if tied:
+        raise ValueError(
+            f"fsdp={fsdp}, tp={tp}: the model ties parameters ({', '.join(' = '.join(names) for names in tied[:4])}), "
+            "one tensor under two names, which sharding would untie (tensor parallelism trains the two apart, FSDP2 "
+            "refuses a parameter in two of its groups); untie them (tie_word_embeddings=False for a Hugging Face "
+            "model) or run with fsdp=1 and tp=1"
+        )
 
 
 def layout_placement(

@@ -156,3 +156,20 @@ def test_tensor_parallelism_needs_a_plan_and_whole_heads():
         psl.run(llama, (x, y), lm_loss, part, M, tp=4)
     with pytest.raises(ValueError, match=r'split="trace" cannot run fsdp=1, tp=2'):
         make_spec(llama, (x, y), lm_loss, part, M, tp=2, split="trace")
+
+
+@pytest.mark.parametrize("family", ["Qwen2", "Gemma2"])  # an input embedding and output head tied by default
+@pytest.mark.parametrize(("P", "fsdp", "tp"), [(1, 1, 2), (1, 2, 1), (2, 1, 2)])
+def test_tied_parameters_are_refused_with_fsdp_or_tp_on_one_stage_or_across_stages(family, P, fsdp, tp):
+    # sharding would untie them: tensor parallelism trained the two apart (Gemma 2 at P=1, tp=2 ended 5.7e-3 away
+    # from one process), FSDP2 failed on its ranks, a parameter in two of its groups
+    model = build(family, "meta")
+    x, y = tokens()
+    part = halves(model, P=P)
+    refused = rf"fsdp={fsdp}, tp={tp}: the model ties parameters \(model.embed_tokens.weight = lm_head.weight\)"
+    with pytest.raises(ValueError, match=refused):
+        psl.run(model, (x, y), lm_loss, part, M, fsdp=fsdp, tp=tp)
+    untied = build(family, "meta")
+    untied.config.tie_word_embeddings = False
+    untied.lm_head.weight = nn.Parameter(torch.empty_like(untied.lm_head.weight))
+    assert make_spec(untied, (x, y), lm_loss, part, M, fsdp=fsdp, tp=tp).world_size == P * fsdp * tp
