@@ -73,9 +73,8 @@ class RunLayout:
                 f"{self.tp} equal parts; a micro-batch of shape {shape} has no sequence of a length tp divides"
             )
 
-    def check_built(self, precision: str | None) -> None:
-        """Refuse what this layout cannot run beside the built stages: ZeRO-1's sharded optimizer beside FSDP or
-        tensor parallelism."""
+    def check_zero1(self, precision: str | None) -> None:
+        """Refuse ZeRO-1's sharded optimizer (``precision="bf16-mixed-zero1"``) beside FSDP or tensor parallelism."""
         if self.fsdp * self.tp > 1 and precision == "bf16-mixed-zero1":
             raise ValueError(
                 "precision='bf16-mixed-zero1' shards the optimizer over the replicas with torch's "
@@ -98,7 +97,8 @@ def check_layout(
     Raises ``ValueError`` for a ``tp`` the plan's sharded sizes or the attention heads do not allow, ``tp > 1`` on a
     model with no plan and no ``tp_plan=``, a plan glob matching no module, an unknown style
     (:func:`~pipeswift_lab.core.tp_plan.resolve_tp_plan`), ``reshard_after_forward=True`` under a schedule that
-    splits the backward, and ``split="trace"`` with ``fsdp`` or ``tp`` above 1."""
+    splits the backward, ``split="trace"`` with ``fsdp`` or ``tp`` above 1, and a model that ties parameters with
+    either above 1 (:func:`check_untied`)."""
     record = as_fsdp(fsdp)
     tp_record = as_tp(tp)
     tp = tp_record.degree

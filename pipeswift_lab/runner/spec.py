@@ -340,7 +340,7 @@ def make_spec(
         model, partition, plan, data_source, batch_size // m, loss_fn, split, trace_device(*placement[1:])
     )
     precision = check_run_precision(precision, checkpoints=bool(job.checkpoint_dir or job.resume_from))
-    layout.check_built(precision)
+    layout.check_zero1(precision)
     layout.check_sequence(shapes.boundaries)
     layers = shapes.layer_names
     recomputed = plan_recompute(recompute, [tuple(layers[a:b]) for a, b in plan.bounds])
