@@ -158,7 +158,7 @@ def test_tensor_parallelism_needs_a_plan_and_whole_heads():
         make_spec(llama, (x, y), lm_loss, part, M, tp=2, split="trace")
 
 
-@pytest.mark.parametrize("family", ["Qwen2", "Gemma2"])  # an input embedding and output head tied by default
+@pytest.mark.parametrize("family", ["Qwen2", "Gemma2"])  # input embedding and head tied: the zoo's config, the default
 @pytest.mark.parametrize(("P", "fsdp", "tp"), [(1, 1, 2), (1, 2, 1), (2, 1, 2)])
 def test_tied_parameters_are_refused_with_fsdp_or_tp_on_one_stage_or_across_stages(family, P, fsdp, tp):
     # sharding would untie them: tensor parallelism trained the two apart (Gemma 2 at P=1, tp=2 ended 5.7e-3 away
