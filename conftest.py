@@ -28,6 +28,30 @@ PROCESS_NOTEBOOKS = (
 )
 
 
+def pytest_configure(config):
+    """nbval starts a notebook's kernel again when it dies at start, up to three times. jupyter_client picks a
+    kernel's five TCP ports on 127.0.0.1 by binding port 0 and letting go, and the kernel binds them a moment later;
+    meanwhile the other test workers' runs open ephemeral ports by the hundred (rendezvous stores, gloo's
+    connections). A kernel that lost a port to them died at start ("Kernel died before replying to kernel_info",
+    notebook 10 in a CI run with a core busy); a new start picks new ports. A notebook that fails for itself fails
+    three times and reports the last error."""
+    try:
+        import nbval.kernel
+    except ImportError:  # pragma: no cover - nbval is a test extra
+        return
+    start_once = nbval.kernel.start_new_kernel
+
+    def start_new_kernel(*args, **kwargs):
+        for attempt in range(3):
+            try:
+                return start_once(*args, **kwargs)
+            except RuntimeError:
+                if attempt == 2:
+                    raise
+
+    nbval.kernel.start_new_kernel = start_new_kernel
+
+
 def pytest_collection_modifyitems(config, items):
     """Mark the cells of the notebooks that run pipelines ``processes``, so ``-m "not processes"`` skips them too; and
     order the files longest first (``tests/file_seconds.json``), each file's items in their order: xdist's ``loadfile``
