@@ -80,12 +80,12 @@ def split_backward_columns(
         for handle in handles:
             handle.remove()
 
-    out: dict[str, list[float]] = {"input_pass_ms": [], "weight_pass_ms": []}
-    for i, (_, module) in enumerate(units):
-        args, kwargs = received.get(i, ((), {}))
-        timed = _timed_passes(module, args, kwargs, repeats) if _needs_input_pass(args, kwargs) else None
-        out["input_pass_ms"].append(timed[0] if timed else float("nan"))
-        out["weight_pass_ms"].append(timed[1] if timed else float("nan"))
+    calls = [(module, *received.get(i, ((), {}))) for i, (_, module) in enumerate(units)]
+    timed = _timed_passes([call if _needs_input_pass(call[1], call[2]) else None for call in calls], repeats)
+    out: dict[str, list[float]] = {
+        "input_pass_ms": [t[0] if t else float("nan") for t in timed],
+        "weight_pass_ms": [t[1] if t else float("nan") for t in timed],
+    }
     # one tracker for every pass: the process's tensors are found once (a walk of every object the collector
     # tracks, a tenth of a second or more in a process that has imported torch), each pass's own are seen made
     with LiveTensorBytes(_EARLIER) as tracker:
@@ -160,15 +160,42 @@ def _needs_input_pass(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
 
 
 def _timed_passes(
-    module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], repeats: int
-) -> tuple[float, float] | None:
-    """Median ms of torch's ``stage_backward_input`` and ``stage_backward_weight`` on ``module(*args, **kwargs)``
-    (a fresh forward, untimed, before each; one untimed round first); None where the unit cannot run alone."""
+    calls: Sequence[tuple[nn.Module, tuple[Any, ...], dict[str, Any]] | None], repeats: int
+) -> list[tuple[float, float] | None]:
+    """Per call ``(module, args, kwargs)``: the median ms of torch's ``stage_backward_input`` and
+    ``stage_backward_weight`` on ``module(*args, **kwargs)`` (a fresh forward, untimed, before each); None for a
+    None call and where the unit cannot run alone. The units take turns, one pass each per round, over one
+    untimed round and ``repeats`` timed ones: whatever else the machine does for a while falls on one round of
+    every unit, which the medians drop, not on every pass of one unit (which would then look slower than its
+    whole backward, timed in the profile's steps)."""
     from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
 
+    times: list[list[tuple[float, float]] | None] = [[] if call is not None else None for call in calls]
+    saved = {id(p): (p, p.grad) for call in calls if call is not None for p in call[0].parameters() if p.requires_grad}
+    try:
+        for _ in range(repeats + 1):
+            for i, call in enumerate(calls):
+                kept = times[i]
+                if call is None or kept is None:
+                    continue
+                try:
+                    kept.append(_one_timed_pass(*call, stage_backward_input, stage_backward_weight))
+                except (RuntimeError, TypeError, ValueError):
+                    times[i] = None
+    finally:
+        for p, grad in saved.values():
+            p.grad = grad
+    return [
+        (float(np.median([a for a, _ in kept[1:]])), float(np.median([b for _, b in kept[1:]]))) if kept else None
+        for kept in times
+    ]
+
+
+def _one_timed_pass(
+    module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], backward_input: Any, backward_weight: Any
+) -> tuple[float, float]:
+    """The ms of one ``stage_backward_input`` and one ``stage_backward_weight`` on a fresh forward of the unit."""
     inputs = [t for t in iter_tensors((list(args), kwargs)) if t.requires_grad]
-    params = [p for p in module.parameters() if p.requires_grad]
-    grads_before = [p.grad for p in params]
     device = next((t.device for t in inputs), torch.device("cpu"))
 
     def now() -> float:
@@ -176,27 +203,16 @@ def _timed_passes(
             torch.cuda.synchronize(device)
         return time.perf_counter()
 
-    times: list[tuple[float, float]] = []
-    try:
-        for _ in range(repeats + 1):
-            outputs = [t for t in iter_tensors(module(*args, **kwargs)) if t.requires_grad]
-            grads = [torch.ones_like(t) for t in outputs]
-            t0 = now()
-            _, groups = stage_backward_input(outputs, grads, inputs, module.parameters())
-            t1 = now()
-            stage_backward_weight(module.parameters(), groups)
-            t2 = now()
-            times.append(((t1 - t0) * 1e3, (t2 - t1) * 1e3))
-            for t in inputs:
-                t.grad = None
-            del outputs, grads, groups
-    except (RuntimeError, TypeError, ValueError):
-        return None
-    finally:
-        for p, g in zip(params, grads_before):
-            p.grad = g
-    kept = times[1:]
-    return float(np.median([a for a, _ in kept])), float(np.median([b for _, b in kept]))
+    outputs = [t for t in iter_tensors(module(*args, **kwargs)) if t.requires_grad]
+    grads = [torch.ones_like(t) for t in outputs]
+    t0 = now()
+    _, groups = backward_input(outputs, grads, inputs, module.parameters())
+    t1 = now()
+    backward_weight(module.parameters(), groups)
+    t2 = now()
+    for t in inputs:
+        t.grad = None
+    return (t1 - t0) * 1e3, (t2 - t1) * 1e3
 
 
 def _as_received(value: Any) -> Any:
