@@ -23,6 +23,7 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import Any, Protocol
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
 __all__ = ["LiveTensorBytes", "MemoryMeter", "live_tensors", "memory_meter"]
@@ -154,11 +155,11 @@ def _key(t: torch.Tensor) -> int | None:
     """The data pointer that tells ``t``'s storage apart (a DTensor's local shard's), or None for a tensor without a
     plain storage."""
     t = local_tensor(t)
-    if t.device.type == "meta" or t.layout != torch.strided:
-        return None
+    if t.device.type == "meta" or t.layout != torch.strided or isinstance(t, FakeTensor):
+        return None  # a fake tensor (left by tracing) has no memory: torch only warns when its pointer is read
     try:
         return t.untyped_storage().data_ptr()
-    except (RuntimeError, NotImplementedError):  # no real storage: a fake tensor left by tracing, a subclass
+    except (RuntimeError, NotImplementedError):  # no real storage: a subclass
         return None
 
 

@@ -1,6 +1,9 @@
 """The CPU tensor-memory count: storages allocated, views and in-place results, frees, and what existed before."""
 
+import warnings
+
 import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
 
 from pipeswift_lab.core.live_bytes import LiveTensorBytes, live_tensors, memory_meter
 
@@ -70,3 +73,14 @@ def test_meter_reads_the_tracker_and_resets_its_peak():
         assert meter.peak() == MIB and meter.allocated() == 0
         meter.reset_peak()
         assert meter.peak() == 0
+
+
+def test_a_fake_tensor_left_by_tracing_is_adopted_as_nothing_without_reading_its_pointer():
+    with FakeTensorMode():
+        fake = torch.randn(64, 64)
+    real = torch.randn(8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # torch warns when a fake tensor's data pointer is read
+        with LiveTensorBytes() as tracker:
+            tracker.adopt([fake, real], "earlier")
+    assert tracker.live_bytes == real.untyped_storage().nbytes()
