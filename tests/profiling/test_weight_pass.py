@@ -1,11 +1,11 @@
 """How the profiler times a zero-bubble schedule's two backward passes, ``I`` and ``W``, per unit."""
 
 import math
-import time
 
 import pytest
 import torch
 import torch.nn.functional as F
+from sleep_layers import SleepBackward
 from torch import nn
 
 from pipeswift_lab.profiling.weight_pass import split_backward_columns
@@ -13,20 +13,6 @@ from pipeswift_lab.profiling.weight_pass import split_backward_columns
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 INPUT_SLEEP_S, WEIGHT_SLEEP_S = 0.02, 0.03
-
-
-class SleepInBackward(torch.autograd.Function):
-    """The identity, whose backward sleeps a known time."""
-
-    @staticmethod
-    def forward(ctx, x, seconds):
-        ctx.seconds = seconds
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        time.sleep(ctx.seconds)
-        return grad, None
 
 
 class SlowLinear(nn.Module):
@@ -39,7 +25,7 @@ class SlowLinear(nn.Module):
 
     def forward(self, x):
         self.calls.append(self.name)
-        return F.linear(SleepInBackward.apply(x, INPUT_SLEEP_S), SleepInBackward.apply(self.weight, WEIGHT_SLEEP_S))
+        return F.linear(SleepBackward.apply(x, INPUT_SLEEP_S), SleepBackward.apply(self.weight, WEIGHT_SLEEP_S))
 
 
 def test_each_pass_is_timed_on_its_own_path():
