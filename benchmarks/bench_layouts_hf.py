@@ -1,0 +1,80 @@
+"""Hugging Face families in PP × FSDP × TP layouts: each trained against one process, with its own tensor-parallel plan.
+
+For each family and each of P2×tp2, P2×fsdp2, P1×tp2×fsdp2 and P2×tp2×fsdp2 (4 or 8 gloo processes), eager (the
+caller's model) and on the meta device from its checkpoint (``weights=``): two SGD steps, then
+
+* ``max_param_diff`` — the largest parameter difference from the same two steps in one process;
+* ``worst_memory_error`` — the largest ``|predicted / measured - 1|`` of the peak over every process;
+* ``worst_process`` — that process's (pp, dp, fsdp, tp), and where its measured peak came (``measured_peak_at``).
+
+The models are the tests' small configurations (``tests/model_zoo.py``, untied), the same the CI subset in
+``tests/runner/test_layouts_hf.py`` runs; this runs the whole matrix.
+
+Run: ``python benchmarks/bench_layouts_hf.py`` (Llama, Qwen3 and Mixtral, about two minutes on 2 cores), or name the
+families: ``python benchmarks/bench_layouts_hf.py Olmo2 Qwen2Moe``.
+"""
+
+from __future__ import annotations
+
+import sys
+import tempfile
+import warnings
+from pathlib import Path
+
+import pandas as pd
+
+import pipeswift_lab as psl
+
+TESTS = Path(__file__).resolve().parent.parent / "tests"
+sys.path[:0] = [str(TESTS), str(TESTS / "runner")]
+
+from model_zoo import build  # the tests' helpers, after the path
+from test_layouts import LAYOUTS, sgd, worst
+from tiny_transformers import M, lm_loss, single_process, tokens
+
+#: The families the issue names by default.
+FAMILIES = ("Llama", "Qwen3", "Mixtral")
+
+
+def one_run(family: str, layout: str, meta: bool) -> dict:
+    """One family in one layout, eager or from its checkpoint on meta: the row of the table."""
+    P, fsdp, tp = LAYOUTS[layout]
+    model = build(family)
+    model.config.tie_word_embeddings = False
+    x, y = tokens()
+    part = psl.partition(psl.profile(model, x[: 8 // (M * fsdp)], layers="auto", progress=False), P=P)
+    kw = dict(fsdp=fsdp, tp=tp, steps=2, optimizer=sgd, progress=False)
+    with tempfile.TemporaryDirectory() as folder:
+        if meta:
+            model.save_pretrained(Path(folder) / "hf")
+            result = psl.run(build(family, "meta"), (x, y), lm_loss, part, M, weights=Path(folder) / "hf", **kw)
+        else:
+            result = psl.run(model, (x, y), lm_loss, part, M, **kw)
+    memory = result.memory
+    at = memory["error"].abs().idxmax()
+    return {
+        "family": family,
+        "layout": layout,
+        "weights": "meta + checkpoint" if meta else "eager",
+        "processes": len(memory),
+        "max_param_diff": worst(result.state_dict(), single_process(model, x, y, 2, optimizer=sgd)),
+        "worst_memory_error": float(memory["error"].abs().max()),
+        "worst_process": tuple(int(memory.loc[at, c]) for c in ("pp", "dp", "fsdp", "tp")),
+        "measured_peak_at": memory.loc[at, "measured_peak_at"],
+    }
+
+
+def main() -> None:
+    warnings.filterwarnings("ignore")
+    families = sys.argv[1:] or FAMILIES
+    rows = [one_run(f, layout, meta) for f in families for layout in LAYOUTS for meta in (False, True)]
+    table = pd.DataFrame(rows)
+    with pd.option_context("display.width", 200, "display.max_rows", None):
+        print(table.to_string(index=False, formatters={"max_param_diff": "{:.1e}".format,
+                                                       "worst_memory_error": "{:.1%}".format}))  # fmt: skip
+    print(f"largest parameter difference {table['max_param_diff'].max():.1e} (bound 1e-5); worst memory error "
+          f"{table['worst_memory_error'].max():.1%} (bound 10%)")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
