@@ -1,8 +1,11 @@
 """The CPU tensor-memory count: storages allocated, views and in-place results, frees, and what existed before."""
 
+import threading
 import warnings
 
+import pytest
 import torch
+import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from pipeswift_lab.core.live_bytes import LiveTensorBytes, live_tensors, memory_meter
@@ -84,3 +87,62 @@ def test_a_fake_tensor_left_by_tracing_is_adopted_as_nothing_without_reading_its
         with LiveTensorBytes() as tracker:
             tracker.adopt([fake, real], "earlier")
     assert tracker.live_bytes == real.untyped_storage().nbytes()
+
+
+@pytest.fixture
+def one_process_group():
+    dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
+    yield
+    dist.destroy_process_group()
+
+
+def _free_on_another_thread(tensors: list[torch.Tensor]) -> None:
+    """Drop the last references to ``tensors`` on a thread of their own, as gloo's worker does a collective's."""
+    thread = threading.Thread(target=tensors.clear)
+    thread.start()
+    thread.join()
+
+
+def test_a_collectives_buffer_another_thread_frees_counts_as_freed_after_this_threads_last_read(one_process_group):
+    tracker = LiveTensorBytes()
+    with tracker:
+        sent = torch.ones(MIB // 4)  # 1 MiB
+        dist.all_reduce(sent)  # a collective reads it: its work may hold it for a while
+        kept = sent * 2  # this thread's last read of it
+        held_elsewhere = [sent]
+        del sent
+        later = torch.ones(MIB // 2)  # 2 MiB, while the other thread still holds the 1 MiB
+        _free_on_another_thread(held_elsewhere)
+        assert tracker.live_bytes == 3 * MIB
+        assert tracker.peak_bytes == 3 * MIB  # kept and later: not the buffer this thread had let go
+        assert tracker.peak_by == {"other": 3 * MIB}
+        del kept, later
+
+
+def test_a_storage_no_collective_read_counts_until_another_thread_frees_it():
+    tracker = LiveTensorBytes()
+    with tracker:
+        handed = torch.ones(MIB // 4)
+        held_elsewhere = [handed]
+        del handed
+        later = torch.ones(MIB // 2)
+        _free_on_another_thread(held_elsewhere)
+        assert tracker.live_bytes == 2 * MIB and tracker.peak_bytes == 3 * MIB
+        del later
+
+
+def test_a_storage_resized_in_place_counts_at_its_new_size_as_fsdp_frees_and_allocates_it():
+    resize = torch.UntypedStorage.resize_
+    tracker = LiveTensorBytes()
+    with tracker:
+        unsharded = torch.ones(MIB // 4)
+        unsharded.untyped_storage().resize_(0)  # FSDP2's free_storage: no operator shows it
+        assert tracker.live_bytes == 0
+        reuses = torch.ones(MIB // 4)  # may take the freed address: counted all the same
+        assert tracker.live_bytes == MIB
+        unsharded.untyped_storage().resize_(2 * MIB)  # alloc_storage
+        assert tracker.live_bytes == 3 * MIB
+        del unsharded, reuses
+        assert tracker.live_bytes == 0
+    assert tracker.peak_bytes == 3 * MIB
+    assert torch.UntypedStorage.resize_ is resize  # put back as the mode ends
