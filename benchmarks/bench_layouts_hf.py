@@ -23,14 +23,12 @@ from pathlib import Path
 
 import pandas as pd
 
-import pipeswift_lab as psl
-
 TESTS = Path(__file__).resolve().parent.parent / "tests"
 sys.path[:0] = [str(TESTS), str(TESTS / "runner")]
 
-from model_zoo import build  # the tests' helpers, after the path
+from hf_layouts import train_in_layout  # the tests' helpers, after the path
 from test_layouts import LAYOUTS, sgd, worst
-from tiny_transformers import M, lm_loss, single_process, tokens
+from tiny_transformers import single_process
 
 #: The families the issue names by default.
 FAMILIES = ("Llama", "Qwen3", "Mixtral")
@@ -38,18 +36,8 @@ FAMILIES = ("Llama", "Qwen3", "Mixtral")
 
 def one_run(family: str, layout: str, meta: bool) -> dict:
     """One family in one layout, eager or from its checkpoint on meta: the row of the table."""
-    P, fsdp, tp = LAYOUTS[layout]
-    model = build(family)
-    model.config.tie_word_embeddings = False
-    x, y = tokens()
-    part = psl.partition(psl.profile(model, x[: 8 // (M * fsdp)], layers="auto", progress=False), P=P)
-    kw = dict(fsdp=fsdp, tp=tp, steps=2, optimizer=sgd, progress=False)
     with tempfile.TemporaryDirectory() as folder:
-        if meta:
-            model.save_pretrained(Path(folder) / "hf")
-            result = psl.run(build(family, "meta"), (x, y), lm_loss, part, M, weights=Path(folder) / "hf", **kw)
-        else:
-            result = psl.run(model, (x, y), lm_loss, part, M, **kw)
+        model, result, x, y = train_in_layout(family, layout, meta, Path(folder))
     memory = result.memory
     at = memory["error"].abs().idxmax()
     return {

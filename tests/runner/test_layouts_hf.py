@@ -3,11 +3,9 @@ process (SGD, 1e-5) with every process's memory predicted within 10%, eager (the
 device from its checkpoint. Llama at P2 x tp2 x fsdp2 is in test_layouts.py."""
 
 import pytest
-from model_zoo import build
+from hf_layouts import train_in_layout
 from test_layouts import LAYOUTS, assert_memory_predicted, sgd, worst
-from tiny_transformers import M, lm_loss, single_process, tokens
-
-import pipeswift_lab as psl
+from tiny_transformers import single_process
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
 
@@ -29,17 +27,7 @@ HF_RUNS = [
 )
 def test_a_hugging_face_family_trains_like_one_process_with_its_own_plan(family, layout, meta, tmp_path):
     P, fsdp, tp = LAYOUTS[layout]
-    model = build(family)
-    model.config.tie_word_embeddings = False
-    x, y = tokens()
-    prof = psl.profile(model, x[: 8 // (M * fsdp)], layers="auto", progress=False)
-    part = psl.partition(prof, P=P)
-    kw = dict(fsdp=fsdp, tp=tp, steps=2, optimizer=sgd, progress=False)
-    if meta:
-        model.save_pretrained(tmp_path / "hf")
-        result = psl.run(build(family, "meta"), (x, y), lm_loss, part, M, weights=tmp_path / "hf", **kw)
-    else:
-        result = psl.run(model, (x, y), lm_loss, part, M, **kw)
+    model, result, x, y = train_in_layout(family, layout, meta, tmp_path)
     assert result.meta["tp_plan"] == (model.tp_plan if tp > 1 else None)
     assert worst(result.state_dict(), single_process(model, x, y, 2, optimizer=sgd)) <= 1e-5
     assert_memory_predicted(result, P, 1, fsdp, tp)
