@@ -103,8 +103,10 @@ class LiveTensorBytes(TorchDispatchMode):
         return super().__enter__()
 
     def __exit__(self, *exc: Any) -> None:
-        super().__exit__(*exc)
-        torch.UntypedStorage.resize_ = self._resize  # type: ignore[method-assign]
+        try:
+            super().__exit__(*exc)
+        finally:
+            torch.UntypedStorage.resize_ = self._resize  # type: ignore[method-assign]
 
     def _track_resizes(self) -> None:
         """See storages resized in place, which no operator shows: FSDP2 frees and allocates its unsharded
