@@ -325,8 +325,8 @@ class LiveTensorBytes(TorchDispatchMode):
         outs = list(_tensors_in(out if isinstance(out, (tuple, list)) else (out,)))
         for t in outs:
             key = self._add(t)
-            if key is not None and func.is_view:  # allocated out of sight: inside a collective (gloo's own buffers)
-                self._last_read[key] = self._ops
+            if key is not None and func.is_view:  # first seen through a view: allocated out of the count's sight,
+                self._last_read[key] = self._ops  # as gloo's emulated reduce-scatter allocates its copy
         self._note_reads(func, args, kwargs, outs)
         if self._unsettled:
             self._settle()
